@@ -1,0 +1,1 @@
+"""kimik3: the Kimi-K3 hybrid model (KDA + MLA, LatentMoE, ViT) and its serving stack in JAX."""

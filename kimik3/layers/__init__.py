@@ -1,0 +1,1 @@
+"""Layers of the hybrid model: each a Flax module over a pure-jnp core."""

@@ -1,0 +1,73 @@
+"""KDA token mixer: projections, short convs, gates, and the gated-norm output.
+
+The recurrence itself lives in `pallas_kernels.kda` and is reached through
+`kimik3.ops.kda`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from kimik3 import ops
+from kimik3.config import ModelConfig
+from kimik3.layers.primitives import fan_in_init, l2_normalize, rms_norm, short_conv
+
+CACHE_KEYS = ("state", "conv_q", "conv_k", "conv_v")
+
+
+def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float):
+    """Bounded ("safe") log-decay: lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), fp32."""
+    f = f_bthk.astype(jnp.float32) + dt_bias_hk.astype(jnp.float32)
+    return lower_bound * jax.nn.sigmoid(jnp.exp(a_log_h.astype(jnp.float32))[:, None] * f)
+
+
+def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> dict:
+    """Recurrent state [B, H, K, V] fp32 and conv states [B, W-1, H*D]."""
+    h, d, w = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    conv = lambda: jnp.zeros((batch, w - 1, h * d), dtype)
+    return {"state": jnp.zeros((batch, h, d, d), jnp.float32), "conv_q": conv(), "conv_k": conv(), "conv_v": conv()}
+
+
+class KDA(nn.Module):
+    """x [B, T, D] (+ cache) -> y [B, T, D] (+ new cache)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, cache=None):
+        cfg = self.cfg
+        d, h, k = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
+        b, t, _ = x_btd.shape
+        p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
+        w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
+        conv = {n: p(f"conv_{n}_wc", (cfg.kda_conv_size, h * k), cfg.kda_conv_size) for n in "qkv"}
+        w_fa, w_fb = p("w_fa_dr", (d, k), d), p("w_fb_rhk", (k, h, k), k)
+        dt_bias = self.param("dt_bias_hk", nn.initializers.zeros, (h, k))
+        a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)),
+                           (h,))
+        w_b = p("w_beta_dh", (d, h), d)
+        w_ga, w_gb = p("w_ga_dr", (d, k), d), p("w_gb_rhv", (k, h, k), k)
+        o_norm = self.param("o_norm_v", nn.initializers.ones, (k,))
+        w_o = p("w_o_hvd", (h, k, d), h * k)
+
+        cache = cache or {}
+        new_cache = {}
+
+        def branch(name, w):
+            y = jnp.einsum("btd,dhk->bthk", x_btd, w).reshape(b, t, h * k)
+            y, new_cache[f"conv_{name}"] = short_conv(y, conv[name], cache.get(f"conv_{name}"))
+            return jax.nn.silu(y).reshape(b, t, h, k)
+
+        q = l2_normalize(branch("q", w_q))
+        kk = l2_normalize(branch("k", w_k))
+        v = branch("v", w_v)
+        f = jnp.einsum("btr,rhk->bthk", x_btd @ w_fa, w_fb)
+        g = kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound)
+        beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
+        o, new_cache["state"] = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"),
+                                        chunk_size=cfg.kda_chunk_size)
+        gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", x_btd @ w_ga, w_gb).astype(jnp.float32))
+        o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
+        return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

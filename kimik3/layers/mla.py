@@ -1,0 +1,101 @@
+"""Multi-head Latent Attention (DeepSeek-V3 shapes, NoPE, sigmoid output gate).
+
+Per token and layer the cache holds one latent row ``c_kv ++ k_pe``
+([kv_lora + rope] values).  Two mathematically equal forms read it:
+
+* naive (prefill): expand c_kv through W_UK / W_UV into per-head keys and
+  values, attend with head dims (nope + rope) / v.
+* absorbed (decode): fold W_UK into the query (``q_latent = q_nope W_UK``) and
+  attend with a single latent KV head (key dim kv_lora + rope, value dim
+  kv_lora); W_UV is applied to the latent output.
+
+NoPE: the rope dims are kept as a separate shared key part but never rotated,
+so positions enter only through causality.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from kimik3.config import ModelConfig
+from kimik3.layers.attention import attend
+from kimik3.layers.primitives import fan_in_init, rms_norm
+
+
+def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
+    """Latent cache [B, max_len, kv_lora + rope]."""
+    return {"latent": jnp.zeros((batch, max_len, cfg.mla_latent_dim), dtype)}
+
+
+def mla_naive(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
+    """Expanded form: q [B, T, H, nope+rope] over latent rows [B, S, kv_lora+rope] -> [B, T, H, v]."""
+    c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
+    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_kb_rhn)
+    v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (q_bthd.shape[2], k_pe.shape[-1]))
+    k = jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1)
+    return attend(q_bthd, k, v, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
+
+
+def mla_absorbed(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
+    """Absorbed form, same contract as `mla_naive`: MQA over the latent, one KV head."""
+    nope = w_kb_rhn.shape[-1]
+    q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
+    q = jnp.concatenate([q_latent, q_bthd[..., nope:].astype(q_latent.dtype)], axis=-1)
+    kv = latent_bsr[:, :, None, :]
+    o_latent = attend(q, kv, kv[..., :kv_lora], scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
+    return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
+
+
+def write_rows(cache_bsr, rows_btr, start_b):
+    """Write rows [B, T, R] into cache [B, S, R] at per-sequence offsets start_b [B]."""
+    write = lambda c, r, s: jax.lax.dynamic_update_slice(c, r.astype(c.dtype), (s, 0))
+    return jax.vmap(write)(cache_bsr, rows_btr, start_b)
+
+
+class MLA(nn.Module):
+    """x [B, T, D], positions [B, T] (+ cache) -> y [B, T, D] (+ new cache).
+
+    With a cache, the new latents are written at ``positions[:, 0]`` and
+    attention reads the whole cache (causality masks unwritten rows).  Spans of
+    at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, positions_bt, cache=None):
+        cfg = self.cfg
+        d, h, r = cfg.d_model, cfg.mla_heads, cfg.kv_lora_rank
+        p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
+        if cfg.q_lora_rank:
+            w_qa = p("w_qa_dq", (d, cfg.q_lora_rank), d)
+            q_norm = self.param("q_norm", nn.initializers.ones, (cfg.q_lora_rank,))
+            w_qb = p("w_qb_qhk", (cfg.q_lora_rank, h, cfg.mla_qk_dim), cfg.q_lora_rank)
+            q = jnp.einsum("btq,qhk->bthk", rms_norm(x_btd @ w_qa, q_norm, cfg.norm_eps), w_qb)
+        else:
+            q = jnp.einsum("btd,dhk->bthk", x_btd, p("w_q_dhk", (d, h, cfg.mla_qk_dim), d))
+        w_kva = p("w_kva_dr", (d, cfg.mla_latent_dim), d)
+        kv_norm = self.param("kv_norm", nn.initializers.ones, (r,))
+        w_kb = p("w_kb_rhn", (r, h, cfg.qk_nope_dim), r)
+        w_vb = p("w_vb_rhv", (r, h, cfg.v_head_dim), r)
+        w_gate = p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
+        w_o = p("w_o_hvd", (h, cfg.v_head_dim, d), h * cfg.v_head_dim)
+
+        kv = x_btd @ w_kva
+        latent_new = jnp.concatenate([rms_norm(kv[..., :r], kv_norm, cfg.norm_eps), kv[..., r:]], axis=-1)
+        t = x_btd.shape[1]
+        if cache is None:
+            latent, k_pos, new_cache, form = latent_new, positions_bt, None, mla_naive
+        else:
+            latent = write_rows(cache["latent"], latent_new, positions_bt[:, 0])
+            new_cache = {"latent": latent}
+            k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2])
+            form = mla_absorbed if t <= cfg.mla_absorb_max_tokens else mla_naive
+        o = form(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
+                 q_pos_bt=positions_bt, k_pos_bs=k_pos)
+        gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x_btd, w_gate).astype(jnp.float32))
+        o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
+        return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -1,0 +1,67 @@
+"""Small pure-jnp pieces shared by every layer: norms, activations, the short conv."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """Unit L2 norm over the last axis (fla's `l2norm`: x / sqrt(sum x^2 + eps))."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def softcap(x, cap: float):
+    return cap * jnp.tanh(x / cap)
+
+
+def situ(x, cap: float):
+    """Sigmoid-Tanh Unit (Kimi-K3): cap * tanh(x / cap) * sigmoid(x)."""
+    return softcap(x, cap) * jax.nn.sigmoid(x)
+
+
+def situ_glu(gate, up, gate_cap: float, up_cap: float):
+    """SiTU-GLU: situ(gate) * softcap(up), in fp32, returned in gate's dtype."""
+    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return (situ(g32, gate_cap) * softcap(u32, up_cap)).astype(gate.dtype)
+
+
+def short_conv(x_btc, w_wc, state_bwc=None):
+    """Depthwise causal conv of width W (fla's ShortConvolution, no bias).
+
+    Args:
+      x_btc: [B, T, C] inputs; w_wc: [W, C] taps, oldest first.
+      state_bwc: [B, W-1, C], the W-1 inputs before x (zeros if None).
+    Returns:
+      y_btc [B, T, C] (before the activation) and the new state [B, W-1, C].
+    """
+    width = w_wc.shape[0]
+    b, t, c = x_btc.shape
+    if state_bwc is None:
+        state_bwc = jnp.zeros((b, width - 1, c), x_btc.dtype)
+    ext = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B, T+W-1, C]
+    y = sum(ext[:, j:j + t].astype(jnp.float32) * w_wc[j].astype(jnp.float32) for j in range(width))
+    return y.astype(x_btc.dtype), ext[:, t:]
+
+
+def fan_in_init(fan_in: int):
+    """Normal(0, 1/sqrt(fan_in)) for einsum-shaped weights."""
+    return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+class RMSNorm(nn.Module):
+    dim: int
+    eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x):
+        return rms_norm(x, self.param("scale", nn.initializers.ones, (self.dim,)), self.eps)

@@ -1,0 +1,288 @@
+"""The hybrid Kimi-K3 model: a Flax module tree over a plain pytree of params.
+
+`forward(params, cfg, tokens, ...)` is pure: caches are explicit pytrees passed
+in and returned (see `init_cache`), so prefill in pieces, decode, and later
+paging all run through the same code.
+
+Cache layout::
+
+    {"lengths": int32 [B]               tokens already in the cache per sequence,
+     "layers":  tuple, one per layer:
+        KDA: {"state": f32 [B, H, K, V], "conv_q"/"conv_k"/"conv_v": [B, W-1, H*D]}
+        MLA: {"latent": [B, max_len, kv_lora + rope]}}
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import flax.linen as nn
+
+from kimik3 import tokenizer
+from kimik3.config import ModelConfig
+from kimik3.layers.kda import KDA, init_kda_cache
+from kimik3.layers.mla import MLA, init_mla_cache
+from kimik3.layers.mlp import MLP
+from kimik3.layers.moe import LatentMoE
+from kimik3.layers.primitives import RMSNorm, fan_in_init
+from kimik3.layers.vit import ViT
+
+Params = Any
+Cache = dict
+
+# Leaves that stay fp32 whatever the serving dtype: the router (its math is
+# fp32 by design) and the KDA gate's parameters (they sit inside an exp).
+FP32_PARAM_PATTERN = re.compile(r"(w_router_de|router_bias_e|a_log_h|dt_bias_hk)$")
+
+
+class Block(nn.Module):
+    """Pre-RMSNorm residual block: token mixer (KDA or MLA), then FFN (dense or MoE)."""
+
+    cfg: ModelConfig
+    layer: int
+    expert_path: str = "grouped"
+
+    @nn.compact
+    def __call__(self, x_btd, positions_bt, cache):
+        cfg = self.cfg
+        h = RMSNorm(cfg.d_model, cfg.norm_eps, name="mixer_norm")(x_btd)
+        if cfg.mixer_kind(self.layer) == "kda":
+            y, cache = KDA(cfg, name="kda")(h, cache)
+        else:
+            y, cache = MLA(cfg, name="mla")(h, positions_bt, cache)
+        x_btd = x_btd + y
+        h = RMSNorm(cfg.d_model, cfg.norm_eps, name="ffn_norm")(x_btd)
+        if cfg.ffn_kind(self.layer) == "dense":
+            y = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, name="mlp")(h)
+        else:
+            y = LatentMoE(cfg, self.expert_path, name="moe")(h)
+        return x_btd + y, cache
+
+
+def splice_image_embeddings(x_btd, tokens_bt, emb_npd):
+    """Replace <|image|> placeholders, in row-major (batch, time) order, by the
+    rows of emb [N, P, D] flattened to [N*P, D]."""
+    flat = emb_npd.reshape(-1, emb_npd.shape[-1]).astype(x_btd.dtype)
+    is_img = (tokens_bt == tokenizer.IMAGE_ID).reshape(-1)
+    idx = jnp.clip(jnp.cumsum(is_img) - 1, 0, flat.shape[0] - 1)
+    x = x_btd.reshape(-1, x_btd.shape[-1])
+    return jnp.where(is_img[:, None], flat[idx], x).reshape(x_btd.shape)
+
+
+class KimiK3(nn.Module):
+    """tokens [B, T], positions [B, T], per-layer caches, images -> logits [B, T, V] fp32."""
+
+    cfg: ModelConfig
+    expert_path: str = "grouped"
+
+    @nn.compact
+    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None):
+        cfg = self.cfg
+        embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
+        x = embed[tokens_bt]
+        if cfg.vit is not None and images_nhwc is not None:
+            emb = ViT(cfg.vit, cfg.d_model, name="vit")(images_nhwc.astype(x.dtype))
+            x = splice_image_embeddings(x, tokens_bt, emb)
+        new_caches = []
+        for i in range(cfg.n_layers):
+            layer_cache = None if layer_caches is None else layer_caches[i]
+            x, c = Block(cfg, i, self.expert_path, name=f"layer_{i}")(x, positions_bt, layer_cache)
+            new_caches.append(c)
+        x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
+        lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
+        logits = jnp.dot(x.astype(jnp.float32), lm_head.astype(jnp.float32))
+        return logits, tuple(new_caches)
+
+
+# ---- params -----------------------------------------------------------------------------------
+
+
+def _example_inputs(cfg: ModelConfig):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    images = None
+    if cfg.vit is not None:
+        images = jnp.zeros((1, cfg.vit.image_size, cfg.vit.image_size, cfg.vit.channels), jnp.float32)
+    return tokens, tokens, None, images
+
+
+def cast_params(params: Params, dtype) -> Params:
+    """Cast floating leaves to `dtype`, keeping FP32_PARAM_PATTERN leaves fp32."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(path, leaf):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if not jnp.issubdtype(leaf.dtype, jnp.floating) or FP32_PARAM_PATTERN.search(name):
+            return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract trees (restore targets)
+            return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
+        return leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _init_params(key, *, cfg: ModelConfig, dtype: str) -> Params:
+    params = KimiK3(cfg).init(key, *_example_inputs(cfg))["params"]
+    return cast_params(params, dtype)
+
+
+def init_params(cfg: ModelConfig, key, dtype=None) -> Params:
+    """Random params (fp32 init, then cast to `dtype`, default cfg.dtype)."""
+    return _init_params(key, cfg=cfg, dtype=jnp.dtype(dtype or cfg.dtype).name)
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_params(cfg: ModelConfig, dtype=None) -> Params:
+    """Shapes and dtypes of the params without allocating them (jax.eval_shape)."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+
+
+# ---- cache --------------------------------------------------------------------------------------
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    if not 0 < max_len <= cfg.max_seq_len:
+        raise ValueError(f"cache max_len {max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    layers = tuple(init_kda_cache(cfg, batch, dtype) if kind == "kda" else init_mla_cache(cfg, batch, max_len, dtype)
+                   for kind in cfg.mixer_kinds)
+    return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+
+def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
+    """Tokens per sequence the cache can hold (MLA latent rows; KDA has no limit)."""
+    for kind, layer in zip(cfg.mixer_kinds, cache["layers"]):
+        if kind == "mla":
+            return layer["latent"].shape[1]
+    return cfg.max_seq_len
+
+
+# ---- forward ------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_path"))
+def _forward(params, tokens, positions, cache, images, *, cfg, expert_path):
+    layer_caches = None if cache is None else cache["layers"]
+    logits, new_layers = KimiK3(cfg, expert_path).apply({"params": params}, tokens, positions, layer_caches, images)
+    if cache is None:
+        return logits, None
+    return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
+
+
+def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None, positions=None):
+    """Check and convert `forward`'s inputs; returns (tokens, positions, images).
+
+    Raises ValueError naming the problem for bad token ids, lengths, images or
+    positions.  Checks that need values run only on concrete (non-traced) inputs.
+    """
+    tokens = _as_tokens(tokens, cfg)
+    b, t = tokens.shape
+    start = jnp.zeros((b,), jnp.int32) if cache is None else cache["lengths"]
+    expected = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    if positions is None:
+        positions = expected
+    else:
+        positions = jnp.asarray(positions, jnp.int32)
+        if positions.shape != (b, t):
+            raise ValueError(f"positions must have shape {(b, t)}; got {positions.shape}")
+        if _concrete(positions) and _concrete(expected) and not np.array_equal(positions, expected):
+            raise ValueError("positions must continue the cache: lengths + arange(T)")
+    if _concrete(start):
+        end = int(np.max(np.asarray(start))) + t
+        limit = cfg.max_seq_len if cache is None else min(cfg.max_seq_len, cache_capacity(cfg, cache))
+        if end > limit:
+            raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens "
+                             f"(max_seq_len={cfg.max_seq_len}"
+                             + ("" if cache is None else f", cache capacity={cache_capacity(cfg, cache)}") + ")")
+    return tokens, positions, _as_images(images, tokens, cfg)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None,
+            positions=None, expert_path: str = "grouped"):
+    """Run the model on new tokens.
+
+    Args:
+      tokens: int [B, T] new token ids.
+      images: [N, S, S, C] float in [0, 1] (or uint8) for the <|image|>
+        placeholders among `tokens`, in row-major order; N * tokens_per_image
+        placeholders are required.
+      cache: from `init_cache` or a previous call; None runs without state
+        (the whole sequence is `tokens`).
+      positions: int [B, T] absolute positions; they must be the cache's next
+        positions (``lengths + arange(T)``), and default to them.
+    Returns:
+      logits float32 [B, T, vocab] and the updated cache (None without one).
+    Raises:
+      ValueError (see `prepare_inputs`), before any launch.
+    """
+    tokens, positions, images = prepare_inputs(cfg, tokens, images=images, cache=cache, positions=positions)
+    return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path)
+
+
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _as_tokens(tokens, cfg: ModelConfig):
+    if not hasattr(tokens, "dtype"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, T]; got shape {tokens.shape}")
+    if tokens.shape[1] == 0:
+        raise ValueError("tokens is empty: at least one token per sequence is needed")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integer ids; got dtype {tokens.dtype}")
+    if _concrete(tokens):
+        arr = np.asarray(tokens)
+        bad = (arr < 0) | (arr >= cfg.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {int(arr[bad][0])} is out of range [0, {cfg.vocab_size})")
+    return jnp.asarray(tokens, jnp.int32)
+
+
+def _as_images(images, tokens, cfg: ModelConfig):
+    n_placeholders = int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID)) if _concrete(tokens) else None
+    if images is None:
+        if n_placeholders:
+            raise ValueError(f"tokens hold {n_placeholders} <|image|> placeholders but no images were given")
+        return None
+    if cfg.vit is None:
+        raise ValueError(f"config {cfg.name!r} has no vision encoder; images are not accepted")
+    v = cfg.vit
+    if not hasattr(images, "dtype"):
+        images = np.asarray(images)
+    want = (v.image_size, v.image_size, v.channels)
+    if images.ndim != 4 or tuple(images.shape[1:]) != want:
+        raise ValueError(f"images must be [N, {want[0]}, {want[1]}, {want[2]}]; got shape {tuple(images.shape)}")
+    if images.dtype == np.uint8:
+        images = jnp.asarray(images, jnp.float32) / 255.0
+    elif not jnp.issubdtype(images.dtype, jnp.floating):
+        raise ValueError(f"images must be float in [0, 1] or uint8; got dtype {images.dtype}")
+    if _concrete(images) and not np.all(np.isfinite(np.asarray(images, np.float32))):
+        raise ValueError("images contain NaN or infinite values")
+    if n_placeholders is not None and n_placeholders != images.shape[0] * v.tokens_per_image:
+        raise ValueError(f"{images.shape[0]} images need {images.shape[0] * v.tokens_per_image} <|image|> "
+                         f"placeholders ({v.tokens_per_image} each); tokens hold {n_placeholders}")
+    return jnp.asarray(images)
+
+
+class Model:
+    """`cfg` bound once: ``Model(cfg).forward(params, tokens, images=, cache=, positions=)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def init(self, key, dtype=None) -> Params:
+        return init_params(self.cfg, key, dtype)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> Cache:
+        return init_cache(self.cfg, batch, max_len, dtype)
+
+    def forward(self, params, tokens, *, images=None, cache=None, positions=None):
+        return forward(params, self.cfg, tokens, images=images, cache=cache, positions=positions)

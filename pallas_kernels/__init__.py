@@ -1,0 +1,1 @@
+"""Pallas kernels and their pure-jnp references (KDA, MLA)."""

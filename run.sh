@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# kimik3's two commands, on a fresh machine:
+#   ./run.sh demo [args]   the main job (today: `kimik3 generate` on the tiny model)
+#   ./run.sh test [args]   the test suite (CPU)
+# Both create .venv with Python >= 3.12 and install the project on first use.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+  local cands=()
+  [ -n "${PYTHON:-}" ] && cands+=("$PYTHON")
+  if command -v pyenv >/dev/null 2>&1; then
+    local root; root=$(pyenv root)
+    cands+=("$root"/versions/3.1[2-9]*/bin/python3.1[2-9])
+  fi
+  cands+=(python3.13 python3.12 python3)
+  for c in "${cands[@]}"; do
+    if "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then
+      echo "$c"; return 0
+    fi
+  done
+  echo "run.sh: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2
+  return 1
+}
+
+ensure_venv() {
+  local stamp=.venv/.installed
+  if [ ! -x .venv/bin/python ]; then
+    "$(find_python)" -m venv .venv
+  fi
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e ".[dev]"
+    touch "$stamp"
+  fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)
+    ensure_venv
+    exec .venv/bin/kimik3 generate --config tiny "$@"
+    ;;
+  test)
+    ensure_venv
+    exec .venv/bin/python -m pytest -n 2 --durations=15 "$@"
+    ;;
+  *)
+    echo "usage: ./run.sh demo|test [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,1 @@
+"""Meshes, logical-axis sharding rules, and the sharded prefill/decode layers (issue 8)."""

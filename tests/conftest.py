@@ -1,0 +1,31 @@
+"""Shared fixtures: the tiny config and its fp32 params, built once per session."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+import pytest
+
+from kimik3 import config, model
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return config.tiny()
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+    params = model.init_params(tiny_cfg, jax.random.PRNGKey(0), "float32")
+    # A non-zero selection bias, so tests see it steer selection and not weights.
+    for i in range(1, tiny_cfg.n_layers):
+        bias = jax.random.normal(jax.random.PRNGKey(100 + i), (tiny_cfg.n_routed_experts,)) * 0.1
+        params[f"layer_{i}"]["moe"]["router_bias_e"] = bias
+    return params
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

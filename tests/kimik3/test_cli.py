@@ -1,0 +1,31 @@
+"""The command line: `kimik3 generate` and `kimik3 info` work as the README says."""
+
+import subprocess
+import sys
+
+from kimik3 import cli
+
+
+def test_generate_prints_tokens_and_text(capsys):
+    assert cli.main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "5",
+                     "--random-images", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens: [" in out and "text: " in out and "config=tiny" in out
+
+
+def test_info_reports_kimi_k3_size(capsys):
+    assert cli.main(["info", "--config", "kimi_k3"]) == 0
+    out = capsys.readouterr().out
+    assert "params        2," in out and "kimi_k3_mxfp4" in out
+
+
+def test_bad_arguments_give_an_error_not_a_traceback(capsys):
+    assert cli.main(["generate", "--config", "huge"]) == 2
+    assert "unknown config" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "kimik3.cli", "info", "--config", "tiny"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "layers        4 (3 KDA, 1 MLA)" in out.stdout

@@ -1,0 +1,106 @@
+"""The model: the cache makes pieces equal one shot; bad input is refused clearly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3 import model, tokenizer
+
+# fp32 through 4 layers: different span lengths sum in different orders.
+LOGIT_ATOL = 2e-4
+
+
+def _prompt(rng, n, cfg):
+    return rng.integers(0, tokenizer.N_BYTES, size=(1, n)).astype(np.int32)  # text, no placeholders
+
+
+def test_prompt_in_pieces_through_the_cache_equals_one_shot(rng, tiny_cfg, tiny_params):
+    toks = _prompt(rng, 150, tiny_cfg)
+    full, _ = model.forward(tiny_params, tiny_cfg, toks)
+    cache = model.init_cache(tiny_cfg, 1, 160, jnp.float32)
+    pieces = []
+    for lo, hi in [(0, 70), (70, 71), (71, 74), (74, 150)]:  # chunked, decode, absorbed, long naive
+        logits, cache = model.forward(tiny_params, tiny_cfg, toks[:, lo:hi], cache=cache)
+        pieces.append(logits)
+    pieces = jnp.concatenate(pieces, 1)
+    np.testing.assert_allclose(pieces, full, atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_array_equal(pieces.argmax(-1), full.argmax(-1))
+    assert int(cache["lengths"][0]) == 150
+
+
+def test_batched_cache_equals_each_sequence_alone(rng, tiny_cfg, tiny_params):
+    toks = rng.integers(0, 256, size=(2, 20)).astype(np.int32)
+    cache = model.init_cache(tiny_cfg, 2, 32, jnp.float32)
+    batched, cache = model.forward(tiny_params, tiny_cfg, toks, cache=cache)
+    step, _ = model.forward(tiny_params, tiny_cfg, toks[:, :1], cache=cache)
+    for b in range(2):
+        alone, c = model.forward(tiny_params, tiny_cfg, toks[b:b + 1], cache=model.init_cache(tiny_cfg, 1, 32, jnp.float32))
+        np.testing.assert_allclose(batched[b], alone[0], atol=LOGIT_ATOL, rtol=0)
+        alone_step, _ = model.forward(tiny_params, tiny_cfg, toks[b:b + 1, :1], cache=c)
+        np.testing.assert_allclose(step[b], alone_step[0], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_image_changes_only_what_follows_it(rng, tiny_cfg, tiny_params):
+    tpi = tiny_cfg.vit.tokens_per_image
+    toks = np.array([[tokenizer.BOS_ID, 5, 6] + tokenizer.image_tokens(tpi) + [7, 8]], np.int32)
+    img_a = rng.random((1, 16, 16, 3)).astype(np.float32)
+    img_b = rng.random((1, 16, 16, 3)).astype(np.float32)
+    la, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_a)
+    lb, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_b)
+    first_image_pos = 4
+    np.testing.assert_array_equal(la[:, :first_image_pos], lb[:, :first_image_pos])
+    assert not np.allclose(la[:, -1], lb[:, -1])
+    # uint8 images mean the same as floats / 255
+    img_u8 = (img_a * 255).astype(np.uint8)
+    lu, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_u8)
+    lf, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_u8.astype(np.float32) / 255)
+    np.testing.assert_allclose(lu, lf, atol=LOGIT_ATOL, rtol=0)
+
+
+class TestBadInput:
+    def test_token_ids_out_of_range(self, tiny_cfg, tiny_params):
+        with pytest.raises(ValueError, match="out of range"):
+            model.forward(tiny_params, tiny_cfg, np.array([[1, tiny_cfg.vocab_size]]))
+        with pytest.raises(ValueError, match="out of range"):
+            model.forward(tiny_params, tiny_cfg, np.array([[-1, 2]]))
+
+    def test_tokens_of_wrong_rank_dtype_or_empty(self, tiny_cfg, tiny_params):
+        with pytest.raises(ValueError, match=r"\[B, T\]"):
+            model.forward(tiny_params, tiny_cfg, np.array([1, 2]))
+        with pytest.raises(ValueError, match="integer"):
+            model.forward(tiny_params, tiny_cfg, np.array([[1.0, 2.0]]))
+        with pytest.raises(ValueError, match="empty"):
+            model.forward(tiny_params, tiny_cfg, np.zeros((1, 0), np.int32))
+
+    def test_prompt_longer_than_the_context(self, tiny_cfg, tiny_params):
+        with pytest.raises(ValueError, match="context limit"):
+            model.forward(tiny_params, tiny_cfg, np.zeros((1, tiny_cfg.max_seq_len + 1), np.int32))
+        cache = model.init_cache(tiny_cfg, 1, 8, jnp.float32)
+        with pytest.raises(ValueError, match="cache capacity=8"):
+            model.forward(tiny_params, tiny_cfg, np.zeros((1, 9), np.int32), cache=cache)
+
+    def test_positions_that_do_not_continue_the_cache(self, tiny_cfg, tiny_params):
+        with pytest.raises(ValueError, match="positions"):
+            model.forward(tiny_params, tiny_cfg, np.zeros((1, 3), np.int32), positions=np.array([[1, 2, 3]]))
+
+    @pytest.mark.parametrize("shape, dtype, message", [
+        ((1, 15, 16, 3), np.float32, "images must be"),
+        ((1, 16, 16, 4), np.float32, "images must be"),
+        ((16, 16, 3), np.float32, "images must be"),
+        ((1, 16, 16, 3), np.int32, "dtype"),
+    ])
+    def test_image_of_wrong_shape_or_dtype(self, tiny_cfg, tiny_params, shape, dtype, message):
+        toks = np.array([tokenizer.image_tokens(tiny_cfg.vit.tokens_per_image)], np.int32)
+        with pytest.raises(ValueError, match=message):
+            model.forward(tiny_params, tiny_cfg, toks, images=np.zeros(shape, dtype))
+
+    def test_broken_image_and_placeholder_mismatch(self, tiny_cfg, tiny_params):
+        toks = np.array([tokenizer.image_tokens(tiny_cfg.vit.tokens_per_image)], np.int32)
+        bad = np.full((1, 16, 16, 3), np.nan, np.float32)
+        with pytest.raises(ValueError, match="NaN"):
+            model.forward(tiny_params, tiny_cfg, toks, images=bad)
+        with pytest.raises(ValueError, match="placeholders"):
+            model.forward(tiny_params, tiny_cfg, toks, images=np.zeros((2, 16, 16, 3), np.float32))
+        with pytest.raises(ValueError, match="no images"):
+            model.forward(tiny_params, tiny_cfg, toks)
