@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimik3 import tokenizer
+from kimik3 import ops, tokenizer
 from kimik3.config import ModelConfig
 from kimik3.model import _forward, cast_params, forward, init_cache, prepare_inputs
 
@@ -37,26 +37,27 @@ class GenerateResult:
 def _oracle_step(params, buf, images, cur, *, cfg):
     """Full recompute of `buf` [1, L]; returns logits at position cur - 1."""
     positions = jnp.arange(buf.shape[1], dtype=jnp.int32)[None]
-    logits, _ = _forward(params, buf, positions, None, images, cfg=cfg, expert_path="grouped")
+    logits, _ = _forward(params, buf, positions, None, images, cfg=cfg, expert_path="grouped", kernels="reference")
     return jax.lax.dynamic_index_in_dim(logits[0], cur - 1, keepdims=False)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(2,))
-def _decode_step(params, token, cache, *, cfg):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnums=(2,))
+def _decode_step(params, token, cache, *, cfg, kernels):
     positions = cache["lengths"][:, None]
-    logits, cache = _forward(params, token, positions, cache, None, cfg=cfg, expert_path="grouped")
+    logits, cache = _forward(params, token, positions, cache, None, cfg=cfg, expert_path="grouped", kernels=kernels)
     return logits[:, -1], cache
 
 
 def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, images=None,
-             use_cache: bool = False, *, stop_at_eos: bool = False) -> GenerateResult:
+             use_cache: bool = False, *, stop_at_eos: bool = False, kernels: str = "auto") -> GenerateResult:
     """Greedy decoding of one prompt.
 
     Args:
       prompt_tokens: 1-D sequence of ids (may contain <|image|> placeholders).
       max_new_tokens: tokens to generate (fewer if `stop_at_eos` meets EOS).
       images: [N, S, S, C] for the placeholders, or None.
-      use_cache: False = the oracle (fp32, full recompute every step).
+      use_cache: False = the oracle (fp32, full recompute every step, reference kernels).
+      kernels: for the cached path, "auto" | "reference" | "pallas" (see `kimik3.ops`).
     Returns:
       GenerateResult(tokens [n], logits [n, vocab]).
     """
@@ -87,7 +88,8 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
                 break
     else:
         cache = init_cache(cfg, 1, total, dtype=_param_dtype(params))
-        logits, cache = forward(params, cfg, prompt[None], images=images, cache=cache)
+        kernels = ops.resolve(kernels)
+        logits, cache = forward(params, cfg, prompt[None], images=images, cache=cache, kernels=kernels)
         last = np.asarray(logits[0, -1], np.float32)
         for i in range(max_new_tokens):
             tok = int(np.argmax(last))
@@ -95,7 +97,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
             out_logits.append(last)
             if (stop_at_eos and tok == tokenizer.EOS_ID) or i == max_new_tokens - 1:
                 break
-            logits, cache = _decode_step(params, jnp.asarray([[tok]], jnp.int32), cache, cfg=cfg)
+            logits, cache = _decode_step(params, jnp.asarray([[tok]], jnp.int32), cache, cfg=cfg, kernels=kernels)
             last = np.asarray(logits[0], np.float32)
     log.debug("generated %d tokens (use_cache=%s)", len(out_tokens), use_cache)
     return GenerateResult(np.asarray(out_tokens, np.int32), np.stack(out_logits).astype(np.float32))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
-from kimik3 import tokenizer
+from kimik3 import ops, tokenizer
 from kimik3.config import ModelConfig
 from kimik3.layers.kda import KDA, init_kda_cache
 from kimik3.layers.mla import MLA, init_mla_cache
@@ -46,13 +46,14 @@ class Block(nn.Module):
     cfg: ModelConfig
     layer: int
     expert_path: str = "grouped"
+    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, x_btd, positions_bt, cache):
         cfg = self.cfg
         h = RMSNorm(cfg.d_model, cfg.norm_eps, name="mixer_norm")(x_btd)
         if cfg.mixer_kind(self.layer) == "kda":
-            y, cache = KDA(cfg, name="kda")(h, cache)
+            y, cache = KDA(cfg, self.kernels, name="kda")(h, cache)
         else:
             y, cache = MLA(cfg, name="mla")(h, positions_bt, cache)
         x_btd = x_btd + y
@@ -79,6 +80,7 @@ class KimiK3(nn.Module):
 
     cfg: ModelConfig
     expert_path: str = "grouped"
+    kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
     def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None):
@@ -91,7 +93,7 @@ class KimiK3(nn.Module):
         new_caches = []
         for i in range(cfg.n_layers):
             layer_cache = None if layer_caches is None else layer_caches[i]
-            x, c = Block(cfg, i, self.expert_path, name=f"layer_{i}")(x, positions_bt, layer_cache)
+            x, c = Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}")(x, positions_bt, layer_cache)
             new_caches.append(c)
         x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
@@ -166,10 +168,11 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "expert_path"))
-def _forward(params, tokens, positions, cache, images, *, cfg, expert_path):
+@functools.partial(jax.jit, static_argnames=("cfg", "expert_path", "kernels"))
+def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto"):
     layer_caches = None if cache is None else cache["layers"]
-    logits, new_layers = KimiK3(cfg, expert_path).apply({"params": params}, tokens, positions, layer_caches, images)
+    logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
+        {"params": params}, tokens, positions, layer_caches, images)
     if cache is None:
         return logits, None
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
@@ -204,7 +207,7 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None,
-            positions=None, expert_path: str = "grouped"):
+            positions=None, expert_path: str = "grouped", kernels: str = "auto"):
     """Run the model on new tokens.
 
     Args:
@@ -216,13 +219,15 @@ def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cac
         (the whole sequence is `tokens`).
       positions: int [B, T] absolute positions; they must be the cache's next
         positions (``lengths + arange(T)``), and default to them.
+      kernels: "auto" | "reference" | "pallas" (see `kimik3.ops`).
     Returns:
       logits float32 [B, T, vocab] and the updated cache (None without one).
     Raises:
       ValueError (see `prepare_inputs`), before any launch.
     """
     tokens, positions, images = prepare_inputs(cfg, tokens, images=images, cache=cache, positions=positions)
-    return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path)
+    return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
+                    kernels=ops.resolve(kernels))
 
 
 def _concrete(x) -> bool:

@@ -170,3 +170,472 @@ def kda_chunked_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_s
     o = jnp.moveaxis(o_nbhcv, 0, 1)  # [B, N, H, C, V]
     o = jnp.swapaxes(o, 2, 3).reshape(b, -1, h, v.shape[-1])[:, :t]
     return o.astype(v.dtype), s_final
+
+
+# =================================================================================================
+# Pallas kernels (Triton backend on GPU; interpret mode on CPU)
+# =================================================================================================
+#
+# chunk_kda runs two kernels:
+#
+# 1. `_chunk_prepare_kernel`, grid (chunks, heads), fully parallel: everything in
+#    `kda_chunk_prepare` for one chunk, computed in 16-token sub-blocks so no
+#    exponent is ever large: for row block i with reference R_i = G just before
+#    the block, exp(G_t - G_s) = exp(G_t - R_i) * exp(R_i - G_s); both factors
+#    are <= 1 off the diagonal block and <= exp(16 * 5) on it (fits fp32).
+#    (I + A)^-1 is applied by block forward substitution with 16x16 diagonal
+#    inverses from the product formula (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8).
+# 2. `_chunk_state_kernel`, grid (sequences, heads, V blocks): the sequential pass
+#    over a sequence's chunks carrying the fp32 state.  It writes the outputs
+#    and, when a chunk ends at a requested position, the state: checkpoint
+#    export costs one extra store of the state in the same pass.
+#
+# Every sequence starts at a chunk boundary (varlen batches are laid out padded
+# to multiples of the chunk), so chunks never straddle sequences.
+
+import functools as _functools
+
+import numpy as _np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+CHUNK = 64
+SUB = 16
+
+
+def _default_interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+_GPU_DOT_ALGORITHMS = {
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # ~fp32 accuracy on tensor cores
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "ieee": HIGHEST,  # exact fp32 on CUDA cores
+}
+
+
+def _precise_dot(interpret: bool, algorithm: str = "tf32x3"):
+    """fp32-accurate dot: exact fp32 in interpret mode, `algorithm` on the GPU."""
+    precision = HIGHEST if interpret else _GPU_DOT_ALGORITHMS[algorithm]
+
+    def dot(a, b):
+        return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+    return dot
+
+
+def _fast_dot(low_precision: bool, interpret: bool):
+    """Dot for the state pass: bf16 operands (fp32 accumulate) for bf16 inputs, else fp32."""
+    if not low_precision:
+        return _precise_dot(interpret)
+
+    def dot(a, b):
+        return jnp.dot(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+    return dot
+
+
+def _unit_lower_inverse(a, dot, n: int):
+    """(I + a)^-1 for strictly lower-triangular a [n, n] (n a power of two)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    eye = jnp.where(r == c, 1.0, 0.0).astype(jnp.float32)
+    power = -a
+    inv = eye + power
+    span = 2
+    while span < n:
+        power = dot(power, power)
+        inv = dot(inv, eye + power)
+        span *= 2
+    return inv
+
+
+def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
+                          w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref, *, interpret, algorithm):
+    """One (chunk, head): refs are [C, K] / [C, V] / [C] in, intermediates out.
+
+    Works in 16-token sub-blocks: A's blocks (i, j <= i) are dots of row block i
+    decayed relative to R_i with column block j decayed from R_i, and
+    (I + A)^-1 is applied by block forward substitution whose 16 x 16 diagonal
+    inverses come from the product formula.
+    """
+    f32 = jnp.float32
+    dot = _precise_dot(interpret, algorithm)
+    n_sub = CHUNK // SUB
+    rows = lambda ref, i: ref[pl.ds(i * SUB, SUB), :].astype(f32)
+    q = [rows(q_ref, i) for i in range(n_sub)]
+    k = [rows(k_ref, i) for i in range(n_sub)]
+    v = [rows(v_ref, i) for i in range(n_sub)]
+    g = [rows(g_ref, i) for i in range(n_sub)]
+    beta = [beta_ref[pl.ds(i * SUB, SUB)].astype(f32) for i in range(n_sub)]
+    base = [jnp.zeros(g[0].shape[1:], f32)]  # R_i = G just before sub-block i, [K]
+    for i in range(n_sub):
+        base.append(base[-1] + jnp.sum(g[i], axis=0))
+    gcum = [jnp.cumsum(g[i], axis=0) + base[i][None, :] for i in range(n_sub)]
+    g_end = base[n_sub]
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+    a_kk, a_qk = {}, {}
+    for i in range(n_sub):
+        row_decay = jnp.exp(gcum[i] - base[i][None, :])  # <= 1
+        kd, qd = k[i] * row_decay, q[i] * row_decay
+        for j in range(i + 1):
+            kr = k[j] * jnp.exp(base[i][None, :] - gcum[j])  # <= 1 for j < i, <= exp(SUB * 5) for j == i
+            akk, aqk = dot(kd, kr.T), dot(qd, kr.T)
+            if j == i:
+                akk = jnp.where(c < r, akk, 0.0)
+                aqk = jnp.where(c <= r, aqk, 0.0)
+            a_kk[i, j] = akk * beta[i][:, None]
+            a_qk[i, j] = aqk
+
+    # W = (I + A)^-1 (beta exp(G) k), U = (I + A)^-1 (beta v), by block forward substitution.
+    w_blocks, u_blocks = [], []
+    for i in range(n_sub):
+        rhs_w = beta[i][:, None] * jnp.exp(gcum[i]) * k[i]
+        rhs_u = beta[i][:, None] * v[i]
+        for j in range(i):
+            rhs_w = rhs_w - dot(a_kk[i, j], w_blocks[j])
+            rhs_u = rhs_u - dot(a_kk[i, j], u_blocks[j])
+        inv = _unit_lower_inverse(a_kk[i, i], dot, SUB)
+        w_blocks.append(dot(inv, rhs_w))
+        u_blocks.append(dot(inv, rhs_u))
+
+    for i in range(n_sub):
+        sl = pl.ds(i * SUB, SUB)
+        w_ref[sl, :] = w_blocks[i].astype(w_ref.dtype)
+        u_ref[sl, :] = u_blocks[i].astype(u_ref.dtype)
+        qd_ref[sl, :] = (q[i] * jnp.exp(gcum[i])).astype(qd_ref.dtype)
+        ke_ref[sl, :] = (k[i] * jnp.exp(g_end[None, :] - gcum[i])).astype(ke_ref.dtype)
+        for j in range(n_sub):
+            tile = a_qk[i, j] if j <= i else jnp.zeros((SUB, SUB), f32)
+            aqk_ref[sl, pl.ds(j * SUB, SUB)] = tile.astype(aqk_ref.dtype)
+    de_ref[...] = jnp.exp(g_end)
+
+
+def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
+                        o_ref, ht_ref, ckpt_ref, *, block_v, scale, low_precision, interpret):
+    """One (sequence, head, V block): the sequential pass over the sequence's chunks."""
+    dot = _fast_dot(low_precision, interpret)
+    seq, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    c0, c1 = chunk_start_ref[seq], chunk_start_ref[seq + 1]
+
+    def body(n, s):
+        v_new = u_ref[n, h, :, vs].astype(jnp.float32) - dot(w_ref[n, h], s)
+        o = scale * (dot(qd_ref[n, h], s) + dot(aqk_ref[n, h], v_new))
+        o_ref[n, :, h, vs] = o.astype(o_ref.dtype)
+        s = de_ref[n, h][:, None] * s + dot(ke_ref[n, h].T, v_new)
+        slot = ckpt_slot_ref[n]
+
+        @pl.when(slot >= 0)
+        def _export():
+            ckpt_ref[slot, h, :, vs] = s
+
+        return s
+
+    s = jax.lax.fori_loop(c0, c1, body, h0_ref[seq, h, :, vs].astype(jnp.float32))
+    ht_ref[seq, h, :, vs] = s
+
+
+# (num_warps, num_stages) of the prepare and state kernels, and the prepare
+# kernel's dot algorithm; tuned on H200 (benchmarks/kda_tune.py).
+TUNING = {"prepare": (4, 1), "state": (4, 2), "prepare_dot": "tf32x3"}
+
+
+def _params(name, tuning):
+    warps, stages = dict(TUNING, **dict(tuning or ()))[name]
+    return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
+    """[T, H, D] inputs (T a multiple of CHUNK) -> per-chunk intermediates [NT, H, ...]."""
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    nt = t // CHUNK
+    inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    blk = lambda d: pl.BlockSpec((CHUNK, None, d), lambda n, hh: (n, hh, 0))
+    out_blk = lambda *shape: pl.BlockSpec((None, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
+    sds = jax.ShapeDtypeStruct
+    algorithm = dict(TUNING, **dict(tuning or ()))["prepare_dot"]
+    return pl.pallas_call(
+        _functools.partial(_chunk_prepare_kernel, interpret=interpret, algorithm=algorithm),
+        grid=(nt, h),
+        in_specs=[blk(dk), blk(dk), blk(dv), blk(dk), pl.BlockSpec((CHUNK, None), lambda n, hh: (n, hh))],
+        out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dv), out_blk(CHUNK, dk), out_blk(CHUNK, dk),
+                   out_blk(CHUNK, CHUNK), out_blk(dk)],
+        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter), sds((nt, h, CHUNK, dk), inter),
+                   sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter), sds((nt, h, dk), jnp.float32)],
+        interpret=interpret,
+        compiler_params=_params("prepare", tuning),
+        name="kda_chunk_prepare",
+    )(q, k, v, g, beta)
+
+
+def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret,
+                      tuning=None):
+    """The sequential pass.  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints [max(n_ckpt, 1), H, K, V]."""
+    w, u, qd, ke, aqk, de = prep
+    nt, h, _, dk = w.shape
+    dv = u.shape[-1]
+    n_seq = h0.shape[0]
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        _functools.partial(_chunk_state_kernel, block_v=block_v, scale=scale,
+                           low_precision=bool(w.dtype != jnp.float32), interpret=interpret),
+        grid=(n_seq, h, dv // block_v),
+        out_shape=[sds((nt, CHUNK, h, dv), out_dtype), sds((n_seq, h, dk, dv), jnp.float32),
+                   sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
+        interpret=interpret,
+        compiler_params=_params("state", tuning),
+        name="kda_chunk_state",
+    )(chunk_start, ckpt_slot, h0, w, u, qd, ke, aqk, de)
+
+
+@_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning"))
+def _chunk_kda_core(q, k, v, g, beta, h0, chunk_start, ckpt_slot, *, n_ckpt, scale, block_v, interpret,
+                    tuning=None):
+    """q/k/g [1, T, H, K], v [1, T, H, V], beta [1, T, H] with T a multiple of CHUNK and
+    sequences starting at chunk boundaries.  Returns o [1, T, H, V], ht [N, H, K, V],
+    checkpoints [max(n_ckpt, 1), H, K, V]."""
+    _, t, h, _ = q.shape
+    prep = _chunk_prepare_call(q[0], k[0], v[0], g[0], beta[0], interpret=interpret, tuning=tuning)
+    o, ht, ckpt = _chunk_state_call(prep, h0, chunk_start, ckpt_slot, out_dtype=v.dtype, n_ckpt=n_ckpt,
+                                    scale=scale, block_v=block_v, interpret=interpret, tuning=tuning)
+    return o.reshape(1, t, h, v.shape[-1]), ht, ckpt
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _plan_layout(seq_lens, checkpoint_positions):
+    """Host-side plan: where each sequence's chunks start in the padded layout,
+    and which chunk ends export to which checkpoint slot."""
+    seq_lens = [int(x) for x in seq_lens]
+    n_chunks = [-(-n // CHUNK) for n in seq_lens]
+    chunk_start = _np.concatenate([[0], _np.cumsum(n_chunks)]).astype(_np.int32)
+    ckpt_slot = _np.full(max(int(chunk_start[-1]), 1), -1, _np.int32)
+    slot = 0
+    for i, positions in enumerate(checkpoint_positions):
+        for p in positions:
+            p = int(p)
+            if p <= 0 or p % CHUNK:
+                raise ValueError(f"checkpoint position {p} must be a positive multiple of {CHUNK}")
+            if p > seq_lens[i]:
+                raise ValueError(f"checkpoint position {p} is beyond sequence {i}'s {seq_lens[i]} tokens")
+            ckpt_slot[chunk_start[i] + p // CHUNK - 1] = slot
+            slot += 1
+    return chunk_start, ckpt_slot, slot
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              checkpoint_positions=None, cu_seqlens=None, interpret=None, block_v=None, tuning=None):
+    """Chunked KDA prefill (Pallas) exporting states at `checkpoint_positions` in the same pass.
+
+    Args:
+      q, k: [B, T, H, K] (L2-normalized), v: [B, T, H, V], g: [B, T, H, K] log
+        decay (fp32 recommended), beta: [B, T, H]; bf16 or fp32.  K and V must
+        be powers of two >= 16.
+      scale: default K ** -0.5.
+      initial_state: [N, H, K, V] float32 (N = B, or the number of sequences
+        with `cu_seqlens`), or None for zeros.
+      output_final_state: return the state after each sequence.
+      checkpoint_positions: token counts (positive multiples of 64, at most the
+        sequence length) after which to export the state.  Without
+        `cu_seqlens`: one list for every sequence; with it: one list per sequence.
+      cu_seqlens: int [N + 1] cumulative lengths of N sequences packed into
+        T with B == 1 (concrete values: the layout is planned on the host).
+    Returns:
+      (o [B, T, H, V] in v's dtype,
+       final_state [N, H, K, V] fp32 or None,
+       checkpoints fp32 or None: [B, P, H, K, V] without `cu_seqlens`,
+         [sum P_i, H, K, V] in sequence order with it).
+    """
+    _check_shapes(q, k, v, g, beta, None)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    if not (_is_pow2(dk) and _is_pow2(dv) and dk >= 16 and dv >= 16):
+        raise ValueError(f"head dims must be powers of two >= 16; got K={dk}, V={dv}")
+    if cu_seqlens is None:
+        seq_lens = [t] * b
+        per_seq_positions = [list(checkpoint_positions or [])] * b
+    else:
+        if b != 1:
+            raise ValueError(f"with cu_seqlens the batch dim must be 1 (sequences packed in T); got B={b}")
+        cu = _np.asarray(cu_seqlens).astype(_np.int64)
+        if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or _np.any(_np.diff(cu) <= 0):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
+        seq_lens = _np.diff(cu).tolist()
+        if checkpoint_positions is None:
+            per_seq_positions = [[] for _ in seq_lens]
+        else:
+            per_seq_positions = [list(p) for p in checkpoint_positions]
+            if len(per_seq_positions) != len(seq_lens):
+                raise ValueError(f"with cu_seqlens give one list of checkpoint positions per sequence "
+                                 f"({len(seq_lens)}); got {len(per_seq_positions)}")
+    n_seq = len(seq_lens)
+    if initial_state is None:
+        initial_state = jnp.zeros((n_seq, h, dk, dv), jnp.float32)
+    elif initial_state.shape != (n_seq, h, dk, dv) or initial_state.dtype != jnp.float32:
+        raise ValueError(f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
+                         f"got {initial_state.dtype} {tuple(initial_state.shape)}")
+    chunk_start, ckpt_slot, n_ckpt = _plan_layout(seq_lens, per_seq_positions)
+    interpret = _default_interpret() if interpret is None else interpret
+    block_v = block_v or min(dv, 64)
+    scale = float(dk ** -0.5 if scale is None else scale)
+
+    # Pad every sequence to whole chunks (zero k/v/g/beta leave the state unchanged).
+    padded_len = int(chunk_start[-1]) * CHUNK
+    if cu_seqlens is None and t % CHUNK == 0:
+        flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
+        unflat = lambda o: o.reshape(b, t, h, dv)
+    else:
+        starts = _np.concatenate([[0], _np.cumsum(seq_lens)])
+        src = _np.full(padded_len, -1, _np.int64)
+        for i, n in enumerate(seq_lens):
+            src[chunk_start[i] * CHUNK: chunk_start[i] * CHUNK + n] = starts[i] + _np.arange(n)
+        valid = jnp.asarray(src >= 0)
+        gather_idx = jnp.asarray(_np.maximum(src, 0))
+        dst = jnp.asarray(_np.flatnonzero(src >= 0))
+
+        def flat(x):
+            x = x.reshape((b * t,) + x.shape[2:])[gather_idx]
+            return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)[None]
+
+        unflat = lambda o: o[0][dst].reshape(b, t, h, dv)
+
+    o, ht, ckpt = _chunk_kda_core(flat(q), flat(k), flat(v), flat(g.astype(jnp.float32)), flat(beta),
+                                  initial_state, jnp.asarray(chunk_start), jnp.asarray(ckpt_slot),
+                                  n_ckpt=n_ckpt, scale=scale, block_v=block_v, interpret=interpret,
+                                  tuning=tuple(sorted((tuning or {}).items())) or None)
+    o = unflat(o)
+    checkpoints = None
+    if checkpoint_positions is not None:
+        checkpoints = ckpt[:n_ckpt]
+        if cu_seqlens is None:
+            checkpoints = checkpoints.reshape(b, -1, h, dk, dv)
+    return o, (ht if output_final_state else None), checkpoints
+
+
+def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
+                      o_ref, pool_out_ref, *, n_tokens, block_v, scale):
+    """One (sequence, head, V block): T tokens of the recurrence on the pooled state.
+    pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched."""
+    f32 = jnp.float32
+    b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vs = pl.ds(vb * block_v, block_v)
+    slot, n_acc = slots_ref[b], n_acc_ref[b]
+    s = pool_in_ref[slot, h, :, vs]  # [K, BV] fp32
+    kept = s
+    for t in range(n_tokens):  # T is small (decode / speculative verify): unrolled
+        k_t = k_ref[b, t, h, :].astype(f32)
+        s = s * jnp.exp(g_ref[b, t, h, :].astype(f32))[:, None]
+        pred = jnp.sum(k_t[:, None] * s, axis=0)
+        s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_ref[b, t, h, vs].astype(f32) - pred)[None, :]
+        o_ref[b, t, h, vs] = (scale * jnp.sum(q_ref[b, t, h, :].astype(f32)[:, None] * s, axis=0)).astype(o_ref.dtype)
+        kept = jnp.where(t < n_acc, s, kept)
+    pool_out_ref[slot, h, :, vs] = kept
+
+
+@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret"), donate_argnames=("state_pool",))
+def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret):
+    b, t, h, _ = q.shape
+    dv = v.shape[-1]
+    return pl.pallas_call(
+        _functools.partial(_recurrent_kernel, n_tokens=t, block_v=block_v, scale=scale),
+        grid=(b, h, dv // block_v),
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        input_output_aliases={7: 1},
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="kda_fused_recurrent",
+    )(slots, n_acc, q, k, v, g, beta, state_pool)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
+                        interpret=None, block_v=None):
+    """Decode / speculative verify on pooled states, updated in place.
+
+    Args:
+      q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; T >= 1 tokens per
+        sequence (T > 1: a speculative draft being verified).
+      state_pool: [num_slots, H, K, V] float32; donated: the returned pool is
+        the same buffer, updated in place.
+      slots: int [B] distinct pool rows holding each sequence's state (any order).
+      num_accepted: int [B] in [0, T] or None (= T): keep the state after this
+        many tokens.  Outputs are produced for all T tokens either way, so
+        verification runs once with num_accepted = 0 (state untouched), and the
+        accepted prefix is committed by a second call over those tokens.
+    Returns:
+      (o [B, T, H, V] in v's dtype, the updated state_pool).
+    """
+    _check_shapes(q, k, v, g, beta, None)
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        raise ValueError(f"head dims must be powers of two; got K={dk}, V={dv}")
+    if state_pool.ndim != 4 or state_pool.shape[1:] != (h, dk, dv):
+        raise ValueError(f"state_pool must be [num_slots, {h}, {dk}, {dv}]; got {tuple(state_pool.shape)}")
+    if state_pool.dtype != jnp.float32:
+        raise ValueError(f"state_pool must be float32; got {state_pool.dtype}")
+    slots = jnp.asarray(slots, jnp.int32)
+    if slots.shape != (b,):
+        raise ValueError(f"slots must be [B] = [{b}]; got {tuple(slots.shape)}")
+    n_acc = jnp.full((b,), t, jnp.int32) if num_accepted is None else jnp.asarray(num_accepted, jnp.int32)
+    if n_acc.shape != (b,):
+        raise ValueError(f"num_accepted must be [B] = [{b}]; got {tuple(n_acc.shape)}")
+    if not isinstance(slots, jax.core.Tracer):
+        s_np = _np.asarray(slots)
+        if s_np.min() < 0 or s_np.max() >= state_pool.shape[0]:
+            raise ValueError(f"slots must lie in [0, {state_pool.shape[0]}); got {s_np.tolist()}")
+        if len(set(s_np.tolist())) != b:
+            raise ValueError(f"slots must be distinct (two sequences cannot share a state); got {s_np.tolist()}")
+    if not isinstance(n_acc, jax.core.Tracer):
+        a_np = _np.asarray(n_acc)
+        if a_np.min() < 0 or a_np.max() > t:
+            raise ValueError(f"num_accepted must lie in [0, T={t}]; got {a_np.tolist()}")
+    interpret = _default_interpret() if interpret is None else interpret
+    block_v = block_v or min(dv, 64)
+    scale = float(dk ** -0.5 if scale is None else scale)
+    return _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
+                                 interpret=interpret)
+
+
+# ---- replay baselines (for comparison only) ---------------------------------------------------
+#
+# Before single-pass export, states at cache boundaries were obtained by
+# replaying the prefix through a kernel that only returns its final state:
+#   align:   the prefill, plus one replay in KDA-block segments (1536) -> 2 passes
+#   partial: align, plus one replay in partial-unit segments (128)    -> 3 passes
+
+
+def _replay_states(q, k, v, g, beta, segment, n_tokens, initial_state, scale, interpret):
+    """States after every `segment` tokens up to `n_tokens`, by running the kernel
+    segment after segment (each launch returns only its final state)."""
+    n_seg = n_tokens // segment
+    seg = lambda x: jnp.moveaxis(x[:, :n_seg * segment].reshape((x.shape[0], n_seg, segment) + x.shape[2:]), 1, 0)
+
+    def step(s, xs):
+        _, s, _ = chunk_kda(*xs, scale=scale, initial_state=s, output_final_state=True, interpret=interpret)
+        return s, s
+
+    _, states = jax.lax.scan(step, initial_state, tuple(seg(x) for x in (q, k, v, g, beta)))
+    return jnp.moveaxis(states, 0, 1)  # [B, n_seg, H, K, V]
+
+
+def chunk_kda_replay(q, k, v, g, beta, *, mode, block_tokens=1536, unit_tokens=128, scale=None,
+                     initial_state=None, interpret=None):
+    """The replay baselines.  Returns (o, block_states [B, n_blocks, ...],
+    unit_states [B, n_units, ...] or None for mode 'align')."""
+    if mode not in ("align", "partial"):
+        raise ValueError(f"mode must be 'align' or 'partial'; got {mode!r}")
+    b, t, h, dk = q.shape
+    if initial_state is None:
+        initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
+    o, _, _ = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, interpret=interpret)
+    blocks = _replay_states(q, k, v, g, beta, block_tokens, t, initial_state, scale, interpret)
+    units = None
+    if mode == "partial":
+        units = _replay_states(q, k, v, g, beta, unit_tokens, t, initial_state, scale, interpret)
+    return o, blocks, units

@@ -34,6 +34,7 @@ class KDA(nn.Module):
     """x [B, T, D] (+ cache) -> y [B, T, D] (+ new cache)."""
 
     cfg: ModelConfig
+    kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
     def __call__(self, x_btd, cache=None):
@@ -67,7 +68,7 @@ class KDA(nn.Module):
         g = kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound)
         beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
         o, new_cache["state"] = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"),
-                                        chunk_size=cfg.kda_chunk_size)
+                                        chunk_size=cfg.kda_chunk_size, kernels=self.kernels)
         gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", x_btd @ w_ga, w_gb).astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -51,3 +51,17 @@ def test_bad_generate_arguments(tiny_cfg, tiny_params):
         generate(tiny_params, tiny_cfg, [1, 2], 0)
     with pytest.raises(ValueError, match="context limit"):
         generate(tiny_params, tiny_cfg, [1] * tiny_cfg.max_seq_len, 1)
+
+
+def test_cached_generate_through_the_pallas_kernels_equals_the_oracle(tiny_cfg, tiny_params):
+    """The GPU path (Pallas KDA prefill + fused decode, interpret mode here) keeps the oracle's tokens."""
+    prompt = _chat(tiny_cfg)
+    oracle = generate(tiny_params, tiny_cfg, prompt, 12)
+    cached = generate(tiny_params, tiny_cfg, prompt, 12, use_cache=True, kernels="pallas")
+    np.testing.assert_array_equal(cached.tokens, oracle.tokens)
+    np.testing.assert_allclose(cached.logits, oracle.logits, atol=1e-3, rtol=0)
+
+
+def test_unknown_kernel_choice_raises(tiny_cfg, tiny_params):
+    with pytest.raises(ValueError, match="kernels"):
+        generate(tiny_params, tiny_cfg, [1, 2], 1, use_cache=True, kernels="cuda")

@@ -1,0 +1,236 @@
+"""KDA kernels on the GPU, against fla measured in the same run.
+
+    PYTHONPATH=$PWD python3 benchmarks/kda.py [--quick] [--out DIR]
+
+Needs fla (`fla-core` 0.6.0) importable for the peer columns; without it the
+fla columns are left empty.  Prints a markdown table and writes it (and JSON)
+under --out.  Sections:
+
+1. correctness on the GPU: chunk_kda / fused_recurrent_kda vs the fp32 reference
+   (relative L2 error), and vs fla on the same bf16 inputs;
+2. prefill: ours with and without checkpoint export vs fla `chunk_kda`;
+3. checkpoint export vs the align / partial replays on a 16k-token prefill;
+4. decode (T=1) on pooled states vs fla `fused_recurrent_kda`, as state
+   bytes/s against the copy bandwidth measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import kda
+
+try:
+    import torch
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+except Exception as e:  # noqa: BLE001 - the peer is optional
+    print(f"fla unavailable ({e!r}); peer columns stay empty", file=sys.stderr)
+    torch = None
+
+
+def inputs(key, b, t, h, d, dtype):
+    ks = jax.random.split(key, 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(jax.random.normal(ks[0], (b, t, h, d))).astype(dtype)
+    k = unit(jax.random.normal(ks[1], (b, t, h, d))).astype(dtype)
+    v = jax.random.normal(ks[2], (b, t, h, d)).astype(dtype)
+    g = (-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h, d)) - 2.0)).astype(jnp.float32)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))).astype(dtype)
+    return q, k, v, g, beta
+
+
+def time_jax(fn, *args, iters=20, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def time_torch(fn, iters=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def to_torch(x):
+    return torch.from_dlpack(jax.block_until_ready(x)) if torch is not None else None
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def copy_bandwidth_gbs():
+    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+    f = jax.jit(lambda a: a * 1.0 + 0.0)
+    ms = time_jax(f, x)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def section_correctness(rows):
+    key = jax.random.PRNGKey(0)
+    for dtype, t in ((jnp.float32, 300), (jnp.bfloat16, 300)):
+        q, k, v, g, beta = inputs(key, 2, t, 4, 128, dtype)
+        h0 = jax.random.normal(key, (2, 4, 128, 128), jnp.float32)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
+        o_ref, s_ref = jax.jit(kda.kda_recurrent_ref)(*f32, initial_state=h0)
+        o, s, ck = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                 checkpoint_positions=[128, 256])
+        _, s128 = jax.jit(kda.kda_recurrent_ref)(*[x[:, :128] for x in f32], initial_state=h0)
+        rows.append(dict(section="correctness", case=f"chunk_kda {jnp.dtype(dtype).name} T{t}",
+                         o_rel=rel_err(o, o_ref), state_rel=rel_err(s, s_ref), ckpt128_rel=rel_err(ck[:, 0], s128)))
+        pool = jax.random.normal(key, (8, 4, 128, 128), jnp.float32)
+        slots = jnp.array([6, 1], jnp.int32)
+        init = pool[slots]
+        qd, kd, vd, gd, bd = [x[:, :3] for x in (q, k, v, g, beta)]
+        o_d, pool2 = kda.fused_recurrent_kda(qd, kd, vd, gd, bd, state_pool=pool, slots=slots)
+        o_r, s_r = jax.jit(kda.kda_recurrent_ref)(*[x.astype(jnp.float32) for x in (qd, kd, vd, gd, bd)],
+                                                  initial_state=init)
+        rows.append(dict(section="correctness", case=f"fused_recurrent {jnp.dtype(dtype).name} T3",
+                         o_rel=rel_err(o_d, o_r), state_rel=rel_err(pool2[slots], s_r)))
+    if torch is not None:
+        q, k, v, g, beta = inputs(key, 1, 4096, 8, 128, jnp.bfloat16)
+        o, s, _ = kda.chunk_kda(q, k, v, g, beta, output_final_state=True)
+        o_f, s_f = fla_chunk_kda(*(to_torch(x) for x in (q, k, v, g, beta)), output_final_state=True)
+        o_ref, s_ref = jax.jit(kda.kda_chunked_ref)(*[x.astype(jnp.float32) for x in (q, k, v, g, beta)])
+        rows.append(dict(section="correctness", case="bf16 T4096 H8: ours vs fp32 ref / fla vs fp32 ref",
+                         o_rel=rel_err(o, o_ref), fla_o_rel=rel_err(o_f.float().cpu().numpy(), o_ref),
+                         state_rel=rel_err(s, s_ref), fla_state_rel=rel_err(s_f.float().cpu().numpy(), s_ref)))
+
+
+def section_prefill(rows, shapes):
+    for b, t, h, d in shapes:
+        q, k, v, g, beta = inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16)
+        positions = sorted(set(range(128, t + 1, 128)) | set(range(1536, t + 1, 1536)))
+        plain = jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True)[:2])
+        export = jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions))
+        ms_plain = time_jax(plain, q, k, v, g, beta)
+        ms_export = time_jax(export, q, k, v, g, beta)
+        ms_fla = None
+        if torch is not None:
+            tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
+            ms_fla = time_torch(lambda: fla_chunk_kda(tq, tk, tv, tg, tb, output_final_state=True))
+        tokens = b * t
+        rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} D{d} bf16", ours_ms=ms_plain,
+                         ours_export_ms=ms_export, fla_ms=ms_fla, n_ckpt=len(positions),
+                         export_overhead=ms_export / ms_plain - 1,
+                         export_vs_fla=(ms_export / ms_fla) if ms_fla else None,
+                         mtok_s=tokens / (ms_export * 1e-3) / 1e6))
+
+
+def section_modes(rows, t=16384, h=32, d=128):
+    q, k, v, g, beta = inputs(jax.random.PRNGKey(2), 1, t, h, d, jnp.bfloat16)
+    positions = sorted(set(range(128, t + 1, 128)) | set(range(1536, t + 1, 1536)))
+    ckpt = jax.jit(lambda *a: kda.chunk_kda(*a, checkpoint_positions=positions))
+    align = jax.jit(lambda *a: kda.chunk_kda_replay(*a, mode="align"))
+    partial = jax.jit(lambda *a: kda.chunk_kda_replay(*a, mode="partial"))
+    ms = {name: time_jax(f, q, k, v, g, beta, iters=10) for name, f in
+          (("checkpoint", ckpt), ("align", align), ("partial", partial))}
+    rows.append(dict(section="modes", case=f"B1 T{t} H{h} D{d} bf16, states at 1536/128 multiples",
+                     checkpoint_ms=ms["checkpoint"], align_ms=ms["align"], partial_ms=ms["partial"],
+                     vs_align=ms["checkpoint"] / ms["align"], vs_partial=ms["checkpoint"] / ms["partial"]))
+
+
+def section_decode(rows, copy_gbs, batches=(64, 256), h=32, d=128, reps=50):
+    for b in batches:
+        q, k, v, g, beta = inputs(jax.random.PRNGKey(3), b, 1, h, d, jnp.bfloat16)
+        n_slots = b * 2
+        pool = jax.random.normal(jax.random.PRNGKey(4), (n_slots, h, d, d), jnp.float32)
+        slots = jax.random.permutation(jax.random.PRNGKey(5), n_slots)[:b].astype(jnp.int32)
+
+        @jax.jit
+        def loop(pool):
+            def body(_, p):
+                _, p = kda._fused_recurrent_core(q, k, v, g, beta, p, slots, jnp.ones((b,), jnp.int32),
+                                                 scale=d ** -0.5, block_v=64, interpret=False)
+                return p
+            return jax.lax.fori_loop(0, reps, body, pool)
+
+        ms = time_jax(loop, pool, iters=5) / reps
+        state_bytes = 2 * b * h * d * d * 4
+        ms_fla = None
+        if torch is not None:
+            tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
+            h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
+            ms_fla = time_torch(lambda: fla_fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=h0,
+                                                                output_final_state=True), iters=50)
+        rows.append(dict(section="decode", case=f"B{b} T1 H{h} D{d} bf16", ours_ms=ms, fla_ms=ms_fla,
+                         ours_gbs=state_bytes / (ms * 1e-3) / 1e9,
+                         fla_gbs=(state_bytes / (ms_fla * 1e-3) / 1e9) if ms_fla else None,
+                         copy_gbs=copy_gbs, ours_of_copy=state_bytes / (ms * 1e-3) / 1e9 / copy_gbs))
+
+
+def fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sections", default="correctness,prefill,modes,decode")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    rows = []
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    copy_gbs = copy_bandwidth_gbs()
+    rows.append(dict(section="roofline", case="XLA copy 1 GiB (read+write)", copy_gbs=copy_gbs))
+    if "correctness" in sections:
+        section_correctness(rows)
+        print("correctness done", flush=True)
+    if "prefill" in sections:
+        shapes = [(1, 8192, 32, 128)] if args.quick else [(1, 32768, 32, 128), (8, 4096, 32, 128), (4, 8192, 12, 128)]
+        section_prefill(rows, shapes)
+        print("prefill done", flush=True)
+    if "modes" in sections:
+        section_modes(rows, t=4096 if args.quick else 16384)
+        print("modes done", flush=True)
+    if "decode" in sections:
+        section_decode(rows, copy_gbs)
+    lines = []
+    for section in dict.fromkeys(r["section"] for r in rows):
+        sec = [r for r in rows if r["section"] == section]
+        keys = [k for k in dict.fromkeys(k for r in sec for k in r) if k != "section"]
+        lines += [f"\n### {section}\n", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+        lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in sec]
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
+        f.write(table + "\n")
+    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

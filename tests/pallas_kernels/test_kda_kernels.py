@@ -1,0 +1,157 @@
+"""Pallas KDA kernels (interpret mode on CPU) against the token recurrence.
+
+In interpret mode Pallas fills every output buffer with NaN before the kernel
+runs, so a finite result proves that every element was written.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import chunk_kda, chunk_kda_replay, fused_recurrent_kda, kda_recurrent_ref
+from tests.pallas_kernels.test_kda_ref import kda_inputs
+
+# fp32 state and math; the chunked kernel sums in another order and inverts
+# 16x16 blocks by a product formula, so it agrees to ~1e-5 of values of O(1).
+ATOL, RTOL = 1e-4, 1e-4
+
+
+def replay_state(q, k, v, g, beta, n, initial_state=None):
+    """State after the first n tokens, by running the recurrence over them."""
+    return kda_recurrent_ref(*(x[:, :n] for x in (q, k, v, g, beta)), initial_state=initial_state)[1]
+
+
+@pytest.mark.parametrize("b, t, h, dk, dv", [(2, 150, 2, 16, 32), (1, 64, 3, 32, 16), (3, 37, 1, 16, 16)])
+def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv):
+    q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
+    s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32)
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=s0)
+    assert np.isfinite(o).all() and np.isfinite(s).all() and ck is None
+    np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(s, s_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_checkpoints_at_128_and_1536_multiples_equal_replayed_prefixes(rng):
+    q, k, v, g, beta = kda_inputs(rng, 1, 1600, 1, 16, 16)
+    s0 = jnp.asarray(rng.standard_normal((1, 1, 16, 16)), jnp.float32)
+    positions = [128, 256, 1408, 1536]
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                         checkpoint_positions=positions)
+    assert ck.shape == (1, 4, 1, 16, 16) and np.isfinite(ck).all()
+    for i, p in enumerate(positions):
+        np.testing.assert_allclose(ck[0, i], replay_state(q, k, v, g, beta, p, s0)[0], atol=ATOL, rtol=RTOL)
+    # export does not disturb the pass itself
+    o_plain, s_plain, _ = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    np.testing.assert_array_equal(o, o_plain)
+    np.testing.assert_array_equal(s, s_plain)
+
+
+def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng):
+    lens = [70, 200, 64, 5]
+    q, k, v, g, beta = kda_inputs(rng, 1, sum(lens), 2, 16, 16)
+    s0 = jnp.asarray(rng.standard_normal((4, 2, 16, 16)), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    positions = [[64], [128, 192], [64], []]
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                         checkpoint_positions=positions, cu_seqlens=cu)
+    assert ck.shape == (4, 2, 16, 16)
+    slot = 0
+    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        seq = [x[:, lo:hi] for x in (q, k, v, g, beta)]
+        o_ref, s_ref = kda_recurrent_ref(*seq, initial_state=s0[i:i + 1])
+        np.testing.assert_allclose(o[:, lo:hi], o_ref, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(s[i], s_ref[0], atol=ATOL, rtol=RTOL)
+        for p in positions[i]:
+            np.testing.assert_allclose(ck[slot], replay_state(*seq, p, s0[i:i + 1])[0], atol=ATOL, rtol=RTOL)
+            slot += 1
+
+
+def test_bf16_inputs_keep_fp32_state(rng):
+    q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
+    s0 = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
+    o, s, _ = chunk_kda(bf[0], bf[1], bf[2], g, bf[3], initial_state=s0, output_final_state=True)
+    o_ref, s_ref = kda_recurrent_ref(*(x.astype(jnp.float32) for x in (bf[0], bf[1], bf[2], g, bf[3])),
+                                     initial_state=s0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    # bf16 intermediates and operands: bf16-level agreement (relative L2 below 1e-2).
+    rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+    assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-2
+
+
+def test_replay_baselines_produce_the_same_states_as_export(rng):
+    q, k, v, g, beta = kda_inputs(rng, 1, 512, 1, 16, 16)
+    _, _, ck = chunk_kda(q, k, v, g, beta, checkpoint_positions=[128, 256, 384, 512])
+    o_a, blocks, units = chunk_kda_replay(q, k, v, g, beta, mode="partial", block_tokens=256, unit_tokens=128)
+    np.testing.assert_allclose(units[0], ck[0], atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(blocks[0], ck[0, 1::2], atol=ATOL, rtol=RTOL)
+    o, _, _ = chunk_kda(q, k, v, g, beta)
+    np.testing.assert_array_equal(o_a, o)
+
+
+class TestFusedRecurrent:
+    def test_decode_over_non_contiguous_slots_updates_only_those(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 3, 1, 2, 16, 32)
+        pool = jnp.asarray(rng.standard_normal((9, 2, 16, 32)), jnp.float32)
+        before = np.asarray(pool).copy()
+        slots = np.array([7, 0, 4])
+        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots)
+        o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
+        np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(pool)[slots], s_ref, atol=1e-5, rtol=1e-5)
+        untouched = [i for i in range(9) if i not in slots]
+        np.testing.assert_array_equal(np.asarray(pool)[untouched], before[untouched])
+
+    def test_speculative_verify_then_commit_the_accepted_prefix(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 2, 4, 1, 16, 16)
+        pool = jnp.asarray(rng.standard_normal((4, 1, 16, 16)), jnp.float32)
+        before = np.asarray(pool).copy()
+        slots = np.array([3, 1])
+        accepted = np.array([2, 4])
+        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, num_accepted=accepted)
+        o_ref, _ = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
+        np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)  # outputs for every drafted token
+        for i, n in enumerate(accepted):
+            want = replay_state(*(x[i:i + 1] for x in (q, k, v, g, beta)), n, jnp.asarray(before[slots[i]][None]))
+            np.testing.assert_allclose(np.asarray(pool)[slots[i]], want[0], atol=1e-5, rtol=1e-5)
+
+    def test_zero_accepted_leaves_the_state_untouched(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 1, 3, 1, 16, 16)
+        pool = jnp.asarray(rng.standard_normal((2, 1, 16, 16)), jnp.float32)
+        before = np.asarray(pool).copy()
+        _, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=[1], num_accepted=[0])
+        np.testing.assert_array_equal(np.asarray(pool), before)
+
+
+class TestBadInput:
+    def test_checkpoint_positions(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 1, 130, 1, 16, 16)
+        with pytest.raises(ValueError, match="multiple of 64"):
+            chunk_kda(q, k, v, g, beta, checkpoint_positions=[100])
+        with pytest.raises(ValueError, match="beyond"):
+            chunk_kda(q, k, v, g, beta, checkpoint_positions=[192])
+
+    def test_shapes_and_state_dtype(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
+        with pytest.raises(ValueError, match="beta"):
+            chunk_kda(q, k, v, g, beta[:, :10])
+        with pytest.raises(ValueError, match="float32"):
+            chunk_kda(q, k, v, g, beta, initial_state=jnp.zeros((1, 1, 16, 16), jnp.bfloat16))
+        with pytest.raises(ValueError, match="powers of two"):
+            chunk_kda(*kda_inputs(rng, 1, 64, 1, 24, 16))
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 30, 20, 64])
+
+    def test_decode_arguments(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 2, 1, 1, 16, 16)
+        pool = jnp.zeros((4, 1, 16, 16), jnp.float32)
+        with pytest.raises(ValueError, match="distinct"):
+            fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=[1, 1])
+        with pytest.raises(ValueError, match=r"\[0, 4\)"):
+            fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=[1, 4])
+        with pytest.raises(ValueError, match="float32"):
+            fused_recurrent_kda(q, k, v, g, beta, state_pool=pool.astype(jnp.bfloat16), slots=[0, 1])
+        with pytest.raises(ValueError, match="num_accepted"):
+            fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=[0, 1], num_accepted=[0, 2])
