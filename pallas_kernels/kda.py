@@ -257,60 +257,58 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     Works in 16-token sub-blocks: A's blocks (i, j <= i) are dots of row block i
     decayed relative to R_i with column block j decayed from R_i, and
     (I + A)^-1 is applied by block forward substitution whose 16 x 16 diagonal
-    inverses come from the product formula.
+    inverses come from the product formula.  Sub-blocks are re-read from the
+    refs where needed rather than kept live, and A_qk tiles are stored as soon
+    as they exist: what stays in registers is the A_kk tiles and the finished
+    W / U blocks.
     """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
     n_sub = CHUNK // SUB
     rows = lambda ref, i: ref[pl.ds(i * SUB, SUB), :].astype(f32)
-    q = [rows(q_ref, i) for i in range(n_sub)]
-    k = [rows(k_ref, i) for i in range(n_sub)]
-    v = [rows(v_ref, i) for i in range(n_sub)]
-    g = [rows(g_ref, i) for i in range(n_sub)]
-    beta = [beta_ref[pl.ds(i * SUB, SUB)].astype(f32) for i in range(n_sub)]
-    base = [jnp.zeros(g[0].shape[1:], f32)]  # R_i = G just before sub-block i, [K]
+    base = [None] * (n_sub + 1)  # R_i = G just before sub-block i, [K]
+    base[0] = jnp.zeros((g_ref.shape[-1],), f32)
     for i in range(n_sub):
-        base.append(base[-1] + jnp.sum(g[i], axis=0))
-    gcum = [jnp.cumsum(g[i], axis=0) + base[i][None, :] for i in range(n_sub)]
+        base[i + 1] = base[i] + jnp.sum(rows(g_ref, i), axis=0)
+    gcum = lambda i: jnp.cumsum(rows(g_ref, i), axis=0) + base[i][None, :]  # G of sub-block i
     g_end = base[n_sub]
+    de_ref[...] = jnp.exp(g_end)
 
     r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-    a_kk, a_qk = {}, {}
+    a_kk = {}
+    w_blocks, u_blocks = [], []
     for i in range(n_sub):
-        row_decay = jnp.exp(gcum[i] - base[i][None, :])  # <= 1
-        kd, qd = k[i] * row_decay, q[i] * row_decay
+        sl = pl.ds(i * SUB, SUB)
+        g_i = gcum(i)
+        k_i, q_i = rows(k_ref, i), rows(q_ref, i)
+        beta_i = beta_ref[sl].astype(f32)
+        qd_ref[sl, :] = (q_i * jnp.exp(g_i)).astype(qd_ref.dtype)
+        ke_ref[sl, :] = (k_i * jnp.exp(g_end[None, :] - g_i)).astype(ke_ref.dtype)
+        row_decay = jnp.exp(g_i - base[i][None, :])  # <= 1
+        kd, qd = k_i * row_decay, q_i * row_decay
         for j in range(i + 1):
-            kr = k[j] * jnp.exp(base[i][None, :] - gcum[j])  # <= 1 for j < i, <= exp(SUB * 5) for j == i
+            k_j, g_j = (k_i, g_i) if j == i else (rows(k_ref, j), gcum(j))
+            kr = k_j * jnp.exp(base[i][None, :] - g_j)  # <= 1 for j < i, <= exp(SUB * 5) for j == i
             akk, aqk = dot(kd, kr.T), dot(qd, kr.T)
             if j == i:
                 akk = jnp.where(c < r, akk, 0.0)
                 aqk = jnp.where(c <= r, aqk, 0.0)
-            a_kk[i, j] = akk * beta[i][:, None]
-            a_qk[i, j] = aqk
-
-    # W = (I + A)^-1 (beta exp(G) k), U = (I + A)^-1 (beta v), by block forward substitution.
-    w_blocks, u_blocks = [], []
-    for i in range(n_sub):
-        rhs_w = beta[i][:, None] * jnp.exp(gcum[i]) * k[i]
-        rhs_u = beta[i][:, None] * v[i]
+            a_kk[i, j] = akk * beta_i[:, None]
+            aqk_ref[sl, pl.ds(j * SUB, SUB)] = aqk.astype(aqk_ref.dtype)
+        for j in range(i + 1, n_sub):
+            aqk_ref[sl, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+        # W_i = T_ii (beta exp(G) k - sum_j A_ij W_j), likewise U with beta v.
+        rhs_w = beta_i[:, None] * jnp.exp(g_i) * k_i
+        rhs_u = beta_i[:, None] * rows(v_ref, i)
         for j in range(i):
             rhs_w = rhs_w - dot(a_kk[i, j], w_blocks[j])
             rhs_u = rhs_u - dot(a_kk[i, j], u_blocks[j])
         inv = _unit_lower_inverse(a_kk[i, i], dot, SUB)
         w_blocks.append(dot(inv, rhs_w))
         u_blocks.append(dot(inv, rhs_u))
-
-    for i in range(n_sub):
-        sl = pl.ds(i * SUB, SUB)
         w_ref[sl, :] = w_blocks[i].astype(w_ref.dtype)
         u_ref[sl, :] = u_blocks[i].astype(u_ref.dtype)
-        qd_ref[sl, :] = (q[i] * jnp.exp(gcum[i])).astype(qd_ref.dtype)
-        ke_ref[sl, :] = (k[i] * jnp.exp(g_end[None, :] - gcum[i])).astype(ke_ref.dtype)
-        for j in range(n_sub):
-            tile = a_qk[i, j] if j <= i else jnp.zeros((SUB, SUB), f32)
-            aqk_ref[sl, pl.ds(j * SUB, SUB)] = tile.astype(aqk_ref.dtype)
-    de_ref[...] = jnp.exp(g_end)
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
@@ -340,7 +338,7 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 
 # (num_warps, num_stages) of the prepare and state kernels, and the prepare
 # kernel's dot algorithm; tuned on H200 (benchmarks/kda_tune.py).
-TUNING = {"prepare": (4, 1), "state": (4, 2), "prepare_dot": "tf32x3"}
+TUNING = {"prepare": (4, 1), "state": (4, 3), "prepare_dot": "tf32x3"}
 
 
 def _params(name, tuning):
@@ -508,7 +506,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     o, ht, ckpt = _chunk_kda_core(flat(q), flat(k), flat(v), flat(g.astype(jnp.float32)), flat(beta),
                                   initial_state, jnp.asarray(chunk_start), jnp.asarray(ckpt_slot),
                                   n_ckpt=n_ckpt, scale=scale, block_v=block_v, interpret=interpret,
-                                  tuning=tuple(sorted((tuning or {}).items())) or None)
+                                  tuning=tuple(sorted(dict(tuning or {}).items())) or None)
     o = unflat(o)
     checkpoints = None
     if checkpoint_positions is not None:
