@@ -211,6 +211,7 @@ def main():
     ap.add_argument("--sections", default="correctness,prefill,modes,decode")
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
     ap.add_argument("--prepare-warps", default="4", help="num_warps of the prepare kernel to try, e.g. 4,8")
+    ap.add_argument("--prepare-dot", default="tf32x3", help="prepare kernel dot algorithms to try: tf32x3,tf32,bf16")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -227,7 +228,8 @@ def main():
         shapes = [(1, 8192, 32, 128)] if args.quick else [(1, 32768, 32, 128), (8, 4096, 32, 128), (4, 8192, 12, 128)]
         if args.shapes:
             shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
-        tunings = [(("prepare", (int(w), 1)),) for w in args.prepare_warps.split(",")]
+        tunings = [(("prepare", (int(w), 1)), ("prepare_dot", dot)) for w in args.prepare_warps.split(",")
+                   for dot in args.prepare_dot.split(",")]
         section_prefill(rows, shapes, tunings)
         print("prefill done", flush=True)
     if "modes" in sections and in_budget():

@@ -215,7 +215,11 @@ _GPU_DOT_ALGORITHMS = {
 
 
 def _precise_dot(interpret: bool, algorithm: str = "tf32x3"):
-    """fp32-accurate dot: exact fp32 in interpret mode, `algorithm` on the GPU."""
+    """Dot for the prepare kernel: `algorithm` on the GPU ("bf16": bf16 operands
+    with fp32 accumulation, as fla does for bf16 inputs); exact fp32 in
+    interpret mode unless the algorithm is "bf16"."""
+    if algorithm == "bf16":
+        return _fast_dot(True, interpret)
     precision = HIGHEST if interpret else _GPU_DOT_ALGORITHMS[algorithm]
 
     def dot(a, b):

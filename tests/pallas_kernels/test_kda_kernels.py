@@ -68,11 +68,13 @@ def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng):
             slot += 1
 
 
-def test_bf16_inputs_keep_fp32_state(rng):
+@pytest.mark.parametrize("prepare_dot", ["tf32x3", "bf16"])
+def test_bf16_inputs_keep_fp32_state(rng, prepare_dot):
     q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
     s0 = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
-    o, s, _ = chunk_kda(bf[0], bf[1], bf[2], g, bf[3], initial_state=s0, output_final_state=True)
+    o, s, _ = chunk_kda(bf[0], bf[1], bf[2], g, bf[3], initial_state=s0, output_final_state=True,
+                        tuning={"prepare_dot": prepare_dot})
     o_ref, s_ref = kda_recurrent_ref(*(x.astype(jnp.float32) for x in (bf[0], bf[1], bf[2], g, bf[3])),
                                      initial_state=s0)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
