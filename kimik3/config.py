@@ -176,7 +176,7 @@ def tiny() -> ModelConfig:
     return ModelConfig(
         name="tiny", vocab_size=288, d_model=64, n_layers=4, max_seq_len=1024,
         kda_heads=2, kda_head_dim=16,
-        mla_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16,
+        mla_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=16, v_head_dim=16,
         n_routed_experts=8, n_active_experts=2, n_shared_experts=1,
         moe_latent_dim=32, moe_expert_dim=32, moe_shared_dim=64, routed_scaling_factor=2.5,
         dense_ffn_dim=128,

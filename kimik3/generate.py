@@ -87,7 +87,8 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
             if stop_at_eos and tok == tokenizer.EOS_ID:
                 break
     else:
-        cache = init_cache(cfg, 1, total, dtype=_param_dtype(params))
+        # Whole 128-token pages, so the paged kernels can view the cache as pages.
+        cache = init_cache(cfg, 1, min(cfg.max_seq_len, -(-total // 128) * 128), dtype=_param_dtype(params))
         kernels = ops.resolve(kernels)
         logits, cache = forward(params, cfg, prompt[None], images=images, cache=cache, kernels=kernels)
         last = np.asarray(logits[0, -1], np.float32)

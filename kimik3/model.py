@@ -55,7 +55,7 @@ class Block(nn.Module):
         if cfg.mixer_kind(self.layer) == "kda":
             y, cache = KDA(cfg, self.kernels, name="kda")(h, cache)
         else:
-            y, cache = MLA(cfg, name="mla")(h, positions_bt, cache)
+            y, cache = MLA(cfg, self.kernels, name="mla")(h, positions_bt, cache)
         x_btd = x_btd + y
         h = RMSNorm(cfg.d_model, cfg.norm_eps, name="ffn_norm")(x_btd)
         if cfg.ffn_kind(self.layer) == "dense":

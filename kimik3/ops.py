@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_kernels
+from pallas_kernels import mla as mla_kernels
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -50,3 +51,55 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto"):
                                                slots=jnp.arange(b, dtype=jnp.int32))
     o, final_state, _ = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
     return o, final_state
+
+
+def _pages_for(length: int) -> int | None:
+    """Page size to view a contiguous [B, S, D] cache as pages, or None if S has no usable divisor."""
+    for page in (128, 64, 32, 16):
+        if length % page == 0:
+            return page
+    return None
+
+
+def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs,
+                  absorbed: bool, contiguous_cache: bool, kernels="auto"):
+    """MLA attention of queries [B, T, H, nope + rope] over latent rows [B, S, kv_lora + rope] -> [B, T, H, v].
+
+    `absorbed` picks the form (latent MQA vs expanded heads).  On the Pallas path
+    the absorbed form runs `mla_decode` over the cache viewed as pages, and the
+    expanded form over fresh tokens (no cache) runs `mla_prefill`; the expanded
+    form continuing a cache needs host-known prefix lengths, which the serving
+    engine's paged path provides, so here it takes the reference.
+    """
+    from kimik3.layers.mla import mla_absorbed, mla_naive  # the layer owns the reference forms
+
+    rope = latent_bsr.shape[-1] - kv_lora
+    b, t, h, _ = q_bthd.shape
+    nope = w_kb_rhn.shape[-1]
+    if resolve(kernels) == "pallas":
+        page = _pages_for(latent_bsr.shape[1])
+        if absorbed and contiguous_cache and page and _kernel_dims_ok(kv_lora, rope):
+            s = latent_bsr.shape[1]
+            pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
+            table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
+            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
+            o_latent, _ = mla_kernels.mla_decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype),
+                                                 pages.astype(q_latent.dtype), table, q_pos_bt[:, -1] + 1, scale=scale)
+            return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
+        if not absorbed and not contiguous_cache:
+            c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
+            k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", c_kv, w_kb_rhn),
+                                 jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, rope)).astype(c_kv.dtype)], -1)
+            v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
+            pack = lambda x: x.reshape((b * t,) + x.shape[2:])
+            o, _ = mla_kernels.mla_prefill(pack(q_bthd.astype(k.dtype)), pack(k), pack(v),
+                                           cu_seqlens=[i * t for i in range(b + 1)], scale=scale, rope_dim=rope)
+            return o.reshape(b, t, h, -1)
+    form = mla_absorbed if absorbed else mla_naive
+    return form(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora, scale=scale, q_pos_bt=q_pos_bt,
+                k_pos_bs=k_pos_bs)
+
+
+def _kernel_dims_ok(kv_lora: int, rope: int) -> bool:
+    pow2 = lambda n: n >= 16 and n & (n - 1) == 0
+    return pow2(kv_lora) and pow2(rope)

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from kimik3 import ops
 from kimik3.config import ModelConfig
-from kimik3.layers.attention import attend
+from pallas_kernels.attention import attend
 from kimik3.layers.primitives import fan_in_init, rms_norm
 
 
@@ -64,6 +65,7 @@ class MLA(nn.Module):
     """
 
     cfg: ModelConfig
+    kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
     def __call__(self, x_btd, positions_bt, cache=None):
@@ -88,14 +90,15 @@ class MLA(nn.Module):
         latent_new = jnp.concatenate([rms_norm(kv[..., :r], kv_norm, cfg.norm_eps), kv[..., r:]], axis=-1)
         t = x_btd.shape[1]
         if cache is None:
-            latent, k_pos, new_cache, form = latent_new, positions_bt, None, mla_naive
+            latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
         else:
             latent = write_rows(cache["latent"], latent_new, positions_bt[:, 0])
             new_cache = {"latent": latent}
             k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2])
-            form = mla_absorbed if t <= cfg.mla_absorb_max_tokens else mla_naive
-        o = form(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
-                 q_pos_bt=positions_bt, k_pos_bs=k_pos)
+            absorbed = t <= cfg.mla_absorb_max_tokens
+        o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
+                              q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
+                              contiguous_cache=cache is not None, kernels=self.kernels)
         gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x_btd, w_gate).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from kimik3.config import ViTConfig
-from kimik3.layers.attention import attend
+from pallas_kernels.attention import attend
 from kimik3.layers.primitives import fan_in_init
 
 

@@ -1,5 +1,6 @@
 """The oracle (no cache, fp32, full recompute) and the cached path agree."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,11 +54,20 @@ def test_bad_generate_arguments(tiny_cfg, tiny_params):
         generate(tiny_params, tiny_cfg, [1] * tiny_cfg.max_seq_len, 1)
 
 
-def test_cached_generate_through_the_pallas_kernels_equals_the_oracle(tiny_cfg, tiny_params):
-    """The GPU path (Pallas KDA prefill + fused decode, interpret mode here) keeps the oracle's tokens."""
+def test_cached_generate_through_the_pallas_kernels_equals_the_oracle(tiny_cfg, tiny_params, monkeypatch):
+    """The GPU path (Pallas KDA prefill + fused decode, paged MLA decode; interpret mode here)
+    keeps the oracle's tokens."""
+    from pallas_kernels import kda, mla
+
+    jax.clear_caches()  # a cached trace would bypass the spies below
+    calls = []
+    for module, name in [(kda, "chunk_kda"), (kda, "fused_recurrent_kda"), (mla, "mla_decode")]:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     prompt = _chat(tiny_cfg)
     oracle = generate(tiny_params, tiny_cfg, prompt, 12)
     cached = generate(tiny_params, tiny_cfg, prompt, 12, use_cache=True, kernels="pallas")
+    assert {"chunk_kda", "fused_recurrent_kda", "mla_decode"} <= set(calls)
     np.testing.assert_array_equal(cached.tokens, oracle.tokens)
     np.testing.assert_allclose(cached.logits, oracle.logits, atol=1e-3, rtol=0)
 

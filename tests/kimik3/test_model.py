@@ -58,6 +58,22 @@ def test_image_changes_only_what_follows_it(rng, tiny_cfg, tiny_params):
     np.testing.assert_allclose(lu, lf, atol=LOGIT_ATOL, rtol=0)
 
 
+def test_pallas_kernels_match_the_references_without_a_cache(rng, tiny_cfg, tiny_params, monkeypatch):
+    """Prefill from scratch through chunk_kda and mla_prefill (interpret mode) == the reference math."""
+    from pallas_kernels import mla
+
+    jax.clear_caches()  # a cached trace would bypass the spies below
+    calls = []
+    real = mla.mla_prefill
+    monkeypatch.setattr(mla, "mla_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    toks = rng.integers(0, tokenizer.N_BYTES, size=(2, 70)).astype(np.int32)
+    ref, _ = model.forward(tiny_params, tiny_cfg, toks, kernels="reference")
+    ker, _ = model.forward(tiny_params, tiny_cfg, toks, kernels="pallas")
+    assert calls
+    np.testing.assert_allclose(ker, ref, atol=1e-3, rtol=0)
+    np.testing.assert_array_equal(ker.argmax(-1), ref.argmax(-1))
+
+
 class TestBadInput:
     def test_token_ids_out_of_range(self, tiny_cfg, tiny_params):
         with pytest.raises(ValueError, match="out of range"):

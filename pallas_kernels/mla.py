@@ -1,0 +1,351 @@
+"""MLA kernels over the latent cache, and their pure-jnp references.
+
+Latent pages hold, per token, ``c_kv ++ k_pe`` ([kv_lora + rope] values);
+`block_tables[b, i]` is the page holding tokens ``[i * page, (i + 1) * page)``
+of sequence b.  Conventions follow FlashMLA: heads x query tokens fold into
+rows, so speculative verification (Sq > 1) is one launch.
+
+* `mla_decode`: absorbed-form paged attention (one latent KV head; key dim
+  kv_lora + rope, value dim kv_lora), split-KV with an LSE merge.
+* `mla_prefill`: naive-form causal flash attention over new tokens plus a
+  cached prefix read from latent pages (expanded through W_UK / W_UV).
+* `write_latent`: new tokens' latents into their pages, in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.attention import attend
+
+
+def _default_interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def gather_pages(latent_pages, block_tables):
+    """[num_pages, page, D] pages, [B, max_pages] table -> contiguous [B, max_pages * page, D]."""
+    b, n = block_tables.shape
+    return latent_pages[block_tables].reshape(b, n * latent_pages.shape[1], latent_pages.shape[2])
+
+
+# ---- decode ------------------------------------------------------------------------------------
+
+
+def mla_decode_ref(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale):
+    """Reference: gather the pages, attend with the shared attention math.  Same contract as `mla_decode`."""
+    b, sq, h, r = q_latent.shape
+    kv = gather_pages(latent_pages, block_tables)
+    q = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
+    q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None]
+    k_pos = jnp.broadcast_to(jnp.arange(kv.shape[1])[None], kv.shape[:2])
+    kv = kv[:, :, None, :].astype(q.dtype)
+    o, lse = attend(q, kv, kv[..., :r], scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True)
+    return o, lse
+
+
+def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *, n_heads, n_queries, rank,
+                   block_m, block_k, page, n_splits, scale):
+    """One (sequence, split, row block): online softmax over this split's key blocks."""
+    f32 = jnp.float32
+    b, split, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = mb * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
+    seq_len = len_ref[b]
+    limit = seq_len - n_queries + rows // n_heads + 1  # keys < limit are visible to each row
+    q_lat = ql_ref[b, pl.ds(mb * block_m, block_m), :]
+    q_pe = qp_ref[b, pl.ds(mb * block_m, block_m), :]
+    n_blocks = (seq_len + block_k - 1) // block_k
+    per_split = (n_blocks + n_splits - 1) // n_splits
+    kb0 = split * per_split
+    kb1 = jnp.minimum(n_blocks, kb0 + per_split)
+
+    def body(kb, carry):
+        m, l, acc = carry
+        pos0 = kb * block_k
+        pg = bt_ref[b, pos0 // page]
+        keys = pl.ds(pos0 % page, block_k)
+        c = pages_ref[pg, keys, pl.ds(0, rank)]
+        k_pe = pages_ref[pg, keys, pl.ds(rank, qp_ref.shape[-1])]
+        s = (jnp.dot(q_lat, c.T, preferred_element_type=f32) + jnp.dot(q_pe, k_pe.T, preferred_element_type=f32)) * scale
+        k_pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        s = jnp.where(k_pos[None, :] < limit[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(c.dtype), c, preferred_element_type=f32)
+        return m_new, l, acc
+
+    init = (jnp.full((block_m,), -jnp.inf, f32), jnp.zeros((block_m,), f32), jnp.zeros((block_m, rank), f32))
+    m, l, acc = jax.lax.fori_loop(kb0, kb1, body, init)
+    has = l > 0
+    o_ref[b, split, pl.ds(mb * block_m, block_m), :] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0)
+    lse_ref[b, split, pl.ds(mb * block_m, block_m)] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "n_splits", "block_m", "block_k", "interpret", "num_warps"))
+def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits, block_m, block_k,
+                     interpret, num_warps):
+    b, sq, h, r = q_latent.shape
+    p = q_pe.shape[-1]
+    rows = sq * h
+    rows_pad = -(-rows // block_m) * block_m
+    fold = lambda x: jnp.pad(x.reshape(b, rows, x.shape[-1]), ((0, 0), (0, rows_pad - rows), (0, 0)))
+    o_part, lse_part = pl.pallas_call(
+        functools.partial(_decode_kernel, n_heads=h, n_queries=sq, rank=r, block_m=block_m, block_k=block_k,
+                          page=latent_pages.shape[1], n_splits=n_splits, scale=scale),
+        grid=(b, n_splits, rows_pad // block_m),
+        out_shape=[jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
+                   jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="mla_decode",
+    )(block_tables, seq_lens, fold(q_latent), fold(q_pe.astype(q_latent.dtype)), latent_pages)
+    # Merge the splits: o = sum_s exp(lse_s - lse) o_s.
+    lse = jax.nn.logsumexp(lse_part, axis=1)  # [B, rows_pad]
+    weights = jnp.exp(lse_part - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None])
+    o = jnp.sum(weights[..., None] * o_part, axis=1)
+    o = o[:, :rows].reshape(b, sq, h, r).astype(q_latent.dtype)
+    return o, lse[:, :rows].reshape(b, sq, h)
+
+
+def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=16,
+               block_k=64, interpret=None, num_warps=4):
+    """Paged absorbed MLA decode.
+
+    Args:
+      q_latent: [B, Sq, H, kv_lora] queries already multiplied by W_UK.
+      q_pe: [B, Sq, H, rope].
+      latent_pages: [num_pages, page_size, kv_lora + rope] (c_kv then k_pe).
+      block_tables: int32 [B, max_pages], any (non-contiguous) pages.
+      seq_lens: int32 [B], cached tokens including the Sq new ones; query i
+        sees positions < seq_len - Sq + i + 1.
+      scale: softmax scale.
+      n_splits: KV splits per sequence (default: enough to fill the GPU for small B).
+    Returns:
+      o_latent [B, Sq, H, kv_lora] in q_latent's dtype, lse fp32 [B, Sq, H].
+    Raises:
+      ValueError before any launch for wrong dims, page indices out of range,
+      or seq_lens beyond the table.
+    """
+    b, sq, h, r = q_latent.shape
+    if q_pe.shape[:3] != (b, sq, h):
+        raise ValueError(f"q_pe must be [B, Sq, H, rope] = [{b}, {sq}, {h}, rope]; got {tuple(q_pe.shape)}")
+    p = q_pe.shape[-1]
+    if latent_pages.ndim != 3 or latent_pages.shape[2] != r + p:
+        raise ValueError(f"latent_pages must be [num_pages, page, kv_lora + rope = {r + p}]; "
+                         f"got {tuple(latent_pages.shape)}")
+    page = latent_pages.shape[1]
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [B={b}, max_pages]; got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens must be [B={b}]; got {tuple(seq_lens.shape)}")
+    if not (_is_pow2(r) and _is_pow2(p) and r >= 16 and p >= 16):
+        raise ValueError(f"kv_lora and rope dims must be powers of two >= 16; got {r}, {p}")
+    block_k = min(block_k, page)
+    if page % block_k:
+        raise ValueError(f"page size {page} must be a multiple of block_k {block_k}")
+    if _concrete(seq_lens) and _concrete(block_tables):
+        lens, table = np.asarray(seq_lens), np.asarray(block_tables)
+        if lens.min() < sq or lens.max() > table.shape[1] * page:
+            raise ValueError(f"seq_lens must lie in [Sq={sq}, max_pages * page = {table.shape[1] * page}]; "
+                             f"got {lens.tolist()}")
+        used = np.arange(table.shape[1])[None, :] * page < lens[:, None]
+        if (table[used] < 0).any() or (table[used] >= latent_pages.shape[0]).any():
+            raise ValueError(f"block_tables hold page indices outside [0, {latent_pages.shape[0]})")
+    if n_splits is None:
+        n_splits = max(1, min(32, 132 // max(1, b * (-(-sq * h // block_m)))))
+    interpret = _default_interpret() if interpret is None else interpret
+    return _mla_decode_core(q_latent, q_pe, latent_pages, jnp.asarray(block_tables, jnp.int32),
+                            jnp.asarray(seq_lens, jnp.int32), scale=float(scale), n_splits=int(n_splits),
+                            block_m=block_m, block_k=block_k, interpret=interpret, num_warps=num_warps)
+
+
+def write_latent(latent_pages, new_latent, block_tables, positions):
+    """Write new latents [B, T, D] at absolute `positions` [B, T] into their pages (a scatter;
+    in place when `latent_pages` is donated by the caller's jit)."""
+    page = latent_pages.shape[1]
+    page_idx = jnp.take_along_axis(block_tables, positions // page, axis=1)
+    return latent_pages.at[page_idx, positions % page].set(new_latent.astype(latent_pages.dtype))
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+
+class LatentPrefix:
+    """A cached prefix per sequence, read from latent pages and expanded through W_UK / W_UV.
+
+    latent_pages [num_pages, page, kv_lora + rope], block_tables int32 [N, max_pages],
+    lens int32 [N] (tokens cached before each sequence's new ones; concrete),
+    w_kb [kv_lora, H, nope] (W_UK), w_vb [kv_lora, H, v] (W_UV).
+    """
+
+    def __init__(self, latent_pages, block_tables, lens, w_kb, w_vb):
+        self.latent_pages, self.block_tables, self.lens, self.w_kb, self.w_vb = (
+            latent_pages, block_tables, lens, w_kb, w_vb)
+
+    def expand(self, max_len: int):
+        """Per-head prefix keys [N, max_len, H, nope + rope] and values [N, max_len, H, v]."""
+        r = self.w_kb.shape[0]
+        kv = gather_pages(self.latent_pages, self.block_tables)[:, :max_len]
+        c, k_pe = kv[..., :r], kv[..., r:]
+        k_nope = jnp.einsum("nsr,rhd->nshd", c, self.w_kb.astype(c.dtype))
+        v = jnp.einsum("nsr,rhd->nshd", c, self.w_vb.astype(c.dtype))
+        k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (k_nope.shape[2], k_pe.shape[-1]))
+        return jnp.concatenate([k_nope, k_pe], axis=-1), v
+
+
+def mla_prefill_ref(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None):
+    """Reference, sequence by sequence with the shared attention math.  Same contract as `mla_prefill`."""
+    cu = np.asarray(cu_seqlens)
+    outs, lses = [], []
+    for n in range(len(cu) - 1):
+        lo, hi = int(cu[n]), int(cu[n + 1])
+        qn, kn, vn = q[lo:hi][None], k[lo:hi][None], v[lo:hi][None]
+        p_len = 0 if prefix is None else int(np.asarray(prefix.lens)[n])
+        if p_len:
+            pk, pv = prefix.expand(p_len)
+            kn = jnp.concatenate([pk[n:n + 1].astype(kn.dtype), kn], axis=1)
+            vn = jnp.concatenate([pv[n:n + 1].astype(vn.dtype), vn], axis=1)
+        q_pos = (p_len + jnp.arange(hi - lo))[None]
+        k_pos = jnp.arange(kn.shape[1])[None]
+        o, lse = attend(qn, kn, vn, scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+
+_NEVER = 1 << 30  # key position of padding: visible to no query
+
+
+def _prefill_kernel(qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *, block_q, block_k,
+                    prefix_blocks, scale):
+    """One (sequence, head, query block): prefix key blocks, then new key blocks up to the diagonal."""
+    f32 = jnp.float32
+    n, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    qs = pl.ds(qb * block_q, block_q)
+    q_nope, q_rope = qn_ref[n, qs, h, :], qr_ref[n, qs, h, :]
+    q_pos = qpos_ref[n, qs]
+
+    def body(kb, carry):
+        m, l, acc = carry
+        ks = pl.ds(kb * block_k, block_k)
+        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32)
+             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32)) * scale
+        s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])
+        alpha = jnp.exp(m - m_safe)
+        vv = v_ref[n, ks, h, :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc
+
+    dv = v_ref.shape[-1]
+    init = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32), jnp.zeros((block_q, dv), f32))
+    n_blocks = prefix_blocks + ((qb + 1) * block_q + block_k - 1) // block_k  # causal: new keys up to this block
+    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    has = l > 0
+    o_ref[n, qs, h, :] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[n, qs, h] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+def _pad_last(x, d):
+    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+
+
+def _pow2_at_least_16(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=64,
+                interpret=None, num_warps=4):
+    """Causal flash attention (naive MLA form) over packed new tokens plus a cached prefix.
+
+    Args:
+      q, k: [T, H, nope + rope] (the last `rope_dim` dims are the rope part);
+        v: [T, H, v_dim]; T = sum of new-token counts.
+      cu_seqlens: int [N + 1] cumulative new-token counts (concrete).
+      scale: softmax scale.
+      prefix: the cached tokens before each sequence's new ones, or None.
+    Returns:
+      o [T, H, v_dim] in v's dtype, lse fp32 [T, H].
+    """
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be [T, H, D] and v [T, H, Dv] with one T, H; got {q.shape}, {k.shape}, {v.shape}")
+    t, h, dqk = q.shape
+    cu = np.asarray(cu_seqlens).astype(np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) <= 0):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
+    n_seq = cu.size - 1
+    lens = np.diff(cu)
+    p_lens = np.zeros(n_seq, np.int64) if prefix is None else np.asarray(prefix.lens).astype(np.int64)
+    if p_lens.shape != (n_seq,):
+        raise ValueError(f"prefix.lens must be [N={n_seq}]; got {p_lens.shape}")
+    if prefix is not None:
+        page = prefix.latent_pages.shape[1]
+        table = np.asarray(prefix.block_tables)
+        if table.shape[0] != n_seq or p_lens.max() > table.shape[1] * page:
+            raise ValueError("prefix.block_tables must have a row per sequence covering prefix.lens")
+        used = np.arange(table.shape[1])[None, :] * page < p_lens[:, None]
+        if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
+            raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
+    interpret = _default_interpret() if interpret is None else interpret
+    lq = int(-(-lens.max() // block) * block)
+    lp = int(-(-p_lens.max() // block) * block)
+    # Padded per-sequence layout: queries [N, lq]; keys [N, lp + lq] = prefix then new tokens.
+    src = np.full((n_seq, lq), -1, np.int64)
+    for i in range(n_seq):
+        src[i, :lens[i]] = cu[i] + np.arange(lens[i])
+    valid = src >= 0
+    q_pos = np.where(valid, p_lens[:, None] + np.arange(lq)[None], -1)
+    k_pos_new = np.where(valid, q_pos, _NEVER)
+    k_pos_pre = np.where(np.arange(lp)[None] < p_lens[:, None], np.arange(lp)[None], _NEVER)
+    gather = lambda x: jnp.where(jnp.asarray(valid)[..., None, None], x[jnp.asarray(np.maximum(src, 0))], 0)
+    d_nope = dqk - rope_dim
+    dn, dr, dv = _pow2_at_least_16(d_nope), _pow2_at_least_16(rope_dim), _pow2_at_least_16(v.shape[-1])
+    keys, vals = gather(k), gather(v)
+    if lp:
+        pk, pv = prefix.expand(lp)
+        keys = jnp.concatenate([pk.astype(keys.dtype), keys], axis=1)
+        vals = jnp.concatenate([pv.astype(vals.dtype), vals], axis=1)
+    qq = gather(q)
+    split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
+    (qn, qr), (kn, kr) = split(qq), split(keys)
+    o, lse = _mla_prefill_core(jnp.asarray(q_pos, jnp.int32), jnp.asarray(np.concatenate([k_pos_pre, k_pos_new], 1),
+                                                                            jnp.int32),
+                               qn, qr, kn, kr, _pad_last(vals, dv), block=block, prefix_blocks=lp // block,
+                               scale=float(scale), interpret=interpret, num_warps=num_warps)
+    flat = np.flatnonzero(valid.reshape(-1))
+    o = o.reshape(n_seq * lq, h, dv)[flat][..., :v.shape[-1]]
+    return o, lse.reshape(n_seq * lq, h)[flat]
+
+
+@functools.partial(jax.jit, static_argnames=("block", "prefix_blocks", "scale", "interpret", "num_warps"))
+def _mla_prefill_core(q_pos, k_pos, qn, qr, kn, kr, v, *, block, prefix_blocks, scale, interpret, num_warps):
+    n_seq, lq, h, _ = qn.shape
+    return pl.pallas_call(
+        functools.partial(_prefill_kernel, block_q=block, block_k=block, prefix_blocks=prefix_blocks, scale=scale),
+        grid=(n_seq, h, lq // block),
+        out_shape=[jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
+                   jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32)],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="mla_prefill",
+    )(q_pos, k_pos, qn, qr, kn, kr, v)

@@ -1,0 +1,116 @@
+"""Pallas MLA kernels (interpret mode on CPU) against attention on expanded K/V.
+
+Interpret mode fills outputs with NaN before the kernel runs, so finite
+results prove every element was written (split partials included: a NaN
+partial would poison the merge).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla import (LatentPrefix, gather_pages, mla_decode, mla_decode_ref, mla_prefill,
+                                mla_prefill_ref, write_latent)
+from pallas_kernels.attention import attend
+
+ATOL, RTOL = 2e-5, 2e-5  # fp32 inputs, fp32 accumulation; online softmax reorders sums
+
+
+def _rand(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _paged(rng, b, n_pages, page, width, max_pages):
+    pages = _rand(rng, n_pages, page, width)
+    table = jnp.asarray(rng.permutation(n_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    return pages, table
+
+
+@pytest.mark.parametrize("sq, n_splits", [(1, 1), (1, 3), (3, 2)])
+def test_decode_equals_naive_attention_on_expanded_kv(rng, sq, n_splits):
+    """Absorbed paged decode == naive attention with per-head K/V expanded from the latent."""
+    b, h, r, p, nope, dv, page = 3, 4, 32, 16, 16, 16, 32
+    pages, table = _paged(rng, b, 24, page, r + p, 6)
+    lens = jnp.asarray([sq + 2, 100, 161], jnp.int32)  # not multiples of the page size
+    w_kb, w_vb = _rand(rng, r, h, nope) * 0.3, _rand(rng, r, h, dv) * 0.3
+    q_nope, q_pe = _rand(rng, b, sq, h, nope), _rand(rng, b, sq, h, p)
+    q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_kb)
+    o_lat, lse = mla_decode(q_latent, q_pe, pages, table, lens, scale=0.2, n_splits=n_splits, block_k=16)
+    assert np.isfinite(o_lat).all() and np.isfinite(lse).all()
+    # naive form on expanded keys and values
+    kv = gather_pages(pages, table)
+    k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", kv[..., :r], w_kb),
+                         jnp.broadcast_to(kv[:, :, None, r:], kv.shape[:2] + (h, p))], -1)
+    v = jnp.einsum("bsr,rhv->bshv", kv[..., :r], w_vb)
+    q_pos = lens[:, None] - sq + jnp.arange(sq)[None]
+    k_pos = jnp.broadcast_to(jnp.arange(kv.shape[1])[None], kv.shape[:2])
+    o_naive, lse_naive = attend(jnp.concatenate([q_nope, q_pe], -1), k, v, scale=0.2, q_pos_bt=q_pos,
+                                k_pos_bs=k_pos, return_lse=True)
+    np.testing.assert_allclose(jnp.einsum("bshr,rhv->bshv", o_lat, w_vb), o_naive, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, lse_naive, atol=1e-4, rtol=1e-4)
+    o_ref, lse_ref = mla_decode_ref(q_latent, q_pe, pages, table, lens, scale=0.2)
+    np.testing.assert_allclose(o_lat, o_ref, atol=ATOL, rtol=RTOL)
+
+
+def test_decode_ignores_pages_beyond_the_sequence(rng):
+    b, h, r, p, page = 1, 2, 32, 16, 16
+    pages, table = _paged(rng, b, 8, page, r + p, 4)
+    args = (_rand(rng, b, 1, h, r), _rand(rng, b, 1, h, p))
+    lens = jnp.asarray([20], jnp.int32)
+    o1, _ = mla_decode(*args, pages, table, lens, scale=0.1)
+    poisoned = pages.at[table[0, 2:]].set(1e4).at[table[0, 1], 4:].set(1e4)
+    o2, _ = mla_decode(*args, poisoned, table, lens, scale=0.1)
+    np.testing.assert_array_equal(o1, o2)
+
+
+def test_write_latent_lands_in_the_right_pages(rng):
+    pages, table = _paged(rng, 2, 8, 4, 3, 3)
+    new = _rand(rng, 2, 2, 3)
+    pos = jnp.asarray([[3, 4], [0, 1]])
+    out = write_latent(pages, new, table, pos)
+    kv = gather_pages(out, table)
+    np.testing.assert_array_equal(kv[0, 3:5], new[0])
+    np.testing.assert_array_equal(kv[1, 0:2], new[1])
+    untouched = gather_pages(pages, table)
+    np.testing.assert_array_equal(kv[0, :3], untouched[0, :3])
+
+
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix):
+    h, r, p, nope, dv, page = 2, 32, 8, 16, 16, 32
+    lens, p_lens = [5, 70, 33], [0, 40, 100]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    t = int(cu[-1])
+    q, k, v = _rand(rng, t, h, nope + p), _rand(rng, t, h, nope + p), _rand(rng, t, h, dv)
+    prefix = None
+    if with_prefix:
+        pages, table = _paged(rng, 3, 12, page, r + p, 4)
+        prefix = LatentPrefix(pages, table, jnp.asarray(p_lens), _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2)
+    o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=16)
+    assert o.shape == (t, h, dv) and np.isfinite(o).all() and np.isfinite(lse).all()
+    o_ref, lse_ref = mla_prefill_ref(q, k, v, cu_seqlens=cu, scale=0.2, prefix=prefix)
+    np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(lse, lse_ref, atol=ATOL, rtol=RTOL)
+
+
+class TestBadInput:
+    def _decode_args(self, rng):
+        pages, table = _paged(rng, 2, 8, 16, 48, 3)
+        return _rand(rng, 2, 1, 2, 32), _rand(rng, 2, 1, 2, 16), pages, table
+
+    def test_page_index_out_of_range(self, rng):
+        ql, qp, pages, table = self._decode_args(rng)
+        with pytest.raises(ValueError, match="page indices"):
+            mla_decode(ql, qp, pages, table.at[0, 0].set(99), jnp.asarray([5, 5]), scale=0.1)
+
+    def test_seq_len_beyond_the_table(self, rng):
+        ql, qp, pages, table = self._decode_args(rng)
+        with pytest.raises(ValueError, match="seq_lens"):
+            mla_decode(ql, qp, pages, table, jnp.asarray([5, 49]), scale=0.1)
+
+    def test_wrong_dims(self, rng):
+        ql, qp, pages, table = self._decode_args(rng)
+        with pytest.raises(ValueError, match="kv_lora \\+ rope"):
+            mla_decode(ql, qp[..., :8], pages, table, jnp.asarray([5, 5]), scale=0.1)
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            mla_prefill(ql[0], ql[0], ql[0], cu_seqlens=[0, 2, 1], scale=0.1, rope_dim=16)
