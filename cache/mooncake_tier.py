@@ -1,0 +1,247 @@
+"""Mooncake Store as the shared host-memory KV tier, and the services it needs.
+
+`MooncakeServices` starts, on 127.0.0.1, a real `mooncake_master` (with its
+HTTP metadata server) and a `mooncake_client` memory server that contributes
+the store's DRAM, so entries outlive the engine processes that wrote them.
+`MooncakeHostKVTier` is one engine's client: batched puts and gets go through
+a registered staging buffer (`batch_put_from` / `batch_get_into`, no extra
+copies inside Mooncake); entries are framed and checksummed like every tier's
+(cache/host_tier.py), so a corrupt or missing entry, or a dead master, is a
+counted miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from cache.host_tier import HostKVTier, TierError, decode_entry, encode_entry, entry_size
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    path = here if os.path.exists(here) else shutil.which(name)
+    if not path:
+        raise TierError(f"{name} not found: pip install mooncake-transfer-engine-non-cuda (needs libibverbs1)")
+    return path
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TierError(f"process exited with code {proc.returncode} before listening on {port}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TierError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
+
+
+class MooncakeServices:
+    """A master (+ HTTP metadata server) and a memory server on loopback.  Context manager."""
+
+    def __init__(self, segment_bytes: int = 512 << 20, log_dir: str | None = None):
+        self.segment_bytes = segment_bytes
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mooncake-")
+        self.rpc_port, self.http_port, self.metrics_port, self.client_port = (_free_port() for _ in range(4))
+        self.master: subprocess.Popen | None = None
+        self.memory_server: subprocess.Popen | None = None
+
+    @property
+    def master_addr(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
+        return subprocess.Popen([_binary(name)] + args, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start_master(self) -> None:
+        self.master = self._spawn("mooncake_master", [
+            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}", "--rpc_address=127.0.0.1",
+            f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+            "--default_kv_lease_ttl=100"])
+        _wait_port(self.rpc_port, self.master, 20)
+        _wait_port(self.http_port, self.master, 20)
+
+    def start(self) -> "MooncakeServices":
+        self.start_master()
+        self.memory_server = self._spawn("mooncake_client", [
+            "--host=127.0.0.1", f"--port={self.client_port}", f"--master_server_address={self.master_addr}",
+            f"--metadata_server={self.metadata_url}", "--protocol=tcp",
+            f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=16MB"])
+        _wait_port(self.client_port, self.memory_server, 30)
+        time.sleep(0.5)  # let the segment mount register with the master
+        return self
+
+    def kill_master(self) -> None:
+        """Fault injection: the master dies (SIGKILL)."""
+        self._stop(self.master, signal.SIGKILL)
+
+    @staticmethod
+    def _stop(proc, sig=signal.SIGTERM) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        self._stop(self.memory_server)
+        self._stop(self.master)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class MooncakeHostKVTier(HostKVTier):
+    """One engine's client of a shared Mooncake Store."""
+
+    def __init__(self, master_addr: str, metadata_url: str, *, staging_bytes: int = 64 << 20,
+                 local_hostname: str = "127.0.0.1"):
+        super().__init__()
+        from mooncake.store import MooncakeDistributedStore  # optional dependency, imported on use
+
+        self._store = MooncakeDistributedStore()
+        # This client contributes no memory of its own: the memory server holds the data,
+        # so entries outlive this process.
+        rc = self._store.setup(local_hostname, metadata_url, 0, 16 << 20, "tcp", "", master_addr)
+        if rc != 0:
+            raise TierError(f"Mooncake setup against {master_addr} failed (rc={rc})")
+        self._staging = np.zeros(staging_bytes, np.uint8)
+        if self._store.register_buffer(self._staging.ctypes.data, self._staging.nbytes) != 0:
+            raise TierError("Mooncake could not register the staging buffer")
+        self._io_lock = threading.Lock()
+
+    def close(self) -> None:
+        try:
+            self._store.unregister_buffer(self._staging.ctypes.data)
+            self._store.close()
+        except Exception as e:  # noqa: BLE001
+            log.debug("mooncake close: %r", e)
+
+    # Batched fast paths through the registered staging buffer.
+    def batch_put(self, keys, arrays):
+        if len(keys) != len(arrays):
+            raise ValueError(f"{len(keys)} keys for {len(arrays)} arrays")
+        out = []
+        for lo, hi, blobs in self._batches([encode_entry(np.asarray(a)) for a in arrays]):
+            with self._io_lock:
+                ptrs, sizes, off = [], [], 0
+                for blob in blobs:
+                    self._staging[off:off + len(blob)] = np.frombuffer(blob, np.uint8)
+                    ptrs.append(self._staging.ctypes.data + off)
+                    sizes.append(len(blob))
+                    off += len(blob)
+                try:
+                    rcs = self._store.batch_put_from(list(keys[lo:hi]), ptrs, sizes)
+                except Exception as e:  # noqa: BLE001 - a dead store is a failed put, not a crash
+                    log.warning("mooncake batch_put failed: %r", e)
+                    rcs = [-1] * len(blobs)
+            for rc, size in zip(rcs, sizes):
+                ok = rc == 0
+                self.stats.puts += ok
+                self.stats.put_bytes += size if ok else 0
+                self.stats.errors += not ok
+                out.append(ok)
+        return out
+
+    def batch_get_into(self, keys, outs):
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys for {len(outs)} buffers")
+        sizes = [entry_size(o.shape, o.dtype) for o in outs]
+        found = []
+        for lo, hi, _ in self._batches(sizes, sized=True):
+            with self._io_lock:
+                ptrs, off = [], 0
+                for s in sizes[lo:hi]:
+                    ptrs.append(self._staging.ctypes.data + off)
+                    off += s
+                try:
+                    rcs = self._store.batch_get_into(list(keys[lo:hi]), ptrs, sizes[lo:hi])
+                except Exception as e:  # noqa: BLE001
+                    log.warning("mooncake batch_get failed: %r", e)
+                    rcs = [-1] * (hi - lo)
+                off = 0
+                for key, out, rc, s in zip(keys[lo:hi], outs[lo:hi], rcs, sizes[lo:hi]):
+                    arr = decode_entry(memoryview(self._staging)[off:off + s], out.shape, out.dtype) if rc == s else None
+                    off += s
+                    if arr is None:
+                        if rc == s or rc > 0:
+                            self.stats.corrupt += 1
+                            log.warning("mooncake entry %s is corrupt or mismatched; treated as a miss", key)
+                        self.stats.misses += 1
+                        found.append(False)
+                        continue
+                    out[...] = arr
+                    self.stats.hits += 1
+                    self.stats.get_bytes += arr.nbytes
+                    found.append(True)
+        return found
+
+    def _batches(self, items, sized: bool = False):
+        """Split into runs that fit the staging buffer: yields (lo, hi, items[lo:hi])."""
+        lo, used = 0, 0
+        for i, item in enumerate(items):
+            n = item if sized else len(item)
+            if n > self._staging.nbytes:
+                raise ValueError(f"entry of {n} bytes exceeds the {self._staging.nbytes}-byte staging buffer")
+            if used + n > self._staging.nbytes:
+                yield lo, i, items[lo:i]
+                lo, used = i, 0
+            used += n
+        if lo < len(items):
+            yield lo, len(items), items[lo:]
+
+    # The generic single-entry hooks (used by the base class helpers).
+    def _put_blob(self, key, blob):
+        return self._store.put(key, blob) == 0
+
+    def _get_blob(self, key):
+        blob = self._store.get(key)
+        return blob or None
+
+    def exists(self, keys):
+        try:
+            return [rc == 1 for rc in self._store.batch_is_exist(list(keys))]
+        except Exception as e:  # noqa: BLE001
+            log.warning("mooncake exists failed: %r", e)
+            return [False] * len(keys)
+
+    def remove(self, keys):
+        for k in keys:
+            try:
+                self._store.remove(k)
+            except Exception as e:  # noqa: BLE001
+                log.warning("mooncake remove %s failed: %r", k, e)

@@ -1,0 +1,102 @@
+"""Mooncake Store tier against a real mooncake_master + memory server on 127.0.0.1."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cache.host_tier import make_key
+from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
+
+
+@pytest.fixture(scope="module")
+def services():
+    try:
+        svc = MooncakeServices(segment_bytes=256 << 20).start()
+    except TierError as e:
+        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+            raise
+        pytest.skip(f"Mooncake unavailable: {e}")
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def tier(services):
+    t = MooncakeHostKVTier(services.master_addr, services.metadata_url, staging_bytes=4 << 20)
+    yield t
+    t.close()
+
+
+def _keys(tag, n):
+    return [make_key(f"test/{tag}", "mla", bytes([i]) * 16) for i in range(n)]
+
+
+def test_batched_round_trip_is_bit_exact(tier, rng):
+    pages = [rng.standard_normal((128, 48)).astype(np.float32) for _ in range(5)]
+    keys = _keys("rt", 5)
+    assert tier.batch_put(keys, pages) == [True] * 5
+    outs = [np.empty_like(p) for p in pages]
+    assert tier.batch_get_into(keys + _keys("absent", 1), outs + [np.empty((128, 48), np.float32)]) == [True] * 5 + [False]
+    for a, b in zip(outs, pages):
+        np.testing.assert_array_equal(a, b)
+    assert tier.exists(keys[:1] + _keys("absent", 1)) == [True, False]
+
+
+def test_batches_larger_than_the_staging_buffer_are_split(tier, rng):
+    pages = [rng.standard_normal((256, 1024)).astype(np.float32) for _ in range(5)]  # 1 MiB each, 4 MiB staging
+    keys = _keys("big", 5)
+    assert all(tier.batch_put(keys, pages))
+    outs = [np.empty_like(p) for p in pages]
+    assert all(tier.batch_get_into(keys, outs))
+    np.testing.assert_array_equal(outs[4], pages[4])
+
+
+def test_a_corrupt_entry_is_a_counted_miss(tier, rng):
+    key = _keys("corrupt", 1)[0]
+    page = rng.standard_normal((128, 48)).astype(np.float32)
+    tier.batch_put([key], [page])
+    blob = bytearray(tier._store.get(key))
+    blob[-3] ^= 0xFF
+    assert tier._store.upsert(key, bytes(blob)) == 0  # overwrite in place with a flipped byte
+    out = np.zeros_like(page)
+    assert tier.batch_get_into([key], [out]) == [False]
+    assert tier.stats.corrupt == 1 and (out == 0).all()
+
+
+def test_kv_written_by_one_process_is_found_by_a_new_one(services, rng):
+    page = rng.standard_normal((64, 32)).astype(np.float32)
+    key = _keys("xproc", 1)[0]
+    writer = ("import numpy as np, sys; from cache.mooncake_tier import MooncakeHostKVTier as T;"
+              f"t = T('{services.master_addr}', '{services.metadata_url}', staging_bytes=1 << 20);"
+              f"sys.exit(0 if t.batch_put(['{key}'], [np.frombuffer(bytes.fromhex('{page.tobytes().hex()}'),"
+              " np.float32).reshape(64, 32)]) == [True] else 1)")
+    subprocess.run([sys.executable, "-c", writer], check=True, timeout=120, env=dict(os.environ, PYTHONPATH="."))
+    reader = MooncakeHostKVTier(services.master_addr, services.metadata_url, staging_bytes=1 << 20)
+    out = np.empty_like(page)
+    assert reader.batch_get_into([key], [out]) == [True]
+    np.testing.assert_array_equal(out, page)
+    reader.close()
+
+
+def test_a_killed_master_turns_into_misses_not_crashes(rng):
+    try:
+        svc = MooncakeServices(segment_bytes=64 << 20).start()
+    except TierError as e:
+        pytest.skip(f"Mooncake unavailable: {e}")
+    try:
+        tier = MooncakeHostKVTier(svc.master_addr, svc.metadata_url, staging_bytes=1 << 20)
+        key = _keys("dead", 1)[0]
+        page = rng.standard_normal((32, 32)).astype(np.float32)
+        assert tier.batch_put([key], [page]) == [True]
+        svc.kill_master()
+        t0 = time.monotonic()
+        assert tier.batch_get_into([key], [np.empty_like(page)]) in ([False], [True])
+        assert tier.batch_put(_keys("dead2", 1), [page]) == [False]
+        assert tier.exists([key]) in ([False], [True])
+        assert time.monotonic() - t0 < 60
+    finally:
+        svc.stop()
