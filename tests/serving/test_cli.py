@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from kimik3 import cli
+from serving import cli
 
 
 def test_generate_prints_tokens_and_text(capsys):
@@ -25,7 +25,7 @@ def test_bad_arguments_give_an_error_not_a_traceback(capsys):
 
 
 def test_console_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "kimik3.cli", "info", "--config", "tiny"],
+    out = subprocess.run([sys.executable, "-m", "serving.cli", "info", "--config", "tiny"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "layers        4 (3 KDA, 1 MLA)" in out.stdout

@@ -2,6 +2,7 @@
 
     kimik3 generate --config tiny --prompt "Hello"      greedy generation
     kimik3 info --config kimi_k3                         sizes of a config
+    kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
 """
 
 from __future__ import annotations
@@ -61,6 +62,49 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_coverage(args) -> int:
+    import os
+
+    from tqdm import tqdm
+
+    from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices
+    from kimik3 import config
+    from serving import coverage
+    from serving.workload import WorkloadSpec
+
+    cfg = config.get_config(args.config)
+    workload = WorkloadSpec.scaled(args.scale, sessions=args.sessions, seed=args.seed,
+                                   turns=(args.min_turns, args.max_turns))
+    spec = coverage.CoverageSpec(engines=args.engines, seed=args.seed)
+    rows = []
+    services = None
+    try:
+        for name in coverage.CONFIGS:
+            shared = None
+            if name == "shared":
+                services = MooncakeServices(segment_bytes=args.store_mb << 20).start()
+                shared = MooncakeHostKVTier(services.master_addr, services.metadata_url)
+            with tqdm(desc=f"coverage [{name}]", unit="turn", leave=False) as bar:
+                def progress(done, total, bar=bar):
+                    bar.total = total
+                    bar.update(done - bar.n)
+                rows.append(coverage.replay(cfg, workload, spec, name, shared, progress))
+            if shared is not None:
+                shared.close()
+    finally:
+        if services is not None:
+            services.stop()
+    print(f"workload: {args.sessions} sessions, {rows[0].turns} turns, token counts / {args.scale:g} of DESIGN.md; "
+          f"{args.engines} engines; GPU pool = {rows[0].gpu_pages_per_engine} pages of "
+          f"128 tokens per engine (about half of its share of the working set)")
+    print(coverage.format_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "coverage.png")
+    coverage.plot(rows, path)
+    print(f"plot: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
     g.set_defaults(func=_cmd_generate)
+
+    c = sub.add_parser("coverage", help="replay the agent workload through the cache tiers")
+    c.add_argument("--config", default="tiny")
+    c.add_argument("--engines", type=int, default=3)
+    c.add_argument("--sessions", type=int, default=12)
+    c.add_argument("--min-turns", type=int, default=20)
+    c.add_argument("--max-turns", type=int, default=30)
+    c.add_argument("--scale", type=float, default=8.0, help="divide DESIGN.md's token counts by this")
+    c.add_argument("--store-mb", type=int, default=1024, help="Mooncake memory server size")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default="out")
+    c.set_defaults(func=_cmd_coverage)
 
     i = sub.add_parser("info", help="parameter count and weight bytes of a config")
     i.add_argument("--config", default="kimi_k3")
