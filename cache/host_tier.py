@@ -3,7 +3,7 @@
 Entries are numpy arrays (MLA latent pages, KDA state snapshots) stored under
 namespaced string keys (``"<namespace>/<kind>/<hash hex>"``).  Every stored
 entry is framed with a header (magic, format version, dtype, shape, payload
-length, BLAKE2b checksum of the payload) that is verified on load: a corrupt,
+length, XXH3-128 checksum of the payload) that is verified on load: a corrupt,
 truncated or missing entry is a *miss*, counted in `stats`, never a wrong
 array and never an exception on the serving path.
 
@@ -18,18 +18,18 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
-import hashlib
 import logging
 import struct
 import threading
 from typing import Sequence
 
 import numpy as np
+import xxhash
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KK3T"
-VERSION = 1
+VERSION = 2  # 2: XXH3-128 checksums
 KINDS = ("mla", "kda")  # the key kinds a tier accepts
 _HEADER = struct.Struct("<4sHH16sQ")  # magic, version, header json length, checksum, payload length
 
@@ -60,7 +60,7 @@ def encode_entry(array: np.ndarray) -> bytes:
     array = np.ascontiguousarray(array)
     meta = _meta(array.shape, array.dtype)
     payload = array.tobytes()
-    digest = hashlib.blake2b(payload, digest_size=16).digest()
+    digest = xxhash.xxh3_128_digest(payload)
     return _HEADER.pack(MAGIC, VERSION, len(meta), digest, len(payload)) + meta + payload
 
 
@@ -75,7 +75,7 @@ def decode_entry(blob: bytes | memoryview, expect_shape=None, expect_dtype=None)
         dtype_str, shape_str = meta.split("|")
         shape = tuple(int(s) for s in shape_str.split(",") if s)
         payload = blob[_HEADER.size + meta_len:]
-        if len(payload) != n or hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        if len(payload) != n or xxhash.xxh3_128_digest(payload) != digest:
             return None
         arr = np.frombuffer(payload, dtype=np.dtype(dtype_str)).reshape(shape)
     except (struct.error, ValueError, TypeError, UnicodeDecodeError):

@@ -85,7 +85,7 @@ class MooncakeServices:
             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}", "--rpc_address=127.0.0.1",
             f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            "--default_kv_lease_ttl=100"])
+            "--default_kv_lease_ttl=10000"])  # a read holds its objects this long (ms)
         _wait_port(self.rpc_port, self.master, 20)
         _wait_port(self.http_port, self.master, 20)
 
