@@ -10,7 +10,6 @@ MLA layer's latent (bf16); a KDA snapshot is every KDA layer's fp32 state.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -18,6 +17,7 @@ import time
 
 import numpy as np
 
+from benchmarks import common
 from cache.host_tier import EmbeddedHostKVTier, make_key
 from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices
 from kimik3 import config
@@ -79,17 +79,8 @@ def main():
         mooncake.close()
     finally:
         services.stop()
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
-    table = "\n".join(["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-                      + ["| " + " | ".join(fmt(r.get(k, "-")) for k in keys) + " |" for r in rows])
-    print(f"\nhost: {platform.processor() or platform.machine()}, {os.cpu_count()} cores\n{table}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "host_tier.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "host_tier.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-
+    print(f"\nhost: {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    common.write_results(args.out, "host_tier", rows)
 
 if __name__ == "__main__":
     main()

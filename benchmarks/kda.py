@@ -17,7 +17,6 @@ under --out.  Sections:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import common
+from benchmarks.common import time_jax
 from pallas_kernels import kda
 
 try:
@@ -49,17 +50,6 @@ def inputs(key, b, t, h, d, dtype):
     g = (-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h, d)) - 2.0)).astype(jnp.float32)
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))).astype(dtype)
     return q, k, v, g, beta
-
-
-def time_jax(fn, *args, iters=20, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def time_torch(fn, iters=20, warmup=3):
@@ -84,13 +74,6 @@ def to_torch(x):
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def copy_bandwidth_gbs():
-    x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
-    f = jax.jit(lambda a: a * 1.0 + 0.0)
-    ms = time_jax(f, x)
-    return 2 * x.nbytes / (ms * 1e-3) / 1e9
 
 
 def section_correctness(rows):
@@ -196,14 +179,6 @@ def section_decode(rows, copy_gbs, batches=(64, 256), h=32, d=128, reps=50):
                          copy_gbs=copy_gbs, ours_of_copy=state_bytes / (ms * 1e-3) / 1e9 / copy_gbs))
 
 
-def fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -219,7 +194,7 @@ def main():
     sections = args.sections.split(",")
     rows = []
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = common.copy_gbs()
     rows.append(dict(section="roofline", case="XLA copy 1 GiB (read+write)", copy_gbs=copy_gbs))
     if "correctness" in sections:
         section_correctness(rows)
@@ -237,20 +212,7 @@ def main():
         print("modes done", flush=True)
     if "decode" in sections and in_budget():
         section_decode(rows, copy_gbs)
-    lines = []
-    for section in dict.fromkeys(r["section"] for r in rows):
-        sec = [r for r in rows if r["section"] == section]
-        keys = [k for k in dict.fromkeys(k for r in sec for k in r) if k != "section"]
-        lines += [f"\n### {section}\n", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-        lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in sec]
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kda_bench.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "kda_bench.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-
+    common.write_results(args.out, "kda_bench", rows)
 
 if __name__ == "__main__":
     main()

@@ -16,10 +16,7 @@ Prefill (`mla_prefill`, naive form, qk 192 / v 128): against
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -27,23 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import common
+from benchmarks.common import time_jax
 from pallas_kernels import mla
-
-
-def time_jax(fn, *args, iters=20, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def copy_gbs():
-    x = jnp.ones((1 << 28,), jnp.float32)
-    return 2 * x.nbytes / (time_jax(jax.jit(lambda a: a * 1.0 + 0.0), x) * 1e-3) / 1e9
 
 
 def matmul_tflops(n=8192):
@@ -106,21 +89,13 @@ def prefill_rows(shapes, interpret=False):
     return rows
 
 
-def fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
     args = ap.parse_args()
     rows = []
-    bw, tf = copy_gbs(), (1.0 if args.tiny else matmul_tflops())
+    bw, tf = common.copy_gbs(), (1.0 if args.tiny else matmul_tflops())
     rows.append(dict(section="roofline", case="XLA copy (GB/s) and bf16 matmul (TFLOP/s)", copy_gbs=bw, matmul_tflops=tf))
     if args.tiny:
         rows += decode_rows(bw, tf, [2], [256], [2], r=32, p=16, page=64, interpret=True)
@@ -130,20 +105,7 @@ def main():
         rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96])
         rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4)  # speculative verify: 4 query tokens
         rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)])
-    lines = []
-    for section in dict.fromkeys(r["section"] for r in rows):
-        sec = [r for r in rows if r["section"] == section]
-        keys = [k for k in dict.fromkeys(k for r in sec for k in r) if k != "section"]
-        lines += [f"\n### {section}\n", "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-        lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in sec]
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "mla_bench.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(args.out, "mla_bench.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-
+    common.write_results(args.out, "mla_bench", rows)
 
 if __name__ == "__main__":
     main()

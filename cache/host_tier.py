@@ -117,6 +117,19 @@ class HostKVTier(abc.ABC):
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None: ...
 
+    def _accept(self, key: str, stored: bool, arr: np.ndarray | None, out: np.ndarray) -> bool:
+        """Count a get and copy a verified entry into `out`; `stored` says whether bytes came back."""
+        if arr is None:
+            if stored:
+                log.warning("host tier entry %s is corrupt or mismatched; treated as a miss", key)
+                self.stats.corrupt += 1
+            self.stats.misses += 1
+            return False
+        out[...] = arr
+        self.stats.hits += 1
+        self.stats.get_bytes += arr.nbytes
+        return True
+
     def batch_put(self, keys: Sequence[str], arrays: Sequence[np.ndarray]) -> list[bool]:
         """Store each array; False where the backend refused or failed (logged, counted)."""
         if len(keys) != len(arrays):
@@ -149,17 +162,7 @@ class HostKVTier(abc.ABC):
                 self.stats.errors += 1
                 blob = None
             arr = None if blob is None else decode_entry(blob, out.shape, out.dtype)
-            if blob is not None and arr is None:
-                log.warning("host tier entry %s is corrupt or mismatched; treated as a miss", key)
-                self.stats.corrupt += 1
-            if arr is None:
-                self.stats.misses += 1
-                found.append(False)
-                continue
-            out[...] = arr
-            self.stats.hits += 1
-            self.stats.get_bytes += arr.nbytes
-            found.append(True)
+            found.append(self._accept(key, blob is not None, arr, out))
         return found
 
 

@@ -197,17 +197,7 @@ class MooncakeHostKVTier(HostKVTier):
                 for key, out, rc, s in zip(keys[lo:hi], outs[lo:hi], rcs, sizes[lo:hi]):
                     arr = decode_entry(memoryview(self._staging)[off:off + s], out.shape, out.dtype) if rc == s else None
                     off += s
-                    if arr is None:
-                        if rc == s or rc > 0:
-                            self.stats.corrupt += 1
-                            log.warning("mooncake entry %s is corrupt or mismatched; treated as a miss", key)
-                        self.stats.misses += 1
-                        found.append(False)
-                        continue
-                    out[...] = arr
-                    self.stats.hits += 1
-                    self.stats.get_bytes += arr.nbytes
-                    found.append(True)
+                    found.append(self._accept(key, rc == s or rc > 0, arr, out))
         return found
 
     def _batches(self, items, sized: bool = False):

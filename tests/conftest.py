@@ -29,3 +29,18 @@ def tiny_params(tiny_cfg):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="session")
+def mooncake_services():
+    """A real mooncake_master + memory server on 127.0.0.1 for the session (skip only outside CI)."""
+    from cache.mooncake_tier import MooncakeServices, TierError
+
+    try:
+        services = MooncakeServices(segment_bytes=256 << 20).start()
+    except TierError as e:
+        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+            raise
+        pytest.skip(f"Mooncake unavailable: {e}")
+    yield services
+    services.stop()

@@ -12,16 +12,9 @@ from cache.host_tier import make_key
 from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
 
 
-@pytest.fixture(scope="module")
-def services():
-    try:
-        svc = MooncakeServices(segment_bytes=256 << 20).start()
-    except TierError as e:
-        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
-            raise
-        pytest.skip(f"Mooncake unavailable: {e}")
-    yield svc
-    svc.stop()
+@pytest.fixture
+def services(mooncake_services):
+    return mooncake_services
 
 
 @pytest.fixture

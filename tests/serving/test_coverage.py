@@ -1,10 +1,6 @@
 """Coverage harness: cache rate rises from GPU-only to host offload to the shared store."""
 
-import os
-
-import pytest
-
-from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
+from cache.mooncake_tier import MooncakeHostKVTier
 from kimik3 import config
 from serving import coverage
 from serving.workload import WorkloadSpec, generate_sessions
@@ -20,23 +16,14 @@ def test_workload_is_seeded_and_shaped_like_design():
             assert nxt.prompt[:len(prev.prompt) + len(prev.output)] == prev.prompt + prev.output  # history grows
 
 
-def test_cache_rate_rises_gpu_then_host_then_shared(tmp_path):
-    try:
-        services = MooncakeServices(segment_bytes=256 << 20).start()
-    except TierError as e:
-        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
-            raise
-        pytest.skip(f"Mooncake unavailable: {e}")
-    try:
-        cfg = config.tiny()
-        workload = WorkloadSpec.scaled(16, sessions=6, turns=(8, 10))
-        spec = coverage.CoverageSpec(engines=3)
-        shared = MooncakeHostKVTier(services.master_addr, services.metadata_url)
-        rows = [coverage.replay(cfg, workload, spec, "gpu"), coverage.replay(cfg, workload, spec, "host"),
-                coverage.replay(cfg, workload, spec, "shared", shared)]
-        shared.close()
-    finally:
-        services.stop()
+def test_cache_rate_rises_gpu_then_host_then_shared(tmp_path, mooncake_services):
+    cfg = config.tiny()
+    workload = WorkloadSpec.scaled(16, sessions=6, turns=(8, 10))
+    spec = coverage.CoverageSpec(engines=3)
+    shared = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
+    rows = [coverage.replay(cfg, workload, spec, "gpu"), coverage.replay(cfg, workload, spec, "host"),
+            coverage.replay(cfg, workload, spec, "shared", shared)]
+    shared.close()
     gpu, host, shared_row = rows
     assert gpu.hit_tokens_host == 0 and host.hit_tokens_host > 0 and shared_row.hit_tokens_host > 0
     assert gpu.cache_rate < host.cache_rate < shared_row.cache_rate
