@@ -4,12 +4,24 @@
 in and returned (see `init_cache`), so prefill in pieces, decode, and later
 paging all run through the same code.
 
-Cache layout::
+Contiguous cache (`init_cache`), one row per sequence::
 
     {"lengths": int32 [B]               tokens already in the cache per sequence,
      "layers":  tuple, one per layer:
         KDA: {"state": f32 [B, H, K, V], "conv_q"/"conv_k"/"conv_v": [B, W-1, H*D]}
         MLA: {"latent": [B, max_len, kv_lora + rope]}}
+
+Paged cache (`init_paged_cache` + `paged_view`): pools shared by every request,
+and the batch's view of them::
+
+    {"lengths": int32 [B], "block_tables": int32 [B, max_pages], "slots": int32 [B],
+     "layers": tuple, one per layer:
+        KDA: {"state": f32 [num_slots, H, K, V], "conv_*": [num_slots, W-1, H*D]}
+        MLA: {"pages": [num_pages, page_tokens, kv_lora + rope]}}
+
+Both go through the same layers: the paged pools are viewed per batch
+(KDA rows gathered by slot and scattered back, MLA pages read and written
+through the block tables).
 """
 
 from __future__ import annotations
@@ -157,10 +169,33 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
+def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_tokens: int = 128, dtype=None):
+    """Pools: `num_pages` MLA latent pages of `page_tokens` per MLA layer and `num_slots`
+    KDA state rows per KDA layer.  View them per batch with `paged_view`."""
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    layers = tuple(init_kda_cache(cfg, num_slots, dtype) if kind == "kda" else
+                   {"pages": jnp.zeros((num_pages, page_tokens, cfg.mla_latent_dim), dtype)}
+                   for kind in cfg.mixer_kinds)
+    return {"layers": layers}
+
+
+def paged_view(pools: Cache, block_tables, slots, lengths) -> Cache:
+    """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
+    (distinct KDA rows), lengths int32 [B] (tokens already cached)."""
+    return {"layers": pools["layers"], "block_tables": jnp.asarray(block_tables, jnp.int32),
+            "slots": jnp.asarray(slots, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
+
+
+def _is_paged(cache: Cache | None) -> bool:
+    return cache is not None and "block_tables" in cache
+
+
 def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
     """Tokens per sequence the cache can hold (MLA latent rows; KDA has no limit)."""
     for kind, layer in zip(cfg.mixer_kinds, cache["layers"]):
         if kind == "mla":
+            if _is_paged(cache):
+                return cache["block_tables"].shape[1] * layer["pages"].shape[1]
             return layer["latent"].shape[1]
     return cfg.max_seq_len
 
@@ -171,10 +206,20 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 @functools.partial(jax.jit, static_argnames=("cfg", "expert_path", "kernels"))
 def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto"):
     layer_caches = None if cache is None else cache["layers"]
+    if _is_paged(cache):
+        slots = cache["slots"]
+        layer_caches = tuple({k: v[slots] for k, v in layer.items()} if kind == "kda" else
+                             {"pages": layer["pages"], "block_tables": cache["block_tables"]}
+                             for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
     logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
         {"params": params}, tokens, positions, layer_caches, images)
     if cache is None:
         return logits, None
+    if _is_paged(cache):
+        new_layers = tuple({k: pool[k].at[cache["slots"]].set(new[k]) for k in pool} if kind == "kda" else
+                           {"pages": new["pages"]}
+                           for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
+        return logits, dict(cache, lengths=cache["lengths"] + tokens.shape[1], layers=new_layers)
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
 
 

@@ -62,7 +62,7 @@ def _pages_for(length: int) -> int | None:
 
 
 def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs,
-                  absorbed: bool, contiguous_cache: bool, kernels="auto"):
+                  absorbed: bool, contiguous_cache: bool, paged=None, kernels="auto"):
     """MLA attention of queries [B, T, H, nope + rope] over latent rows [B, S, kv_lora + rope] -> [B, T, H, v].
 
     `absorbed` picks the form (latent MQA vs expanded heads).  On the Pallas path
@@ -78,10 +78,13 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
     nope = w_kb_rhn.shape[-1]
     if resolve(kernels) == "pallas":
         page = _pages_for(latent_bsr.shape[1])
-        if absorbed and contiguous_cache and page and _kernel_dims_ok(kv_lora, rope):
-            s = latent_bsr.shape[1]
-            pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
-            table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
+        if absorbed and contiguous_cache and (page or paged is not None) and _kernel_dims_ok(kv_lora, rope):
+            if paged is not None:
+                pages, table = paged
+            else:
+                s = latent_bsr.shape[1]
+                pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
+                table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
             o_latent, _ = mla_kernels.mla_decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype),
                                                  pages.astype(q_latent.dtype), table, q_pos_bt[:, -1] + 1, scale=scale)

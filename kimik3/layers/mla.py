@@ -23,6 +23,7 @@ from kimik3 import ops
 from kimik3.config import ModelConfig
 from pallas_kernels.attention import attend
 from kimik3.layers.primitives import fan_in_init, rms_norm
+from pallas_kernels.mla import gather_pages, write_latent
 
 
 def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
@@ -59,8 +60,10 @@ def write_rows(cache_bsr, rows_btr, start_b):
 class MLA(nn.Module):
     """x [B, T, D], positions [B, T] (+ cache) -> y [B, T, D] (+ new cache).
 
-    With a cache, the new latents are written at ``positions[:, 0]`` and
-    attention reads the whole cache (causality masks unwritten rows).  Spans of
+    With a contiguous cache ``{"latent": [B, S, D]}`` the new latents are
+    written at ``positions[:, 0]``; with a paged cache ``{"pages": [P, page, D],
+    "block_tables": [B, max_pages]}`` they are written into their pages.
+    Attention reads the whole cache (causality masks unwritten rows).  Spans of
     at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.
     """
 
@@ -89,16 +92,23 @@ class MLA(nn.Module):
         kv = x_btd @ w_kva
         latent_new = jnp.concatenate([rms_norm(kv[..., :r], kv_norm, cfg.norm_eps), kv[..., r:]], axis=-1)
         t = x_btd.shape[1]
+        paged = None
         if cache is None:
             latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
         else:
-            latent = write_rows(cache["latent"], latent_new, positions_bt[:, 0])
-            new_cache = {"latent": latent}
+            if "pages" in cache:
+                pages = write_latent(cache["pages"], latent_new, cache["block_tables"], positions_bt)
+                new_cache = {"pages": pages, "block_tables": cache["block_tables"]}
+                paged = (pages, cache["block_tables"])
+                latent = gather_pages(pages, cache["block_tables"])
+            else:
+                latent = write_rows(cache["latent"], latent_new, positions_bt[:, 0])
+                new_cache = {"latent": latent}
             k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2])
             absorbed = t <= cfg.mla_absorb_max_tokens
         o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
                               q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
-                              contiguous_cache=cache is not None, kernels=self.kernels)
+                              contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
         gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x_btd, w_gate).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache
