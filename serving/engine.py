@@ -1,0 +1,281 @@
+"""The serving engine: params, the paged pools, the cache manager, and jitted steps.
+
+One `Engine` owns:
+
+* device pools (`kimik3.model.init_paged_cache`): MLA latent pages shared by all
+  requests (block ids = the manager's page ids) and KDA state rows (one slot
+  per running request);
+* a KDA snapshot pool (the manager's snapshot blocks), packed per snapshot as
+  one fp32 vector of every KDA layer's state and conv rows;
+* a `PagedKVManager` over both, optionally backed by a host tier.
+
+`step()` runs one scheduler iteration: admit waiting requests the pools can
+hold (prefix hits restore pages and a KDA snapshot and skip that prefill),
+prefill one chunk of the oldest prefilling request (chunks end at the
+manager's snapshot boundaries, so the KDA state there is exported by copying
+the request's state row into its private checkpoint block, then published),
+and decode one token for every running request in one batched call.
+Decode batches are padded to power-of-two buckets with a scratch slot and the
+null page, so recompiles stay rare; `compiles` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cache.block_pool import NULL_BLOCK, NoFreeBlocks
+from cache.host_tier import HostKVTier
+from cache.manager import CacheSpec, PagedKVManager
+from kimik3 import model, ops, tokenizer
+from kimik3.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop_at_eos: bool = False
+    arrival_s: float = dataclasses.field(default_factory=time.monotonic)
+    # filled by the engine
+    output: list[int] = dataclasses.field(default_factory=list)
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    cached_tokens_host: int = 0
+    done: bool = False
+    error: str | None = None
+    _slot: int = -1
+    _computed: int = 0  # prompt tokens whose KV is in the cache
+    _boundaries: list[int] = dataclasses.field(default_factory=list)
+    _last_logits: np.ndarray | None = None
+
+
+class _MLAPageStore:
+    """BlockStore over the engine's MLA page pools: one block = [n_mla_layers, page, D]."""
+
+    def __init__(self, engine: "Engine"):
+        self.e = engine
+        self.block_shape = (len(engine.mla_layers), engine.page_tokens, engine.cfg.mla_latent_dim)
+        self.dtype = np.dtype(jnp.dtype(engine.dtype).name if engine.dtype != jnp.bfloat16 else "float32")
+
+    def read(self, blocks):
+        layers = self.e.pools["layers"]
+        idx = jnp.asarray(blocks, jnp.int32)
+        stacked = np.stack([np.asarray(layers[i]["pages"][idx], np.float32) for i in self.e.mla_layers], 1)
+        return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
+
+    def write(self, blocks, arrays):
+        idx = jnp.asarray(blocks, jnp.int32)
+        data = np.stack(arrays)  # [n, n_mla, page, D]
+        layers = list(self.e.pools["layers"])
+        for k, i in enumerate(self.e.mla_layers):
+            layers[i] = {"pages": layers[i]["pages"].at[idx].set(jnp.asarray(data[:, k], layers[i]["pages"].dtype))}
+        self.e.pools = {"layers": tuple(layers)}
+
+
+class _SnapshotStore:
+    """BlockStore of KDA snapshots: every KDA layer's state and conv rows, packed in one vector."""
+
+    def __init__(self, engine: "Engine", num_blocks: int):
+        self.e = engine
+        self.block_shape = (engine.snapshot_size,)
+        self.dtype = np.dtype(np.float32)
+        self.data = jnp.zeros((num_blocks, engine.snapshot_size), jnp.float32)
+
+    def read(self, blocks):
+        return list(np.asarray(self.data[jnp.asarray(blocks, jnp.int32)]))
+
+    def write(self, blocks, arrays):
+        self.data = self.data.at[jnp.asarray(blocks, jnp.int32)].set(jnp.asarray(np.stack(arrays)))
+
+
+class Engine:
+    def __init__(self, params, cfg: ModelConfig, *, num_pages: int, num_slots: int = 8, num_snapshots: int = 16,
+                 page_tokens: int = 128, kda_block_tokens: int = 1536, max_pages_per_request: int | None = None,
+                 prefill_chunk_tokens: int = 512, host: HostKVTier | None = None, kernels: str = "auto",
+                 namespace: str | None = None):
+        self.params, self.cfg = params, cfg
+        self.dtype = params["embed_vd"].dtype
+        self.page_tokens = page_tokens
+        self.kernels = ops.resolve(kernels)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_pages = max_pages_per_request or -(-cfg.max_seq_len // page_tokens)
+        self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
+        self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
+        # slot num_slots is scratch for padded decode rows
+        self.pools = model.init_paged_cache(cfg, num_pages, num_slots + 1, page_tokens, self.dtype)
+        self.scratch_slot = num_slots
+        self._free_slots = list(range(num_slots))
+        kda0 = self.pools["layers"][self.kda_layers[0]] if self.kda_layers else {}
+        self._kda_keys = sorted(kda0)
+        self.snapshot_size = sum(int(np.prod(kda0[k].shape[1:])) for k in self._kda_keys) * len(self.kda_layers)
+        ns = namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}"
+        self.pages = _MLAPageStore(self)
+        self.snapshots = _SnapshotStore(self, num_snapshots)
+        self.manager = PagedKVManager(CacheSpec(ns, page_tokens, kda_block_tokens), self.pages, num_pages,
+                                      self.snapshots, num_snapshots, host)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admitted: prefilling or decoding
+        self.finished: list[Request] = []
+        self.compiles = 0
+        self._shapes_seen: set = set()
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
+               stop_at_eos: bool = False) -> Request:
+        """Queue a request.  Raises ValueError for a prompt the engine can never serve."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        total = len(prompt) + max_new_tokens
+        limit = min(self.cfg.max_seq_len, self.max_pages * self.page_tokens)
+        if total > limit:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                             f"context limit of {limit} tokens")
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request and free its KV; False if it is unknown or already done."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._release(req, error="cancelled")
+                    return True
+        return False
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, max_steps: int = 1_000_000) -> list[Request]:
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            self.step()
+        return self.finished
+
+    def step(self) -> None:
+        self._admit()
+        prefilling = [r for r in self.running if r._computed < len(r.prompt)]
+        if prefilling:
+            self._prefill_chunk(prefilling[0])
+        decoding = [r for r in self.running if r._computed >= len(r.prompt) and not r.done]
+        if decoding:
+            self._decode(decoding)
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_slots:
+            req = self.waiting[0]
+            try:
+                blocks = self.manager.begin(req.request_id, req.prompt)
+            except NoFreeBlocks:
+                return  # admission by capacity: it waits until running requests free pages
+            self.waiting.pop(0)
+            req._slot = self._free_slots.pop()
+            req.cached_tokens = blocks.hit.tokens
+            req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
+            req._computed = blocks.hit.tokens
+            self._restore_state(req._slot, blocks.snapshot_block)
+            req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
+            self.running.append(req)
+
+    # ---- KDA state rows <-> snapshot blocks ----------------------------------------------------------
+    def _restore_state(self, slot: int, snapshot_block: int | None) -> None:
+        vec = (self.snapshots.data[snapshot_block] if snapshot_block is not None
+               else jnp.zeros((self.snapshot_size,), jnp.float32))
+        layers, off = list(self.pools["layers"]), 0
+        for i in self.kda_layers:
+            layer = dict(layers[i])
+            for k in self._kda_keys:
+                shape = layer[k].shape[1:]
+                n = int(np.prod(shape))
+                layer[k] = layer[k].at[slot].set(vec[off:off + n].reshape(shape).astype(layer[k].dtype))
+                off += n
+            layers[i] = layer
+        self.pools = {"layers": tuple(layers)}
+
+    def _save_state(self, slot: int, snapshot_block: int) -> None:
+        parts = [self.pools["layers"][i][k][slot].astype(jnp.float32).reshape(-1)
+                 for i in self.kda_layers for k in self._kda_keys]
+        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(jnp.concatenate(parts))
+
+    # ---- model calls --------------------------------------------------------------------------------
+    def _table(self, req: Request) -> list[int]:
+        table = self.manager.requests[req.request_id].page_table
+        return table + [NULL_BLOCK] * (self.max_pages - len(table))
+
+    def _forward(self, tokens, tables, slots, lengths):
+        key = (tokens.shape, self.kernels)
+        if key not in self._shapes_seen:
+            self._shapes_seen.add(key)
+            self.compiles += 1
+        view = model.paged_view(self.pools, tables, slots, lengths)
+        logits, view = model.forward(self.params, self.cfg, tokens, cache=view, kernels=self.kernels)
+        self.pools = {"layers": view["layers"]}
+        return np.asarray(logits[:, -1], np.float32)
+
+    def _prefill_chunk(self, req: Request) -> None:
+        start = req._computed
+        end = min(len(req.prompt), start + self.prefill_chunk_tokens)
+        if req._boundaries and req._boundaries[0] < end:
+            end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
+        tokens = np.asarray([req.prompt[start:end]], np.int32)
+        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start])[0]
+        req._computed = end
+        self.manager.commit_pages(req.request_id, end)
+        if req._boundaries and req._boundaries[0] == end:
+            req._boundaries.pop(0)
+            blocks = self.manager.requests[req.request_id]
+            self._save_state(req._slot, blocks.checkpoint_block)
+            self.manager.commit_snapshot(req.request_id, end)
+        if end == len(req.prompt):
+            self._emit(req, int(np.argmax(req._last_logits)))
+
+    def _decode(self, reqs: list[Request]) -> None:
+        for r in reqs:  # room for the token about to be written
+            self.manager.extend(r.request_id, len(r.prompt) + len(r.output))
+        bucket = 1 << (len(reqs) - 1).bit_length()
+        pad = bucket - len(reqs)
+        tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
+        tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
+        slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
+        lengths = [len(r.prompt) + len(r.output) - 1 for r in reqs] + [0] * pad
+        if pad and len(set(slots)) != len(slots):
+            slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # scratch rows may repeat: harmless
+        logits = self._forward(tokens, tables, slots, lengths)
+        for r, row in zip(reqs, logits):
+            self._emit(r, int(np.argmax(row)))
+
+    def _emit(self, req: Request, token: int) -> None:
+        req.output.append(token)
+        req.token_times_s.append(time.monotonic())
+        if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == tokenizer.EOS_ID):
+            self.running.remove(req)
+            self._release(req)
+
+    def _release(self, req: Request, error: str | None = None) -> None:
+        if req.request_id in self.manager.requests:
+            self.manager.finish(req.request_id)
+        if req._slot >= 0:
+            self._free_slots.append(req._slot)
+            req._slot = -1
+        req.done, req.error = True, error
+        self.finished.append(req)

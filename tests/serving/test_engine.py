@@ -1,0 +1,76 @@
+"""The engine's greedy tokens equal the oracle's: batched, across turns, from prefix hits."""
+
+import numpy as np
+import pytest
+
+from cache.host_tier import EmbeddedHostKVTier
+from kimik3 import tokenizer
+from kimik3.generate import generate
+from serving.engine import Engine
+
+PAGE = 16
+
+
+def _engine(params, cfg, **kw):
+    kw = dict(dict(num_pages=48, num_slots=4, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
+                   max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference"), **kw)
+    return Engine(params, cfg, **kw)
+
+
+def _oracle(params, cfg, prompt, n):
+    return generate(params, cfg, prompt, n).tokens.tolist()
+
+
+def test_concurrent_requests_equal_the_oracle(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (37, 70, 5)]
+    reqs = [eng.submit(p, 6) for p in prompts]
+    eng.run(max_steps=200)
+    for req, p in zip(reqs, prompts):
+        assert req.done and req.error is None
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, 6)
+
+
+def test_second_turn_served_from_a_prefix_hit_equals_the_oracle(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    turn1 = tokenizer.apply_chat_template([tokenizer.Message("user", "x" * 60)])
+    r1 = eng.submit(turn1, 5)
+    eng.run(max_steps=100)
+    turn2 = turn1 + r1.output + tokenizer.apply_chat_template([tokenizer.Message("user", "more")])[1:]
+    r2 = eng.submit(turn2, 5)
+    eng.run(max_steps=100)
+    assert r2.cached_tokens >= 4 * PAGE  # the KDA block boundary at 64 tokens at least
+    assert r1.output == _oracle(tiny_params, tiny_cfg, turn1, 5)
+    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 5)
+
+
+def test_second_turn_from_the_host_tier_after_eviction(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, num_pages=12, num_snapshots=5, host=EmbeddedHostKVTier(1 << 24))
+    turn1 = rng.integers(0, 256, 80).tolist()
+    r1 = eng.submit(turn1, 3)
+    eng.run(max_steps=100)
+    eng.submit(rng.integers(0, 256, 150).tolist(), 2)  # evicts turn 1's pages and snapshots
+    eng.run(max_steps=100)
+    turn2 = turn1 + r1.output + rng.integers(0, 256, 10).tolist()
+    r2 = eng.submit(turn2, 4)
+    eng.run(max_steps=100)
+    assert r2.cached_tokens_host > 0
+    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 4)
+
+
+def test_bad_requests_are_refused_and_cancellation_frees_kv(tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit([], 3)
+    with pytest.raises(ValueError, match="context limit"):
+        eng.submit([1] * 250, 10)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.submit([1, 2], 0)
+    free_before = eng.manager.page_pool.num_free
+    req = eng.submit(list(range(50)), 20)
+    eng.step()
+    assert eng.cancel(req.request_id) and req.error == "cancelled"
+    assert eng.manager.page_pool.num_free == free_before and not eng.manager.requests
+    other = eng.submit(list(range(30)), 3)
+    eng.run(max_steps=50)
+    assert other.output == _oracle(tiny_params, tiny_cfg, list(range(30)), 3)
