@@ -318,6 +318,22 @@ class PagedKVManager:
         (req.checkpoint_block,) = self.snap_pool.allocate(1)
         return True
 
+    def publish_to_host(self, request_id: str) -> int:
+        """Write the request's committed pages and published snapshots to the host tier now
+        (not only on eviction), so another engine can find them.  Returns entries written."""
+        if self.host is None:
+            return 0
+        req = self.requests[request_id]
+        written = 0
+        for kind, store, blocks, hashes in (
+                ("mla", self.pages, req.page_table[:req.committed_pages], req.hashes[:req.committed_pages]),
+                ("kda", self.snapshots, req.owned_snapshots, [self.snap_pool.block_hash[b] for b in req.owned_snapshots])):
+            todo = [(b, h) for b, h, there in zip(blocks, hashes, self._host_has(kind, hashes)) if h and not there]
+            if todo:
+                ok = self.host.batch_put([self._key(kind, h) for _, h in todo], store.read([b for b, _ in todo]))
+                written += sum(ok)
+        return written
+
     def finish(self, request_id: str) -> None:
         """Drop every reference the request holds (pages stay cached until evicted)."""
         req = self.requests.pop(request_id)

@@ -15,8 +15,9 @@ prefill one chunk of the oldest prefilling request (chunks end at the
 manager's snapshot boundaries, so the KDA state there is exported by copying
 the request's state row into its private checkpoint block, then published),
 and decode one token for every running request in one batched call.
-Decode batches are padded to power-of-two buckets with a scratch slot and the
-null page, so recompiles stay rare; `compiles` counts them.
+Prefill chunks have power-of-two lengths and decode batches are padded to
+power-of-two buckets with a scratch slot and the null page, so recompiles stay
+rare; `compiles` counts them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Request:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
     cached_tokens_host: int = 0
+    admitted_s: float | None = None
     done: bool = False
     error: str | None = None
     _slot: int = -1
@@ -103,7 +105,13 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, *, num_pages: int, num_slots: int = 8, num_snapshots: int = 16,
                  page_tokens: int = 128, kda_block_tokens: int = 1536, max_pages_per_request: int | None = None,
                  prefill_chunk_tokens: int = 512, host: HostKVTier | None = None, kernels: str = "auto",
-                 namespace: str | None = None):
+                 namespace: str | None = None, role: str = "both"):
+        """role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled`
+        hands the request over while its KV is still held), or "decode"."""
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode; got {role!r}")
+        self.role = role
+        self.on_prefilled = None  # callable(engine, request) for role "prefill"
         self.params, self.cfg = params, cfg
         self.dtype = params["embed_vd"].dtype
         self.page_tokens = page_tokens
@@ -189,6 +197,7 @@ class Engine:
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
+            req.admitted_s = time.monotonic()
             req._slot = self._free_slots.pop()
             req.cached_tokens = blocks.hit.tokens
             req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
@@ -196,6 +205,39 @@ class Engine:
             self._restore_state(req._slot, blocks.snapshot_block)
             req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
             self.running.append(req)
+
+    def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
+              state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False) -> Request | None:
+        """Take over a request another engine prefilled (direct P/D handoff): its prompt's
+        page contents and its KDA state after the whole prompt.  None if it does not fit now."""
+        if not self._free_slots:
+            return None
+        try:
+            blocks = self.manager.begin(request_id, prompt)
+        except NoFreeBlocks:
+            return None
+        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s)
+        req.admitted_s = time.monotonic()
+        req.cached_tokens = blocks.hit.tokens
+        req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
+        req._slot = self._free_slots.pop()
+        first_new = blocks.hit.tokens // self.page_tokens
+        new_pages = blocks.page_table[first_new:len(pages)]
+        if new_pages:
+            self.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
+        self.manager.commit_pages(request_id, len(prompt))
+        self.snapshots.data = self.snapshots.data.at[blocks.checkpoint_block].set(jnp.asarray(state))
+        self._restore_state(req._slot, blocks.checkpoint_block)
+        req._computed = len(prompt)
+        self.running.append(req)
+        self._emit(req, first_token)
+        return req
+
+    def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
+        """(prompt page contents, packed KDA state) of a request this engine holds."""
+        table = self.manager.requests[req.request_id].page_table
+        pages = self.pages.read(table[:-(-len(req.prompt) // self.page_tokens)])
+        return pages, np.asarray(self._packed_state(req._slot))
 
     # ---- KDA state rows <-> snapshot blocks ----------------------------------------------------------
     def _restore_state(self, slot: int, snapshot_block: int | None) -> None:
@@ -212,10 +254,12 @@ class Engine:
             layers[i] = layer
         self.pools = {"layers": tuple(layers)}
 
+    def _packed_state(self, slot: int):
+        return jnp.concatenate([self.pools["layers"][i][k][slot].astype(jnp.float32).reshape(-1)
+                                for i in self.kda_layers for k in self._kda_keys])
+
     def _save_state(self, slot: int, snapshot_block: int) -> None:
-        parts = [self.pools["layers"][i][k][slot].astype(jnp.float32).reshape(-1)
-                 for i in self.kda_layers for k in self._kda_keys]
-        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(jnp.concatenate(parts))
+        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(self._packed_state(slot))
 
     # ---- model calls --------------------------------------------------------------------------------
     def _table(self, req: Request) -> list[int]:
@@ -237,6 +281,8 @@ class Engine:
         end = min(len(req.prompt), start + self.prefill_chunk_tokens)
         if req._boundaries and req._boundaries[0] < end:
             end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
+        # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
+        end = start + (1 << ((end - start).bit_length() - 1))
         tokens = np.asarray([req.prompt[start:end]], np.int32)
         req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start])[0]
         req._computed = end
@@ -247,7 +293,14 @@ class Engine:
             self._save_state(req._slot, blocks.checkpoint_block)
             self.manager.commit_snapshot(req.request_id, end)
         if end == len(req.prompt):
-            self._emit(req, int(np.argmax(req._last_logits)))
+            if self.role == "prefill" and self.on_prefilled is not None:
+                req.output.append(int(np.argmax(req._last_logits)))
+                req.token_times_s.append(time.monotonic())
+                self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
+                self.running.remove(req)
+                self._release(req)
+            else:
+                self._emit(req, int(np.argmax(req._last_logits)))
 
     def _decode(self, reqs: list[Request]) -> None:
         for r in reqs:  # room for the token about to be written
@@ -263,6 +316,13 @@ class Engine:
         logits = self._forward(tokens, tables, slots, lengths)
         for r, row in zip(reqs, logits):
             self._emit(r, int(np.argmax(row)))
+
+    def records(self):
+        """Metrics records of the finished requests (serving.metrics)."""
+        from serving.metrics import RequestRecord
+
+        return [RequestRecord(r.arrival_s, r.token_times_s, len(r.prompt), r.cached_tokens - r.cached_tokens_host,
+                              r.cached_tokens_host, r.admitted_s) for r in self.finished if r.error is None]
 
     def _emit(self, req: Request, token: int) -> None:
         req.output.append(token)

@@ -74,3 +74,21 @@ def test_bad_requests_are_refused_and_cancellation_frees_kv(tiny_cfg, tiny_param
     other = eng.submit(list(range(30)), 3)
     eng.run(max_steps=50)
     assert other.output == _oracle(tiny_params, tiny_cfg, list(range(30)), 3)
+
+
+@pytest.mark.parametrize("handoff", ["direct", "store"])
+def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_params, handoff):
+    from serving.disagg import DisaggregatedServer
+
+    host = EmbeddedHostKVTier(1 << 24) if handoff == "store" else None
+    prefill = _engine(tiny_params, tiny_cfg, role="prefill", host=host)
+    decode = _engine(tiny_params, tiny_cfg, role="decode", host=host)
+    server = DisaggregatedServer(prefill, decode, handoff)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (70, 33)]
+    reqs = [server.submit(p, 5) for p in prompts]
+    done = server.run(max_steps=300)
+    for r, p in zip(reqs, prompts):
+        assert done[r.request_id].output == _oracle(tiny_params, tiny_cfg, p, 5)
+    if handoff == "store":
+        assert any(done[r.request_id].cached_tokens_host > 0 for r in reqs)
+    assert not prefill.manager.requests and not decode.manager.requests  # all KV released

@@ -1,0 +1,76 @@
+"""Prefill/Decode disaggregation: a prefill engine hands finished prefills to a decode engine.
+
+Handoff modes:
+* ``direct``: the prompt's page contents and the live KDA state move from the
+  prefill engine's pools into the decode engine's (device to device when both
+  share a device; the arrays pass through host memory otherwise).
+* ``store``: the prefill engine publishes its committed pages and KDA snapshots
+  to the shared host tier and lets go; the decode engine admits the prompt like
+  any request, finds the prefix there (up to the last full page with a
+  snapshot) and prefills only the short tail itself.
+"""
+
+from __future__ import annotations
+
+from serving.engine import Engine, Request
+
+
+class DisaggregatedServer:
+    def __init__(self, prefill: Engine, decode: Engine, handoff: str = "direct"):
+        if handoff not in ("direct", "store"):
+            raise ValueError(f"handoff must be 'direct' or 'store'; got {handoff!r}")
+        if handoff == "store" and (prefill.manager.host is None or prefill.manager.host is not decode.manager.host):
+            raise ValueError("handoff='store' needs both engines on one shared host tier")
+        if prefill.role != "prefill" or decode.role == "prefill":
+            raise ValueError("engines must have roles 'prefill' and 'decode'")
+        self.prefill, self.decode, self.handoff = prefill, decode, handoff
+        self.requests: dict[str, Request] = {}  # the client's view: filled as tokens arrive
+        self._pending: list[tuple] = []  # direct handoffs waiting for decode capacity
+        prefill.on_prefilled = self._on_prefilled
+
+    def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None) -> Request:
+        req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id)
+        self.requests[req.request_id] = req
+        return req
+
+    def _on_prefilled(self, engine: Engine, req: Request) -> None:
+        if req.max_new_tokens == 1:
+            return  # the prefill produced the only token
+        if self.handoff == "direct":
+            pages, state = engine.export_kv(req)
+            self._pending.append((req, pages, state))
+        else:
+            engine.manager.publish_to_host(req.request_id)
+            self._pending.append((req, None, None))
+
+    def _hand_over(self) -> None:
+        still = []
+        for req, pages, state in self._pending:
+            if pages is not None:
+                new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state,
+                                        request_id=req.request_id, arrival_s=req.arrival_s)
+                if new is None:
+                    still.append((req, pages, state))
+                    continue
+            else:
+                new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id)
+                new.arrival_s = req.arrival_s
+            if pages is not None:  # the first token came out of the prefill engine
+                new.token_times_s[0] = req.token_times_s[0]
+            self.requests[req.request_id] = new
+        self._pending = still
+
+    def has_work(self) -> bool:
+        return self.prefill.has_work() or self.decode.has_work() or bool(self._pending)
+
+    def step(self) -> None:
+        self.prefill.step()
+        self._hand_over()
+        self.decode.step()
+
+    def run(self, max_steps: int = 1_000_000):
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            self.step()
+        return self.requests

@@ -1,0 +1,110 @@
+"""Serving metrics, defined once (DESIGN.md) and used everywhere.
+
+* TTFT: arrival to first output token.
+* TPOT: mean gap between a request's consecutive output tokens.
+* queue time: arrival to admission (first KV allocated).
+* throughput: output tokens / wall time of the run.
+* token cache rate: prompt tokens served from cache / prompt tokens, per tier.
+Every latency is reported at p50 / p90 / p99.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    arrival_s: float
+    token_times_s: Sequence[float]
+    prompt_tokens: int
+    cached_tokens_gpu: int
+    cached_tokens_host: int
+    admitted_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+
+def percentiles(values: Sequence[float | None]) -> dict[str, float]:
+    v = np.asarray([x for x in values if x is not None], np.float64)
+    if v.size == 0:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
+
+
+@dataclasses.dataclass
+class Summary:
+    name: str
+    requests: int
+    output_tokens: int
+    wall_s: float
+    ttft_s: dict
+    tpot_s: dict
+    queue_s: dict
+    cache_rate: float
+    cache_rate_gpu: float
+    cache_rate_host: float
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+def summarize(name: str, records: Sequence[RequestRecord], wall_s: float) -> Summary:
+    prompt = max(1, sum(r.prompt_tokens for r in records))
+    gpu = sum(r.cached_tokens_gpu for r in records)
+    host = sum(r.cached_tokens_host for r in records)
+    return Summary(name, len(records), sum(len(r.token_times_s) for r in records), wall_s,
+                   percentiles([r.ttft_s for r in records]), percentiles([r.tpot_s for r in records]),
+                   percentiles([r.queue_s for r in records]), (gpu + host) / prompt, gpu / prompt, host / prompt)
+
+
+def format_table(summaries: Sequence[Summary]) -> str:
+    ms = lambda d, q: f"{1e3 * d[q]:.1f}"
+    lines = ["| mode | requests | throughput tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
+             "queue p50 / p99 ms | cache rate (GPU + host) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for s in summaries:
+        lines.append(f"| {s.name} | {s.requests} | {s.throughput_tok_s:.1f} | "
+                     f"{ms(s.ttft_s, 'p50')} / {ms(s.ttft_s, 'p90')} / {ms(s.ttft_s, 'p99')} | "
+                     f"{ms(s.tpot_s, 'p50')} / {ms(s.tpot_s, 'p90')} / {ms(s.tpot_s, 'p99')} | "
+                     f"{ms(s.queue_s, 'p50')} / {ms(s.queue_s, 'p99')} | "
+                     f"{s.cache_rate:.1%} ({s.cache_rate_gpu:.1%} + {s.cache_rate_host:.1%}) |")
+    return "\n".join(lines)
+
+
+def plot(summaries_records: dict[str, Sequence[RequestRecord]], path: str) -> None:
+    """TTFT and TPOT distributions per mode (empirical CDFs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name, records in summaries_records.items():
+        for ax, attr in zip(axes, ("ttft_s", "tpot_s")):
+            v = np.sort([getattr(r, attr) * 1e3 for r in records if getattr(r, attr) is not None])
+            if v.size:
+                ax.plot(v, np.arange(1, v.size + 1) / v.size, label=name)
+    for ax, title in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
+        ax.set_xlabel(title)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
