@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kimik3's two commands, on a fresh machine:
-#   ./run.sh demo [args]   the main job (today: `kimik3 generate` on the tiny model)
+#   ./run.sh demo [args]   the main job: `kimik3 demo` (the agent workload end to end, tiny model)
 #   ./run.sh test [args]   the test suite (CPU)
 # Both create .venv with Python >= 3.12 and install the project on first use.
 set -euo pipefail
@@ -40,7 +40,7 @@ cmd=${1:-}
 case "$cmd" in
   demo)
     ensure_venv
-    exec .venv/bin/kimik3 generate --config tiny "$@"
+    exec .venv/bin/kimik3 demo "$@"
     ;;
   test)
     ensure_venv

@@ -105,6 +105,7 @@ class RequestBlocks:
     checkpoint_block: int  # private: mid-pass KDA states land here
     committed_pages: int = 0
     owned_snapshots: list[int] = dataclasses.field(default_factory=list)  # snapshot refs to drop at finish
+    published: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)  # (snapshot block, hash)
 
 
 @dataclasses.dataclass
@@ -313,10 +314,25 @@ class PagedKVManager:
         h = req.hashes[boundary_tokens // self.spec.page_tokens - 1]
         if self.snap_pool.lookup(h) is not None:
             return False  # already shared (another request got there first); keep our block private
+        try:
+            (fresh,) = self.snap_pool.allocate(1)
+        except NoFreeBlocks:
+            log.info("no free snapshot block: state at %d tokens of %s stays unpublished", boundary_tokens, request_id)
+            return False  # a missed cache opportunity, never an error on the serving path
         self.snap_pool.cache_block(req.checkpoint_block, h)
-        req.owned_snapshots.append(req.checkpoint_block)
-        (req.checkpoint_block,) = self.snap_pool.allocate(1)
+        # Published snapshots are immutable and this request never reads them again: drop
+        # our reference at once so they age in the LRU like any cached block.
+        self.snap_pool.free([req.checkpoint_block])
+        req.published.append((req.checkpoint_block, h))
+        req.checkpoint_block = fresh
         return True
+
+    def release_hit_snapshot(self, request_id: str) -> None:
+        """The engine has copied the hit's snapshot into the request's state row: let it go."""
+        req = self.requests[request_id]
+        if req.snapshot_block is not None and req.snapshot_block in req.owned_snapshots:
+            req.owned_snapshots.remove(req.snapshot_block)
+            self.snap_pool.free([req.snapshot_block])
 
     def publish_to_host(self, request_id: str) -> int:
         """Write the request's committed pages and published snapshots to the host tier now
@@ -325,9 +341,10 @@ class PagedKVManager:
             return 0
         req = self.requests[request_id]
         written = 0
+        live = [(b, h) for b, h in req.published if self.snap_pool.block_hash[b] == h]  # not yet reused
         for kind, store, blocks, hashes in (
                 ("mla", self.pages, req.page_table[:req.committed_pages], req.hashes[:req.committed_pages]),
-                ("kda", self.snapshots, req.owned_snapshots, [self.snap_pool.block_hash[b] for b in req.owned_snapshots])):
+                ("kda", self.snapshots, [b for b, _ in live], [h for _, h in live])):
             todo = [(b, h) for b, h, there in zip(blocks, hashes, self._host_has(kind, hashes)) if h and not there]
             if todo:
                 ok = self.host.batch_put([self._key(kind, h) for _, h in todo], store.read([b for b, _ in todo]))

@@ -3,6 +3,7 @@
     kimik3 generate --config tiny --prompt "Hello"      greedy generation
     kimik3 info --config kimi_k3                         sizes of a config
     kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
+    kimik3 demo                                          the agent workload end to end, 4 serving setups
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ def _cmd_coverage(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from serving import demo
+
+    spec = demo.DemoSpec(config=args.config, sessions=args.sessions, seed=args.seed)
+    print(demo.main(spec, args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
     g.set_defaults(func=_cmd_generate)
+
+    d = sub.add_parser("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
+    d.add_argument("--config", default="tiny")
+    d.add_argument("--sessions", type=int, default=6)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="out")
+    d.set_defaults(func=_cmd_demo)
 
     c = sub.add_parser("coverage", help="replay the agent workload through the cache tiers")
     c.add_argument("--config", default="tiny")

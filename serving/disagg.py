@@ -25,7 +25,8 @@ class DisaggregatedServer:
             raise ValueError("engines must have roles 'prefill' and 'decode'")
         self.prefill, self.decode, self.handoff = prefill, decode, handoff
         self.requests: dict[str, Request] = {}  # the client's view: filled as tokens arrive
-        self._pending: list[tuple] = []  # direct handoffs waiting for decode capacity
+        self._pending: list[tuple] = []  # handoffs waiting for decode capacity
+        self._prefilled: dict[str, Request] = {}  # the prefill side of each handed-over request
         prefill.on_prefilled = self._on_prefilled
 
     def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None) -> Request:
@@ -55,10 +56,27 @@ class DisaggregatedServer:
             else:
                 new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id)
                 new.arrival_s = req.arrival_s
-            if pages is not None:  # the first token came out of the prefill engine
-                new.token_times_s[0] = req.token_times_s[0]
+            self._prefilled[req.request_id] = req
             self.requests[req.request_id] = new
         self._pending = still
+
+    def records(self):
+        """One metrics record per finished request: the prompt's cache hits and the first
+        token from the prefill engine (which computed them), later tokens from the decode engine."""
+        from serving.metrics import RequestRecord
+
+        out = []
+        for r in self.decode.finished:
+            p = self._prefilled.get(r.request_id)
+            if r.error is not None or p is None:
+                continue
+            out.append(RequestRecord(p.arrival_s, p.token_times_s[:1] + r.token_times_s[1:], len(p.prompt),
+                                     p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
+        for p in self.prefill.finished:  # single-token requests never reach the decode engine
+            if p.error is None and p.max_new_tokens == 1:
+                out.append(RequestRecord(p.arrival_s, p.token_times_s, len(p.prompt),
+                                         p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
+        return out
 
     def has_work(self) -> bool:
         return self.prefill.has_work() or self.decode.has_work() or bool(self._pending)

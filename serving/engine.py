@@ -136,7 +136,6 @@ class Engine:
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self.finished: list[Request] = []
         self.compiles = 0
-        self._shapes_seen: set = set()
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -203,6 +202,7 @@ class Engine:
             req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
             req._computed = blocks.hit.tokens
             self._restore_state(req._slot, blocks.snapshot_block)
+            self.manager.release_hit_snapshot(req.request_id)
             req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
             self.running.append(req)
 
@@ -267,14 +267,25 @@ class Engine:
         return table + [NULL_BLOCK] * (self.max_pages - len(table))
 
     def _forward(self, tokens, tables, slots, lengths):
-        key = (tokens.shape, self.kernels)
-        if key not in self._shapes_seen:
-            self._shapes_seen.add(key)
-            self.compiles += 1
+        before = model._forward._cache_size()
         view = model.paged_view(self.pools, tables, slots, lengths)
         logits, view = model.forward(self.params, self.cfg, tokens, cache=view, kernels=self.kernels)
+        self.compiles += model._forward._cache_size() - before  # new XLA programs this call needed
         self.pools = {"layers": view["layers"]}
         return np.asarray(logits[:, -1], np.float32)
+
+    def warmup(self) -> int:
+        """Compile every step shape this engine can use (prefill chunks of 1, 2, 4, ... tokens;
+        decode buckets of 1, 2, 4, ... rows) on scratch rows whose results are dropped.
+        Returns the number of new programs."""
+        before = model._forward._cache_size()
+        shapes = [(1, 1 << i) for i in range(self.prefill_chunk_tokens.bit_length())]
+        shapes += [(1 << i, 1) for i in range(1, (len(self._free_slots) or 1).bit_length() + 1)]
+        for b, t in shapes:
+            view = model.paged_view(self.pools, [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b)
+            jax.block_until_ready(model.forward(self.params, self.cfg, np.zeros((b, t), np.int32), cache=view,
+                                                kernels=self.kernels)[0])
+        return model._forward._cache_size() - before
 
     def _prefill_chunk(self, req: Request) -> None:
         start = req._computed

@@ -92,3 +92,12 @@ def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_par
     if handoff == "store":
         assert any(done[r.request_id].cached_tokens_host > 0 for r in reqs)
     assert not prefill.manager.requests and not decode.manager.requests  # all KV released
+
+
+def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
+    from serving import demo
+
+    text = demo.main(demo.DemoSpec(sessions=2, turns=(2, 2)), str(tmp_path))
+    for mode in demo.MODES:
+        assert f"| {mode} | 4 |" in text
+    assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()

@@ -1,0 +1,127 @@
+"""The demo (the main job): the seeded multi-turn agent workload, end to end.
+
+Runs the workload through four setups on embedded defaults and prints one
+metrics table, plus a plot of the TTFT / TPOT distributions:
+
+* colocated: one engine, GPU pool only;
+* colocated + host tier: one engine with the embedded host-memory tier;
+* P/D direct: a prefill engine hands KV to a decode engine directly;
+* P/D via store: the handoff goes through a shared host tier.
+
+Sessions are closed-loop: a session's next turn (history + new input) is
+submitted when its previous turn finishes; sessions start in bursts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import jax
+from tqdm import tqdm
+
+from cache.host_tier import EmbeddedHostKVTier
+from kimik3 import config, model
+from serving import metrics
+from serving.disagg import DisaggregatedServer
+from serving.engine import Engine
+from serving.workload import WorkloadSpec, generate_sessions  # noqa: F401 - WorkloadSpec used by _workload
+
+log = logging.getLogger(__name__)
+MODES = ("colocated", "colocated+host", "pd-direct", "pd-store")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoSpec:
+    config: str = "tiny"
+    sessions: int = 6
+    turns: tuple[int, int] = (3, 4)
+    scale: float = 32.0  # DESIGN.md token counts divided by this
+    page_tokens: int = 32
+    kda_block_tokens: int = 128
+    num_pages: int = 96
+    num_slots: int = 4
+    host_bytes: int = 256 << 20
+    seed: int = 0
+
+
+def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
+    common = dict(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
+                  page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
+                  max_pages_per_request=max_pages, prefill_chunk_tokens=256)
+    if mode.startswith("colocated"):
+        host = EmbeddedHostKVTier(spec.host_bytes) if mode.endswith("host") else None
+        return Engine(params, cfg, host=host, **common)
+    host = EmbeddedHostKVTier(spec.host_bytes) if mode == "pd-store" else None
+    prefill = Engine(params, cfg, role="prefill", host=host, **common)
+    decode = Engine(params, cfg, role="decode", host=host, **common)
+    return DisaggregatedServer(prefill, decode, "store" if mode == "pd-store" else "direct")
+
+
+def _workload(spec: DemoSpec):
+    return generate_sessions(WorkloadSpec.scaled(spec.scale, sessions=spec.sessions, turns=spec.turns,
+                                                 seed=spec.seed, vocab=256, burst_size=3))
+
+
+def _max_pages(spec: DemoSpec) -> int:
+    longest = max(len(t.prompt) + len(t.output) for s in _workload(spec) for t in s)
+    return -(-longest // spec.page_tokens) + 1
+
+
+def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None):
+    sessions = _workload(spec)
+    server = _engines(params, cfg, spec, mode, _max_pages(spec))
+    engines = [server] if isinstance(server, Engine) else [server.prefill, server.decode]
+    next_turn = {s: 0 for s in range(len(sessions))}
+    live: dict[int, object] = {}
+    t0 = time.monotonic()
+    burst = sorted({t[0].arrival_s for t in sessions})
+    while any(next_turn[s] < len(sessions[s]) for s in next_turn) or live:
+        now_rel = time.monotonic() - t0
+        for s, turns in enumerate(sessions):
+            # a burst starts every 2 s of wall time; a session's next turn follows its previous one
+            started = burst.index(turns[0].arrival_s) * 2.0 <= now_rel or next_turn[s] > 0
+            if s not in live and next_turn[s] < len(turns) and started:
+                t = turns[next_turn[s]]
+                live[s] = server.submit(list(t.prompt), len(t.output), request_id=f"s{s}t{t.turn}")
+        server.step()
+        requests = server.requests if hasattr(server, "requests") else None
+        for s, req in list(live.items()):
+            cur = requests.get(req.request_id, req) if requests is not None else req
+            if cur.done:
+                del live[s]
+                next_turn[s] += 1
+                if bar is not None:
+                    bar.update(1)
+        if not live and not server.has_work() and not any(
+                next_turn[s] < len(sessions[s]) and next_turn[s] > 0 for s in next_turn):
+            time.sleep(0.01)
+    wall = time.monotonic() - t0
+    records = server.records()
+    return metrics.summarize(mode, records, wall), records, sum(e.compiles for e in engines)
+
+
+def main(spec: DemoSpec, out_dir: str) -> str:
+    cfg = config.get_config(spec.config)
+    params = model.init_params(cfg, jax.random.PRNGKey(spec.seed))
+    n_turns = sum(len(s) for s in _workload(spec))
+    summaries, all_records, compiles = [], {}, {}
+    t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
+    _engines(params, cfg, spec, "colocated", _max_pages(spec)).warmup()
+    warmup_s = time.monotonic() - t0
+    with tqdm(total=n_turns * len(MODES), desc="demo", unit="turn") as bar:
+        for mode in MODES:
+            bar.set_postfix_str(mode)
+            summary, records, compiles[mode] = run_mode(params, cfg, spec, mode, bar)
+            summaries.append(summary)
+            all_records[mode] = records
+    table = metrics.format_table(summaries)
+    os.makedirs(out_dir, exist_ok=True)
+    metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
+    header = (f"config={cfg.name} ({jax.default_backend()}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
+              f"turns, DESIGN.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
+              f"{spec.num_pages} pages per engine; warm-up (compiles) {warmup_s:.1f} s; "
+              f"new compiles while measuring: {compiles}")
+    return header + "\n" + table + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"

@@ -1,0 +1,21 @@
+"""Metrics are defined once: TTFT, TPOT, queue time, cache rate, percentiles."""
+
+import math
+
+from serving.metrics import RequestRecord, percentiles, summarize
+
+
+def test_definitions():
+    r = RequestRecord(arrival_s=10.0, token_times_s=[10.5, 10.7, 11.1], prompt_tokens=100, cached_tokens_gpu=40,
+                      cached_tokens_host=20, admitted_s=10.2)
+    assert math.isclose(r.ttft_s, 0.5) and math.isclose(r.tpot_s, 0.3) and math.isclose(r.queue_s, 0.2)
+    s = summarize("x", [r, RequestRecord(0.0, [1.0], 100, 0, 0, 0.5)], wall_s=2.0)
+    assert s.output_tokens == 4 and math.isclose(s.throughput_tok_s, 2.0)
+    assert math.isclose(s.cache_rate, 0.3) and math.isclose(s.cache_rate_host, 0.1)
+    assert math.isclose(s.tpot_s["p50"], 0.3)  # single-token requests have no TPOT
+
+
+def test_percentiles():
+    p = percentiles(list(range(1, 101)))
+    assert math.isclose(p["p50"], 50.5) and p["p99"] > 99
+    assert math.isnan(percentiles([None])["p50"])
