@@ -105,12 +105,16 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, *, num_pages: int, num_slots: int = 8, num_snapshots: int = 16,
                  page_tokens: int = 128, kda_block_tokens: int = 1536, max_pages_per_request: int | None = None,
                  prefill_chunk_tokens: int = 512, host: HostKVTier | None = None, kernels: str = "auto",
-                 namespace: str | None = None, role: str = "both"):
+                 namespace: str | None = None, role: str = "both", publish_to_host: bool = False):
         """role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled`
-        hands the request over while its KV is still held), or "decode"."""
+        hands the request over while its KV is still held), or "decode".
+        publish_to_host: write each finished request's pages and snapshots to the host tier
+        at once (a shared store then serves them to other engines, and to this one after a
+        restart), not only when they are evicted."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode; got {role!r}")
         self.role = role
+        self.publish_to_host = publish_to_host
         self.on_prefilled = None  # callable(engine, request) for role "prefill"
         self.params, self.cfg = params, cfg
         self.dtype = params["embed_vd"].dtype
@@ -344,6 +348,8 @@ class Engine:
 
     def _release(self, req: Request, error: str | None = None) -> None:
         if req.request_id in self.manager.requests:
+            if self.publish_to_host and error is None:
+                self.manager.publish_to_host(req.request_id)
             self.manager.finish(req.request_id)
         if req._slot >= 0:
             self._free_slots.append(req._slot)

@@ -101,3 +101,36 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     for mode in demo.MODES:
         assert f"| {mode} | 4 |" in text
     assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()
+
+
+def test_a_freshly_started_engine_finds_the_kv_in_mooncake(rng, tiny_cfg, tiny_params, mooncake_services):
+    from cache.mooncake_tier import MooncakeHostKVTier
+
+    ns = f"tiny/fresh-{rng.integers(1 << 30)}"  # this test's own key space in the session store
+    tier_a = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
+    eng_a = _engine(tiny_params, tiny_cfg, host=tier_a, publish_to_host=True, namespace=ns)
+    turn1 = rng.integers(0, 256, 90).tolist()
+    r1 = eng_a.submit(turn1, 3)
+    eng_a.run(max_steps=100)
+    tier_a.close()
+    del eng_a  # the first engine is gone; only the store remembers
+    tier_b = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
+    eng_b = _engine(tiny_params, tiny_cfg, host=tier_b, namespace=ns)
+    turn2 = turn1 + r1.output + rng.integers(0, 256, 7).tolist()
+    r2 = eng_b.submit(turn2, 4)
+    eng_b.run(max_steps=100)
+    tier_b.close()
+    assert r2.cached_tokens_host >= 4 * PAGE
+    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 4)
+
+
+def test_admission_refuses_what_does_not_fit_and_admits_it_later(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, num_pages=8)  # 7 usable pages of 16 tokens
+    prompts = [rng.integers(0, 256, 90).tolist() for _ in range(2)]  # 6 pages each with their outputs
+    a, b = (eng.submit(p, 4) for p in prompts)
+    eng.step()
+    assert [r.request_id for r in eng.running] == [a.request_id] and eng.waiting == [b]
+    eng.run(max_steps=200)
+    assert a.output == _oracle(tiny_params, tiny_cfg, prompts[0], 4)
+    assert b.output == _oracle(tiny_params, tiny_cfg, prompts[1], 4)
+    assert b.admitted_s >= a.token_times_s[-1]  # b was admitted once a had freed its pages
