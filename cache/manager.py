@@ -208,14 +208,18 @@ class PagedKVManager:
         n_pages, gpu, tier = self._plan_hit(hashes, n)
         total_pages = self.pages_needed(n)
         n_new = total_pages - sum(gpu)
-        if n_new > self.page_pool.num_free or self.snap_pool.num_free < 1 + (tier == "host"):
-            raise NoFreeBlocks(f"request {request_id!r} needs {n_new} pages, {self.page_pool.num_free} free")
-        # Reference the GPU hits first so allocation below cannot evict them.
         gpu_blocks = {i: self.page_pool.lookup(hashes[i]) for i in range(n_pages) if gpu[i]}
+        # Hit blocks sitting on the free list stop being free once referenced: count them out.
+        free_pages = self.page_pool.num_free - sum(self.page_pool.is_free(b) for b in gpu_blocks.values())
+        snap_hit = self.snap_pool.lookup(hashes[n_pages - 1]) if tier == "gpu" else None
+        free_snaps = self.snap_pool.num_free - (snap_hit is not None and self.snap_pool.is_free(snap_hit))
+        if n_new > free_pages or free_snaps < 1 + (tier == "host"):
+            raise NoFreeBlocks(f"request {request_id!r} needs {n_new} pages, {free_pages} free")
+        # Reference the GPU hits first so allocation below cannot evict them.
         self.page_pool.touch(gpu_blocks.values())
         snapshot = None
         if tier == "gpu":
-            snapshot = self.snap_pool.lookup(hashes[n_pages - 1])
+            snapshot = snap_hit
             self.snap_pool.touch([snapshot])
         fresh = self.page_pool.allocate(n_new)
         table, loaded_ok = [], True

@@ -57,7 +57,9 @@ class Request:
     done: bool = False
     error: str | None = None
     _slot: int = -1
-    _computed: int = 0  # prompt tokens whose KV is in the cache
+    _context: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill (prompt, + output on resume)
+    _computed: int = 0  # tokens of _context whose KV is in the cache
+    _cached_len: int = 0  # tokens in the cache once prefilled (decode writes at this position)
     _boundaries: list[int] = dataclasses.field(default_factory=list)
     _last_logits: np.ndarray | None = None
 
@@ -140,6 +142,7 @@ class Engine:
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self.finished: list[Request] = []
         self.compiles = 0
+        self.preemptions = 0
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if tokenizer.IMAGE_ID in prompt:
+            raise ValueError("image placeholders in the prompt: the engine serves text requests (images: kimik3.generate)")
         total = len(prompt) + max_new_tokens
         limit = min(self.cfg.max_seq_len, self.max_pages * self.page_tokens)
         if total > limit:
@@ -185,25 +190,27 @@ class Engine:
 
     def step(self) -> None:
         self._admit()
-        prefilling = [r for r in self.running if r._computed < len(r.prompt)]
+        prefilling = [r for r in self.running if r._computed < len(r._context)]
         if prefilling:
             self._prefill_chunk(prefilling[0])
-        decoding = [r for r in self.running if r._computed >= len(r.prompt) and not r.done]
+        decoding = [r for r in self.running if r._computed >= len(r._context) and not r.done]
         if decoding:
             self._decode(decoding)
 
     def _admit(self) -> None:
         while self.waiting and self._free_slots:
             req = self.waiting[0]
+            req._context = req._context or list(req.prompt)
             try:
-                blocks = self.manager.begin(req.request_id, req.prompt)
+                blocks = self.manager.begin(req.request_id, req._context)
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
-            req.admitted_s = time.monotonic()
             req._slot = self._free_slots.pop()
-            req.cached_tokens = blocks.hit.tokens
-            req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
+            if req.admitted_s is None:  # a resumed request keeps its first admission's numbers
+                req.admitted_s = time.monotonic()
+                req.cached_tokens = blocks.hit.tokens
+                req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
             req._computed = blocks.hit.tokens
             self._restore_state(req._slot, blocks.snapshot_block)
             self.manager.release_hit_snapshot(req.request_id)
@@ -232,7 +239,8 @@ class Engine:
         self.manager.commit_pages(request_id, len(prompt))
         self.snapshots.data = self.snapshots.data.at[blocks.checkpoint_block].set(jnp.asarray(state))
         self._restore_state(req._slot, blocks.checkpoint_block)
-        req._computed = len(prompt)
+        req._context = list(prompt)
+        req._computed = req._cached_len = len(prompt)
         self.running.append(req)
         self._emit(req, first_token)
         return req
@@ -273,7 +281,11 @@ class Engine:
     def _forward(self, tokens, tables, slots, lengths):
         before = model._forward._cache_size()
         view = model.paged_view(self.pools, tables, slots, lengths)
-        logits, view = model.forward(self.params, self.cfg, tokens, cache=view, kernels=self.kernels)
+        # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
+        # not prompts, so the step calls the jitted core directly.
+        positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, None, cfg=self.cfg,
+                                      expert_path="grouped", kernels=self.kernels)
         self.compiles += model._forward._cache_size() - before  # new XLA programs this call needed
         self.pools = {"layers": view["layers"]}
         return np.asarray(logits[:, -1], np.float32)
@@ -287,18 +299,19 @@ class Engine:
         shapes += [(1 << i, 1) for i in range(1, (len(self._free_slots) or 1).bit_length() + 1)]
         for b, t in shapes:
             view = model.paged_view(self.pools, [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b)
-            jax.block_until_ready(model.forward(self.params, self.cfg, np.zeros((b, t), np.int32), cache=view,
-                                                kernels=self.kernels)[0])
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+            jax.block_until_ready(model._forward(self.params, jnp.zeros((b, t), jnp.int32), positions, view, None,
+                                                 cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
         return model._forward._cache_size() - before
 
     def _prefill_chunk(self, req: Request) -> None:
-        start = req._computed
-        end = min(len(req.prompt), start + self.prefill_chunk_tokens)
+        start, ctx = req._computed, req._context
+        end = min(len(ctx), start + self.prefill_chunk_tokens)
         if req._boundaries and req._boundaries[0] < end:
             end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
         # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
         end = start + (1 << ((end - start).bit_length() - 1))
-        tokens = np.asarray([req.prompt[start:end]], np.int32)
+        tokens = np.asarray([ctx[start:end]], np.int32)
         req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start])[0]
         req._computed = end
         self.manager.commit_pages(req.request_id, end)
@@ -307,7 +320,8 @@ class Engine:
             blocks = self.manager.requests[req.request_id]
             self._save_state(req._slot, blocks.checkpoint_block)
             self.manager.commit_snapshot(req.request_id, end)
-        if end == len(req.prompt):
+        if end == len(ctx):
+            req._cached_len = end
             if self.role == "prefill" and self.on_prefilled is not None:
                 req.output.append(int(np.argmax(req._last_logits)))
                 req.token_times_s.append(time.monotonic())
@@ -317,19 +331,51 @@ class Engine:
             else:
                 self._emit(req, int(np.argmax(req._last_logits)))
 
+    def _make_room(self, reqs: list[Request]) -> list[Request]:
+        """Pages for the token each request is about to write, preempting the most recently
+        admitted requests (by recompute: their committed pages stay cached) when the pool is
+        short.  Returns the requests that can decode this step."""
+        reqs = list(reqs)
+        need = lambda rs: sum(max(0, self.manager.pages_needed(r._cached_len + 1)
+                                  - len(self.manager.requests[r.request_id].page_table)) for r in rs)
+        while reqs and need(reqs) > self.manager.page_pool.num_free:
+            victim = max(reqs, key=lambda r: r.admitted_s or 0.0)
+            reqs.remove(victim)
+            if not reqs and need([victim]) > self.manager.page_pool.num_free + len(
+                    self.manager.requests[victim.request_id].page_table):
+                self.running.remove(victim)
+                self._release(victim, error="out of KV capacity")
+                return []
+            self._preempt(victim)
+        for r in reqs:
+            self.manager.extend(r.request_id, r._cached_len + 1)
+        return reqs
+
+    def _preempt(self, req: Request) -> None:
+        """Drop a running request's KV and queue it first to resume by recomputing prompt + output."""
+        self.preemptions += 1
+        self.running.remove(req)
+        self.manager.finish(req.request_id)
+        self._free_slots.append(req._slot)
+        req._slot, req._computed, req._cached_len = -1, 0, 0
+        req._context = list(req.prompt) + list(req.output)
+        self.waiting.insert(0, req)
+
     def _decode(self, reqs: list[Request]) -> None:
-        for r in reqs:  # room for the token about to be written
-            self.manager.extend(r.request_id, len(r.prompt) + len(r.output))
+        reqs = self._make_room(reqs)
+        if not reqs:
+            return
         bucket = 1 << (len(reqs) - 1).bit_length()
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
         slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
-        lengths = [len(r.prompt) + len(r.output) - 1 for r in reqs] + [0] * pad
+        lengths = [r._cached_len for r in reqs] + [0] * pad
         if pad and len(set(slots)) != len(slots):
             slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # scratch rows may repeat: harmless
         logits = self._forward(tokens, tables, slots, lengths)
         for r, row in zip(reqs, logits):
+            r._cached_len += 1
             self._emit(r, int(np.argmax(row)))
 
     def records(self):

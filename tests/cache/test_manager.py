@@ -118,3 +118,14 @@ def test_admission_and_pool_exhaustion():
     mgr.snap_pool.check_invariants()
     with pytest.raises(ValueError, match="already"):
         mgr.begin("a", [1])
+
+
+def test_a_refused_request_takes_nothing_even_when_its_hit_pages_were_free(rng):
+    mgr = make(num_pages=6, num_snaps=4)
+    tokens = list(range(4 * PAGE))
+    run_prefill(mgr, "a", tokens, rng)
+    mgr.finish("a")  # 4 cached pages on the free list, 5 free in all
+    with pytest.raises(NoFreeBlocks):
+        mgr.begin("b", tokens + list(range(3 * PAGE)))  # hits 3 pages, needs 4 more: only 2 left once hit
+    assert mgr.page_pool.num_free == 5 and all(r == 0 for r in mgr.page_pool.ref_cnt)
+    mgr.page_pool.check_invariants()

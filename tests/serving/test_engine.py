@@ -134,3 +134,13 @@ def test_admission_refuses_what_does_not_fit_and_admits_it_later(rng, tiny_cfg, 
     assert a.output == _oracle(tiny_params, tiny_cfg, prompts[0], 4)
     assert b.output == _oracle(tiny_params, tiny_cfg, prompts[1], 4)
     assert b.admitted_s >= a.token_times_s[-1]  # b was admitted once a had freed its pages
+
+
+def test_preemption_and_resume_give_the_oracles_tokens(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, num_pages=9)  # 8 usable pages: both fit at first, not while growing
+    prompts = [rng.integers(0, 256, 60).tolist() for _ in range(2)]
+    reqs = [eng.submit(p, 40) for p in prompts]  # each grows from 4 to 7 pages
+    eng.run(max_steps=400)
+    assert eng.preemptions >= 1
+    for r, p in zip(reqs, prompts):
+        assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
