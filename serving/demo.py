@@ -109,8 +109,10 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
-    _engines(params, cfg, spec, "colocated", _max_pages(spec)).warmup()
+    probe = _engines(params, cfg, spec, "colocated", _max_pages(spec))
+    probe.warmup()
     warmup_s = time.monotonic() - t0
+    cap = probe.capacity()
     with tqdm(total=n_turns * len(MODES), desc="demo", unit="turn") as bar:
         for mode in MODES:
             bar.set_postfix_str(mode)
@@ -122,6 +124,9 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
     header = (f"config={cfg.name} ({jax.default_backend()}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
               f"turns, DESIGN.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
-              f"{spec.num_pages} pages per engine; warm-up (compiles) {warmup_s:.1f} s; "
+              f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
+              f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
+              f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
+              f"warm-up (compiles) {warmup_s:.1f} s; "
               f"new compiles while measuring: {compiles}")
     return header + "\n" + table + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"

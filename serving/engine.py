@@ -145,6 +145,53 @@ class Engine:
         self.preemptions = 0
         self._ids = itertools.count()
 
+    # ---- sizing --------------------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype) -> int:
+        """One MLA page: page_tokens latent rows in every MLA layer."""
+        return cfg.mixer_kinds.count("mla") * page_tokens * cfg.mla_latent_dim * jnp.dtype(dtype).itemsize
+
+    @staticmethod
+    def bytes_per_state(cfg: ModelConfig, dtype) -> int:
+        """One KDA state row (a running request's slot, or a snapshot): fp32 state + conv rows, all KDA layers."""
+        h, d, w = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
+        per_layer = h * d * d * 4 + 3 * (w - 1) * h * d * jnp.dtype(dtype).itemsize
+        return cfg.mixer_kinds.count("kda") * per_layer
+
+    @classmethod
+    def from_memory_budget(cls, params, cfg: ModelConfig, budget_bytes: int | None = None, *,
+                           fraction: float = 0.5, page_tokens: int = 128, num_slots: int = 8,
+                           snapshots_per_slot: int = 4, **kw) -> "Engine":
+        """Size the pools from a byte budget (default: `fraction` of the device's free memory on
+        GPU; required on CPU).  Slots and snapshots are carved out first, pages get the rest."""
+        if budget_bytes is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" not in stats:
+                raise ValueError("no device memory statistics here: pass budget_bytes")
+            budget_bytes = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+        dtype = params["embed_vd"].dtype
+        state = cls.bytes_per_state(cfg, dtype)
+        num_snapshots = num_slots * snapshots_per_slot
+        fixed = (num_slots + 1) * state + num_snapshots * state
+        page = cls.bytes_per_page(cfg, page_tokens, dtype)
+        num_pages = (budget_bytes - fixed) // page if page else 0
+        if num_pages < 2:
+            raise ValueError(f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
+                             f"{num_snapshots} snapshots and two pages")
+        return cls(params, cfg, num_pages=int(num_pages), num_slots=num_slots, num_snapshots=num_snapshots,
+                   page_tokens=page_tokens, **kw)
+
+    def capacity(self) -> dict:
+        """What the pools hold: tokens of KV, concurrent sessions, and the per-request
+        checkpoint block's cost."""
+        page = self.bytes_per_page(self.cfg, self.page_tokens, self.dtype)
+        state = self.bytes_per_state(self.cfg, self.dtype)
+        n_pages = self.manager.page_pool.num_blocks - 1
+        return {"kv_tokens": n_pages * self.page_tokens, "pages": n_pages, "sessions": len(self._free_slots) +
+                len(self.running), "snapshots": self.manager.snap_pool.num_blocks - 1,
+                "page_bytes": page, "state_bytes": state, "checkpoint_block_bytes_per_request": state,
+                "pool_bytes": (n_pages + 1) * page + (self.scratch_slot + 1 + self.manager.snap_pool.num_blocks) * state}
+
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
                stop_at_eos: bool = False) -> Request:
@@ -166,6 +213,20 @@ class Engine:
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos)
         self.waiting.append(req)
         return req
+
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, **kw):
+        """Submit a request and yield its tokens as they come, stepping the engine (which also
+        advances every other request).  For notebooks and simple clients."""
+        req = self.submit(prompt, max_new_tokens, **kw)
+        sent = 0
+        while not req.done or sent < len(req.output):
+            while sent < len(req.output):
+                yield req.output[sent]
+                sent += 1
+            if not req.done:
+                self.step()
+        if req.error:
+            raise RuntimeError(f"request {req.request_id} ended: {req.error}")
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its KV; False if it is unknown or already done."""

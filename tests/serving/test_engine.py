@@ -144,3 +144,21 @@ def test_preemption_and_resume_give_the_oracles_tokens(rng, tiny_cfg, tiny_param
     assert eng.preemptions >= 1
     for r, p in zip(reqs, prompts):
         assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
+
+
+def test_memory_budget_sizing_and_capacity_report(tiny_cfg, tiny_params):
+    page = Engine.bytes_per_page(tiny_cfg, PAGE, np.float32)
+    state = Engine.bytes_per_state(tiny_cfg, np.float32)
+    eng = Engine.from_memory_budget(tiny_params, tiny_cfg, budget_bytes=40 * page + 25 * state, page_tokens=PAGE,
+                                    num_slots=4, snapshots_per_slot=4, max_pages_per_request=16, kernels="reference")
+    cap = eng.capacity()
+    assert cap["pages"] + 1 == eng.manager.page_pool.num_blocks and cap["kv_tokens"] == cap["pages"] * PAGE
+    assert cap["pool_bytes"] <= 40 * page + 25 * state + page and cap["checkpoint_block_bytes_per_request"] == state
+    with pytest.raises(ValueError, match="budget"):
+        Engine.from_memory_budget(tiny_params, tiny_cfg, budget_bytes=state, page_tokens=PAGE)
+
+
+def test_streaming_yields_the_oracle_tokens_in_order(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    prompt = rng.integers(0, 256, 30).tolist()
+    assert list(eng.stream(prompt, 5)) == _oracle(tiny_params, tiny_cfg, prompt, 5)
