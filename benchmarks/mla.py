@@ -22,7 +22,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import common
 from benchmarks.common import time_jax

@@ -14,7 +14,6 @@ rows, so speculative verification (Sq > 1) is one launch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -103,7 +102,6 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
 def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits, block_m, block_k,
                      interpret, num_warps):
     b, sq, h, r = q_latent.shape
-    p = q_pe.shape[-1]
     rows = sq * h
     rows_pad = -(-rows // block_m) * block_m
     fold = lambda x: jnp.pad(x.reshape(b, rows, x.shape[-1]), ((0, 0), (0, rows_pad - rows), (0, 0)))

@@ -430,10 +430,8 @@ class Engine:
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
-        slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
+        slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
         lengths = [r._cached_len for r in reqs] + [0] * pad
-        if pad and len(set(slots)) != len(slots):
-            slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # scratch rows may repeat: harmless
         logits = self._forward(tokens, tables, slots, lengths)
         for r, row in zip(reqs, logits):
             r._cached_len += 1

@@ -45,7 +45,7 @@ def test_second_turn_hits_the_shared_prefix_capped_at_n_minus_1(rng):
 def test_a_missing_kda_snapshot_shortens_the_hit(rng):
     mgr = make()
     tokens = list(range(6 * PAGE))
-    req = mgr.begin("a", tokens)
+    mgr.begin("a", tokens)
     mgr.commit_pages("a", len(tokens))  # pages shared, but no snapshot committed at all
     mgr.finish("a")
     assert mgr.lookup(tokens + [1]).tokens == 0

@@ -4,7 +4,6 @@ In interpret mode Pallas fills every output buffer with NaN before the kernel
 runs, so a finite result proves that every element was written.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """KDA references: the chunked (WY/UT) form equals the token recurrence."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

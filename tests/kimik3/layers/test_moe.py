@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimik3 import config
 from kimik3.layers.moe import LatentMoE, experts_dense_ref, experts_grouped, route
 
 
