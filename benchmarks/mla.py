@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -33,11 +34,29 @@ def matmul_tflops(n=8192):
     return 2 * n ** 3 / (time_jax(jax.jit(lambda x: x @ x), a) * 1e-3) / 1e12
 
 
-def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=1, interpret=False):
+def _best(fn_of_cfg, cfgs):
+    """(ms, cfg) of the fastest config that runs; failures are reported, not fatal."""
+    best = (None, None)
+    for cfg in cfgs:
+        try:
+            ms = fn_of_cfg(cfg)
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported and skipped
+            print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if best[0] is None or ms < best[0]:
+            best = (ms, cfg)
+    return best
+
+
+def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=1, interpret=False,
+                block_ms=(16,), deadline=float("inf")):
     rows = []
     for h in heads:
         for b in batches:
             for ctx in contexts:
+                if time.monotonic() > deadline:
+                    print(f"budget spent: skipping decode H{h} B{b} ctx{ctx}")
+                    continue
                 n_pages_seq = ctx // page
                 key = jax.random.PRNGKey(b * 7 + ctx)
                 pages = jax.random.normal(key, (b * n_pages_seq + 8, page, r + p), jnp.bfloat16)
@@ -46,31 +65,50 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 lens = jnp.full((b,), ctx, jnp.int32)
                 ql = jax.random.normal(key, (b, sq, h, r), jnp.bfloat16)
                 qp = jax.random.normal(key, (b, sq, h, p), jnp.bfloat16)
-                f = jax.jit(lambda a, c, pg, t, n: mla.mla_decode(a, c, pg, t, n, scale=0.1, interpret=interpret))
-                ms = time_jax(f, ql, qp, pages, table, lens, iters=5 if interpret else 20)
+                iters = 5 if interpret else 20
+
+                def run(bm):
+                    f = jax.jit(lambda a, c, pg, t, n: mla.mla_decode(a, c, pg, t, n, scale=0.1, block_m=bm,
+                                                                      interpret=interpret))
+                    return time_jax(f, ql, qp, pages, table, lens, iters=iters)
+
+                ms, bm = _best(run, block_ms)
+                if ms is None:
+                    continue
                 ref = jax.jit(lambda a, c, pg, t, n: mla.mla_decode_ref(a, c, pg, t, n, scale=0.1))
                 ms_ref = time_jax(ref, ql, qp, pages, table, lens, iters=5 if interpret else 20)
                 bytes_moved = b * ctx * (r + p) * 2 + ql.nbytes + qp.nbytes + b * sq * h * r * 2
                 flops = 2 * b * sq * h * ctx * (r + p + r)
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
-                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", ours_ms=ms, xla_ref_ms=ms_ref,
+                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m=bm, ours_ms=ms,
+                                 xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))
     return rows
 
 
-def prefill_rows(shapes, interpret=False):
+def prefill_rows(shapes, interpret=False, blocks=(64,), warps=(4,), deadline=float("inf")):
     rows = []
     for b, t, h in shapes:
+        if time.monotonic() > deadline:
+            print(f"budget spent: skipping prefill B{b} T{t} H{h}")
+            continue
         key = jax.random.PRNGKey(t)
         q = jax.random.normal(key, (b * t, h, 192), jnp.bfloat16)
         k = jax.random.normal(jax.random.PRNGKey(1), (b * t, h, 192), jnp.bfloat16)
         v = jax.random.normal(jax.random.PRNGKey(2), (b * t, h, 128), jnp.bfloat16)
         cu = [i * t for i in range(b + 1)]
-        ours = jax.jit(lambda q, k, v: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64,
-                                                       interpret=interpret)[0])
-        ms = time_jax(ours, q, k, v, iters=5 if interpret else 20)
+
+        def run(cfg):
+            blk, nw = cfg
+            ours = jax.jit(lambda q, k, v: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64,
+                                                           block=blk, num_warps=nw, interpret=interpret)[0])
+            return time_jax(ours, q, k, v, iters=5 if interpret else 20)
+
+        ms, cfg = _best(run, [(blk, nw) for blk in blocks for nw in warps])
+        if ms is None:
+            continue
         ms_cudnn = None
         if not interpret:
             qb, kb = q.reshape(b, t, h, 192), k.reshape(b, t, h, 192)
@@ -82,7 +120,8 @@ def prefill_rows(shapes, interpret=False):
             except Exception as e:  # noqa: BLE001 - report, keep going
                 print(f"cudnn failed: {e!r}")
         flops = b * h * t * t * (192 + 128)  # causal: half of 2 * t^2 * (dqk + dv)
-        rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} qk192 v128 causal", ours_ms=ms, cudnn_ms=ms_cudnn,
+        rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} qk192 v128 causal", block_warps=cfg, ours_ms=ms,
+                         cudnn_ms=ms_cudnn,
                          ours_tflops=flops / (ms * 1e-3) / 1e12,
                          vs_cudnn=(ms_cudnn / ms) if ms_cudnn else None))
     return rows
@@ -92,7 +131,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
+    ap.add_argument("--decode-block-m", default="16,64", help="decode row-block sizes to try; the best is reported")
+    ap.add_argument("--prefill-block", default="64,128", help="prefill query/key block sizes to try")
+    ap.add_argument("--prefill-warps", default="4,8", help="prefill num_warps to try")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    ints = lambda s: tuple(int(x) for x in s.split(","))
     rows = []
     bw, tf = common.copy_gbs(), (1.0 if args.tiny else matmul_tflops())
     rows.append(dict(section="roofline", case="XLA copy (GB/s) and bf16 matmul (TFLOP/s)", copy_gbs=bw, matmul_tflops=tf))
@@ -101,9 +146,12 @@ def main():
         rows += decode_rows(bw, tf, [1], [256], [2], r=32, p=16, page=64, sq=2, interpret=True)
         rows += prefill_rows([(1, 64, 1)], interpret=True)
     else:
-        rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96])
-        rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4)  # speculative verify: 4 query tokens
-        rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)])
+        bms = ints(args.decode_block_m)
+        rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], blocks=ints(args.prefill_block),
+                             warps=ints(args.prefill_warps), deadline=deadline)
+        rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], block_ms=bms, deadline=deadline)
+        # speculative verify: 4 query tokens per sequence
+        rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4, block_ms=bms, deadline=deadline)
     common.write_results(args.out, "mla_bench", rows)
 
 if __name__ == "__main__":

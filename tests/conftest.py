@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+
+# Sharding tests need several devices; on CPU they are host-platform devices.  Set before any
+# backend initializes (single-device tests still run on device 0).
+jax.config.update("jax_num_cpu_devices", 8)
+
 import numpy as np
 import pytest
 
