@@ -1,0 +1,261 @@
+"""`kimik3 launch`: a whole deployment on this machine in one command.
+
+    kimik3 launch --config tiny --port 8000 --prefill 1 --decode 1
+
+starts a Mooncake store (`mooncake_master` + a memory server, cache/mooncake_tier.py) unless
+`--no-store`, the prefill and decode workers (serving/worker.py) and the router
+(serving/router.py), each its own process on a free 127.0.0.1 port (the router on `--port`),
+waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
+the router, then the workers, then the store.  A worker (or the router) that exits on its
+own is restarted on its port (at most `--max-restarts` times); KV it had published stays in the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, stop: threading.Event | None = None) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError if the process exits, time runs out
+    or `stop` is set."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise RuntimeError("interrupted while starting")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with code {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} was not healthy within {timeout_s:g} s")
+
+
+def stop_process(proc: subprocess.Popen | None, timeout_s: float = 10.0, sig=signal.SIGTERM) -> None:
+    """Signal a child's process group, wait, then SIGKILL it if it is still there."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d ignored %s; killing it", proc.pid, signal.Signals(sig).name)
+        with _suppress():
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    argv: list[str]
+    port: int
+    log_path: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> None:
+        out = open(self.log_path, "a")
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=_ROOT,
+                                     start_new_session=True)
+        out.close()
+
+
+class Deployment:
+    """The store, the workers and the router of one `kimik3 launch`."""
+
+    def __init__(self, args, stop: threading.Event | None = None):
+        self.args = args
+        self.stop_event = stop
+        self.log_dir = args.log_dir or tempfile.mkdtemp(prefix="kimik3-launch-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.services = None
+        self.workers: list[Child] = []
+        self.router: Child | None = None
+
+    def _worker_argv(self, role: str, index: int, port: int) -> list[str]:
+        a = self.args
+        argv = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port), "--config", a.config,
+                "--seed", str(a.seed), "--worker-id", f"{role}-{index}", "--log-level", a.log_level]
+        if a.dtype:
+            argv += ["--dtype", a.dtype]
+        if self.services is not None:
+            argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
+        return argv + shlex.split(a.worker_args or "")
+
+    def start(self) -> "Deployment":
+        a = self.args
+        if not a.no_store:
+            from cache.mooncake_tier import MooncakeServices
+
+            self.services = MooncakeServices(segment_bytes=a.store_mb << 20,
+                                             log_dir=os.path.join(self.log_dir, "mooncake"))
+            os.makedirs(self.services.log_dir, exist_ok=True)
+            self.services.start()
+            log.info("mooncake store at %s", self.services.master_addr)
+        for role, n in (("prefill", a.prefill), ("decode", a.decode)):
+            for i in range(n):
+                port = free_port()
+                self.workers.append(Child(f"{role}-{i}", self._worker_argv(role, i, port), port,
+                                          os.path.join(self.log_dir, f"{role}-{i}.log")))
+        for w in self.workers:
+            w.spawn()
+        for w in self.workers:
+            wait_healthy(w.url, w.proc, a.startup_timeout_s, self.stop_event)
+            log.info("%s ready at %s (pid %d)", w.name, w.url, w.proc.pid)
+        argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
+                "--log-level", a.log_level]
+        pre = [w.url for w in self.workers if w.name.startswith("prefill")]
+        dec = [w.url for w in self.workers if w.name.startswith("decode")]
+        if pre:
+            argv += ["--prefill", *pre]
+        if dec:
+            argv += ["--decode", *dec]
+        if self.services is not None:
+            argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
+        self.router = Child("router", argv + shlex.split(a.router_args or ""), a.port,
+                            os.path.join(self.log_dir, "router.log"))
+        self.router.spawn()
+        wait_healthy(self.router.url, self.router.proc, a.startup_timeout_s, self.stop_event)
+        return self
+
+    def state(self) -> dict:
+        pids = {c.name: c.proc.pid for c in self.workers + [self.router] if c and c.proc}
+        if self.services is not None:
+            pids["mooncake_master"] = self.services.master.pid
+            pids["mooncake_memory_server"] = self.services.memory_server.pid
+        return {"router": self.router.url + "/v1" if self.router else None,
+                "prefill": [w.url for w in self.workers if w.name.startswith("prefill")],
+                "decode": [w.url for w in self.workers if w.name.startswith("decode")],
+                "store": self.services.master_addr if self.services else None, "pids": pids,
+                "log_dir": self.log_dir}
+
+    def supervise(self) -> None:
+        """Restart children (workers, router) that exited on their own, on their own ports."""
+        for w in self.workers + [self.router]:
+            if w.proc.poll() is not None:
+                if w.restarts >= self.args.max_restarts:
+                    raise RuntimeError(f"{w.name} exited (code {w.proc.returncode}) {w.restarts + 1} times")
+                w.restarts += 1
+                log.warning("%s exited with code %s; restarting it on port %d", w.name, w.proc.returncode, w.port)
+                w.spawn()
+
+    def stop(self) -> None:
+        stop_process(self.router.proc if self.router else None)
+        for w in self.workers:  # signal all first, then wait: they shut down in parallel
+            if w.proc is not None and w.proc.poll() is None:
+                with _suppress():
+                    os.killpg(w.proc.pid, signal.SIGTERM)
+        for w in self.workers:
+            stop_process(w.proc)
+        if self.services is not None:
+            self.services.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--port", type=int, required=True, help="the router's port (127.0.0.1)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
+    parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
+    parser.add_argument("--worker-args", default="", help="extra worker options, e.g. \"--num-pages 128\"")
+    parser.add_argument("--router-args", default="", help="extra router options, e.g. \"--max-inflight 8\"")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--max-restarts", type=int, default=5)
+    parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")
+    parser.add_argument("--log-dir", default=None, help="children's logs (default: a new temp directory)")
+    parser.add_argument("--log-level", default="warning")
+
+
+def run(args) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    dep = Deployment(args, stop)
+    code = 0
+    try:
+        dep.start()
+        state = dep.state()
+        if args.state_file:
+            tmp = args.state_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, args.state_file)
+        print(f"kimik3: serving {args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
+              f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
+              f"Ctrl-C stops", flush=True)
+        while not stop.wait(0.5):
+            dep.supervise()
+    except RuntimeError as e:
+        log.error("%s", e)
+        print(f"kimik3 launch: {e} (logs in {dep.log_dir})", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        dep.stop()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kimik3 launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The OpenAI-compatible request schemas (pydantic), error shape and prompt building.
+
+Only greedy decoding is served: `temperature` and `top_p` are validated and accepted (clients
+send them by default) but do not change the tokens.  `n` must be 1 and `stop` sequences are
+refused.  Extensions: `ignore_eos` (do not stop at <|eos|>) in requests, `token_ids` on each
+choice (and on each streamed chunk's choice) in responses.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from kimik3 import tokenizer
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or None
+    msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])
+    return APIError(400, f"invalid request: {msgs}", param=loc, code="invalid_value")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(_Strict):
+    url: StrictStr
+    detail: StrictStr | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text_and_images(self) -> tuple[str, int]:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or "", 0
+        text = "".join(p.text for p in self.content if isinstance(p, TextPart))
+        return text, sum(isinstance(p, ImagePart) for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Common(_Strict):
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: StrictInt = 1
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False
+    user: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+
+
+def check_common(req: _Common) -> None:
+    if req.n != 1:
+        raise APIError(400, f"n must be 1 (got {req.n}): one choice per request", param="n")
+    if req.stop:
+        raise APIError(400, "stop sequences are not supported", param="stop")
+
+
+def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int) -> list[int]:
+    """Token ids of the conversation with the assistant prompt appended."""
+    messages, n_images = [], 0
+    for m in req.messages:
+        text, images = m.text_and_images()
+        n_images += images
+        messages.append(tokenizer.Message("system" if m.role == "developer" else m.role, text, n_images=images))
+    if n_images > max_images:
+        raise APIError(400, f"too many images: {n_images} in the request, at most {max_images} allowed",
+                       param="messages", code="too_many_images")
+    if n_images:
+        raise APIError(400, "image inputs are not served by these workers (text only)", param="messages",
+                       code="unsupported_content")
+    return tokenizer.apply_chat_template(messages, tokens_per_image=tokens_per_image)
+
+
+def completion_prompt(req: CompletionRequest, *, vocab_size: int) -> list[int]:
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            raise APIError(400, "one prompt per request (a list of strings must hold exactly one)", param="prompt")
+        p = p[0]
+    if isinstance(p, str):
+        return [tokenizer.BOS_ID] + tokenizer.encode(p)
+    if not p:
+        raise APIError(400, "prompt is empty", param="prompt")
+    bad = [t for t in p if t < 0 or t >= vocab_size or t == tokenizer.IMAGE_ID]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is not a valid text token (ids lie in [0, {vocab_size}))",
+                       param="prompt")
+    return list(p)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int, default: int) -> int:
+    """The completion budget, or a 400 for a prompt over the context or a budget out of range."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {max_context} tokens; the prompt has "
+                            f"{prompt_len} tokens, leaving no room for a completion", param="messages",
+                       code="context_length_exceeded")
+    if requested is None:
+        return min(default, room)
+    if requested < 1:
+        raise APIError(400, f"max_tokens must be at least 1 (got {requested})", param="max_tokens",
+                       code="invalid_value")
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+                            f"completion)", param="max_tokens", code="context_length_exceeded")
+    return requested

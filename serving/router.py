@@ -1,0 +1,873 @@
+"""`kimik3 router`: an OpenAI-compatible gateway over prefill and decode worker processes.
+
+    python -m serving.router --port 8000 --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8201 \
+        [--mooncake-master 127.0.0.1:50051 --mooncake-metadata http://127.0.0.1:8080/metadata]
+
+A request is tokenized and validated here (nothing invalid reaches a worker), admitted under a
+bound (`--max-inflight` running, `--max-queue` waiting at most `--queue-timeout-s`; beyond that
+429), then:
+
+1. prefill: a prefill worker runs the prompt and returns the first token; its engine publishes
+   the prompt's pages and KDA snapshots to the shared store (serving/worker.py);
+2. decode: a decode worker gets prompt + tokens so far, finds the prefix in the store (it
+   recomputes at most the last partial page) and streams the remaining tokens.
+
+With only one pool (or `both` workers) the whole request goes to one worker.
+
+Choice of worker: the lowest load score, ``router in-flight + worker queue depth + KV use``,
+among workers whose health check passes, that are not draining and whose circuit is closed
+(or half-open).  Prefix affinity (prefill only): the router remembers which worker prefilled
+each block hash; a prompt whose deepest known prefix is *not* in the shared store goes to the
+worker that holds it in its GPU pool, unless that worker is busier than the best by more than
+`--affinity-slack`.  A prefix that is in the store is served equally well by any worker, so
+then load alone decides.
+
+Faults: connection errors, timeouts (workers send a keepalive line every second, so
+`--read-timeout-s` of silence means a hung worker), 5xx and broken streams are retried on
+another worker with exponential backoff and full jitter, at most `--retries` times; each counts
+against that worker's circuit breaker (`--breaker-threshold` consecutive failures open it for
+`--breaker-cooldown-s`, doubling while it keeps failing; a passing health check or request
+after the cooldown closes it).  A decode worker that dies mid-stream is replaced by another
+that continues from prompt + the tokens already sent: nothing is sent twice.  When every
+attempt fails, the client gets 503 (or, once streaming, a final SSE error event) marked
+retriable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import codecs
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import sys
+import time
+import uuid
+
+import httpx
+from fastapi import Request
+
+from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
+                                completion_prompt, resolve_max_tokens, validation_error)
+
+log = logging.getLogger(__name__)
+
+CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker: closed -> open (cooldown, doubling) -> half-open -> closed."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, max_cooldown_s: float = 60.0, clock=time.monotonic):
+        self.threshold, self.base_cooldown_s, self.max_cooldown_s = threshold, cooldown_s, max_cooldown_s
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self._state = CLOSED
+        self.failures = 0
+        self.opened_at = 0.0
+        self.opens = 0
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and self.clock() - self.opened_at >= self.cooldown_s:
+            return HALF_OPEN
+        return self._state
+
+    def available(self) -> bool:
+        return self.state != OPEN
+
+    def success(self) -> None:
+        if self.state == OPEN:
+            return  # a success still in flight from before the circuit opened does not close it
+        self._state, self.failures, self.cooldown_s = CLOSED, 0, self.base_cooldown_s
+
+    def failure(self) -> None:
+        state = self.state
+        self.failures += 1
+        if state == HALF_OPEN:
+            self.cooldown_s = min(self.max_cooldown_s, 2 * self.cooldown_s)
+            self._open()
+        elif state == CLOSED and self.failures >= self.threshold:
+            self._open()
+
+    def _open(self) -> None:
+        self._state, self.opened_at = OPEN, self.clock()
+        self.opens += 1
+
+
+@dataclasses.dataclass
+class Worker:
+    url: str
+    role: str  # the pool it serves in: "prefill" or "decode"
+    breaker: CircuitBreaker
+    healthy: bool | None = None  # None until the first health check
+    draining: bool = False  # the worker says so (its /health)
+    drained_by_router: bool = False
+    inflight: int = 0  # requests this router has on it now
+    info: dict = dataclasses.field(default_factory=dict)
+    load: dict = dataclasses.field(default_factory=dict)
+    last_error: str | None = None
+
+    def available(self) -> bool:
+        return self.healthy is not False and not self.draining and not self.drained_by_router and \
+            self.breaker.available()
+
+    def score(self) -> float:
+        return self.inflight + self.load.get("waiting", 0) + self.load.get("kv_use", 0.0)
+
+    def describe(self) -> dict:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining or
+                self.drained_by_router, "circuit": self.breaker.state, "inflight": self.inflight,
+                "score": self.score(), "load": self.load, "last_error": self.last_error,
+                "worker_id": self.info.get("worker_id"), "pid": self.info.get("pid")}
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    prefill: list[str] = dataclasses.field(default_factory=list)
+    decode: list[str] = dataclasses.field(default_factory=list)
+    config: str = "tiny"
+    model_name: str | None = None
+    max_inflight: int = 16
+    max_queue: int = 32
+    queue_timeout_s: float = 10.0
+    retries: int = 3
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 1.0
+    connect_timeout_s: float = 1.0
+    read_timeout_s: float = 5.0
+    request_timeout_s: float = 300.0
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 2.0
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    max_images: int = 16
+    default_max_tokens: int = 256
+    affinity_slack: float = 2.0
+    affinity_entries: int = 100_000
+    mooncake_master: str | None = None
+    mooncake_metadata: str | None = None
+
+
+class WorkerFailure(Exception):
+    """One attempt on one worker failed in a way another worker may not."""
+
+    def __init__(self, message: str, *, count_failure: bool = True):
+        super().__init__(message)
+        self.count_failure = count_failure
+
+
+class _Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kimik3_router_requests", "HTTP API requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("kimik3_router_request_seconds", "request wall time", ["endpoint"], registry=r,
+                                 buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.ttft = Histogram("kimik3_router_ttft_seconds", "arrival to first token", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.tpot = Histogram("kimik3_router_tpot_seconds", "mean gap between output tokens", registry=r,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.prompt_tokens = Counter("kimik3_router_prompt_tokens", "prompt tokens", registry=r)
+        self.completion_tokens = Counter("kimik3_router_completion_tokens", "completion tokens", registry=r)
+        self.cached_tokens = Counter("kimik3_router_cached_prompt_tokens", "prompt tokens served from cache",
+                                     ["tier"], registry=r)
+        self.handoff_cached = Counter("kimik3_router_handoff_cached_tokens",
+                                      "tokens a decode worker found in cache when taking over", registry=r)
+        self.inflight = Gauge("kimik3_router_inflight", "admitted requests", registry=r)
+        self.queued = Gauge("kimik3_router_queued", "requests waiting for admission", registry=r)
+        self.rejected = Counter("kimik3_router_rejected", "requests refused before any worker", ["reason"], registry=r)
+        self.worker_requests = Counter("kimik3_router_worker_requests", "attempts sent to workers",
+                                       ["worker", "role", "outcome"], registry=r)
+        self.retries = Counter("kimik3_router_retries", "attempts retried on another worker", ["role"], registry=r)
+        self.failovers = Counter("kimik3_router_failovers", "streams continued on another decode worker", registry=r)
+        self.affinity = Counter("kimik3_router_prefill_choice", "how the prefill worker was chosen", ["decision"],
+                                registry=r)
+        self.circuit = Gauge("kimik3_router_circuit_open", "1 when the worker's circuit is open", ["worker"],
+                             registry=r)
+        self.healthy = Gauge("kimik3_router_worker_healthy", "1 when the last health check passed", ["worker"],
+                             registry=r)
+        self.worker_load = Gauge("kimik3_router_worker_score", "load score", ["worker"], registry=r)
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Admission:
+    """At most `max_inflight` requests run; `max_queue` more wait up to `timeout_s`; the rest: 429."""
+
+    def __init__(self, max_inflight: int, max_queue: int, timeout_s: float):
+        self.max_inflight, self.max_queue, self.timeout_s = max_inflight, max_queue, timeout_s
+        self.running = 0
+        self.waiting = 0
+        self._cond: asyncio.Condition | None = None
+
+    async def acquire(self) -> None:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            if self.running < self.max_inflight and not self.waiting:
+                self.running += 1
+                return
+            if self.waiting >= self.max_queue:
+                raise Overloaded(f"{self.running} requests running and {self.waiting} queued")
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._cond.wait_for(lambda: self.running < self.max_inflight), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise Overloaded(f"no capacity within {self.timeout_s:g} s") from None
+            finally:
+                self.waiting -= 1
+            self.running += 1
+
+    async def release(self) -> None:
+        async with self._cond:
+            self.running -= 1
+            self._cond.notify_all()
+
+
+class StoreProbe:
+    """Whether a prefix's last page and KDA snapshot are in the shared Mooncake store."""
+
+    def __init__(self, master: str, metadata: str):
+        from cache.mooncake_tier import MooncakeHostKVTier
+
+        self.tier = MooncakeHostKVTier(master, metadata, staging_bytes=1 << 20)
+
+    def has(self, namespace: str, block_hash: bytes) -> bool:
+        from cache.host_tier import make_key
+
+        return all(self.tier.exists([make_key(namespace, "mla", block_hash), make_key(namespace, "kda", block_hash)]))
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        from kimik3 import config
+
+        if not cfg.prefill and not cfg.decode:
+            raise ValueError("the router needs at least one worker (--prefill / --decode)")
+        self.cfg = cfg
+        self.model_cfg = config.get_config(cfg.config)
+        self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
+        self.aliases = {self.model_name, self.model_cfg.name}
+        mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s)
+        self.prefill = [Worker(u.rstrip("/"), "prefill", mk()) for u in cfg.prefill]
+        self.decode = [Worker(u.rstrip("/"), "decode", mk()) for u in cfg.decode]
+        self.workers = self.prefill + self.decode
+        self.metrics = _Metrics()
+        self.admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s)
+        self.affinity: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self.store: StoreProbe | None = None
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+        self.created = int(time.time())
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.read_timeout_s,
+                                                                              connect=self.cfg.connect_timeout_s))
+        if self.cfg.mooncake_master:
+            try:
+                self.store = await asyncio.to_thread(StoreProbe, self.cfg.mooncake_master, self.cfg.mooncake_metadata)
+            except Exception as e:  # noqa: BLE001 - without the probe, affinity applies to every known prefix
+                log.warning("shared store probe unavailable: %r", e)
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.client:
+            await self.client.aclose()
+        if self.store:
+            self.store.close()
+
+    # ---- health -------------------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001
+                log.exception("health check round failed")
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(w) for w in self.workers))
+
+    async def _check(self, w: Worker) -> None:
+        try:
+            r = await self.client.get(w.url + "/health", timeout=self.cfg.health_timeout_s)
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            w.healthy, w.last_error = False, f"health: {e!r}"
+            w.breaker.failure()
+        else:
+            status = body.get("status")
+            w.info = {k: v for k, v in body.items() if k != "load"}
+            w.load = body.get("load", {})
+            w.draining = status == "draining"
+            if r.status_code == 200 or status == "draining":
+                w.healthy = True
+                w.breaker.success()
+            else:
+                w.healthy, w.last_error = False, f"health: status {status}"
+                w.breaker.failure()
+        self.metrics.circuit.labels(w.url).set(1 if w.breaker.state == OPEN else 0)
+        self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
+        self.metrics.worker_load.labels(w.url).set(w.score())
+
+    def _fact(self, key: str, default=None):
+        vals = [w.info[key] for w in self.workers if key in w.info]
+        return vals[0] if vals else default
+
+    @property
+    def max_context(self) -> int:
+        vals = [w.info["max_context"] for w in self.workers if "max_context" in w.info]
+        return min(vals) if vals else self.model_cfg.max_seq_len
+
+    # ---- choosing workers -----------------------------------------------------------------------------
+    @staticmethod
+    def _least_loaded(cands: list[Worker]) -> Worker:
+        low = min(w.score() for w in cands)
+        return random.choice([w for w in cands if w.score() == low])
+
+    async def pick(self, pool: list[Worker], tried: set[str], prompt: list[int] | None) -> Worker | None:
+        cands = [w for w in pool if w.available()]
+        cands = [w for w in cands if w.url not in tried] or cands
+        if not cands:
+            return None
+        best = self._least_loaded(cands)
+        if prompt is None:
+            return best
+        decision, chosen = "load", best
+        holder, h = self._affinity_holder(prompt)
+        if holder is not None:
+            ns = self._fact("namespace")
+            in_store = False
+            if self.store is not None and ns:
+                try:
+                    in_store = await asyncio.to_thread(self.store.has, ns, h)
+                except Exception as e:  # noqa: BLE001
+                    log.debug("store probe failed: %r", e)
+            if in_store:
+                decision = "store"
+            else:
+                w = next((c for c in cands if c.url == holder), None)
+                if w is not None and w.score() <= best.score() + self.cfg.affinity_slack:
+                    decision, chosen = "affinity", w
+        self.metrics.affinity.labels(decision).inc()
+        return chosen
+
+    def _hashes(self, prompt: list[int]) -> list[bytes]:
+        from cache.block_hash import block_hashes
+
+        ns, page = self._fact("namespace"), self._fact("page_tokens")
+        if not ns or not page:
+            return []
+        return block_hashes(prompt, block_size=page, namespace=ns)
+
+    def _affinity_holder(self, prompt: list[int]) -> tuple[str | None, bytes | None]:
+        hashes = self._hashes(prompt[:-1])  # hits are capped at n - 1 tokens
+        for h in reversed(hashes):
+            if h in self.affinity:
+                self.affinity.move_to_end(h)
+                return self.affinity[h], h
+        return None, None
+
+    def _remember(self, prompt: list[int], url: str) -> None:
+        for h in self._hashes(prompt):
+            self.affinity[h] = url
+            self.affinity.move_to_end(h)
+        while len(self.affinity) > self.cfg.affinity_entries:
+            self.affinity.popitem(last=False)
+
+    # ---- one request through the pools ----------------------------------------------------------------
+    async def _attempt(self, w: Worker, context: list[int], want: int, stop_at_eos: bool, rid: str, out: list[int]):
+        """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each).
+        Returns the worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
+        body = {"prompt": context, "max_tokens": want, "stop_at_eos": stop_at_eos, "request_id": rid}
+        try:
+            async with self.client.stream("POST", w.url + "/generate", json=body) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode(errors="replace")[:500]
+                    if resp.status_code == 429:
+                        raise WorkerFailure(f"{w.url} is full", count_failure=False)
+                    if resp.status_code == 503 and "draining" in text:
+                        w.draining = True
+                        raise WorkerFailure(f"{w.url} is draining", count_failure=False)
+                    if resp.status_code >= 500:
+                        raise WorkerFailure(f"{w.url} answered {resp.status_code}: {text}")
+                    raise APIError(400, f"the worker refused the request: {text}")
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    ev = json.loads(line)
+                    if "token" in ev:
+                        out.append(int(ev["token"]))
+                        yield ev
+                    elif "done" in ev:
+                        yield ev
+                        return
+                    elif "error" in ev:
+                        raise WorkerFailure(f"{w.url}: {ev['error']}")
+                raise WorkerFailure(f"{w.url} closed the stream early")
+        except (httpx.TransportError, json.JSONDecodeError) as e:
+            raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
+
+    async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, stop_at_eos: bool,
+                        rid: str, affinity: bool):
+        """Generate until `out` holds `total` tokens (or EOS), failing over between workers.
+        Yields ("token", t) and finally ("done", event)."""
+        role = pool[0].role
+        tried: set[str] = set()
+        failures = 0
+        while True:
+            w = await self.pick(pool, tried, prompt if affinity else None)
+            if w is None:
+                failures += 1
+                if failures > self.cfg.retries:
+                    raise APIError(503, f"no healthy {role} worker is available; retry later",
+                                   type="service_unavailable", code="no_worker")
+                await self._backoff(failures)
+                continue
+            tried.add(w.url)
+            before = len(out)
+            w.inflight += 1
+            try:
+                async for ev in self._attempt(w, prompt + out, total - len(out), stop_at_eos, rid, out):
+                    if "token" in ev:
+                        yield "token", ev["token"]
+                    else:
+                        w.breaker.success()
+                        self.metrics.worker_requests.labels(w.url, role, "ok").inc()
+                        if affinity:
+                            self._remember(prompt, w.url)
+                        yield "done", ev
+                        return
+            except WorkerFailure as e:
+                w.last_error = str(e)
+                outcome = "failed" if e.count_failure else "refused"
+                self.metrics.worker_requests.labels(w.url, role, outcome).inc()
+                if e.count_failure:
+                    w.breaker.failure()
+                    failures += 1
+                log.warning("%s attempt for %s failed (%d tokens so far): %s", role, rid, len(out), e)
+                if len(out) > before or (role == "decode" and out):
+                    self.metrics.failovers.inc()
+                if failures > self.cfg.retries:
+                    raise APIError(503, f"the request failed on {failures} {role} workers after {len(out)} "
+                                        f"tokens; retry later (last error: {e})", type="service_unavailable",
+                                   code="worker_failure")
+                self.metrics.retries.labels(role).inc()
+                await self._backoff(failures)
+            finally:
+                w.inflight -= 1
+
+    async def _backoff(self, attempt: int) -> None:
+        delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** max(0, attempt - 1))
+        await asyncio.sleep(random.uniform(0, delay))  # full jitter
+
+    async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str):
+        """Yields ("token", id) for every output token and a final ("done", summary)."""
+        out: list[int] = []
+        summary = {"cached_tokens": 0, "cached_tokens_host": 0, "finish_reason": "length"}
+        from kimik3 import tokenizer
+
+        stopped = lambda: stop_at_eos and out and out[-1] == tokenizer.EOS_ID
+        stages = []
+        if self.prefill and self.decode:
+            stages = [(self.prefill, 1, True), (self.decode, max_tokens, False)]
+        else:
+            stages = [(self.decode or self.prefill, max_tokens, True)]
+        for i, (pool, upto, first_stage) in enumerate(stages):
+            if len(out) >= max_tokens or stopped():
+                break
+            async for kind, ev in self._run_pool(pool, prompt, out, upto, stop_at_eos, rid, affinity=first_stage):
+                if kind == "token":
+                    yield "token", ev
+                elif i == 0:
+                    summary["cached_tokens"] = ev.get("cached_tokens", 0)
+                    summary["cached_tokens_host"] = ev.get("cached_tokens_host", 0)
+                else:
+                    self.metrics.handoff_cached.inc(ev.get("cached_tokens", 0))
+        summary["finish_reason"] = "stop" if stopped() else "length"
+        yield "done", summary
+
+    # ---- the HTTP app ---------------------------------------------------------------------------------
+    def parse(self, kind: str, raw: bytes):
+        """(validated request, prompt ids, max_tokens) or APIError."""
+        from pydantic import ValidationError
+
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            req = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(obj)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if req.model not in self.aliases:
+            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        check_common(req)
+        if kind == "chat":
+            tpi = self.model_cfg.vit.tokens_per_image if self.model_cfg.vit else 0
+            prompt = chat_prompt(req, max_images=self.cfg.max_images, tokens_per_image=tpi)
+            requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        else:
+            prompt = completion_prompt(req, vocab_size=self.model_cfg.vocab_size)
+            requested = req.max_tokens
+        max_tokens = resolve_max_tokens(requested, len(prompt), self.max_context, self.cfg.default_max_tokens)
+        return req, prompt, max_tokens
+
+    def create_app(self):
+        from contextlib import asynccontextmanager
+
+        from fastapi import FastAPI
+        from fastapi.exceptions import RequestValidationError
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from starlette.exceptions import HTTPException as StarletteHTTPException
+
+        router = self
+
+        @asynccontextmanager
+        async def lifespan(app):
+            await router.start()
+            yield
+            await router.stop()
+
+        app = FastAPI(title="kimik3 router", lifespan=lifespan)
+
+        def error_response(e: APIError, endpoint: str) -> JSONResponse:
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc):
+            return JSONResponse(APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
+                                status_code=exc.status_code)
+
+        @app.exception_handler(RequestValidationError)
+        async def validation(request, exc):
+            return JSONResponse(APIError(400, f"invalid request: {exc.errors()}").body(), status_code=400)
+
+        async def handle(request: Request, kind: str):
+            endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            t0 = time.monotonic()
+            try:
+                req, prompt, max_tokens = self.parse(kind, await request.body())
+            except APIError as e:
+                self.metrics.rejected.labels("invalid").inc()
+                return error_response(e, endpoint)
+            try:
+                self.metrics.queued.inc()
+                await self.admission.acquire()
+            except Overloaded as e:
+                self.metrics.rejected.labels("overloaded").inc()
+                return error_response(APIError(429, f"the server is at capacity ({e}); retry later",
+                                               type="rate_limit_error", code="rate_limit_exceeded",
+                                               headers={"Retry-After": "1"}), endpoint)
+            finally:
+                self.metrics.queued.dec()
+            self.metrics.inflight.inc()
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+            stream = _Stream(self, kind, req, prompt, max_tokens, rid, t0, endpoint)
+            try:
+                first = await stream.first()
+            except BaseException:
+                await stream.close()
+                raise
+            if isinstance(first, APIError):
+                await stream.close()  # counted there, with the error's status
+                return JSONResponse(first.body(), status_code=first.status, headers=first.headers)
+            if req.stream:
+                return StreamingResponse(stream.sse(first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return await stream.collect(first)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await handle(request, "chat")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, "completion")
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                                "owned_by": "kimik3", "max_model_len": self.max_context}]}
+
+        @app.get("/health")
+        async def health():
+            ok = (any(w.available() for w in self.prefill) or not self.prefill) and \
+                 (any(w.available() for w in self.decode) or not self.decode)
+            return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.model_name,
+                                 "workers": [w.describe() for w in self.workers]}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/admin/workers")
+        async def workers():
+            return {"workers": [w.describe() for w in self.workers], "admission": {
+                "running": self.admission.running, "waiting": self.admission.waiting}}
+
+        async def set_drain(request: Request, drain: bool):
+            try:
+                url = json.loads(await request.body())["url"].rstrip("/")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return JSONResponse(APIError(400, 'body must be {"url": "<worker url>"}').body(), status_code=400)
+            w = next((w for w in self.workers if w.url == url), None)
+            if w is None:
+                return JSONResponse(APIError(404, f"no worker {url}").body(), status_code=404)
+            w.drained_by_router = drain
+            try:  # the worker refuses new requests (from any router) and finishes the admitted ones
+                await self.client.post(w.url + ("/drain" if drain else "/resume"), timeout=self.cfg.health_timeout_s)
+            except httpx.HTTPError as e:
+                log.warning("could not tell %s to %s: %r", w.url, "drain" if drain else "resume", e)
+            if not drain:
+                w.draining = False
+            return w.describe()
+
+        @app.post("/admin/drain")
+        async def drain(request: Request):
+            return await set_drain(request, True)
+
+        @app.post("/admin/resume")
+        async def resume(request: Request):
+            return await set_drain(request, False)
+
+        return app
+
+
+class _Stream:
+    """One admitted request: a task runs `Router.generate` into a queue (so the stream's
+    upstream connections live in one task), and the handler renders OpenAI responses from it."""
+
+    def __init__(self, router: Router, kind: str, req, prompt, max_tokens, rid, t0, endpoint):
+        self.r, self.kind, self.req, self.prompt, self.max_tokens = router, kind, req, prompt, max_tokens
+        self.rid, self.t0, self.endpoint = rid, t0, endpoint
+        self.created = int(time.time())
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.summary: dict | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._produce(not req.ignore_eos))
+        self._closed = False
+        self.status = "200"
+
+    async def _produce(self, stop_at_eos: bool) -> None:
+        try:
+            async with asyncio.timeout(self.r.cfg.request_timeout_s):
+                async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid):
+                    await self._queue.put(item)
+        except APIError as e:
+            await self._queue.put(("error", e))
+        except TimeoutError:
+            await self._queue.put(("error", APIError(504, f"the request did not finish within "
+                                                          f"{self.r.cfg.request_timeout_s:g} s", type="timeout",
+                                                     code="timeout")))
+        except Exception:  # noqa: BLE001 - a bug must not leave the client waiting
+            log.exception("request %s failed", self.rid)
+            await self._queue.put(("error", APIError(500, "internal router error", type="server_error")))
+
+    async def next(self):
+        item = await self._queue.get()
+        if item[0] == "error":
+            self.status = str(item[1].status)
+            raise item[1]
+        return item
+
+    async def first(self):
+        """The first event, or an APIError when the request fails before any token."""
+        try:
+            return await self.next()
+        except APIError as e:
+            return e
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
+        await self.r.admission.release()
+        m = self.r.metrics
+        m.inflight.dec()
+        m.requests.labels(self.endpoint, self.status).inc()
+        m.latency.labels(self.endpoint).observe(time.monotonic() - self.t0)
+        if self.summary is not None:
+            m.prompt_tokens.inc(len(self.prompt))
+            m.completion_tokens.inc(len(self.tokens))
+            m.cached_tokens.labels("gpu").inc(self.summary["cached_tokens"] - self.summary["cached_tokens_host"])
+            m.cached_tokens.labels("host").inc(self.summary["cached_tokens_host"])
+            if self.times:
+                m.ttft.observe(self.times[0] - self.t0)
+            if len(self.times) > 1:
+                m.tpot.observe((self.times[-1] - self.times[0]) / (len(self.times) - 1))
+
+    def _usage(self) -> dict:
+        cached = self.summary["cached_tokens"] if self.summary else 0
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
+                "total_tokens": len(self.prompt) + len(self.tokens), "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _events(self, first):
+        """(text piece, token) per token, then (tail text, None) once done."""
+        item = first
+        while True:
+            kind, ev = item
+            if kind == "token":
+                self.tokens.append(ev)
+                self.times.append(time.monotonic())
+                yield (self._decoder.decode(bytes([ev])) if ev < 256 else ""), ev
+            else:
+                self.summary = ev
+                yield self._decoder.decode(b"", final=True), None
+                return
+            item = await self.next()
+
+    async def collect(self, first):
+        from fastapi.responses import JSONResponse
+
+        from kimik3 import tokenizer
+
+        try:
+            async for _ in self._events(first):
+                pass
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        finally:
+            await self.close()
+        text = tokenizer.decode(self.tokens)
+        choice = {"index": 0, "finish_reason": self.summary["finish_reason"], "token_ids": self.tokens,
+                  "logprobs": None}
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = text
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.r.model_name,
+                "choices": [choice], "usage": self._usage()}
+
+    def _chunk(self, delta: dict | None = None, text: str | None = None, token: int | None = None,
+               finish: str | None = None) -> str:
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if token is not None:
+            choice["token_ids"] = [token]
+        if self.kind == "chat":
+            choice["delta"] = delta if delta is not None else ({"content": text} if text else {})
+            obj = "chat.completion.chunk"
+        else:
+            choice["text"] = text or ""
+            obj = "text_completion"
+        return "data: " + json.dumps({"id": self.rid, "object": obj, "created": self.created,
+                                      "model": self.r.model_name, "choices": [choice]}) + "\n\n"
+
+    async def sse(self, first):
+        try:
+            if self.kind == "chat":
+                yield self._chunk(delta={"role": "assistant", "content": ""})
+            async for piece, token in self._events(first):
+                if token is not None or piece:
+                    yield self._chunk(text=piece, token=token)
+            yield self._chunk(finish=self.summary["finish_reason"])
+            opts = self.req.stream_options
+            if opts is not None and opts.include_usage:
+                yield "data: " + json.dumps({"id": self.rid, "object": "chat.completion.chunk" if self.kind == "chat"
+                                             else "text_completion", "created": self.created,
+                                             "model": self.r.model_name, "choices": [],
+                                             "usage": self._usage()}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            body = e.body()
+            body["error"]["retriable"] = e.status in (429, 500, 503, 504)
+            body["error"]["tokens_sent"] = len(self.tokens)
+            yield "data: " + json.dumps(body) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await self.close()
+
+
+# ---- command line --------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
+    parser.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode (or both) worker URLs")
+    parser.add_argument("--config-file", default=None,
+                        help="JSON file with any of these options (prefill, decode, max_inflight, ...); "
+                             "command-line values win")
+    parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default kimik3-<config>)")
+    for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"default {getattr(d, name)}")
+    for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",
+                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s",
+                 "affinity_slack"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
+                            help=f"default {getattr(d, name)}")
+    parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
+    parser.add_argument("--mooncake-metadata", default=None)
+    parser.add_argument("--log-level", default="warning")
+
+
+def config_from_args(args) -> RouterConfig:
+    values = {}
+    if args.config_file:
+        with open(args.config_file) as f:
+            values = json.load(f)
+        unknown = set(values) - {f.name for f in dataclasses.fields(RouterConfig)}
+        if unknown:
+            raise ValueError(f"unknown router options in {args.config_file}: {sorted(unknown)}")
+    for f in dataclasses.fields(RouterConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and v != []:
+            values[f.name] = v
+    return RouterConfig(**values)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    router = Router(config_from_args(args))
+    uvicorn.run(router.create_app(), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kimik3 router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,499 @@
+"""`kimik3 worker`: one `Engine` in its own process behind a small HTTP API.
+
+    python -m serving.worker --role prefill --port 8101 --config tiny \
+        --mooncake-master 127.0.0.1:50051 --mooncake-metadata http://127.0.0.1:8080/metadata
+
+The engine is not thread-safe, so exactly one background thread owns it (`EngineLoop`):
+HTTP handlers (asyncio, uvicorn) hand it commands through a queue and get their tokens
+back through per-request asyncio queues.  Endpoints:
+
+* ``POST /generate`` ``{"prompt": [ids], "max_tokens": n, "stop_at_eos": bool, "request_id": str}``:
+  NDJSON stream.  First line ``{"accepted": true, ...}`` once the engine took the request, then
+  one ``{"token": id, "index": i}`` line per token, ``{"keepalive": true}`` lines while nothing
+  else happens (a live worker is never silent for more than `keepalive_s`), and a last line
+  ``{"done": true, "finish_reason": ..., "cached_tokens": ..., "cached_tokens_host": ...}`` or
+  ``{"error": msg, "retriable": bool}``.  Closing the connection cancels the request.
+* ``POST /prefill``: the same request with one token, answered as one JSON object.  With a
+  shared store (`--mooncake-master`) every finished request's pages and KDA snapshots are
+  published there (`Engine(publish_to_host=True)`), so a decode worker (or this worker after a
+  restart) finds the prompt's prefix in the store.
+* ``GET /health`` (200 ok / 503 draining or failed, plus the model facts a router needs),
+  ``GET /load`` (queue depth, running, free pages and sessions, KV use), ``POST /drain``
+  (refuse new requests, finish the admitted ones), ``POST /resume``, ``GET /metrics``.
+
+Status codes: 400 for a request the engine can never serve, 429 when the waiting queue is
+full (try another worker), 503 while draining or after an engine fault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import queue
+import resource
+import sys
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 1.0
+
+
+@dataclasses.dataclass
+class _Sub:
+    """One request as the HTTP side sees it."""
+
+    internal_id: str
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    req: Any = None  # the engine's Request, set by the engine thread
+    sent: int = 0
+
+
+class EngineLoop:
+    """The single thread that owns an `Engine`.  Thread-safe `submit` / `cancel` / `load`."""
+
+    def __init__(self, engine, *, max_waiting: int = 32, step_delay_s: float = 0.0, worker_id: str = "worker",
+                 registry=None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.step_delay_s = step_delay_s
+        self.worker_id = worker_id
+        self.draining = False
+        self.failed: str | None = None
+        self._cmds: queue.Queue = queue.Queue()
+        self._subs: dict[str, _Sub] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted by handlers, not yet finished (guarded by _lock)
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self.counters = {"submitted": 0, "finished": 0, "cancelled": 0, "errors": 0, "rejected": 0,
+                         "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "cached_tokens_host": 0}
+        self._load = self._snapshot()
+        self._metrics = _WorkerMetrics(registry) if registry is not None else None
+
+    # ---- called from HTTP handlers (any thread) ------------------------------------------------
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake", None))
+        self._thread.join(timeout)
+
+    def try_reserve(self) -> str | None:
+        """Take a place in the queue: None if admitted, else why not (for 429 / 503)."""
+        with self._lock:
+            if self.failed:
+                return "failed"
+            if self.draining:
+                return "draining"
+            load = self._load
+            if self._pending - load["running"] >= self.max_waiting:
+                self.counters["rejected"] += 1
+                return "full"
+            self._pending += 1
+            self.counters["submitted"] += 1
+            return None
+
+    def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str) -> _Sub:
+        """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
+        sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
+        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos)))
+        return sub
+
+    def cancel(self, sub: _Sub) -> None:
+        self._cmds.put(("cancel", sub.internal_id))
+
+    def load(self) -> dict:
+        with self._lock:
+            out = dict(self._load)
+            out.update(inflight=self._pending, draining=self.draining, failed=self.failed,
+                       max_waiting=self.max_waiting, **self.counters)
+        out["waiting"] = max(out["waiting"], out["inflight"] - out["running"])
+        return out
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _snapshot(self) -> dict:
+        e = self.engine
+        pool = e.manager.page_pool
+        total = pool.num_blocks - 1
+        used = total - pool.num_free
+        return {"waiting": len(e.waiting), "running": len(e.running), "free_slots": len(e._free_slots),
+                "sessions": len(e._free_slots) + len(e.running), "free_pages": pool.num_free, "total_pages": total,
+                "kv_use": used / total if total else 0.0, "preemptions": e.preemptions,
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def _push(self, sub: _Sub, event: dict) -> None:
+        try:
+            sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
+        except RuntimeError:  # the HTTP loop is gone (shutdown)
+            pass
+
+    def _finish(self, sub: _Sub, counter: str) -> None:
+        self._subs.pop(sub.internal_id, None)
+        with self._lock:
+            self._pending -= 1
+            self.counters[counter] += 1
+
+    def _handle(self, kind: str, payload) -> None:
+        e = self.engine
+        if kind == "submit":
+            sub, prompt, n, stop_at_eos = payload
+            try:
+                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos)
+            except ValueError as err:
+                self._push(sub, {"error": str(err), "status": 400, "retriable": False})
+                self._finish(sub, "errors")
+                return
+            self._subs[sub.internal_id] = sub
+            self._push(sub, {"accepted": True, "worker": self.worker_id})
+        elif kind == "cancel":
+            sub = self._subs.get(payload)
+            if sub is not None:
+                e.cancel(payload)
+                self._finish(sub, "cancelled")
+
+    def _publish(self) -> None:
+        for sub in list(self._subs.values()):
+            req = sub.req
+            while sub.sent < len(req.output):
+                self._push(sub, {"token": int(req.output[sub.sent]), "index": sub.sent})
+                sub.sent += 1
+            if req.done:
+                if req.error:
+                    self._push(sub, {"error": req.error, "status": 500, "retriable": True})
+                    self._finish(sub, "errors")
+                    continue
+                from kimik3 import tokenizer
+
+                reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == tokenizer.EOS_ID else "length"
+                self._push(sub, {"done": True, "finish_reason": reason, "prompt_tokens": len(req.prompt),
+                                 "completion_tokens": len(req.output), "cached_tokens": req.cached_tokens,
+                                 "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id})
+                with self._lock:
+                    self.counters["output_tokens"] += len(req.output)
+                    self.counters["prompt_tokens"] += len(req.prompt)
+                    self.counters["cached_tokens"] += req.cached_tokens
+                    self.counters["cached_tokens_host"] += req.cached_tokens_host
+                if self._metrics is not None:
+                    self._metrics.observe(req)
+                self._finish(sub, "finished")
+        self.engine.finished.clear()  # results went out above; do not grow without bound
+
+    def _fail_all(self, why: str) -> None:
+        for sub in list(self._subs.values()):
+            self._push(sub, {"error": why, "status": 500, "retriable": True})
+            self._finish(sub, "errors")
+
+    def _run(self) -> None:
+        e = self.engine
+        while not self._stop.is_set():
+            try:
+                block = not e.has_work()
+                while True:
+                    kind, payload = self._cmds.get(block=block, timeout=0.1 if block else None)
+                    block = False
+                    self._handle(kind, payload)
+            except queue.Empty:
+                pass
+            if self.failed or not e.has_work():
+                with self._lock:
+                    self._load = self._snapshot()
+                continue
+            try:
+                e.step()
+            except Exception as err:  # noqa: BLE001 - an engine fault fails its requests, not the process
+                log.exception("engine step failed; the worker reports itself unhealthy")
+                self.failed = f"engine fault: {err!r}"
+                self._fail_all(self.failed)
+                continue
+            self._publish()
+            with self._lock:
+                self._load = self._snapshot()
+            if self._metrics is not None:
+                self._metrics.gauges(self._load)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+
+
+class _WorkerMetrics:
+    def __init__(self, registry):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.ttft = Histogram("kimik3_worker_ttft_seconds", "arrival to first token", registry=registry,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.tpot = Histogram("kimik3_worker_tpot_seconds", "mean gap between output tokens", registry=registry,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.tokens = Counter("kimik3_worker_output_tokens", "output tokens", registry=registry)
+        self.cached = Counter("kimik3_worker_cached_prompt_tokens", "prompt tokens served from cache",
+                              ["tier"], registry=registry)
+        self.prompt = Counter("kimik3_worker_prompt_tokens", "prompt tokens", registry=registry)
+        self.waiting = Gauge("kimik3_worker_waiting", "requests waiting for admission", registry=registry)
+        self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
+        self.kv_use = Gauge("kimik3_worker_kv_use", "fraction of KV pages in use", registry=registry)
+
+    def observe(self, req) -> None:
+        from serving.metrics import RequestRecord
+
+        rec = RequestRecord(req.arrival_s, req.token_times_s, len(req.prompt), 0, 0)
+        if rec.ttft_s is not None:
+            self.ttft.observe(rec.ttft_s)
+        if rec.tpot_s is not None:
+            self.tpot.observe(rec.tpot_s)
+        self.tokens.inc(len(req.output))
+        self.prompt.inc(len(req.prompt))
+        self.cached.labels("gpu").inc(req.cached_tokens - req.cached_tokens_host)
+        self.cached.labels("host").inc(req.cached_tokens_host)
+
+    def gauges(self, load: dict) -> None:
+        self.waiting.set(load["waiting"])
+        self.running.set(load["running"])
+        self.kv_use.set(load["kv_use"])
+
+
+# ---- the HTTP app ------------------------------------------------------------------------------------
+def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S, registry=None):
+    """FastAPI app around a started or startable `EngineLoop`.  `info` goes out on /health."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+    class GenerateBody(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        prompt: list[StrictInt] = Field(min_length=1)
+        max_tokens: StrictInt = Field(ge=1)
+        stop_at_eos: StrictBool = False
+        request_id: StrictStr = "req"
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not loop._thread.is_alive() and not loop._stop.is_set():
+            loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="kimik3 worker", lifespan=lifespan)
+
+    def error(status: int, message: str, **extra) -> JSONResponse:
+        return JSONResponse({"error": message, **extra}, status_code=status)
+
+    async def parse(request: Request) -> GenerateBody | JSONResponse:
+        try:
+            return GenerateBody.model_validate(json.loads(await request.body()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "malformed JSON body")
+        except ValidationError as err:
+            return error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()))
+
+    def refuse(why: str) -> JSONResponse:
+        if why == "full":
+            return error(429, "worker queue is full", retriable=True)
+        return error(503, f"worker is {why}", retriable=True)
+
+    async def start(body: GenerateBody):
+        """(sub, first event) or an error response."""
+        why = loop.try_reserve()
+        if why:
+            return None, refuse(why)
+        sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id)
+        first = await sub.events.get()
+        if "error" in first:
+            return None, error(first.get("status", 500), first["error"], retriable=first.get("retriable", False))
+        return sub, first
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse(request)
+        if isinstance(body, JSONResponse):
+            return body
+        sub, first = await start(body)
+        if sub is None:
+            return first
+
+        async def lines():
+            finished = False
+            try:
+                yield json.dumps(first) + "\n"
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(sub.events.get(), keepalive_s)
+                    except asyncio.TimeoutError:
+                        yield '{"keepalive": true}\n'
+                        continue
+                    yield json.dumps(ev) + "\n"
+                    if "done" in ev or "error" in ev:
+                        finished = True
+                        return
+            finally:
+                if not finished:  # the client went away: free the KV now
+                    loop.cancel(sub)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/prefill")
+    async def prefill(request: Request):
+        body = await parse(request)
+        if isinstance(body, JSONResponse):
+            return body
+        body.max_tokens = 1
+        sub, first = await start(body)
+        if sub is None:
+            return first
+        tokens = []
+        while True:
+            ev = await sub.events.get()
+            if "token" in ev:
+                tokens.append(ev["token"])
+            elif "error" in ev:
+                return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True))
+            elif "done" in ev:
+                return {"token": tokens[0], "tokens": tokens, **ev}
+
+    @app.get("/health")
+    async def health():
+        status = "failed" if loop.failed else "draining" if loop.draining else "ok"
+        return JSONResponse({"status": status, "pid": os.getpid(), **info, "load": loop.load()},
+                            status_code=200 if status == "ok" else 503)
+
+    @app.get("/load")
+    async def load():
+        return loop.load()
+
+    @app.post("/drain")
+    async def drain():
+        loop.draining = True
+        return loop.load()
+
+    @app.post("/resume")
+    async def resume():
+        loop.draining = False
+        return loop.load()
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry) if registry is not None else b"", media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- building the engine --------------------------------------------------------------------------
+def default_cache_geometry(config_name: str) -> tuple[int, int]:
+    """(page_tokens, kda_block_tokens): the demo's small blocks on tiny, DESIGN.md's elsewhere."""
+    return (32, 128) if config_name == "tiny" else (128, 1536)
+
+
+def build_engine(args):
+    """(engine, host tier or None, info dict) from parsed worker arguments."""
+    import jax
+
+    from kimik3 import config, model
+    from serving.engine import Engine
+
+    cfg = config.get_config(args.config)
+    dtype = args.dtype or cfg.dtype
+    params = model.init_params(cfg, jax.random.PRNGKey(args.seed), dtype)
+    page, block = default_cache_geometry(cfg.name)
+    page = args.page_tokens or page
+    block = args.kda_block_tokens or block
+    max_pages = min(args.max_pages_per_request or -(-cfg.max_seq_len // page), args.num_pages - 1)
+    namespace = args.namespace or f"{cfg.name}/{dtype}/seed{args.seed}"
+    host = None
+    if args.mooncake_master:
+        from cache.mooncake_tier import MooncakeHostKVTier
+
+        host = MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata, staging_bytes=args.staging_mb << 20)
+    role = args.role
+    engine = Engine(params, cfg, num_pages=args.num_pages, num_slots=args.num_slots,
+                    num_snapshots=args.num_snapshots or 4 * args.num_slots, page_tokens=page,
+                    kda_block_tokens=block, max_pages_per_request=max_pages,
+                    prefill_chunk_tokens=args.prefill_chunk_tokens, host=host, kernels=args.kernels,
+                    namespace=namespace, role=role, publish_to_host=host is not None)
+    info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
+            "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
+            "kda_block_tokens": block, "max_context": min(cfg.max_seq_len, max_pages * page),
+            "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity()}
+    return engine, host, info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
+    parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
+    parser.add_argument("--num-pages", type=int, default=256)
+    parser.add_argument("--num-slots", type=int, default=8, help="concurrent sessions")
+    parser.add_argument("--num-snapshots", type=int, default=None)
+    parser.add_argument("--page-tokens", type=int, default=None)
+    parser.add_argument("--kda-block-tokens", type=int, default=None)
+    parser.add_argument("--max-pages-per-request", type=int, default=None)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=64)
+    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--mooncake-master", default=None, help="host:port of a mooncake_master (the shared store)")
+    parser.add_argument("--mooncake-metadata", default=None, help="its HTTP metadata URL")
+    parser.add_argument("--staging-mb", type=int, default=16)
+    parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")
+    parser.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily")
+    parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step (testing)")
+    parser.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
+    parser.add_argument("--log-level", default="warning")
+
+
+def run(args) -> int:
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    if args.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    t0 = time.monotonic()
+    engine, host, info = build_engine(args)
+    if not args.no_warmup:
+        engine.warmup()
+    log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
+    registry = CollectorRegistry()
+    loop = EngineLoop(engine, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s,
+                      worker_id=info["worker_id"], registry=registry)
+    app = create_app(loop, info, registry=registry)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        if host is not None:
+            host.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="kimik3 worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

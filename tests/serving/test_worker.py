@@ -1,0 +1,104 @@
+"""The worker's HTTP API, in process (FastAPI TestClient) around a real engine on the tiny model."""
+
+import json
+
+import pytest
+
+from kimik3.generate import generate
+from serving.engine import Engine
+from serving.worker import EngineLoop, create_app
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def client(tiny_cfg, tiny_params):
+    from fastapi.testclient import TestClient
+
+    eng = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
+                 kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32, kernels="reference")
+    loop = EngineLoop(eng, max_waiting=2, worker_id="w0")
+    info = {"role": "both", "worker_id": "w0", "max_context": 256, "page_tokens": PAGE, "namespace": "t"}
+    with TestClient(create_app(loop, info, keepalive_s=0.2)) as c:
+        c.loop = loop
+        yield c
+
+
+def _lines(resp):
+    return [json.loads(line) for line in resp.iter_lines() if line]
+
+
+def test_generate_streams_the_oracle_tokens_then_done(client, tiny_cfg, tiny_params, rng):
+    prompt = rng.integers(0, 256, 40).tolist()
+    with client.stream("POST", "/generate", json={"prompt": prompt, "max_tokens": 5}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        events = _lines(r)
+    assert events[0]["accepted"] and events[-1]["done"] and events[-1]["finish_reason"] == "length"
+    tokens = [e["token"] for e in events if "token" in e]
+    assert tokens == generate(tiny_params, tiny_cfg, prompt, 5).tokens.tolist()
+    assert [e["index"] for e in events if "token" in e] == list(range(5))
+
+
+def test_prefill_answers_one_token_and_a_repeat_hits_the_cache(client, tiny_cfg, tiny_params, rng):
+    prompt = [7] + rng.integers(0, 256, 70).tolist()  # shares no page with other tests' prompts
+    a = client.post("/prefill", json={"prompt": prompt, "max_tokens": 9}).json()
+    b = client.post("/prefill", json={"prompt": prompt, "max_tokens": 9}).json()
+    assert a["tokens"] == [a["token"]] == generate(tiny_params, tiny_cfg, prompt, 1).tokens.tolist()
+    assert a["cached_tokens"] == 0 and b["cached_tokens"] >= 4 * PAGE and b["token"] == a["token"]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "malformed JSON"),
+    (json.dumps({"prompt": "text", "max_tokens": 3}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": [1, 2], "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": [1] * 300, "max_tokens": 5}).encode(), 400, "context limit"),
+    (json.dumps({"prompt": [999], "max_tokens": 5}).encode(), 400, "token ids"),
+])
+def test_bad_requests_are_400_with_a_message(client, body, status, words):
+    before = client.get("/load").json()["submitted"]
+    r = client.post("/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status and words in r.json()["error"]
+    assert client.get("/load").json()["submitted"] - before <= 1  # engine-side checks count as submitted
+
+
+def test_drain_refuses_new_requests_and_resume_accepts_them(client):
+    assert client.post("/drain").json()["draining"]
+    h = client.get("/health")
+    assert h.status_code == 503 and h.json()["status"] == "draining"
+    r = client.post("/generate", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["retriable"]
+    assert not client.post("/resume").json()["draining"]
+    assert client.get("/health").status_code == 200
+    assert client.post("/prefill", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
+
+
+def test_a_closed_stream_cancels_the_request_and_frees_its_kv(client, rng):
+    load0 = client.get("/load").json()
+    with client.stream("POST", "/generate", json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}) as r:
+        for line in r.iter_lines():
+            if '"token"' in line:
+                break  # leave after the first token: the connection closes
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        load = client.get("/load").json()
+        if load["inflight"] == 0 and load["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert load["inflight"] == 0 and load["running"] == 0 and load["cancelled"] == load0["cancelled"] + 1
+    assert load["free_pages"] == load0["free_pages"] or load["free_pages"] >= load0["free_pages"] - 3  # cached
+
+
+def test_a_full_queue_answers_429(client):
+    loop = client.loop
+    for _ in range(loop.max_waiting):  # hold the queue's places without running anything
+        assert loop.try_reserve() is None
+    try:
+        r = client.post("/generate", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["retriable"]
+    finally:
+        with loop._lock:
+            loop._pending -= loop.max_waiting
+    assert client.get("/health").json()["load"]["rejected"] >= 1
+    assert b"kimik3_worker" in client.get("/metrics").content or client.get("/metrics").status_code == 200
