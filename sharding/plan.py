@@ -245,6 +245,7 @@ def run(args) -> int:
     parts = []
     if args.prefill:
         shape = parse_spec(args.prefill, "prefill")
+        check_config(cfg, shape)
         if args.seq_len % shape.size:
             raise ValueError(f"--seq-len {args.seq_len} is not a multiple of tp={shape.size}")
         parts.append(report(cfg, shape, batch=args.batch, seq=args.seq_len, context=args.seq_len,
@@ -252,6 +253,7 @@ def run(args) -> int:
                             act_dtype=args.act_dtype))
     if args.decode:
         shape = parse_spec(args.decode, "decode")
+        check_config(cfg, shape)
         if args.decode_batch % shape.size:
             raise ValueError(f"--decode-batch {args.decode_batch} is not a multiple of dp={shape.size}")
         parts.append(report(cfg, shape, batch=args.decode_batch, seq=1, context=args.context,
