@@ -145,6 +145,7 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
+    breaker_max_cooldown_s: float = 30.0
     max_images: int = 16
     default_max_tokens: int = 256
     affinity_slack: float = 2.0
@@ -260,7 +261,7 @@ class Router:
         self.model_cfg = config.get_config(cfg.config)
         self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
         self.aliases = {self.model_name, self.model_cfg.name}
-        mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s)
+        mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s)
         self.prefill = [Worker(u.rstrip("/"), "prefill", mk()) for u in cfg.prefill]
         self.decode = [Worker(u.rstrip("/"), "decode", mk()) for u in cfg.decode]
         self.workers = self.prefill + self.decode
@@ -825,7 +826,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",
-                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s",
+                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s", "breaker_max_cooldown_s",
                  "affinity_slack"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
                             help=f"default {getattr(d, name)}")

@@ -1,0 +1,355 @@
+"""Router + prefill/decode workers as real processes on 127.0.0.1, sharing a real Mooncake store.
+
+One cluster per module (worker start-up is the expensive part): 2 prefill workers, 2 decode
+workers (a small per-step delay keeps streams long enough to kill one mid-stream), a router.
+Every wait is bounded.  Tests run in file order; each leaves the cluster whole.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from kimik3 import config, model, tokenizer
+from kimik3.generate import generate
+from serving.launch import child_env, free_port, stop_process, wait_healthy
+
+SEED = 0
+PAGE = 16
+CACHE_DIR = os.path.join(tempfile.gettempdir(), "kimik3-test-jax-cache")
+WORKER_ARGS = ["--config", "tiny", "--seed", str(SEED), "--dtype", "float32", "--page-tokens", str(PAGE),
+               "--kda-block-tokens", str(4 * PAGE), "--prefill-chunk-tokens", "16", "--num-pages", "48",
+               "--num-slots", "2", "--max-waiting", "8", "--compile-cache", CACHE_DIR, "--kernels", "reference"]
+STARTUP_S = 400
+
+
+class Cluster:
+    def __init__(self, services, log_dir):
+        self.services, self.log_dir = services, log_dir
+        self.namespace = f"tiny/router-test-{os.getpid()}-{int(time.time())}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def worker_argv(self, name: str) -> list[str]:
+        role = name.rstrip("0123456789")
+        argv = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(self.ports[name]),
+                "--worker-id", name, "--namespace", self.namespace, "--mooncake-master", self.services.master_addr,
+                "--mooncake-metadata", self.services.metadata_url] + WORKER_ARGS
+        return argv + (["--step-delay-s", "0.03"] if role == "decode" else [])
+
+    def spawn(self, name: str, argv: list[str]) -> None:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "a")
+        env = dict(child_env(), JAX_PLATFORMS="cpu")
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        log.close()
+
+    def start_worker(self, name: str, wait: bool = True) -> None:
+        self.ports.setdefault(name, free_port())
+        self.spawn(name, self.worker_argv(name))
+        if wait:
+            wait_healthy(self.url(name), self.procs[name], STARTUP_S)
+
+    def start(self) -> "Cluster":
+        names = ["prefill0", "prefill1", "decode0", "decode1"]
+        cold = not os.path.isdir(CACHE_DIR) or len(os.listdir(CACHE_DIR)) < 5
+        if cold:  # one worker fills the compilation cache; the others then load from it
+            self.start_worker(names[0])
+        for n in names[cold:]:
+            self.start_worker(n, wait=False)
+        for n in names:
+            wait_healthy(self.url(n), self.procs[n], STARTUP_S)
+        self.ports["router"] = free_port()
+        self.spawn("router", [
+            sys.executable, "-m", "serving.router", "--port", str(self.ports["router"]), "--config", "tiny",
+            "--prefill", self.url("prefill0"), self.url("prefill1"),
+            "--decode", self.url("decode0"), self.url("decode1"),
+            "--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url,
+            "--max-inflight", "4", "--max-queue", "4", "--queue-timeout-s", "4", "--read-timeout-s", "4",
+            "--health-interval-s", "0.3", "--health-timeout-s", "1.5", "--breaker-threshold", "2",
+            "--breaker-cooldown-s", "2", "--breaker-max-cooldown-s", "4", "--retries", "3", "--log-level", "info"])
+        wait_healthy(self.url("router"), self.procs["router"], 60)
+        return self
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGCONT)
+        for p in self.procs.values():
+            stop_process(p, timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(mooncake_services, tmp_path_factory):
+    c = Cluster(mooncake_services, str(tmp_path_factory.mktemp("cluster")))
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def params():
+    """The workers' weights: same config, seed and dtype."""
+    return model.init_params(config.tiny(), jax.random.PRNGKey(SEED), "float32")
+
+
+def oracle(params, prompt, n):
+    return generate(params, config.tiny(), prompt, n, stop_at_eos=True).tokens.tolist()
+
+
+def chat_body(text, max_tokens, **kw):
+    return {"model": "kimik3-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **kw}
+
+
+def chat_prompt(text):
+    return tokenizer.apply_chat_template([tokenizer.Message("user", text)])
+
+
+def sse_events(resp):
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            if line == "data: [DONE]":
+                return
+            yield json.loads(line[6:])
+
+
+def metric(cluster, name, **labels) -> float:
+    text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def workers(cluster) -> dict:
+    return {w["url"]: w for w in httpx.get(cluster.url("router") + "/admin/workers", timeout=10).json()["workers"]}
+
+
+def wait_for(cond, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# ---- tests -------------------------------------------------------------------------------------------
+def test_greedy_output_through_router_and_workers_equals_the_oracle(cluster, params):
+    base = cluster.url("router")
+    text = "Tell me about the lifecycle of state in a hybrid model, in detail, please."  # 5 full pages
+    prompt = chat_prompt(text)
+    want = oracle(params, prompt, 10)
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 10), timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "kimik3-tiny"
+    choice = body["choices"][0]
+    assert choice["token_ids"] == want and choice["message"]["content"] == tokenizer.decode(want)
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
+                             "total_tokens": len(prompt) + len(want),
+                             "prompt_tokens_details": {"cached_tokens": body["usage"]["prompt_tokens_details"]
+                                                       ["cached_tokens"]}}
+    # the decode worker took the prompt's KV from the shared store instead of recomputing it
+    assert metric(cluster, "kimik3_router_handoff_cached_tokens_total") >= (len(prompt) // PAGE) * PAGE
+
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=120,
+                      json=chat_body(text, 10, stream=True, stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(r))
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == want
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == tokenizer.decode(want)
+    assert events[-1]["usage"]["completion_tokens"] == len(want)
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
+
+    ids = [tokenizer.BOS_ID] + tokenizer.encode("plain completion")
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == oracle(params, ids, 6)
+    models = httpx.get(base + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["kimik3-tiny"]
+    assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
+
+
+BAD = [
+    ("malformed JSON", b'{"model": "kimik3-tiny", "messages": [', 400, "malformed JSON"),
+    ("not an object", b'[1, 2]', 400, "JSON object"),
+    ("wrong type", json.dumps({"model": "kimik3-tiny", "messages": "hello"}).encode(), 400, "messages"),
+    ("wrong content type", json.dumps(chat_body(5, 3)).encode(), 400, "content"),
+    ("wrong max_tokens type", json.dumps(chat_body("hi", "many")).encode(), 400, "max_tokens"),
+    ("missing messages", json.dumps({"model": "kimik3-tiny"}).encode(), 400, "messages"),
+    ("unknown model", json.dumps({**chat_body("hi", 3), "model": "gpt-9"}).encode(), 404, "does not exist"),
+    ("prompt over the context", json.dumps(chat_body("x" * 1100, 3)).encode(), 400, "maximum context length"),
+    ("max_tokens zero", json.dumps(chat_body("hi", 0)).encode(), 400, "max_tokens"),
+    ("max_tokens over the context", json.dumps(chat_body("hi", 5000)).encode(), 400, "maximum context length"),
+    ("too many images", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,x"}}] * 17 + [{"type": "text", "text": "hi"}]}]}).encode(),
+     400, "too many images"),
+    ("bad role", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(),
+     400, "role"),
+    ("n > 1", json.dumps(chat_body("hi", 3, n=2)).encode(), 400, "n must be 1"),
+    ("temperature out of range", json.dumps(chat_body("hi", 3, temperature=7)).encode(), 400, "temperature"),
+]
+
+
+def test_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
+    base = cluster.url("router")
+    urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
+    submitted = lambda: sum(httpx.get(u + "/load", timeout=10).json()["submitted"] for u in urls)
+    before, attempts = submitted(), metric(cluster, "kimik3_router_worker_requests_total")
+    for name, raw, status, words in BAD:
+        r = httpx.post(base + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == status, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and words in err["message"], (name, err)
+    r = httpx.post(base + "/v1/completions", json={"model": "kimik3-tiny", "prompt": [1, 99999], "max_tokens": 2},
+                   timeout=30)
+    assert r.status_code == 400 and "token id" in r.json()["error"]["message"]
+    assert httpx.post(base + "/v1/nothing", json={}, timeout=10).status_code == 404
+    assert submitted() == before and metric(cluster, "kimik3_router_worker_requests_total") == attempts
+
+
+def test_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv(
+        cluster, params):
+    base = cluster.url("router")
+    text = "A long answer, please: stream it slowly so that a worker can die halfway through it."
+    prompt = chat_prompt(text)
+    want = oracle(params, prompt, 40)
+    failovers = metric(cluster, "kimik3_router_failovers_total")
+    streamed, victim = [], None
+    t0 = time.monotonic()
+    with httpx.stream("POST", base + "/v1/chat/completions", json=chat_body(text, 40, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        for ev in sse_events(r):
+            assert "error" not in ev, ev
+            streamed += [t for c in ev["choices"] for t in c.get("token_ids", [])]
+            if victim is None and len(streamed) >= 3:
+                busy = [n for n in ("decode0", "decode1")
+                        if httpx.get(cluster.url(n) + "/load", timeout=5).json()["inflight"] > 0]
+                assert len(busy) == 1, busy
+                victim = busy[0]
+                os.killpg(cluster.procs[victim].pid, signal.SIGKILL)
+                killed_at = len(streamed)
+    assert time.monotonic() - t0 < 60
+    assert streamed == want  # every token once, in order, equal to the oracle
+    assert killed_at < len(want) and metric(cluster, "kimik3_router_failovers_total") >= failovers + 1
+    cluster.procs[victim].wait(timeout=10)
+
+    # the restarted worker finds the first turn's KV (published by the prefill worker) in the store
+    cluster.start_worker(victim)
+    turn2 = prompt + want + chat_prompt("and then?")[1:]
+    r = httpx.post(cluster.url(victim) + "/prefill", json={"prompt": turn2, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["cached_tokens_host"] >= (len(prompt) // PAGE) * PAGE
+    assert r.json()["token"] == oracle(params, turn2, 1)[0]
+    wait_for(lambda: workers(cluster)[cluster.url(victim)]["circuit"] == "closed", 30, "the circuit to close")
+
+
+def test_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves(cluster, params):
+    base = cluster.url("router")
+    hung, other = cluster.url("prefill0"), cluster.url("prefill1")
+    os.killpg(cluster.procs["prefill0"].pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        texts = [f"hang test {i}" for i in range(3)]
+        results = [None] * len(texts)
+
+        def send(i):
+            results[i] = httpx.post(base + "/v1/chat/completions", json=chat_body(texts[i], 3), timeout=60)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for text, r in zip(texts, results):  # in flight while it hung: retried elsewhere, in bounded time
+            assert r is not None and r.status_code == 200, r and r.text
+            assert r.json()["choices"][0]["token_ids"] == oracle(params, chat_prompt(text), 3)
+        assert time.monotonic() - t0 < 40
+        wait_for(lambda: workers(cluster)[hung]["circuit"] == "open", 20, "the hung worker's circuit to open")
+        ok_hung = metric(cluster, "kimik3_router_worker_requests_total", worker=hung, outcome="ok")
+        ok_other = metric(cluster, "kimik3_router_worker_requests_total", worker=other, role="prefill", outcome="ok")
+        for i in range(3):
+            t1 = time.monotonic()
+            r = httpx.post(base + "/v1/chat/completions", json=chat_body(f"after the circuit opened {i}", 2),
+                           timeout=30)
+            assert r.status_code == 200 and time.monotonic() - t1 < 10  # no waiting on the hung worker
+        assert metric(cluster, "kimik3_router_worker_requests_total", worker=other, role="prefill",
+                      outcome="ok") == ok_other + 3
+        assert metric(cluster, "kimik3_router_worker_requests_total", worker=hung, outcome="ok") == ok_hung
+        assert workers(cluster)[hung]["circuit"] in ("open", "half_open")
+    finally:
+        os.killpg(cluster.procs["prefill0"].pid, signal.SIGCONT)
+    wait_for(lambda: workers(cluster)[hung]["circuit"] == "closed", 40, "the circuit to close after recovery")
+
+
+def test_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(cluster, params):
+    base = cluster.url("router")
+    text = "drain me gently"
+    want = oracle(params, chat_prompt(text), 30)
+    out = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=chat_body(text, 30, stream=True), timeout=60) as r:
+        for ev in sse_events(r):
+            assert "error" not in ev, ev
+            out += [t for c in ev["choices"] for t in c.get("token_ids", [])]
+            if len(out) == 2:
+                busy = [n for n in ("decode0", "decode1")
+                        if httpx.get(cluster.url(n) + "/load", timeout=5).json()["inflight"] > 0]
+                drained = cluster.url(busy[0])
+                assert httpx.post(base + "/admin/drain", json={"url": drained}, timeout=10).json()["draining"]
+                before = httpx.get(drained + "/load", timeout=5).json()["submitted"]
+    assert out == want  # the drained worker finished what it had
+    try:
+        for i in range(2):
+            assert httpx.post(base + "/v1/chat/completions", json=chat_body(f"while draining {i}", 3),
+                              timeout=30).status_code == 200
+        assert httpx.get(drained + "/load", timeout=5).json()["submitted"] == before
+        assert httpx.get(drained + "/health", timeout=5).json()["status"] == "draining"
+    finally:
+        httpx.post(base + "/admin/resume", json={"url": drained}, timeout=10)
+    wait_for(lambda: workers(cluster)[drained]["draining"] is False, 10, "the worker to resume")
+
+
+def test_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost(cluster):
+    base = cluster.url("router")
+    n_bursts, burst = 2, 12  # router: 4 running + 4 queued; workers: 2 x 2 decode slots
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "loadgen.py"), "--url", base,
+                           "--bursts", str(n_bursts), "--burst-size", str(burst), "--gap-s", "1.0",
+                           "--max-tokens", "6", "--timeout-s", "60"],
+                          capture_output=True, text=True, timeout=150, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    rows = report["rows"]
+    assert report["sent"] == len(rows) == n_bursts * burst  # every request got an answer
+    statuses = [r["status"] for r in rows]
+    assert set(statuses) <= {200, 429}, rows
+    assert statuses.count(200) >= 8 and statuses.count(429) >= 1  # served up to the bound, shed beyond it
+    for r in rows:
+        if r["status"] == 200:
+            assert r["tokens"] == 6 and r["error"] is None, r
+        else:
+            assert r["error"] == "rate_limit_exceeded" and r["latency_s"] < 4 + 5, r  # queued at most ~4 s
+    for n in ("prefill0", "prefill1", "decode0", "decode1"):
+        h = httpx.get(cluster.url(n) + "/health", timeout=10)
+        assert h.status_code == 200
+        load = h.json()["load"]
+        assert load["inflight"] == 0 and load["running"] == 0 and load["errors"] == 0
+        assert load["max_rss_bytes"] < 3 << 30  # bounded memory
+    assert metric(cluster, "kimik3_router_rejected_total", reason="overloaded") >= 1
+    assert httpx.get(base + "/admin/workers", timeout=10).json()["admission"] == {"running": 0, "waiting": 0}
