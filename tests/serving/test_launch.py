@@ -1,0 +1,73 @@
+"""`kimik3 launch` brings up store + workers + router in one command and stops them all on SIGINT."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from serving.launch import child_env, free_port, wait_healthy
+
+from .test_router import CACHE_DIR, PAGE
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
+    from cache.mooncake_tier import TierError, _binary
+
+    try:
+        _binary("mooncake_master")
+    except TierError as e:
+        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+            raise
+        pytest.skip(f"Mooncake unavailable: {e}")
+    port, state_file = free_port(), tmp_path / "state.json"
+    worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
+                   f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}")
+    proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
+                             "--prefill", "1", "--decode", "1", "--store-mb", "64", "--state-file", str(state_file),
+                             "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while not state_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "launch did not come up"
+            time.sleep(0.25)
+        state = json.loads(state_file.read_text())
+        base = f"http://127.0.0.1:{port}"
+        assert state["router"] == base + "/v1" and len(state["prefill"]) == len(state["decode"]) == 1
+        assert {"router", "prefill-0", "decode-0", "mooncake_master", "mooncake_memory_server"} <= set(state["pids"])
+        wait_healthy(base, None, 30)
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched"}], "max_tokens": 4,
+            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "kimik3: serving tiny at " + base + "/v1" in out
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in state["pids"].values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [n for n, p in state["pids"].items() if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
