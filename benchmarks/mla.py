@@ -49,7 +49,7 @@ def _best(fn_of_cfg, cfgs):
 
 
 def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=1, interpret=False,
-                block_ms=(16,), deadline=float("inf")):
+                configs=((16, 4),), deadline=float("inf")):
     rows = []
     for h in heads:
         for b in batches:
@@ -67,12 +67,24 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 qp = jax.random.normal(key, (b, sq, h, p), jnp.bfloat16)
                 iters = 5 if interpret else 20
 
-                def run(bm):
-                    f = jax.jit(lambda a, c, pg, t, n: mla.mla_decode(a, c, pg, t, n, scale=0.1, block_m=bm,
-                                                                      interpret=interpret))
-                    return time_jax(f, ql, qp, pages, table, lens, iters=iters)
+                reps = 2 if interpret else 20
 
-                ms, bm = _best(run, block_ms)
+                def run(cfg):
+                    bm, nw = cfg
+
+                    # `reps` dependent calls in one program (each step's output is the next query), so
+                    # the time is the kernel's and not Python dispatch's.
+                    @jax.jit
+                    def loop(a, c, pg, t, n):
+                        body = lambda _, x: mla.mla_decode(x, c, pg, t, n, scale=0.1, block_m=bm, num_warps=nw,
+                                                           interpret=interpret)[0]
+                        return jax.lax.fori_loop(0, reps, body, a)
+
+                    return time_jax(loop, ql, qp, pages, table, lens, iters=iters) / reps
+
+                rows_q = sq * h
+                cfgs = [c for c in configs if c[0] <= max(16, 1 << (rows_q - 1).bit_length())]
+                ms, bm = _best(run, cfgs)
                 if ms is None:
                     continue
                 ref = jax.jit(lambda a, c, pg, t, n: mla.mla_decode_ref(a, c, pg, t, n, scale=0.1))
@@ -81,10 +93,11 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 flops = 2 * b * sq * h * ctx * (r + p + r)
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
-                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m=bm, ours_ms=ms,
+                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps=bm, ours_ms=ms,
                                  xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -131,7 +144,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-block-m", default="16,64", help="decode row-block sizes to try; the best is reported")
+    ap.add_argument("--decode-configs", default="16x4,32x4,64x8",
+                    help="decode (rows per block)x(num_warps) to try; the best is reported")
+    ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--prefill-block", default="64,128", help="prefill query/key block sizes to try")
     ap.add_argument("--prefill-warps", default="4,8", help="prefill num_warps to try")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
@@ -146,12 +161,15 @@ def main():
         rows += decode_rows(bw, tf, [1], [256], [2], r=32, p=16, page=64, sq=2, interpret=True)
         rows += prefill_rows([(1, 64, 1)], interpret=True)
     else:
-        bms = ints(args.decode_block_m)
-        rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], blocks=ints(args.prefill_block),
-                             warps=ints(args.prefill_warps), deadline=deadline)
-        rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], block_ms=bms, deadline=deadline)
-        # speculative verify: 4 query tokens per sequence
-        rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4, block_ms=bms, deadline=deadline)
+        dec = dict(configs=[tuple(int(v) for v in c.split("x")) for c in args.decode_configs.split(",")],
+                   deadline=deadline)
+        if "prefill" in args.sections:
+            rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], blocks=ints(args.prefill_block),
+                                 warps=ints(args.prefill_warps), deadline=deadline)
+        if "decode" in args.sections:
+            rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], **dec)
+            # speculative verify: 4 query tokens per sequence
+            rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4, **dec)
     common.write_results(args.out, "mla_bench", rows)
 
 if __name__ == "__main__":

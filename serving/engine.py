@@ -9,12 +9,14 @@ One `Engine` owns:
   one fp32 vector of every KDA layer's state and conv rows;
 * a `PagedKVManager` over both, optionally backed by a host tier.
 
-`step()` runs one scheduler iteration: admit waiting requests the pools can
-hold (prefix hits restore pages and a KDA snapshot and skip that prefill),
-prefill one chunk of the oldest prefilling request (chunks end at the
-manager's snapshot boundaries, so the KDA state there is exported by copying
-the request's state row into its private checkpoint block, then published),
-and decode one token for every running request in one batched call.
+`step()` runs one scheduler iteration under a token budget (`max_step_tokens`):
+admit waiting requests the pools can hold (prefix hits restore pages and a KDA
+snapshot and skip that prefill); decode one token for every running request in
+one batched call (decode rows are charged to the budget first: they are what
+TPOT waits on); then spend what is left on prefill chunks of the prefilling
+requests, oldest first (chunks end at the manager's snapshot boundaries, so the
+KDA state there is exported by copying the request's state row into its private
+checkpoint block, then published).
 Prefill chunks have power-of-two lengths and decode batches are padded to
 power-of-two buckets with a scratch slot and the null page, so recompiles stay
 rare; `compiles` counts them.
@@ -107,8 +109,11 @@ class Engine:
     def __init__(self, params, cfg: ModelConfig, *, num_pages: int, num_slots: int = 8, num_snapshots: int = 16,
                  page_tokens: int = 128, kda_block_tokens: int = 1536, max_pages_per_request: int | None = None,
                  prefill_chunk_tokens: int = 512, host: HostKVTier | None = None, kernels: str = "auto",
-                 namespace: str | None = None, role: str = "both", publish_to_host: bool = False):
-        """role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled`
+                 namespace: str | None = None, role: str = "both", publish_to_host: bool = False,
+                 max_step_tokens: int | None = None):
+        """max_step_tokens: tokens one step may run (decode rows + prefill chunk tokens); default
+        one full prefill chunk plus a decode row per slot.
+        role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled`
         hands the request over while its KV is still held), or "decode".
         publish_to_host: write each finished request's pages and snapshots to the host tier
         at once (a shared store then serves them to other engines, and to this one after a
@@ -123,6 +128,10 @@ class Engine:
         self.page_tokens = page_tokens
         self.kernels = ops.resolve(kernels)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_step_tokens = max_step_tokens or prefill_chunk_tokens + num_slots
+        if self.max_step_tokens <= num_slots:
+            raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed num_slots ({num_slots}): "
+                             f"a step with every slot decoding must leave room for prefill")
         self.max_pages = max_pages_per_request or -(-cfg.max_seq_len // page_tokens)
         self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
@@ -143,6 +152,7 @@ class Engine:
         self.finished: list[Request] = []
         self.compiles = 0
         self.preemptions = 0
+        self.step_tokens: list[int] = []  # tokens each step ran (decode rows + prefill tokens)
         self._ids = itertools.count()
 
     # ---- sizing --------------------------------------------------------------------------------------
@@ -251,12 +261,19 @@ class Engine:
 
     def step(self) -> None:
         self._admit()
-        prefilling = [r for r in self.running if r._computed < len(r._context)]
-        if prefilling:
-            self._prefill_chunk(prefilling[0])
+        # Decide both sets before running either: a request whose prefill ends this step
+        # emits its first token and decodes from the next step on.
         decoding = [r for r in self.running if r._computed >= len(r._context) and not r.done]
-        if decoding:
-            self._decode(decoding)
+        prefilling = [r for r in self.running if r._computed < len(r._context)]
+        used = self._decode(decoding) if decoding else 0
+        for req in prefilling:
+            left = self.max_step_tokens - used
+            if left < 1:
+                break
+            if req in self.running:  # a decode preemption may have sent it back to the queue
+                used += self._prefill_chunk(req, left)
+        if used:
+            self.step_tokens.append(used)
 
     def _admit(self) -> None:
         while self.waiting and self._free_slots:
@@ -365,9 +382,10 @@ class Engine:
                                                  cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
         return model._forward._cache_size() - before
 
-    def _prefill_chunk(self, req: Request) -> None:
+    def _prefill_chunk(self, req: Request, budget_tokens: int) -> int:
+        """Prefill the next chunk of `req` (at most `budget_tokens`); returns its token count."""
         start, ctx = req._computed, req._context
-        end = min(len(ctx), start + self.prefill_chunk_tokens)
+        end = min(len(ctx), start + self.prefill_chunk_tokens, start + budget_tokens)
         if req._boundaries and req._boundaries[0] < end:
             end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
         # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
@@ -391,6 +409,7 @@ class Engine:
                 self._release(req)
             else:
                 self._emit(req, int(np.argmax(req._last_logits)))
+        return end - start
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
         """Pages for the token each request is about to write, preempting the most recently
@@ -422,10 +441,11 @@ class Engine:
         req._context = list(req.prompt) + list(req.output)
         self.waiting.insert(0, req)
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, reqs: list[Request]) -> int:
+        """One token for each of `reqs` in one batched call; returns the rows decoded."""
         reqs = self._make_room(reqs)
         if not reqs:
-            return
+            return 0
         bucket = 1 << (len(reqs) - 1).bit_length()
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
@@ -436,6 +456,7 @@ class Engine:
         for r, row in zip(reqs, logits):
             r._cached_len += 1
             self._emit(r, int(np.argmax(row)))
+        return len(reqs)
 
     def records(self):
         """Metrics records of the finished requests (serving.metrics)."""

@@ -162,3 +162,28 @@ def test_streaming_yields_the_oracle_tokens_in_order(rng, tiny_cfg, tiny_params)
     eng = _engine(tiny_params, tiny_cfg)
     prompt = rng.integers(0, 256, 30).tolist()
     assert list(eng.stream(prompt, 5)) == _oracle(tiny_params, tiny_cfg, prompt, 5)
+
+
+def test_step_token_budget_packs_several_prefills_and_is_never_exceeded(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, prefill_chunk_tokens=32, max_step_tokens=80)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (20, 45, 9)]
+    reqs = [eng.submit(p, 4) for p in prompts]
+    eng.step()
+    # One step prefills from all three requests: 16 + 32 (its chunk cap) + 8 tokens, power-of-two chunks.
+    assert [r._computed for r in reqs] == [16, 32, 8]
+    eng.run(max_steps=200)
+    assert max(eng.step_tokens) <= 80
+    for req, p in zip(reqs, prompts):
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, 4)
+
+
+def test_a_small_budget_still_gives_the_oracles_tokens(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, max_step_tokens=6)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (23, 11)]
+    reqs = [eng.submit(p, 5) for p in prompts]
+    eng.run(max_steps=400)
+    assert max(eng.step_tokens) <= 6
+    for req, p in zip(reqs, prompts):
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        _engine(tiny_params, tiny_cfg, max_step_tokens=4)
