@@ -37,7 +37,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, stop: threading.Event | None = None) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float,
+                 stop: threading.Event | None = None) -> None:
     """Poll `url`/health until it answers 200; RuntimeError if the process exits, time runs out
     or `stop` is set."""
     import httpx

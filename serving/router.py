@@ -12,7 +12,11 @@ bound (`--max-inflight` running, `--max-queue` waiting at most `--queue-timeout-
 2. decode: a decode worker gets prompt + tokens so far, finds the prefix in the store (it
    recomputes at most the last partial page) and streams the remaining tokens.
 
-With only one pool (or `both` workers) the whole request goes to one worker.
+With `--handoff direct` (the default when the workers have no store) the prefill worker
+answers with the prompt's KV itself (page contents + KDA state, `/prefill` with `export_kv`)
+and the router passes it to the decode worker's `/adopt`, which continues without computing
+the prompt.  With no prefill workers (`both` workers under `--decode`) the whole request goes
+to one worker.
 
 Choice of worker: the lowest load score, ``router in-flight + worker queue depth + KV use``,
 among workers whose health check passes, that are not draining and whose circuit is closed
@@ -152,6 +156,8 @@ class RouterConfig:
     affinity_entries: int = 100_000
     mooncake_master: str | None = None
     mooncake_metadata: str | None = None
+    handoff: str = "auto"  # store | direct | auto (store when the prefill workers have one)
+    prefill_timeout_s: float = 30.0  # a direct-handoff prefill answers in one piece: no keepalives
 
 
 class WorkerFailure(Exception):
@@ -188,6 +194,8 @@ class _Metrics:
                                        ["worker", "role", "outcome"], registry=r)
         self.retries = Counter("kimik3_router_retries", "attempts retried on another worker", ["role"], registry=r)
         self.failovers = Counter("kimik3_router_failovers", "streams continued on another decode worker", registry=r)
+        self.handoffs = Counter("kimik3_router_handoffs", "prefill -> decode handoffs by how the KV moved",
+                                ["mode"], registry=r)
         self.affinity = Counter("kimik3_router_prefill_choice", "how the prefill worker was chosen", ["decision"],
                                 registry=r)
         self.circuit = Gauge("kimik3_router_circuit_open", "1 when the worker's circuit is open", ["worker"],
@@ -255,8 +263,10 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         from kimik3 import config
 
-        if not cfg.prefill and not cfg.decode:
-            raise ValueError("the router needs at least one worker (--prefill / --decode)")
+        if not cfg.decode:
+            raise ValueError("the router needs decode (or both-role) workers: --decode URL ...")
+        if cfg.handoff not in ("auto", "store", "direct"):
+            raise ValueError(f"handoff must be auto, store or direct; got {cfg.handoff!r}")
         self.cfg = cfg
         self.model_cfg = config.get_config(cfg.config)
         self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
@@ -396,12 +406,20 @@ class Router:
             self.affinity.popitem(last=False)
 
     # ---- one request through the pools ----------------------------------------------------------------
-    async def _attempt(self, w: Worker, context: list[int], want: int, stop_at_eos: bool, rid: str, out: list[int]):
-        """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each).
-        Returns the worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
-        body = {"prompt": context, "max_tokens": want, "stop_at_eos": stop_at_eos, "request_id": rid}
+    async def _attempt(self, w: Worker, context: list[int], want: int, stop_at_eos: bool, rid: str, out: list[int],
+                       adopt: bytes | None = None):
+        """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each);
+        with `adopt` (a direct handoff of the first token's KV) the worker takes over the KV instead
+        of computing it.  Ends with the worker's done event.  Raises WorkerFailure, or APIError for
+        a refused request."""
+        if adopt is not None:
+            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "stop_at_eos": stop_at_eos,
+                                               "request_id": rid}}
+        else:
+            kw = {"json": {"prompt": context, "max_tokens": want, "stop_at_eos": stop_at_eos, "request_id": rid}}
         try:
-            async with self.client.stream("POST", w.url + "/generate", json=body) as resp:
+            async with self.client.stream("POST", w.url + ("/adopt" if adopt is not None else "/generate"),
+                                          **kw) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:500]
                     if resp.status_code == 429:
@@ -429,8 +447,9 @@ class Router:
             raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
 
     async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, stop_at_eos: bool,
-                        rid: str, affinity: bool):
-        """Generate until `out` holds `total` tokens (or EOS), failing over between workers.
+                        rid: str, affinity: bool, adopt: bytes | None = None):
+        """Generate until `out` holds `total` tokens (or EOS), failing over between workers (the
+        first attempt adopts `adopt`'s KV if given; later ones recompute).
         Yields ("token", t) and finally ("done", event)."""
         role = pool[0].role
         tried: set[str] = set()
@@ -448,17 +467,20 @@ class Router:
             before = len(out)
             w.inflight += 1
             try:
-                async for ev in self._attempt(w, prompt + out, total - len(out), stop_at_eos, rid, out):
+                async for ev in self._attempt(w, prompt + out, total - len(out), stop_at_eos, rid, out, adopt):
                     if "token" in ev:
                         yield "token", ev["token"]
                     else:
                         w.breaker.success()
                         self.metrics.worker_requests.labels(w.url, role, "ok").inc()
+                        if role == "decode" and before == 1:  # the handoff itself, not a failover
+                            self.metrics.handoffs.labels("direct" if adopt is not None else "store").inc()
                         if affinity:
                             self._remember(prompt, w.url)
                         yield "done", ev
                         return
             except WorkerFailure as e:
+                adopt = None  # the handed-over KV may be half taken: later attempts recompute
                 w.last_error = str(e)
                 outcome = "failed" if e.count_failure else "refused"
                 self.metrics.worker_requests.labels(w.url, role, outcome).inc()
@@ -477,6 +499,56 @@ class Router:
             finally:
                 w.inflight -= 1
 
+    def handoff_mode(self) -> str:
+        if self.cfg.handoff != "auto":
+            return self.cfg.handoff
+        stores = [w.info.get("store") for w in self.prefill if "store" in w.info]
+        return "store" if stores and all(stores) else "direct"
+
+    async def _prefill_direct(self, prompt: list[int], rid: str) -> tuple[int, bytes, dict]:
+        """Direct handoff, prefill side: (first token, the prompt's exported KV, cache counts)."""
+        tried: set[str] = set()
+        failures = 0
+        body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "export_kv": True}
+        while True:
+            w = await self.pick(self.prefill, tried, prompt)
+            err = None
+            if w is None:
+                err = WorkerFailure("no prefill worker available")
+            else:
+                tried.add(w.url)
+                w.inflight += 1
+                try:
+                    r = await self.client.post(w.url + "/prefill", json=body, timeout=httpx.Timeout(
+                        self.cfg.prefill_timeout_s, connect=self.cfg.connect_timeout_s))
+                    if r.status_code == 200:
+                        w.breaker.success()
+                        self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
+                        self._remember(prompt, w.url)
+                        h = r.headers
+                        return int(h["x-kimik3-token"]), r.content, {
+                            "cached_tokens": int(h["x-kimik3-cached-tokens"]),
+                            "cached_tokens_host": int(h["x-kimik3-cached-tokens-host"])}
+                    if 400 <= r.status_code < 500 and r.status_code != 429:
+                        raise APIError(400, f"the prefill worker refused the request: {r.text[:500]}")
+                    err = WorkerFailure(f"{w.url} answered {r.status_code}: {r.text[:200]}",
+                                        count_failure=r.status_code >= 500 and "draining" not in r.text)
+                except httpx.TransportError as e:
+                    err = WorkerFailure(f"{w.url}: {type(e).__name__}: {e}")
+                finally:
+                    w.inflight -= 1
+                w.last_error = str(err)
+                self.metrics.worker_requests.labels(w.url, "prefill", "failed" if err.count_failure else
+                                                    "refused").inc()
+                if err.count_failure:
+                    w.breaker.failure()
+            failures += 1 if (w is None or err.count_failure) else 0
+            if failures > self.cfg.retries:
+                raise APIError(503, f"prefill failed on {failures} attempts; retry later (last error: {err})",
+                               type="service_unavailable", code="worker_failure")
+            self.metrics.retries.labels("prefill").inc()
+            await self._backoff(max(1, failures))
+
     async def _backoff(self, attempt: int) -> None:
         delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** max(0, attempt - 1))
         await asyncio.sleep(random.uniform(0, delay))  # full jitter
@@ -488,18 +560,25 @@ class Router:
         from kimik3 import tokenizer
 
         stopped = lambda: stop_at_eos and out and out[-1] == tokenizer.EOS_ID
-        stages = []
-        if self.prefill and self.decode:
+        adopt = None
+        if self.prefill and self.handoff_mode() == "direct":
+            token, adopt, first = await self._prefill_direct(prompt, rid)
+            out.append(token)
+            yield "token", token
+            summary.update(first)
+            stages = [(self.decode, max_tokens, False)]
+        elif self.prefill:
             stages = [(self.prefill, 1, True), (self.decode, max_tokens, False)]
         else:
-            stages = [(self.decode or self.prefill, max_tokens, True)]
+            stages = [(self.decode, max_tokens, True)]
         for i, (pool, upto, first_stage) in enumerate(stages):
             if len(out) >= max_tokens or stopped():
                 break
-            async for kind, ev in self._run_pool(pool, prompt, out, upto, stop_at_eos, rid, affinity=first_stage):
+            async for kind, ev in self._run_pool(pool, prompt, out, upto, stop_at_eos, rid, affinity=first_stage,
+                                                 adopt=adopt):
                 if kind == "token":
                     yield "token", ev
-                elif i == 0:
+                elif first_stage:
                     summary["cached_tokens"] = ev.get("cached_tokens", 0)
                     summary["cached_tokens_host"] = ev.get("cached_tokens_host", 0)
                 else:
@@ -826,10 +905,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",
-                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s", "breaker_max_cooldown_s",
-                 "affinity_slack"):
+                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s",
+                 "breaker_max_cooldown_s", "affinity_slack", "prefill_timeout_s"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
                             help=f"default {getattr(d, name)}")
+    parser.add_argument("--handoff", choices=("auto", "store", "direct"), default=None,
+                        help="how KV moves from prefill to decode workers: through the shared store, or "
+                             "directly (the router carries it); auto: store when the workers have one")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
     parser.add_argument("--mooncake-metadata", default=None)
     parser.add_argument("--log-level", default="warning")

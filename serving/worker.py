@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import io
 import itertools
 import json
 import logging
@@ -40,6 +41,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from fastapi import Request
 
@@ -57,6 +60,8 @@ class _Sub:
     events: asyncio.Queue
     req: Any = None  # the engine's Request, set by the engine thread
     sent: int = 0
+    export: bool = False  # direct handoff: send the prompt's KV back with the first token
+    kv: tuple | None = None  # (pages, packed KDA state) once exported
 
 
 class EngineLoop:
@@ -79,8 +84,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self.counters = {"submitted": 0, "finished": 0, "cancelled": 0, "errors": 0, "rejected": 0,
                          "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "cached_tokens_host": 0}
+        self._adopts: list = []  # direct handoffs waiting for a slot and pages (engine thread only)
         self._load = self._snapshot()
         self._metrics = _WorkerMetrics(registry) if registry is not None else None
+        if engine.role == "prefill":  # a prefill engine stops after the first token; export on request
+            engine.on_prefilled = self._on_prefilled
 
     # ---- called from HTTP handlers (any thread) ------------------------------------------------
     def start(self) -> "EngineLoop":
@@ -107,10 +115,18 @@ class EngineLoop:
             self.counters["submitted"] += 1
             return None
 
-    def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str) -> _Sub:
+    def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
+               export: bool = False) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
-        sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
+        sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
         self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos)))
+        return sub
+
+    def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
+              request_id: str) -> _Sub:
+        """Take over a request another worker prefilled (direct handoff), after `try_reserve`."""
+        sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
+        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos)))
         return sub
 
     def cancel(self, sub: _Sub) -> None:
@@ -130,8 +146,9 @@ class EngineLoop:
         pool = e.manager.page_pool
         total = pool.num_blocks - 1
         used = total - pool.num_free
-        return {"waiting": len(e.waiting), "running": len(e.running), "free_slots": len(e._free_slots),
-                "sessions": len(e._free_slots) + len(e.running), "free_pages": pool.num_free, "total_pages": total,
+        return {"waiting": len(e.waiting) + len(self._adopts), "running": len(e.running),
+                "free_slots": len(e._free_slots), "sessions": len(e._free_slots) + len(e.running),
+                "free_pages": pool.num_free, "total_pages": total,
                 "kv_use": used / total if total else 0.0, "preemptions": e.preemptions,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -159,11 +176,38 @@ class EngineLoop:
                 return
             self._subs[sub.internal_id] = sub
             self._push(sub, {"accepted": True, "worker": self.worker_id})
+        elif kind == "adopt":
+            self._adopts.append(payload)
+            self._push(payload[0], {"accepted": True, "worker": self.worker_id, "adopt": True})
         elif kind == "cancel":
             sub = self._subs.get(payload)
             if sub is not None:
                 e.cancel(payload)
                 self._finish(sub, "cancelled")
+            for item in self._adopts:
+                if item[0].internal_id == payload:
+                    self._adopts.remove(item)
+                    self._finish(item[0], "cancelled")
+                    break
+
+    def _try_adopts(self) -> None:
+        still = []
+        for item in self._adopts:
+            sub, prompt, first, n, pages, state, stop_at_eos = item
+            req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
+                                    arrival_s=time.monotonic(), stop_at_eos=stop_at_eos)
+            if req is None:
+                still.append(item)  # no slot or pages yet
+                continue
+            sub.req, sub.sent = req, 1  # the first token came from the prefill worker
+            self._subs[sub.internal_id] = sub
+        self._adopts = still
+
+    def _on_prefilled(self, engine, req) -> None:
+        sub = self._subs.get(req.request_id)
+        if sub is not None and sub.export:
+            pages, state = engine.export_kv(req)
+            sub.kv = (np.stack(pages) if pages else np.zeros((0,)), np.asarray(state))
 
     def _publish(self) -> None:
         for sub in list(self._subs.values()):
@@ -179,9 +223,12 @@ class EngineLoop:
                 from kimik3 import tokenizer
 
                 reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == tokenizer.EOS_ID else "length"
-                self._push(sub, {"done": True, "finish_reason": reason, "prompt_tokens": len(req.prompt),
-                                 "completion_tokens": len(req.output), "cached_tokens": req.cached_tokens,
-                                 "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id})
+                done = {"done": True, "finish_reason": reason, "prompt_tokens": len(req.prompt),
+                        "completion_tokens": len(req.output), "cached_tokens": req.cached_tokens,
+                        "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id}
+                if sub.export:
+                    done["kv"] = sub.kv
+                self._push(sub, done)
                 with self._lock:
                     self.counters["output_tokens"] += len(req.output)
                     self.counters["prompt_tokens"] += len(req.prompt)
@@ -193,9 +240,10 @@ class EngineLoop:
         self.engine.finished.clear()  # results went out above; do not grow without bound
 
     def _fail_all(self, why: str) -> None:
-        for sub in list(self._subs.values()):
+        for sub in list(self._subs.values()) + [item[0] for item in self._adopts]:
             self._push(sub, {"error": why, "status": 500, "retriable": True})
             self._finish(sub, "errors")
+        self._adopts = []
 
     def _run(self) -> None:
         e = self.engine
@@ -208,6 +256,13 @@ class EngineLoop:
                     self._handle(kind, payload)
             except queue.Empty:
                 pass
+            if self._adopts and not self.failed:
+                try:
+                    self._try_adopts()
+                except Exception as err:  # noqa: BLE001
+                    log.exception("adopt failed")
+                    self.failed = f"engine fault: {err!r}"
+                    self._fail_all(self.failed)
             if self.failed or not e.has_work():
                 with self._lock:
                     self._load = self._snapshot()
@@ -278,6 +333,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         max_tokens: StrictInt = Field(ge=1)
         stop_at_eos: StrictBool = False
         request_id: StrictStr = "req"
+        export_kv: StrictBool = False
 
     @asynccontextmanager
     async def lifespan(app):
@@ -304,26 +360,22 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return error(429, "worker queue is full", retriable=True)
         return error(503, f"worker is {why}", retriable=True)
 
-    async def start(body: GenerateBody):
-        """(sub, first event) or an error response."""
+    async def start(body: GenerateBody | None, adopt: tuple | None = None):
+        """(sub, first event) or (None, an error response)."""
         why = loop.try_reserve()
         if why:
             return None, refuse(why)
-        sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id)
+        if adopt is not None:
+            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6])
+        else:
+            sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
+                              export=body.export_kv and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
             return None, error(first.get("status", 500), first["error"], retriable=first.get("retriable", False))
         return sub, first
 
-    @app.post("/generate")
-    async def generate(request: Request):
-        body = await parse(request)
-        if isinstance(body, JSONResponse):
-            return body
-        sub, first = await start(body)
-        if sub is None:
-            return first
-
+    def ndjson(sub, first) -> StreamingResponse:
         async def lines():
             finished = False
             try:
@@ -344,6 +396,32 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse(request)
+        if isinstance(body, JSONResponse):
+            return body
+        sub, first = await start(body)
+        return ndjson(sub, first) if sub is not None else first
+
+    @app.post("/adopt")
+    async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req"):
+        """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
+        (npz: prompt, token, pages, state); streams like /generate from the second token."""
+        try:
+            with np.load(io.BytesIO(await request.body())) as z:
+                prompt, token = [int(t) for t in z["prompt"]], int(z["token"])
+                pages, state = list(z["pages"]), z["state"]
+        except (ValueError, KeyError, OSError, EOFError) as err:
+            return error(400, f"not a KV handoff: {err}")
+        limit = info.get("max_context", 1 << 30)
+        if not prompt or max_tokens < 2 or len(prompt) + max_tokens > limit:
+            return error(400, f"adopt needs a prompt and 2 <= max_tokens with prompt + max_tokens <= {limit}")
+        if state.shape != (loop.engine.snapshot_size,) or (pages and pages[0].shape != loop.engine.pages.block_shape):
+            return error(400, "the KV handoff does not match this worker's model or page size")
+        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id))
+        return ndjson(sub, first) if sub is not None else first
+
     @app.post("/prefill")
     async def prefill(request: Request):
         body = await parse(request)
@@ -361,7 +439,17 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             elif "error" in ev:
                 return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True))
             elif "done" in ev:
-                return {"token": tokens[0], "tokens": tokens, **ev}
+                kv = ev.pop("kv", None)
+                if not body.export_kv:
+                    return {"token": tokens[0], "tokens": tokens, **ev}
+                if kv is None:
+                    return error(400, "this worker cannot export KV (only prefill workers do)")
+                buf = io.BytesIO()
+                np.savez(buf, prompt=np.asarray(body.prompt, np.int32), token=np.int32(tokens[0]), pages=kv[0],
+                         state=kv[1])
+                headers = {"x-kimik3-token": str(tokens[0]), "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
+                           "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"])}
+                return Response(buf.getvalue(), media_type="application/octet-stream", headers=headers)
 
     @app.get("/health")
     async def health():

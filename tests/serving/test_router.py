@@ -187,6 +187,24 @@ def test_greedy_output_through_router_and_workers_equals_the_oracle(cluster, par
     assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
 
 
+def test_direct_handoff_through_a_second_router_equals_the_oracle(cluster, params):
+    """The same workers behind a router that carries the KV itself (no store on the way)."""
+    port = free_port()
+    cluster.ports["router_direct"] = port
+    cluster.spawn("router_direct", [
+        sys.executable, "-m", "serving.router", "--port", str(port), "--config", "tiny", "--handoff", "direct",
+        "--prefill", cluster.url("prefill0"), cluster.url("prefill1"),
+        "--decode", cluster.url("decode0"), cluster.url("decode1")])
+    wait_healthy(cluster.url("router_direct"), cluster.procs["router_direct"], 60)
+    text = "Direct handoff: the prompt's pages and state travel with the first token, no store."
+    want = oracle(params, chat_prompt(text), 8)
+    r = httpx.post(cluster.url("router_direct") + "/v1/chat/completions", json=chat_body(text, 8), timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+    text = httpx.get(cluster.url("router_direct") + "/metrics", timeout=10).text
+    assert 'kimik3_router_handoffs_total{mode="direct"} 1.0' in text
+    stop_process(cluster.procs.pop("router_direct"))
+
+
 BAD = [
     ("malformed JSON", b'{"model": "kimik3-tiny", "messages": [', 400, "malformed JSON"),
     ("not an object", b'[1, 2]', 400, "JSON object"),

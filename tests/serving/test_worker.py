@@ -102,3 +102,30 @@ def test_a_full_queue_answers_429(client):
             loop._pending -= loop.max_waiting
     assert client.get("/health").json()["load"]["rejected"] >= 1
     assert b"kimik3_worker" in client.get("/metrics").content or client.get("/metrics").status_code == 200
+
+
+def test_direct_handoff_moves_the_prompts_kv_from_a_prefill_worker_to_a_decode_worker(tiny_cfg, tiny_params, rng):
+    """No store: the prefill worker's answer carries the KV; the decode worker adopts it and
+    decodes without computing the prompt, with the oracle's tokens."""
+    from fastapi.testclient import TestClient
+
+    def app(role):
+        eng = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
+                     kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32,
+                     kernels="reference", role=role)
+        return create_app(EngineLoop(eng, worker_id=role), {"role": role, "max_context": 256}, keepalive_s=0.2)
+
+    prompt = [9] + rng.integers(0, 256, 50).tolist()
+    want = generate(tiny_params, tiny_cfg, prompt, 6).tokens.tolist()
+    with TestClient(app("prefill")) as pre, TestClient(app("decode")) as dec:
+        r = pre.post("/prefill", json={"prompt": prompt, "max_tokens": 1, "export_kv": True})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+        assert int(r.headers["x-kimik3-token"]) == want[0]
+        with dec.stream("POST", "/adopt", content=r.content, params={"max_tokens": 6}) as s:
+            events = _lines(s)
+        assert events[0]["adopt"] and events[-1]["done"]
+        assert [want[0]] + [e["token"] for e in events if "token" in e] == want
+        assert dec.get("/load").json()["prompt_tokens"] == len(prompt)
+        assert dec.post("/adopt", content=b"junk", params={"max_tokens": 6}).status_code == 400
+        # a decode (or both) worker has nothing to export
+        assert dec.post("/prefill", json={"prompt": prompt, "max_tokens": 1, "export_kv": True}).status_code == 400
