@@ -149,7 +149,110 @@ def wait_for(cond, timeout_s, what):
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
-# ---- tests -------------------------------------------------------------------------------------------
+# ---- unit tests of the router's parts (no processes) -------------------------------------------------
+def test_circuit_breaker_opens_half_opens_and_closes():
+    from serving.router import CircuitBreaker
+
+    now = [0.0]
+    b = CircuitBreaker(threshold=2, cooldown_s=5, max_cooldown_s=8, clock=lambda: now[0])
+    b.failure()
+    assert b.state == "closed" and b.available()
+    b.failure()
+    assert b.state == "open" and not b.available()
+    b.success()  # a late success from before the opening does not close it
+    assert b.state == "open"
+    now[0] = 5.0
+    assert b.state == "half_open" and b.available()
+    b.failure()  # the trial failed: open again, longer
+    assert b.state == "open" and b.cooldown_s == 8
+    now[0] = 13.0
+    b.success()
+    assert b.state == "closed" and b.cooldown_s == 5 and b.failures == 0
+
+
+def test_admission_runs_queues_then_sheds():
+    import asyncio
+
+    from serving.router import Admission, Overloaded
+
+    async def go():
+        adm = Admission(max_inflight=2, max_queue=1, timeout_s=0.3)
+        await adm.acquire()
+        await adm.acquire()
+        queued = asyncio.create_task(adm.acquire())
+        await asyncio.sleep(0.05)
+        assert adm.waiting == 1
+        try:
+            await adm.acquire()  # queue full: shed at once
+            raise AssertionError("not shed")
+        except Overloaded:
+            pass
+        await adm.release()
+        await asyncio.wait_for(queued, 1)  # the queued one got the freed place
+        assert adm.running == 2
+        try:
+            await adm.acquire()  # waits its bound, then shed
+            raise AssertionError("not shed")
+        except Overloaded as e:
+            assert "within" in str(e)
+
+    asyncio.run(go())
+
+
+def test_prefix_affinity_applies_only_when_the_prefix_is_not_in_the_shared_store():
+    import asyncio
+
+    from serving.router import Router, RouterConfig
+
+    r = Router(RouterConfig(prefill=["http://a", "http://b"], decode=["http://c"], affinity_slack=1.0))
+    a, b = r.prefill
+    for w in r.workers:
+        w.healthy, w.info = True, {"namespace": "ns", "page_tokens": 4}
+    turn1 = list(range(20))
+    r._remember(turn1, a.url)
+    turn2 = turn1 + [7, 7, 7, 7, 7]
+
+    class Probe:
+        def __init__(self, found):
+            self.found = found
+
+        def has(self, ns, h):
+            return self.found
+
+    async def choose():
+        return (await r.pick(r.prefill, set(), turn2)).url
+
+    b.inflight, a.inflight = 0, 1  # a holds the prefix and is a little busier: affinity still wins
+    assert asyncio.run(choose()) == a.url
+    r.store = Probe(True)  # any worker finds it in the store: load decides
+    assert asyncio.run(choose()) == b.url
+    r.store = Probe(False)
+    a.inflight = 3  # too busy for affinity to pay
+    assert asyncio.run(choose()) == b.url
+    a.breaker._state, a.breaker.opened_at, a.inflight = "open", 1e18, 0  # open circuit: never chosen
+    assert asyncio.run(choose()) == b.url
+    text = r.metrics.registry.get_sample_value
+    assert text("kimik3_router_prefill_choice_total", {"decision": "affinity"}) == 1
+    assert text("kimik3_router_prefill_choice_total", {"decision": "store"}) == 1
+
+
+def test_router_options_from_a_config_file(tmp_path):
+    import argparse
+
+    from serving.router import add_arguments, config_from_args
+
+    f = tmp_path / "router.json"
+    f.write_text(json.dumps({"prefill": ["http://p"], "decode": ["http://d"], "max_inflight": 3, "retries": 1}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--port", "1", "--config-file", str(f), "--retries", "5"]))
+    assert cfg.prefill == ["http://p"] and cfg.max_inflight == 3 and cfg.retries == 5
+    f.write_text(json.dumps({"decode": ["http://d"], "bogus": 1}))
+    with pytest.raises(ValueError, match="bogus"):
+        config_from_args(parser.parse_args(["--port", "1", "--config-file", str(f)]))
+
+
+# ---- tests with processes ----------------------------------------------------------------------------
 def test_greedy_output_through_router_and_workers_equals_the_oracle(cluster, params):
     base = cluster.url("router")
     text = "Tell me about the lifecycle of state in a hybrid model, in detail, please."  # 5 full pages
