@@ -677,8 +677,17 @@ class Router:
                 await stream.close()  # counted there, with the error's status
                 return JSONResponse(first.body(), status_code=first.status, headers=first.headers)
             if req.stream:
-                return StreamingResponse(stream.sse(first), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                # Start the SSE generator here: once started, its `finally` (which releases the
+                # admission place) runs even if the response never iterates it.
+                events = stream.sse(first)
+                head = await events.__anext__()
+
+                async def body():
+                    yield head
+                    async for chunk in events:
+                        yield chunk
+
+                return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             return await stream.collect(first)
 
         @app.post("/v1/chat/completions")

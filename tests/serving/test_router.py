@@ -1,8 +1,10 @@
 """Router + prefill/decode workers as real processes on 127.0.0.1, sharing a real Mooncake store.
 
-One cluster per module (worker start-up is the expensive part): 2 prefill workers, 2 decode
-workers (a small per-step delay keeps streams long enough to kill one mid-stream), a router.
-Every wait is bounded.  Tests run in file order; each leaves the cluster whole.
+One cluster (worker start-up is the expensive part): 2 prefill workers, 2 decode workers (a
+small per-step delay keeps streams long enough to kill one mid-stream), a router.  Every wait
+is bounded.  The scenarios (`check_*`) run in order inside one test, so that `pytest -n`
+(xdist) cannot split them over two processes and start two clusters; each leaves the cluster
+whole for the next.
 """
 
 import json
@@ -253,7 +255,7 @@ def test_router_options_from_a_config_file(tmp_path):
 
 
 # ---- tests with processes ----------------------------------------------------------------------------
-def test_greedy_output_through_router_and_workers_equals_the_oracle(cluster, params):
+def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, params):
     base = cluster.url("router")
     text = "Tell me about the lifecycle of state in a hybrid model, in detail, please."  # 5 full pages
     prompt = chat_prompt(text)
@@ -290,7 +292,7 @@ def test_greedy_output_through_router_and_workers_equals_the_oracle(cluster, par
     assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
 
 
-def test_direct_handoff_through_a_second_router_equals_the_oracle(cluster, params):
+def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, params):
     """The same workers behind a router that carries the KV itself (no store on the way)."""
     port = free_port()
     cluster.ports["router_direct"] = port
@@ -329,7 +331,7 @@ BAD = [
 ]
 
 
-def test_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
+def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
     base = cluster.url("router")
     urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
     submitted = lambda: sum(httpx.get(u + "/load", timeout=10).json()["submitted"] for u in urls)
@@ -347,7 +349,7 @@ def test_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
     assert submitted() == before and metric(cluster, "kimik3_router_worker_requests_total") == attempts
 
 
-def test_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv(
+def check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv(
         cluster, params):
     base = cluster.url("router")
     text = "A long answer, please: stream it slowly so that a worker can die halfway through it."
@@ -382,7 +384,7 @@ def test_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its
     wait_for(lambda: workers(cluster)[cluster.url(victim)]["circuit"] == "closed", 30, "the circuit to close")
 
 
-def test_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves(cluster, params):
+def check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves(cluster, params):
     base = cluster.url("router")
     hung, other = cluster.url("prefill0"), cluster.url("prefill1")
     os.killpg(cluster.procs["prefill0"].pid, signal.SIGSTOP)
@@ -420,7 +422,7 @@ def test_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves(cluster, p
     wait_for(lambda: workers(cluster)[hung]["circuit"] == "closed", 40, "the circuit to close after recovery")
 
 
-def test_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(cluster, params):
+def check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(cluster, params):
     base = cluster.url("router")
     text = "drain me gently"
     want = oracle(params, chat_prompt(text), 30)
@@ -447,7 +449,7 @@ def test_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(cl
     wait_for(lambda: workers(cluster)[drained]["draining"] is False, 10, "the worker to resume")
 
 
-def test_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost(cluster):
+def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost(cluster):
     base = cluster.url("router")
     n_bursts, burst = 2, 12  # router: 4 running + 4 queued; workers: 2 x 2 decode slots
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "loadgen.py"), "--url", base,
@@ -474,3 +476,17 @@ def test_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost
         assert load["max_rss_bytes"] < 3 << 30  # bounded memory
     assert metric(cluster, "kimik3_router_rejected_total", reason="overloaded") >= 1
     assert httpx.get(base + "/admin/workers", timeout=10).json()["admission"] == {"running": 0, "waiting": 0}
+
+
+def test_router_and_workers_as_real_processes(cluster, params):
+    for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
+                  check_direct_handoff_through_a_second_router_equals_the_oracle,
+                  check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker,
+                  check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv,
+                  check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves,
+                  check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere,
+                  check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost):
+        t0 = time.monotonic()
+        args = (cluster, params) if "params" in check.__code__.co_varnames[:check.__code__.co_argcount] else (cluster,)
+        check(*args)
+        print(f"{check.__name__}: {time.monotonic() - t0:.1f} s")
