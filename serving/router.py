@@ -53,7 +53,7 @@ import time
 import uuid
 
 import httpx
-from fastapi import Request
+from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
                                 completion_prompt, resolve_max_tokens, validation_error)

@@ -43,8 +43,7 @@ import time
 from typing import Any
 
 import numpy as np
-
-from fastapi import Request
+from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +322,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     """FastAPI app around a started or startable `EngineLoop`.  `info` goes out on /health."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 

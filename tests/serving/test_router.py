@@ -18,7 +18,6 @@ import time
 
 import httpx
 import jax
-import numpy as np
 import pytest
 
 from kimik3 import config, model, tokenizer
