@@ -4,6 +4,13 @@
     kimik3 info --config kimi_k3                         sizes of a config
     kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
     kimik3 demo                                          the agent workload end to end, 4 serving setups
+    kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode dp16,ep16
+                                                         memory per rank and bytes per collective
+    kimik3 worker --role prefill|decode|both --port N    one engine in its own process (HTTP)
+    kimik3 router --port N --prefill URL... --decode URL...
+                                                         OpenAI-compatible, load-aware router
+    kimik3 launch --config tiny --port N --prefill 1 --decode 1
+                                                         store + workers + router in one command
 """
 
 from __future__ import annotations
@@ -153,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", default="kimi_k3")
     i.add_argument("--manifest", default="kimi_k3_mxfp4", help="bf16 | kimi_k3_mxfp4")
     i.set_defaults(func=_cmd_info)
+
+    # Subcommands whose modules own their arguments.
+    from serving import launch, router, worker
+    from sharding import plan
+
+    for name, module, help_ in (
+            ("plan", plan, "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
+            ("worker", worker, "one engine in its own process, behind HTTP (health, load, drain)"),
+            ("router", router, "OpenAI-compatible router over prefill/decode workers"),
+            ("launch", launch, "a Mooncake store, prefill/decode workers and a router in one command")):
+        p = sub.add_parser(name, help=help_)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 
