@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import resource
 import time
 
 import jax
@@ -130,5 +131,6 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
               f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
               f"warm-up (compiles) {warmup_s:.1f} s; "
-              f"new compiles while measuring: {compiles}")
+              f"new compiles while measuring: {compiles}; "
+              f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     return header + "\n" + table + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"
