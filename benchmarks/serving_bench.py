@@ -32,7 +32,7 @@ def make(params, cfg, mode, args):
     kw = dict(num_pages=args.pages, num_slots=args.max_load, num_snapshots=2 * args.max_load,
               page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
               max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
-              prefill_chunk_tokens=args.chunk)
+              prefill_chunk_tokens=args.chunk, kernels=args.kernels)
     if mode == "colocated":
         return Engine(params, cfg, **kw)
     return DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), Engine(params, cfg, role="decode", **kw))
@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--tpot-target-ms", type=float, default=50.0)
     ap.add_argument("--page-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--kernels", default="auto", help="auto | reference | pallas (kimik3.ops)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip loads that start after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -96,7 +97,10 @@ def main():
         # sweep will use (and the handoff's bookkeeping ops), so the sweep measures serving only.
         t0 = time.monotonic()
         for n in loads:
+            t1 = time.monotonic()
             run_load(make(params, cfg, mode, args), n, args, seed=999, output=4)
+            print(f"warm-up {mode} N={n}: {time.monotonic() - t1:.1f} s, {model._forward._cache_size()} programs",
+                  flush=True)
         rows.append(dict(section="warm-up", mode=mode, seconds=time.monotonic() - t0,
                          programs=model._forward._cache_size()))
         common.write_results(args.out, "serving_bench", rows)
