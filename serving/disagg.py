@@ -8,6 +8,12 @@ Handoff modes:
   to the shared host tier and lets go; the decode engine admits the prompt like
   any request, finds the prefix there (up to the last full page with a
   snapshot) and prefills only the short tail itself.
+
+Each engine may run on its own device mesh (``Engine(mesh=...)``): the prefill engine's
+chunks on a `sharding.mesh.prefill_mesh` (TP/SP attention, EP MoE), the decode engine's
+batches on a `sharding.mesh.decode_mesh` (DP attention, EP MoE).  The handoff moves pool
+contents (pages and the packed KDA state), never mesh-sharded arrays, so the two meshes
+need not match in size or devices.
 """
 
 from __future__ import annotations

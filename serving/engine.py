@@ -20,6 +20,34 @@ checkpoint block, then published).
 Prefill chunks have power-of-two lengths and decode batches are padded to
 power-of-two buckets with a scratch slot and the null page, so recompiles stay
 rare; `compiles` counts them.
+
+On a device mesh (issue 8)
+--------------------------
+``Engine(..., mesh=...)`` runs the model steps sharded (`sharding.paged.PagedStep`):
+
+* role "prefill": ``mesh=sharding.mesh.prefill_mesh(tp, ep, devices)``; prefill chunks run
+  through `ShardedPrefill` (TP/SP attention, EP MoE);
+* role "decode": ``mesh=sharding.mesh.decode_mesh(dp, ep, devices)``; decode batches run
+  through `ShardedDecode` (DP attention, EP MoE);
+* role "both": ``mesh=(prefill_mesh, decode_mesh)``; either may be None (that phase then
+  runs on the default device).
+
+A phase without a mesh runs as before (`kimik3.model` on the default device; a decode
+engine's short tail prefills after a store handoff or a preemption, for instance).  The
+pools, the `PagedKVManager`, snapshots, prefix hits and the host tier are unchanged: each
+sharded step gathers its rows from the pools into the contiguous `init_cache` layout, runs
+on the mesh, and writes the new latent rows and KDA rows back (`sharding.paged`).
+Shapes: sharded prefill chunks are ``tp * 2**k`` tokens (prefix hits and snapshot
+boundaries are page multiples, so ``tp`` must divide ``page_tokens``); a prompt's last
+``< tp`` tokens run unsharded on the default device, exactly (padding a chunk would push
+pad tokens through the KDA recurrence and conv state).  Decode batches are padded (scratch
+slot, null pages) to a power of two rounded up to a multiple of dp.  A mesh that does not
+fit the config or these sizes raises ValueError at construction.
+
+Not yet production-like: the pools are not split per rank; they stay on the default
+device, so every sharded step moves its requests' rows (the full ``max_pages * page``
+latent width) onto the mesh and the new rows back; the engine also keeps an unsharded copy
+of the params there for the unsharded pieces; and a prefill chunk is one request (B = 1).
 """
 
 from __future__ import annotations
@@ -39,6 +67,7 @@ from cache.host_tier import HostKVTier
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
+from sharding.paged import PagedStep, helper_programs
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +139,18 @@ class Engine:
                  page_tokens: int = 128, kda_block_tokens: int = 1536, max_pages_per_request: int | None = None,
                  prefill_chunk_tokens: int = 512, host: HostKVTier | None = None, kernels: str = "auto",
                  namespace: str | None = None, role: str = "both", publish_to_host: bool = False,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, mesh=None, dispatch: str = "auto"):
         """max_step_tokens: tokens one step may run (decode rows + prefill chunk tokens); default
         one full prefill chunk plus a decode row per slot.
         role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled`
         hands the request over while its KV is still held), or "decode".
         publish_to_host: write each finished request's pages and snapshots to the host tier
         at once (a shared store then serves them to other engines, and to this one after a
-        restart), not only when they are evicted."""
+        restart), not only when they are evicted.
+        mesh: None (one device), or the mesh(es) the model steps run on: a `prefill_mesh` for
+        role "prefill", a `decode_mesh` for role "decode", a pair (prefill_mesh, decode_mesh)
+        for role "both" (either may be None).  dispatch: the sharded MoE's all-to-all
+        ("auto", "dense", "ragged"; see `sharding.layers`)."""
         if role not in ("both", "prefill", "decode"):
             raise ValueError(f"role must be both, prefill or decode; got {role!r}")
         self.role = role
@@ -133,11 +166,15 @@ class Engine:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed num_slots ({num_slots}): "
                              f"a step with every slot decoding must leave room for prefill")
         self.max_pages = max_pages_per_request or -(-cfg.max_seq_len // page_tokens)
+        self._prefill_step, self._decode_step = self._mesh_steps(mesh, dispatch, num_slots)
+        self._mesh_params = {s.mode: s.place_params(params) for s in (self._prefill_step, self._decode_step) if s}
         self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
         # slot num_slots is scratch for padded decode rows
         self.pools = model.init_paged_cache(cfg, num_pages, num_slots + 1, page_tokens, self.dtype)
         self.scratch_slot = num_slots
+        if self._prefill_step or self._decode_step:  # commit them (see PagedStep.__call__)
+            self.pools = jax.device_put(self.pools, next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices())))
         self._free_slots = list(range(num_slots))
         kda0 = self.pools["layers"][self.kda_layers[0]] if self.kda_layers else {}
         self._kda_keys = sorted(kda0)
@@ -154,6 +191,37 @@ class Engine:
         self.preemptions = 0
         self.step_tokens: list[int] = []  # tokens each step ran (decode rows + prefill tokens)
         self._ids = itertools.count()
+
+    def _mesh_steps(self, mesh, dispatch: str, num_slots: int) -> tuple[PagedStep | None, PagedStep | None]:
+        """(prefill step, decode step) from the `mesh` argument; ValueError for one that does not fit."""
+        if mesh is None:
+            return None, None
+        if self.role == "both":
+            if not (isinstance(mesh, (tuple, list)) and len(mesh) == 2):
+                raise ValueError("role 'both' takes mesh=(prefill_mesh, decode_mesh) (either may be None); "
+                                 f"got {type(mesh).__name__}")
+            pm, dm = mesh
+        elif isinstance(mesh, (tuple, list)):
+            raise ValueError(f"role {self.role!r} takes one mesh (its {self.role} mesh), not a pair")
+        else:
+            pm, dm = (mesh, None) if self.role == "prefill" else (None, mesh)
+        pre = None if pm is None else PagedStep(self.cfg, pm, "prefill", dispatch=dispatch, kernels=self.kernels)
+        dec = None if dm is None else PagedStep(self.cfg, dm, "decode", dispatch=dispatch, kernels=self.kernels)
+        if pre is not None:
+            tp = pre.size
+            if self.page_tokens % tp:
+                raise ValueError(f"tp={tp} must divide page_tokens={self.page_tokens} (prefix hits and KDA "
+                                 f"snapshot boundaries are page multiples; sharded chunks are tp multiples)")
+            if self.prefill_chunk_tokens < tp:
+                raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} is below tp={tp}")
+            if self.max_step_tokens - num_slots < tp:
+                raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must leave tp={tp} prefill tokens "
+                                 f"beside a decode row for each of the {num_slots} slots")
+        for s in (pre, dec):
+            if s is not None:
+                log.info("engine (%s): %s steps on %s=%d ep=%d over devices %s", self.role, s.mode,
+                         s.shape.group_axis, s.size, s.shape.ep, [d.id for d in s.mesh.devices.flat])
+        return pre, dec
 
     # ---- sizing --------------------------------------------------------------------------------------
     @staticmethod
@@ -356,31 +424,64 @@ class Engine:
         table = self.manager.requests[req.request_id].page_table
         return table + [NULL_BLOCK] * (self.max_pages - len(table))
 
-    def _forward(self, tokens, tables, slots, lengths):
-        before = model._forward._cache_size()
-        view = model.paged_view(self.pools, tables, slots, lengths)
+    def _programs(self) -> int:
+        """Compiled step programs so far (the unsharded model and the sharded steps)."""
+        steps = [s for s in (self._prefill_step, self._decode_step) if s]
+        return model._forward._cache_size() + sum(s.programs() for s in steps) + (helper_programs() if steps else 0)
+
+    def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None):
+        """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]); returns the
+        last position's logits f32 [B, V] as numpy.  `step`: a sharded step, else the unsharded model."""
+        before = self._programs()
         # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
-        # not prompts, so the step calls the jitted core directly.
-        positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, None, cfg=self.cfg,
-                                      expert_path="grouped", kernels=self.kernels)
-        self.compiles += model._forward._cache_size() - before  # new XLA programs this call needed
-        self.pools = {"layers": view["layers"]}
+        # not prompts, so the steps call the jitted cores directly.
+        if step is not None:
+            logits, self.pools = step(self._mesh_params[step.mode], self.pools, tokens, tables, slots, lengths)
+        else:
+            view = model.paged_view(self.pools, tables, slots, lengths)
+            positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+            logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, None, cfg=self.cfg,
+                                          expert_path="grouped", kernels=self.kernels)
+            self.pools = {"layers": view["layers"]}
+        self.compiles += self._programs() - before  # new XLA programs this call needed
         return np.asarray(logits[:, -1], np.float32)
 
+    def _prefill_lengths(self) -> list[tuple[int, PagedStep | None]]:
+        """Every prefill chunk length this engine runs, with the step that runs it (None: unsharded)."""
+        c, pre = self.prefill_chunk_tokens, self._prefill_step
+        if pre is None:
+            return [(1 << i, None) for i in range(c.bit_length())]
+        tp = pre.size
+        return ([(1 << i, None) for i in range((tp - 1).bit_length())]
+                + [(tp << i, pre) for i in range((c // tp).bit_length())])
+
+    def _decode_bucket(self, n: int) -> int:
+        """Rows of a decode batch of n requests: the next power of two, rounded up to a multiple of dp."""
+        bucket = 1 << (n - 1).bit_length()
+        if self._decode_step is not None:
+            bucket = -(-bucket // self._decode_step.size) * self._decode_step.size
+        return bucket
+
     def warmup(self) -> int:
-        """Compile every step shape this engine can use (prefill chunks of 1, 2, 4, ... tokens;
-        decode buckets of 1, 2, 4, ... rows) on scratch rows whose results are dropped.
+        """Compile every step shape this engine can use (`_prefill_lengths`; decode buckets for 1 ..
+        num_slots requests) on scratch rows (the scratch slot and null pages; results dropped).
         Returns the number of new programs."""
-        before = model._forward._cache_size()
-        shapes = [(1, 1 << i) for i in range(self.prefill_chunk_tokens.bit_length())]
-        shapes += [(1 << i, 1) for i in range(1, (len(self._free_slots) or 1).bit_length() + 1)]
-        for b, t in shapes:
-            view = model.paged_view(self.pools, [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b)
+        before = self._programs()
+        shapes = [(1, t, step) for t, step in self._prefill_lengths()]
+        shapes += [(b, 1, self._decode_step) for b in sorted({self._decode_bucket(n)
+                                                              for n in range(1, self.scratch_slot + 1)})]
+        for b, t, step in shapes:
+            tables, slots, lengths = [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b
+            tokens = jnp.zeros((b, t), jnp.int32)
+            if step is not None:  # writes land in the scratch slot and the null page only
+                logits, self.pools = step(self._mesh_params[step.mode], self.pools, tokens, tables, slots, lengths)
+                jax.block_until_ready(logits)
+                continue
+            view = model.paged_view(self.pools, tables, slots, lengths)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-            jax.block_until_ready(model._forward(self.params, jnp.zeros((b, t), jnp.int32), positions, view, None,
+            jax.block_until_ready(model._forward(self.params, tokens, positions, view, None,
                                                  cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
-        return model._forward._cache_size() - before
+        return self._programs() - before
 
     def _prefill_chunk(self, req: Request, budget_tokens: int) -> int:
         """Prefill the next chunk of `req` (at most `budget_tokens`); returns its token count."""
@@ -388,10 +489,21 @@ class Engine:
         end = min(len(ctx), start + self.prefill_chunk_tokens, start + budget_tokens)
         if req._boundaries and req._boundaries[0] < end:
             end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
-        # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
-        end = start + (1 << ((end - start).bit_length() - 1))
+        step = self._prefill_step
+        if step is not None and len(ctx) - start >= step.size:
+            # Sharded: tp * 2^k tokens.  `start` is a multiple of tp here (hits and boundaries are
+            # page multiples, tp divides the page, every earlier chunk was a tp multiple).
+            spans = (end - start) // step.size
+            if spans == 0:
+                return 0  # the budget left this step is below one tp span: next step
+            end = start + step.size * (1 << (spans.bit_length() - 1))
+        else:
+            # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
+            # With a prefill mesh this is only the prompt's last < tp tokens, unsharded.
+            step = None
+            end = start + (1 << ((end - start).bit_length() - 1))
         tokens = np.asarray([ctx[start:end]], np.int32)
-        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start])[0]
+        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start], step)[0]
         req._computed = end
         self.manager.commit_pages(req.request_id, end)
         if req._boundaries and req._boundaries[0] == end:
@@ -446,13 +558,13 @@ class Engine:
         reqs = self._make_room(reqs)
         if not reqs:
             return 0
-        bucket = 1 << (len(reqs) - 1).bit_length()
+        bucket = self._decode_bucket(len(reqs))
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
         slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
         lengths = [r._cached_len for r in reqs] + [0] * pad
-        logits = self._forward(tokens, tables, slots, lengths)
+        logits = self._forward(tokens, tables, slots, lengths, self._decode_step)
         for r, row in zip(reqs, logits):
             r._cached_len += 1
             self._emit(r, int(np.argmax(row)))

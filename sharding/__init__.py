@@ -31,6 +31,11 @@ expert-parallel MoE.
   (`ragged_all_to_all`, GPU) or "dense" (fixed-capacity `all_to_all` of
   ``[ep, tokens * top_k, L]`` buffers, nothing dropped; CPU, where XLA has no
   ragged all-to-all); "auto" picks by backend.
+* `sharding.paged.PagedStep`: a sharded prefill or decode step over the serving
+  engine's paged pools (`serving.Engine(mesh=...)`): gather the rows' latent pages and
+  KDA slots into the contiguous cache, run on the mesh, write the new latent rows into
+  their pages and the KDA rows into their slots.  The pools stay on one device (not yet
+  split per rank), so each step moves its rows onto the mesh and back.
 * `sharding.plan`: ``kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode
   dp16,ep16``: weights per rank by quantization format, KV / KDA state per
   request, buffers, and every collective per layer with its bytes (the same
@@ -51,6 +56,18 @@ logits, cache = pre(pre.place_params(params), prompts, pre.place_cache(model.ini
 dec = ShardedDecode(cfg, decode_mesh(4, 4, jax.devices()[4:], cfg=cfg))
 cache, p = dec.place_cache(cache), dec.place_params(params)
 logits, cache = dec(p, next_tokens, cache)
+```
+
+The serving engine on meshes (a P/D pair, each pool on its own mesh):
+
+```python
+from serving.disagg import DisaggregatedServer
+from serving.engine import Engine
+
+pre = Engine(params, cfg, role="prefill", num_pages=4096, mesh=prefill_mesh(2, 2, jax.devices()[:2], cfg=cfg))
+dec = Engine(params, cfg, role="decode", num_pages=4096, mesh=decode_mesh(4, 2, jax.devices()[2:6], cfg=cfg))
+server = DisaggregatedServer(pre, dec, "direct")
+# colocated: Engine(params, cfg, num_pages=4096, mesh=(prefill_mesh(...), decode_mesh(...)))
 ```
 
 Tests (tests/sharding, 8 CPU devices via ``jax_num_cpu_devices``) check the

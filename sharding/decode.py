@@ -103,6 +103,11 @@ class ShardedDecode:
     def __call__(self, params, tokens, cache):
         return self._jitted(params, self._check(tokens, cache), cache)
 
+    def run(self, params, tokens, cache):
+        """The compiled step without `__call__`'s value checks (no host sync): for callers that
+        guarantee the shapes (B a multiple of dp), e.g. the serving engine."""
+        return self._jitted(params, tokens, cache)
+
 
 def decode(params, cfg: ModelConfig, mesh: Mesh, tokens, cache, *, dispatch: str = "auto", kernels: str = "auto"):
     """One-shot convenience: `ShardedDecode(cfg, mesh)(params, tokens, cache)`."""

@@ -135,6 +135,12 @@ class ShardedPrefill:
         tokens, _, images = self._check(tokens, cache, images)
         return self._jitted(params, tokens, cache, images)
 
+    def run(self, params, tokens, cache=None, images=None):
+        """The compiled step without `__call__`'s value checks (no host sync): for callers that
+        guarantee the shapes (T a multiple of tp), e.g. the serving engine, whose inputs include
+        generated ids (a random model may emit <|image|>)."""
+        return self._jitted(params, tokens, cache, images)
+
 
 def prefill(params, cfg: ModelConfig, mesh: Mesh, tokens, *, cache=None, images=None, dispatch: str = "auto",
             kernels: str = "auto"):

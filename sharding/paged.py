@@ -1,0 +1,155 @@
+"""Sharded steps over paged pools: the serving engine's bridge to `ShardedPrefill` / `ShardedDecode`.
+
+The serving engine keeps its KV in pools shared by all its requests
+(`kimik3.model.init_paged_cache`): MLA latent *pages* ``[num_pages, page, R]``
+addressed through block tables, and KDA state *slots* ``[num_slots, ...]``.
+The sharded classes take the contiguous per-request cache of
+`kimik3.model.init_cache`.  `PagedStep` runs one sharded step over the pools::
+
+    view  = model.paged_view(pools, tables [B, P], slots [B], lengths [B])
+    cache = contiguous_cache(cfg, view)       on the pools' device; init_cache layout:
+              MLA layer: {"latent": [B, P * page, R]}   each request's pages, in table order
+              KDA layer: {"state": f32 [B, H, K, V], "conv_*": [B, W-1, H*D]}   its slot's rows
+              "lengths": int32 [B]
+    cache = sharded.place_cache(cache)        onto the mesh (prefill: heads split, latent
+                                              replicated; decode: requests split over dp)
+    logits, cache = sharded.run(params, tokens [B, T], cache)
+    delta = new_entries(cfg, cache, T)        on the mesh: per MLA layer the T new latent rows
+                                              [B, T, R]; per KDA layer the new state/conv rows
+    pools = write_back(cfg, view, delta)      on the pools' device: latent rows into their pages
+                                              at lengths + arange(T), KDA rows into their slots
+
+Rows whose slot is the engine's scratch slot and whose table is all null pages
+(the padding rows of a decode batch) read and write only those, exactly as in
+the unsharded paged path.
+
+Not yet production-like: the pools are not split per rank.  They live on one
+device, so every step gathers its requests' rows there and moves them onto the
+mesh (and the new rows back), and the latent rows moved are the whole
+``max_pages * page`` width of the tables, not just the filled part.  A
+production decode pool keeps each rank's requests' pages and slots on that rank
+and runs the paged kernels there, with no gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from kimik3 import model
+from kimik3.config import ModelConfig
+# The MLA layer's own paged read / write (pallas_kernels.mla, re-exported where the layer uses them).
+from kimik3.layers.mla import gather_pages, write_latent
+from sharding.decode import ShardedDecode
+from sharding.prefill import ShardedPrefill
+
+log = logging.getLogger(__name__)
+
+MODES = ("prefill", "decode")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def contiguous_cache(view, *, cfg: ModelConfig):
+    """A paged view (`model.paged_view`) -> the contiguous cache of its B rows (`init_cache` layout).
+
+    MLA latent [B, max_pages * page, R] (the rows of each row's pages, in block-table order),
+    KDA state / conv rows of each row's slot, lengths [B]."""
+    tables, slots = view["block_tables"], view["slots"]
+    layers = tuple({k: v[slots] for k, v in layer.items()} if kind == "kda" else
+                   {"latent": gather_pages(layer["pages"], tables)}
+                   for kind, layer in zip(cfg.mixer_kinds, view["layers"]))
+    return {"lengths": view["lengths"], "layers": layers}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "t"))
+def new_entries(cache, *, cfg: ModelConfig, t: int):
+    """What a step of `t` tokens added to a contiguous cache (whose lengths already count them):
+    per MLA layer {"rows": [B, t, R]} (the latent rows at old lengths + arange(t)); per KDA layer
+    its whole state / conv rows (they are replaced, not appended)."""
+    start = cache["lengths"] - t
+    take = jax.vmap(lambda lat, s: jax.lax.dynamic_slice_in_dim(lat, s, t, axis=0))
+    return tuple(dict(layer) if kind == "kda" else {"rows": take(layer["latent"], start)}
+                 for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def write_back(view, delta, *, cfg: ModelConfig):
+    """Write `new_entries` into the pools of a paged view: latent rows [B, t, R] into the pages at
+    positions lengths + arange(t) (through the block tables), KDA rows into their slots.
+    Returns the new pools ``{"layers": ...}``."""
+    t = next((d["rows"].shape[1] for d in delta if "rows" in d), 0)
+    positions = view["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    layers = tuple({k: pool[k].at[view["slots"]].set(new[k].astype(pool[k].dtype)) for k in pool} if kind == "kda"
+                   else {"pages": write_latent(pool["pages"], new["rows"], view["block_tables"], positions)}
+                   for kind, pool, new in zip(cfg.mixer_kinds, view["layers"], delta))
+    return {"layers": layers}
+
+
+def helper_programs() -> int:
+    """Compiled programs so far of `contiguous_cache`, `new_entries` and `write_back` (all meshes)."""
+    return sum(f._cache_size() for f in (contiguous_cache, new_entries, write_back))
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_step(cfg: ModelConfig, mesh: Mesh, mode: str, dispatch: str = "auto",
+                 kernels: str = "auto") -> ShardedPrefill | ShardedDecode:
+    """The `ShardedPrefill` (mode 'prefill') or `ShardedDecode` ('decode') of `cfg` on `mesh`, one
+    per (cfg, mesh, mode, dispatch, kernels): engines on the same mesh share its compiled programs."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    cls = ShardedPrefill if mode == "prefill" else ShardedDecode
+    return cls(cfg, mesh, dispatch=dispatch, kernels=kernels)
+
+
+class PagedStep:
+    """One sharded prefill or decode step of `cfg` on `mesh`, over paged pools.
+
+    ``PagedStep(cfg, mesh, "prefill" | "decode")(params, pools, tokens [B, T], tables [B, P],
+    slots [B], lengths [B])`` -> (logits f32 [B, T, V] on the mesh, new pools on the pools'
+    device).  ``params`` must come from `place_params`.  Prefill: T a multiple of tp; decode:
+    B a multiple of dp.  Raises ValueError for a mesh that does not fit `cfg` (at construction).
+    """
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, mode: str, *, dispatch: str = "auto", kernels: str = "auto"):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{mode} mesh must be a jax.sharding.Mesh (sharding.mesh.{mode}_mesh); "
+                            f"got {type(mesh).__name__}")
+        self.cfg, self.mesh, self.mode = cfg, mesh, mode
+        self.sharded = sharded_step(cfg, mesh, mode, dispatch, kernels)
+        self.shape = self.sharded.shape
+        self.size = self.shape.size  # tp (prefill) or dp (decode)
+
+    def place_params(self, params):
+        return self.sharded.place_params(params)
+
+    def programs(self) -> int:
+        """Compiled programs so far of the sharded model step (shared by all PagedSteps of the same
+        cfg and mesh; the gather / write-back programs are counted by `helper_programs`)."""
+        return self.sharded._jitted._cache_size()
+
+    def check(self, batch: int, t: int) -> None:
+        if self.mode == "prefill" and t % self.size:
+            raise ValueError(f"prefill span of {t} tokens is not a multiple of tp={self.size}")
+        if self.mode == "decode" and batch % self.size:
+            raise ValueError(f"decode batch of {batch} rows is not a multiple of dp={self.size}")
+
+    def __call__(self, params, pools, tokens, tables, slots, lengths):
+        """Run the step.  Keep the pools committed to their device (`jax.device_put`): the new
+        rows come back committed there, and the gather / write-back programs are compiled per
+        placement, so uncommitted pools would compile them twice."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        b, t = tokens.shape
+        self.check(b, t)
+        view = model.paged_view(pools, tables, slots, lengths)
+        cache = self.sharded.place_cache(contiguous_cache(view, cfg=self.cfg))
+        logits, cache = self.sharded.run(params, tokens, cache)
+        home = jax.tree_util.tree_leaves(pools)[0].sharding
+        delta = jax.device_put(new_entries(cache, cfg=self.cfg, t=t), home)
+        return logits, write_back(view, delta, cfg=self.cfg)
+
+
+__all__ = ["PagedStep", "contiguous_cache", "new_entries", "write_back", "sharded_step", "helper_programs"]
