@@ -284,7 +284,9 @@ class Engine:
         if tokenizer.IMAGE_ID in prompt:
             raise ValueError("image placeholders in the prompt: the engine serves text requests (images: kimik3.generate)")
         total = len(prompt) + max_new_tokens
-        limit = min(self.cfg.max_seq_len, self.max_pages * self.page_tokens)
+        # Beyond the pool's usable pages a request could never be admitted: refuse it now.
+        usable_pages = self.manager.page_pool.num_blocks - 1
+        limit = min(self.cfg.max_seq_len, min(self.max_pages, usable_pages) * self.page_tokens)
         if total > limit:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                              f"context limit of {limit} tokens")
@@ -315,6 +317,21 @@ class Engine:
                     self._release(req, error="cancelled")
                     return True
         return False
+
+    def load(self) -> dict:
+        """What a router balances on: queue depth, running requests, free slots and pages, KV use."""
+        pool = self.manager.page_pool
+        total = pool.num_blocks - 1
+        return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": len(self._free_slots),
+                "sessions": len(self._free_slots) + len(self.running), "free_pages": pool.num_free,
+                "total_pages": total, "kv_use": (total - pool.num_free) / total if total else 0.0,
+                "preemptions": self.preemptions}
+
+    def pop_finished(self) -> list[Request]:
+        """The requests finished since the last call (and forget them: a long-running server
+        reads results here so `finished` does not grow without bound)."""
+        done, self.finished = self.finished, []
+        return done
 
     # ---- the loop -----------------------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -141,15 +141,10 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _snapshot(self) -> dict:
-        e = self.engine
-        pool = e.manager.page_pool
-        total = pool.num_blocks - 1
-        used = total - pool.num_free
-        return {"waiting": len(e.waiting) + len(self._adopts), "running": len(e.running),
-                "free_slots": len(e._free_slots), "sessions": len(e._free_slots) + len(e.running),
-                "free_pages": pool.num_free, "total_pages": total,
-                "kv_use": used / total if total else 0.0, "preemptions": e.preemptions,
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        out = self.engine.load()
+        out["waiting"] += len(self._adopts)
+        out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return out
 
     def _push(self, sub: _Sub, event: dict) -> None:
         try:
@@ -236,7 +231,7 @@ class EngineLoop:
                 if self._metrics is not None:
                     self._metrics.observe(req)
                 self._finish(sub, "finished")
-        self.engine.finished.clear()  # results went out above; do not grow without bound
+        self.engine.pop_finished()  # results went out above; do not grow without bound
 
     def _fail_all(self, why: str) -> None:
         for sub in list(self._subs.values()) + [item[0] for item in self._adopts]:

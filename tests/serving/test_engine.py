@@ -187,3 +187,16 @@ def test_a_small_budget_still_gives_the_oracles_tokens(rng, tiny_cfg, tiny_param
         assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
     with pytest.raises(ValueError, match="max_step_tokens"):
         _engine(tiny_params, tiny_cfg, max_step_tokens=4)
+
+
+def test_load_report_finished_queue_and_a_request_larger_than_the_pool(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg, num_pages=8)  # 7 usable pages of 16 tokens
+    with pytest.raises(ValueError, match="context limit of 112 tokens"):
+        eng.submit(rng.integers(0, 256, 110).tolist(), 3)  # passes max_pages (16) but never fits the pool
+    req = eng.submit(rng.integers(0, 256, 40).tolist(), 3)
+    eng.step()
+    load = eng.load()
+    assert load["running"] == 1 and load["waiting"] == 0 and load["total_pages"] == 7
+    assert load["free_pages"] == 7 - 3 and 0 < load["kv_use"] < 1
+    eng.run(max_steps=50)
+    assert eng.pop_finished() == [req] and eng.pop_finished() == []
