@@ -17,6 +17,10 @@ TPOT waits on); then spend what is left on prefill chunks of the prefilling
 requests, oldest first (chunks end at the manager's snapshot boundaries, so the
 KDA state there is exported by copying the request's state row into its private
 checkpoint block, then published).
+When the pool runs short while decoding, the most recently admitted requests are
+preempted: with a host tier their KV (pages and KDA state) is offloaded there and
+installed back when they resume; without one, or if an entry was evicted or is
+corrupt, they resume by recomputing prompt + output (prefix hits still apply).
 Prefill chunks have power-of-two lengths and decode batches are padded to
 power-of-two buckets with a scratch slot and the null page, so recompiles stay
 rare; `compiles` counts them.
@@ -53,6 +57,7 @@ of the params there for the unsharded pieces; and a prefill chunk is one request
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -63,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
-from cache.host_tier import HostKVTier
+from cache.host_tier import HostKVTier, make_key
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
@@ -93,6 +98,8 @@ class Request:
     _cached_len: int = 0  # tokens in the cache once prefilled (decode writes at this position)
     _boundaries: list[int] = dataclasses.field(default_factory=list)
     _last_logits: np.ndarray | None = None
+    _offload_keys: list[str] | None = None  # host-tier entries of its KV while preempted
+    _resume_kv: tuple | None = None  # (page contents, packed KDA state) fetched back for re-admission
 
 
 class _MLAPageStore:
@@ -189,6 +196,8 @@ class Engine:
         self.finished: list[Request] = []
         self.compiles = 0
         self.preemptions = 0
+        self.offloaded_resumes = 0  # preempted requests resumed from their offloaded KV (no recompute)
+        self.recomputed_tokens = 0  # tokens re-prefilled after a preemption (offload missing or no host tier)
         self.step_tokens: list[int] = []  # tokens each step ran (decode rows + prefill tokens)
         self._ids = itertools.count()
 
@@ -363,6 +372,8 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self._free_slots:
             req = self.waiting[0]
+            if req._offload_keys is not None:
+                self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
             try:
                 blocks = self.manager.begin(req.request_id, req._context)
@@ -374,11 +385,31 @@ class Engine:
                 req.admitted_s = time.monotonic()
                 req.cached_tokens = blocks.hit.tokens
                 req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
-            req._computed = blocks.hit.tokens
-            self._restore_state(req._slot, blocks.snapshot_block)
             self.manager.release_hit_snapshot(req.request_id)
+            if req._resume_kv is not None:  # back from an offload: install its KV, no recompute
+                pages, state = req._resume_kv
+                req._resume_kv = None
+                self._install_kv(req, blocks, pages, state)
+                req._computed = req._cached_len = len(req._context)
+                self.offloaded_resumes += 1
+            else:
+                req._computed = blocks.hit.tokens
+                if req.output:
+                    self.recomputed_tokens += len(req._context) - req._computed
+                self._restore_state(req._slot, blocks.snapshot_block)
             req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
             self.running.append(req)
+
+    def _install_kv(self, req: Request, blocks, pages: list[np.ndarray], state: np.ndarray) -> None:
+        """Write a request's page contents (those not already shared through its prefix hit) and
+        its KDA state after `len(req._context)` tokens into the pools and its slot."""
+        first_new = blocks.hit.tokens // self.page_tokens  # hit pages are shared: never written
+        new_pages = blocks.page_table[first_new:len(pages)]
+        if new_pages:
+            self.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
+        self.manager.commit_pages(req.request_id, len(req._context))
+        self.snapshots.data = self.snapshots.data.at[blocks.checkpoint_block].set(jnp.asarray(state))
+        self._restore_state(req._slot, blocks.checkpoint_block)
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False) -> Request | None:
@@ -395,14 +426,8 @@ class Engine:
         req.cached_tokens = blocks.hit.tokens
         req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
         req._slot = self._free_slots.pop()
-        first_new = blocks.hit.tokens // self.page_tokens
-        new_pages = blocks.page_table[first_new:len(pages)]
-        if new_pages:
-            self.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
-        self.manager.commit_pages(request_id, len(prompt))
-        self.snapshots.data = self.snapshots.data.at[blocks.checkpoint_block].set(jnp.asarray(state))
-        self._restore_state(req._slot, blocks.checkpoint_block)
         req._context = list(prompt)
+        self._install_kv(req, blocks, pages, state)
         req._computed = req._cached_len = len(prompt)
         self.running.append(req)
         self._emit(req, first_token)
@@ -561,14 +586,46 @@ class Engine:
         return reqs
 
     def _preempt(self, req: Request) -> None:
-        """Drop a running request's KV and queue it first to resume by recomputing prompt + output."""
+        """Free a running request's pages and slot and queue it first to resume.
+
+        With a host tier its KV (pages of the tokens in the cache and the KDA state) is
+        offloaded there first and installed back on resume; recomputing prompt + output
+        is the last resort (no host tier, or the entries were evicted or are corrupt)."""
         self.preemptions += 1
         self.running.remove(req)
+        req._context = list(req.prompt) + list(req.output)
+        host = self.manager.host
+        if host is not None and req._cached_len == len(req._context) - 1:
+            table = self.manager.requests[req.request_id].page_table
+            pages = self.pages.read(table[:-(-req._cached_len // self.page_tokens)])
+            state = np.asarray(self._packed_state(req._slot))
+            tag = f"{req.request_id}/{self.preemptions}"
+            keys = [make_key(self.manager.spec.namespace, "preempt",
+                             hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest())
+                    for i in range(len(pages) + 1)]
+            if all(host.batch_put(keys, pages + [state])):
+                req._offload_keys = keys
+            else:
+                host.remove(keys)
         self.manager.finish(req.request_id)
         self._free_slots.append(req._slot)
         req._slot, req._computed, req._cached_len = -1, 0, 0
-        req._context = list(req.prompt) + list(req.output)
         self.waiting.insert(0, req)
+
+    def _fetch_offloaded(self, req: Request) -> None:
+        """Bring a preempted request's offloaded KV back from the host tier (once); on any
+        missing or corrupt entry it resumes by recompute instead."""
+        keys, req._offload_keys = req._offload_keys, None
+        cached = len(req.prompt) + len(req.output) - 1  # the last output token is not in the cache yet
+        pages = [np.empty(self.pages.block_shape, self.pages.dtype) for _ in range(len(keys) - 1)]
+        state = np.empty((self.snapshot_size,), np.float32)
+        found = self.manager.host.batch_get_into(keys, pages + [state])
+        self.manager.host.remove(keys)
+        if all(found):
+            req._resume_kv = (pages, state)
+            req._context = req._context[:cached]
+        else:
+            log.info("request %s: offloaded KV incomplete in the host tier; resuming by recompute", req.request_id)
 
     def _decode(self, reqs: list[Request]) -> int:
         """One token for each of `reqs` in one batched call; returns the rows decoded."""
@@ -602,6 +659,9 @@ class Engine:
             self._release(req)
 
     def _release(self, req: Request, error: str | None = None) -> None:
+        if req._offload_keys is not None:  # cancelled while preempted: drop its offloaded KV
+            self.manager.host.remove(req._offload_keys)
+            req._offload_keys = None
         if req.request_id in self.manager.requests:
             if self.publish_to_host and error is None:
                 self.manager.publish_to_host(req.request_id)

@@ -200,3 +200,35 @@ def test_load_report_finished_queue_and_a_request_larger_than_the_pool(rng, tiny
     assert load["free_pages"] == 7 - 3 and 0 < load["kv_use"] < 1
     eng.run(max_steps=50)
     assert eng.pop_finished() == [req] and eng.pop_finished() == []
+
+
+def _preempting_engine(params, cfg, host):
+    """8 usable pages; two 60-token prompts that grow from 4 to 7 pages each: one must be preempted."""
+    eng = _engine(params, cfg, num_pages=9, host=host)
+    prompts = [np.random.default_rng(7).integers(0, 256, 60).tolist() for _ in range(2)]
+    prompts[1][0] = (prompts[1][0] + 1) % 256  # no shared prefix
+    return eng, prompts, [eng.submit(p, 40) for p in prompts]
+
+
+def test_preemption_offloads_to_the_host_tier_and_resumes_without_recompute(tiny_cfg, tiny_params):
+    eng, prompts, reqs = _preempting_engine(tiny_params, tiny_cfg, EmbeddedHostKVTier(1 << 24))
+    eng.run(max_steps=400)
+    assert eng.preemptions >= 1 and eng.offloaded_resumes == eng.preemptions
+    assert eng.recomputed_tokens == 0
+    for r, p in zip(reqs, prompts):
+        assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
+
+
+def test_a_corrupt_offload_entry_falls_back_to_recompute_with_the_same_tokens(tiny_cfg, tiny_params):
+    host = EmbeddedHostKVTier(1 << 24)
+    eng, prompts, reqs = _preempting_engine(tiny_params, tiny_cfg, host)
+    for _ in range(400):
+        eng.step()
+        if eng.preemptions:
+            break
+    victim = eng.waiting[0]
+    host.corrupt_for_test(victim._offload_keys[-1])  # its KDA state entry
+    eng.run(max_steps=400)
+    assert host.stats.corrupt >= 1 and eng.recomputed_tokens > 0
+    for r, p in zip(reqs, prompts):
+        assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
