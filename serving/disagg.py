@@ -35,8 +35,9 @@ class DisaggregatedServer:
         self._prefilled: dict[str, Request] = {}  # the prefill side of each handed-over request
         prefill.on_prefilled = self._on_prefilled
 
-    def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None) -> Request:
-        req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id)
+    def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None, **kw) -> Request:
+        """Queue a request on the prefill engine (`kw`: `Engine.submit`'s stop_at_eos, sampling)."""
+        req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id, **kw)
         self.requests[req.request_id] = req
         return req
 
@@ -55,12 +56,14 @@ class DisaggregatedServer:
         for req, pages, state in self._pending:
             if pages is not None:
                 new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state,
-                                        request_id=req.request_id, arrival_s=req.arrival_s)
+                                        request_id=req.request_id, arrival_s=req.arrival_s,
+                                        stop_at_eos=req.stop_at_eos, sampling=req.sampling)
                 if new is None:
                     still.append((req, pages, state))
                     continue
             else:
-                new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id)
+                new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id,
+                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling)
                 new.arrival_s = req.arrival_s
             self._prefilled[req.request_id] = req
             self.requests[req.request_id] = new

@@ -72,6 +72,7 @@ from cache.host_tier import HostKVTier, make_key
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
+from serving.sampling import GREEDY, SamplingParams, choose_token
 from sharding.paged import PagedStep, helper_programs
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Request:
     max_new_tokens: int
     stop_at_eos: bool = False
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
+    sampling: SamplingParams = GREEDY
     # filled by the engine
     output: list[int] = dataclasses.field(default_factory=list)
     token_times_s: list[float] = dataclasses.field(default_factory=list)
@@ -281,8 +283,12 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
-               stop_at_eos: bool = False) -> Request:
-        """Queue a request.  Raises ValueError for a prompt the engine can never serve."""
+               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY) -> Request:
+        """Queue a request.  Raises ValueError for a prompt the engine can never serve.
+        `sampling`: greedy by default; temperature / top-p draws are seeded per position
+        (serving.sampling), so preemption and handoffs do not change them."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -299,7 +305,8 @@ class Engine:
         if total > limit:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                              f"context limit of {limit} tokens")
-        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos)
+        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos,
+                      sampling=sampling)
         self.waiting.append(req)
         return req
 
@@ -412,7 +419,8 @@ class Engine:
         self._restore_state(req._slot, blocks.checkpoint_block)
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
-              state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False) -> Request | None:
+              state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
+              sampling: SamplingParams = GREEDY) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt.  None if it does not fit now."""
         if not self._free_slots:
@@ -421,7 +429,7 @@ class Engine:
             blocks = self.manager.begin(request_id, prompt)
         except NoFreeBlocks:
             return None
-        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s)
+        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling)
         req.admitted_s = time.monotonic()
         req.cached_tokens = blocks.hit.tokens
         req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
@@ -556,13 +564,13 @@ class Engine:
         if end == len(ctx):
             req._cached_len = end
             if self.role == "prefill" and self.on_prefilled is not None:
-                req.output.append(int(np.argmax(req._last_logits)))
+                req.output.append(self._choose(req, req._last_logits))
                 req.token_times_s.append(time.monotonic())
                 self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
                 self.running.remove(req)
                 self._release(req)
             else:
-                self._emit(req, int(np.argmax(req._last_logits)))
+                self._emit(req, self._choose(req, req._last_logits))
         return end - start
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
@@ -641,7 +649,7 @@ class Engine:
         logits = self._forward(tokens, tables, slots, lengths, self._decode_step)
         for r, row in zip(reqs, logits):
             r._cached_len += 1
-            self._emit(r, int(np.argmax(row)))
+            self._emit(r, self._choose(r, row))
         return len(reqs)
 
     def records(self):
@@ -650,6 +658,11 @@ class Engine:
 
         return [RequestRecord(r.arrival_s, r.token_times_s, len(r.prompt), r.cached_tokens - r.cached_tokens_host,
                               r.cached_tokens_host, r.admitted_s) for r in self.finished if r.error is None]
+
+    @staticmethod
+    def _choose(req: Request, logits_v: np.ndarray) -> int:
+        """The next token of `req` (its absolute position seeds a sampled draw)."""
+        return choose_token(logits_v, req.sampling, len(req.prompt) + len(req.output))
 
     def _emit(self, req: Request, token: int) -> None:
         req.output.append(token)

@@ -6,6 +6,7 @@ import pytest
 from cache.host_tier import EmbeddedHostKVTier
 from kimik3 import tokenizer
 from kimik3.generate import generate
+from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
 
 PAGE = 16
@@ -232,3 +233,26 @@ def test_a_corrupt_offload_entry_falls_back_to_recompute_with_the_same_tokens(ti
     assert host.stats.corrupt >= 1 and eng.recomputed_tokens > 0
     for r, p in zip(reqs, prompts):
         assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
+
+
+def test_sampled_tokens_survive_preemption_and_pd_handoff_unchanged(tiny_cfg, tiny_params):
+    from serving.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    plain = _engine(tiny_params, tiny_cfg)
+    prompts = [np.random.default_rng(7).integers(0, 256, 60).tolist() for _ in range(2)]
+    prompts[1][0] = (prompts[1][0] + 1) % 256
+    want = [plain.submit(p, 40, sampling=sp) for p in prompts]
+    plain.run(max_steps=400)
+    assert want[0].output != _oracle(tiny_params, tiny_cfg, prompts[0], 40)  # it did sample
+    tight = _engine(tiny_params, tiny_cfg, num_pages=9)  # preempts one of them (recompute path)
+    got = [tight.submit(p, 40, sampling=sp) for p in prompts]
+    tight.run(max_steps=400)
+    assert tight.preemptions >= 1 and [r.output for r in got] == [r.output for r in want]
+    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
+                                 _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct")
+    pd = [server.submit(p, 40, sampling=sp) for p in prompts]
+    server.run(max_steps=400)
+    assert [server.requests[r.request_id].output for r in pd] == [r.output for r in want]
+    with pytest.raises(ValueError, match="SamplingParams"):
+        plain.submit(prompts[0], 3, sampling={"temperature": 0.5})
