@@ -1,13 +1,16 @@
 """The OpenAI-compatible request schemas (pydantic), error shape and prompt building.
 
-Only greedy decoding is served: `temperature` and `top_p` are validated and accepted (clients
-send them by default) but do not change the tokens.  `n` must be 1 and `stop` sequences are
+Sampling: `temperature` (default 0 = greedy, unlike OpenAI's 1, so that an unadorned request
+reproduces the oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves
+every retry and failover of a request, and draws are seeded per position, so a request that
+moves between workers continues the same sample).  `n` must be 1 and `stop` sequences are
 refused.  Extensions: `ignore_eos` (do not stop at <|eos|>) in requests, `token_ids` on each
 choice (and on each streamed chunk's choice) in responses.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -80,6 +83,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, lt=2 ** 63)
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
@@ -93,6 +97,12 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+
+
+def sampling_options(req: _Common) -> dict:
+    """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
+    seed = req.seed if req.seed is not None else random.getrandbits(63)
+    return {"temperature": req.temperature or 0.0, "top_p": req.top_p or 1.0, "seed": seed}
 
 
 def check_common(req: _Common) -> None:

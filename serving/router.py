@@ -56,7 +56,7 @@ import httpx
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
-                                completion_prompt, resolve_max_tokens, validation_error)
+                                completion_prompt, resolve_max_tokens, sampling_options, validation_error)
 
 log = logging.getLogger(__name__)
 
@@ -406,17 +406,17 @@ class Router:
             self.affinity.popitem(last=False)
 
     # ---- one request through the pools ----------------------------------------------------------------
-    async def _attempt(self, w: Worker, context: list[int], want: int, stop_at_eos: bool, rid: str, out: list[int],
+    async def _attempt(self, w: Worker, context: list[int], want: int, opts: dict, rid: str, out: list[int],
                        adopt: bytes | None = None):
         """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each);
         with `adopt` (a direct handoff of the first token's KV) the worker takes over the KV instead
-        of computing it.  Ends with the worker's done event.  Raises WorkerFailure, or APIError for
-        a refused request."""
+        of computing it.  `opts`: stop_at_eos and the sampling parameters (temperature, top_p, seed:
+        draws are seeded per position, so a failover continues the same sample).  Ends with the
+        worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
         if adopt is not None:
-            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "stop_at_eos": stop_at_eos,
-                                               "request_id": rid}}
+            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "request_id": rid, **opts}}
         else:
-            kw = {"json": {"prompt": context, "max_tokens": want, "stop_at_eos": stop_at_eos, "request_id": rid}}
+            kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts}}
         try:
             async with self.client.stream("POST", w.url + ("/adopt" if adopt is not None else "/generate"),
                                           **kw) as resp:
@@ -446,7 +446,7 @@ class Router:
         except (httpx.TransportError, json.JSONDecodeError) as e:
             raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
 
-    async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, stop_at_eos: bool,
+    async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, opts: dict,
                         rid: str, affinity: bool, adopt: bytes | None = None):
         """Generate until `out` holds `total` tokens (or EOS), failing over between workers (the
         first attempt adopts `adopt`'s KV if given; later ones recompute).
@@ -467,7 +467,7 @@ class Router:
             before = len(out)
             w.inflight += 1
             try:
-                async for ev in self._attempt(w, prompt + out, total - len(out), stop_at_eos, rid, out, adopt):
+                async for ev in self._attempt(w, prompt + out, total - len(out), opts, rid, out, adopt):
                     if "token" in ev:
                         yield "token", ev["token"]
                     else:
@@ -505,11 +505,11 @@ class Router:
         stores = [w.info.get("store") for w in self.prefill if "store" in w.info]
         return "store" if stores and all(stores) else "direct"
 
-    async def _prefill_direct(self, prompt: list[int], rid: str) -> tuple[int, bytes, dict]:
+    async def _prefill_direct(self, prompt: list[int], rid: str, opts: dict) -> tuple[int, bytes, dict]:
         """Direct handoff, prefill side: (first token, the prompt's exported KV, cache counts)."""
         tried: set[str] = set()
         failures = 0
-        body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "export_kv": True}
+        body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "export_kv": True, **opts}
         while True:
             w = await self.pick(self.prefill, tried, prompt)
             err = None
@@ -553,8 +553,11 @@ class Router:
         delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** max(0, attempt - 1))
         await asyncio.sleep(random.uniform(0, delay))  # full jitter
 
-    async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str):
-        """Yields ("token", id) for every output token and a final ("done", summary)."""
+    async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
+                       sampling: dict | None = None):
+        """Yields ("token", id) for every output token and a final ("done", summary).
+        `sampling`: {"temperature", "top_p", "seed"} (default greedy)."""
+        opts = {"stop_at_eos": stop_at_eos, **(sampling or {})}
         out: list[int] = []
         summary = {"cached_tokens": 0, "cached_tokens_host": 0, "finish_reason": "length"}
         from kimik3 import tokenizer
@@ -562,7 +565,7 @@ class Router:
         stopped = lambda: stop_at_eos and out and out[-1] == tokenizer.EOS_ID
         adopt = None
         if self.prefill and self.handoff_mode() == "direct":
-            token, adopt, first = await self._prefill_direct(prompt, rid)
+            token, adopt, first = await self._prefill_direct(prompt, rid, opts)
             out.append(token)
             yield "token", token
             summary.update(first)
@@ -574,7 +577,7 @@ class Router:
         for i, (pool, upto, first_stage) in enumerate(stages):
             if len(out) >= max_tokens or stopped():
                 break
-            async for kind, ev in self._run_pool(pool, prompt, out, upto, stop_at_eos, rid, affinity=first_stage,
+            async for kind, ev in self._run_pool(pool, prompt, out, upto, opts, rid, affinity=first_stage,
                                                  adopt=adopt):
                 if kind == "token":
                     yield "token", ev
@@ -767,7 +770,8 @@ class _Stream:
     async def _produce(self, stop_at_eos: bool) -> None:
         try:
             async with asyncio.timeout(self.r.cfg.request_timeout_s):
-                async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid):
+                async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid,
+                                                  sampling_options(self.req)):
                     await self._queue.put(item)
         except APIError as e:
             await self._queue.put(("error", e))

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
+from serving.sampling import GREEDY, SamplingParams
+
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 1.0
@@ -115,17 +117,17 @@ class EngineLoop:
             return None
 
     def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
-               export: bool = False) -> _Sub:
+               export: bool = False, sampling: SamplingParams = GREEDY) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
-        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos)))
+        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling)))
         return sub
 
     def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
-              request_id: str) -> _Sub:
+              request_id: str, sampling: SamplingParams = GREEDY) -> _Sub:
         """Take over a request another worker prefilled (direct handoff), after `try_reserve`."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
-        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos)))
+        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling)))
         return sub
 
     def cancel(self, sub: _Sub) -> None:
@@ -161,9 +163,9 @@ class EngineLoop:
     def _handle(self, kind: str, payload) -> None:
         e = self.engine
         if kind == "submit":
-            sub, prompt, n, stop_at_eos = payload
+            sub, prompt, n, stop_at_eos, sampling = payload
             try:
-                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos)
+                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling)
             except ValueError as err:
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -187,9 +189,9 @@ class EngineLoop:
     def _try_adopts(self) -> None:
         still = []
         for item in self._adopts:
-            sub, prompt, first, n, pages, state, stop_at_eos = item
+            sub, prompt, first, n, pages, state, stop_at_eos, sampling = item
             req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
-                                    arrival_s=time.monotonic(), stop_at_eos=stop_at_eos)
+                                    arrival_s=time.monotonic(), stop_at_eos=stop_at_eos, sampling=sampling)
             if req is None:
                 still.append(item)  # no slot or pages yet
                 continue
@@ -328,6 +330,12 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         stop_at_eos: StrictBool = False
         request_id: StrictStr = "req"
         export_kv: StrictBool = False
+        temperature: float = Field(0.0, ge=0.0, le=2.0)
+        top_p: float = Field(1.0, gt=0.0, le=1.0)
+        seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
+
+        def sampling(self) -> SamplingParams:
+            return SamplingParams(self.temperature, self.top_p, self.seed)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -360,9 +368,10 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         if why:
             return None, refuse(why)
         if adopt is not None:
-            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6])
+            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6], sampling=adopt[7])
         else:
             sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
+                              sampling=body.sampling(),
                               export=body.export_kv and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
@@ -399,7 +408,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/adopt")
-    async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req"):
+    async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
         """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
         (npz: prompt, token, pages, state); streams like /generate from the second token."""
         try:
@@ -413,7 +423,11 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return error(400, f"adopt needs a prompt and 2 <= max_tokens with prompt + max_tokens <= {limit}")
         if state.shape != (loop.engine.snapshot_size,) or (pages and pages[0].shape != loop.engine.pages.block_shape):
             return error(400, "the KV handoff does not match this worker's model or page size")
-        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id))
+        try:
+            sampling = SamplingParams(temperature, top_p, seed)
+        except ValueError as err:
+            return error(400, str(err))
+        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling))
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/prefill")

@@ -111,6 +111,18 @@ def oracle(params, prompt, n):
     return generate(params, config.tiny(), prompt, n, stop_at_eos=True).tokens.tolist()
 
 
+def sampled(params, prompt, n, sp):
+    """What one in-process engine samples for these parameters (the draws are seeded per position)."""
+    from serving.engine import Engine
+    from serving.sampling import SamplingParams
+
+    eng = Engine(params, config.tiny(), num_pages=32, num_slots=1, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
+                 max_pages_per_request=16, kernels="reference")
+    req = eng.submit(prompt, n, stop_at_eos=True, sampling=SamplingParams(**sp))
+    eng.run(max_steps=200)
+    return req.output
+
+
 def chat_body(text, max_tokens, **kw):
     return {"model": "kimik3-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **kw}
 
@@ -282,6 +294,12 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == tokenizer.decode(want)
     assert events[-1]["usage"]["completion_tokens"] == len(want)
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
+
+    # sampling: one seed gives one sample, through the prefill -> decode pair as in one engine
+    sp = dict(temperature=1.0, top_p=0.9, seed=77)
+    got = [httpx.post(base + "/v1/chat/completions", json=chat_body(text, 10, **sp), timeout=120).json()
+           ["choices"][0]["token_ids"] for _ in range(2)]
+    assert got[0] == got[1] == sampled(params, prompt, 10, sp) != want
 
     ids = [tokenizer.BOS_ID] + tokenizer.encode("plain completion")
     r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6}, timeout=120)

@@ -129,3 +129,19 @@ def test_direct_handoff_moves_the_prompts_kv_from_a_prefill_worker_to_a_decode_w
         assert dec.post("/adopt", content=b"junk", params={"max_tokens": 6}).status_code == 400
         # a decode (or both) worker has nothing to export
         assert dec.post("/prefill", json={"prompt": prompt, "max_tokens": 1, "export_kv": True}).status_code == 400
+
+
+def test_sampled_generation_is_the_engines_sample_for_that_seed(client, tiny_cfg, tiny_params, rng):
+    from serving.sampling import SamplingParams
+
+    prompt = [9] + rng.integers(0, 256, 30).tolist()
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "top_p": 0.95, "seed": 123}
+    with client.stream("POST", "/generate", json=body) as r:
+        tokens = [e["token"] for e in _lines(r) if "token" in e]
+    ref = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
+                 kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32, kernels="reference")
+    want = ref.submit(prompt, 6, sampling=SamplingParams(1.0, 0.95, 123))
+    ref.run(max_steps=100)
+    assert tokens == want.output != generate(tiny_params, tiny_cfg, prompt, 6).tokens.tolist()
+    r = client.post("/generate", json=dict(body, temperature=3.0))
+    assert r.status_code == 400 and "temperature" in r.json()["error"]
