@@ -76,18 +76,24 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def section_correctness(rows):
+def section_correctness(rows, impls=("fused",)):
     key = jax.random.PRNGKey(0)
     for dtype, t in ((jnp.float32, 300), (jnp.bfloat16, 300)):
         q, k, v, g, beta = inputs(key, 2, t, 4, 128, dtype)
         h0 = jax.random.normal(key, (2, 4, 128, 128), jnp.float32)
         f32 = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
         o_ref, s_ref = jax.jit(kda.kda_recurrent_ref)(*f32, initial_state=h0)
-        o, s, ck = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                 checkpoint_positions=[128, 256])
         _, s128 = jax.jit(kda.kda_recurrent_ref)(*[x[:, :128] for x in f32], initial_state=h0)
-        rows.append(dict(section="correctness", case=f"chunk_kda {jnp.dtype(dtype).name} T{t}",
-                         o_rel=rel_err(o, o_ref), state_rel=rel_err(s, s_ref), ckpt128_rel=rel_err(ck[:, 0], s128)))
+        for impl in impls:  # each prepare implementation, compiled by Triton
+            try:
+                o, s, ck = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                         checkpoint_positions=[128, 256], tuning={"prepare_impl": impl})
+            except Exception as e:  # noqa: BLE001 - report and go on: one GPU call measures every variant
+                rows.append(dict(section="correctness", case=f"chunk_kda prepare={impl}", failed=repr(e)[:300]))
+                continue
+            rows.append(dict(section="correctness", case=f"chunk_kda {jnp.dtype(dtype).name} T{t} prepare={impl}",
+                             o_rel=rel_err(o, o_ref), state_rel=rel_err(s, s_ref),
+                             ckpt128_rel=rel_err(ck[:, 0], s128)))
         pool = jax.random.normal(key, (8, 4, 128, 128), jnp.float32)
         slots = jnp.array([6, 1], jnp.int32)
         init = pool[slots]
@@ -99,12 +105,18 @@ def section_correctness(rows):
                          o_rel=rel_err(o_d, o_r), state_rel=rel_err(pool2[slots], s_r)))
     if torch is not None:
         q, k, v, g, beta = inputs(key, 1, 4096, 8, 128, jnp.bfloat16)
-        o, s, _ = kda.chunk_kda(q, k, v, g, beta, output_final_state=True)
         o_f, s_f = fla_chunk_kda(*(to_torch(x) for x in (q, k, v, g, beta)), output_final_state=True)
         o_ref, s_ref = jax.jit(kda.kda_chunked_ref)(*[x.astype(jnp.float32) for x in (q, k, v, g, beta)])
-        rows.append(dict(section="correctness", case="bf16 T4096 H8: ours vs fp32 ref / fla vs fp32 ref",
-                         o_rel=rel_err(o, o_ref), fla_o_rel=rel_err(o_f.float().cpu().numpy(), o_ref),
-                         state_rel=rel_err(s, s_ref), fla_state_rel=rel_err(s_f.float().cpu().numpy(), s_ref)))
+        for impl in impls:
+            try:
+                o, s, _ = kda.chunk_kda(q, k, v, g, beta, output_final_state=True, tuning={"prepare_impl": impl})
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(section="correctness", case=f"bf16 T4096 prepare={impl}", failed=repr(e)[:300]))
+                continue
+            rows.append(dict(section="correctness",
+                             case=f"bf16 T4096 H8 prepare={impl}: ours vs fp32 ref / fla vs fp32 ref",
+                             o_rel=rel_err(o, o_ref), fla_o_rel=rel_err(o_f.float().cpu().numpy(), o_ref),
+                             state_rel=rel_err(s, s_ref), fla_state_rel=rel_err(s_f.float().cpu().numpy(), s_ref)))
 
 
 def section_prefill(rows, shapes, tunings):
@@ -114,9 +126,18 @@ def section_prefill(rows, shapes, tunings):
         best = None
         for tuning in tunings:
             plain = jax.jit(lambda *a, tu=tuning: kda.chunk_kda(*a, output_final_state=True, tuning=tu)[:2])
-            ms = time_jax(plain, q, k, v, g, beta, iters=10)
+            try:
+                ms = time_jax(plain, q, k, v, g, beta, iters=10)
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile must not end the run
+                rows.append(dict(section="prefill tuning", case=f"B{b} T{t} H{h} D{d}", tuning=str(tuning),
+                                 failed=repr(e)[:300]))
+                print(f"prefill {tuning}: FAILED {e!r:.300}", flush=True)
+                continue
+            print(f"prefill B{b} T{t} H{h} D{d} {tuning}: {ms:.3f} ms", flush=True)
             rows.append(dict(section="prefill tuning", case=f"B{b} T{t} H{h} D{d}", tuning=str(tuning), ms=ms))
             best = min(best or (ms, tuning), (ms, tuning), key=lambda x: x[0])
+        if best is None:
+            continue
         ms_plain, tuning = best
         export = jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions,
                                                   tuning=tuning))
@@ -187,6 +208,8 @@ def main():
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
     ap.add_argument("--prepare-warps", default="4", help="num_warps of the prepare kernel to try, e.g. 4,8")
     ap.add_argument("--prepare-dot", default="tf32x3", help="prepare kernel dot algorithms to try: tf32x3,tf32,bf16")
+    ap.add_argument("--prepare-impl", default="fused",
+                    help="prepare implementations to check and time: fused,split (see kda.TUNING)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -197,13 +220,14 @@ def main():
     copy_gbs = common.copy_gbs()
     rows.append(dict(section="roofline", case="XLA copy 1 GiB (read+write)", copy_gbs=copy_gbs))
     if "correctness" in sections:
-        section_correctness(rows)
+        section_correctness(rows, impls=args.prepare_impl.split(","))
         print("correctness done", flush=True)
     if "prefill" in sections and in_budget():
         shapes = [(1, 8192, 32, 128)] if args.quick else [(1, 32768, 32, 128), (8, 4096, 32, 128), (4, 8192, 12, 128)]
         if args.shapes:
             shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
-        tunings = [(("prepare", (int(w), 1)), ("prepare_dot", dot)) for w in args.prepare_warps.split(",")
+        tunings = [(("prepare", (int(w), 1)), ("prepare_dot", dot), ("prepare_impl", impl))
+                   for impl in args.prepare_impl.split(",") for w in args.prepare_warps.split(",")
                    for dot in args.prepare_dot.split(",")]
         section_prefill(rows, shapes, tunings)
         print("prefill done", flush=True)

@@ -1,6 +1,9 @@
-"""Time the two chunk_kda kernels separately on the GPU across settings.
+"""Time the chunk_kda kernels separately on the GPU across settings.
 
-    PYTHONPATH=$PWD python3 benchmarks/kda_tune.py [B T H D]
+    PYTHONPATH=$PWD python3 benchmarks/kda_tune.py [B T H D] [--prepare-only]
+
+The prepare step is timed whole for every PREPARE setting, and for the "split"
+implementation also kernel by kernel (intra: A / decays, solve: (I + A)^-1 and W, U).
 """
 
 import os
@@ -15,13 +18,34 @@ import numpy as np
 from benchmarks.kda import inputs, time_jax
 from pallas_kernels import kda
 
-PREPARE = [dict(prepare=(4, 1), prepare_dot="tf32x3"), dict(prepare=(4, 1), prepare_dot="tf32"),
-           dict(prepare=(2, 1), prepare_dot="tf32x3")]
+PREPARE = [dict(prepare=(4, 1), prepare_dot="bf16"),
+           dict(prepare=(4, 1), prepare_dot="bf16", prepare_impl="split"),
+           dict(prepare=(8, 1), prepare_dot="bf16", prepare_impl="split"),
+           dict(prepare=(2, 1), prepare_dot="bf16", prepare_impl="split"),
+           dict(prepare=(4, 1), prepare_dot="tf32x3"),
+           dict(prepare=(4, 1), prepare_dot="tf32x3", prepare_impl="split")]
 STATE = [(dict(state=(4, 2)), 64), (dict(state=(4, 2)), 32), (dict(state=(4, 3)), 64), (dict(state=(8, 2)), 128)]
 
 
+def time_split_kernels(args, tu):
+    """The split prepare's two kernels, each on its own."""
+    q, k, v, g, beta = args
+    intra = jax.jit(lambda q, k, g, beta: kda._split_intra_call(q, k, g, beta, interpret=False, tuning=tu))
+    try:
+        ms = time_jax(intra, q, k, g, beta, iters=10)
+        _, _, _, _, akk, kbg = intra(q, k, g, beta)
+        print(f"  split intra: {ms:.3f} ms", flush=True)
+        solve = jax.jit(lambda akk, kbg, v, beta: kda._split_solve_call(akk, kbg, v, beta, interpret=False,
+                                                                        tuning=tu, in_dtype=q.dtype))
+        print(f"  split solve: {time_jax(solve, akk, kbg, v, beta, iters=10):.3f} ms", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"  split kernels: FAILED {str(e)[:200]}", flush=True)
+
+
 def main():
-    b, t, h, d = (int(x) for x in (sys.argv[1:] or ["1", "32768", "32", "128"]))
+    argv = [a for a in sys.argv[1:] if not a.startswith("--")]
+    prepare_only = "--prepare-only" in sys.argv[1:]
+    b, t, h, d = (int(x) for x in (argv or ["1", "32768", "32", "128"]))
     q, k, v, g, beta = inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16)
     flat = lambda x: x.reshape((b * t,) + x.shape[2:])
     args = [flat(x) for x in (q, k, v, g, beta)]
@@ -35,6 +59,11 @@ def main():
             print(f"prepare {tuning}: {ms:.3f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"prepare {tuning}: FAILED {str(e)[:200]}", flush=True)
+            continue
+        if tuning.get("prepare_impl") == "split":
+            time_split_kernels(args, tuple(sorted(tuning.items())))
+    if prepare_only:
+        return
     nt = b * t // kda.CHUNK
     chunk_start = jnp.asarray(np.arange(b + 1) * (t // kda.CHUNK), jnp.int32)
     h0 = jnp.zeros((b, h, d, d), jnp.float32)

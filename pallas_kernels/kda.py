@@ -240,9 +240,12 @@ def _fast_dot(low_precision: bool, interpret: bool):
 
 
 def _unit_lower_inverse(a, dot, n: int):
-    """(I + a)^-1 for strictly lower-triangular a [n, n] (n a power of two)."""
-    r = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    """(I + a)^-1 for a [m, m] with a^n = 0 (n a power of two), e.g. strictly
+    lower-triangular n x n, or block-diagonal with strictly lower n x n blocks:
+    the product formula (I - a)(I + a^2)(I + a^4)...(I + a^(n/2))."""
+    m = a.shape[0]
+    r = jax.lax.broadcasted_iota(jnp.int32, (m, m), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (m, m), 1)
     eye = jnp.where(r == c, 1.0, 0.0).astype(jnp.float32)
     power = -a
     inv = eye + power
@@ -252,6 +255,29 @@ def _unit_lower_inverse(a, dot, n: int):
         inv = dot(inv, eye + power)
         span *= 2
     return inv
+
+
+def _decayed_q_k(q, k, gcum, g_end):
+    """q exp(G) and k exp(G_C - G) for rows [R, K] of a chunk (G = gcum, G_C = g_end [K])."""
+    return q * jnp.exp(gcum), k * jnp.exp(g_end[None, :] - gcum)
+
+
+def _a_tiles(kd, qd, kr, beta_rows, row0, col0, dot):
+    """Rows [R] x columns [S] tiles of A_kk (strictly causal, times beta_t) and A_qk
+    (causal incl. the diagonal) from row operands kd / qd [R, K] (k, q decayed to a
+    reference) and the column operand kr [S, K] (k decayed from it); row0 / col0:
+    the tile's first token in the chunk.  Masking by token index is a no-op for
+    tiles left of the diagonal block."""
+    t = row0 + jax.lax.broadcasted_iota(jnp.int32, (kd.shape[0], kr.shape[0]), 0)
+    s = col0 + jax.lax.broadcasted_iota(jnp.int32, (kd.shape[0], kr.shape[0]), 1)
+    akk = jnp.where(s < t, dot(kd, kr.T), 0.0) * beta_rows[:, None]
+    aqk = jnp.where(s <= t, dot(qd, kr.T), 0.0)
+    return akk, aqk
+
+
+def _w_rhs(k, gcum, beta):
+    """beta exp(G) k [R, K]: what (I + A)^-1 maps to W."""
+    return beta[:, None] * jnp.exp(gcum) * k
 
 
 def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
@@ -278,8 +304,6 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     g_end = base[n_sub]
     de_ref[...] = jnp.exp(g_end)
 
-    r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
     a_kk = {}
     w_blocks, u_blocks = [], []
     for i in range(n_sub):
@@ -287,23 +311,20 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
         g_i = gcum(i)
         k_i, q_i = rows(k_ref, i), rows(q_ref, i)
         beta_i = beta_ref[sl].astype(f32)
-        qd_ref[sl, :] = (q_i * jnp.exp(g_i)).astype(qd_ref.dtype)
-        ke_ref[sl, :] = (k_i * jnp.exp(g_end[None, :] - g_i)).astype(ke_ref.dtype)
+        qd_i, ke_i = _decayed_q_k(q_i, k_i, g_i, g_end)
+        qd_ref[sl, :] = qd_i.astype(qd_ref.dtype)
+        ke_ref[sl, :] = ke_i.astype(ke_ref.dtype)
         row_decay = jnp.exp(g_i - base[i][None, :])  # <= 1
         kd, qd = k_i * row_decay, q_i * row_decay
         for j in range(i + 1):
             k_j, g_j = (k_i, g_i) if j == i else (rows(k_ref, j), gcum(j))
             kr = k_j * jnp.exp(base[i][None, :] - g_j)  # <= 1 for j < i, <= exp(SUB * 5) for j == i
-            akk, aqk = dot(kd, kr.T), dot(qd, kr.T)
-            if j == i:
-                akk = jnp.where(c < r, akk, 0.0)
-                aqk = jnp.where(c <= r, aqk, 0.0)
-            a_kk[i, j] = akk * beta_i[:, None]
+            a_kk[i, j], aqk = _a_tiles(kd, qd, kr, beta_i, i * SUB, j * SUB, dot)
             aqk_ref[sl, pl.ds(j * SUB, SUB)] = aqk.astype(aqk_ref.dtype)
         for j in range(i + 1, n_sub):
             aqk_ref[sl, pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
         # W_i = T_ii (beta exp(G) k - sum_j A_ij W_j), likewise U with beta v.
-        rhs_w = beta_i[:, None] * jnp.exp(g_i) * k_i
+        rhs_w = _w_rhs(k_i, g_i, beta_i)
         rhs_u = beta_i[:, None] * rows(v_ref, i)
         for j in range(i):
             rhs_w = rhs_w - dot(a_kk[i, j], w_blocks[j])
@@ -313,6 +334,84 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
         u_blocks.append(dot(inv, rhs_u))
         w_ref[sl, :] = w_blocks[i].astype(w_ref.dtype)
         u_ref[sl, :] = u_blocks[i].astype(u_ref.dtype)
+
+
+# ---- "split" prepare (TUNING["prepare_impl"] = "split") -----------------------------------------
+#
+# The same intermediates as `_chunk_prepare_kernel`, from two kernels shaped like
+# fla's (chunk_intra + solve_tril + recompute_w_u), with no chain of dependent
+# tiny dots:
+#
+# 1. `_split_intra_kernel`, grid (chunks, heads): per 16-row block i (the 4 are
+#    independent), q exp(G), k exp(G_C - G), beta exp(G) k elementwise, and the
+#    block's rows of A_kk / A_qk as one [16, K] x [K, n] dot each, n = 16, 32,
+#    64, 64 (all causal columns at once, not one 16 x 16 tile per column block).
+#    Rows are decayed relative to R_i = G just before block i, columns from R_i
+#    with the exponent masked to -inf past the block (where R_i - G_s > 0 could
+#    overflow), so as in the fused kernel every factor is <= exp(16 * 5).
+#    A_kk and beta exp(G) k go through HBM to kernel 2 (bf16 with bf16 dots).
+# 2. `_split_solve_kernel`, grid (chunks, heads): T = (I + A)^-1 with 64 x 64
+#    dots only.  Writing A = D + L (D: the 16 x 16 diagonal blocks, L: the
+#    blocks below them), I + A = (I + D)(I + X L) with X = (I + D)^-1, so
+#    T = (I + X L)^-1 X.  X is the product formula applied to all four diagonal
+#    blocks at once (D^16 = 0); X L is strictly block-lower over 4 blocks, so
+#    (I + X L)^-1 = (I - X L)(I + (X L)^2).  Then W = T (beta exp(G) k) and
+#    U = T (beta v).
+
+
+def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
+                        interpret, algorithm):
+    """One (chunk, head): q, k, g [C, K], beta [C] in; q exp(G), k exp(G_C - G)
+    [C, K], A_qk [C, C], exp(G_C) [K] out, plus A_kk [C, C] (times beta, strictly
+    lower) and beta exp(G) k [C, K] for `_split_solve_kernel`."""
+    f32 = jnp.float32
+    dot = _precise_dot(interpret, algorithm)
+    g_end = jnp.sum(g_ref[...].astype(f32), axis=0)  # G_C, [K]
+    de_ref[...] = jnp.exp(g_end)
+    for i in range(CHUNK // SUB):
+        sl = pl.ds(i * SUB, SUB)
+        # Columns 0 .. n_col - 1 cover the causal part (16, 32, 64, 64 wide: powers of two).
+        # Everything is re-read from the refs per sub-block rather than kept live: [64, K]
+        # fp32 values across the loop cost 64 registers a thread each at 4 warps.
+        n_col = min(CHUNK, pl.next_power_of_2((i + 1) * SUB))
+        cols = pl.ds(0, n_col)
+        g_cols = jnp.cumsum(g_ref[cols, :].astype(f32), axis=0)  # G of tokens 0 .. n_col - 1
+        tok = jax.lax.broadcasted_iota(jnp.int32, g_cols.shape, 0)
+        # R_i = G just before sub-block i, as a masked row sum (no value slicing on Triton); 0 for i = 0.
+        ref_i = jnp.sum(jnp.where(tok == i * SUB - 1, g_cols, 0.0), axis=0)
+        local = jnp.cumsum(g_ref[sl, :].astype(f32), axis=0)  # G_t - R_i <= 0, [SUB, K]
+        g_i = ref_i[None, :] + local
+        k_i, q_i, beta_i = k_ref[sl, :].astype(f32), q_ref[sl, :].astype(f32), beta_ref[sl].astype(f32)
+        qd_i, ke_i = _decayed_q_k(q_i, k_i, g_i, g_end)
+        qd_ref[sl, :] = qd_i.astype(qd_ref.dtype)
+        ke_ref[sl, :] = ke_i.astype(ke_ref.dtype)
+        kbg_ref[sl, :] = _w_rhs(k_i, g_i, beta_i).astype(kbg_ref.dtype)
+        row_decay = jnp.exp(local)  # <= 1
+        kr = k_ref[cols, :].astype(f32) * jnp.exp(
+            jnp.where(tok < (i + 1) * SUB, ref_i[None, :] - g_cols, -jnp.inf))
+        akk, aqk = _a_tiles(k_i * row_decay, q_i * row_decay, kr, beta_i, i * SUB, 0, dot)
+        akk_ref[sl, cols] = akk.astype(akk_ref.dtype)
+        aqk_ref[sl, cols] = aqk.astype(aqk_ref.dtype)
+        start = n_col
+        while start < CHUNK:  # zero the rest in power-of-two pieces: [n, 2n), [2n, 4n), ...
+            akk_ref[sl, pl.ds(start, start)] = jnp.zeros((SUB, start), akk_ref.dtype)
+            aqk_ref[sl, pl.ds(start, start)] = jnp.zeros((SUB, start), aqk_ref.dtype)
+            start *= 2
+
+
+def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
+    """One (chunk, head): A_kk [C, C], beta exp(G) k [C, K], v [C, V], beta [C] in;
+    W = (I + A_kk)^-1 beta exp(G) k [C, K] and U = (I + A_kk)^-1 beta v [C, V] out."""
+    f32 = jnp.float32
+    dot = _precise_dot(interpret, algorithm)
+    a = akk_ref[...].astype(f32)
+    r = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
+    x = _unit_lower_inverse(jnp.where(same_block, a, 0.0), dot, SUB)  # (I + D)^-1
+    t = dot(_unit_lower_inverse(dot(x, jnp.where(same_block, 0.0, a)), dot, CHUNK // SUB), x)
+    w_ref[...] = dot(t, kbg_ref[...].astype(f32)).astype(w_ref.dtype)
+    u_ref[...] = dot(t, beta_ref[...].astype(f32)[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
@@ -345,38 +444,123 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
-TUNING = {"prepare": (4, 1), "state": (4, 3), "prepare_dot": "auto"}
+# prepare_impl: "fused" (`_chunk_prepare_kernel`) or "split" (`_split_intra_kernel`
+# then `_split_solve_kernel`, both with the "prepare" warps / stages); not yet
+# timed on the GPU, so "fused" stays the default.
+TUNING = {"prepare": (4, 1), "state": (4, 3), "prepare_dot": "auto", "prepare_impl": "fused"}
+PREPARE_IMPLS = ("fused", "split")
+
+
+def _tuned(tuning):
+    return dict(TUNING, **dict(tuning or ()))
 
 
 def _params(name, tuning):
-    warps, stages = dict(TUNING, **dict(tuning or ()))[name]
+    warps, stages = _tuned(tuning)[name]
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
+def _prepare_algorithm(dtype, tuning):
+    """The prepare dot algorithm after resolving "auto" for the input dtype."""
+    algorithm = _tuned(tuning)["prepare_dot"]
+    if algorithm == "auto":
+        algorithm = "tf32x3" if dtype == jnp.float32 else "bf16"
+    return algorithm
+
+
+def _in_blk(d):  # [T, H, d] input -> one chunk of one head, [C, d]
+    return pl.BlockSpec((CHUNK, None, d), lambda n, hh: (n, hh, 0))
+
+
+_BETA_BLK = pl.BlockSpec((CHUNK, None), lambda n, hh: (n, hh))  # [T, H] -> [C]
+
+
+def _out_blk(*shape):  # [NT, H, *shape] chunk-major array -> one (chunk, head) block
+    return pl.BlockSpec((None, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
+
+
 def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
-    """[T, H, D] inputs (T a multiple of CHUNK) -> per-chunk intermediates [NT, H, ...]."""
+    """[T, H, D] inputs (T a multiple of CHUNK) -> per-chunk intermediates [NT, H, ...]:
+    (w [NT, H, C, K], u [NT, H, C, V], q_decayed [NT, H, C, K], k_to_end [NT, H, C, K],
+    a_qk [NT, H, C, C] in the inputs' dtype (fp32 for fp32), decay_end [NT, H, K] fp32)."""
+    impl = _tuned(tuning)["prepare_impl"]
+    if impl == "split":
+        return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
+    if impl != "fused":
+        raise ValueError(f"prepare_impl must be one of {PREPARE_IMPLS}; got {impl!r}")
     t, h, dk = q.shape
     dv = v.shape[-1]
     nt = t // CHUNK
     inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
-    blk = lambda d: pl.BlockSpec((CHUNK, None, d), lambda n, hh: (n, hh, 0))
-    out_blk = lambda *shape: pl.BlockSpec((None, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
     sds = jax.ShapeDtypeStruct
-    algorithm = dict(TUNING, **dict(tuning or ()))["prepare_dot"]
-    if algorithm == "auto":
-        algorithm = "tf32x3" if q.dtype == jnp.float32 else "bf16"
     return pl.pallas_call(
-        _functools.partial(_chunk_prepare_kernel, interpret=interpret, algorithm=algorithm),
+        _functools.partial(_chunk_prepare_kernel, interpret=interpret,
+                           algorithm=_prepare_algorithm(q.dtype, tuning)),
         grid=(nt, h),
-        in_specs=[blk(dk), blk(dk), blk(dv), blk(dk), pl.BlockSpec((CHUNK, None), lambda n, hh: (n, hh))],
-        out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dv), out_blk(CHUNK, dk), out_blk(CHUNK, dk),
-                   out_blk(CHUNK, CHUNK), out_blk(dk)],
+        in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dv), _in_blk(dk), _BETA_BLK],
+        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv), _out_blk(CHUNK, dk), _out_blk(CHUNK, dk),
+                   _out_blk(CHUNK, CHUNK), _out_blk(dk)],
         out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter), sds((nt, h, CHUNK, dk), inter),
                    sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter), sds((nt, h, dk), jnp.float32)],
         interpret=interpret,
         compiler_params=_params("prepare", tuning),
         name="kda_chunk_prepare",
     )(q, k, v, g, beta)
+
+
+def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
+    """Kernel 1 of the split prepare.  [T, H, K] q / k / g, [T, H] beta ->
+    (q_decayed, k_to_end, a_qk, decay_end) as `_chunk_prepare_call` returns them,
+    plus a_kk [NT, H, C, C] and beta exp(G) k [NT, H, C, K].  Those two are bf16
+    when the dots take bf16 operands anyway (half the HBM round trip), else fp32."""
+    t, h, dk = q.shape
+    nt = t // CHUNK
+    inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    algorithm = _prepare_algorithm(q.dtype, tuning)
+    solve_in = jnp.bfloat16 if algorithm == "bf16" else jnp.float32
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm),
+        grid=(nt, h),
+        in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dk), _BETA_BLK],
+        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
+                   _out_blk(CHUNK, CHUNK), _out_blk(CHUNK, dk)],
+        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
+                   sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in),
+                   sds((nt, h, CHUNK, dk), solve_in)],
+        interpret=interpret,
+        compiler_params=_params("prepare", tuning),
+        name="kda_split_intra",
+    )(q, k, g, beta)
+
+
+def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=None):
+    """Kernel 2 of the split prepare.  a_kk [NT, H, C, C], beta exp(G) k [NT, H, C, K],
+    v [T, H, V], beta [T, H] -> (w [NT, H, C, K], u [NT, H, C, V]) in `in_dtype` (q's
+    dtype, which picks the dot algorithm as in kernel 1; default v's)."""
+    nt, h, _, dk = kbg.shape
+    dv = v.shape[-1]
+    in_dtype = v.dtype if in_dtype is None else in_dtype
+    inter = jnp.float32 if in_dtype == jnp.float32 else in_dtype
+    sds = jax.ShapeDtypeStruct
+    return pl.pallas_call(
+        _functools.partial(_split_solve_kernel, interpret=interpret,
+                           algorithm=_prepare_algorithm(in_dtype, tuning)),
+        grid=(nt, h),
+        in_specs=[_out_blk(CHUNK, CHUNK), _out_blk(CHUNK, dk), _in_blk(dv), _BETA_BLK],
+        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv)],
+        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter)],
+        interpret=interpret,
+        compiler_params=_params("prepare", tuning),
+        name="kda_split_solve",
+    )(akk, kbg, v, beta)
+
+
+def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
+    """`_chunk_prepare_call` by the split kernels: the same intermediates."""
+    qd, ke, aqk, de, akk, kbg = _split_intra_call(q, k, g, beta, interpret=interpret, tuning=tuning)
+    w, u = _split_solve_call(akk, kbg, v, beta, interpret=interpret, tuning=tuning, in_dtype=q.dtype)
+    return w, u, qd, ke, aqk, de
 
 
 def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret,

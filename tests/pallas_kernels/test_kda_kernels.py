@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.kda as kda_mod
 from pallas_kernels.kda import chunk_kda, chunk_kda_replay, fused_recurrent_kda, kda_recurrent_ref
 from tests.pallas_kernels.test_kda_ref import kda_inputs
 
@@ -21,11 +22,17 @@ def replay_state(q, k, v, g, beta, n, initial_state=None):
     return kda_recurrent_ref(*(x[:, :n] for x in (q, k, v, g, beta)), initial_state=initial_state)[1]
 
 
-@pytest.mark.parametrize("b, t, h, dk, dv", [(2, 150, 2, 16, 32), (1, 64, 3, 32, 16), (3, 37, 1, 16, 16)])
-def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv):
+# gate_scale 0.05: weak decay (cumulative gate ~-8 over a chunk), so every block of
+# A_kk matters, not only the ones near the diagonal.
+@pytest.mark.parametrize("b, t, h, dk, dv, impl, gate_scale", [
+    (2, 150, 2, 16, 32, "fused", 1.0), (1, 64, 3, 32, 16, "fused", 1.0), (3, 37, 1, 16, 16, "fused", 1.0),
+    (2, 150, 2, 16, 32, "split", 0.05)])
+def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
+    g = g * gate_scale
     s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32)
-    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                         tuning={"prepare_impl": impl})
     o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=s0)
     assert np.isfinite(o).all() and np.isfinite(s).all() and ck is None
     np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
@@ -47,14 +54,15 @@ def test_checkpoints_at_128_and_1536_multiples_equal_replayed_prefixes(rng):
     np.testing.assert_array_equal(s, s_plain)
 
 
-def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng):
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng, impl):
     lens = [70, 200, 64, 5]
     q, k, v, g, beta = kda_inputs(rng, 1, sum(lens), 2, 16, 16)
     s0 = jnp.asarray(rng.standard_normal((4, 2, 16, 16)), jnp.float32)
     cu = np.concatenate([[0], np.cumsum(lens)])
     positions = [[64], [128, 192], [64], []]
     o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                         checkpoint_positions=positions, cu_seqlens=cu)
+                         checkpoint_positions=positions, cu_seqlens=cu, tuning={"prepare_impl": impl})
     assert ck.shape == (4, 2, 16, 16)
     slot = 0
     for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
@@ -67,19 +75,43 @@ def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng):
             slot += 1
 
 
-@pytest.mark.parametrize("prepare_dot", ["tf32x3", "bf16"])
-def test_bf16_inputs_keep_fp32_state(rng, prepare_dot):
+@pytest.mark.parametrize("prepare_dot, impl, gate_scale", [("tf32x3", "fused", 1.0), ("bf16", "fused", 1.0),
+                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05)])
+def test_bf16_inputs_keep_fp32_state(rng, prepare_dot, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
+    g = g * gate_scale
     s0 = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
     o, s, _ = chunk_kda(bf[0], bf[1], bf[2], g, bf[3], initial_state=s0, output_final_state=True,
-                        tuning={"prepare_dot": prepare_dot})
+                        tuning={"prepare_dot": prepare_dot, "prepare_impl": impl})
     o_ref, s_ref = kda_recurrent_ref(*(x.astype(jnp.float32) for x in (bf[0], bf[1], bf[2], g, bf[3])),
                                      initial_state=s0)
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     # bf16 intermediates and operands: bf16-level agreement (relative L2 below 1e-2).
     rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
     assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-2
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 0.05])
+def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
+    """The "split" prepare (intra + solve kernels) against the fused kernel, fp32, per intermediate;
+    strong decay (large exponents) and weak decay (all of A_kk populated)."""
+    q, k, v, g, beta = kda_inputs(rng, 1, 192, 2, 32, 16)
+    args = [x[0] for x in (q, k, v, g * gate_scale, beta)]  # [T, H, ...], T a multiple of 64
+    fused = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "fused"),))
+    split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "split"),))
+    for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert np.isfinite(b).all(), name
+        # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
+        # exponents carry ~1e-5 absolute rounding).
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+def test_unknown_prepare_impl_is_refused(rng):
+    q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
+    with pytest.raises(ValueError, match="prepare_impl"):
+        chunk_kda(q, k, v, g, beta, tuning={"prepare_impl": "nope"})
 
 
 def test_replay_baselines_produce_the_same_states_as_export(rng):
