@@ -77,12 +77,13 @@ class Block(nn.Module):
         return x_btd + y, cache
 
 
-def splice_image_embeddings(x_btd, tokens_bt, emb_npd):
+def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
     """Replace <|image|> placeholders, in row-major (batch, time) order, by the
-    rows of emb [N, P, D] flattened to [N*P, D]."""
+    rows of emb [N, P, D] flattened to [N*P, D], starting at row `first_row`
+    (a prefill chunk that begins after some of its request's placeholders)."""
     flat = emb_npd.reshape(-1, emb_npd.shape[-1]).astype(x_btd.dtype)
     is_img = (tokens_bt == tokenizer.IMAGE_ID).reshape(-1)
-    idx = jnp.clip(jnp.cumsum(is_img) - 1, 0, flat.shape[0] - 1)
+    idx = jnp.clip(jnp.cumsum(is_img) - 1 + first_row, 0, flat.shape[0] - 1)
     x = x_btd.reshape(-1, x_btd.shape[-1])
     return jnp.where(is_img[:, None], flat[idx], x).reshape(x_btd.shape)
 
@@ -96,10 +97,15 @@ class KimiK3(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None):
+        """images_nhwc: [N, S, S, C] pixels, or {"rows": [M, D], "first": int32 []} image
+        embeddings computed earlier (`image_embeddings`) and the row the first placeholder
+        among `tokens_bt` takes."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
         x = embed[tokens_bt]
-        if cfg.vit is not None and images_nhwc is not None:
+        if isinstance(images_nhwc, dict):
+            x = splice_image_embeddings(x, tokens_bt, images_nhwc["rows"], images_nhwc["first"])
+        elif cfg.vit is not None and images_nhwc is not None:
             emb = ViT(cfg.vit, cfg.d_model, name="vit")(images_nhwc.astype(x.dtype))
             x = splice_image_embeddings(x, tokens_bt, emb)
         new_caches = []
@@ -223,6 +229,20 @@ def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kern
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _image_embeddings(params, images, *, cfg):
+    emb = ViT(cfg.vit, cfg.d_model).apply({"params": params["vit"]}, images.astype(params["embed_vd"].dtype))
+    return emb.reshape(-1, cfg.d_model)
+
+
+def image_embeddings(params: Params, cfg: ModelConfig, images):
+    """The ViT's embeddings of images [N, S, S, C] -> [N * tokens_per_image, D], the rows that
+    replace their <|image|> placeholders in order (what a serving engine computes once per
+    request and splices chunk by chunk)."""
+    images = _as_images(images, None, cfg)
+    return _image_embeddings(params, images, cfg=cfg)
+
+
 def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None, positions=None):
     """Check and convert `forward`'s inputs; returns (tokens, positions, images).
 
@@ -297,7 +317,8 @@ def _as_tokens(tokens, cfg: ModelConfig):
 
 
 def _as_images(images, tokens, cfg: ModelConfig):
-    n_placeholders = int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID)) if _concrete(tokens) else None
+    n_placeholders = (int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID))
+                      if tokens is not None and _concrete(tokens) else None)
     if images is None:
         if n_placeholders:
             raise ValueError(f"tokens hold {n_placeholders} <|image|> placeholders but no images were given")

@@ -67,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.block_hash import MMItem
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
 from cache.host_tier import HostKVTier, make_key
 from cache.manager import CacheSpec, PagedKVManager
@@ -86,6 +87,8 @@ class Request:
     stop_at_eos: bool = False
     arrival_s: float = dataclasses.field(default_factory=time.monotonic)
     sampling: SamplingParams = GREEDY
+    images: np.ndarray | None = None  # [N, S, S, C] for the prompt's <|image|> placeholders
+    mm_items: tuple = ()  # cache.block_hash.MMItem per image: its content hash enters the block hashes
     # filled by the engine
     output: list[int] = dataclasses.field(default_factory=list)
     token_times_s: list[float] = dataclasses.field(default_factory=list)
@@ -102,6 +105,7 @@ class Request:
     _last_logits: np.ndarray | None = None
     _offload_keys: list[str] | None = None  # host-tier entries of its KV while preempted
     _resume_kv: tuple | None = None  # (page contents, packed KDA state) fetched back for re-admission
+    _image_rows: object = None  # the images' ViT embeddings [N * P, D], computed once at first prefill
 
 
 class _MLAPageStore:
@@ -283,10 +287,13 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
-               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY) -> Request:
+               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY, images=None) -> Request:
         """Queue a request.  Raises ValueError for a prompt the engine can never serve.
         `sampling`: greedy by default; temperature / top-p draws are seeded per position
-        (serving.sampling), so preemption and handoffs do not change them."""
+        (serving.sampling), so preemption and handoffs do not change them.
+        `images`: [N, S, S, C] (float in [0, 1] or uint8) for the prompt's N * tokens_per_image
+        <|image|> placeholders; their content hashes enter the prefix-cache block hashes, so a
+        prefix hit never crosses a different image."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
         prompt = [int(t) for t in prompt]
@@ -296,8 +303,7 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        if tokenizer.IMAGE_ID in prompt:
-            raise ValueError("image placeholders in the prompt: the engine serves text requests (images: kimik3.generate)")
+        images, mm_items = self._check_images(prompt, images)
         total = len(prompt) + max_new_tokens
         # Beyond the pool's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
@@ -306,9 +312,25 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                              f"context limit of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos,
-                      sampling=sampling)
+                      sampling=sampling, images=images, mm_items=mm_items)
         self.waiting.append(req)
         return req
+
+    def _check_images(self, prompt: list[int], images) -> tuple[np.ndarray | None, tuple]:
+        """(images as an array, one MMItem per image) for a prompt, or ValueError."""
+        n_slots = prompt.count(tokenizer.IMAGE_ID)
+        if images is None:
+            if n_slots:
+                raise ValueError(f"the prompt holds {n_slots} <|image|> placeholders but no images were given")
+            return None, ()
+        if self._prefill_step is not None:
+            raise ValueError("images on an engine with a prefill mesh are not supported yet")
+        arr = np.asarray(model._as_images(images, np.asarray([prompt]), self.cfg))  # checks shape, count, values
+        per = self.cfg.vit.tokens_per_image
+        where = [i for i, t in enumerate(prompt) if t == tokenizer.IMAGE_ID]
+        items = tuple(MMItem(hashlib.blake2b(np.ascontiguousarray(img).tobytes(), digest_size=16).digest(),
+                             where[k * per], per) for k, img in enumerate(arr))
+        return arr, items
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, **kw):
         """Submit a request and yield its tokens as they come, stepping the engine (which also
@@ -383,7 +405,7 @@ class Engine:
                 self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
             try:
-                blocks = self.manager.begin(req.request_id, req._context)
+                blocks = self.manager.begin(req.request_id, req._context, req.mm_items)
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
@@ -420,16 +442,18 @@ class Engine:
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
-              sampling: SamplingParams = GREEDY) -> Request | None:
+              sampling: SamplingParams = GREEDY, images=None) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt.  None if it does not fit now."""
         if not self._free_slots:
             return None
+        images, mm_items = self._check_images(list(prompt), images)
         try:
-            blocks = self.manager.begin(request_id, prompt)
+            blocks = self.manager.begin(request_id, prompt, mm_items)
         except NoFreeBlocks:
             return None
-        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling)
+        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling,
+                      images=images, mm_items=mm_items)
         req.admitted_s = time.monotonic()
         req.cached_tokens = blocks.hit.tokens
         req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
@@ -479,7 +503,7 @@ class Engine:
         steps = [s for s in (self._prefill_step, self._decode_step) if s]
         return model._forward._cache_size() + sum(s.programs() for s in steps) + (helper_programs() if steps else 0)
 
-    def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None):
+    def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None, images=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]); returns the
         last position's logits f32 [B, V] as numpy.  `step`: a sharded step, else the unsharded model."""
         before = self._programs()
@@ -490,7 +514,7 @@ class Engine:
         else:
             view = model.paged_view(self.pools, tables, slots, lengths)
             positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, None, cfg=self.cfg,
+            logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, images, cfg=self.cfg,
                                           expert_path="grouped", kernels=self.kernels)
             self.pools = {"layers": view["layers"]}
         self.compiles += self._programs() - before  # new XLA programs this call needed
@@ -539,6 +563,10 @@ class Engine:
         end = min(len(ctx), start + self.prefill_chunk_tokens, start + budget_tokens)
         if req._boundaries and req._boundaries[0] < end:
             end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
+        if req.images is not None and start < len(req.prompt) < end:
+            # Placeholders take image rows only inside the prompt (a recompute after preemption
+            # may include generated <|image|> ids, which decode embedded as plain tokens).
+            end = len(req.prompt)
         step = self._prefill_step
         if step is not None and len(ctx) - start >= step.size:
             # Sharded: tp * 2^k tokens.  `start` is a multiple of tp here (hits and boundaries are
@@ -553,7 +581,13 @@ class Engine:
             step = None
             end = start + (1 << ((end - start).bit_length() - 1))
         tokens = np.asarray([ctx[start:end]], np.int32)
-        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start], step)[0]
+        images = None
+        if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
+            if req._image_rows is None:  # the ViT runs once per request, at its first image chunk
+                req._image_rows = model.image_embeddings(self.params, self.cfg, req.images)
+            # this chunk's placeholders take the rows after those of earlier chunks
+            images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
+        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start], step, images)[0]
         req._computed = end
         self.manager.commit_pages(req.request_id, end)
         if req._boundaries and req._boundaries[0] == end:

@@ -1,0 +1,84 @@
+"""Requests with images: the engine splices each request's ViT rows chunk by chunk, and image
+content hashes enter the block hashes, so prefix hits never cross a different image."""
+
+import numpy as np
+import pytest
+
+from kimik3 import tokenizer
+from kimik3.generate import generate
+from serving.disagg import DisaggregatedServer
+from serving.engine import Engine
+
+PAGE = 16
+
+
+def _engine(params, cfg, **kw):
+    # Chunks of 8 tokens: an image's placeholders span several chunks.
+    kw = dict(dict(num_pages=48, num_slots=3, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
+                   max_pages_per_request=16, prefill_chunk_tokens=8, kernels="reference"), **kw)
+    return Engine(params, cfg, **kw)
+
+
+def _chat(cfg, text, n_images):
+    return tokenizer.apply_chat_template([tokenizer.Message("user", text, n_images=n_images)],
+                                         tokens_per_image=cfg.vit.tokens_per_image)
+
+
+def _oracle(params, cfg, prompt, n, images):
+    return generate(params, cfg, prompt, n, images=images).tokens.tolist()
+
+
+def test_image_requests_beside_text_requests_equal_the_oracle(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    imgs = rng.random((2, 16, 16, 3)).astype(np.float32)
+    with_images = _chat(tiny_cfg, "what is in these pictures, and which is brighter?", 2)
+    text_only = _chat(tiny_cfg, "no pictures here", 0)
+    a = eng.submit(with_images, 6, images=imgs)
+    b = eng.submit(text_only, 6)
+    eng.run(max_steps=300)
+    assert a.output == _oracle(tiny_params, tiny_cfg, with_images, 6, imgs)
+    assert b.output == _oracle(tiny_params, tiny_cfg, text_only, 6, None)
+
+
+def test_a_second_turn_hits_only_with_the_same_image(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    img, other = (rng.random((1, 16, 16, 3)).astype(np.float32) for _ in range(2))
+    turn1 = _chat(tiny_cfg, "describe the picture in some detail please", 1)
+    first = turn1.index(tokenizer.IMAGE_ID)
+    r1 = eng.submit(turn1, 4, images=img)
+    eng.run(max_steps=200)
+    turn2 = turn1 + r1.output + _chat(tiny_cfg, "and the colours?", 0)[1:]
+    same = eng.submit(turn2, 4, images=img)
+    eng.run(max_steps=200)
+    assert same.cached_tokens >= PAGE > first + tiny_cfg.vit.tokens_per_image  # a hit past the image
+    assert same.output == _oracle(tiny_params, tiny_cfg, turn2, 4, img)
+    diff = eng.submit(turn2, 4, images=other)  # same token ids, another image
+    eng.run(max_steps=200)
+    assert diff.cached_tokens <= first  # nothing from the image's page on
+    assert diff.output == _oracle(tiny_params, tiny_cfg, turn2, 4, other)
+
+
+def test_pd_handoff_carries_the_images(rng, tiny_cfg, tiny_params):
+    imgs = rng.random((1, 16, 16, 3)).astype(np.float32)
+    prompt = _chat(tiny_cfg, "a picture", 1)
+    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
+                                 _engine(tiny_params, tiny_cfg, role="decode"), "direct")
+    req = server.submit(prompt, 5, images=imgs)
+    done = server.run(max_steps=200)
+    assert done[req.request_id].output == _oracle(tiny_params, tiny_cfg, prompt, 5, imgs)
+
+
+def test_image_inputs_are_checked(rng, tiny_cfg, tiny_params):
+    eng = _engine(tiny_params, tiny_cfg)
+    prompt = _chat(tiny_cfg, "two pictures", 2)
+    with pytest.raises(ValueError, match="no images"):
+        eng.submit(prompt, 3)
+    with pytest.raises(ValueError, match="placeholders"):
+        eng.submit(prompt, 3, images=rng.random((1, 16, 16, 3)))
+    with pytest.raises(ValueError, match="images must be"):
+        eng.submit(prompt, 3, images=rng.random((2, 8, 8, 3)))
+    bad = rng.random((2, 16, 16, 3))
+    bad[0, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        eng.submit(prompt, 3, images=bad)
+    assert not eng.waiting
