@@ -3,16 +3,21 @@
 Sampling: `temperature` (default 0 = greedy, unlike OpenAI's 1, so that an unadorned request
 reproduces the oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves
 every retry and failover of a request, and draws are seeded per position, so a request that
-moves between workers continues the same sample).  `n` must be 1 and `stop` sequences are
-refused.  Extensions: `ignore_eos` (do not stop at <|eos|>) in requests, `token_ids` on each
+moves between workers continues the same sample).  Images: `image_url` parts with base64
+`data:` URLs (PNG, JPEG, ...), decoded and resized to the ViT's input here; remote URLs and
+undecodable images are 400s.  `n` must be 1 and `stop` sequences are refused.  Extensions: `ignore_eos` (do not stop at <|eos|>) in requests, `token_ids` on each
 choice (and on each streamed chunk's choice) in responses.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import random
 from typing import Annotated, Literal, Union
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kimik3 import tokenizer
@@ -112,20 +117,50 @@ def check_common(req: _Common) -> None:
         raise APIError(400, "stop sequences are not supported", param="stop")
 
 
-def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int) -> list[int]:
-    """Token ids of the conversation with the assistant prompt appended."""
-    messages, n_images = [], 0
+MAX_IMAGE_BYTES = 16 << 20
+
+
+def decode_image(url: str, size: int) -> np.ndarray:
+    """A base64 `data:` URL (PNG, JPEG, ...) -> RGB uint8 [size, size, 3], resized to the ViT's
+    input.  Remote URLs are refused (fetching them is the multimodal cache's job, not done
+    here); an undecodable image is a 400, never a worker error."""
+    if not url.startswith("data:"):
+        raise APIError(400, "only base64 data: URLs are accepted for images (remote URLs are not fetched)",
+                       param="messages", code="unsupported_image_url")
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise APIError(400, "image data URLs must be base64-encoded", param="messages", code="invalid_image")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise APIError(400, f"image larger than {MAX_IMAGE_BYTES >> 20} MiB", param="messages", code="invalid_image")
+    from PIL import Image
+
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        with Image.open(io.BytesIO(raw)) as im:
+            return np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR), np.uint8)
+    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise APIError(400, f"broken image: {type(e).__name__}: {e}", param="messages", code="invalid_image") from None
+
+
+def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int,
+                image_size: int = 0) -> tuple[list[int], list[np.ndarray]]:
+    """Token ids of the conversation with the assistant prompt appended, and its images
+    (uint8 [image_size, image_size, 3] each, in placeholder order)."""
+    messages, n_images, images = [], 0, []
     for m in req.messages:
-        text, images = m.text_and_images()
-        n_images += images
-        messages.append(tokenizer.Message("system" if m.role == "developer" else m.role, text, n_images=images))
+        text, n = m.text_and_images()
+        n_images += n
+        messages.append(tokenizer.Message("system" if m.role == "developer" else m.role, text, n_images=n))
     if n_images > max_images:
         raise APIError(400, f"too many images: {n_images} in the request, at most {max_images} allowed",
                        param="messages", code="too_many_images")
-    if n_images:
-        raise APIError(400, "image inputs are not served by these workers (text only)", param="messages",
+    if n_images and not tokens_per_image:
+        raise APIError(400, "this model has no vision encoder: image inputs are not accepted", param="messages",
                        code="unsupported_content")
-    return tokenizer.apply_chat_template(messages, tokens_per_image=tokens_per_image)
+    for m in req.messages:  # the template places a message's images before its text, in order
+        if isinstance(m.content, list):
+            images += [decode_image(p.image_url.url, image_size) for p in m.content if isinstance(p, ImagePart)]
+    return tokenizer.apply_chat_template(messages, tokens_per_image=tokens_per_image), images
 
 
 def completion_prompt(req: CompletionRequest, *, vocab_size: int) -> list[int]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import codecs
 import collections
 import contextlib
@@ -414,7 +415,9 @@ class Router:
         draws are seeded per position, so a failover continues the same sample).  Ends with the
         worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
         if adopt is not None:
-            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "request_id": rid, **opts}}
+            # the images travel inside the handoff's KV file, not in the query string
+            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "request_id": rid,
+                                               **{k: v for k, v in opts.items() if k != "images"}}}
         else:
             kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts}}
         try:
@@ -554,10 +557,12 @@ class Router:
         await asyncio.sleep(random.uniform(0, delay))  # full jitter
 
     async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
-                       sampling: dict | None = None):
+                       sampling: dict | None = None, images_b64: list[str] | None = None):
         """Yields ("token", id) for every output token and a final ("done", summary).
-        `sampling`: {"temperature", "top_p", "seed"} (default greedy)."""
-        opts = {"stop_at_eos": stop_at_eos, **(sampling or {})}
+        `sampling`: {"temperature", "top_p", "seed"} (default greedy); `images_b64`: the
+        prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
+        and inside a direct handoff's KV)."""
+        opts = {"stop_at_eos": stop_at_eos, **(sampling or {}), "images": images_b64}
         out: list[int] = []
         summary = {"cached_tokens": 0, "cached_tokens_host": 0, "finish_reason": "length"}
         from kimik3 import tokenizer
@@ -609,14 +614,16 @@ class Router:
                            param="model", code="model_not_found")
         check_common(req)
         if kind == "chat":
-            tpi = self.model_cfg.vit.tokens_per_image if self.model_cfg.vit else 0
-            prompt = chat_prompt(req, max_images=self.cfg.max_images, tokens_per_image=tpi)
+            vit = self.model_cfg.vit
+            prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
+                                         tokens_per_image=vit.tokens_per_image if vit else 0,
+                                         image_size=vit.image_size if vit else 0)
             requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         else:
-            prompt = completion_prompt(req, vocab_size=self.model_cfg.vocab_size)
+            prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size), []
             requested = req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt), self.max_context, self.cfg.default_max_tokens)
-        return req, prompt, max_tokens
+        return req, prompt, max_tokens, [base64.b64encode(im.tobytes()).decode() for im in images] or None
 
     def create_app(self):
         from contextlib import asynccontextmanager
@@ -654,7 +661,7 @@ class Router:
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             t0 = time.monotonic()
             try:
-                req, prompt, max_tokens = self.parse(kind, await request.body())
+                req, prompt, max_tokens, images_b64 = self.parse(kind, await request.body())
             except APIError as e:
                 self.metrics.rejected.labels("invalid").inc()
                 return error_response(e, endpoint)
@@ -670,7 +677,7 @@ class Router:
                 self.metrics.queued.dec()
             self.metrics.inflight.inc()
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-            stream = _Stream(self, kind, req, prompt, max_tokens, rid, t0, endpoint)
+            stream = _Stream(self, kind, req, prompt, max_tokens, rid, t0, endpoint, images_b64)
             try:
                 first = await stream.first()
             except BaseException:
@@ -754,8 +761,9 @@ class _Stream:
     """One admitted request: a task runs `Router.generate` into a queue (so the stream's
     upstream connections live in one task), and the handler renders OpenAI responses from it."""
 
-    def __init__(self, router: Router, kind: str, req, prompt, max_tokens, rid, t0, endpoint):
+    def __init__(self, router: Router, kind: str, req, prompt, max_tokens, rid, t0, endpoint, images_b64=None):
         self.r, self.kind, self.req, self.prompt, self.max_tokens = router, kind, req, prompt, max_tokens
+        self.images_b64 = images_b64
         self.rid, self.t0, self.endpoint = rid, t0, endpoint
         self.created = int(time.time())
         self.tokens: list[int] = []
@@ -771,7 +779,7 @@ class _Stream:
         try:
             async with asyncio.timeout(self.r.cfg.request_timeout_s):
                 async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid,
-                                                  sampling_options(self.req)):
+                                                  sampling_options(self.req), self.images_b64):
                     await self._queue.put(item)
         except APIError as e:
             await self._queue.put(("error", e))

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import dataclasses
 import io
 import itertools
@@ -117,17 +119,18 @@ class EngineLoop:
             return None
 
     def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
-               export: bool = False, sampling: SamplingParams = GREEDY) -> _Sub:
+               export: bool = False, sampling: SamplingParams = GREEDY, images=None) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
-        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling)))
+        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images)))
         return sub
 
     def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
-              request_id: str, sampling: SamplingParams = GREEDY) -> _Sub:
+              request_id: str, sampling: SamplingParams = GREEDY, images=None) -> _Sub:
         """Take over a request another worker prefilled (direct handoff), after `try_reserve`."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
-        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling)))
+        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling,
+                                  images)))
         return sub
 
     def cancel(self, sub: _Sub) -> None:
@@ -163,9 +166,10 @@ class EngineLoop:
     def _handle(self, kind: str, payload) -> None:
         e = self.engine
         if kind == "submit":
-            sub, prompt, n, stop_at_eos, sampling = payload
+            sub, prompt, n, stop_at_eos, sampling, images = payload
             try:
-                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling)
+                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling,
+                                   images=images)
             except ValueError as err:
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -189,9 +193,15 @@ class EngineLoop:
     def _try_adopts(self) -> None:
         still = []
         for item in self._adopts:
-            sub, prompt, first, n, pages, state, stop_at_eos, sampling = item
-            req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
-                                    arrival_s=time.monotonic(), stop_at_eos=stop_at_eos, sampling=sampling)
+            sub, prompt, first, n, pages, state, stop_at_eos, sampling, images = item
+            try:
+                req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
+                                        arrival_s=time.monotonic(), stop_at_eos=stop_at_eos, sampling=sampling,
+                                        images=images)
+            except ValueError as err:  # images that do not match the prompt
+                self._push(sub, {"error": str(err), "status": 400, "retriable": False})
+                self._finish(sub, "errors")
+                continue
             if req is None:
                 still.append(item)  # no slot or pages yet
                 continue
@@ -323,6 +333,22 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+    def decode_images(images_b64: list[str] | None):
+        """base64 RGB uint8 [S, S, C] per image -> [N, S, S, C] (None for none), or ValueError."""
+        if not images_b64:
+            return None
+        vit = loop.engine.cfg.vit
+        if vit is None:
+            raise ValueError("this model has no vision encoder: images are not accepted")
+        shape = (vit.image_size, vit.image_size, vit.channels)
+        try:
+            arrays = [np.frombuffer(base64.b64decode(b, validate=True), np.uint8) for b in images_b64]
+        except (binascii.Error, ValueError) as err:
+            raise ValueError(f"images must be base64: {err}") from None
+        if any(a.size != int(np.prod(shape)) for a in arrays):
+            raise ValueError(f"each image must be {shape} uint8 values")
+        return np.stack([a.reshape(shape) for a in arrays])
+
     class GenerateBody(BaseModel):
         model_config = ConfigDict(extra="forbid")
         prompt: list[StrictInt] = Field(min_length=1)
@@ -333,6 +359,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         temperature: float = Field(0.0, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
+        images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
 
         def sampling(self) -> SamplingParams:
             return SamplingParams(self.temperature, self.top_p, self.seed)
@@ -368,10 +395,15 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         if why:
             return None, refuse(why)
         if adopt is not None:
-            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6], sampling=adopt[7])
+            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6], sampling=adopt[7],
+                             images=adopt[8])
         else:
+            try:
+                images = decode_images(body.images)
+            except ValueError as err:
+                return None, error(400, str(err))
             sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
-                              sampling=body.sampling(),
+                              sampling=body.sampling(), images=images,
                               export=body.export_kv and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
@@ -416,6 +448,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             with np.load(io.BytesIO(await request.body())) as z:
                 prompt, token = [int(t) for t in z["prompt"]], int(z["token"])
                 pages, state = list(z["pages"]), z["state"]
+                images = z["images"] if "images" in z.files else None
         except (ValueError, KeyError, OSError, EOFError) as err:
             return error(400, f"not a KV handoff: {err}")
         limit = info.get("max_context", 1 << 30)
@@ -427,7 +460,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             sampling = SamplingParams(temperature, top_p, seed)
         except ValueError as err:
             return error(400, str(err))
-        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling))
+        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling,
+                                        images))
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/prefill")
@@ -453,8 +487,9 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
                 if kv is None:
                     return error(400, "this worker cannot export KV (only prefill workers do)")
                 buf = io.BytesIO()
+                extra = {"images": decode_images(body.images)} if body.images else {}
                 np.savez(buf, prompt=np.asarray(body.prompt, np.int32), token=np.int32(tokens[0]), pages=kv[0],
-                         state=kv[1])
+                         state=kv[1], **extra)
                 headers = {"x-kimik3-token": str(tokens[0]), "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
                            "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"])}
                 return Response(buf.getvalue(), media_type="application/octet-stream", headers=headers)

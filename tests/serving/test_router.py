@@ -18,6 +18,7 @@ import time
 
 import httpx
 import jax
+import numpy as np
 import pytest
 
 from kimik3 import config, model, tokenizer
@@ -107,8 +108,25 @@ def params():
     return model.init_params(config.tiny(), jax.random.PRNGKey(SEED), "float32")
 
 
-def oracle(params, prompt, n):
-    return generate(params, config.tiny(), prompt, n, stop_at_eos=True).tokens.tolist()
+def oracle(params, prompt, n, images=None):
+    return generate(params, config.tiny(), prompt, n, images=images, stop_at_eos=True).tokens.tolist()
+
+
+def png_data_url(pixels):
+    """A base64 PNG data: URL of uint8 [S, S, 3] pixels."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_chat_body(text, pixels, max_tokens):
+    return {"model": "kimik3-tiny", "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png_data_url(pixels)}}, {"type": "text", "text": text}]}]}
 
 
 def sampled(params, prompt, n, sp):
@@ -295,6 +313,15 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     assert events[-1]["usage"]["completion_tokens"] == len(want)
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again
 
+    # an image (PNG data URL at the ViT's size): the same tokens as the oracle on those pixels
+    size = config.tiny().vit.image_size
+    pixels = np.random.default_rng(3).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    img_prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "what is this?", n_images=1)],
+                                               tokens_per_image=config.tiny().vit.tokens_per_image)
+    r = httpx.post(base + "/v1/chat/completions", json=image_chat_body("what is this?", pixels, 6), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == oracle(params, img_prompt, 6, pixels[None])
+
     # sampling: one seed gives one sample, through the prefill -> decode pair as in one engine
     sp = dict(temperature=1.0, top_p=0.9, seed=77)
     got = [httpx.post(base + "/v1/chat/completions", json=chat_body(text, 10, **sp), timeout=120).json()
@@ -341,6 +368,12 @@ BAD = [
     ("too many images", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,x"}}] * 17 + [{"type": "text", "text": "hi"}]}]}).encode(),
      400, "too many images"),
+    ("broken image", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAA"}}]}]}).encode(),
+     400, "broken image"),
+    ("remote image URL", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}).encode(),
+     400, "data: URLs"),
     ("bad role", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(),
      400, "role"),
     ("n > 1", json.dumps(chat_body("hi", 3, n=2)).encode(), 400, "n must be 1"),

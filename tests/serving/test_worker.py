@@ -2,8 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
+from kimik3 import tokenizer
 from kimik3.generate import generate
 from serving.engine import Engine
 from serving.worker import EngineLoop, create_app
@@ -145,3 +147,20 @@ def test_sampled_generation_is_the_engines_sample_for_that_seed(client, tiny_cfg
     assert tokens == want.output != generate(tiny_params, tiny_cfg, prompt, 6).tokens.tolist()
     r = client.post("/generate", json=dict(body, temperature=3.0))
     assert r.status_code == 400 and "temperature" in r.json()["error"]
+
+
+def test_images_travel_as_base64_pixels_and_equal_the_oracle(client, tiny_cfg, tiny_params, rng):
+    import base64
+
+    size = tiny_cfg.vit.image_size
+    pixels = rng.integers(0, 256, (1, size, size, 3), dtype=np.uint8)
+    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "look", n_images=1)],
+                                           tokens_per_image=tiny_cfg.vit.tokens_per_image)
+    body = {"prompt": prompt, "max_tokens": 4, "images": [base64.b64encode(pixels[0].tobytes()).decode()]}
+    with client.stream("POST", "/generate", json=body) as r:
+        tokens = [e["token"] for e in _lines(r) if "token" in e]
+    assert tokens == generate(tiny_params, tiny_cfg, prompt, 4, images=pixels).tokens.tolist()
+    r = client.post("/generate", json=dict(body, images=["not base64!"]))
+    assert r.status_code == 400 and "base64" in r.json()["error"]
+    r = client.post("/generate", json=dict(body, images=None))
+    assert r.status_code == 400 and "no images" in r.json()["error"]
