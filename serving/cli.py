@@ -121,6 +121,16 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -> int:
+    """`python -m serving.<module>`: the module's own arguments, logging at its --log-level, run."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -56,6 +56,7 @@ of the params there for the unsharded pieces; and a prefill chunk is one request
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -204,7 +205,8 @@ class Engine:
         self.preemptions = 0
         self.offloaded_resumes = 0  # preempted requests resumed from their offloaded KV (no recompute)
         self.recomputed_tokens = 0  # tokens re-prefilled after a preemption (offload missing or no host tier)
-        self.step_tokens: list[int] = []  # tokens each step ran (decode rows + prefill tokens)
+        # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
+        self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
         self._ids = itertools.count()
 
     def _mesh_steps(self, mesh, dispatch: str, num_slots: int) -> tuple[PagedStep | None, PagedStep | None]:
@@ -467,9 +469,12 @@ class Engine:
 
     def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
         """(prompt page contents, packed KDA state) of a request this engine holds."""
+        return self._read_kv(req, len(req.prompt))
+
+    def _read_kv(self, req: Request, n_tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """(contents of the pages holding the request's first `n_tokens`, its packed KDA state)."""
         table = self.manager.requests[req.request_id].page_table
-        pages = self.pages.read(table[:-(-len(req.prompt) // self.page_tokens)])
-        return pages, np.asarray(self._packed_state(req._slot))
+        return self.pages.read(table[:-(-n_tokens // self.page_tokens)]), np.asarray(self._packed_state(req._slot))
 
     # ---- KDA state rows <-> snapshot blocks ----------------------------------------------------------
     def _restore_state(self, slot: int, snapshot_block: int | None) -> None:
@@ -638,9 +643,7 @@ class Engine:
         req._context = list(req.prompt) + list(req.output)
         host = self.manager.host
         if host is not None and req._cached_len == len(req._context) - 1:
-            table = self.manager.requests[req.request_id].page_table
-            pages = self.pages.read(table[:-(-req._cached_len // self.page_tokens)])
-            state = np.asarray(self._packed_state(req._slot))
+            pages, state = self._read_kv(req, req._cached_len)
             tag = f"{req.request_id}/{self.preemptions}"
             keys = [make_key(self.manager.spec.namespace, "preempt",
                              hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest())

@@ -964,13 +964,9 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kimik3 router", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    from serving.cli import standalone_main
+
+    return standalone_main("kimik3 router", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

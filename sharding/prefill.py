@@ -28,10 +28,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from kimik3 import model, ops
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import rms_norm
-from kimik3.layers.vit import ViT
 from sharding import layers
 from sharding.mesh import check_config, mesh_shape
-from sharding.rules import ALL, PREFILL_RULES, Rules, cache_specs, named, param_specs, shard_cache, shard_params
+from sharding.rules import ALL, PREFILL_RULES, Rules, cache_specs, param_specs, shard_cache, shard_params
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,7 @@ def embed_inputs(params, cfg: ModelConfig, tokens_bt, images_nhwc=None):
     """Token embeddings [B, T, D] with image embeddings spliced in (the model's own ViT and splice)."""
     x = params["embed_vd"][tokens_bt]
     if cfg.vit is not None and images_nhwc is not None:
-        emb = ViT(cfg.vit, cfg.d_model).apply({"params": params["vit"]}, images_nhwc.astype(x.dtype))
-        x = model.splice_image_embeddings(x, tokens_bt, emb)
+        x = model.splice_image_embeddings(x, tokens_bt, model.image_embeddings(params, cfg, images_nhwc))
     return x
 
 
