@@ -45,9 +45,12 @@ def kernel_rows(cfg, t):
     g = -jnp.abs(jax.random.normal(key, (1, t, h, d), jnp.float32)) * 0.1
     beta = jax.nn.sigmoid(jax.random.normal(key, (1, t, h), jnp.bfloat16))
     rows = []
-    first, second = first_and_second(jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True)[:2]),
-                                     q, k, v, g, beta)
-    rows.append(dict(section="kernels", case=f"chunk_kda T{t} H{h} D{d}", first_s=first, second_s=second))
+    for impl in ("fused", "split"):
+        first, second = first_and_second(jax.jit(lambda *a, impl=impl: kda.chunk_kda(
+            *a, output_final_state=True, tuning={"prepare_impl": impl})[:2]), q, k, v, g, beta)
+        rows.append(dict(section="kernels", case=f"chunk_kda T{t} H{h} D{d} prepare={impl}", first_s=first,
+                         second_s=second))
+        print(rows[-1], flush=True)
     pool = jnp.zeros((4, h, d, d), jnp.float32)
     first, second = first_and_second(jax.jit(lambda *a: kda.fused_recurrent_kda(
         *a, state_pool=pool, slots=jnp.arange(1, dtype=jnp.int32))[0]), q[:, :1], k[:, :1], v[:, :1], g[:, :1],
@@ -90,9 +93,10 @@ def main():
     for r in rows:
         print(r, flush=True)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
-    shapes = [(1, args.chunk), (8, 1)]
-    rows += step_rows(cfg, params, shapes, "reference")
+    # a second and third prefill length: does each new chunk length pay the kernel compiles again?
+    shapes = [(1, args.chunk), (8, 1), (1, args.chunk // 2), (1, 64)]
     rows += step_rows(cfg, params, shapes, "pallas")
+    rows += step_rows(cfg, params, shapes, "reference")
     common.write_results(args.out, "compile_probe", rows)
 
 

@@ -444,10 +444,13 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
-# prepare_impl: "fused" (`_chunk_prepare_kernel`) or "split" (`_split_intra_kernel`
-# then `_split_solve_kernel`, both with the "prepare" warps / stages); not yet
-# timed on the GPU, so "fused" stays the default.
-TUNING = {"prepare": (4, 1), "state": (4, 3), "prepare_dot": "auto", "prepare_impl": "fused"}
+# prepare_impl: "split" (`_split_intra_kernel` then `_split_solve_kernel`, both with
+# the "prepare" warps / stages) or "fused" (`_chunk_prepare_kernel`, one kernel);
+# split is 7-18% faster on H200 at every benchmarked shape, same error (RESULTS.md).
+# "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
+# would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
+TUNING = {"prepare": (4, 1), "state": (4, 3), "state_fp32": (4, 1), "prepare_dot": "auto",
+          "prepare_impl": "split"}
 PREPARE_IMPLS = ("fused", "split")
 
 
@@ -578,7 +581,7 @@ def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, sc
         out_shape=[sds((nt, CHUNK, h, dv), out_dtype), sds((n_seq, h, dk, dv), jnp.float32),
                    sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
         interpret=interpret,
-        compiler_params=_params("state", tuning),
+        compiler_params=_params("state_fp32" if w.dtype == jnp.float32 else "state", tuning),
         name="kda_chunk_state",
     )(chunk_start, ckpt_slot, h0, w, u, qd, ke, aqk, de)
 

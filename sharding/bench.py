@@ -75,6 +75,7 @@ def throughput(n: int, cfg_name: str, seq: int, decode_batch: int, context: int,
     tn = _time(lambda: sp(sp_params, tokens, sp_cache), reps)
     res["prefill_s_1gpu"], res[f"prefill_s_{n}gpu"] = t1, tn
     res["prefill_tok_s_1gpu"], res[f"prefill_tok_s_{n}gpu"] = seq / t1, seq / tn
+    print(json.dumps(res), flush=True)  # a run cut short still reports prefill
     del sp_params, sp_cache
     # decode: `decode_batch` requests with `context`-row caches, one token each
     cache = model.init_cache(cfg, decode_batch, context)
