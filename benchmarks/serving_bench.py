@@ -96,6 +96,11 @@ def main():
         # A pass per load with short outputs compiles every prefill chunk and decode bucket the
         # sweep will use (and the handoff's bookkeeping ops), so the sweep measures serving only.
         t0 = time.monotonic()
+        server = make(params, cfg, mode, args)
+        for eng in ([server] if mode == "colocated" else [server.prefill, server.decode]):
+            eng.warmup(threads=os.cpu_count())  # every chunk length and decode bucket, compiled concurrently
+        print(f"warm-up {mode} compiles: {time.monotonic() - t0:.1f} s, {model._forward._cache_size()} programs",
+              flush=True)
         for n in loads:
             t1 = time.monotonic()
             run_load(make(params, cfg, mode, args), n, args, seed=999, output=4)

@@ -57,10 +57,12 @@ of the params there for the unsharded pieces; and a prefill chunk is one request
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -541,25 +543,40 @@ class Engine:
             bucket = -(-bucket // self._decode_step.size) * self._decode_step.size
         return bucket
 
-    def warmup(self) -> int:
+    def warmup(self, threads: int | None = None) -> int:
         """Compile every step shape this engine can use (`_prefill_lengths`; decode buckets for 1 ..
         num_slots requests) on scratch rows (the scratch slot and null pages; results dropped).
-        Returns the number of new programs."""
+
+        threads: unsharded shapes compile concurrently on this many threads (default: one per
+        shape, at most half the CPU cores): XLA's compile of a whole-model step is mostly
+        single-threaded (~30 s per shape for `small` on an H200 host), so the ~20 shapes of a
+        serving engine take minutes one by one.  Sharded steps replace the pools, so they run
+        one by one.  Returns the number of new programs."""
         before = self._programs()
         shapes = [(1, t, step) for t, step in self._prefill_lengths()]
         shapes += [(b, 1, self._decode_step) for b in sorted({self._decode_bucket(n)
                                                               for n in range(1, self.scratch_slot + 1)})]
-        for b, t, step in shapes:
-            tables, slots, lengths = [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b
-            tokens = jnp.zeros((b, t), jnp.int32)
-            if step is not None:  # writes land in the scratch slot and the null page only
-                logits, self.pools = step(self._mesh_params[step.mode], self.pools, tokens, tables, slots, lengths)
-                jax.block_until_ready(logits)
-                continue
-            view = model.paged_view(self.pools, tables, slots, lengths)
+
+        def rows(b):
+            return [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b
+
+        def compile_unsharded(shape):
+            b, t = shape
+            view = model.paged_view(self.pools, *rows(b))
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-            jax.block_until_ready(model._forward(self.params, tokens, positions, view, None,
+            jax.block_until_ready(model._forward(self.params, jnp.zeros((b, t), jnp.int32), positions, view, None,
                                                  cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
+
+        for b, t, step in shapes:
+            if step is not None:  # writes land in the scratch slot and the null page only
+                logits, self.pools = step(self._mesh_params[step.mode], self.pools, jnp.zeros((b, t), jnp.int32),
+                                          *rows(b))
+                jax.block_until_ready(logits)
+        unsharded = sorted({(b, t) for b, t, step in shapes if step is None})  # prefill T1 == decode B1
+        workers = threads or max(1, min(len(unsharded), (os.cpu_count() or 2) // 2))
+        # The unsharded step neither donates nor replaces the pools here, so calls may overlap.
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(compile_unsharded, unsharded))
         return self._programs() - before
 
     def _prefill_chunk(self, req: Request, budget_tokens: int) -> int:

@@ -256,3 +256,18 @@ def test_sampled_tokens_survive_preemption_and_pd_handoff_unchanged(tiny_cfg, ti
     assert [server.requests[r.request_id].output for r in pd] == [r.output for r in want]
     with pytest.raises(ValueError, match="SamplingParams"):
         plain.submit(prompts[0], 3, sampling={"temperature": 0.5})
+
+
+def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, tiny_params):
+    """Warm-up compiles each prefill length and decode bucket once, on threads; serving afterwards
+    compiles nothing and still gives the oracle's tokens.  (num_pages 44 is unique to this test,
+    so its programs are new even when other tests ran in this process.)"""
+    eng = _engine(tiny_params, tiny_cfg, num_pages=44, num_slots=3, prefill_chunk_tokens=24)
+    shapes = {(1, t) for t, _ in eng._prefill_lengths()} | {(eng._decode_bucket(n), 1) for n in range(1, 4)}
+    assert eng.warmup(threads=4) == len(shapes)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (29, 11, 50)]
+    reqs = [eng.submit(p, 5) for p in prompts]
+    eng.run(max_steps=200)
+    assert eng.compiles == 0
+    for req, p in zip(reqs, prompts):
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
