@@ -73,7 +73,7 @@ class Block(nn.Module):
         if cfg.ffn_kind(self.layer) == "dense":
             y = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, name="mlp")(h)
         else:
-            y = LatentMoE(cfg, self.expert_path, name="moe")(h)
+            y = LatentMoE(cfg, self.expert_path, self.kernels, name="moe")(h)
         return x_btd + y, cache
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_kernels
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels import moe as moe_kernels
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -51,6 +52,17 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto"):
                                                slots=jnp.arange(b, dtype=jnp.int32))
     o, final_state, _ = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
     return o, final_state
+
+
+def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
+    """Routed-expert GEMM: rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N].
+
+    Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
+    else `lax.ragged_dot` (the reference)."""
+    if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
+            and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
+        return moe_kernels.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g)
+    return moe_kernels.grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g)
 
 
 def _pages_for(length: int) -> int | None:

@@ -47,7 +47,7 @@ def _body(params, x_btd, cache, *, cfg: ModelConfig, ep: int, dispatch: str, ker
         new_layers.append(c)
         x_btd = x_btd + y
         h = rms_norm(x_btd, p["ffn_norm"]["scale"], cfg.norm_eps)
-        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch)
+        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels)
     return lm_head(params, cfg, x_btd), {"lengths": cache["lengths"] + t, "layers": tuple(new_layers)}
 
 

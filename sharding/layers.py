@@ -70,7 +70,7 @@ def dense_ffn(cfg: ModelConfig, p_mlp, h_btd):
                    gate_cap=cfg.situ_gate_cap, up_cap=cfg.situ_up_cap)
 
 
-def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str):
+def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: str = "auto"):
     """LatentMoE with experts split over the EXPERT axis (ep ranks); h_btd [B, T, D] this rank's tokens.
 
     Route (fp32, all experts) -> down-project to the latent -> dispatch each
@@ -86,12 +86,12 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str):
     caps = (cfg.situ_gate_cap, cfg.situ_up_cap)
     if ep == 1:
         y_nkl = _expert_rows(x_nl[:, None, :].repeat(ids_nk.shape[1], 1).reshape(-1, x_nl.shape[-1]),
-                             ids_nk.reshape(-1), jnp.ones(ids_nk.size, bool), experts, caps)
+                             ids_nk.reshape(-1), jnp.ones(ids_nk.size, bool), experts, caps, kernels)
         y_nkl = y_nkl.reshape(ids_nk.shape + (-1,))
     elif dispatch == "dense":
-        y_nkl = _dispatch_dense(x_nl, ids_nk, experts, caps, ep)
+        y_nkl = _dispatch_dense(x_nl, ids_nk, experts, caps, ep, kernels)
     elif dispatch == "ragged":
-        y_nkl = _dispatch_ragged(x_nl, ids_nk, experts, caps, ep)
+        y_nkl = _dispatch_ragged(x_nl, ids_nk, experts, caps, ep, kernels)
     else:
         raise ValueError(f"dispatch must be 'dense' or 'ragged'; got {dispatch!r}")
     # The combine of experts_grouped, on the rows that came back: sum_k w_k * y_k.
@@ -103,13 +103,13 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str):
     return y_btd
 
 
-def _expert_rows(rows_rl, local_ids_r, valid_r, experts, caps):
+def _expert_rows(rows_rl, local_ids_r, valid_r, experts, caps, kernels):
     """Each row through its (local) expert: experts_grouped with k = 1 and weight 1 (0 for padding rows)."""
     ids = jnp.where(valid_r, local_ids_r, 0)[:, None]
-    return experts_grouped(rows_rl, ids, valid_r.astype(rows_rl.dtype)[:, None], *experts, caps)
+    return experts_grouped(rows_rl, ids, valid_r.astype(rows_rl.dtype)[:, None], *experts, caps, kernels)
 
 
-def _dispatch_dense(x_nl, ids_nk, experts, caps, ep: int):
+def _dispatch_dense(x_nl, ids_nk, experts, caps, ep: int, kernels: str):
     """Fixed-capacity all-to-all there and back.  Returns expert outputs [N, k, L] in (token, k) order."""
     n, k = ids_nk.shape
     e_local = experts[0].shape[0]
@@ -124,12 +124,12 @@ def _dispatch_dense(x_nl, ids_nk, experts, caps, ep: int):
     recv_x = jax.lax.all_to_all(send_x, EXPERT, 0, 0, tiled=True)  # [ep (source), cap, L]
     recv_e = jax.lax.all_to_all(send_e, EXPERT, 0, 0, tiled=True)
     valid = recv_e.reshape(-1) >= 0
-    out = _expert_rows(recv_x.reshape(ep * cap, -1), recv_e.reshape(-1), valid, experts, caps)
+    out = _expert_rows(recv_x.reshape(ep * cap, -1), recv_e.reshape(-1), valid, experts, caps, kernels)
     back = jax.lax.all_to_all(out.reshape(ep, cap, -1), EXPERT, 0, 0, tiled=True)  # [ep (dest), cap, L]
     return back[dest, slot].reshape(n, k, -1)
 
 
-def _dispatch_ragged(x_nl, ids_nk, experts, caps, ep: int):
+def _dispatch_ragged(x_nl, ids_nk, experts, caps, ep: int, kernels: str):
     """ragged_all_to_all there and back (GPU).  Returns expert outputs [N, k, L] in (token, k) order."""
     n, k = ids_nk.shape
     e_local = experts[0].shape[0]
@@ -152,7 +152,7 @@ def _dispatch_ragged(x_nl, ids_nk, experts, caps, ep: int):
     recv_e = jax.lax.ragged_all_to_all(local_ids, jnp.zeros((ep * cap,), jnp.int32), send_offsets, send_sizes,
                                        out_offsets, recv_sizes, axis_name=EXPERT)
     valid = jnp.arange(ep * cap) < jnp.sum(recv_sizes)
-    out = _expert_rows(recv_x, recv_e, valid, experts, caps)
+    out = _expert_rows(recv_x, recv_e, valid, experts, caps, kernels)
     # back: my received chunk from source s returns to s at the offset s used to send it to me
     back_offsets = (jnp.cumsum(sizes_sd, axis=1) - sizes_sd)[:, me]
     back = jax.lax.ragged_all_to_all(out, jnp.zeros((cap, out.shape[-1]), out.dtype), recv_offsets, recv_sizes,

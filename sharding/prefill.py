@@ -49,11 +49,11 @@ def lm_head(params, cfg: ModelConfig, x_btd):
     return jnp.dot(x.astype(jnp.float32), params["lm_head_dv"].astype(jnp.float32))
 
 
-def ffn(cfg: ModelConfig, layer: int, p_layer, h_btd, *, ep: int, dispatch: str):
+def ffn(cfg: ModelConfig, layer: int, p_layer, h_btd, *, ep: int, dispatch: str, kernels: str = "auto"):
     """The FFN of `layer` on this rank's tokens: dense MLP (layer 0) or the expert-parallel LatentMoE."""
     if cfg.ffn_kind(layer) == "dense":
         return layers.dense_ffn(cfg, p_layer["mlp"], h_btd)
-    return layers.moe_ep(cfg, p_layer["moe"], h_btd, ep=ep, dispatch=dispatch)
+    return layers.moe_ep(cfg, p_layer["moe"], h_btd, ep=ep, dispatch=dispatch, kernels=kernels)
 
 
 def _body(params, x_btd, cache, *, cfg: ModelConfig, tp: int, ep: int, dispatch: str, kernels: str):
@@ -73,7 +73,7 @@ def _body(params, x_btd, cache, *, cfg: ModelConfig, tp: int, ep: int, dispatch:
         new_layers.append(c)
         x_btd = x_btd + jax.lax.psum_scatter(y, ALL, scatter_dimension=1, tiled=True)  # [B, T/tp, D]
         h = rms_norm(x_btd, p["ffn_norm"]["scale"], cfg.norm_eps)
-        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch)
+        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels)
     logits = lm_head(params, cfg, x_btd)
     if cache is None:
         return logits, None

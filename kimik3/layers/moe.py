@@ -8,8 +8,9 @@
     y       = routed + SharedExperts(x)
 
 Two equal expert paths: `experts_grouped` (tokens sorted by expert, one
-`jax.lax.ragged_dot` per projection) and `experts_dense_ref` (a loop over
-experts; the reference).
+grouped GEMM per projection: `kimik3.ops.grouped_matmul`, the Pallas kernel on
+GPU, `lax.ragged_dot` elsewhere) and `experts_dense_ref` (a loop over experts;
+the reference).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from kimik3 import ops
 from kimik3.config import ModelConfig
 from kimik3.layers.mlp import MLP
 from kimik3.layers.primitives import fan_in_init, rms_norm, situ_glu
@@ -38,8 +40,8 @@ def _expert_ffn(h_gate, h_up, caps):
     return situ_glu(h_gate, h_up, *caps)
 
 
-def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps):
-    """Grouped expert GEMMs: rows sorted by expert, `ragged_dot` per projection.
+def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
+    """Grouped expert GEMMs: rows sorted by expert, one `ops.grouped_matmul` per projection.
 
     x_nl [N, L] latent tokens; ids/weights [N, k]; expert weights [E, L, F] /
     [E, F, L].  Returns the weighted combine [N, L].
@@ -50,14 +52,14 @@ def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, c
     order = jnp.argsort(flat_ids, stable=True)
     rows = x_nl[order // k]  # [N*k, L], grouped by expert
     group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-    h = _expert_ffn(jax.lax.ragged_dot(rows, w_gate_elf, group_sizes),
-                    jax.lax.ragged_dot(rows, w_up_elf, group_sizes), caps)
-    y_sorted = jax.lax.ragged_dot(h, w_out_efl, group_sizes)  # [N*k, L]
+    gmm = lambda a, w: ops.grouped_matmul(a, w, group_sizes, kernels=kernels)
+    h = _expert_ffn(gmm(rows, w_gate_elf), gmm(rows, w_up_elf), caps)
+    y_sorted = gmm(h, w_out_efl)  # [N*k, L]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
     return jnp.einsum("nk,nkl->nl", weights_nk.astype(y.dtype), y)
 
 
-def experts_dense_ref(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps):
+def experts_dense_ref(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
     """Reference: every expert on every token, masked by its routing weight."""
     out = jnp.zeros(x_nl.shape, jnp.float32)
     for e in range(w_gate_elf.shape[0]):
@@ -75,6 +77,7 @@ class LatentMoE(nn.Module):
 
     cfg: ModelConfig
     expert_path: str = "grouped"
+    kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
     def __call__(self, x_btd):
@@ -93,7 +96,7 @@ class LatentMoE(nn.Module):
         x_nd = x_btd.reshape(b * t, d)
         ids, weights = route(x_nd, w_router, bias, cfg.n_active_experts)
         z = EXPERT_PATHS[self.expert_path](x_nd @ w_down, ids, weights, w_gate, w_up, w_out,
-                                           (cfg.situ_gate_cap, cfg.situ_up_cap))
+                                           (cfg.situ_gate_cap, cfg.situ_up_cap), self.kernels)
         routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
         if cfg.n_shared_experts:

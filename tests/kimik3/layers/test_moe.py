@@ -36,3 +36,12 @@ def test_layer_grouped_equals_dense(rng, tiny_cfg):
     grouped = LatentMoE(tiny_cfg, "grouped").apply(params, x)
     dense = LatentMoE(tiny_cfg, "dense").apply(params, x)
     np.testing.assert_allclose(grouped, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_layer_on_the_pallas_grouped_kernel_equals_the_reference(rng, tiny_cfg):
+    """`kernels="pallas"` routes the expert GEMMs through `pallas_kernels.moe.grouped_matmul`."""
+    x = jnp.asarray(rng.standard_normal((2, 9, tiny_cfg.d_model)), jnp.float32)
+    params = LatentMoE(tiny_cfg).init(jax.random.PRNGKey(4), x)
+    pallas = LatentMoE(tiny_cfg, "grouped", "pallas").apply(params, x)
+    reference = LatentMoE(tiny_cfg, "grouped", "reference").apply(params, x)
+    np.testing.assert_allclose(pallas, reference, atol=1e-5, rtol=1e-5)
