@@ -185,11 +185,16 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_toke
     return {"layers": layers}
 
 
-def paged_view(pools: Cache, block_tables, slots, lengths) -> Cache:
+def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None) -> Cache:
     """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
-    (distinct KDA rows), lengths int32 [B] (tokens already cached)."""
-    return {"layers": pools["layers"], "block_tables": jnp.asarray(block_tables, jnp.int32),
+    (distinct KDA rows), lengths int32 [B] (tokens already cached).  export_at: int32 [E]
+    token counts of the coming call after which every KDA layer's cache entries are
+    returned too (the forward's cache then has "exports"; see `kimik3.layers.kda.KDA`)."""
+    view = {"layers": pools["layers"], "block_tables": jnp.asarray(block_tables, jnp.int32),
             "slots": jnp.asarray(slots, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
+    if export_at is not None:
+        view["export_at"] = jnp.asarray(export_at, jnp.int32)
+    return view
 
 
 def _is_paged(cache: Cache | None) -> bool:
@@ -214,7 +219,9 @@ def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kern
     layer_caches = None if cache is None else cache["layers"]
     if _is_paged(cache):
         slots = cache["slots"]
-        layer_caches = tuple({k: v[slots] for k, v in layer.items()} if kind == "kda" else
+        # "export_at" (int32 [E], optional): KDA states to export at those token counts of this call
+        export = {"export_at": cache["export_at"]} if "export_at" in cache else {}
+        layer_caches = tuple(dict({k: v[slots] for k, v in layer.items()}, **export) if kind == "kda" else
                              {"pages": layer["pages"], "block_tables": cache["block_tables"]}
                              for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
     logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
@@ -222,10 +229,13 @@ def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kern
     if cache is None:
         return logits, None
     if _is_paged(cache):
-        new_layers = tuple({k: pool[k].at[cache["slots"]].set(new[k]) for k in pool} if kind == "kda" else
-                           {"pages": new["pages"]}
-                           for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
-        return logits, dict(cache, lengths=cache["lengths"] + tokens.shape[1], layers=new_layers)
+        out = dict(cache, lengths=cache["lengths"] + tokens.shape[1])
+        if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}
+            out["exports"] = tuple(new["exports"] for kind, new in zip(cfg.mixer_kinds, new_layers) if kind == "kda")
+        out["layers"] = tuple({k: pool[k].at[cache["slots"]].set(new[k]) for k in pool} if kind == "kda" else
+                              {"pages": new["pages"]}
+                              for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
+        return logits, out
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
 
 

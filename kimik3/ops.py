@@ -34,13 +34,21 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
-def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto"):
+def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
     One token (decode) takes the recurrent form; longer spans the chunked form.
-    Returns (o [B, T, H, V], final_state [B, H, K, V] fp32).
+    Returns (o [B, T, H, V], final_state [B, H, K, V] fp32), and with export_at (int32 [E]
+    token counts, traced) a third output: the states after them in the same pass,
+    [B, E, H, K, V] fp32 (zeros for entries that are not multiples of chunk_size in 1..T).
     """
     b, t, h, dk = q.shape
+    if export_at is not None:
+        if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
+            return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+                                               export_at=export_at)
+        return kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                     export_at=export_at)
     if resolve(kernels) == "reference":
         if t == 1:
             return kda_kernels.kda_recurrent_ref(q, k, v, g, beta, initial_state=initial_state)
@@ -63,6 +71,11 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
             and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
         return moe_kernels.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g)
     return moe_kernels.grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g)
+
+
+def kda_export_mask(export_at, t: int, chunk_size: int):
+    """Which entries of a KDA export_at [E] name a state that a pass over t tokens exports."""
+    return kda_kernels.export_mask(export_at, t, chunk_size)
 
 
 def _pages_for(length: int) -> int | None:

@@ -151,8 +151,16 @@ def pad_to_chunks(x, chunk_size: int):
     return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
-def kda_chunked_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64):
-    """Chunked KDA (see module docstring).  Same contract as `kda_recurrent_ref`."""
+def export_mask(export_at, t: int, chunk: int):
+    """Which entries of export_at [E] (token counts, traced) name a state that a chunked pass
+    over t tokens produces: positive multiples of `chunk`, at most t.  Others export zeros."""
+    return (export_at > 0) & (export_at % chunk == 0) & (export_at <= t)
+
+
+def kda_chunked_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size=64, export_at=None):
+    """Chunked KDA (see module docstring).  Same contract as `kda_recurrent_ref`; with
+    export_at (int32 [E] token counts, traced; see `export_mask`) a third output holds the
+    state after each of them, [B, E, H, K, V] fp32 (zeros for entries that name none)."""
     _check_shapes(q, k, v, g, beta, initial_state)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive; got {chunk_size}")
@@ -163,13 +171,20 @@ def kda_chunked_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_s
 
     def body(s, prep_chunk):
         o, s = kda_chunk_step(s, prep_chunk, scale)
-        return s, o
+        return s, ((o, s) if export_at is not None else o)
 
-    s_final, o_nbhcv = jax.lax.scan(body, _initial(q, v, initial_state), prep)
+    s_final, out = jax.lax.scan(body, _initial(q, v, initial_state), prep)
+    o_nbhcv = out[0] if export_at is not None else out
     # [N, B, H, C, V] -> [B, N*C, H, V]
     o = jnp.moveaxis(o_nbhcv, 0, 1)  # [B, N, H, C, V]
     o = jnp.swapaxes(o, 2, 3).reshape(b, -1, h, v.shape[-1])[:, :t]
-    return o.astype(v.dtype), s_final
+    if export_at is None:
+        return o.astype(v.dtype), s_final
+    states_nbhkv = out[1]
+    idx = jnp.clip(export_at // chunk_size - 1, 0, states_nbhkv.shape[0] - 1)
+    valid = export_mask(export_at, t, chunk_size)
+    exports = jnp.where(valid[:, None, None, None, None], states_nbhkv[idx], 0.0)  # [E, B, H, K, V]
+    return o.astype(v.dtype), s_final, jnp.moveaxis(exports, 0, 1)
 
 
 # =================================================================================================
@@ -624,7 +639,8 @@ def _plan_layout(seq_lens, checkpoint_positions):
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              checkpoint_positions=None, cu_seqlens=None, interpret=None, block_v=None, tuning=None):
+              checkpoint_positions=None, cu_seqlens=None, interpret=None, block_v=None, tuning=None,
+              export_at=None):
     """Chunked KDA prefill (Pallas) exporting states at `checkpoint_positions` in the same pass.
 
     Args:
@@ -640,6 +656,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         `cu_seqlens`: one list for every sequence; with it: one list per sequence.
       cu_seqlens: int [N + 1] cumulative lengths of N sequences packed into
         T with B == 1 (concrete values: the layout is planned on the host).
+      export_at: int32 [E], the traced form of checkpoint_positions (one list for
+        every sequence, no cu_seqlens): positions known only on the device, one
+        compiled program for any values.  Entries that are not positive multiples
+        of 64 within T (`export_mask`) export zeros.
     Returns:
       (o [B, T, H, V] in v's dtype,
        final_state [N, H, K, V] fp32 or None,
@@ -675,6 +695,16 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         raise ValueError(f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
                          f"got {initial_state.dtype} {tuple(initial_state.shape)}")
     chunk_start, ckpt_slot, n_ckpt = _plan_layout(seq_lens, per_seq_positions)
+    if export_at is not None:
+        if cu_seqlens is not None or checkpoint_positions is not None:
+            raise ValueError("export_at takes neither cu_seqlens nor checkpoint_positions")
+        e = export_at.shape[0]
+        export_valid = export_mask(export_at, t, CHUNK)
+        chunk_of = jnp.asarray(chunk_start[:-1])[:, None] + export_at[None, :] // CHUNK - 1  # [B, E]
+        chunk_of = jnp.where(export_valid[None, :], chunk_of, ckpt_slot.shape[0])  # invalid: dropped
+        ckpt_slot = jnp.asarray(ckpt_slot).at[chunk_of].set(jnp.arange(b * e, dtype=jnp.int32).reshape(b, e),
+                                                            mode="drop")
+        n_ckpt = b * e
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or min(dv, 64)
     scale = float(dk ** -0.5 if scale is None else scale)
@@ -705,7 +735,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                   tuning=tuple(sorted(dict(tuning or {}).items())) or None)
     o = unflat(o)
     checkpoints = None
-    if checkpoint_positions is not None:
+    if export_at is not None:
+        checkpoints = jnp.where(export_valid[None, :, None, None, None], ckpt[:n_ckpt].reshape(b, -1, h, dk, dv), 0.0)
+    elif checkpoint_positions is not None:
         checkpoints = ckpt[:n_ckpt]
         if cu_seqlens is None:
             checkpoints = checkpoints.reshape(b, -1, h, dk, dv)

@@ -177,6 +177,10 @@ class Engine:
         self.page_tokens = page_tokens
         self.kernels = ops.resolve(kernels)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # KDA states one unsharded prefill chunk can export in its own pass (`_plan_chunk`): every
+        # KDA-block boundary inside it plus the prompt's last full page.  A fixed count, so the
+        # chunk programs keep one shape; chunks of fewer than EXPORT_MIN_TOKENS never export.
+        self.export_slots = prefill_chunk_tokens // kda_block_tokens + 2
         self.max_step_tokens = max_step_tokens or prefill_chunk_tokens + num_slots
         if self.max_step_tokens <= num_slots:
             raise ValueError(f"max_step_tokens ({self.max_step_tokens}) must exceed num_slots ({num_slots}): "
@@ -500,6 +504,13 @@ class Engine:
     def _save_state(self, slot: int, snapshot_block: int) -> None:
         self.snapshots.data = self.snapshots.data.at[snapshot_block].set(self._packed_state(slot))
 
+    def _save_export(self, exports, index: int, snapshot_block: int) -> None:
+        """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
+        (`_forward`'s exports; packed as `_packed_state` packs a state row)."""
+        packed = jnp.concatenate([layer[k][0, index].astype(jnp.float32).reshape(-1)
+                                  for layer in exports for k in self._kda_keys])
+        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(packed)
+
     # ---- model calls --------------------------------------------------------------------------------
     def _table(self, req: Request) -> list[int]:
         table = self.manager.requests[req.request_id].page_table
@@ -510,22 +521,27 @@ class Engine:
         steps = [s for s in (self._prefill_step, self._decode_step) if s]
         return model._forward._cache_size() + sum(s.programs() for s in steps) + (helper_programs() if steps else 0)
 
-    def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None, images=None):
+    def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None, images=None,
+                 export_at=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]); returns the
-        last position's logits f32 [B, V] as numpy.  `step`: a sharded step, else the unsharded model."""
+        last position's logits f32 [B, V] as numpy and, with export_at (int32 [E] token counts of
+        this call; unsharded only), the KDA exports (`kimik3.model.paged_view`), else None.
+        `step`: a sharded step, else the unsharded model."""
         before = self._programs()
+        exports = None
         # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
         # not prompts, so the steps call the jitted cores directly.
         if step is not None:
             logits, self.pools = step(self._mesh_params[step.mode], self.pools, tokens, tables, slots, lengths)
         else:
-            view = model.paged_view(self.pools, tables, slots, lengths)
+            view = model.paged_view(self.pools, tables, slots, lengths, export_at)
             positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
             logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, images, cfg=self.cfg,
                                           expert_path="grouped", kernels=self.kernels)
             self.pools = {"layers": view["layers"]}
+            exports = view.get("exports")
         self.compiles += self._programs() - before  # new XLA programs this call needed
-        return np.asarray(logits[:, -1], np.float32)
+        return np.asarray(logits[:, -1], np.float32), exports
 
     def _prefill_lengths(self) -> list[tuple[int, PagedStep | None]]:
         """Every prefill chunk length this engine runs, with the step that runs it (None: unsharded)."""
@@ -562,7 +578,9 @@ class Engine:
 
         def compile_unsharded(shape):
             b, t = shape
-            view = model.paged_view(self.pools, *rows(b))
+            # prefill chunks of a KDA chunk or more carry export positions (`_prefill_chunk`)
+            export_at = [-1] * self.export_slots if b == 1 and t >= self.cfg.kda_chunk_size else None
+            view = model.paged_view(self.pools, *rows(b), export_at)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             jax.block_until_ready(model._forward(self.params, jnp.zeros((b, t), jnp.int32), positions, view, None,
                                                  cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
@@ -583,14 +601,15 @@ class Engine:
         """Prefill the next chunk of `req` (at most `budget_tokens`); returns its token count."""
         start, ctx = req._computed, req._context
         end = min(len(ctx), start + self.prefill_chunk_tokens, start + budget_tokens)
-        if req._boundaries and req._boundaries[0] < end:
-            end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
         if req.images is not None and start < len(req.prompt) < end:
             # Placeholders take image rows only inside the prompt (a recompute after preemption
             # may include generated <|image|> ids, which decode embedded as plain tokens).
             end = len(req.prompt)
         step = self._prefill_step
+        export: list[int] = []  # KDA snapshot boundaries this chunk exports in its own pass
         if step is not None and len(ctx) - start >= step.size:
+            if req._boundaries and req._boundaries[0] < end:
+                end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
             # Sharded: tp * 2^k tokens.  `start` is a multiple of tp here (hits and boundaries are
             # page multiples, tp divides the page, every earlier chunk was a tp multiple).
             spans = (end - start) // step.size
@@ -601,7 +620,7 @@ class Engine:
             # Power-of-two chunk lengths: exact (no padding) and at most log2(chunk) compiled shapes.
             # With a prefill mesh this is only the prompt's last < tp tokens, unsharded.
             step = None
-            end = start + (1 << ((end - start).bit_length() - 1))
+            end, export = self._plan_chunk(start, end, req._boundaries)
         tokens = np.asarray([ctx[start:end]], np.int32)
         images = None
         if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
@@ -609,9 +628,17 @@ class Engine:
                 req._image_rows = model.image_embeddings(self.params, self.cfg, req.images)
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
-        req._last_logits = self._forward(tokens, [self._table(req)], [req._slot], [start], step, images)[0]
+        export_at = None
+        if step is None and end - start >= self.cfg.kda_chunk_size:  # one program shape per length
+            export_at = [b - start for b in export] + [-1] * (self.export_slots - len(export))
+        logits, exports = self._forward(tokens, [self._table(req)], [req._slot], [start], step, images, export_at)
+        req._last_logits = logits[0]
         req._computed = end
         self.manager.commit_pages(req.request_id, end)
+        for i, boundary in enumerate(export):
+            req._boundaries.remove(boundary)
+            self._save_export(exports, i, self.manager.requests[req.request_id].checkpoint_block)
+            self.manager.commit_snapshot(req.request_id, boundary)
         if req._boundaries and req._boundaries[0] == end:
             req._boundaries.pop(0)
             blocks = self.manager.requests[req.request_id]
@@ -628,6 +655,26 @@ class Engine:
             else:
                 self._emit(req, self._choose(req, req._last_logits))
         return end - start
+
+    def _plan_chunk(self, start: int, end: int, boundaries: list[int]) -> tuple[int, list[int]]:
+        """The end of an unsharded prefill chunk from `start` (at most `end`), and the snapshot
+        boundaries strictly inside it, which its pass exports (`export_at`).
+
+        Chunk lengths are powers of two (exact: no padding, few compiled shapes).  A boundary
+        inside the chunk is exported where the KDA pass produces its state, at a multiple of
+        the KDA chunk from `start`, and only up to `export_slots` of them; any other boundary
+        ends the chunk there instead (its state is then the slot row after the pass)."""
+        unit = self.cfg.kda_chunk_size
+        while True:
+            end = start + (1 << ((end - start).bit_length() - 1))
+            inside = [b for b in boundaries if start < b < end]
+            not_exportable = [b for b in inside if (b - start) % unit]
+            if not_exportable:
+                end = not_exportable[0]
+            elif len(inside) > self.export_slots:
+                end = inside[self.export_slots]
+            else:
+                return end, inside
 
     def _make_room(self, reqs: list[Request]) -> list[Request]:
         """Pages for the token each request is about to write, preempting the most recently
@@ -700,7 +747,7 @@ class Engine:
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
         slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
         lengths = [r._cached_len for r in reqs] + [0] * pad
-        logits = self._forward(tokens, tables, slots, lengths, self._decode_step)
+        logits, _ = self._forward(tokens, tables, slots, lengths, self._decode_step)
         for r, row in zip(reqs, logits):
             r._cached_len += 1
             self._emit(r, self._choose(r, row))

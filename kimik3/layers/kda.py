@@ -31,7 +31,13 @@ def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> dict:
 
 
 class KDA(nn.Module):
-    """x [B, T, D] (+ cache) -> y [B, T, D] (+ new cache)."""
+    """x [B, T, D] (+ cache) -> y [B, T, D] (+ new cache).
+
+    A cache with "export_at" (int32 [E] token counts within this call, traced) also
+    returns, under "exports", the cache entries as they stood after each count
+    ({"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}): the states a prefix
+    cache snapshots at its block boundaries, from this one pass (entries that are not
+    multiples of the chunk size in 1..T give zeros)."""
 
     cfg: ModelConfig
     kernels: str = "auto"  # see kimik3.ops
@@ -55,10 +61,15 @@ class KDA(nn.Module):
 
         cache = cache or {}
         new_cache = {}
+        export_at = cache.get("export_at")
+        exports = {}
 
         def branch(name, w):
             y = jnp.einsum("btd,dhk->bthk", x_btd, w).reshape(b, t, h * k)
-            y, new_cache[f"conv_{name}"] = short_conv(y, conv[name], cache.get(f"conv_{name}"))
+            out = short_conv(y, conv[name], cache.get(f"conv_{name}"), export_at)
+            y, new_cache[f"conv_{name}"] = out[:2]
+            if export_at is not None:
+                exports[f"conv_{name}"] = out[2]
             return jax.nn.silu(y).reshape(b, t, h, k)
 
         q = l2_normalize(branch("q", w_q))
@@ -67,8 +78,13 @@ class KDA(nn.Module):
         f = jnp.einsum("btr,rhk->bthk", x_btd @ w_fa, w_fb)
         g = kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound)
         beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
-        o, new_cache["state"] = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"),
-                                        chunk_size=cfg.kda_chunk_size, kernels=self.kernels)
+        out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
+                      kernels=self.kernels, export_at=export_at)
+        o, new_cache["state"] = out[:2]
+        if export_at is not None:
+            valid = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)
+            exports = {n: jnp.where(valid.reshape((1, -1) + (1,) * (s.ndim - 2)), s, 0) for n, s in exports.items()}
+            new_cache["exports"] = dict(exports, state=out[2])
         gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", x_btd @ w_ga, w_gb).astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

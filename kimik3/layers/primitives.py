@@ -35,14 +35,16 @@ def situ_glu(gate, up, gate_cap: float, up_cap: float):
     return (situ(g32, gate_cap) * softcap(u32, up_cap)).astype(gate.dtype)
 
 
-def short_conv(x_btc, w_wc, state_bwc=None):
+def short_conv(x_btc, w_wc, state_bwc=None, export_at=None):
     """Depthwise causal conv of width W (fla's ShortConvolution, no bias).
 
     Args:
       x_btc: [B, T, C] inputs; w_wc: [W, C] taps, oldest first.
       state_bwc: [B, W-1, C], the W-1 inputs before x (zeros if None).
+      export_at: optional int32 [E] token counts in 0..T (traced).
     Returns:
-      y_btc [B, T, C] (before the activation) and the new state [B, W-1, C].
+      y_btc [B, T, C] (before the activation) and the new state [B, W-1, C];
+      with export_at also the state after each of those counts, [B, E, W-1, C].
     """
     width = w_wc.shape[0]
     b, t, c = x_btc.shape
@@ -50,7 +52,11 @@ def short_conv(x_btc, w_wc, state_bwc=None):
         state_bwc = jnp.zeros((b, width - 1, c), x_btc.dtype)
     ext = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B, T+W-1, C]
     y = sum(ext[:, j:j + t].astype(jnp.float32) * w_wc[j].astype(jnp.float32) for j in range(width))
-    return y.astype(x_btc.dtype), ext[:, t:]
+    if export_at is None:
+        return y.astype(x_btc.dtype), ext[:, t:]
+    at = jnp.clip(export_at, 0, t)
+    states = jax.vmap(lambda p: jax.lax.dynamic_slice_in_dim(ext, p, width - 1, axis=1))(at)  # [E, B, W-1, C]
+    return y.astype(x_btc.dtype), ext[:, t:], jnp.moveaxis(states, 0, 1)
 
 
 def fan_in_init(fan_in: int):

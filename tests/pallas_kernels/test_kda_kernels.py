@@ -188,3 +188,31 @@ class TestBadInput:
             fused_recurrent_kda(q, k, v, g, beta, state_pool=pool.astype(jnp.bfloat16), slots=[0, 1])
         with pytest.raises(ValueError, match="num_accepted"):
             fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=[0, 1], num_accepted=[0, 2])
+
+
+def test_traced_export_positions_equal_a_replay_and_zero_where_they_name_no_state(rng):
+    """`export_at` is the traced form of checkpoint_positions (a serving engine's chunk exports
+    its snapshot boundaries with one compiled program): exports equal the replayed states, for
+    the Pallas kernel and the chunked reference; -1, non-multiples of 64 and positions past T
+    export zeros."""
+    import jax
+
+    q, k, v, g, beta = kda_inputs(rng, 2, 200, 2, 16, 16)
+    s0 = jnp.asarray(rng.standard_normal((2, 2, 16, 16)), jnp.float32)
+    export_at = jnp.asarray([128, -1, 64, 100, 256], jnp.int32)
+    run = jax.jit(lambda e: chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, export_at=e))
+    _, _, ck = run(export_at)
+    _, _, ck_ref = kda_mod.kda_chunked_ref(q, k, v, g, beta, initial_state=s0, export_at=export_at)
+    assert ck.shape == ck_ref.shape == (2, 5, 2, 16, 16)
+    for j, p in ((0, 128), (2, 64)):
+        want = replay_state(q, k, v, g, beta, p, s0)
+        np.testing.assert_allclose(ck[:, j], want, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(ck_ref[:, j], want, atol=ATOL, rtol=RTOL)
+    for j in (1, 3, 4):
+        assert not np.asarray(ck[:, j]).any() and not np.asarray(ck_ref[:, j]).any()
+    _, _, ck2 = run(jnp.asarray([64, 192, -1, -1, -1], jnp.int32))
+    np.testing.assert_allclose(ck2[:, 1], replay_state(q, k, v, g, beta, 192, s0), atol=ATOL, rtol=RTOL)
+    # (JAX registers a tracing-context value during the first call, so the second traces once more.)
+    programs = run._cache_size()
+    run(jnp.asarray([192, 64, 128, -1, 0], jnp.int32))  # other positions: the same program
+    assert run._cache_size() == programs

@@ -271,3 +271,31 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
     assert eng.compiles == 0
     for req, p in zip(reqs, prompts):
         assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
+
+
+def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng, tiny_cfg, tiny_params):
+    """With 256-token chunks the first chunk runs 128 tokens and the KDA-block boundary at 64
+    lies inside it: the chunk's one pass exports that state (no chunk ends there).  A second
+    request sharing 100 tokens hits that snapshot and decodes the oracle's tokens, and the
+    snapshot equals the one an engine whose chunks end at 64 takes from the slot."""
+    kw = dict(num_pages=64, kda_block_tokens=4 * PAGE, prefill_chunk_tokens=256)
+    eng = _engine(tiny_params, tiny_cfg, **kw)
+    first = rng.integers(0, 256, 230).tolist()
+    r1 = eng.submit(first, 4)
+    calls = []
+    forward = eng._forward
+    eng._forward = lambda tokens, *a, **k: calls.append(tokens.shape) or forward(tokens, *a, **k)
+    eng.run(max_steps=100)
+    assert calls[:2] == [(1, 128), (1, 64)]  # [0, 128) exports 64 and ends at 128; [128, 192) ends at 192
+    second = first[:100] + rng.integers(0, 256, 20).tolist()
+    r2 = eng.submit(second, 4)
+    eng.run(max_steps=100)
+    assert r2.cached_tokens == 64
+    assert r1.output == _oracle(tiny_params, tiny_cfg, first, 4)
+    assert r2.output == _oracle(tiny_params, tiny_cfg, second, 4)
+
+    split = _engine(tiny_params, tiny_cfg, **dict(kw, prefill_chunk_tokens=64))
+    split.submit(first, 1)
+    split.run(max_steps=100)
+    snapshot = lambda e: np.asarray(e.snapshots.data[e.manager.snap_pool.lookup(e.manager.hashes(first)[64 // PAGE - 1])])
+    np.testing.assert_allclose(snapshot(eng), snapshot(split), atol=1e-5, rtol=1e-5)
