@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from kimik3 import compile_cache
+
 
 def _cmd_generate(args) -> int:
     import jax
@@ -128,6 +130,7 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    compile_cache.enable()
     return run(args)
 
 
@@ -135,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help=f"persistent XLA compilation cache (default ${compile_cache.ENV} or "
+                             f"{compile_cache.DEFAULT_DIR}; 'off' disables)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="greedy generation from a config (random weights) or a checkpoint")
@@ -190,6 +196,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    compile_cache.enable(args.compile_cache)
     try:
         return args.func(args)
     except ValueError as e:

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# CLI entry points called in-process (and the worker processes tests start) would turn on the
+# persistent compilation cache in ~/.cache; tests that want it say so (tests/kimik3/test_compile_cache.py).
+os.environ["KIMIK3_COMPILE_CACHE"] = "off"
 
 import jax
 
