@@ -14,9 +14,12 @@ admit waiting requests the pools can hold (prefix hits restore pages and a KDA
 snapshot and skip that prefill); decode one token for every running request in
 one batched call (decode rows are charged to the budget first: they are what
 TPOT waits on); then spend what is left on prefill chunks of the prefilling
-requests, oldest first (chunks end at the manager's snapshot boundaries, so the
-KDA state there is exported by copying the request's state row into its private
-checkpoint block, then published).
+requests, oldest first.  The KDA state at each of the manager's snapshot
+boundaries comes out of the chunk's own pass (`export_at`: the kernel writes the
+state there while it runs, no replay), is packed into the request's private
+checkpoint block and published; a chunk ends at a boundary only where its pass
+cannot export it (not a KDA-chunk multiple from the chunk's start), and then
+the state row is copied after the pass (`_plan_chunk`).
 When the pool runs short while decoding, the most recently admitted requests are
 preempted: with a host tier their KV (pages and KDA state) is offloaded there and
 installed back when they resume; without one, or if an entry was evicted or is
