@@ -70,14 +70,14 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 reps = 2 if interpret else 20
 
                 def run(cfg):
-                    bm, nw = cfg
+                    bm, nw, bv = (tuple(cfg) + (None,))[:3]
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
                     # the time is the kernel's and not Python dispatch's.
                     @jax.jit
                     def loop(a, c, pg, t, n):
                         body = lambda _, x: mla.mla_decode(x, c, pg, t, n, scale=0.1, block_m=bm, num_warps=nw,
-                                                           interpret=interpret)[0]
+                                                           block_v=bv, interpret=interpret)[0]
                         return jax.lax.fori_loop(0, reps, body, a)
 
                     return time_jax(loop, ql, qp, pages, table, lens, iters=iters) / reps
@@ -93,7 +93,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 flops = 2 * b * sq * h * ctx * (r + p + r)
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
-                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps=bm, ours_ms=ms,
+                rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps_v=bm, ours_ms=ms,
                                  xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))
@@ -144,8 +144,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-configs", default="16x4,32x4,64x8",
-                    help="decode (rows per block)x(num_warps) to try; the best is reported")
+    ap.add_argument("--decode-configs", default="16x4,32x4,64x8,64x8x256,64x4x128",
+                    help="decode (rows per block)x(num_warps)[x(value columns per program)] to try; "
+                         "the best is reported")
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--prefill-block", default="64,128", help="prefill query/key block sizes to try")
     ap.add_argument("--prefill-warps", default="4,8", help="prefill num_warps to try")

@@ -59,10 +59,14 @@ def mla_decode_ref(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scal
 
 
 def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *, n_heads, n_queries, rank,
-                   block_m, block_k, page, n_splits, scale):
-    """One (sequence, split, row block): online softmax over this split's key blocks."""
+                   block_m, block_k, block_v, page, n_splits, scale):
+    """One (sequence, split, row block, value block): online softmax over this split's key
+    blocks.  Scores use the whole latent (kv_lora + rope); the output accumulates only value
+    columns [vb * block_v, (vb + 1) * block_v) of the latent (FlashMLA splits the 512 value
+    columns over two warpgroups the same way), so a 64-row block keeps its fp32 accumulator
+    in registers; every value block recomputes the same scores."""
     f32 = jnp.float32
-    b, split, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, split, mb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
     rows = mb * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     seq_len = len_ref[b]
     limit = seq_len - n_queries + rows // n_heads + 1  # keys < limit are visible to each row
@@ -88,27 +92,34 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(c.dtype), c, preferred_element_type=f32)
+        c_v = c if block_v == rank else pages_ref[pg, keys, pl.ds(vb * block_v, block_v)]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(c.dtype), c_v, preferred_element_type=f32)
         return m_new, l, acc
 
-    init = (jnp.full((block_m,), -jnp.inf, f32), jnp.zeros((block_m,), f32), jnp.zeros((block_m, rank), f32))
+    init = (jnp.full((block_m,), -jnp.inf, f32), jnp.zeros((block_m,), f32), jnp.zeros((block_m, block_v), f32))
     m, l, acc = jax.lax.fori_loop(kb0, kb1, body, init)
     has = l > 0
-    o_ref[b, split, pl.ds(mb * block_m, block_m), :] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0)
-    lse_ref[b, split, pl.ds(mb * block_m, block_m)] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    o_ref[b, split, pl.ds(mb * block_m, block_m), pl.ds(vb * block_v, block_v)] = jnp.where(
+        has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0)
+    # every value block computed the same softmax statistics: value block 0 stores them
+    @pl.when(vb == 0)
+    def _():
+        lse_ref[b, split, pl.ds(mb * block_m, block_m)] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)),
+                                                                    -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_splits", "block_m", "block_k", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "n_splits", "block_m", "block_k", "block_v", "interpret",
+                                             "num_warps"))
 def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits, block_m, block_k,
-                     interpret, num_warps):
+                     block_v, interpret, num_warps):
     b, sq, h, r = q_latent.shape
     rows = sq * h
     rows_pad = -(-rows // block_m) * block_m
     fold = lambda x: jnp.pad(x.reshape(b, rows, x.shape[-1]), ((0, 0), (0, rows_pad - rows), (0, 0)))
     o_part, lse_part = pl.pallas_call(
         functools.partial(_decode_kernel, n_heads=h, n_queries=sq, rank=r, block_m=block_m, block_k=block_k,
-                          page=latent_pages.shape[1], n_splits=n_splits, scale=scale),
-        grid=(b, n_splits, rows_pad // block_m),
+                          block_v=block_v, page=latent_pages.shape[1], n_splits=n_splits, scale=scale),
+        grid=(b, n_splits, rows_pad // block_m, r // block_v),
         out_shape=[jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
                    jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)],
         interpret=interpret,
@@ -124,7 +135,7 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
 
 
 def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=16,
-               block_k=64, interpret=None, num_warps=4):
+               block_k=64, block_v=None, interpret=None, num_warps=4):
     """Paged absorbed MLA decode.
 
     Args:
@@ -136,6 +147,9 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
         sees positions < seq_len - Sq + i + 1.
       scale: softmax scale.
       n_splits: KV splits per sequence (default: enough to fill the GPU for small B).
+      block_m / block_k / block_v / num_warps: rows (heads x queries) per program, keys
+        per step, value columns per program (default all kv_lora; a power of two
+        dividing it), warps.
     Returns:
       o_latent [B, Sq, H, kv_lora] in q_latent's dtype, lse fp32 [B, Sq, H].
     Raises:
@@ -167,12 +181,16 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
         used = np.arange(table.shape[1])[None, :] * page < lens[:, None]
         if (table[used] < 0).any() or (table[used] >= latent_pages.shape[0]).any():
             raise ValueError(f"block_tables hold page indices outside [0, {latent_pages.shape[0]})")
+    block_v = r if block_v is None else block_v
+    if not (_is_pow2(block_v) and 16 <= block_v <= r):
+        raise ValueError(f"block_v must be a power of two in [16, kv_lora={r}]; got {block_v}")
     if n_splits is None:
-        n_splits = max(1, min(32, 132 // max(1, b * (-(-sq * h // block_m)))))
+        n_splits = max(1, min(32, 132 // max(1, b * (-(-sq * h // block_m)) * (r // block_v))))
     interpret = _default_interpret() if interpret is None else interpret
     return _mla_decode_core(q_latent, q_pe, latent_pages, jnp.asarray(block_tables, jnp.int32),
                             jnp.asarray(seq_lens, jnp.int32), scale=float(scale), n_splits=int(n_splits),
-                            block_m=block_m, block_k=block_k, interpret=interpret, num_warps=num_warps)
+                            block_m=block_m, block_k=block_k, block_v=block_v, interpret=interpret,
+                            num_warps=num_warps)
 
 
 def write_latent(latent_pages, new_latent, block_tables, positions):

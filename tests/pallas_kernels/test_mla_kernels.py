@@ -26,16 +26,18 @@ def _paged(rng, b, n_pages, page, width, max_pages):
     return pages, table
 
 
-@pytest.mark.parametrize("sq, n_splits", [(1, 1), (1, 3), (3, 2)])
-def test_decode_equals_naive_attention_on_expanded_kv(rng, sq, n_splits):
-    """Absorbed paged decode == naive attention with per-head K/V expanded from the latent."""
+@pytest.mark.parametrize("sq, n_splits, block_v", [(1, 1, None), (1, 3, None), (3, 2, None), (3, 2, 16)])
+def test_decode_equals_naive_attention_on_expanded_kv(rng, sq, n_splits, block_v):
+    """Absorbed paged decode == naive attention with per-head K/V expanded from the latent
+    (block_v 16: the value columns split over two programs per row block)."""
     b, h, r, p, nope, dv, page = 3, 4, 32, 16, 16, 16, 32
     pages, table = _paged(rng, b, 24, page, r + p, 6)
     lens = jnp.asarray([sq + 2, 100, 161], jnp.int32)  # not multiples of the page size
     w_kb, w_vb = _rand(rng, r, h, nope) * 0.3, _rand(rng, r, h, dv) * 0.3
     q_nope, q_pe = _rand(rng, b, sq, h, nope), _rand(rng, b, sq, h, p)
     q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_kb)
-    o_lat, lse = mla_decode(q_latent, q_pe, pages, table, lens, scale=0.2, n_splits=n_splits, block_k=16)
+    o_lat, lse = mla_decode(q_latent, q_pe, pages, table, lens, scale=0.2, n_splits=n_splits, block_k=16,
+                            block_v=block_v)
     assert np.isfinite(o_lat).all() and np.isfinite(lse).all()
     # naive form on expanded keys and values
     kv = gather_pages(pages, table)
@@ -107,6 +109,11 @@ class TestBadInput:
         ql, qp, pages, table = self._decode_args(rng)
         with pytest.raises(ValueError, match="seq_lens"):
             mla_decode(ql, qp, pages, table, jnp.asarray([5, 49]), scale=0.1)
+
+    def test_value_block_that_does_not_tile_the_latent(self, rng):
+        ql, qp, pages, table = self._decode_args(rng)
+        with pytest.raises(ValueError, match="block_v"):
+            mla_decode(ql, qp, pages, table, jnp.asarray([5, 5]), scale=0.1, block_v=24)
 
     def test_wrong_dims(self, rng):
         ql, qp, pages, table = self._decode_args(rng)
