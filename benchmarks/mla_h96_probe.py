@@ -1,0 +1,21 @@
+"""Quick H96 decode check of `mla_decode` row / value blocking (one short GPU call).
+
+    PYTHONPATH=$PWD python3 benchmarks/mla_h96_probe.py
+
+Loop-timed like `benchmarks/mla.py` decode rows; one row per config so the
+configs can be compared (mla.py reports only the best).
+"""
+
+import time
+
+from benchmarks import common
+from benchmarks.mla import decode_rows, matmul_tflops
+
+if __name__ == "__main__":
+    bw, tf = common.copy_gbs(), matmul_tflops()
+    print(f"copy {bw:.0f} GB/s, matmul {tf:.0f} TFLOP/s", flush=True)
+    deadline = time.monotonic() + 100
+    for cfg in ((16, 4), (64, 8, 256), (64, 4, 128), (64, 8, 128)):
+        for row in decode_rows(bw, tf, [16], [8192], [96], configs=(cfg,), deadline=deadline):
+            print(cfg, f"{row['ours_ms']:.3f} ms  {row['tflops']:.0f} TFLOP/s  {100 * row['of_matmul']:.0f}% of matmul",
+                  flush=True)
