@@ -70,14 +70,15 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 reps = 2 if interpret else 20
 
                 def run(cfg):
-                    bm, nw, bv = (tuple(cfg) + (None,))[:3]
+                    bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
                     # the time is the kernel's and not Python dispatch's.
                     @jax.jit
                     def loop(a, c, pg, t, n):
                         body = lambda _, x: mla.mla_decode(x, c, pg, t, n, scale=0.1, block_m=bm, num_warps=nw,
-                                                           block_v=bv, interpret=interpret)[0]
+                                                           block_v=bv, block_k=bk, num_stages=ns,
+                                                           interpret=interpret)[0]
                         return jax.lax.fori_loop(0, reps, body, a)
 
                     return time_jax(loop, ql, qp, pages, table, lens, iters=iters) / reps
@@ -144,9 +145,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-configs", default="16x4,32x4,64x8,64x8x256,64x4x128",
-                    help="decode (rows per block)x(num_warps)[x(value columns per program)] to try; "
-                         "the best is reported")
+    ap.add_argument("--decode-configs", default="16x4,32x4,64x8x256x32,64x4x128x32,64x8x256x64x1",
+                    help="decode (rows per block)x(num_warps)[x(value columns per program)[x(block_k)"
+                         "[x(num_stages)]]] to try; the best is reported")
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--prefill-block", default="64,128", help="prefill query/key block sizes to try")
     ap.add_argument("--prefill-warps", default="4,8", help="prefill num_warps to try")

@@ -109,9 +109,9 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "n_splits", "block_m", "block_k", "block_v", "interpret",
-                                             "num_warps"))
+                                             "num_warps", "num_stages"))
 def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits, block_m, block_k,
-                     block_v, interpret, num_warps):
+                     block_v, interpret, num_warps, num_stages):
     b, sq, h, r = q_latent.shape
     rows = sq * h
     rows_pad = -(-rows // block_m) * block_m
@@ -123,7 +123,7 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
         out_shape=[jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
                    jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)],
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_decode",
     )(block_tables, seq_lens, fold(q_latent), fold(q_pe.astype(q_latent.dtype)), latent_pages)
     # Merge the splits: o = sum_s exp(lse_s - lse) o_s.
@@ -135,7 +135,7 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
 
 
 def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=16,
-               block_k=64, block_v=None, interpret=None, num_warps=4):
+               block_k=64, block_v=None, interpret=None, num_warps=4, num_stages=2):
     """Paged absorbed MLA decode.
 
     Args:
@@ -147,9 +147,11 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
         sees positions < seq_len - Sq + i + 1.
       scale: softmax scale.
       n_splits: KV splits per sequence (default: enough to fill the GPU for small B).
-      block_m / block_k / block_v / num_warps: rows (heads x queries) per program, keys
-        per step, value columns per program (default all kv_lora; a power of two
-        dividing it), warps.
+      block_m / block_k / block_v / num_warps / num_stages: rows (heads x queries) per
+        program, keys per step, value columns per program (default all kv_lora; a power
+        of two dividing it), warps, pipeline stages.  Shared memory holds num_stages
+        key tiles of block_k x (kv_lora + rope) plus the queries: 64 rows with
+        block_k 64 and 2 stages need ~250-290 KiB, over H200's 227 KiB.
     Returns:
       o_latent [B, Sq, H, kv_lora] in q_latent's dtype, lse fp32 [B, Sq, H].
     Raises:
@@ -190,7 +192,7 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
     return _mla_decode_core(q_latent, q_pe, latent_pages, jnp.asarray(block_tables, jnp.int32),
                             jnp.asarray(seq_lens, jnp.int32), scale=float(scale), n_splits=int(n_splits),
                             block_m=block_m, block_k=block_k, block_v=block_v, interpret=interpret,
-                            num_warps=num_warps)
+                            num_warps=num_warps, num_stages=num_stages)
 
 
 def write_latent(latent_pages, new_latent, block_tables, positions):
