@@ -214,6 +214,8 @@ import numpy as _np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import dots
+
 CHUNK = 64
 SUB = 16
 
@@ -222,20 +224,13 @@ def _default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-_GPU_DOT_ALGORITHMS = {
-    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,  # ~fp32 accuracy on tensor cores
-    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
-    "ieee": HIGHEST,  # exact fp32 on CUDA cores
-}
-
-
 def _precise_dot(interpret: bool, algorithm: str = "tf32x3"):
     """Dot for the prepare kernel: `algorithm` on the GPU ("bf16": bf16 operands
     with fp32 accumulation, as fla does for bf16 inputs); exact fp32 in
     interpret mode unless the algorithm is "bf16"."""
     if algorithm == "bf16":
         return _fast_dot(True, interpret)
-    precision = HIGHEST if interpret else _GPU_DOT_ALGORITHMS[algorithm]
+    precision = dots.fp32_precision(interpret, algorithm)
 
     def dot(a, b):
         return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import dots
+
 
 def grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g):
     """Reference: `jax.lax.ragged_dot` (fp32 accumulation).  lhs [M, K], rhs [G, K, N],
@@ -88,8 +90,8 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     lhs [M, K] rows sorted by group; rhs [G, K, N] (same dtype); group_sizes [G]
     int32.  block_m: rows per tile (default 16 for M <= 512, a decode step's
     few rows per expert; else 64).  K must divide by 16 and N by 16
-    (`kernel_dims_ok`).  fp32 inputs multiply at fp32 precision (3-pass on
-    tensor cores), bf16 inputs on bf16 tensor cores, accumulating in fp32.
+    (`kernel_dims_ok`).  fp32 inputs multiply in 3xTF32 on the GPU (exact fp32
+    in interpret mode), bf16 inputs on bf16 tensor cores, accumulating in fp32.
     """
     m, k = lhs_mk.shape
     g, k2, n = rhs_gkn.shape
@@ -108,7 +110,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     n_tiles = -(-(m + g * (block_m - 1)) // block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
     x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[dest].set(lhs_mk, mode="drop")
-    precision = jax.lax.Precision.HIGHEST if lhs_mk.dtype == jnp.float32 else None
+    precision = dots.fp32_precision(interpret) if lhs_mk.dtype == jnp.float32 else None
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
         grid=(n_tiles, n // block_n),
