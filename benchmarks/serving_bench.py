@@ -54,11 +54,18 @@ def decode_roofline(params, cfg, args, copy_gbs):
     eng = make(params, cfg, "colocated", args)
     table = np.arange(1, 1 + b * (-(-ctx // args.page_tokens) + 1)).reshape(b, -1) % eng.manager.page_pool.num_blocks
     pad = np.zeros((b, eng.max_pages - table.shape[1]), np.int64)
-    view = model.paged_view(eng.pools, np.concatenate([table, pad], 1), np.arange(b), np.full(b, ctx))
+    rows = (np.concatenate([table, pad], 1), np.arange(b), np.full(b, ctx))  # host arrays: the view is donated
     positions = jnp.full((b, 1), ctx, jnp.int32)
-    step = lambda: model._forward(params, jnp.zeros((b, 1), jnp.int32), positions, view, None, cfg=cfg,
-                                  expert_path="grouped", kernels=eng.kernels)[0]
-    ms = common.time_jax(lambda: step())
+    pools = [eng.pools]
+
+    def step():  # the engine's step: pools donated and threaded through, context fixed at ctx
+        logits, out = model.forward_step(params, jnp.zeros((b, 1), jnp.int32), positions,
+                                         model.paged_view(pools[0], *rows), None, cfg=cfg, expert_path="grouped",
+                                         kernels=eng.kernels)
+        pools[0] = {"layers": out["layers"]}
+        return logits
+
+    ms = common.time_jax(step)
     weights = sizing.weight_bytes(cfg, quantization.BF16)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)

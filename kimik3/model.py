@@ -214,8 +214,7 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "expert_path", "kernels"))
-def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto"):
+def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto"):
     layer_caches = None if cache is None else cache["layers"]
     if _is_paged(cache):
         slots = cache["slots"]
@@ -237,6 +236,14 @@ def _forward(params, tokens, positions, cache, images, *, cfg, expert_path, kern
                               for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
         return logits, out
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
+
+
+_STATIC = ("cfg", "expert_path", "kernels")
+_forward = jax.jit(_forward_impl, static_argnames=_STATIC)
+# The serving step: the same program with the cache donated, so the pools (every MLA page and
+# KDA state row) are updated in place instead of copied each call.  The caller must drop its
+# references to the donated cache and keep the returned one.
+forward_step = jax.jit(_forward_impl, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -522,7 +522,8 @@ class Engine:
     def _programs(self) -> int:
         """Compiled step programs so far (the unsharded model and the sharded steps)."""
         steps = [s for s in (self._prefill_step, self._decode_step) if s]
-        return model._forward._cache_size() + sum(s.programs() for s in steps) + (helper_programs() if steps else 0)
+        return (model._forward._cache_size() + model.forward_step._cache_size() + sum(s.programs() for s in steps)
+                + (helper_programs() if steps else 0))
 
     def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None, images=None,
                  export_at=None):
@@ -539,8 +540,8 @@ class Engine:
         else:
             view = model.paged_view(self.pools, tables, slots, lengths, export_at)
             positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-            logits, view = model._forward(self.params, jnp.asarray(tokens), positions, view, images, cfg=self.cfg,
-                                          expert_path="grouped", kernels=self.kernels)
+            logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
+                                              cfg=self.cfg, expert_path="grouped", kernels=self.kernels)
             self.pools = {"layers": view["layers"]}
             exports = view.get("exports")
         self.compiles += self._programs() - before  # new XLA programs this call needed
@@ -564,13 +565,14 @@ class Engine:
 
     def warmup(self, threads: int | None = None) -> int:
         """Compile every step shape this engine can use (`_prefill_lengths`; decode buckets for 1 ..
-        num_slots requests) on scratch rows (the scratch slot and null pages; results dropped).
+        num_slots requests) and run each once on scratch rows (the scratch slot and null pages).
 
-        threads: unsharded shapes compile concurrently on this many threads (default: one per
-        shape, at most half the CPU cores): XLA's compile of a whole-model step is mostly
-        single-threaded (~30 s per shape for `small` on an H200 host), so the ~20 shapes of a
-        serving engine take minutes one by one.  Sharded steps replace the pools, so they run
-        one by one.  Returns the number of new programs."""
+        threads: unsharded shapes compile ahead of time concurrently on this many threads
+        (default: one per shape, at most half the CPU cores): XLA's compile of a whole-model
+        step is mostly single-threaded (~30 s per shape for `small` on an H200 host), so the
+        ~20 shapes of a serving engine take minutes one by one.  The runs that follow (one by
+        one: each donates the pools) then find their executables compiled.  Returns the
+        number of new programs."""
         before = self._programs()
         shapes = [(1, t, step) for t, step in self._prefill_lengths()]
         shapes += [(b, 1, self._decode_step) for b in sorted({self._decode_bucket(n)
@@ -579,14 +581,15 @@ class Engine:
         def rows(b):
             return [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b
 
-        def compile_unsharded(shape):
+        def step_args(shape):
             b, t = shape
             # prefill chunks of a KDA chunk or more carry export positions (`_prefill_chunk`)
             export_at = [-1] * self.export_slots if b == 1 and t >= self.cfg.kda_chunk_size else None
             view = model.paged_view(self.pools, *rows(b), export_at)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-            jax.block_until_ready(model._forward(self.params, jnp.zeros((b, t), jnp.int32), positions, view, None,
-                                                 cfg=self.cfg, expert_path="grouped", kernels=self.kernels)[0])
+            return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
+
+        static = dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels)
 
         for b, t, step in shapes:
             if step is not None:  # writes land in the scratch slot and the null page only
@@ -595,9 +598,13 @@ class Engine:
                 jax.block_until_ready(logits)
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})  # prefill T1 == decode B1
         workers = threads or max(1, min(len(unsharded), (os.cpu_count() or 2) // 2))
-        # The unsharded step neither donates nor replaces the pools here, so calls may overlap.
+        # Lowering and compiling neither run nor donate anything, so they may overlap.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(compile_unsharded, unsharded))
+            list(pool.map(lambda shape: model.forward_step.lower(*step_args(shape), **static).compile(), unsharded))
+        for shape in unsharded:
+            logits, view = model.forward_step(*step_args(shape), **static)
+            self.pools = {"layers": view["layers"]}
+            jax.block_until_ready(logits)
         return self._programs() - before
 
     def _prefill_chunk(self, req: Request, budget_tokens: int) -> int:
