@@ -62,6 +62,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -114,6 +115,13 @@ class Request:
     _image_rows: object = None  # the images' ViT embeddings [N * P, D], computed once at first prefill
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_rows(pool, index, rows):
+    """pool.at[index].set(rows), in place: the pool is donated (an eager `.at[].set` copies
+    the whole pool, e.g. every snapshot block to write one).  Callers keep the result."""
+    return pool.at[index].set(rows.astype(pool.dtype))
+
+
 class _MLAPageStore:
     """BlockStore over the engine's MLA page pools: one block = [n_mla_layers, page, D]."""
 
@@ -133,7 +141,7 @@ class _MLAPageStore:
         data = np.stack(arrays)  # [n, n_mla, page, D]
         layers = list(self.e.pools["layers"])
         for k, i in enumerate(self.e.mla_layers):
-            layers[i] = {"pages": layers[i]["pages"].at[idx].set(jnp.asarray(data[:, k], layers[i]["pages"].dtype))}
+            layers[i] = {"pages": _set_rows(layers[i]["pages"], idx, jnp.asarray(data[:, k]))}
         self.e.pools = {"layers": tuple(layers)}
 
 
@@ -150,7 +158,7 @@ class _SnapshotStore:
         return list(np.asarray(self.data[jnp.asarray(blocks, jnp.int32)]))
 
     def write(self, blocks, arrays):
-        self.data = self.data.at[jnp.asarray(blocks, jnp.int32)].set(jnp.asarray(np.stack(arrays)))
+        self.data = _set_rows(self.data, jnp.asarray(blocks, jnp.int32), jnp.asarray(np.stack(arrays)))
 
 
 class Engine:
@@ -448,7 +456,7 @@ class Engine:
         if new_pages:
             self.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
         self.manager.commit_pages(req.request_id, len(req._context))
-        self.snapshots.data = self.snapshots.data.at[blocks.checkpoint_block].set(jnp.asarray(state))
+        self.snapshots.data = _set_rows(self.snapshots.data, blocks.checkpoint_block, jnp.asarray(state))
         self._restore_state(req._slot, blocks.checkpoint_block)
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
@@ -495,7 +503,7 @@ class Engine:
             for k in self._kda_keys:
                 shape = layer[k].shape[1:]
                 n = int(np.prod(shape))
-                layer[k] = layer[k].at[slot].set(vec[off:off + n].reshape(shape).astype(layer[k].dtype))
+                layer[k] = _set_rows(layer[k], slot, vec[off:off + n].reshape(shape))
                 off += n
             layers[i] = layer
         self.pools = {"layers": tuple(layers)}
@@ -505,14 +513,14 @@ class Engine:
                                 for i in self.kda_layers for k in self._kda_keys])
 
     def _save_state(self, slot: int, snapshot_block: int) -> None:
-        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(self._packed_state(slot))
+        self.snapshots.data = _set_rows(self.snapshots.data, snapshot_block, self._packed_state(slot))
 
     def _save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
         (`_forward`'s exports; packed as `_packed_state` packs a state row)."""
         packed = jnp.concatenate([layer[k][0, index].astype(jnp.float32).reshape(-1)
                                   for layer in exports for k in self._kda_keys])
-        self.snapshots.data = self.snapshots.data.at[snapshot_block].set(packed)
+        self.snapshots.data = _set_rows(self.snapshots.data, snapshot_block, packed)
 
     # ---- model calls --------------------------------------------------------------------------------
     def _table(self, req: Request) -> list[int]:
