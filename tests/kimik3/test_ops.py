@@ -1,0 +1,31 @@
+"""The kernel switch: what runs where, and the fallbacks it takes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3 import ops
+from pallas_kernels.moe import grouped_matmul_ref
+
+
+def test_auto_means_references_off_the_gpu_and_bad_choices_are_refused(monkeypatch):
+    assert ops.resolve("auto") == "reference"  # the tests run on CPU
+    monkeypatch.setenv("KIMIK3_KERNELS", "pallas")
+    assert ops.resolve("auto") == "pallas"
+    monkeypatch.setenv("KIMIK3_KERNELS", "fast")
+    with pytest.raises(ValueError, match="KIMIK3_KERNELS"):
+        ops.resolve("auto")
+    with pytest.raises(ValueError, match="kernels must be"):
+        ops.resolve("cuda")
+
+
+@pytest.mark.parametrize("k, n, dtypes", [(32, 48, ("float32", "float32")),   # the Pallas kernel's tiling
+                                          (24, 48, ("float32", "float32")),   # K not a multiple of 16
+                                          (32, 48, ("float32", "bfloat16"))])  # mixed dtypes
+def test_grouped_matmul_takes_the_kernel_where_it_tiles_and_the_reference_elsewhere(rng, k, n, dtypes):
+    lhs = jnp.asarray(rng.standard_normal((30, k)), dtypes[0])
+    rhs = jnp.asarray(rng.standard_normal((3, k, n)), dtypes[1])
+    sizes = jnp.asarray([10, 0, 20], jnp.int32)
+    out = ops.grouped_matmul(lhs, rhs, sizes, kernels="pallas")
+    want = grouped_matmul_ref(lhs, rhs.astype(lhs.dtype) if dtypes[0] != dtypes[1] else rhs, sizes)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
