@@ -59,3 +59,24 @@ def test_paged_capacity_is_checked(tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="cache capacity=32"):
         model.forward(tiny_params, tiny_cfg, np.zeros((1, 33), np.int32),
                       cache=model.paged_view(pools, [[1, 2]], [0], [0]))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_one_pass_exports_every_kda_layer_as_a_replay_leaves_it(rng, tiny_cfg, tiny_params, kernels):
+    """`export_at` on a paged view: the pass returns, per KDA layer, the state and conv rows after
+    64 and 128 of its tokens, equal to the slot's entries after a pass over only that prefix
+    (states a prefix cache snapshots, without the replay); an entry naming no chunk end is zero."""
+    toks = _tokens(rng, 200)
+    pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
+    table, slot = [list(range(1, 14)) + [0] * 3], [1]
+    _, out = model.forward(tiny_params, tiny_cfg, toks, kernels=kernels,
+                           cache=model.paged_view(pools, table, slot, [0], export_at=[64, 128, 100]))
+    kda_layers = [i for i, kind in enumerate(tiny_cfg.mixer_kinds) if kind == "kda"]
+    assert len(out["exports"]) == len(kda_layers)
+    for e, n in enumerate((64, 128)):
+        _, replay = model.forward(tiny_params, tiny_cfg, toks[:, :n], kernels=kernels,
+                                  cache=model.paged_view(pools, table, slot, [0]))
+        for exported, i in zip(out["exports"], kda_layers):
+            for key, rows in exported.items():
+                np.testing.assert_allclose(rows[0, e], replay["layers"][i][key][1], atol=ATOL, rtol=ATOL)
+    assert all(not np.asarray(rows[0, 2]).any() for exported in out["exports"] for rows in exported.values())
