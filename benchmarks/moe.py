@@ -30,7 +30,7 @@ except Exception:  # noqa: BLE001 - the peer column stays empty
     ragged_dot_mgpu = None
 
 
-def _case(rng, m, k, n, g, top_k_rows):
+def _case(rng, m, k, n, g):
     """Random rows routed to experts (multinomial over G), bf16."""
     sizes = rng.multinomial(m, np.ones(g) / g).astype(np.int32)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -49,7 +49,7 @@ def main():
               ("prefill T2048", 8192, 768, 768, 32), ("prefill T8192", 32768, 768, 768, 32),
               ("k3 rank decode B64", 512, 1024, 2048, 24), ("k3 rank prefill", 16384, 1024, 2048, 24)]
     for name, m, k, n, g in shapes:
-        lhs, rhs, sizes, active = _case(rng, m, k, n, g, 4)
+        lhs, rhs, sizes, active = _case(rng, m, k, n, g)
         ours = jax.jit(moe.grouped_matmul)
         ref = jax.jit(moe.grouped_matmul_ref)
         err = float(jnp.max(jnp.abs(ours(lhs, rhs, sizes).astype(jnp.float32) - ref(lhs, rhs, sizes).astype(jnp.float32))))

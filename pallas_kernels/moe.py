@@ -109,7 +109,9 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     # Every group may leave up to block_m - 1 rows of its last tile empty.
     n_tiles = -(-(m + g * (block_m - 1)) // block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
-    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[dest].set(lhs_mk, mode="drop")
+    # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
+    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[jnp.where(dest >= 0, dest, n_tiles * block_m)].set(
+        lhs_mk, mode="drop")
     precision = dots.fp32_precision(interpret) if lhs_mk.dtype == jnp.float32 else None
     out = pl.pallas_call(
         functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),

@@ -190,7 +190,7 @@ class Engine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # KDA states one unsharded prefill chunk can export in its own pass (`_plan_chunk`): every
         # KDA-block boundary inside it plus the prompt's last full page.  A fixed count, so the
-        # chunk programs keep one shape; chunks of fewer than EXPORT_MIN_TOKENS never export.
+        # chunk programs keep one shape (`_export_at`).
         self.export_slots = prefill_chunk_tokens // kda_block_tokens + 2
         self.max_step_tokens = max_step_tokens or prefill_chunk_tokens + num_slots
         if self.max_step_tokens <= num_slots:
@@ -508,9 +508,13 @@ class Engine:
             layers[i] = layer
         self.pools = {"layers": tuple(layers)}
 
+    def _pack(self, entries_per_layer):
+        """One snapshot vector (fp32) from each KDA layer's {state, conv_*} entries, in layer order."""
+        return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1)
+                                for layer in entries_per_layer for k in self._kda_keys])
+
     def _packed_state(self, slot: int):
-        return jnp.concatenate([self.pools["layers"][i][k][slot].astype(jnp.float32).reshape(-1)
-                                for i in self.kda_layers for k in self._kda_keys])
+        return self._pack({k: v[slot] for k, v in self.pools["layers"][i].items()} for i in self.kda_layers)
 
     def _save_state(self, slot: int, snapshot_block: int) -> None:
         self.snapshots.data = _set_rows(self.snapshots.data, snapshot_block, self._packed_state(slot))
@@ -518,8 +522,7 @@ class Engine:
     def _save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
         (`_forward`'s exports; packed as `_packed_state` packs a state row)."""
-        packed = jnp.concatenate([layer[k][0, index].astype(jnp.float32).reshape(-1)
-                                  for layer in exports for k in self._kda_keys])
+        packed = self._pack({k: v[0, index] for k, v in layer.items()} for layer in exports)
         self.snapshots.data = _set_rows(self.snapshots.data, snapshot_block, packed)
 
     # ---- model calls --------------------------------------------------------------------------------
@@ -554,6 +557,14 @@ class Engine:
             exports = view.get("exports")
         self.compiles += self._programs() - before  # new XLA programs this call needed
         return np.asarray(logits[:, -1], np.float32), exports
+
+    def _export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
+        """The export positions an unsharded prefill chunk passes (`offsets` padded with -1 to
+        `export_slots`), or None for chunks shorter than one KDA chunk: those never export, and
+        a one-token chunk then shares the decode program of batch 1."""
+        if chunk_tokens < self.cfg.kda_chunk_size:
+            return None
+        return list(offsets) + [-1] * (self.export_slots - len(offsets))
 
     def _prefill_lengths(self) -> list[tuple[int, PagedStep | None]]:
         """Every prefill chunk length this engine runs, with the step that runs it (None: unsharded)."""
@@ -591,9 +602,7 @@ class Engine:
 
         def step_args(shape):
             b, t = shape
-            # prefill chunks of a KDA chunk or more carry export positions (`_prefill_chunk`)
-            export_at = [-1] * self.export_slots if b == 1 and t >= self.cfg.kda_chunk_size else None
-            view = model.paged_view(self.pools, *rows(b), export_at)
+            view = model.paged_view(self.pools, *rows(b), self._export_at(t) if b == 1 else None)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
@@ -646,9 +655,7 @@ class Engine:
                 req._image_rows = model.image_embeddings(self.params, self.cfg, req.images)
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
-        export_at = None
-        if step is None and end - start >= self.cfg.kda_chunk_size:  # one program shape per length
-            export_at = [b - start for b in export] + [-1] * (self.export_slots - len(export))
+        export_at = self._export_at(end - start, [b - start for b in export]) if step is None else None
         logits, exports = self._forward(tokens, [self._table(req)], [req._slot], [start], step, images, export_at)
         req._last_logits = logits[0]
         req._computed = end
