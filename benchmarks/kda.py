@@ -17,6 +17,7 @@ under --out.  Sections:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -206,10 +207,11 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="correctness,prefill,modes,decode")
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
-    ap.add_argument("--prepare-warps", default="4", help="num_warps of the prepare kernel to try, e.g. 4,8")
-    ap.add_argument("--prepare-dot", default="auto", help="prepare kernel dot algorithms to try: auto,tf32x3,tf32,bf16")
+    ap.add_argument("--tunings", default="[{}]",
+                    help='JSON list of kda.TUNING overrides to time in the prefill section, e.g. '
+                         '\'[{}, {"gcum": "xla"}, {"prepare_impl": "fused"}]\' ({} = the defaults)')
     ap.add_argument("--prepare-impl", default="split",
-                    help="prepare implementations to check and time: fused,split (see kda.TUNING)")
+                    help="prepare implementations to check in the correctness section: fused,split")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip sections that start after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -226,9 +228,8 @@ def main():
         shapes = [(1, 8192, 32, 128)] if args.quick else [(1, 32768, 32, 128), (8, 4096, 32, 128), (4, 8192, 12, 128)]
         if args.shapes:
             shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
-        tunings = [(("prepare", (int(w), 1)), ("prepare_dot", dot), ("prepare_impl", impl))
-                   for impl in args.prepare_impl.split(",") for w in args.prepare_warps.split(",")
-                   for dot in args.prepare_dot.split(",")]
+        tunings = [{k: tuple(v) if isinstance(v, list) else v for k, v in tu.items()}
+                   for tu in json.loads(args.tunings)]
         section_prefill(rows, shapes, tunings)
         print("prefill done", flush=True)
     if "modes" in sections and in_budget():

@@ -18,13 +18,15 @@ import numpy as np
 from benchmarks.kda import inputs, time_jax
 from pallas_kernels import kda
 
-PREPARE = [dict(prepare=(4, 1), prepare_dot="bf16"),
-           dict(prepare=(4, 1), prepare_dot="bf16", prepare_impl="split"),
-           dict(prepare=(8, 1), prepare_dot="bf16", prepare_impl="split"),
-           dict(prepare=(2, 1), prepare_dot="bf16", prepare_impl="split"),
-           dict(prepare=(4, 1), prepare_dot="tf32x3"),
-           dict(prepare=(4, 1), prepare_dot="tf32x3", prepare_impl="split")]
-STATE = [(dict(state=(4, 2)), 64), (dict(state=(4, 2)), 32), (dict(state=(4, 3)), 64), (dict(state=(8, 2)), 128)]
+PREPARE = [dict(prepare=(4, 1), prepare_dot="bf16", prepare_impl="fused"),
+           dict(prepare_impl="split"),  # the defaults
+           dict(prepare_impl="split", intra=(4, 1)),
+           dict(prepare_impl="split", intra=(4, 2)),
+           dict(prepare_impl="split", intra=(8, 2)),
+           dict(prepare_impl="split", intra=(16, 1)),
+           dict(prepare_impl="split", prepare_dot="tf32x3")]
+STATE = [(dict(state=(4, 3)), 32), (dict(state=(4, 3)), 16), (dict(state=(4, 2)), 32), (dict(state=(8, 3)), 32),
+         (dict(state=(4, 3)), 64)]
 
 
 def time_split_kernels(args, tu):

@@ -43,6 +43,7 @@ def _best(fn_of_cfg, cfgs):
         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported and skipped
             print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
             continue
+        print(f"config {cfg}: {ms:.3f} ms", flush=True)
         if best[0] is None or ms < best[0]:
             best = (ms, cfg)
     return best
@@ -102,7 +103,8 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
     return rows
 
 
-def prefill_rows(shapes, interpret=False, blocks=(64,), warps=(4,), deadline=float("inf")):
+def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), deadline=float("inf")):
+    """configs: (block_q, block_k, num_warps, num_stages) to try; the best is reported."""
     rows = []
     for b, t, h in shapes:
         if time.monotonic() > deadline:
@@ -115,12 +117,13 @@ def prefill_rows(shapes, interpret=False, blocks=(64,), warps=(4,), deadline=flo
         cu = [i * t for i in range(b + 1)]
 
         def run(cfg):
-            blk, nw = cfg
+            bq, bk, nw, ns = cfg
             ours = jax.jit(lambda q, k, v: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64,
-                                                           block=blk, num_warps=nw, interpret=interpret)[0])
+                                                           block=bq, block_k=bk, num_warps=nw, num_stages=ns,
+                                                           interpret=interpret)[0])
             return time_jax(ours, q, k, v, iters=5 if interpret else 20)
 
-        ms, cfg = _best(run, [(blk, nw) for blk in blocks for nw in warps])
+        ms, cfg = _best(run, list(configs))
         if ms is None:
             continue
         ms_cudnn = None
@@ -134,7 +137,7 @@ def prefill_rows(shapes, interpret=False, blocks=(64,), warps=(4,), deadline=flo
             except Exception as e:  # noqa: BLE001 - report, keep going
                 print(f"cudnn failed: {e!r}")
         flops = b * h * t * t * (192 + 128)  # causal: half of 2 * t^2 * (dqk + dv)
-        rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} qk192 v128 causal", block_warps=cfg, ours_ms=ms,
+        rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} qk192 v128 causal", bq_bk_warps_stages=cfg, ours_ms=ms,
                          cudnn_ms=ms_cudnn,
                          ours_tflops=flops / (ms * 1e-3) / 1e12,
                          vs_cudnn=(ms_cudnn / ms) if ms_cudnn else None))
@@ -145,16 +148,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-configs", default="16x4,32x4,64x8x256x32,64x4x128x32,64x8x256x64x1",
+    ap.add_argument("--decode-configs", default="16x4,64x8x512x32,64x8x512x32x3,64x4x512x32,128x8x512x16",
                     help="decode (rows per block)x(num_warps)[x(value columns per program)[x(block_k)"
                          "[x(num_stages)]]] to try; the best is reported")
     ap.add_argument("--sections", default="prefill,decode")
-    ap.add_argument("--prefill-block", default="64,128", help="prefill query/key block sizes to try")
-    ap.add_argument("--prefill-warps", default="4,8", help="prefill num_warps to try")
+    ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
+                    help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
-    ints = lambda s: tuple(int(x) for x in s.split(","))
     rows = []
     bw, tf = common.copy_gbs(), (1.0 if args.tiny else matmul_tflops())
     rows.append(dict(section="roofline", case="XLA copy (GB/s) and bf16 matmul (TFLOP/s)", copy_gbs=bw, matmul_tflops=tf))
@@ -166,8 +168,8 @@ def main():
         dec = dict(configs=[tuple(int(v) for v in c.split("x")) for c in args.decode_configs.split(",")],
                    deadline=deadline)
         if "prefill" in args.sections:
-            rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], blocks=ints(args.prefill_block),
-                                 warps=ints(args.prefill_warps), deadline=deadline)
+            configs = [tuple(int(v) for v in c.split("x")) for c in args.prefill_configs.split(",")]
+            rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs, deadline=deadline)
         if "decode" in args.sections:
             rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], **dec)
             # speculative verify: 4 query tokens per sequence

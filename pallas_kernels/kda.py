@@ -352,13 +352,13 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 # fla's (chunk_intra + solve_tril + recompute_w_u), with no chain of dependent
 # tiny dots:
 #
-# 1. `_split_intra_kernel`, grid (chunks, heads): per 16-row block i (the 4 are
-#    independent), q exp(G), k exp(G_C - G), beta exp(G) k elementwise, and the
-#    block's rows of A_kk / A_qk as one [16, K] x [K, n] dot each, n = 16, 32,
-#    64, 64 (all causal columns at once, not one 16 x 16 tile per column block).
-#    Rows are decayed relative to R_i = G just before block i, columns from R_i
-#    with the exponent masked to -inf past the block (where R_i - G_s > 0 could
-#    overflow), so as in the fused kernel every factor is <= exp(16 * 5).
+# 1. `_split_intra_kernel`, grid (chunks, heads): G by one scan, q exp(G),
+#    k exp(G_C - G), beta exp(G) k elementwise, and A_kk / A_qk as four full
+#    [C, K] x [K, C] dots, one per 16-row block i, of which only block i's rows
+#    are kept.  Rows are decayed relative to R_i = G just before their block,
+#    columns from R_i with the exponent masked to -inf past block i (where
+#    R_i - G_s > 0 could overflow), so as in the fused kernel every factor is
+#    <= exp(16 * 5).
 #    A_kk and beta exp(G) k go through HBM to kernel 2 (bf16 with bf16 dots).
 # 2. `_split_solve_kernel`, grid (chunks, heads): T = (I + A)^-1 with 64 x 64
 #    dots only.  Writing A = D + L (D: the 16 x 16 diagonal blocks, L: the
@@ -373,40 +373,47 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
                         interpret, algorithm):
     """One (chunk, head): q, k, g [C, K], beta [C] in; q exp(G), k exp(G_C - G)
     [C, K], A_qk [C, C], exp(G_C) [K] out, plus A_kk [C, C] (times beta, strictly
-    lower) and beta exp(G) k [C, K] for `_split_solve_kernel`."""
+    lower) and beta exp(G) k [C, K] for `_split_solve_kernel`.
+
+    Whole-chunk values only (Triton cannot slice values): one scan gives G; the
+    16-row references R_i come out as masked row sums; row block i of A is the
+    rows of a full [C, K] x [K, C] dot against the columns decayed from R_i,
+    kept by a row-block mask.  The four full dots cost 4x the FLOPs of the
+    causal tiles, but tensor cores have them to spare, while per-sub-block
+    scans and ref re-reads made the earlier version latency-bound.
+    """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
-    g_end = jnp.sum(g_ref[...].astype(f32), axis=0)  # G_C, [K]
+    g_all = jnp.cumsum(g_ref[...].astype(f32), axis=0)  # G, [C, K]
+    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
+    block = jax.lax.div(row, SUB)
+    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
     de_ref[...] = jnp.exp(g_end)
-    for i in range(CHUNK // SUB):
-        sl = pl.ds(i * SUB, SUB)
-        # Columns 0 .. n_col - 1 cover the causal part (16, 32, 64, 64 wide: powers of two).
-        # Everything is re-read from the refs per sub-block rather than kept live: [64, K]
-        # fp32 values across the loop cost 64 registers a thread each at 4 warps.
-        n_col = min(CHUNK, pl.next_power_of_2((i + 1) * SUB))
-        cols = pl.ds(0, n_col)
-        g_cols = jnp.cumsum(g_ref[cols, :].astype(f32), axis=0)  # G of tokens 0 .. n_col - 1
-        tok = jax.lax.broadcasted_iota(jnp.int32, g_cols.shape, 0)
-        # R_i = G just before sub-block i, as a masked row sum (no value slicing on Triton); 0 for i = 0.
-        ref_i = jnp.sum(jnp.where(tok == i * SUB - 1, g_cols, 0.0), axis=0)
-        local = jnp.cumsum(g_ref[sl, :].astype(f32), axis=0)  # G_t - R_i <= 0, [SUB, K]
-        g_i = ref_i[None, :] + local
-        k_i, q_i, beta_i = k_ref[sl, :].astype(f32), q_ref[sl, :].astype(f32), beta_ref[sl].astype(f32)
-        qd_i, ke_i = _decayed_q_k(q_i, k_i, g_i, g_end)
-        qd_ref[sl, :] = qd_i.astype(qd_ref.dtype)
-        ke_ref[sl, :] = ke_i.astype(ke_ref.dtype)
-        kbg_ref[sl, :] = _w_rhs(k_i, g_i, beta_i).astype(kbg_ref.dtype)
-        row_decay = jnp.exp(local)  # <= 1
-        kr = k_ref[cols, :].astype(f32) * jnp.exp(
-            jnp.where(tok < (i + 1) * SUB, ref_i[None, :] - g_cols, -jnp.inf))
-        akk, aqk = _a_tiles(k_i * row_decay, q_i * row_decay, kr, beta_i, i * SUB, 0, dot)
-        akk_ref[sl, cols] = akk.astype(akk_ref.dtype)
-        aqk_ref[sl, cols] = aqk.astype(aqk_ref.dtype)
-        start = n_col
-        while start < CHUNK:  # zero the rest in power-of-two pieces: [n, 2n), [2n, 4n), ...
-            akk_ref[sl, pl.ds(start, start)] = jnp.zeros((SUB, start), akk_ref.dtype)
-            aqk_ref[sl, pl.ds(start, start)] = jnp.zeros((SUB, start), aqk_ref.dtype)
-            start *= 2
+    q, k, beta = q_ref[...].astype(f32), k_ref[...].astype(f32), beta_ref[...].astype(f32)
+    exp_g = jnp.exp(g_all)
+    qd_ref[...] = (q * exp_g).astype(qd_ref.dtype)
+    ke_ref[...] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
+    kbg_ref[...] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
+    # R_i = G just before row block i (0 for i = 0), and each row's own R.
+    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
+                                      for i in range(1, CHUNK // SUB)]
+    ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
+    row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
+    kd, qd = k * row_decay, q * row_decay
+    t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    t_block = jax.lax.div(t, SUB)
+    akk = jnp.zeros((CHUNK, CHUNK), f32)
+    aqk = jnp.zeros((CHUNK, CHUNK), f32)
+    for i, r in enumerate(refs):
+        # Columns decayed from R_i: exp(R_i - G_s) <= 1 before block i, <= exp(SUB * max|g|)
+        # inside it; masked to -inf past it, where R_i - G_s could overflow.
+        kr = k * jnp.exp(jnp.where(row < (i + 1) * SUB, r[None, :] - g_all, -jnp.inf))
+        mine = t_block == i
+        akk = akk + jnp.where(mine & (s < t), dot(kd, kr.T), 0.0)
+        aqk = aqk + jnp.where(mine & (s <= t), dot(qd, kr.T), 0.0)
+    akk_ref[...] = (akk * beta[:, None]).astype(akk_ref.dtype)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
@@ -454,13 +461,19 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
-# prepare_impl: "split" (`_split_intra_kernel` then `_split_solve_kernel`, both with
-# the "prepare" warps / stages) or "fused" (`_chunk_prepare_kernel`, one kernel);
-# split is 7-18% faster on H200 at every benchmarked shape, same error (RESULTS.md).
+# prepare_impl: "split" (`_split_intra_kernel` with the "intra" warps / stages, then
+# `_split_solve_kernel` with the "solve" ones) or "fused" (`_chunk_prepare_kernel`, one
+# kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
+# (RESULTS.md).  "intra": 8 warps 2.8 ms vs 4 warps 4.2 ms and 16 warps 3.6 ms at B1
+# T32768 H32 (its version with a scan per 16-row block; solve: 4 warps 0.6 ms).
+# "state_block_v": V columns per state-pass program; "auto": 64, or 32 when that leaves
+# fewer than 96 programs (sequences x heads x V / 64) for 132 SMs.  H200, B1 T32768 H32
+# (64 programs at 64): 3.34 ms at 32 vs 3.43 at 64, with a state exported every 128
+# tokens ~0.2 vs ~0.4 ms more; B8 T4096 H32 3.03 at 64 vs 3.51; B4 T8192 H12 1.32 vs 1.54.
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
-TUNING = {"prepare": (4, 1), "state": (4, 3), "state_fp32": (4, 1), "prepare_dot": "auto",
-          "prepare_impl": "split"}
+TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
+          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto"}
 PREPARE_IMPLS = ("fused", "split")
 
 
@@ -471,6 +484,14 @@ def _tuned(tuning):
 def _params(name, tuning):
     warps, stages = _tuned(tuning)[name]
     return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _state_block_v(n_seq: int, heads: int, dv: int, tuning) -> int:
+    """V columns per state-pass program (TUNING["state_block_v"])."""
+    block_v = _tuned(tuning)["state_block_v"]
+    if block_v == "auto":
+        block_v = 64 if n_seq * heads * dv // 64 >= 96 else 32
+    return min(dv, int(block_v))
 
 
 def _prepare_algorithm(dtype, tuning):
@@ -542,7 +563,7 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
                    sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in),
                    sds((nt, h, CHUNK, dk), solve_in)],
         interpret=interpret,
-        compiler_params=_params("prepare", tuning),
+        compiler_params=_params("intra", tuning),
         name="kda_split_intra",
     )(q, k, g, beta)
 
@@ -564,7 +585,7 @@ def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=Non
         out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv)],
         out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter)],
         interpret=interpret,
-        compiler_params=_params("prepare", tuning),
+        compiler_params=_params("solve", tuning),
         name="kda_split_solve",
     )(akk, kbg, v, beta)
 
@@ -701,7 +722,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                                                             mode="drop")
         n_ckpt = b * e
     interpret = _default_interpret() if interpret is None else interpret
-    block_v = block_v or min(dv, 64)
+    block_v = block_v or _state_block_v(n_seq, h, dv, tuning)
     scale = float(dk ** -0.5 if scale is None else scale)
 
     # Pad every sequence to whole chunks (zero k/v/g/beta leave the state unchanged).

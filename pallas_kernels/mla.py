@@ -134,8 +134,15 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
     return o, lse[:, :rows].reshape(b, sq, h)
 
 
-def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=16,
-               block_k=64, block_v=None, interpret=None, num_warps=4, num_stages=2):
+def _decode_blocking(rows: int):
+    """(block_m, block_k, num_warps) by rows = heads x query tokens, from H200 runs
+    (RESULTS.md): 16-row blocks for few rows (H16); 64-row blocks with 32-key steps and
+    8 warps once there are 64 rows to fill them (H96 B16 ctx8k: 0.262 vs 0.337 ms)."""
+    return (64, 32, 8) if rows >= 64 else (16, 64, 4)
+
+
+def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=None,
+               block_k=None, block_v=None, interpret=None, num_warps=None, num_stages=2):
     """Paged absorbed MLA decode.
 
     Args:
@@ -149,7 +156,8 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
       n_splits: KV splits per sequence (default: enough to fill the GPU for small B).
       block_m / block_k / block_v / num_warps / num_stages: rows (heads x queries) per
         program, keys per step, value columns per program (default all kv_lora; a power
-        of two dividing it), warps, pipeline stages.  Shared memory holds num_stages
+        of two dividing it), warps, pipeline stages; None picks by heads x queries
+        (`_decode_blocking`).  Shared memory holds num_stages
         key tiles of block_k x (kv_lora + rope) plus the queries: 64 rows with
         block_k 64 and 2 stages need ~250-290 KiB, over H200's 227 KiB.
     Returns:
@@ -172,7 +180,9 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
         raise ValueError(f"seq_lens must be [B={b}]; got {tuple(seq_lens.shape)}")
     if not (_is_pow2(r) and _is_pow2(p) and r >= 16 and p >= 16):
         raise ValueError(f"kv_lora and rope dims must be powers of two >= 16; got {r}, {p}")
-    block_k = min(block_k, page)
+    auto_m, auto_k, auto_warps = _decode_blocking(sq * h)
+    block_m, num_warps = block_m or auto_m, num_warps or auto_warps
+    block_k = min(block_k or auto_k, page)
     if page % block_k:
         raise ValueError(f"page size {page} must be a multiple of block_k {block_k}")
     if _concrete(seq_lens) and _concrete(block_tables):
@@ -252,36 +262,50 @@ def mla_prefill_ref(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None =
 _NEVER = 1 << 30  # key position of padding: visible to no query
 
 
-def _prefill_kernel(qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *, block_q, block_k,
-                    prefix_blocks, scale):
-    """One (sequence, head, query block): prefix key blocks, then new key blocks up to the diagonal."""
+_LOG2E = 1.4426950408889634
+
+
+def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *,
+                    block_q, block_k, prefix_blocks, scale):
+    """One (sequence, head, query block): the prefix's key blocks, then new key blocks up to
+    the diagonal.  Only blocks that can hold an invisible key are masked: the prefix's last
+    (padded) blocks and the new blocks that reach the diagonal; scores are kept in base 2
+    (scale * log2 e folded in) so the exponentials are exp2."""
     f32 = jnp.float32
     n, h, qb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     qs = pl.ds(qb * block_q, block_q)
     q_nope, q_rope = qn_ref[n, qs, h, :], qr_ref[n, qs, h, :]
     q_pos = qpos_ref[n, qs]
 
-    def body(kb, carry):
+    def step(kb, carry, masked):
         m, l, acc = carry
         ks = pl.ds(kb * block_k, block_k)
         s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32)
-             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32)) * scale
-        s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
+             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32)) * (scale * _LOG2E)
+        if masked:
+            s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_safe[:, None])
-        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp2(s - m_safe[:, None])
+        alpha = jnp.exp2(m - m_safe)
         vv = v_ref[n, ks, h, :]
         acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
+    loop = lambda lo, hi, carry, masked: jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
     dv = v_ref.shape[-1]
-    init = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32), jnp.zeros((block_q, dv), f32))
-    n_blocks = prefix_blocks + ((qb + 1) * block_q + block_k - 1) // block_k  # causal: new keys up to this block
-    m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    carry = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32), jnp.zeros((block_q, dv), f32))
+    full_prefix = plen_ref[n] // block_k  # prefix blocks holding no padding
+    carry = loop(0, full_prefix, carry, False)
+    carry = loop(full_prefix, prefix_blocks, carry, True)
+    # New keys: blocks wholly before this query block's first row are visible to all of it.
+    before = (qb * block_q) // block_k
+    carry = loop(prefix_blocks, prefix_blocks + before, carry, False)
+    carry = loop(prefix_blocks + before, prefix_blocks + ((qb + 1) * block_q + block_k - 1) // block_k, carry, True)
+    m, l, acc = carry
     has = l > 0
     o_ref[n, qs, h, :] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[n, qs, h] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+    lse_ref[n, qs, h] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) / _LOG2E, -jnp.inf)
 
 
 def _pad_last(x, d):
@@ -292,8 +316,8 @@ def _pow2_at_least_16(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=64,
-                interpret=None, num_warps=4):
+def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=128,
+                block_k=64, interpret=None, num_warps=8, num_stages=3):
     """Causal flash attention (naive MLA form) over packed new tokens plus a cached prefix.
 
     Args:
@@ -302,6 +326,9 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
       cu_seqlens: int [N + 1] cumulative new-token counts (concrete).
       scale: softmax scale.
       prefix: the cached tokens before each sequence's new ones, or None.
+      block / block_k / num_warps / num_stages: query rows and keys per step (block_k
+        divides block; None: block), warps, pipeline stages.  The defaults were the
+        fastest of five on H200 at every benchmarked shape (RESULTS.md).
     Returns:
       o [T, H, v_dim] in v's dtype, lse fp32 [T, H].
     """
@@ -325,6 +352,9 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
         if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
             raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
     interpret = _default_interpret() if interpret is None else interpret
+    block_k = block if block_k is None else block_k
+    if not (_is_pow2(block) and _is_pow2(block_k) and 16 <= block_k <= block):
+        raise ValueError(f"block and block_k must be powers of two with 16 <= block_k <= block; got {block}, {block_k}")
     lq = int(-(-lens.max() // block) * block)
     lp = int(-(-p_lens.max() // block) * block)
     # Padded per-sequence layout: queries [N, lq]; keys [N, lp + lq] = prefix then new tokens.
@@ -346,24 +376,28 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     qq = gather(q)
     split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
     (qn, qr), (kn, kr) = split(qq), split(keys)
-    o, lse = _mla_prefill_core(jnp.asarray(q_pos, jnp.int32), jnp.asarray(np.concatenate([k_pos_pre, k_pos_new], 1),
-                                                                            jnp.int32),
-                               qn, qr, kn, kr, _pad_last(vals, dv), block=block, prefix_blocks=lp // block,
-                               scale=float(scale), interpret=interpret, num_warps=num_warps)
+    o, lse = _mla_prefill_core(jnp.asarray(p_lens, jnp.int32), jnp.asarray(q_pos, jnp.int32),
+                               jnp.asarray(np.concatenate([k_pos_pre, k_pos_new], 1), jnp.int32),
+                               qn, qr, kn, kr, _pad_last(vals, dv), block=block, block_k=block_k,
+                               prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
+                               num_warps=num_warps, num_stages=num_stages)
     flat = np.flatnonzero(valid.reshape(-1))
     o = o.reshape(n_seq * lq, h, dv)[flat][..., :v.shape[-1]]
     return o, lse.reshape(n_seq * lq, h)[flat]
 
 
-@functools.partial(jax.jit, static_argnames=("block", "prefix_blocks", "scale", "interpret", "num_warps"))
-def _mla_prefill_core(q_pos, k_pos, qn, qr, kn, kr, v, *, block, prefix_blocks, scale, interpret, num_warps):
+@functools.partial(jax.jit, static_argnames=("block", "block_k", "prefix_blocks", "scale", "interpret", "num_warps",
+                                             "num_stages"))
+def _mla_prefill_core(p_lens, q_pos, k_pos, qn, qr, kn, kr, v, *, block, block_k, prefix_blocks, scale, interpret,
+                      num_warps, num_stages):
     n_seq, lq, h, _ = qn.shape
     return pl.pallas_call(
-        functools.partial(_prefill_kernel, block_q=block, block_k=block, prefix_blocks=prefix_blocks, scale=scale),
+        functools.partial(_prefill_kernel, block_q=block, block_k=block_k, prefix_blocks=prefix_blocks,
+                          scale=scale),
         grid=(n_seq, h, lq // block),
         out_shape=[jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
                    jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32)],
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_prefill",
-    )(q_pos, k_pos, qn, qr, kn, kr, v)
+    )(p_lens, q_pos, k_pos, qn, qr, kn, kr, v)

@@ -216,3 +216,12 @@ def test_traced_export_positions_equal_a_replay_and_zero_where_they_name_no_stat
     programs = run._cache_size()
     run(jnp.asarray([192, 64, 128, -1, 0], jnp.int32))  # other positions: the same program
     assert run._cache_size() == programs
+
+
+def test_state_pass_splits_v_finer_only_when_programs_are_scarce():
+    """64 V columns per program, 32 when that would leave fewer than 96 programs (H200-tuned)."""
+    assert kda_mod._state_block_v(1, 32, 128, None) == 32  # B1 H32: 64 programs at 64
+    assert kda_mod._state_block_v(8, 32, 128, None) == 64
+    assert kda_mod._state_block_v(4, 12, 128, None) == 64
+    assert kda_mod._state_block_v(1, 2, 16, None) == 16  # never wider than V
+    assert kda_mod._state_block_v(8, 32, 128, (("state_block_v", 16),)) == 16

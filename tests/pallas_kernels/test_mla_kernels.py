@@ -77,8 +77,10 @@ def test_write_latent_lands_in_the_right_pages(rng):
     np.testing.assert_array_equal(kv[0, :3], untouched[0, :3])
 
 
-@pytest.mark.parametrize("with_prefix", [False, True])
-def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix):
+# block_k < block: several key steps per query block, so the unmasked fast loops (whole
+# prefix blocks, new blocks before the diagonal) and the masked ones all run.
+@pytest.mark.parametrize("with_prefix, block, block_k", [(False, 16, None), (True, 16, None), (True, 32, 16)])
+def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix, block, block_k):
     h, r, p, nope, dv, page = 2, 32, 8, 16, 16, 32
     lens, p_lens = [5, 70, 33], [0, 40, 100]
     cu = np.concatenate([[0], np.cumsum(lens)])
@@ -88,7 +90,7 @@ def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix):
     if with_prefix:
         pages, table = _paged(rng, 3, 12, page, r + p, 4)
         prefix = LatentPrefix(pages, table, jnp.asarray(p_lens), _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2)
-    o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=16)
+    o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=block, block_k=block_k)
     assert o.shape == (t, h, dv) and np.isfinite(o).all() and np.isfinite(lse).all()
     o_ref, lse_ref = mla_prefill_ref(q, k, v, cu_seqlens=cu, scale=0.2, prefix=prefix)
     np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
