@@ -191,9 +191,11 @@ def kda_chunked_ref(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_s
 # Pallas kernels (Triton backend on GPU; interpret mode on CPU)
 # =================================================================================================
 #
-# chunk_kda runs two kernels:
+# chunk_kda runs a fully parallel prepare step, then the sequential state pass:
 #
-# 1. `_chunk_prepare_kernel`, grid (chunks, heads), fully parallel: everything in
+# 1. The prepare step, grid (chunks, heads): by default ("split") two kernels,
+#    `_split_intra_kernel` then `_split_solve_kernel` (described below them); or
+#    one, `_chunk_prepare_kernel` ("fused"): everything in
 #    `kda_chunk_prepare` for one chunk, computed in 16-token sub-blocks so no
 #    exponent is ever large: for row block i with reference R_i = G just before
 #    the block, exp(G_t - G_s) = exp(G_t - R_i) * exp(R_i - G_s); both factors
