@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from benchmarks import common
 from benchmarks.common import time_jax
-from pallas_kernels import mla
+from pallas_kernels import mla, mla_hopper
 
 
 def matmul_tflops(n=8192):
@@ -103,8 +103,9 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
     return rows
 
 
-def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), deadline=float("inf")):
-    """configs: (block_q, block_k, num_warps, num_stages) to try; the best is reported."""
+def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_configs=(), deadline=float("inf")):
+    """configs: (block_q, block_k, num_warps, num_stages) of the Triton kernel to try;
+    hopper_configs: (block_q, block_kv, steps) of the Mosaic GPU kernel; the best of each is reported."""
     rows = []
     for b, t, h in shapes:
         if time.monotonic() > deadline:
@@ -136,11 +137,31 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), deadline=fl
                 ms_cudnn = time_jax(cudnn, qb, kb, vb)
             except Exception as e:  # noqa: BLE001 - report, keep going
                 print(f"cudnn failed: {e!r}")
+        hop_ms = hop_cfg = hop_err = None
+        if hopper_configs:
+            def run_hopper(cfg):
+                bq, bkv, st = cfg
+                fn = jax.jit(lambda q, k, v: mla_hopper.mla_prefill_hopper(
+                    q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq, block_kv=bkv, steps=st,
+                    interpret=interpret)[0])
+                return time_jax(fn, q, k, v, iters=5 if interpret else 20)
+
+            hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs))
+            if hop_ms is not None:  # agreement with the Triton kernel on the same inputs
+                bq, bkv, st = hop_cfg
+                o_h = mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq,
+                                                    block_kv=bkv, steps=st, interpret=interpret)[0]
+                o_t = mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64, interpret=interpret)[0]
+                hop_err = float(jnp.max(jnp.abs(o_h.astype(jnp.float32) - o_t.astype(jnp.float32))))
         flops = b * h * t * t * (192 + 128)  # causal: half of 2 * t^2 * (dqk + dv)
         rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} qk192 v128 causal", bq_bk_warps_stages=cfg, ours_ms=ms,
                          cudnn_ms=ms_cudnn,
                          ours_tflops=flops / (ms * 1e-3) / 1e12,
-                         vs_cudnn=(ms_cudnn / ms) if ms_cudnn else None))
+                         vs_cudnn=(ms_cudnn / ms) if ms_cudnn else None,
+                         hopper_cfg=hop_cfg, hopper_ms=hop_ms,
+                         hopper_tflops=flops / (hop_ms * 1e-3) / 1e12 if hop_ms else None,
+                         hopper_vs_cudnn=(ms_cudnn / hop_ms) if (ms_cudnn and hop_ms) else None,
+                         hopper_max_diff_vs_triton=hop_err))
     return rows
 
 
@@ -154,6 +175,8 @@ def main():
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
+    ap.add_argument("--hopper-configs", default="64x64x2,64x128x2,64x64x3",
+                    help="Mosaic GPU prefill (block_q)x(block_kv)x(steps) to try ('' to skip)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
@@ -163,13 +186,15 @@ def main():
     if args.tiny:
         rows += decode_rows(bw, tf, [2], [256], [2], r=32, p=16, page=64, interpret=True)
         rows += decode_rows(bw, tf, [1], [256], [2], r=32, p=16, page=64, sq=2, interpret=True)
-        rows += prefill_rows([(1, 64, 1)], interpret=True)
+        rows += prefill_rows([(1, 128, 1)], interpret=True, hopper_configs=((64, 64, 2),))
     else:
         dec = dict(configs=[tuple(int(v) for v in c.split("x")) for c in args.decode_configs.split(",")],
                    deadline=deadline)
         if "prefill" in args.sections:
             configs = [tuple(int(v) for v in c.split("x")) for c in args.prefill_configs.split(",")]
-            rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs, deadline=deadline)
+            hopper = [tuple(int(v) for v in c.split("x")) for c in args.hopper_configs.split(",") if c]
+            rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs,
+                                 hopper_configs=hopper, deadline=deadline)
         if "decode" in args.sections:
             rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], **dec)
             # speculative verify: 4 query tokens per sequence

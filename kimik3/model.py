@@ -96,10 +96,12 @@ class KimiK3(nn.Module):
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None):
+    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None, logits_tail=None):
         """images_nhwc: [N, S, S, C] pixels, or {"rows": [M, D], "first": int32 []} image
         embeddings computed earlier (`image_embeddings`) and the row the first placeholder
-        among `tokens_bt` takes."""
+        among `tokens_bt` takes.  logits_tail: logits for only the last this many positions
+        ([B, logits_tail, V]): a serving step needs the last one, and the fp32 head over every
+        prompt token would cost more than a layer."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
         x = embed[tokens_bt]
@@ -113,6 +115,8 @@ class KimiK3(nn.Module):
             layer_cache = None if layer_caches is None else layer_caches[i]
             x, c = Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}")(x, positions_bt, layer_cache)
             new_caches.append(c)
+        if logits_tail is not None:
+            x = x[:, -logits_tail:]
         x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
         logits = jnp.dot(x.astype(jnp.float32), lm_head.astype(jnp.float32))
@@ -214,7 +218,7 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto"):
+def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None):
     layer_caches = None if cache is None else cache["layers"]
     if _is_paged(cache):
         slots = cache["slots"]
@@ -224,7 +228,7 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
                              {"pages": layer["pages"], "block_tables": cache["block_tables"]}
                              for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
     logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
-        {"params": params}, tokens, positions, layer_caches, images)
+        {"params": params}, tokens, positions, layer_caches, images, logits_tail)
     if cache is None:
         return logits, None
     if _is_paged(cache):
@@ -238,7 +242,7 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
     return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
 
 
-_STATIC = ("cfg", "expert_path", "kernels")
+_STATIC = ("cfg", "expert_path", "kernels", "logits_tail")
 _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
 # The serving step: the same program with the cache donated, so the pools (every MLA page and
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its

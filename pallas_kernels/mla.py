@@ -332,58 +332,91 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     Returns:
       o [T, H, v_dim] in v's dtype, lse fp32 [T, H].
     """
-    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q, k must be [T, H, D] and v [T, H, Dv] with one T, H; got {q.shape}, {k.shape}, {v.shape}")
-    t, h, dqk = q.shape
-    cu = np.asarray(cu_seqlens).astype(np.int64)
-    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
-    n_seq = cu.size - 1
-    lens = np.diff(cu)
-    p_lens = np.zeros(n_seq, np.int64) if prefix is None else np.asarray(prefix.lens).astype(np.int64)
-    if p_lens.shape != (n_seq,):
-        raise ValueError(f"prefix.lens must be [N={n_seq}]; got {p_lens.shape}")
-    if prefix is not None:
-        page = prefix.latent_pages.shape[1]
-        table = np.asarray(prefix.block_tables)
-        if table.shape[0] != n_seq or p_lens.max() > table.shape[1] * page:
-            raise ValueError("prefix.block_tables must have a row per sequence covering prefix.lens")
-        used = np.arange(table.shape[1])[None, :] * page < p_lens[:, None]
-        if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
-            raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
     interpret = _default_interpret() if interpret is None else interpret
     block_k = block if block_k is None else block_k
     if not (_is_pow2(block) and _is_pow2(block_k) and 16 <= block_k <= block):
         raise ValueError(f"block and block_k must be powers of two with 16 <= block_k <= block; got {block}, {block_k}")
-    lq = int(-(-lens.max() // block) * block)
-    lp = int(-(-p_lens.max() // block) * block)
-    # Padded per-sequence layout: queries [N, lq]; keys [N, lp + lq] = prefix then new tokens.
-    src = np.full((n_seq, lq), -1, np.int64)
-    for i in range(n_seq):
-        src[i, :lens[i]] = cu[i] + np.arange(lens[i])
-    valid = src >= 0
-    q_pos = np.where(valid, p_lens[:, None] + np.arange(lq)[None], -1)
-    k_pos_new = np.where(valid, q_pos, _NEVER)
-    k_pos_pre = np.where(np.arange(lp)[None] < p_lens[:, None], np.arange(lp)[None], _NEVER)
-    gather = lambda x: jnp.where(jnp.asarray(valid)[..., None, None], x[jnp.asarray(np.maximum(src, 0))], 0)
+    lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=block, k_multiple=block)
+    dqk = q.shape[-1]
     d_nope = dqk - rope_dim
     dn, dr, dv = _pow2_at_least_16(d_nope), _pow2_at_least_16(rope_dim), _pow2_at_least_16(v.shape[-1])
-    keys, vals = gather(k), gather(v)
-    if lp:
-        pk, pv = prefix.expand(lp)
-        keys = jnp.concatenate([pk.astype(keys.dtype), keys], axis=1)
-        vals = jnp.concatenate([pv.astype(vals.dtype), vals], axis=1)
-    qq = gather(q)
+    keys, vals = lay.keys_values(k, v)
     split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
-    (qn, qr), (kn, kr) = split(qq), split(keys)
-    o, lse = _mla_prefill_core(jnp.asarray(p_lens, jnp.int32), jnp.asarray(q_pos, jnp.int32),
-                               jnp.asarray(np.concatenate([k_pos_pre, k_pos_new], 1), jnp.int32),
-                               qn, qr, kn, kr, _pad_last(vals, dv), block=block, block_k=block_k,
-                               prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
-                               num_warps=num_warps, num_stages=num_stages)
-    flat = np.flatnonzero(valid.reshape(-1))
-    o = o.reshape(n_seq * lq, h, dv)[flat][..., :v.shape[-1]]
-    return o, lse.reshape(n_seq * lq, h)[flat]
+    (qn, qr), (kn, kr) = split(lay.gather(q)), split(keys)
+    q_pos, k_pos = lay.positions()
+    o, lse = _mla_prefill_core(jnp.asarray(lay.p_lens, jnp.int32), jnp.asarray(q_pos, jnp.int32),
+                               jnp.asarray(k_pos, jnp.int32), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
+                               block_k=block_k, prefix_blocks=lay.lp // block_k, scale=float(scale),
+                               interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    return lay.unpad(o, lse, v.shape[-1])
+
+
+class PrefillLayout:
+    """The host-side plan the prefill kernels share: each sequence's new tokens padded to `lq`
+    query rows (a multiple of `q_multiple`), and its keys laid out as [lp + lq] = the cached
+    prefix (padded to `lp`, a multiple of `k_multiple`) then the new tokens.
+
+    Validates q / k / v [T, H, D*], cu_seqlens (concrete, [N + 1]) and the prefix's tables
+    before anything is launched.
+    """
+
+    def __init__(self, q, k, v, cu_seqlens, prefix: LatentPrefix | None, *, q_multiple: int, k_multiple: int):
+        if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+            raise ValueError(f"q, k must be [T, H, D] and v [T, H, Dv] with one T, H; got {q.shape}, {k.shape}, "
+                             f"{v.shape}")
+        t = q.shape[0]
+        cu = np.asarray(cu_seqlens).astype(np.int64)
+        if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) <= 0):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
+        self.n_seq = n_seq = cu.size - 1
+        self.lens = lens = np.diff(cu)
+        p_lens = np.zeros(n_seq, np.int64) if prefix is None else np.asarray(prefix.lens).astype(np.int64)
+        if p_lens.shape != (n_seq,):
+            raise ValueError(f"prefix.lens must be [N={n_seq}]; got {p_lens.shape}")
+        if prefix is not None:
+            page = prefix.latent_pages.shape[1]
+            table = np.asarray(prefix.block_tables)
+            if table.shape[0] != n_seq or p_lens.max() > table.shape[1] * page:
+                raise ValueError("prefix.block_tables must have a row per sequence covering prefix.lens")
+            used = np.arange(table.shape[1])[None, :] * page < p_lens[:, None]
+            if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
+                raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
+        self.prefix, self.p_lens = prefix, p_lens
+        self.lq = lq = int(-(-lens.max() // q_multiple) * q_multiple)
+        self.lp = int(-(-p_lens.max() // k_multiple) * k_multiple)
+        src = np.full((n_seq, lq), -1, np.int64)
+        for i in range(n_seq):
+            src[i, :lens[i]] = cu[i] + np.arange(lens[i])
+        self.src, self.valid = src, src >= 0
+
+    def gather(self, x):
+        """Packed [T, H, D] -> padded [N, lq, H, D] (zeros in padding rows)."""
+        return jnp.where(jnp.asarray(self.valid)[..., None, None], x[jnp.asarray(np.maximum(self.src, 0))], 0)
+
+    def keys_values(self, k, v):
+        """Keys [N, lp + lq, H, Dqk] and values [N, lp + lq, H, Dv]: the prefix expanded
+        through W_UK / W_UV (zeros past each prefix's length), then the new tokens."""
+        keys, vals = self.gather(k), self.gather(v)
+        if self.lp:
+            pk, pv = self.prefix.expand(self.lp)
+            keys = jnp.concatenate([pk.astype(keys.dtype), keys], axis=1)
+            vals = jnp.concatenate([pv.astype(vals.dtype), vals], axis=1)
+        return keys, vals
+
+    def positions(self):
+        """Query positions [N, lq] (-1 for padding) and key positions [N, lp + lq] (a position no
+        query reaches for padding), counted from each sequence's first cached token."""
+        q_pos = np.where(self.valid, self.p_lens[:, None] + np.arange(self.lq)[None], -1)
+        k_pos_new = np.where(self.valid, q_pos, _NEVER)
+        ar = np.arange(self.lp)[None]
+        k_pos_pre = np.where(ar < self.p_lens[:, None], ar, _NEVER)
+        return q_pos, np.concatenate([k_pos_pre, k_pos_new], 1)
+
+    def unpad(self, o_nqhd, lse_nqh, dv: int):
+        """Padded outputs [N, lq, H, >= dv] and LSE [N, lq, H] -> packed [T, H, dv] and [T, H]."""
+        flat = np.flatnonzero(self.valid.reshape(-1))
+        n, lq, h = lse_nqh.shape
+        return o_nqhd.reshape(n * lq, h, -1)[flat][..., :dv], lse_nqh.reshape(n * lq, h)[flat]
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_k", "prefix_blocks", "scale", "interpret", "num_warps",

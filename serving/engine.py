@@ -552,11 +552,16 @@ class Engine:
             view = model.paged_view(self.pools, tables, slots, lengths, export_at)
             positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
             logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
-                                              cfg=self.cfg, expert_path="grouped", kernels=self.kernels)
+                                              **self._step_static())
             self.pools = {"layers": view["layers"]}
             exports = view.get("exports")
         self.compiles += self._programs() - before  # new XLA programs this call needed
         return np.asarray(logits[:, -1], np.float32), exports
+
+    def _step_static(self) -> dict:
+        """The unsharded step's static arguments (warm-up compiles exactly these): logits for
+        the last position only, which is all a step samples from."""
+        return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1)
 
     def _export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
         """The export positions an unsharded prefill chunk passes (`offsets` padded with -1 to
@@ -606,7 +611,7 @@ class Engine:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
-        static = dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels)
+        static = self._step_static()
 
         for b, t, step in shapes:
             if step is not None:  # writes land in the scratch slot and the null page only

@@ -29,6 +29,20 @@ def test_prompt_in_pieces_through_the_cache_equals_one_shot(rng, tiny_cfg, tiny_
     assert int(cache["lengths"][0]) == 150
 
 
+def test_logits_tail_gives_the_last_positions_logits_and_the_same_cache(rng, tiny_cfg, tiny_params):
+    """A serving step asks for the last position's logits only; the cache it leaves is the same."""
+    toks = _prompt(rng, 40, tiny_cfg)
+    positions = jnp.arange(40, dtype=jnp.int32)[None]
+    cache = lambda: model.init_cache(tiny_cfg, 1, 64, jnp.float32)
+    full, c_full = model._forward(tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped",
+                                  kernels="reference")
+    tail, c_tail = model._forward(tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped",
+                                  kernels="reference", logits_tail=1)
+    assert tail.shape == (1, 1, tiny_cfg.vocab_size)
+    np.testing.assert_allclose(tail[:, 0], full[:, -1], atol=1e-6, rtol=0)
+    jax.tree.map(np.testing.assert_array_equal, c_tail, c_full)
+
+
 def test_batched_cache_equals_each_sequence_alone(rng, tiny_cfg, tiny_params):
     toks = rng.integers(0, 256, size=(2, 20)).astype(np.int32)
     cache = model.init_cache(tiny_cfg, 2, 32, jnp.float32)

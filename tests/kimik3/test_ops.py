@@ -29,3 +29,15 @@ def test_grouped_matmul_takes_the_kernel_where_it_tiles_and_the_reference_elsewh
     out = ops.grouped_matmul(lhs, rhs, sizes, kernels="pallas")
     want = grouped_matmul_ref(lhs, rhs.astype(lhs.dtype) if dtypes[0] != dtypes[1] else rhs, sizes)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, dqk, dv, cc, want", [
+    (jnp.bfloat16, 192, 128, "9.0", "hopper"),   # H100 / H200, the model's MLA dims
+    (jnp.float16, 192, 128, "9.0", "hopper"),
+    (jnp.float32, 192, 128, "9.0", "triton"),    # wgmma here takes 16-bit operands
+    (jnp.bfloat16, 24, 16, "9.0", "triton"),     # tiny dims: not multiples of 64
+    (jnp.bfloat16, 192, 128, "8.0", "triton"),   # no wgmma / TMA before Hopper
+    (jnp.bfloat16, 192, 128, None, "triton"),    # off the GPU (interpret mode)
+])
+def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, cc, want):
+    assert ops.mla_prefill_impl(dtype, dqk, dv, cc) == want

@@ -1,0 +1,259 @@
+"""MLA prefill as a Hopper (sm_90a) kernel in Mosaic GPU: wgmma, TMA, warp specialization.
+
+Same contract as `pallas_kernels.mla.mla_prefill` (naive form: causal attention of new
+tokens over a cached prefix and themselves, qk head dim nope + rope, value head dim v),
+built the FlashAttention-3 way: per CTA, two compute warpgroups of `block_q` query rows
+each and one memory warpgroup that streams key / value blocks into a ring of
+`steps` shared-memory slots by TMA.  The compute warpgroups take turns on the tensor
+cores (a schedule barrier), so one's softmax overlaps the other's matmuls.  Scores stay
+in base 2 (scale * log2 e folded in) and the LSE comes back in natural log.
+
+Prefix handling without per-key masks: a sequence's keys are [lp + lq] = its prefix
+(padded to `lp`) then its new tokens; the kernel visits only the prefix's whole blocks
+(so prefix lengths must be multiples of `block_kv`, which page-granular cache hits are;
+`supports` says when this kernel applies) and then the new-token blocks up to the
+diagonal, masking only blocks that reach it.
+
+Interpret mode (CPU tests) runs the same kernel body, except that the P @ V matmul takes
+P from shared memory instead of registers (the interpreter's wgmma reads shared memory
+only) and accumulates into a fresh accumulator.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla import LatentPrefix, PrefillLayout
+
+_LOG2E = math.log2(math.e)
+_COMPUTE_WGS = 2
+
+
+def supports(dqk: int, dv: int, prefix_lens=None, *, block_kv: int = 64) -> bool:
+    """Whether `mla_prefill_hopper` takes these head dims and prefix lengths."""
+    whole = prefix_lens is None or all(int(n) % block_kv == 0 for n in np.asarray(prefix_lens).reshape(-1))
+    return dqk % 64 == 0 and dv % 64 == 0 and whole
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
+            prefix_blocks, lp_blocks, scale_log2, interpret):
+    """One CTA: sequence `seq`, head `heads`, new-token rows [q_tile * 2 block_q, + 2 block_q)."""
+    q_smem2, o_smem2, k_smem, v_smem, lse_smem2, p_smem2 = smem
+    k_bars, v_bars, q_bars = bars
+    k_used, v_used = used
+    seq, head, q_tile = lax.axis_index("seq"), lax.axis_index("heads"), lax.axis_index("q_tile")
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    dv = v_smem.shape[-1]
+
+    # Whole prefix blocks of this sequence: the static per-sequence counts, selected by index.
+    n_prefix = jnp.int32(0)
+    for i, nb in enumerate(prefix_blocks):
+        n_prefix = jnp.where(seq == i, jnp.int32(nb), n_prefix)
+
+    def key_block(step):  # the key block (of the [lp + lq] key rows) a pipeline step loads
+        return jnp.where(step < n_prefix, step, lp_blocks + step - n_prefix)
+
+    cta_rows_end = (q_tile + 1) * (_COMPUTE_WGS * block_q)
+    cta_steps = n_prefix + pl.cdiv(cta_rows_end, jnp.int32(block_kv))
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < _COMPUTE_WGS)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
+        row0 = q_tile * (_COMPUTE_WGS * block_q) + wg * block_q  # first new-token row of this warpgroup
+        my_steps = n_prefix + pl.cdiv(row0 + block_q, jnp.int32(block_kv))
+        clear_steps = n_prefix + lax.div(row0, jnp.int32(block_kv))  # blocks wholly before row0: no mask
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, pl.ds(row0, block_q), head], q_smem, q_bars.at[wg])
+        plgpu.barrier_wait(q_bars.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(k_bars.at[0])  # my_steps >= 1: the diagonal block always exists
+        pl.when(wg == 1)(schedule_barrier)
+
+        def step(kv_step, carry, masked):
+            acc, m_i, l_i = carry
+            slot = lax.rem(kv_step, jnp.int32(steps))
+
+            def qk_scoped(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk_scoped, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            s = s * scale_log2
+            if masked:  # new-token block reaching the diagonal: key index <= query index
+                rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(rows + row0 >= cols + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_bars.at[slot])
+            plgpu.barrier_wait(schedule)
+
+            def wait_next_keys():
+                nxt = kv_step + 1
+
+                @pl.when(nxt < my_steps)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.int32(steps))])
+
+            if interpret:  # the interpreter's wgmma reads A from shared memory only
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv_scoped(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    wait_next_keys()
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((block_q, dv), jnp.float32))
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_keys()
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_used.at[slot])
+            return acc, m_new, l_i
+
+        def drain(kv_step, _):
+            # Steps the other warpgroup still needs: release their slots, keep the turn order.
+            # Their arrivals are waited for too (already due), so every waiter sees every phase.
+            slot = lax.rem(kv_step, jnp.int32(steps))
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_wait(v_bars.at[slot])
+            plgpu.barrier_arrive(k_used.at[slot])
+            plgpu.barrier_arrive(v_used.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked=True), carry)
+        lax.fori_loop(my_steps, cta_steps, drain, None)
+        pl.when(wg == 0)(schedule_barrier)
+
+        acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+        o_smem[...] = acc.astype(dtype)
+        lse_smem[...] = m_i + jnp.log2(l_i)  # every row sees at least its own key: l > 0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, pl.ds(row0, block_q), head])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, head, pl.ds(row0, block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == _COMPUTE_WGS)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def load(step, slot):
+            rows = (seq, pl.ds(key_block(step) * block_kv, block_kv), head)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bars.at[slot])
+
+        for i in range(steps):
+            @pl.when(i < cta_steps)
+            def _():
+                load(jnp.int32(i), i)
+
+        @pl.loop(steps, jnp.maximum(cta_steps, steps))
+        def _(kv_step):
+            slot = lax.rem(kv_step, jnp.int32(steps))
+            plgpu.barrier_wait(k_used.at[slot])
+            plgpu.barrier_wait(v_used.at[slot])
+            load(kv_step, slot)
+
+        # The last loads' releases: nothing waits on the slots any more, but every waiter
+        # sees every phase (and the CTA's shared memory outlives no pending use).
+        @pl.loop(jnp.maximum(cta_steps - steps, 0), cta_steps)
+        def _(kv_step):
+            slot = lax.rem(kv_step, jnp.int32(steps))
+            plgpu.barrier_wait(k_used.at[slot])
+            plgpu.barrier_wait(v_used.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
+                                             "scale_log2", "interpret"))
+def _hopper_core(q, k, v, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret):
+    """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv] -> o [N, lq, H, Dv],
+    lse base 2 [N, H, lq]."""
+    n, lq, h, dqk = q.shape
+    dv = v.shape[-1]
+    tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+    tiled = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=(tiling, swizzle))
+    smem = (tiled((_COMPUTE_WGS, block_q, dqk)), tiled((_COMPUTE_WGS, block_q, dv)),
+            tiled((steps, block_kv, dqk)), tiled((steps, block_kv, dv)),
+            plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
+            tiled((_COMPUTE_WGS, block_q, block_kv)) if interpret else None)
+
+    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda smem, bars, used, schedule: _kernel(
+                q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
+                block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=lp_blocks,
+                scale_log2=scale_log2, interpret=interpret),
+            smem,
+            (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+            (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),) * 2,
+            plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((n, lq, h, dv), q.dtype), jax.ShapeDtypeStruct((n, h, lq), jnp.float32)),
+        grid=(h, lq // (_COMPUTE_WGS * block_q), n),
+        grid_names=("heads", "q_tile", "seq"),
+        num_threads=_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(q, k, v)
+
+
+def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
+                       block_kv=64, steps=2, interpret=None):
+    """`mla_prefill` (same arguments and results, no `rope_dim` needed: q / k keep nope and rope
+    together) as a Hopper kernel.  bf16 / fp16 inputs; qk and v head dims multiples of 64 and
+    prefix lengths multiples of `block_kv` (`supports`).  Raises ValueError otherwise, before
+    any launch."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a 16-bit float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if block_q % 64 or block_kv % 64 or steps < 2:
+        raise ValueError(f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, "
+                         f"{block_kv}, {steps}")
+    lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=_COMPUTE_WGS * block_q, k_multiple=block_kv)
+    if lay.lq % block_kv:
+        raise ValueError(f"block_kv {block_kv} must divide {_COMPUTE_WGS} x block_q = {_COMPUTE_WGS * block_q}")
+    if not supports(q.shape[-1], v.shape[-1], lay.p_lens, block_kv=block_kv):
+        raise ValueError(f"head dims must be multiples of 64 (qk {q.shape[-1]}, v {v.shape[-1]}) and prefix "
+                         f"lengths multiples of block_kv {block_kv} (got {lay.p_lens.tolist()})")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    keys, vals = lay.keys_values(k, v)
+    o, lse2 = _hopper_core(lay.gather(q), keys, vals, block_q=block_q, block_kv=block_kv, steps=steps,
+                           prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
+                           scale_log2=float(scale) * _LOG2E, interpret=interpret)
+    return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])

@@ -1,0 +1,65 @@
+"""The Hopper (Mosaic GPU) MLA prefill, run by the Mosaic GPU interpreter on CPU, against
+attention on expanded K/V.  bf16 inputs (the kernel's wgmma dtype), fp32 reference on the
+same bf16 values: outputs agree to bf16 rounding, LSE to fp32."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla import LatentPrefix, mla_prefill_ref
+from pallas_kernels.mla_hopper import mla_prefill_hopper, supports
+
+O_ATOL = 2e-2  # outputs of O(1) stored in bf16, P rounded to bf16 before P @ V
+LSE_ATOL = 1e-4
+
+
+def _inputs(rng, lens, h, dqk, dv):
+    t = sum(lens)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    return f(t, h, dqk), f(t, h, dqk), f(t, h, dv), np.concatenate([[0], np.cumsum(lens)])
+
+
+def _check(o, lse, q, k, v, cu, scale, prefix=None):
+    up = lambda x: x.astype(jnp.float32)
+    o_ref, lse_ref = mla_prefill_ref(up(q), up(k), up(v), cu_seqlens=cu, scale=scale, prefix=prefix)
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(lse).all()
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, atol=O_ATOL, rtol=0)
+    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+
+
+def test_varlen_with_page_granular_prefixes(rng):
+    """Two sequences, one with a 64-token cached prefix read from non-contiguous pages."""
+    h, r, rope, nope, dv, page = 1, 32, 16, 48, 64, 64
+    q, k, v, cu = _inputs(rng, [100, 30], h, nope + rope, dv)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    prefix = LatentPrefix(f(4, page, r + rope).astype(jnp.bfloat16), jnp.asarray([[2, 1], [3, 0]], jnp.int32),
+                          jnp.asarray([64, 0]), f(r, h, nope) * 0.2, f(r, h, dv) * 0.2)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.125, prefix=prefix)
+    assert o.shape == (130, h, dv) and o.dtype == jnp.bfloat16 and lse.shape == (130, h)
+    _check(o, lse, q, k, v, cu, 0.125, prefix)
+
+
+def test_several_query_tiles_heads_and_a_deeper_ring(rng):
+    """Rows past 2 x block_q (a second CTA per sequence), two heads, 128-key blocks, 3 slots:
+    the warpgroups' causal ends differ, so one drains steps only the other computes."""
+    q, k, v, cu = _inputs(rng, [200, 60], 2, 128, 64)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=128 ** -0.5, block_kv=128, steps=3)
+    _check(o, lse, q, k, v, cu, 128 ** -0.5)
+
+
+class TestRefused:
+    def test_prefix_not_a_whole_number_of_key_blocks(self, rng):
+        q, k, v, cu = _inputs(rng, [10], 1, 64, 64)
+        pre = LatentPrefix(jnp.zeros((2, 64, 48), jnp.bfloat16), jnp.asarray([[0]], jnp.int32), jnp.asarray([40]),
+                           jnp.zeros((32, 1, 48)), jnp.zeros((32, 1, 64)))
+        assert not supports(64, 64, [40])
+        with pytest.raises(ValueError, match="multiples of block_kv"):
+            mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.1, prefix=pre)
+
+    def test_head_dims_and_dtypes(self, rng):
+        q, k, v, cu = _inputs(rng, [10], 1, 96, 64)
+        with pytest.raises(ValueError, match="multiples of 64"):
+            mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.1)
+        q, k, v, cu = _inputs(rng, [10], 1, 64, 64)
+        with pytest.raises(ValueError, match="16-bit"):
+            mla_prefill_hopper(q.astype(jnp.float32), k, v, cu_seqlens=cu, scale=0.1)
