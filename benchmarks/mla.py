@@ -16,6 +16,7 @@ Prefill (`mla_prefill`, naive form, qk 192 / v 128): against
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -71,21 +72,24 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 reps = 2 if interpret else 20
 
                 def run(cfg):
-                    bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
+                    if cfg[0] == "hopper":  # ("hopper", block_kv, steps): the Mosaic GPU kernel
+                        decode = functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2])
+                    else:  # (rows, warps[, value columns[, block_k[, stages]]]): the Triton kernel
+                        bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
+                        decode = functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk,
+                                                   num_stages=ns)
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
                     # the time is the kernel's and not Python dispatch's.
                     @jax.jit
                     def loop(a, c, pg, t, n):
-                        body = lambda _, x: mla.mla_decode(x, c, pg, t, n, scale=0.1, block_m=bm, num_warps=nw,
-                                                           block_v=bv, block_k=bk, num_stages=ns,
-                                                           interpret=interpret)[0]
+                        body = lambda _, x: decode(x, c, pg, t, n, scale=0.1, interpret=interpret)[0]
                         return jax.lax.fori_loop(0, reps, body, a)
 
                     return time_jax(loop, ql, qp, pages, table, lens, iters=iters) / reps
 
                 rows_q = sq * h
-                cfgs = [c for c in configs if c[0] <= max(16, 1 << (rows_q - 1).bit_length())]
+                cfgs = [c for c in configs if c[0] == "hopper" or c[0] <= max(16, 1 << (rows_q - 1).bit_length())]
                 ms, bm = _best(run, cfgs)
                 if ms is None:
                     continue
@@ -165,13 +169,20 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
     return rows
 
 
+def parse_decode_config(text: str) -> tuple:
+    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx32x2' -> ('hopper', 32, 2)."""
+    parts = text.split("x")
+    return ("hopper",) + tuple(int(v) for v in parts[1:]) if parts[0] == "hopper" else tuple(int(v) for v in parts)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-configs", default="16x4,64x8x512x32,64x8x512x32x3,64x4x512x32,128x8x512x16",
-                    help="decode (rows per block)x(num_warps)[x(value columns per program)[x(block_k)"
-                         "[x(num_stages)]]] to try; the best is reported")
+    ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx32x2",
+                    help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
+                         "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
+                         "Mosaic GPU kernel")
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
@@ -186,10 +197,11 @@ def main():
     if args.tiny:
         rows += decode_rows(bw, tf, [2], [256], [2], r=32, p=16, page=64, interpret=True)
         rows += decode_rows(bw, tf, [1], [256], [2], r=32, p=16, page=64, sq=2, interpret=True)
+        rows += decode_rows(bw, tf, [1], [128], [2], r=128, p=64, page=64, interpret=True,
+                            configs=(("hopper", 32, 2),))
         rows += prefill_rows([(1, 128, 1)], interpret=True, hopper_configs=((64, 64, 2),))
     else:
-        dec = dict(configs=[tuple(int(v) for v in c.split("x")) for c in args.decode_configs.split(",")],
-                   deadline=deadline)
+        dec = dict(configs=[parse_decode_config(c) for c in args.decode_configs.split(",")], deadline=deadline)
         if "prefill" in args.sections:
             configs = [tuple(int(v) for v in c.split("x")) for c in args.prefill_configs.split(",")]
             hopper = [tuple(int(v) for v in c.split("x")) for c in args.hopper_configs.split(",") if c]

@@ -115,7 +115,7 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
     b, sq, h, r = q_latent.shape
     rows = sq * h
     rows_pad = -(-rows // block_m) * block_m
-    fold = lambda x: jnp.pad(x.reshape(b, rows, x.shape[-1]), ((0, 0), (0, rows_pad - rows), (0, 0)))
+    fold = functools.partial(fold_rows, rows_pad=rows_pad)
     o_part, lse_part = pl.pallas_call(
         functools.partial(_decode_kernel, n_heads=h, n_queries=sq, rank=r, block_m=block_m, block_k=block_k,
                           block_v=block_v, page=latent_pages.shape[1], n_splits=n_splits, scale=scale),
@@ -126,12 +126,50 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_decode",
     )(block_tables, seq_lens, fold(q_latent), fold(q_pe.astype(q_latent.dtype)), latent_pages)
-    # Merge the splits: o = sum_s exp(lse_s - lse) o_s.
+    return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)
+
+
+def fold_rows(x, rows_pad: int):
+    """[B, Sq, H, D] -> [B, rows_pad, D]: heads x query tokens as rows (zero rows past Sq * H)."""
+    b, sq, h, d = x.shape
+    return jnp.pad(x.reshape(b, sq * h, d), ((0, 0), (0, rows_pad - sq * h), (0, 0)))
+
+
+def merge_splits(o_part, lse_part, shape, dtype):
+    """Split-KV partials o [B, S, rows_pad, r] (each normalized over its own keys), lse [B, S,
+    rows_pad] -> o [B, Sq, H, r] in `dtype` and lse [B, Sq, H] (shape = q_latent's), as
+    o = sum_s exp(lse_s - lse) o_s."""
+    b, sq, h, r = shape
     lse = jax.nn.logsumexp(lse_part, axis=1)  # [B, rows_pad]
     weights = jnp.exp(lse_part - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None])
-    o = jnp.sum(weights[..., None] * o_part, axis=1)
-    o = o[:, :rows].reshape(b, sq, h, r).astype(q_latent.dtype)
-    return o, lse[:, :rows].reshape(b, sq, h)
+    o = jnp.sum(weights[..., None] * o_part.astype(jnp.float32), axis=1)
+    return o[:, :sq * h].reshape(b, sq, h, r).astype(dtype), lse[:, :sq * h].reshape(b, sq, h)
+
+
+def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):
+    """The decode kernels' input checks, before any launch (table contents and lengths when
+    concrete).  Returns (kv_lora, rope, page)."""
+    b, sq, h, r = q_latent.shape
+    if q_pe.shape[:3] != (b, sq, h):
+        raise ValueError(f"q_pe must be [B, Sq, H, rope] = [{b}, {sq}, {h}, rope]; got {tuple(q_pe.shape)}")
+    p = q_pe.shape[-1]
+    if latent_pages.ndim != 3 or latent_pages.shape[2] != r + p:
+        raise ValueError(f"latent_pages must be [num_pages, page, kv_lora + rope = {r + p}]; "
+                         f"got {tuple(latent_pages.shape)}")
+    page = latent_pages.shape[1]
+    if block_tables.ndim != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables must be [B={b}, max_pages]; got {tuple(block_tables.shape)}")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens must be [B={b}]; got {tuple(seq_lens.shape)}")
+    if _concrete(seq_lens) and _concrete(block_tables):
+        lens, table = np.asarray(seq_lens), np.asarray(block_tables)
+        if lens.min() < sq or lens.max() > table.shape[1] * page:
+            raise ValueError(f"seq_lens must lie in [Sq={sq}, max_pages * page = {table.shape[1] * page}]; "
+                             f"got {lens.tolist()}")
+        used = np.arange(table.shape[1])[None, :] * page < lens[:, None]
+        if (table[used] < 0).any() or (table[used] >= latent_pages.shape[0]).any():
+            raise ValueError(f"block_tables hold page indices outside [0, {latent_pages.shape[0]})")
+    return r, p, page
 
 
 def _decode_blocking(rows: int):
@@ -167,17 +205,7 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
       or seq_lens beyond the table.
     """
     b, sq, h, r = q_latent.shape
-    if q_pe.shape[:3] != (b, sq, h):
-        raise ValueError(f"q_pe must be [B, Sq, H, rope] = [{b}, {sq}, {h}, rope]; got {tuple(q_pe.shape)}")
-    p = q_pe.shape[-1]
-    if latent_pages.ndim != 3 or latent_pages.shape[2] != r + p:
-        raise ValueError(f"latent_pages must be [num_pages, page, kv_lora + rope = {r + p}]; "
-                         f"got {tuple(latent_pages.shape)}")
-    page = latent_pages.shape[1]
-    if block_tables.ndim != 2 or block_tables.shape[0] != b:
-        raise ValueError(f"block_tables must be [B={b}, max_pages]; got {tuple(block_tables.shape)}")
-    if seq_lens.shape != (b,):
-        raise ValueError(f"seq_lens must be [B={b}]; got {tuple(seq_lens.shape)}")
+    r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
     if not (_is_pow2(r) and _is_pow2(p) and r >= 16 and p >= 16):
         raise ValueError(f"kv_lora and rope dims must be powers of two >= 16; got {r}, {p}")
     auto_m, auto_k, auto_warps = _decode_blocking(sq * h)
@@ -185,14 +213,6 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
     block_k = min(block_k or auto_k, page)
     if page % block_k:
         raise ValueError(f"page size {page} must be a multiple of block_k {block_k}")
-    if _concrete(seq_lens) and _concrete(block_tables):
-        lens, table = np.asarray(seq_lens), np.asarray(block_tables)
-        if lens.min() < sq or lens.max() > table.shape[1] * page:
-            raise ValueError(f"seq_lens must lie in [Sq={sq}, max_pages * page = {table.shape[1] * page}]; "
-                             f"got {lens.tolist()}")
-        used = np.arange(table.shape[1])[None, :] * page < lens[:, None]
-        if (table[used] < 0).any() or (table[used] >= latent_pages.shape[0]).any():
-            raise ValueError(f"block_tables hold page indices outside [0, {latent_pages.shape[0]})")
     block_v = r if block_v is None else block_v
     if not (_is_pow2(block_v) and 16 <= block_v <= r):
         raise ValueError(f"block_v must be a power of two in [16, kv_lora={r}]; got {block_v}")

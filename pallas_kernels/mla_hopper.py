@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla import LatentPrefix, PrefillLayout
+from pallas_kernels.mla import LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits
 
 _LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
@@ -257,3 +257,228 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
                            prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
                            scale_log2=float(scale) * _LOG2E, interpret=interpret)
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
+
+
+# ---- decode ------------------------------------------------------------------------------------
+#
+# Absorbed decode at many heads is compute-bound (H96: ~180 FLOP per latent byte), so it needs
+# wgmma at 64 rows.  A 64 x 512 fp32 accumulator is 256 registers a thread for one warpgroup,
+# too many; as in FlashMLA, two compute warpgroups share the same 64 rows and each owns half
+# of the 512 value columns.  Warpgroup 0 computes the scores Q K^T (all 576 latent columns),
+# the online softmax, and hands P and the rescale factors to warpgroup 1 through shared memory
+# (double-buffered); both then multiply P by their half of the same key tile (the value is the
+# first 512 columns of the latent).  A third warpgroup streams key tiles from the pages by TMA.
+
+
+def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
+                   block_kv, steps, n_splits, page, rank, scale_log2, interpret):
+    """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`."""
+    q_smem, k_smem, p_smem, alpha_smem, stat_smem, o_smem, lse_smem = smem
+    q_bar, k_bars, k_used, p_ready, p_free, stats_ready = bars
+    b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
+    wg = lax.axis_index("wg")
+    block_m = q_smem.shape[0]
+    half = rank // 2
+    dtype = q_ref.dtype
+    seq_len = len_ref[b]
+    n_blocks = pl.cdiv(seq_len, jnp.int32(block_kv))
+    per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
+    kb0 = split * per_split
+    n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
+
+    def finish_p_buffers(my_last):
+        # Every waiter sees every phase: the last uses of the P buffers, waited for once more.
+        @pl.loop(jnp.maximum(my_last - 2, 0), my_last)
+        def _(i):
+            plgpu.barrier_wait(p_free.at[lax.rem(i, 2)])
+
+    def value_half(acc, step, slot, w):
+        """acc [64, half] += P (from shared memory) @ the key tile's value columns of half w."""
+        pslot = lax.rem(step, 2)
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem.at[pslot], k_smem.at[slot, :, pl.ds(w * half, half)])
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(pv, plgpu.ACC((block_m, half), jnp.float32))
+
+    @pl.when(wg == 0)
+    def _scores_and_first_half():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m)], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        rows = rb * block_m + plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
+
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(steps))
+            pslot = lax.rem(i, 2)
+            plgpu.barrier_wait(k_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_m, block_kv), jnp.float32)) * scale_log2
+            s = jnp.where(cols + (kb0 + i) * block_kv < limit, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+
+            @pl.when(i >= 2)
+            def _():
+                plgpu.barrier_wait(p_free.at[pslot])  # warpgroup 1 is done with this buffer
+
+            p_smem.at[pslot][...] = p.astype(dtype)
+            alpha_smem.at[pslot][...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[pslot])
+            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 0)
+            plgpu.barrier_arrive(k_used.at[slot])
+            return acc, m_new, l_i
+
+        init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
+        finish_p_buffers(n_steps)
+        stat_smem[...] = l_i
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(stats_ready)
+        has = l_i > 0
+        lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        o_smem.at[0][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(0, half)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _second_half():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+
+        def step(i, acc):
+            slot = lax.rem(i, jnp.int32(steps))
+            pslot = lax.rem(i, 2)
+            plgpu.barrier_wait(p_ready.at[pslot])
+            plgpu.barrier_wait(k_bars.at[slot])
+            alpha = plgpu.layout_cast(alpha_smem.at[pslot][...], plgpu.Layout.WGMMA.reduce(1))
+            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 1)
+            plgpu.barrier_arrive(p_free.at[pslot])
+            plgpu.barrier_arrive(k_used.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, n_steps, step,
+                            plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA))
+        plgpu.barrier_wait(stats_ready)
+        l_i = plgpu.layout_cast(stat_smem[...], plgpu.Layout.WGMMA.reduce(1))
+        has = l_i > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
+        o_smem.at[1][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[1], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(half, half)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def load(i, slot):
+            pos = (kb0 + i) * block_kv
+            pg = bt_ref[b, lax.div(pos, jnp.int32(page))]
+            plgpu.copy_gmem_to_smem(pages_ref.at[pg, pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)],
+                                    k_smem.at[slot], k_bars.at[slot])
+
+        for j in range(steps):
+            @pl.when(j < n_steps)
+            def _():
+                load(jnp.int32(j), j)
+
+        @pl.loop(steps, jnp.maximum(n_steps, steps))
+        def _(i):
+            slot = lax.rem(i, jnp.int32(steps))
+            plgpu.barrier_wait(k_used.at[slot])
+            load(i, slot)
+
+        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
+        def _(i):
+            plgpu.barrier_wait(k_used.at[lax.rem(i, jnp.int32(steps))])
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "n_splits",
+                                             "scale_log2", "interpret"))
+def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, n_splits,
+                 scale_log2, interpret):
+    """q_rows [B, rows_pad, kv_lora + rope] (heads x queries folded, padded to 64) -> o [B,
+    splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
+    -inf for a split with no keys)."""
+    b, rows_pad, width = q_rows.shape
+    block_m = 64
+    dtype = q_rows.dtype
+    tiled = lambda shape, minor=64: plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
+    smem = (tiled((block_m, width)), tiled((steps, block_kv, width)),
+            tiled((2, block_m, block_kv), minor=min(64, block_kv)),
+            plgpu.SMEM((2, block_m), jnp.float32), plgpu.SMEM((block_m,), jnp.float32),
+            tiled((2, block_m, rank // 2)), plgpu.SMEM((block_m,), jnp.float32))
+
+    def entry(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda smem, bars: _decode_kernel(
+                bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
+                n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
+                page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret),
+            smem,
+            (plgpu.Barrier(), plgpu.Barrier(num_barriers=steps),
+             plgpu.Barrier(num_arrivals=2, num_barriers=steps),
+             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((b, n_splits, rows_pad, rank), dtype),
+                  jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)),
+        grid=(b, n_splits, rows_pad // block_m),
+        grid_names=("b", "split", "rows"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(block_tables, seq_lens, q_rows, latent_pages)
+
+
+def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=32,
+                      steps=2, interpret=None):
+    """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
+    query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
+    bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
+    the page.  Shared memory at kv_lora 512 + rope 64, block_kv 32, 2 steps: ~220 KiB of 227.
+
+    Not yet run on a GPU (written after the session's device time was spent): the interpreter
+    checks its semantics; `kimik3.ops` keeps the Triton `mla_decode` until it is measured."""
+    r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
+    if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or latent_pages.dtype != q_latent.dtype:
+        raise ValueError(f"q_latent and latent_pages must share a 16-bit float dtype; got {q_latent.dtype}, "
+                         f"{latent_pages.dtype}")
+    if r % 128 or p % 64 or block_kv not in (32, 64) or page % block_kv or steps < 2:
+        raise ValueError(f"need kv_lora % 128 == 0 (got {r}), rope % 64 == 0 (got {p}), block_kv 32 or 64 "
+                         f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
+    b, sq, h, _ = q_latent.shape
+    rows_pad = -(-sq * h // 64) * 64
+    if n_splits is None:  # enough CTAs to fill 132 SMs when batch x row blocks alone do not
+        n_splits = max(1, min(32, 132 // max(1, b * (rows_pad // 64))))
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
+    o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
+                                    latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
+                                    n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
+    return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

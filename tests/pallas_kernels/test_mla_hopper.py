@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla import LatentPrefix, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_prefill_hopper, supports
+from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
+from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_hopper, supports
 
 O_ATOL = 2e-2  # outputs of O(1) stored in bf16, P rounded to bf16 before P @ V
 LSE_ATOL = 1e-4
@@ -47,6 +47,25 @@ def test_several_query_tiles_heads_and_a_deeper_ring(rng):
     _check(o, lse, q, k, v, cu, 128 ** -0.5)
 
 
+@pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps", [
+    (2, 2, 3, [200, 70], 4, 32, 2),   # speculative rows; a split of the short sequence holds no keys
+    (1, 2, 40, [150], 1, 64, 3),      # 80 rows: two 64-row blocks, 64-key tiles, a 3-slot ring
+])
+def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv, steps):
+    r, p, page, n_pages = 128, 64, 64, 10
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    pages = f(n_pages, page, r + p)
+    table = jnp.asarray(rng.permutation(n_pages)[:b * 4].reshape(b, 4), jnp.int32)
+    q_latent, q_pe, seq_lens = f(b, sq, h, r), f(b, sq, h, p), jnp.asarray(lens, jnp.int32)
+    o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, n_splits=n_splits,
+                               block_kv=block_kv, steps=steps)
+    up = lambda x: x.astype(jnp.float32)
+    o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, seq_lens, scale=0.1)
+    assert o.shape == (b, sq, h, r) and o.dtype == jnp.bfloat16
+    np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
+    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+
+
 class TestRefused:
     def test_prefix_not_a_whole_number_of_key_blocks(self, rng):
         q, k, v, cu = _inputs(rng, [10], 1, 64, 64)
@@ -55,6 +74,13 @@ class TestRefused:
         assert not supports(64, 64, [40])
         with pytest.raises(ValueError, match="multiples of block_kv"):
             mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.1, prefix=pre)
+
+    def test_decode_dims(self, rng):
+        pages = jnp.zeros((4, 64, 96 + 64), jnp.bfloat16)
+        args = (jnp.zeros((1, 1, 2, 96), jnp.bfloat16), jnp.zeros((1, 1, 2, 64), jnp.bfloat16), pages,
+                jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32))
+        with pytest.raises(ValueError, match="kv_lora % 128"):
+            mla_decode_hopper(*args, scale=0.1)
 
     def test_head_dims_and_dtypes(self, rng):
         q, k, v, cu = _inputs(rng, [10], 1, 96, 64)
