@@ -1,6 +1,8 @@
-"""MLA prefill as a Hopper (sm_90a) kernel in Mosaic GPU: wgmma, TMA, warp specialization.
+"""MLA as Hopper (sm_90a) kernels in Mosaic GPU: wgmma, TMA, warp specialization.
 
-Same contract as `pallas_kernels.mla.mla_prefill` (naive form: causal attention of new
+`mla_prefill_hopper` (below) and `mla_decode_hopper` (further down, FlashMLA's layout).
+
+The prefill has the same contract as `pallas_kernels.mla.mla_prefill` (naive form: causal attention of new
 tokens over a cached prefix and themselves, qk head dim nope + rope, value head dim v),
 built the FlashAttention-3 way: per CTA, two compute warpgroups of `block_q` query rows
 each and one memory warpgroup that streams key / value blocks into a ring of
@@ -272,42 +274,48 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
 
 def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
                    block_kv, steps, n_splits, page, rank, scale_log2, interpret):
-    """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`."""
-    q_smem, k_smem, p_smem, alpha_smem, stat_smem, o_smem, lse_smem = smem
-    q_bar, k_bars, k_used, p_ready, p_free, stats_ready = bars
+    """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
+
+    Queries and key tiles sit in shared memory as three column parts, value half 0, value half
+    1 and rope, each brought by its own TMA (gmem slices, so no swizzled shared-memory ref is
+    ever sliced); the scores are the sum of three wgmmas."""
+    q_parts, k_parts, p_smem, alpha_smem, stat_smem, o_smem, lse_smem = smem
+    q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
-    block_m = q_smem.shape[0]
+    block_m = q_parts[0].shape[0]
     half = rank // 2
+    cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
     dtype = q_ref.dtype
     seq_len = len_ref[b]
     n_blocks = pl.cdiv(seq_len, jnp.int32(block_kv))
     per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
     kb0 = split * per_split
     n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
-
-    def finish_p_buffers(my_last):
-        # Every waiter sees every phase: the last uses of the P buffers, waited for once more.
-        @pl.loop(jnp.maximum(my_last - 2, 0), my_last)
-        def _(i):
-            plgpu.barrier_wait(p_free.at[lax.rem(i, 2)])
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def value_half(acc, step, slot, w):
-        """acc [64, half] += P (from shared memory) @ the key tile's value columns of half w."""
-        pslot = lax.rem(step, 2)
-
+        """acc [64, half] += P (from shared memory) @ value half w of the key tile."""
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem.at[pslot], k_smem.at[slot, :, pl.ds(w * half, half)])
+            plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, 2)], k_parts[w].at[slot])
             return acc_ref[...]
 
         return acc + pl.run_scoped(pv, plgpu.ACC((block_m, half), jnp.float32))
+
+    def normalized(acc, l_i):
+        has = l_i > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
+        return (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m)], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
+        for i, (c0, width) in enumerate(cols_of):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
+                                    q_bars.at[i])
+        for i in range(3):
+            plgpu.barrier_wait(q_bars.at[i])
         rows = rb * block_m + plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 0, layout=plgpu.Layout.WGMMA)
         cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
         limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
@@ -316,10 +324,12 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             acc, m_i, l_i = carry
             slot = lax.rem(i, jnp.int32(steps))
             pslot = lax.rem(i, 2)
-            plgpu.barrier_wait(k_bars.at[slot])
+            for part in range(3):
+                plgpu.barrier_wait(k_bars.at[part * steps + slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                for part in range(3):
+                    plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((block_m, block_kv), jnp.float32)) * scale_log2
@@ -343,18 +353,20 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             return acc, m_new, l_i
 
         init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+                plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
-        finish_p_buffers(n_steps)
+
+        @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)  # the P buffers' last releases
+        def _(i):
+            plgpu.barrier_wait(p_free.at[lax.rem(i, 2)])
+
         stat_smem[...] = l_i
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(stats_ready)
         has = l_i > 0
         lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
-        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-        o_smem.at[0][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+        o_smem.at[0][...] = normalized(acc, l_i)
         plgpu.commit_smem()
+        plgpu.barrier_arrive(stats_ready)
         plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(0, half)])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
         plgpu.wait_smem_to_gmem(0)
@@ -368,8 +380,8 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             slot = lax.rem(i, jnp.int32(steps))
             pslot = lax.rem(i, 2)
             plgpu.barrier_wait(p_ready.at[pslot])
-            plgpu.barrier_wait(k_bars.at[slot])
-            alpha = plgpu.layout_cast(alpha_smem.at[pslot][...], plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(k_bars.at[steps + slot])  # value half 1 of the tile
+            alpha = plgpu.load(alpha_smem.at[pslot], layout=row_layout, optimized=False)
             acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 1)
             plgpu.barrier_arrive(p_free.at[pslot])
             plgpu.barrier_arrive(k_used.at[slot])
@@ -378,10 +390,8 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         acc = lax.fori_loop(0, n_steps, step,
                             plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA))
         plgpu.barrier_wait(stats_ready)
-        l_i = plgpu.layout_cast(stat_smem[...], plgpu.Layout.WGMMA.reduce(1))
-        has = l_i > 0
-        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)
-        o_smem.at[1][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+        l_i = plgpu.load(stat_smem, layout=row_layout, optimized=False)
+        o_smem.at[1][...] = normalized(acc, l_i)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[1], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(half, half)])
         plgpu.wait_smem_to_gmem(0)
@@ -394,8 +404,10 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         def load(i, slot):
             pos = (kb0 + i) * block_kv
             pg = bt_ref[b, lax.div(pos, jnp.int32(page))]
-            plgpu.copy_gmem_to_smem(pages_ref.at[pg, pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)],
-                                    k_smem.at[slot], k_bars.at[slot])
+            keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
+            for part, (c0, width) in enumerate(cols_of):
+                plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
+                                        k_bars.at[part * steps + slot])
 
         for j in range(steps):
             @pl.when(j < n_steps)
@@ -408,7 +420,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             plgpu.barrier_wait(k_used.at[slot])
             load(i, slot)
 
-        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
+        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)  # the slots' last releases
         def _(i):
             plgpu.barrier_wait(k_used.at[lax.rem(i, jnp.int32(steps))])
 
@@ -421,14 +433,15 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
     splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
     -inf for a split with no keys)."""
     b, rows_pad, width = q_rows.shape
-    block_m = 64
+    block_m, half, rope = 64, rank // 2, width - rank
     dtype = q_rows.dtype
     tiled = lambda shape, minor=64: plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
-    smem = (tiled((block_m, width)), tiled((steps, block_kv, width)),
+    smem = ((tiled((block_m, half)), tiled((block_m, half)), tiled((block_m, rope))),
+            (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
             tiled((2, block_m, block_kv), minor=min(64, block_kv)),
             plgpu.SMEM((2, block_m), jnp.float32), plgpu.SMEM((block_m,), jnp.float32),
-            tiled((2, block_m, rank // 2)), plgpu.SMEM((block_m,), jnp.float32))
+            tiled((2, block_m, half)), plgpu.SMEM((block_m,), jnp.float32))
 
     def entry(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref):
         pl.run_scoped(
@@ -437,7 +450,7 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
                 n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
                 page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret),
             smem,
-            (plgpu.Barrier(), plgpu.Barrier(num_barriers=steps),
+            (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.Barrier(num_arrivals=2, num_barriers=steps),
              plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),
             collective_axes="wg",
@@ -461,7 +474,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
     bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
-    the page.  Shared memory at kv_lora 512 + rope 64, block_kv 32, 2 steps: ~220 KiB of 227.
+    the page.  Shared memory at kv_lora 512 + rope 64, block_kv 32, 2 steps: ~220 KiB of the
+    H200's 227 (queries 72, key ring 72, two bf16 output halves 64, P 8), so that is the only
+    configuration that fits at full scale.
 
     Not yet run on a GPU (written after the session's device time was spent): the interpreter
     checks its semantics; `kimik3.ops` keeps the Triton `mla_decode` until it is measured."""
