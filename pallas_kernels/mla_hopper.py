@@ -45,6 +45,31 @@ def supports(dqk: int, dv: int, prefix_lens=None, *, block_kv: int = 64) -> bool
     return dqk % 64 == 0 and dv % 64 == 0 and whole
 
 
+def _stream(n_steps, steps: int, load, released):
+    """The producer warpgroup's ring: `load(step, slot)` for steps 0 .. n_steps - 1 into slot
+    step % steps, each once the consumers have arrived on every barrier in `released` for the
+    step that held the slot before.  The last releases are waited for too: nothing needs them,
+    but every waiter then sees every phase, and no use of shared memory outlives the CTA."""
+    for j in range(steps):
+        @pl.when(j < n_steps)
+        def _():
+            load(jnp.int32(j), j)
+
+    def wait_released(i):
+        slot = lax.rem(i, jnp.int32(steps))
+        for bars in released:
+            plgpu.barrier_wait(bars.at[slot])
+        return slot
+
+    @pl.loop(steps, jnp.maximum(n_steps, steps))
+    def _(i):
+        load(i, wait_released(i))
+
+    @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
+    def _(i):
+        wait_released(i)
+
+
 def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
             prefix_blocks, lp_blocks, scale_log2, interpret):
     """One CTA: sequence `seq`, head `heads`, new-token rows [q_tile * 2 block_q, + 2 block_q)."""
@@ -175,25 +200,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bars.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bars.at[slot])
 
-        for i in range(steps):
-            @pl.when(i < cta_steps)
-            def _():
-                load(jnp.int32(i), i)
-
-        @pl.loop(steps, jnp.maximum(cta_steps, steps))
-        def _(kv_step):
-            slot = lax.rem(kv_step, jnp.int32(steps))
-            plgpu.barrier_wait(k_used.at[slot])
-            plgpu.barrier_wait(v_used.at[slot])
-            load(kv_step, slot)
-
-        # The last loads' releases: nothing waits on the slots any more, but every waiter
-        # sees every phase (and the CTA's shared memory outlives no pending use).
-        @pl.loop(jnp.maximum(cta_steps - steps, 0), cta_steps)
-        def _(kv_step):
-            slot = lax.rem(kv_step, jnp.int32(steps))
-            plgpu.barrier_wait(k_used.at[slot])
-            plgpu.barrier_wait(v_used.at[slot])
+        _stream(cta_steps, steps, load, (k_used, v_used))
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
@@ -409,20 +416,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
                 plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
                                         k_bars.at[part * steps + slot])
 
-        for j in range(steps):
-            @pl.when(j < n_steps)
-            def _():
-                load(jnp.int32(j), j)
-
-        @pl.loop(steps, jnp.maximum(n_steps, steps))
-        def _(i):
-            slot = lax.rem(i, jnp.int32(steps))
-            plgpu.barrier_wait(k_used.at[slot])
-            load(i, slot)
-
-        @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)  # the slots' last releases
-        def _(i):
-            plgpu.barrier_wait(k_used.at[lax.rem(i, jnp.int32(steps))])
+        _stream(n_steps, steps, load, (k_used,))
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "n_splits",
