@@ -466,8 +466,8 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # prepare_impl: "split" (`_split_intra_kernel` with the "intra" warps / stages, then
 # `_split_solve_kernel` with the "solve" ones) or "fused" (`_chunk_prepare_kernel`, one
 # kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
-# (RESULTS.md).  "intra": 8 warps 2.8 ms vs 4 warps 4.2 ms and 16 warps 3.6 ms at B1
-# T32768 H32 (its version with a scan per 16-row block; solve: 4 warps 0.6 ms).
+# (RESULTS.md).  "intra" at B1 T32768 H32 on H200: 8 warps 1.85 ms, 4 warps 3.89, 16 warps
+# 2.65, 8 warps x 2 stages 1.91; "solve": 4 warps 0.57 ms.
 # "state_block_v": V columns per state-pass program; "auto": 64, or 32 when that leaves
 # fewer than 96 programs (sequences x heads x V / 64) for 132 SMs.  H200, B1 T32768 H32
 # (64 programs at 64): 3.34 ms at 32 vs 3.43 at 64, with a state exported every 128
