@@ -286,7 +286,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
     1 and rope, each brought by its own TMA (gmem slices, so no swizzled shared-memory ref is
     ever sliced); the scores are the sum of three wgmmas."""
-    q_parts, k_parts, p_smem, alpha_smem, stat_smem, o_smem, lse_smem = smem
+    q_parts, k_parts, p_smem, alpha_smem, stat_smem, lse_smem = smem
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
@@ -312,7 +312,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     def normalized(acc, l_i):
         has = l_i > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
-        return (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+        return (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
@@ -371,10 +371,11 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         stat_smem[...] = l_i
         has = l_i > 0
         lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
-        o_smem.at[0][...] = normalized(acc, l_i)
+        # The output half goes out through the query part it matches: no score reads it any more.
+        q_parts[0][...] = normalized(acc, l_i)
         plgpu.commit_smem()
         plgpu.barrier_arrive(stats_ready)
-        plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(0, half)])
+        plgpu.copy_smem_to_gmem(q_parts[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(0, half)])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
         plgpu.wait_smem_to_gmem(0)
 
@@ -396,11 +397,11 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
 
         acc = lax.fori_loop(0, n_steps, step,
                             plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA))
-        plgpu.barrier_wait(stats_ready)
+        plgpu.barrier_wait(stats_ready)  # also: warpgroup 0's last score has read the queries
         l_i = plgpu.load(stat_smem, layout=row_layout, optimized=False)
-        o_smem.at[1][...] = normalized(acc, l_i)
+        q_parts[1][...] = normalized(acc, l_i)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[1], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(half, half)])
+        plgpu.copy_smem_to_gmem(q_parts[1], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(half, half)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -435,7 +436,7 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
             tiled((2, block_m, block_kv), minor=min(64, block_kv)),
             plgpu.SMEM((2, block_m), jnp.float32), plgpu.SMEM((block_m,), jnp.float32),
-            tiled((2, block_m, half)), plgpu.SMEM((block_m,), jnp.float32))
+            plgpu.SMEM((block_m,), jnp.float32))
 
     def entry(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref):
         pl.run_scoped(
@@ -468,9 +469,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
     bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
-    the page.  Shared memory at kv_lora 512 + rope 64, block_kv 32, 2 steps: ~220 KiB of the
-    H200's 227 (queries 72, key ring 72, two bf16 output halves 64, P 8), so that is the only
-    configuration that fits at full scale.
+    the page.  Shared memory at kv_lora 512 + rope 64: queries 72 KiB (the output halves
+    leave through them), P 8-16, and the key ring 36 KiB per slot at block_kv 32 (72 at 64):
+    block_kv 32 with 2-3 slots fits the H200's 227 KiB, block_kv 64 with 2 does not.
 
     Not yet run on a GPU (written after the session's device time was spent): the interpreter
     checks its semantics; `kimik3.ops` keeps the Triton `mla_decode` until it is measured."""
