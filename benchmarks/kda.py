@@ -120,7 +120,10 @@ def section_correctness(rows, impls=("split",)):
                              state_rel=rel_err(s, s_ref), fla_state_rel=rel_err(s_f.float().cpu().numpy(), s_ref)))
 
 
-def section_prefill(rows, shapes, tunings):
+def section_prefill(rows, shapes, tunings, copy_gbs):
+    """Prefill with and without exporting a state at every 128 and 1536 multiple, vs fla.
+    export_floor: the exported fp32 states' bytes at the run's copy rate, as a fraction of
+    the pass without export (the overhead that writing them costs at the least)."""
     for b, t, h, d in shapes:
         q, k, v, g, beta = inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16)
         positions = sorted(set(range(128, t + 1, 128)) | set(range(1536, t + 1, 1536)))
@@ -154,6 +157,7 @@ def section_prefill(rows, shapes, tunings):
         rows.append(dict(section="prefill", case=f"B{b} T{t} H{h} D{d} bf16", tuning=str(tuning), ours_ms=ms_plain,
                          ours_export_ms=ms_export, fla_ms=ms_fla, n_ckpt=len(positions),
                          export_overhead=ms_export / ms_plain - 1,
+                         export_floor=b * len(positions) * h * d * d * 4 / (copy_gbs * 1e9) / (ms_plain * 1e-3),
                          export_vs_fla=(ms_export / ms_fla) if ms_fla else None,
                          mtok_s=b * t / (ms_export * 1e-3) / 1e6,
                          o_and_state_rel_diff_vs_fla=vs_fla))
@@ -230,7 +234,7 @@ def main():
             shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
         tunings = [{k: tuple(v) if isinstance(v, list) else v for k, v in tu.items()}
                    for tu in json.loads(args.tunings)]
-        section_prefill(rows, shapes, tunings)
+        section_prefill(rows, shapes, tunings, copy_gbs)
         print("prefill done", flush=True)
     if "modes" in sections and in_budget():
         section_modes(rows, t=4096 if args.quick else 16384)
