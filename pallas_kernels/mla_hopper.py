@@ -305,9 +305,15 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         """acc [64, half] += P (from shared memory) @ value half w of the key tile."""
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, 2)], k_parts[w].at[slot])
-            return acc_ref[...]
 
-        return acc + pl.run_scoped(pv, plgpu.ACC((block_m, half), jnp.float32))
+        if interpret:  # the interpreter has no run_state over a wgmma accumulator
+            def pv_scoped(acc_ref):
+                pv(acc_ref)
+                return acc_ref[...]
+
+            return acc + pl.run_scoped(pv_scoped, plgpu.ACC((block_m, half), jnp.float32))
+        # Accumulate in place: a second 64 x half fp32 array would be 128 more registers.
+        return pl.run_state(pv)(plgpu.ACC.init(acc))
 
     def normalized(acc, l_i):
         has = l_i > 0
@@ -430,11 +436,14 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
     b, rows_pad, width = q_rows.shape
     block_m, half, rope = 64, rank // 2, width - rank
     dtype = q_rows.dtype
-    tiled = lambda shape, minor=64: plgpu.SMEM(shape, dtype, transforms=(
+    # wgmma wants one swizzle for both operands, and P's contraction (block_kv) must span the
+    # swizzle: every 16-bit buffer takes min(64, block_kv) columns per tile.
+    minor = min(64, block_kv)
+    tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
     smem = ((tiled((block_m, half)), tiled((block_m, half)), tiled((block_m, rope))),
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
-            tiled((2, block_m, block_kv), minor=min(64, block_kv)),
+            tiled((2, block_m, block_kv)),
             plgpu.SMEM((2, block_m), jnp.float32), plgpu.SMEM((block_m,), jnp.float32),
             plgpu.SMEM((block_m,), jnp.float32))
 
@@ -464,6 +473,16 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
     )(block_tables, seq_lens, q_rows, latent_pages)
 
 
+_SMEM_BYTES = 232448  # H100 / H200: 227 KiB per CTA
+
+
+def decode_smem_bytes(width: int, block_kv: int, steps: int, itemsize: int = 2) -> int:
+    """Shared memory `mla_decode_hopper` asks for (queries, key ring, two P buffers, the fp32
+    row vectors), plus 4 KiB for barriers and alignment (Mosaic's own count was within that
+    on the configurations lowered: 242816 for block_kv 64 x 2 steps at width 576)."""
+    return (64 * width + steps * block_kv * width + 2 * 64 * block_kv) * itemsize + 4 * 64 * 4 + 4096
+
+
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=32,
                       steps=2, interpret=None):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
@@ -471,7 +490,8 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
     the page.  Shared memory at kv_lora 512 + rope 64: queries 72 KiB (the output halves
     leave through them), P 8-16, and the key ring 36 KiB per slot at block_kv 32 (72 at 64):
-    block_kv 32 with 2-3 slots fits the H200's 227 KiB, block_kv 64 with 2 does not.
+    block_kv 32 with 2-3 slots fits the H200's 227 KiB, block_kv 64 with 2 does not
+    (`decode_smem_bytes`; refused before any launch).
 
     Not yet run on a GPU (written after the session's device time was spent): the interpreter
     checks its semantics; `kimik3.ops` keeps the Triton `mla_decode` until it is measured."""
@@ -482,6 +502,10 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     if r % 128 or p % 64 or block_kv not in (32, 64) or page % block_kv or steps < 2:
         raise ValueError(f"need kv_lora % 128 == 0 (got {r}), rope % 64 == 0 (got {p}), block_kv 32 or 64 "
                          f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
+    smem_bytes = decode_smem_bytes(r + p, block_kv, steps, jnp.dtype(q_latent.dtype).itemsize)
+    if smem_bytes > _SMEM_BYTES:
+        raise ValueError(f"block_kv {block_kv} x {steps} steps needs ~{smem_bytes} bytes of shared memory at "
+                         f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}")
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
     if n_splits is None:  # enough CTAs to fill 132 SMs when batch x row blocks alone do not

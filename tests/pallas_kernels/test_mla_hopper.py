@@ -82,6 +82,13 @@ class TestRefused:
         with pytest.raises(ValueError, match="kv_lora % 128"):
             mla_decode_hopper(*args, scale=0.1)
 
+    def test_decode_ring_over_shared_memory(self, rng):
+        pages = jnp.zeros((4, 64, 512 + 64), jnp.bfloat16)
+        args = (jnp.zeros((1, 1, 2, 512), jnp.bfloat16), jnp.zeros((1, 1, 2, 64), jnp.bfloat16), pages,
+                jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32))
+        with pytest.raises(ValueError, match="shared memory"):
+            mla_decode_hopper(*args, scale=0.1, block_kv=64, steps=2)
+
     def test_head_dims_and_dtypes(self, rng):
         q, k, v, cu = _inputs(rng, [10], 1, 96, 64)
         with pytest.raises(ValueError, match="multiples of 64"):
@@ -89,3 +96,38 @@ class TestRefused:
         q, k, v, cu = _inputs(rng, [10], 1, 64, 64)
         with pytest.raises(ValueError, match="16-bit"):
             mla_prefill_hopper(q.astype(jnp.float32), k, v, cu_seqlens=cu, scale=0.1)
+
+
+# Lowering for CUDA runs Mosaic GPU's own checks (layout inference, wgmma operand swizzles,
+# shared-memory size) on this CPU machine: what the interpreter does not check.
+def _lowers_for_cuda(fn, *shapes):
+    import jax
+    jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
+
+
+def test_prefill_lowers_for_hopper_at_the_model_dims():
+    from pallas_kernels import mla_hopper
+    n, lq, h, lp = 2, 256, 2, 64
+    _lowers_for_cuda(lambda q, k, v: mla_hopper._hopper_core(
+        q, k, v, block_q=64, block_kv=64, steps=2, prefix_blocks=(1, 0), lp_blocks=1, scale_log2=0.1,
+        interpret=False),
+        ((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 128), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("block_kv, steps", [(32, 2), (32, 3), (64, 2)])
+def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps):
+    """kv_lora 512 + rope 64, 96 heads; block_kv 64 x 2 steps is over shared memory and is
+    refused by the wrapper first."""
+    from pallas_kernels import mla_hopper
+    b, h, r, p, page = 2, 96, 512, 64, 64
+    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps) <= mla_hopper._SMEM_BYTES
+    assert fits == (block_kv == 32)
+    lower = lambda: _lowers_for_cuda(lambda bt, sl, q, pg: mla_hopper._decode_core(
+        bt, sl, q, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, n_splits=2, scale_log2=0.1,
+        interpret=False),
+        ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r + p), jnp.bfloat16), ((32, page, r + p), jnp.bfloat16))
+    if fits:
+        lower()
+    else:
+        with pytest.raises(Exception, match="shared memory"):
+            lower()
