@@ -121,13 +121,12 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                                  jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, rope)).astype(c_kv.dtype)], -1)
             v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
             pack = lambda x: x.reshape((b * t,) + x.shape[2:])
+            args = (pack(q_bthd.astype(k.dtype)), pack(k), pack(v))
             cu = [i * t for i in range(b + 1)]
             if mla_prefill_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
-                o, _ = mla_hopper.mla_prefill_hopper(pack(q_bthd.astype(k.dtype)), pack(k), pack(v), cu_seqlens=cu,
-                                                     scale=scale)
+                o, _ = mla_hopper.mla_prefill_hopper(*args, cu_seqlens=cu, scale=scale)
             else:
-                o, _ = mla_kernels.mla_prefill(pack(q_bthd.astype(k.dtype)), pack(k), pack(v), cu_seqlens=cu,
-                                               scale=scale, rope_dim=rope)
+                o, _ = mla_kernels.mla_prefill(*args, cu_seqlens=cu, scale=scale, rope_dim=rope)
             return o.reshape(b, t, h, -1)
     form = mla_absorbed if absorbed else mla_naive
     return form(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora, scale=scale, q_pos_bt=q_pos_bt,

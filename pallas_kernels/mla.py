@@ -388,8 +388,8 @@ class PrefillLayout:
         cu = np.asarray(cu_seqlens).astype(np.int64)
         if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) <= 0):
             raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
-        self.n_seq = n_seq = cu.size - 1
-        self.lens = lens = np.diff(cu)
+        n_seq = cu.size - 1
+        lens = np.diff(cu)
         p_lens = np.zeros(n_seq, np.int64) if prefix is None else np.asarray(prefix.lens).astype(np.int64)
         if p_lens.shape != (n_seq,):
             raise ValueError(f"prefix.lens must be [N={n_seq}]; got {p_lens.shape}")
@@ -415,7 +415,8 @@ class PrefillLayout:
 
     def keys_values(self, k, v):
         """Keys [N, lp + lq, H, Dqk] and values [N, lp + lq, H, Dv]: the prefix expanded
-        through W_UK / W_UV (zeros past each prefix's length), then the new tokens."""
+        through W_UK / W_UV (rows past a prefix's length hold whatever its table points at:
+        the kernels never attend to them), then the new tokens."""
         keys, vals = self.gather(k), self.gather(v)
         if self.lp:
             pk, pv = self.prefix.expand(self.lp)

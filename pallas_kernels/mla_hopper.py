@@ -18,13 +18,12 @@ diagonal, masking only blocks that reach it.
 
 Interpret mode (CPU tests) runs the same kernel body, except that the P @ V matmul takes
 P from shared memory instead of registers (the interpreter's wgmma reads shared memory
-only) and accumulates into a fresh accumulator.
+only) and accumulates into a fresh accumulator (`_mma_into`).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla import LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits
+from pallas_kernels.mla import _LOG2E, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits
 
-_LOG2E = math.log2(math.e)
 _COMPUTE_WGS = 2
 
 
@@ -43,6 +41,26 @@ def supports(dqk: int, dv: int, prefix_lens=None, *, block_kv: int = 64) -> bool
     """Whether `mla_prefill_hopper` takes these head dims and prefix lengths."""
     whole = prefix_lens is None or all(int(n) % block_kv == 0 for n in np.asarray(prefix_lens).reshape(-1))
     return dqk % 64 == 0 and dv % 64 == 0 and whole
+
+
+def _set_registers(count: int, interpret: bool):
+    """Rebalance the register file between warpgroups (232 for each compute, 40 for the
+    producer: FlashAttention-3's split); the interpreter has no register file."""
+    if not interpret:
+        plgpu.set_max_registers(count, action="increase" if count > 128 else "decrease")
+
+
+def _mma_into(acc, mma, interpret: bool):
+    """acc plus what `mma(acc_ref)` accumulates (wgmma calls).  On the GPU in place (run_state):
+    a second fp32 accumulator would double the registers it takes.  The interpreter has no
+    run_state over a wgmma accumulator, so there into a fresh one, added after."""
+    if interpret:
+        def scoped(acc_ref):
+            mma(acc_ref)
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(scoped, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
 def _stream(n_steps, steps: int, load, released):
@@ -98,8 +116,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
 
     @pl.when(wg < _COMPUTE_WGS)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        _set_registers(232, interpret)
         q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
         row0 = q_tile * (_COMPUTE_WGS * block_q) + wg * block_q  # first new-token row of this warpgroup
         my_steps = n_prefix + pl.cdiv(row0 + block_q, jnp.int32(block_kv))
@@ -145,23 +162,17 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
                 def _():
                     plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.int32(steps))])
 
+            p_operand = p16
             if interpret:  # the interpreter's wgmma reads A from shared memory only
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
+                p_operand = p_smem2.at[wg]
+                p_operand[...] = p16
                 plgpu.commit_smem()
 
-                def pv_scoped(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                    wait_next_keys()
-                    return acc_ref[...]
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_operand, v_smem.at[slot])
+                wait_next_keys()
 
-                acc = acc + pl.run_scoped(pv_scoped, plgpu.ACC((block_q, dv), jnp.float32))
-            else:
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    wait_next_keys()
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            acc = _mma_into(acc, pv, interpret)
             plgpu.barrier_arrive(v_used.at[slot])
             return acc, m_new, l_i
 
@@ -192,8 +203,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
 
     @pl.when(wg == _COMPUTE_WGS)
     def _memory():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+        _set_registers(40, interpret)
 
         def load(step, slot):
             rows = (seq, pl.ds(key_block(step) * block_kv, block_kv), head)
@@ -306,24 +316,20 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, 2)], k_parts[w].at[slot])
 
-        if interpret:  # the interpreter has no run_state over a wgmma accumulator
-            def pv_scoped(acc_ref):
-                pv(acc_ref)
-                return acc_ref[...]
+        return _mma_into(acc, pv, interpret)
 
-            return acc + pl.run_scoped(pv_scoped, plgpu.ACC((block_m, half), jnp.float32))
-        # Accumulate in place: a second 64 x half fp32 array would be 128 more registers.
-        return pl.run_state(pv)(plgpu.ACC.init(acc))
-
-    def normalized(acc, l_i):
+    def store_half(w, acc, l_i):
+        """Value half w of the rows' output, normalized, out through query part w (no score
+        reads the queries any more by then)."""
         has = l_i > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
-        return (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        q_parts[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_parts[w], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        _set_registers(232, interpret)
         for i, (c0, width) in enumerate(cols_of):
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
                                     q_bars.at[i])
@@ -377,18 +383,15 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         stat_smem[...] = l_i
         has = l_i > 0
         lse_smem[...] = jnp.where(has, (m_i + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
-        # The output half goes out through the query part it matches: no score reads it any more.
-        q_parts[0][...] = normalized(acc, l_i)
         plgpu.commit_smem()
         plgpu.barrier_arrive(stats_ready)
-        plgpu.copy_smem_to_gmem(q_parts[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(0, half)])
+        store_half(0, acc, l_i)
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _second_half():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+        _set_registers(232, interpret)
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(steps))
@@ -404,16 +407,12 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         acc = lax.fori_loop(0, n_steps, step,
                             plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA))
         plgpu.barrier_wait(stats_ready)  # also: warpgroup 0's last score has read the queries
-        l_i = plgpu.load(stat_smem, layout=row_layout, optimized=False)
-        q_parts[1][...] = normalized(acc, l_i)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[1], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(half, half)])
+        store_half(1, acc, plgpu.load(stat_smem, layout=row_layout, optimized=False))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+        _set_registers(40, interpret)
 
         def load(i, slot):
             pos = (kb0 + i) * block_kv
