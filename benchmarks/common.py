@@ -62,3 +62,46 @@ def write_results(out_dir: str, name: str, rows: list[dict]) -> str:
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(rows, f, indent=1, default=str)
     return table
+
+
+def profile_kernels(fn, *args, calls: int = 5, top: int = 20, top_host: int = 8,
+                    log_dir: str | None = None) -> list[dict]:
+    """Trace `calls` calls of fn(*args) with jax.profiler; rows (ms per call) of the device's
+    busiest ops by (device line, op name), each line's "<busy>" total and "<ops>" count, then the
+    host's busiest `top_host` events (Python dispatch, transfers): where a step's wall time
+    exceeds its device busy time, the host rows say where it went."""
+    import collections
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compiled outside the trace
+    log_dir = log_dir or tempfile.mkdtemp(prefix="kimik3-trace-")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    path = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    device = {pid for pid, name in procs.items() if "device" in name.lower()}
+    busy_us, count, host_us = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        line = f"{procs.get(e['pid'], e['pid'])} {threads.get((e['pid'], e.get('tid')), e.get('tid'))}"
+        if e.get("pid") in device:
+            busy_us[(line, e["name"])] += e.get("dur", 0.0)
+            busy_us[(line, "<busy>")] += e.get("dur", 0.0)
+            count[line] += 1
+        elif not e["name"].startswith(("$profiler", "$contextlib")):  # the trace's own stop
+            host_us[(line, e["name"])] += e.get("dur", 0.0)
+    row = lambda kind, line, op, ms: dict(section="profile", where=kind, line=line, op=op[:90], ms_per_call=ms)
+    rows = [row("device", line, "<ops>", n / calls) for line, n in count.items()]
+    rows += [row("device", line, name, us / calls / 1e3) for (line, name), us in busy_us.most_common(top)]
+    rows += [row("host", line, name, us / calls / 1e3) for (line, name), us in host_us.most_common(top_host)]
+    return rows

@@ -50,6 +50,16 @@ def _best(fn_of_cfg, cfgs):
     return best
 
 
+def decode_fn(cfg):
+    """The decode kernel a config names: ("hopper", block_kv, steps[, prefetch]) the Mosaic GPU
+    kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
+    if cfg[0] == "hopper":
+        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
+                                 prefetch=bool(cfg[3]) if len(cfg) > 3 else False)
+    bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
+    return functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk, num_stages=ns)
+
+
 def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=1, interpret=False,
                 configs=((16, 4),), deadline=float("inf")):
     rows = []
@@ -72,12 +82,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 reps = 2 if interpret else 20
 
                 def run(cfg):
-                    if cfg[0] == "hopper":  # ("hopper", block_kv, steps): the Mosaic GPU kernel
-                        decode = functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2])
-                    else:  # (rows, warps[, value columns[, block_k[, stages]]]): the Triton kernel
-                        bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
-                        decode = functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk,
-                                                   num_stages=ns)
+                    decode = decode_fn(cfg)
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
                     # the time is the kernel's and not Python dispatch's.
@@ -170,7 +175,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
 
 
 def parse_decode_config(text: str) -> tuple:
-    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx32x2' -> ('hopper', 32, 2)."""
+    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2x1' -> ('hopper', 64, 2, 1) (the last: prefetch)."""
     parts = text.split("x")
     return ("hopper",) + tuple(int(v) for v in parts[1:]) if parts[0] == "hopper" else tuple(int(v) for v in parts)
 
@@ -181,9 +186,10 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
     ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx32x2",
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
-                         "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
-                         "Mosaic GPU kernel")
+                         "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps)[x(prefetch 0/1)] "
+                         "for the Mosaic GPU kernel")
     ap.add_argument("--sections", default="prefill,decode")
+    ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
     ap.add_argument("--hopper-configs", default="64x64x2,64x128x2,64x64x3",
@@ -208,9 +214,10 @@ def main():
             rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs,
                                  hopper_configs=hopper, deadline=deadline)
         if "decode" in args.sections:
-            rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], [16, 96], **dec)
+            heads = [int(h) for h in args.decode_heads.split(",")]
+            rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], heads, **dec)
             # speculative verify: 4 query tokens per sequence
-            rows += decode_rows(bw, tf, [64], [8192], [16, 96], sq=4, **dec)
+            rows += decode_rows(bw, tf, [64], [8192], heads, sq=4, **dec)
     common.write_results(args.out, "mla_bench", rows)
 
 if __name__ == "__main__":

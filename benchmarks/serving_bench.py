@@ -54,7 +54,8 @@ def run_load(server, n, args, seed, output=None):
 
 
 def decode_roofline(params, cfg, args, copy_gbs):
-    """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline."""
+    """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline;
+    with `--profile-step`, also the step's busiest device ops (rows of section "profile")."""
     b, ctx = args.max_load, args.prompt
     eng = make(params, cfg, "colocated", args)
     table = np.arange(1, 1 + b * (-(-ctx // args.page_tokens) + 1)).reshape(b, -1) % eng.manager.page_pool.num_blocks
@@ -71,12 +72,13 @@ def decode_roofline(params, cfg, args, copy_gbs):
         return logits
 
     ms = common.time_jax(step)
+    profile = common.profile_kernels(step, top=30) if args.profile_step else []
     weights = sizing.weight_bytes(cfg, quantization.BF16)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
     return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", ms=ms, roofline_ms=roof_ms,
-                of_roofline=roof_ms / ms, weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9)
+                of_roofline=roof_ms / ms, weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9), profile
 
 
 def main():
@@ -90,6 +92,9 @@ def main():
     ap.add_argument("--page-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--kernels", default="auto", help="auto | reference | pallas (kimik3.ops)")
+    ap.add_argument("--modes", default="colocated,pd", help="serving modes to sweep (colocated, pd)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="trace the timed decode step with jax.profiler and tabulate its busiest device ops")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip loads that start after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -104,7 +109,7 @@ def main():
     rows = [dict(section="roofline", case=f"{jax.devices()[0].device_kind}", copy_gbs=copy_gbs)]
     best = {}
     t_start = time.monotonic()
-    for mode in ("colocated", "pd"):
+    for mode in [m for m in args.modes.split(",") if m]:
         # Engine.warmup compiles every prefill chunk and decode bucket; a pass per load with short
         # outputs then warms the handoff's bookkeeping ops, so the sweep measures serving only.
         t0 = time.monotonic()
@@ -136,7 +141,8 @@ def main():
                 best[mode] = max(best.get(mode, 0), n)
     rows.append(dict(section=f"largest load with TPOT p50 <= {args.tpot_target_ms} ms",
                      colocated=best.get("colocated", 0), pd=best.get("pd", 0)))
-    rows.append(decode_roofline(params, cfg, args, copy_gbs))
+    step_row, profile = decode_roofline(params, cfg, args, copy_gbs)
+    rows += [step_row] + profile
     print(f"total {time.monotonic() - t_start:.0f} s", flush=True)
     common.write_results(args.out, "serving_bench", rows)
 

@@ -290,13 +290,16 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
 
 
 def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
-                   block_kv, steps, n_splits, page, rank, scale_log2, interpret):
+                   block_kv, steps, p_slots, prefetch, n_splits, page, rank, scale_log2, interpret):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
     1 and rope, each brought by its own TMA (gmem slices, so no swizzled shared-memory ref is
     ever sliced); the scores are the sum of three wgmmas."""
-    q_parts, k_parts, p_smem, alpha_smem, stat_smem, lse_smem = smem
+    q_parts, k_parts, p_smem, vec_smem = smem
+    # fp32 row vectors in one buffer (one shared-memory allocation, not three): the P buffers'
+    # rescale factors, then the rows' softmax sums l, then their LSE
+    alpha_smem, stat_smem, lse_smem = vec_smem.at[pl.ds(0, p_slots)], vec_smem.at[p_slots], vec_smem.at[p_slots + 1]
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
     wg = lax.axis_index("wg")
@@ -314,7 +317,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     def value_half(acc, step, slot, w):
         """acc [64, half] += P (from shared memory) @ value half w of the key tile."""
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, 2)], k_parts[w].at[slot])
+            plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, p_slots)], k_parts[w].at[slot])
 
         return _mma_into(acc, pv, interpret)
 
@@ -339,27 +342,25 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
         limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
 
-        def step(i, carry):
-            acc, m_i, l_i = carry
+        def issue_scores(acc_ref, i):
+            """Q K^T of step i's key tile into acc_ref (wgmma issued, not waited for)."""
             slot = lax.rem(i, jnp.int32(steps))
-            pslot = lax.rem(i, 2)
             for part in range(3):
                 plgpu.barrier_wait(k_bars.at[part * steps + slot])
+            for part in range(3):
+                plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot].transpose((1, 0)))
 
-            def qk(acc_ref):
-                for part in range(3):
-                    plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((block_m, block_kv), jnp.float32)) * scale_log2
-            s = jnp.where(cols + (kb0 + i) * block_kv < limit, s, -jnp.inf)
+        def softmax_and_hand_over(s, i, m_i, l_i):
+            """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1."""
+            pslot = lax.rem(i, p_slots)
+            s = jnp.where(cols + (kb0 + i) * block_kv < limit, s * scale_log2, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
             alpha = jnp.exp2(m_i - m_safe)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
 
-            @pl.when(i >= 2)
+            @pl.when(i >= p_slots)
             def _():
                 plgpu.barrier_wait(p_free.at[pslot])  # warpgroup 1 is done with this buffer
 
@@ -367,18 +368,52 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             alpha_smem.at[pslot][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[pslot])
-            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 0)
-            plgpu.barrier_arrive(k_used.at[slot])
-            return acc, m_new, l_i
+            return alpha, m_new, l_i
+
+        def first_half(acc, alpha, i):
+            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, lax.rem(i, jnp.int32(steps)), 0)
+            plgpu.barrier_arrive(k_used.at[lax.rem(i, jnp.int32(steps))])
+            return acc
+
+        def scores(i, when=True):
+            def scoped(acc_ref):
+                if when is True:
+                    issue_scores(acc_ref, i)
+                else:  # the prologue's tile, when the split has one
+                    pl.when(when)(lambda: issue_scores(acc_ref, i))
+                return acc_ref[...]
+
+            return pl.run_scoped(scoped, plgpu.ACC((block_m, block_kv), jnp.float32))
+
+        def step(i, carry):
+            acc, m_i, l_i = carry
+            alpha, m_i, l_i = softmax_and_hand_over(scores(i), i, m_i, l_i)
+            return first_half(acc, alpha, i), m_i, l_i
+
+        def prefetching_step(i, carry):
+            """The next tile's scores are issued before this tile's softmax, so the tensor cores
+            work through the softmax (FlashAttention-3's intra-warpgroup overlap)."""
+            acc, m_i, l_i, s = carry
+
+            def scoped(acc_ref):
+                pl.when(i + 1 < n_steps)(lambda: issue_scores(acc_ref, i + 1))
+                alpha, m_new, l_new = softmax_and_hand_over(s, i, m_i, l_i)
+                return acc_ref[...], alpha, m_new, l_new
+
+            s_next, alpha, m_i, l_i = pl.run_scoped(scoped, plgpu.ACC((block_m, block_kv), jnp.float32))
+            return first_half(acc, alpha, i), m_i, l_i, s_next
 
         init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
-        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
+        if prefetch:
+            acc, m_i, l_i, _ = lax.fori_loop(0, n_steps, prefetching_step, init + (scores(0, n_steps > 0),))
+        else:
+            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
 
-        @pl.loop(jnp.maximum(n_steps - 2, 0), n_steps)  # the P buffers' last releases
+        @pl.loop(jnp.maximum(n_steps - p_slots, 0), n_steps)  # the P buffers' last releases
         def _(i):
-            plgpu.barrier_wait(p_free.at[lax.rem(i, 2)])
+            plgpu.barrier_wait(p_free.at[lax.rem(i, p_slots)])
 
         stat_smem[...] = l_i
         has = l_i > 0
@@ -395,7 +430,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(steps))
-            pslot = lax.rem(i, 2)
+            pslot = lax.rem(i, p_slots)
             plgpu.barrier_wait(p_ready.at[pslot])
             plgpu.barrier_wait(k_bars.at[steps + slot])  # value half 1 of the tile
             alpha = plgpu.load(alpha_smem.at[pslot], layout=row_layout, optimized=False)
@@ -425,10 +460,10 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         _stream(n_steps, steps, load, (k_used,))
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "n_splits",
-                                             "scale_log2", "interpret"))
-def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, n_splits,
-                 scale_log2, interpret):
+@functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
+                                             "prefetch", "n_splits", "scale_log2", "interpret"))
+def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, p_slots,
+                 prefetch, n_splits, scale_log2, interpret):
     """q_rows [B, rows_pad, kv_lora + rope] (heads x queries folded, padded to 64) -> o [B,
     splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
     -inf for a split with no keys)."""
@@ -442,20 +477,20 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
     smem = ((tiled((block_m, half)), tiled((block_m, half)), tiled((block_m, rope))),
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
-            tiled((2, block_m, block_kv)),
-            plgpu.SMEM((2, block_m), jnp.float32), plgpu.SMEM((block_m,), jnp.float32),
-            plgpu.SMEM((block_m,), jnp.float32))
+            tiled((p_slots, block_m, block_kv)),
+            plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
 
     def entry(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref):
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
-                n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
+                n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, prefetch=prefetch,
+                n_splits=n_splits,
                 page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.Barrier(num_arrivals=2, num_barriers=steps),
-             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier()),
+             plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier()),
             collective_axes="wg",
         )
 
@@ -467,7 +502,9 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
         grid_names=("b", "split", "rows"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+        # The row reductions are within a warp in the wgmma layout: no cross-warp scratch (Mosaic
+        # reserves 2 KiB by default; block_kv 64 fits only without it).
+        compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(block_tables, seq_lens, q_rows, latent_pages)
 
@@ -475,15 +512,19 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
 _SMEM_BYTES = 232448  # H100 / H200: 227 KiB per CTA
 
 
-def decode_smem_bytes(width: int, block_kv: int, steps: int, itemsize: int = 2) -> int:
-    """Shared memory `mla_decode_hopper` asks for (queries, key ring, two P buffers, the fp32
-    row vectors), plus 4 KiB for barriers and alignment (Mosaic's own count was within that
-    on the configurations lowered: 242816 for block_kv 64 x 2 steps at width 576)."""
-    return (64 * width + steps * block_kv * width + 2 * 64 * block_kv) * itemsize + 4 * 64 * 4 + 4096
+def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, itemsize: int = 2) -> int:
+    """Shared memory `mla_decode_hopper` asks for, counted as Mosaic GPU counts it (checked by
+    lowering: 238720 bytes for block_kv 64, 2 steps, 2 P slots at width 576): the queries, the
+    key ring and the P slots (16-bit tiles), the fp32 row vectors (one buffer, 1 KiB aligned)
+    and 8 bytes per barrier."""
+    tiles = (64 * width + steps * block_kv * width + p_slots * 64 * block_kv) * itemsize
+    vectors = -(-(p_slots + 2) * 64 * 4 // 1024) * 1024
+    barriers = 3 + 3 * steps + steps + 2 * p_slots + 1
+    return tiles + vectors + 8 * barriers
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=32,
-                      steps=2, interpret=None):
+                      steps=2, prefetch=False, p_slots=None, interpret=None):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
     bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
@@ -501,10 +542,13 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     if r % 128 or p % 64 or block_kv not in (32, 64) or page % block_kv or steps < 2:
         raise ValueError(f"need kv_lora % 128 == 0 (got {r}), rope % 64 == 0 (got {p}), block_kv 32 or 64 "
                          f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
-    smem_bytes = decode_smem_bytes(r + p, block_kv, steps, jnp.dtype(q_latent.dtype).itemsize)
-    if smem_bytes > _SMEM_BYTES:
-        raise ValueError(f"block_kv {block_kv} x {steps} steps needs ~{smem_bytes} bytes of shared memory at "
+    # Two P slots let warpgroup 0 write the next P before warpgroup 1 is done with the last;
+    # one is taken when two do not fit (block_kv 64 at kv_lora 512).
+    smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, jnp.dtype(q_latent.dtype).itemsize) for n in (1, 2)}
+    if smem_bytes[1] > _SMEM_BYTES:
+        raise ValueError(f"block_kv {block_kv} x {steps} steps needs {smem_bytes[1]} bytes of shared memory at "
                          f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}")
+    p_slots = p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
     if n_splits is None:  # enough CTAs to fill 132 SMs when batch x row blocks alone do not
@@ -513,5 +557,5 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
     o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
-                                    n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
+                                    p_slots=p_slots, prefetch=bool(prefetch), n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)
