@@ -51,11 +51,10 @@ def _best(fn_of_cfg, cfgs):
 
 
 def decode_fn(cfg):
-    """The decode kernel a config names: ("hopper", block_kv, steps[, prefetch]) the Mosaic GPU
+    """The decode kernel a config names: ("hopper", block_kv, steps) the Mosaic GPU
     kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
     if cfg[0] == "hopper":
-        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
-                                 prefetch=bool(cfg[3]) if len(cfg) > 3 else False)
+        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2])
     bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
     return functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk, num_stages=ns)
 
@@ -175,7 +174,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
 
 
 def parse_decode_config(text: str) -> tuple:
-    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2x1' -> ('hopper', 64, 2, 1) (the last: prefetch)."""
+    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2)."""
     parts = text.split("x")
     return ("hopper",) + tuple(int(v) for v in parts[1:]) if parts[0] == "hopper" else tuple(int(v) for v in parts)
 
@@ -184,10 +183,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="toy sizes in interpret mode (CPU smoke test)")
-    ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx32x2",
+    ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx64x2",
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
-                         "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps)[x(prefetch 0/1)] "
-                         "for the Mosaic GPU kernel")
+                         "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
+                         "Mosaic GPU kernel")
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",

@@ -112,8 +112,10 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
                 table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
-            o_latent, _ = mla_kernels.mla_decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype),
-                                                 pages.astype(q_latent.dtype), table, q_pos_bt[:, -1] + 1, scale=scale)
+            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h, _compute_capability())
+            decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
+            o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages.astype(q_latent.dtype),
+                                 table, q_pos_bt[:, -1] + 1, scale=scale)
             return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
         if not absorbed and not contiguous_cache:
             c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
@@ -147,6 +149,18 @@ def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     hopper = compute_capability is not None and str(compute_capability).startswith("9")
     return "hopper" if hopper and sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
+
+
+def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, compute_capability: str | None) -> str:
+    """Which Pallas absorbed decode runs: "hopper" (Mosaic GPU, FlashMLA's layout on wgmma:
+    2.2-2.8x the Triton kernel at 96 heads, 68% of the matmul rate at 128, RESULTS.md) for
+    16-bit inputs with kv_lora % 128 == 0, rope % 64 == 0 and 32-token-aligned pages on a
+    compute capability 9.x GPU, when heads x query tokens (`rows`) fill a 64-row wgmma tile;
+    else "triton" (16-row blocks waste nothing at 16 heads, where both run at the copy rate)."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    hopper = compute_capability is not None and str(compute_capability).startswith("9")
+    dims = kv_lora % 128 == 0 and rope % 64 == 0 and page % 32 == 0
+    return "hopper" if hopper and sixteen_bit and dims and rows >= 64 else "triton"
 
 
 def _kernel_dims_ok(kv_lora: int, rope: int) -> bool:

@@ -290,7 +290,7 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
 
 
 def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
-                   block_kv, steps, p_slots, prefetch, n_splits, page, rank, scale_log2, interpret):
+                   block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
@@ -343,7 +343,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
         limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
 
         def issue_scores(acc_ref, i):
-            """Q K^T of step i's key tile into acc_ref (wgmma issued, not waited for)."""
+            """Q K^T of step i's key tile into acc_ref (wgmma issued; reading acc_ref waits)."""
             slot = lax.rem(i, jnp.int32(steps))
             for part in range(3):
                 plgpu.barrier_wait(k_bars.at[part * steps + slot])
@@ -375,41 +375,21 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             plgpu.barrier_arrive(k_used.at[lax.rem(i, jnp.int32(steps))])
             return acc
 
-        def scores(i, when=True):
-            def scoped(acc_ref):
-                if when is True:
-                    issue_scores(acc_ref, i)
-                else:  # the prologue's tile, when the split has one
-                    pl.when(when)(lambda: issue_scores(acc_ref, i))
-                return acc_ref[...]
-
-            return pl.run_scoped(scoped, plgpu.ACC((block_m, block_kv), jnp.float32))
-
         def step(i, carry):
             acc, m_i, l_i = carry
-            alpha, m_i, l_i = softmax_and_hand_over(scores(i), i, m_i, l_i)
+
+            def scores(acc_ref):
+                issue_scores(acc_ref, i)
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((block_m, block_kv), jnp.float32))
+            alpha, m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
             return first_half(acc, alpha, i), m_i, l_i
-
-        def prefetching_step(i, carry):
-            """The next tile's scores are issued before this tile's softmax, so the tensor cores
-            work through the softmax (FlashAttention-3's intra-warpgroup overlap)."""
-            acc, m_i, l_i, s = carry
-
-            def scoped(acc_ref):
-                pl.when(i + 1 < n_steps)(lambda: issue_scores(acc_ref, i + 1))
-                alpha, m_new, l_new = softmax_and_hand_over(s, i, m_i, l_i)
-                return acc_ref[...], alpha, m_new, l_new
-
-            s_next, alpha, m_i, l_i = pl.run_scoped(scoped, plgpu.ACC((block_m, block_kv), jnp.float32))
-            return first_half(acc, alpha, i), m_i, l_i, s_next
 
         init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
-        if prefetch:
-            acc, m_i, l_i, _ = lax.fori_loop(0, n_steps, prefetching_step, init + (scores(0, n_steps > 0),))
-        else:
-            acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
+        acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
 
         @pl.loop(jnp.maximum(n_steps - p_slots, 0), n_steps)  # the P buffers' last releases
         def _(i):
@@ -461,9 +441,9 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "prefetch", "n_splits", "scale_log2", "interpret"))
+                                             "n_splits", "scale_log2", "interpret"))
 def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, p_slots,
-                 prefetch, n_splits, scale_log2, interpret):
+                 n_splits, scale_log2, interpret):
     """q_rows [B, rows_pad, kv_lora + rope] (heads x queries folded, padded to 64) -> o [B,
     splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
     -inf for a split with no keys)."""
@@ -484,8 +464,7 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
-                n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, prefetch=prefetch,
-                n_splits=n_splits,
+                n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
                 page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
@@ -523,19 +502,37 @@ def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, i
     return tiles + vectors + 8 * barriers
 
 
-def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=32,
-                      steps=2, prefetch=False, p_slots=None, interpret=None):
+def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) -> int:
+    """KV splits per (sequence, 64-row tile) so that the CTAs fill the SMs in whole waves:
+    the fewest splits whose waves are >= 90% full (48 tiles: 5 splits, 240 CTAs in two
+    waves of 132), else the fullest.  Each split keeps >= 4 key tiles, and the partial
+    outputs written for the merge stay under a quarter of the cache bytes read."""
+    cap = max(1, min(-(-max_keys // (4 * block_kv)), max_keys * 576 // (4 * 64 * 512)))
+    fill = lambda s: row_tiles * s / (sms * -(-row_tiles * s // sms))
+    for s in range(1, cap + 1):
+        if fill(s) >= 0.9:
+            return s
+    return max(range(1, cap + 1), key=fill)
+
+
+def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
+                      steps=2, p_slots=None, interpret=None):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
-    bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
-    the page.  Shared memory at kv_lora 512 + rope 64: queries 72 KiB (the output halves
-    leave through them), P 8-16, and the key ring 36 KiB per slot at block_kv 32 (72 at 64):
-    block_kv 32 with 2-3 slots fits the H200's 227 KiB, block_kv 64 with 2 does not
-    (`decode_smem_bytes`; refused before any launch).
 
-    Not yet run on a GPU (written after the session's device time was spent): the interpreter
-    checks its semantics; `kimik3.ops` keeps the Triton `mla_decode` until it is measured."""
+    bf16 / fp16; kv_lora a multiple of 128, rope a multiple of 64, block_kv 32 or 64 dividing
+    the page (default 64 where it does).  Shared memory at kv_lora 512 + rope 64: queries
+    72 KiB (the output halves leave through them), the key ring 72 KiB per slot at block_kv
+    64 (36 at 32) and P 8 KiB per slot: block_kv 64 fits the H200's 227 KiB with 2 ring
+    slots and one P slot, block_kv 32 with 2-3 ring slots and two P slots
+    (`decode_smem_bytes`; a ring that does not fit is refused before any launch).
+
+    On the H200 (RESULTS.md): 442 TFLOP/s, 68% of the bf16 matmul rate, at 128 heads (B64,
+    8k context); at 96 heads the rows pad 96 -> 128 and it reaches 44-50%; memory-bound
+    shapes run at the copy rate like the Triton kernel.  `kimik3.ops.mla_decode_impl` picks
+    it on compute capability 9.x when heads x queries fill a 64-row tile."""
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
+    block_kv = block_kv or (64 if page % 64 == 0 else 32)
     if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or latent_pages.dtype != q_latent.dtype:
         raise ValueError(f"q_latent and latent_pages must share a 16-bit float dtype; got {q_latent.dtype}, "
                          f"{latent_pages.dtype}")
@@ -551,11 +548,13 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     p_slots = p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
-    if n_splits is None:  # enough CTAs to fill 132 SMs when batch x row blocks alone do not
-        n_splits = max(1, min(32, 132 // max(1, b * (rows_pad // 64))))
+    if n_splits is None:
+        device = jax.devices()[0]
+        sms = (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
+        n_splits = decode_splits(b * (rows_pad // 64), block_tables.shape[1] * page, block_kv, sms)
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
     o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
-                                    p_slots=p_slots, prefetch=bool(prefetch), n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
+                                    p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

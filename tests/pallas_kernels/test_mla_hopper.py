@@ -47,21 +47,20 @@ def test_several_query_tiles_heads_and_a_deeper_ring(rng):
     _check(o, lse, q, k, v, cu, 128 ** -0.5)
 
 
-@pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps, prefetch, p_slots", [
-    (2, 2, 3, [200, 70], 4, 32, 2, False, 2),  # speculative rows; a split of the short sequence holds no keys
-    (2, 2, 3, [200, 70], 4, 32, 2, True, 1),   # the same with the next tile's scores prefetched, one P slot
-    (1, 2, 40, [150], 1, 64, 3, False, 1),     # 80 rows: two 64-row blocks, 64-key tiles, a 3-slot ring
-    (1, 2, 40, [150], 2, 64, 2, True, 2),
+@pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps, p_slots", [
+    (2, 2, 3, [200, 70], 4, 32, 2, 2),  # speculative rows; a split of the short sequence holds no keys
+    (2, 2, 3, [200, 70], 4, 32, 2, 1),  # the same with one P slot (warpgroup 0 waits for its release)
+    (1, 2, 40, [150], 1, 64, 3, 1),     # 80 rows: two 64-row blocks, 64-key tiles, a 3-slot ring
+    (1, 2, 40, [150], None, None, 2, None),  # the defaults: 64-key tiles, splits that fill the SMs
 ])
-def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv, steps, prefetch,
-                                                       p_slots):
+def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv, steps, p_slots):
     r, p, page, n_pages = 128, 64, 64, 10
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     pages = f(n_pages, page, r + p)
     table = jnp.asarray(rng.permutation(n_pages)[:b * 4].reshape(b, 4), jnp.int32)
     q_latent, q_pe, seq_lens = f(b, sq, h, r), f(b, sq, h, p), jnp.asarray(lens, jnp.int32)
     o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, n_splits=n_splits,
-                               block_kv=block_kv, steps=steps, prefetch=prefetch, p_slots=p_slots)
+                               block_kv=block_kv, steps=steps, p_slots=p_slots)
     up = lambda x: x.astype(jnp.float32)
     o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, seq_lens, scale=0.1)
     assert o.shape == (b, sq, h, r) and o.dtype == jnp.bfloat16
@@ -117,9 +116,8 @@ def test_prefill_lowers_for_hopper_at_the_model_dims():
         ((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 128), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("block_kv, steps, prefetch", [(32, 2, False), (32, 3, True), (64, 2, False), (64, 2, True),
-                                                       (64, 3, False)])
-def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, prefetch):
+@pytest.mark.parametrize("block_kv, steps", [(32, 2), (32, 3), (64, 2), (64, 3)])
+def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps):
     """kv_lora 512 + rope 64, 96 heads; block_kv 64 fits with one P slot and two steps, not
     three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does."""
     from pallas_kernels import mla_hopper
@@ -130,10 +128,22 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, prefetch):
                                [block_kv, steps])
     lower = lambda: _lowers_for_cuda(lambda bt, sl, q, pg: mla_hopper._decode_core(
         bt, sl, q, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
-        prefetch=prefetch, n_splits=2, scale_log2=0.1, interpret=False),
+        n_splits=2, scale_log2=0.1, interpret=False),
         ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r + p), jnp.bfloat16), ((32, page, r + p), jnp.bfloat16))
     if fits:
         lower()
     else:
         with pytest.raises(Exception, match="shared memory"):
             lower()
+
+
+@pytest.mark.parametrize("row_tiles, max_keys, want", [
+    (32, 8192, 4),    # H96 B16: 128 CTAs, one wave
+    (48, 8192, 5),    # 192 rows x B16: 240 CTAs fill two waves 91%; 2 splits would leave 36 SMs idle
+    (128, 8192, 1),   # H128 B64: the batch fills the GPU
+    (2, 32768, 60),   # B1: 120 CTAs of ~546 keys
+    (2, 1024, 4),     # a short context keeps >= 4 key tiles per split
+])
+def test_decode_splits_fill_the_sms_in_whole_waves(row_tiles, max_keys, want):
+    from pallas_kernels.mla_hopper import decode_splits
+    assert decode_splits(row_tiles, max_keys, 64) == want
