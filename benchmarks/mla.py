@@ -60,7 +60,7 @@ def decode_fn(cfg):
 
 
 def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=1, interpret=False,
-                configs=((16, 4),), deadline=float("inf")):
+                configs=((16, 4),), deadline=float("inf"), xla_ref=True):
     rows = []
     for h in heads:
         for b in batches:
@@ -98,7 +98,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 if ms is None:
                     continue
                 ref = jax.jit(lambda a, c, pg, t, n: mla.mla_decode_ref(a, c, pg, t, n, scale=0.1))
-                ms_ref = time_jax(ref, ql, qp, pages, table, lens, iters=5 if interpret else 20)
+                ms_ref = time_jax(ref, ql, qp, pages, table, lens, iters=5 if interpret else 20) if xla_ref else None
                 bytes_moved = b * ctx * (r + p) * 2 + ql.nbytes + qp.nbytes + b * sq * h * r * 2
                 flops = 2 * b * sq * h * ctx * (r + p + r)
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
@@ -189,6 +189,11 @@ def main():
                          "Mosaic GPU kernel")
     ap.add_argument("--sections", default="prefill,decode")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
+    ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")
+    ap.add_argument("--decode-sq", default="1,4", help="query tokens per sequence (4: speculative verify, B64 "
+                    "ctx8k only)")
+    ap.add_argument("--skip-xla-ref", action="store_true",
+                    help="do not time the XLA reference (its compiles dominate the H96 sweep's time)")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
     ap.add_argument("--hopper-configs", default="64x64x2,64x128x2,64x64x3",
@@ -214,9 +219,13 @@ def main():
                                  hopper_configs=hopper, deadline=deadline)
         if "decode" in args.sections:
             heads = [int(h) for h in args.decode_heads.split(",")]
-            rows += decode_rows(bw, tf, [1, 16, 64, 128], [1024, 8192, 32768], heads, **dec)
-            # speculative verify: 4 query tokens per sequence
-            rows += decode_rows(bw, tf, [64], [8192], heads, sq=4, **dec)
+            sqs = [int(v) for v in args.decode_sq.split(",")]
+            dec["xla_ref"] = not args.skip_xla_ref
+            if 1 in sqs:
+                batches = [int(v) for v in args.decode_batches.split(",")]
+                rows += decode_rows(bw, tf, batches, [1024, 8192, 32768], heads, **dec)
+            if 4 in sqs:  # speculative verify: 4 query tokens per sequence
+                rows += decode_rows(bw, tf, [64], [8192], heads, sq=4, **dec)
     common.write_results(args.out, "mla_bench", rows)
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def model_path_error(h, sq, r=512, rope=64, nope=128, v=128, page=128):
               contiguous_cache=True, paged=(pages, table))
     o_p = ops.mla_attention(q, latent, w_kb, w_vb, kernels="pallas", **kw).astype(jnp.float32)
     o_r = ops.mla_attention(q, latent, w_kb, w_vb, kernels="reference", **kw).astype(jnp.float32)
-    impl = ops.mla_decode_impl(q.dtype, r, rope, page, sq * h, ops._compute_capability())
+    impl = ops.mla_decode_impl(q.dtype, r, rope, page, sq * h, table.shape[1] * page, ops._compute_capability())
     return impl, float(jnp.max(jnp.abs(o_p - o_r)) / jnp.max(jnp.abs(o_r)))
 
 

@@ -112,7 +112,8 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
                 table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
-            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h, _compute_capability())
+            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h, table.shape[1] * pages.shape[1],
+                                   _compute_capability())
             decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
             o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages.astype(q_latent.dtype),
                                  table, q_pos_bt[:, -1] + 1, scale=scale)
@@ -151,16 +152,20 @@ def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -
     return "hopper" if hopper and sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
 
 
-def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, compute_capability: str | None) -> str:
+def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, max_keys: int,
+                    compute_capability: str | None) -> str:
     """Which Pallas absorbed decode runs: "hopper" (Mosaic GPU, FlashMLA's layout on wgmma:
-    2.2-2.8x the Triton kernel at 96 heads, 68% of the matmul rate at 128, RESULTS.md) for
-    16-bit inputs with kv_lora % 128 == 0, rope % 64 == 0 and 32-token-aligned pages on a
-    compute capability 9.x GPU, when heads x query tokens (`rows`) fill a 64-row wgmma tile;
-    else "triton" (16-row blocks waste nothing at 16 heads, where both run at the copy rate)."""
+    2.8x the Triton kernel at 96 heads and 70% of the matmul rate at 128; at 16 heads
+    1.1-1.2x once contexts reach 8k, RESULTS.md) for 16-bit inputs with kv_lora % 128 == 0,
+    rope % 64 == 0 and 32-token-aligned pages on a compute capability 9.x GPU, when heads x
+    query tokens (`rows`) fill a 64-row wgmma tile or the block table spans >= 16k keys
+    (`max_keys`); else "triton" (16-row blocks: faster for few rows over short contexts,
+    where a launch's fixed cost dominates)."""
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     hopper = compute_capability is not None and str(compute_capability).startswith("9")
     dims = kv_lora % 128 == 0 and rope % 64 == 0 and page % 32 == 0
-    return "hopper" if hopper and sixteen_bit and dims and rows >= 64 else "triton"
+    enough = rows >= 64 or max_keys >= 16384
+    return "hopper" if hopper and sixteen_bit and dims and enough else "triton"
 
 
 def _kernel_dims_ok(kv_lora: int, rope: int) -> bool:

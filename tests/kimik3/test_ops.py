@@ -43,15 +43,16 @@ def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, 
     assert ops.mla_prefill_impl(dtype, dqk, dv, cc) == want
 
 
-@pytest.mark.parametrize("dtype, kv_lora, rope, page, rows, cc, want", [
-    (jnp.bfloat16, 512, 64, 128, 96, "9.0", "hopper"),    # 96 heads, one query: two 64-row tiles
-    (jnp.bfloat16, 512, 64, 128, 64, "9.0", "hopper"),    # 16 heads x 4 speculative tokens
-    (jnp.bfloat16, 512, 64, 128, 16, "9.0", "triton"),    # 16 rows would pad a 64-row tile 4x
-    (jnp.float32, 512, 64, 128, 96, "9.0", "triton"),
-    (jnp.bfloat16, 32, 16, 128, 96, "9.0", "triton"),     # tiny dims
-    (jnp.bfloat16, 512, 64, 16, 96, "9.0", "triton"),     # pages shorter than a key tile
-    (jnp.bfloat16, 512, 64, 128, 96, "8.0", "triton"),
-    (jnp.bfloat16, 512, 64, 128, 96, None, "triton"),
+@pytest.mark.parametrize("dtype, kv_lora, rope, page, rows, max_keys, cc, want", [
+    (jnp.bfloat16, 512, 64, 128, 96, 2048, "9.0", "hopper"),    # 96 heads, one query: two 64-row tiles
+    (jnp.bfloat16, 512, 64, 128, 64, 2048, "9.0", "hopper"),    # 16 heads x 4 speculative tokens
+    (jnp.bfloat16, 512, 64, 128, 16, 2048, "9.0", "triton"),    # 16 rows over a short context
+    (jnp.bfloat16, 512, 64, 128, 16, 32768, "9.0", "hopper"),   # ... over a long one
+    (jnp.float32, 512, 64, 128, 96, 2048, "9.0", "triton"),
+    (jnp.bfloat16, 32, 16, 128, 96, 2048, "9.0", "triton"),     # tiny dims
+    (jnp.bfloat16, 512, 64, 16, 96, 2048, "9.0", "triton"),     # pages shorter than a key tile
+    (jnp.bfloat16, 512, 64, 128, 96, 2048, "8.0", "triton"),
+    (jnp.bfloat16, 512, 64, 128, 96, 2048, None, "triton"),
 ])
-def test_mla_decode_takes_the_hopper_kernel_where_rows_fill_its_tiles(dtype, kv_lora, rope, page, rows, cc, want):
-    assert ops.mla_decode_impl(dtype, kv_lora, rope, page, rows, cc) == want
+def test_mla_decode_takes_the_hopper_kernel_where_it_is_faster(dtype, kv_lora, rope, page, rows, max_keys, cc, want):
+    assert ops.mla_decode_impl(dtype, kv_lora, rope, page, rows, max_keys, cc) == want
