@@ -91,11 +91,15 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                   absorbed: bool, contiguous_cache: bool, paged=None, kernels="auto"):
     """MLA attention of queries [B, T, H, nope + rope] over latent rows [B, S, kv_lora + rope] -> [B, T, H, v].
 
-    `absorbed` picks the form (latent MQA vs expanded heads).  On the Pallas path
-    the absorbed form runs `mla_decode` over the cache viewed as pages, and the
-    expanded form over fresh tokens (no cache) runs `mla_prefill`; the expanded
-    form continuing a cache needs host-known prefix lengths, which the serving
-    engine's paged path provides, so here it takes the reference.
+    `absorbed` picks the reference's form (latent MQA vs expanded heads).  On the Pallas
+    path every query over a cache runs the absorbed paged kernel (`mla_decode_impl`:
+    Hopper or Triton) over the cache viewed as pages, whatever `absorbed` says: a
+    prefill chunk continuing a cache is the absorbed kernel with Sq = the chunk (causal
+    inside it, the prefix read from the pages; its length may be traced, as in the
+    serving engine's jitted steps).  That costs 2 x (kv_lora + rope + kv_lora) FLOPs per
+    query-key pair and head instead of the expanded form's 2 x (nope + rope + v), 3.4x
+    at the model's dims, but expands no K/V and materializes no scores.  Fresh tokens
+    (no cache) run `mla_prefill` (Hopper or Triton, `mla_prefill_impl`).
     """
     from kimik3.layers.mla import mla_absorbed, mla_naive  # the layer owns the reference forms
 
@@ -104,7 +108,7 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
     nope = w_kb_rhn.shape[-1]
     if resolve(kernels) == "pallas":
         page = _pages_for(latent_bsr.shape[1])
-        if absorbed and contiguous_cache and (page or paged is not None) and _kernel_dims_ok(kv_lora, rope):
+        if contiguous_cache and (page or paged is not None) and _kernel_dims_ok(kv_lora, rope):
             if paged is not None:
                 pages, table = paged
             else:

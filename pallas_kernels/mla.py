@@ -58,6 +58,13 @@ def mla_decode_ref(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scal
     return o, lse
 
 
+def visible_keys(seq_len, n_queries: int, n_heads: int, last_row):
+    """Keys a block of folded rows (heads x queries, query-major) can see at all: those before
+    its last row's query's position + 1 (row r is query r // n_heads; padding rows, past the
+    last query, see the whole sequence).  A long chunk's early row blocks skip its later keys."""
+    return jnp.minimum(seq_len, seq_len - n_queries + last_row // n_heads + 1)
+
+
 def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *, n_heads, n_queries, rank,
                    block_m, block_k, block_v, page, n_splits, scale):
     """One (sequence, split, row block, value block): online softmax over this split's key
@@ -72,7 +79,7 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
     limit = seq_len - n_queries + rows // n_heads + 1  # keys < limit are visible to each row
     q_lat = ql_ref[b, pl.ds(mb * block_m, block_m), :]
     q_pe = qp_ref[b, pl.ds(mb * block_m, block_m), :]
-    n_blocks = (seq_len + block_k - 1) // block_k
+    n_blocks = (visible_keys(seq_len, n_queries, n_heads, mb * block_m + block_m - 1) + block_k - 1) // block_k
     per_split = (n_blocks + n_splits - 1) // n_splits
     kb0 = split * per_split
     kb1 = jnp.minimum(n_blocks, kb0 + per_split)

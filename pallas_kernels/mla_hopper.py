@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla import _LOG2E, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits
+from pallas_kernels.mla import (_LOG2E, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits,
+                                visible_keys)
 
 _COMPUTE_WGS = 2
 
@@ -308,7 +309,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
     dtype = q_ref.dtype
     seq_len = len_ref[b]
-    n_blocks = pl.cdiv(seq_len, jnp.int32(block_kv))
+    n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
     per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
     kb0 = split * per_split
     n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)

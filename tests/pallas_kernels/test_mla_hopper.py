@@ -52,6 +52,7 @@ def test_several_query_tiles_heads_and_a_deeper_ring(rng):
     (2, 2, 3, [200, 70], 4, 32, 2, 1),  # the same with one P slot (warpgroup 0 waits for its release)
     (1, 2, 40, [150], 1, 64, 3, 1),     # 80 rows: two 64-row blocks, 64-key tiles, a 3-slot ring
     (1, 2, 40, [150], None, None, 2, None),  # the defaults: 64-key tiles, splits that fill the SMs
+    (1, 40, 3, [130], 2, 32, 2, None),  # a prefill chunk: the first row tile stops at key 112
 ])
 def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv, steps, p_slots):
     r, p, page, n_pages = 128, 64, 64, 10

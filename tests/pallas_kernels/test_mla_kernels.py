@@ -26,10 +26,12 @@ def _paged(rng, b, n_pages, page, width, max_pages):
     return pages, table
 
 
-@pytest.mark.parametrize("sq, n_splits, block_v", [(1, 1, None), (1, 3, None), (3, 2, None), (3, 2, 16)])
+@pytest.mark.parametrize("sq, n_splits, block_v", [(1, 1, None), (1, 3, None), (3, 2, None), (3, 2, 16), (40, 2, None)])
 def test_decode_equals_naive_attention_on_expanded_kv(rng, sq, n_splits, block_v):
     """Absorbed paged decode == naive attention with per-head K/V expanded from the latent
-    (block_v 16: the value columns split over two programs per row block)."""
+    (block_v 16: the value columns split over two programs per row block; Sq 40: a prefill
+    chunk continuing a cache, 160 rows in 64-row blocks, the early blocks stopping at their
+    last query's position)."""
     b, h, r, p, nope, dv, page = 3, 4, 32, 16, 16, 16, 32
     pages, table = _paged(rng, b, 24, page, r + p, 6)
     lens = jnp.asarray([sq + 2, 100, 161], jnp.int32)  # not multiples of the page size
