@@ -286,8 +286,10 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
 # too many; as in FlashMLA, two compute warpgroups share the same 64 rows and each owns half
 # of the 512 value columns.  Warpgroup 0 computes the scores Q K^T (all 576 latent columns),
 # the online softmax, and hands P and the rescale factors to warpgroup 1 through shared memory
-# (double-buffered); both then multiply P by their half of the same key tile (the value is the
-# first 512 columns of the latent).  A third warpgroup streams key tiles from the pages by TMA.
+# (two P slots where they fit, else one); both then multiply P by their half of the same key
+# tile (the value is the first 512 columns of the latent).  A third warpgroup streams key tiles
+# from the pages by TMA.  A block of rows stops at the last key its last query sees, so a
+# prefill chunk (Sq = the chunk) skips the causal upper triangle a tile at a time.
 
 
 def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
