@@ -10,6 +10,9 @@ time of the XLA reference on gathered pages.
 Prefill (`mla_prefill`, naive form, qk 192 / v 128): against
 `jax.nn.dot_product_attention(implementation="cudnn")` on the same FLOPs
 (cuDNN's head dim padded to 192 for q/k and v).
+Chunk (a prefill chunk continuing a cache: B1, 2048 new tokens after 0 / 2k / 8k cached,
+H16 and H96): `mla_prefill_chunk` (what the model runs) against the absorbed decode kernel
+with Sq = 2048 and XLA's masked attention on expanded K/V, with errors against XLA.
 `--tiny` runs every code path at toy sizes in interpret mode (CPU smoke test).
 """
 
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 from benchmarks import common
 from benchmarks.common import time_jax
 from pallas_kernels import mla, mla_hopper
+from pallas_kernels.attention import attend
 
 
 def matmul_tflops(n=8192):
@@ -173,6 +177,65 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
     return rows
 
 
+def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False, deadline=float("inf")):
+    """A prefill chunk continuing a cache (B sequences x T new tokens after P cached, H heads):
+    `mla_prefill_chunk` (expanded form, what `kimik3.ops` runs) against the absorbed decode
+    kernels with Sq = T (Hopper where it runs, else Triton) and XLA's masked attention on
+    the expanded K/V; FLOPs of the expanded form (causal within the chunk)."""
+    rows = []
+    for b, t, prefix_len, h in shapes:
+        if time.monotonic() > deadline:
+            print(f"budget spent: skipping chunk B{b} T{t} P{prefix_len} H{h}")
+            continue
+        ks = jax.random.split(jax.random.PRNGKey(t + prefix_len + h), 6)
+        n_pages = -(-(prefix_len + t) // page)
+        pages = jax.random.normal(ks[0], (b * n_pages + 4, page, r + p), jnp.bfloat16)
+        table = jax.random.permutation(ks[1], b * n_pages + 4)[:b * n_pages].reshape(b, n_pages).astype(jnp.int32)
+        q = jax.random.normal(ks[2], (b, t, h, nope + p), jnp.bfloat16)
+        w_kb = (jax.random.normal(ks[3], (r, h, nope)) * r ** -0.5).astype(jnp.bfloat16)
+        w_vb = (jax.random.normal(ks[4], (r, h, dv)) * r ** -0.5).astype(jnp.bfloat16)
+        lens = jnp.full((b,), prefix_len, jnp.int32)
+        scale = (nope + p) ** -0.5
+        latent = mla.gather_pages(pages, table)
+        chunk_latent = latent[:, prefix_len:prefix_len + t]
+
+        def expanded(q, pages, table, lens):
+            k, v = mla.expand_heads(chunk_latent, w_kb, w_vb)
+            prefix = mla.LatentPrefix(pages, table, lens, w_kb, w_vb)
+            return mla.mla_prefill_chunk(q, k, v, prefix, scale=scale, rope_dim=p, interpret=interpret)[0]
+
+        def absorbed(q, pages, table, lens):
+            q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_kb)
+            decode = mla.mla_decode if interpret or h * t < 64 else mla_hopper.mla_decode_hopper
+            o = decode(q_latent, q[..., nope:], pages, table, lens + t, scale=scale, interpret=interpret)[0]
+            return jnp.einsum("bthr,rhv->bthv", o, w_vb)
+
+        def xla(q, pages, table, lens):
+            k, v = mla.expand_heads(mla.gather_pages(pages, table), w_kb, w_vb)
+            q_pos = lens[:, None] + jnp.arange(t)[None]
+            k_pos = jnp.broadcast_to(jnp.arange(k.shape[1])[None], k.shape[:2])
+            return attend(q, k, v, scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos)
+
+        args = (q, pages, table, lens)
+        times, outs = {}, {}
+        for name, fn in (("expanded", expanded), ("absorbed", absorbed), ("xla", xla)):
+            try:
+                jitted = jax.jit(fn)
+                outs[name] = jitted(*args).astype(jnp.float32)
+                times[name] = time_jax(jitted, *args, iters=3 if interpret else 20)
+            except Exception as e:  # noqa: BLE001 - report, keep going
+                print(f"chunk {name} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ref = outs.get("xla")
+        err = {n: float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref))) for n, o in outs.items() if ref is not None}
+        flops = 2 * b * h * t * (prefix_len + (t + 1) / 2) * (nope + p + dv)
+        rows.append(dict(section="chunk", case=f"B{b} T{t} P{prefix_len} H{h}",
+                         expanded_ms=times.get("expanded"), absorbed_ms=times.get("absorbed"), xla_ms=times.get("xla"),
+                         expanded_tflops=flops / (times["expanded"] * 1e-3) / 1e12 if "expanded" in times else None,
+                         expanded_err=err.get("expanded"), absorbed_err=err.get("absorbed")))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def parse_decode_config(text: str) -> tuple:
     """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2)."""
     parts = text.split("x")
@@ -187,7 +250,7 @@ def main():
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
                          "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
                          "Mosaic GPU kernel")
-    ap.add_argument("--sections", default="prefill,decode")
+    ap.add_argument("--sections", default="prefill,decode,chunk")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")
     ap.add_argument("--decode-sq", default="1,4", help="query tokens per sequence (4: speculative verify, B64 "
@@ -210,6 +273,7 @@ def main():
         rows += decode_rows(bw, tf, [1], [128], [2], r=128, p=64, page=64, interpret=True,
                             configs=(("hopper", 32, 2),))
         rows += prefill_rows([(1, 128, 1)], interpret=True, hopper_configs=((64, 64, 2),))
+        rows += chunk_rows([(1, 24, 40, 2)], r=32, p=16, nope=16, dv=16, page=16, interpret=True)
     else:
         dec = dict(configs=[parse_decode_config(c) for c in args.decode_configs.split(",")], deadline=deadline)
         if "prefill" in args.sections:
@@ -217,6 +281,9 @@ def main():
             hopper = [tuple(int(v) for v in c.split("x")) for c in args.hopper_configs.split(",") if c]
             rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs,
                                  hopper_configs=hopper, deadline=deadline)
+        if "chunk" in args.sections:
+            rows += chunk_rows([(1, 2048, 0, 16), (1, 2048, 2048, 16), (1, 2048, 8192, 16), (1, 2048, 8192, 96)],
+                               deadline=deadline)
         if "decode" in args.sections:
             heads = [int(h) for h in args.decode_heads.split(",")]
             sqs = [int(v) for v in args.decode_sq.split(",")]

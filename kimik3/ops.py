@@ -91,15 +91,15 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                   absorbed: bool, contiguous_cache: bool, paged=None, kernels="auto"):
     """MLA attention of queries [B, T, H, nope + rope] over latent rows [B, S, kv_lora + rope] -> [B, T, H, v].
 
-    `absorbed` picks the reference's form (latent MQA vs expanded heads).  On the Pallas
-    path every query over a cache runs the absorbed paged kernel (`mla_decode_impl`:
-    Hopper or Triton) over the cache viewed as pages, whatever `absorbed` says: a
-    prefill chunk continuing a cache is the absorbed kernel with Sq = the chunk (causal
-    inside it, the prefix read from the pages; its length may be traced, as in the
-    serving engine's jitted steps).  That costs 2 x (kv_lora + rope + kv_lora) FLOPs per
-    query-key pair and head instead of the expanded form's 2 x (nope + rope + v), 3.4x
-    at the model's dims, but expands no K/V and materializes no scores.  Fresh tokens
-    (no cache) run `mla_prefill` (Hopper or Triton, `mla_prefill_impl`).
+    `absorbed` picks the form (latent MQA vs expanded heads).  On the Pallas path, over a
+    cache viewed as pages: the absorbed form (decode, speculative verify) runs the paged
+    decode kernel (`mla_decode_impl`: Hopper or Triton); the expanded form (a prefill chunk
+    continuing a cache, whose prefix length may be traced, as in the serving engine's jitted
+    steps) runs `mla_prefill_chunk`: the prefix expanded from its pages, the chunk causal.
+    The absorbed kernel would serve a chunk too, but at 2 x (kv_lora + rope + kv_lora) FLOPs
+    per query-key pair and head against the expanded form's 2 x (nope + rope + v): 3.4x at
+    the model's dims.  Fresh tokens (no cache) run `mla_prefill` (Hopper or Triton,
+    `mla_prefill_impl`).
     """
     from kimik3.layers.mla import mla_absorbed, mla_naive  # the layer owns the reference forms
 
@@ -115,6 +115,12 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 s = latent_bsr.shape[1]
                 pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
                 table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
+            if not absorbed:
+                chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1)  # the chunk's own rows
+                k, v = mla_kernels.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
+                prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
+                o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope)
+                return o
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
             impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h, table.shape[1] * pages.shape[1],
                                    _compute_capability())
@@ -123,10 +129,7 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                                  table, q_pos_bt[:, -1] + 1, scale=scale)
             return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
         if not absorbed and not contiguous_cache:
-            c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
-            k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", c_kv, w_kb_rhn),
-                                 jnp.broadcast_to(k_pe[:, :, None, :], (b, t, h, rope)).astype(c_kv.dtype)], -1)
-            v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
+            k, v = mla_kernels.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)
             pack = lambda x: x.reshape((b * t,) + x.shape[2:])
             args = (pack(q_bthd.astype(k.dtype)), pack(k), pack(v))
             cu = [i * t for i in range(b + 1)]

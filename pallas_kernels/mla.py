@@ -257,13 +257,20 @@ class LatentPrefix:
 
     def expand(self, max_len: int):
         """Per-head prefix keys [N, max_len, H, nope + rope] and values [N, max_len, H, v]."""
-        r = self.w_kb.shape[0]
         kv = gather_pages(self.latent_pages, self.block_tables)[:, :max_len]
-        c, k_pe = kv[..., :r], kv[..., r:]
-        k_nope = jnp.einsum("nsr,rhd->nshd", c, self.w_kb.astype(c.dtype))
-        v = jnp.einsum("nsr,rhd->nshd", c, self.w_vb.astype(c.dtype))
-        k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (k_nope.shape[2], k_pe.shape[-1]))
-        return jnp.concatenate([k_nope, k_pe], axis=-1), v
+        return expand_heads(kv, self.w_kb, self.w_vb)
+
+
+def expand_heads(latent_nsr, w_kb, w_vb):
+    """Latent rows [N, S, kv_lora + rope] -> per-head keys [N, S, H, nope + rope] (the rope part
+    shared by all heads) and values [N, S, H, v], through W_UK [kv_lora, H, nope] and W_UV
+    [kv_lora, H, v]: the expanded (naive) form's operands, in the latent's dtype."""
+    r = w_kb.shape[0]
+    c, k_pe = latent_nsr[..., :r], latent_nsr[..., r:]
+    k_nope = jnp.einsum("nsr,rhd->nshd", c, w_kb.astype(c.dtype))
+    v = jnp.einsum("nsr,rhd->nshd", c, w_vb.astype(c.dtype))
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (k_nope.shape[2], k_pe.shape[-1]))
+    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
 def mla_prefill_ref(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None):
@@ -324,7 +331,8 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
     carry = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32), jnp.zeros((block_q, dv), f32))
     full_prefix = plen_ref[n] // block_k  # prefix blocks holding no padding
     carry = loop(0, full_prefix, carry, False)
-    carry = loop(full_prefix, prefix_blocks, carry, True)
+    # the partly filled block, if any; the padding blocks after it hold no visible key
+    carry = loop(full_prefix, (plen_ref[n] + block_k - 1) // block_k, carry, True)
     # New keys: blocks wholly before this query block's first row are visible to all of it.
     before = (qb * block_q) // block_k
     carry = loop(prefix_blocks, prefix_blocks + before, carry, False)
@@ -364,18 +372,85 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     if not (_is_pow2(block) and _is_pow2(block_k) and 16 <= block_k <= block):
         raise ValueError(f"block and block_k must be powers of two with 16 <= block_k <= block; got {block}, {block_k}")
     lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=block, k_multiple=block)
-    dqk = q.shape[-1]
-    d_nope = dqk - rope_dim
-    dn, dr, dv = _pow2_at_least_16(d_nope), _pow2_at_least_16(rope_dim), _pow2_at_least_16(v.shape[-1])
     keys, vals = lay.keys_values(k, v)
-    split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
-    (qn, qr), (kn, kr) = split(lay.gather(q)), split(keys)
     q_pos, k_pos = lay.positions()
-    o, lse = _mla_prefill_core(jnp.asarray(lay.p_lens, jnp.int32), jnp.asarray(q_pos, jnp.int32),
-                               jnp.asarray(k_pos, jnp.int32), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
-                               block_k=block_k, prefix_blocks=lay.lp // block_k, scale=float(scale),
-                               interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    o, lse = _prefill_padded(lay.p_lens, q_pos, k_pos, lay.gather(q), keys, vals, lp=lay.lp, rope_dim=rope_dim,
+                             scale=scale, block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
+                             num_stages=num_stages)
     return lay.unpad(o, lse, v.shape[-1])
+
+
+def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale, block, block_k, interpret,
+                    num_warps, num_stages):
+    """The prefill kernel on padded operands: q [N, lq, H, Dqk], keys [N, lp + lq, H, Dqk], vals
+    [N, lp + lq, H, Dv] (prefix then new tokens), positions q_pos [N, lq], k_pos [N, lp + lq],
+    p_lens [N] (concrete or traced).  Head dims go to powers of two >= 16 (Triton's dot
+    tiles), nope and rope apart.  Returns o [N, lq, H, >= Dv], lse [N, lq, H]."""
+    d_nope = q.shape[-1] - rope_dim
+    dn, dr, dv = _pow2_at_least_16(d_nope), _pow2_at_least_16(rope_dim), _pow2_at_least_16(vals.shape[-1])
+    split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
+    (qn, qr), (kn, kr) = split(q), split(keys)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return _mla_prefill_core(i32(p_lens), i32(q_pos), i32(k_pos), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
+                             block_k=block_k, prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
+                             num_warps=num_warps, num_stages=num_stages)
+
+
+def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=128, block_k=64, interpret=None,
+                      num_warps=8, num_stages=3):
+    """A prefill chunk continuing a cache, as a serving step batches it: B sequences each adding
+    the same T new tokens after `prefix.lens[b]` cached ones, whose length may be traced (a
+    jitted step's cache view).  The prefix is expanded from its pages over the whole block
+    table (its rows past a sequence's length are never attended), the chunk attends
+    causally to itself; one launch of the `mla_prefill` kernel, whose loops over the prefix
+    stop at each sequence's own length.
+
+    Args:
+      q, k: [B, T, H, nope + rope]; v: [B, T, H, v_dim]: the chunk's queries, keys and values
+        (positions prefix.lens[b] + 0 .. T - 1).
+      prefix: LatentPrefix with lens int32 [B] (concrete or traced) and block_tables [B,
+        max_pages] covering them.
+    Returns:
+      o [B, T, H, v_dim] in v's dtype, lse fp32 [B, T, H].
+    """
+    interpret = _default_interpret() if interpret is None else interpret
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q, k must be [B, T, H, D] and v [B, T, H, Dv] with one B, T, H; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    b, t = q.shape[:2]
+    block = min(block, max(16, 1 << (t - 1).bit_length()))  # a short chunk: one small query block
+    block_k = min(block_k, block)
+    if prefix.block_tables.ndim != 2 or prefix.block_tables.shape[0] != b or jnp.shape(prefix.lens) != (b,):
+        raise ValueError(f"prefix.block_tables must be [B={b}, max_pages] and prefix.lens [B]; got "
+                         f"{tuple(prefix.block_tables.shape)}, {tuple(jnp.shape(prefix.lens))}")
+    if _concrete(prefix.lens) and _concrete(prefix.block_tables):
+        check_prefix_pages(prefix, np.asarray(prefix.lens))
+    capacity = prefix.block_tables.shape[1] * prefix.latent_pages.shape[1]
+    lp, lq = -(-capacity // block_k) * block_k, -(-t // block) * block
+    p_lens = jnp.asarray(prefix.lens, jnp.int32)
+    pad_to = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+    pk, pv = prefix.expand(capacity)
+    keys = jnp.concatenate([pad_to(pk.astype(k.dtype), lp), pad_to(k, lq)], axis=1)
+    vals = jnp.concatenate([pad_to(pv.astype(v.dtype), lp), pad_to(v, lq)], axis=1)
+    valid = jnp.arange(lq)[None] < t
+    q_pos = jnp.where(valid, p_lens[:, None] + jnp.arange(lq)[None], -1)
+    k_pos = jnp.concatenate([jnp.where(jnp.arange(lp)[None] < p_lens[:, None], jnp.arange(lp)[None], _NEVER),
+                             jnp.where(valid, q_pos, _NEVER)], axis=1)
+    o, lse = _prefill_padded(p_lens, q_pos, k_pos, pad_to(q, lq), keys, vals, lp=lp, rope_dim=rope_dim, scale=scale,
+                             block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
+                             num_stages=num_stages)
+    return o[:, :t, :, :v.shape[-1]], lse[:, :t]
+
+
+def check_prefix_pages(prefix: LatentPrefix, p_lens):
+    """Concrete prefix lengths [N] within the block tables, whose used entries are valid pages."""
+    page = prefix.latent_pages.shape[1]
+    table = np.asarray(prefix.block_tables)
+    if p_lens.max() > table.shape[1] * page:
+        raise ValueError("prefix.block_tables must have a row per sequence covering prefix.lens")
+    used = np.arange(table.shape[1])[None, :] * page < p_lens[:, None]
+    if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
+        raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
 
 
 class PrefillLayout:
@@ -401,13 +476,9 @@ class PrefillLayout:
         if p_lens.shape != (n_seq,):
             raise ValueError(f"prefix.lens must be [N={n_seq}]; got {p_lens.shape}")
         if prefix is not None:
-            page = prefix.latent_pages.shape[1]
-            table = np.asarray(prefix.block_tables)
-            if table.shape[0] != n_seq or p_lens.max() > table.shape[1] * page:
+            if np.shape(prefix.block_tables)[0] != n_seq:
                 raise ValueError("prefix.block_tables must have a row per sequence covering prefix.lens")
-            used = np.arange(table.shape[1])[None, :] * page < p_lens[:, None]
-            if (table[used] < 0).any() or (table[used] >= prefix.latent_pages.shape[0]).any():
-                raise ValueError(f"prefix.block_tables hold page indices outside [0, {prefix.latent_pages.shape[0]})")
+            check_prefix_pages(prefix, p_lens)
         self.prefix, self.p_lens = prefix, p_lens
         self.lq = lq = int(-(-lens.max() // q_multiple) * q_multiple)
         self.lp = int(-(-p_lens.max() // k_multiple) * k_multiple)

@@ -55,23 +55,21 @@ def test_bad_generate_arguments(tiny_cfg, tiny_params):
 
 
 def test_cached_generate_through_the_pallas_kernels_equals_the_oracle(tiny_cfg, tiny_params, monkeypatch):
-    """The GPU path (Pallas KDA prefill + fused decode; the paged absorbed MLA kernel for the
-    prompt, Sq = its length, and for each decode step; interpret mode here) keeps the
-    oracle's tokens."""
+    """The GPU path (Pallas KDA prefill + fused decode; MLA: the prompt as a prefill chunk over
+    the cache, `mla_prefill_chunk`, then the paged absorbed decode kernel; interpret mode
+    here) keeps the oracle's tokens."""
     from pallas_kernels import kda, mla
 
     jax.clear_caches()  # a cached trace would bypass the spies below
-    calls, mla_queries = [], []
-    for module, name in [(kda, "chunk_kda"), (kda, "fused_recurrent_kda"), (mla, "mla_decode")]:
+    calls = []
+    for module, name in [(kda, "chunk_kda"), (kda, "fused_recurrent_kda"), (mla, "mla_decode"),
+                         (mla, "mla_prefill_chunk")]:
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
-    real_decode = mla.mla_decode
-    monkeypatch.setattr(mla, "mla_decode", lambda q, *a, **kw: mla_queries.append(q.shape[1]) or real_decode(q, *a, **kw))
     prompt = _chat(tiny_cfg)
     oracle = generate(tiny_params, tiny_cfg, prompt, 12)
     cached = generate(tiny_params, tiny_cfg, prompt, 12, use_cache=True, kernels="pallas")
-    assert {"chunk_kda", "fused_recurrent_kda"} <= set(calls)
-    assert len(prompt) > tiny_cfg.mla_absorb_max_tokens and {len(prompt), 1} <= set(mla_queries)
+    assert {"chunk_kda", "fused_recurrent_kda", "mla_decode", "mla_prefill_chunk"} <= set(calls)
     np.testing.assert_array_equal(cached.tokens, oracle.tokens)
     np.testing.assert_allclose(cached.logits, oracle.logits, atol=1e-3, rtol=0)
 

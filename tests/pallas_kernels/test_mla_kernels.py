@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax
+
 from pallas_kernels.mla import (LatentPrefix, gather_pages, mla_decode, mla_decode_ref, mla_prefill,
-                                mla_prefill_ref, write_latent)
+                                mla_prefill_chunk, mla_prefill_ref, write_latent)
 from pallas_kernels.attention import attend
 
 ATOL, RTOL = 2e-5, 2e-5  # fp32 inputs, fp32 accumulation; online softmax reorders sums
@@ -99,6 +101,27 @@ def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix, block, bl
     np.testing.assert_allclose(lse, lse_ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("t", [20, 3])
+def test_prefill_chunk_with_traced_prefix_lengths_equals_reference(rng, t):
+    """A batch of chunks of T new tokens after prefixes of 37, 0 and 100 cached tokens, the
+    lengths traced (as in a jitted serving step) == the packed reference with the same
+    prefixes; T 3 takes one 16-row query block."""
+    b, h, r, p, nope, dv, page = 3, 2, 32, 8, 16, 16, 32
+    p_lens = jnp.asarray([37, 0, 100], jnp.int32)
+    q, k, v = _rand(rng, b, t, h, nope + p), _rand(rng, b, t, h, nope + p), _rand(rng, b, t, h, dv)
+    pages, table = _paged(rng, b, 14, page, r + p, 4)
+    w_kb, w_vb = _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2
+    chunk = jax.jit(lambda lens: mla_prefill_chunk(q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb), scale=0.2,
+                                                   rope_dim=p))
+    o, lse = chunk(p_lens)
+    assert o.shape == (b, t, h, dv) and lse.shape == (b, t, h) and np.isfinite(o).all() and np.isfinite(lse).all()
+    pack = lambda x: x.reshape((b * t,) + x.shape[2:])
+    o_ref, lse_ref = mla_prefill_ref(pack(q), pack(k), pack(v), cu_seqlens=np.arange(b + 1) * t, scale=0.2,
+                                     prefix=LatentPrefix(pages, table, p_lens, w_kb, w_vb))
+    np.testing.assert_allclose(pack(o), o_ref, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(pack(lse), lse_ref, atol=ATOL, rtol=RTOL)
+
+
 class TestBadInput:
     def _decode_args(self, rng):
         pages, table = _paged(rng, 2, 8, 16, 48, 3)
@@ -108,6 +131,13 @@ class TestBadInput:
         ql, qp, pages, table = self._decode_args(rng)
         with pytest.raises(ValueError, match="page indices"):
             mla_decode(ql, qp, pages, table.at[0, 0].set(99), jnp.asarray([5, 5]), scale=0.1)
+
+    def test_chunk_prefix_beyond_the_table(self, rng):
+        pages, table = _paged(rng, 1, 4, 16, 48, 2)
+        x = _rand(rng, 1, 4, 2, 24)
+        with pytest.raises(ValueError, match="covering prefix.lens"):
+            mla_prefill_chunk(x, x, x, LatentPrefix(pages, table, jnp.asarray([40]), _rand(rng, 32, 2, 8),
+                                                    _rand(rng, 32, 2, 24)), scale=0.1, rope_dim=16)
 
     def test_seq_len_beyond_the_table(self, rng):
         ql, qp, pages, table = self._decode_args(rng)

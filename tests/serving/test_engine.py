@@ -302,14 +302,15 @@ def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng,
 
 
 def test_prefix_hit_through_the_pallas_kernels_equals_the_oracle(rng, tiny_cfg, tiny_params, monkeypatch):
-    """The GPU path (interpret mode): prefill chunks continuing a cache run the paged absorbed
-    MLA kernel with Sq = the chunk and a traced prefix length; a second turn from a prefix
-    hit keeps the oracle's tokens."""
+    """The GPU path (interpret mode): prefill chunks continuing a cache run `mla_prefill_chunk`
+    with the prefix length traced (the engine's jitted step); a second turn from a prefix hit
+    keeps the oracle's tokens."""
     from pallas_kernels import mla
 
-    chunk_queries = []
-    real = mla.mla_decode
-    monkeypatch.setattr(mla, "mla_decode", lambda q, *a, **kw: chunk_queries.append(q.shape[1]) or real(q, *a, **kw))
+    chunk_prefixes = []
+    real = mla.mla_prefill_chunk
+    monkeypatch.setattr(mla, "mla_prefill_chunk",
+                        lambda *a, **kw: chunk_prefixes.append(a[3].lens) or real(*a, **kw))
     eng = _engine(tiny_params, tiny_cfg, kernels="pallas")
     turn1 = rng.integers(0, 256, 70).tolist()
     r1 = eng.submit(turn1, 3)
@@ -317,6 +318,6 @@ def test_prefix_hit_through_the_pallas_kernels_equals_the_oracle(rng, tiny_cfg, 
     turn2 = turn1 + r1.output + rng.integers(0, 256, 20).tolist()
     r2 = eng.submit(turn2, 3)
     eng.run(max_steps=100)
-    assert r2.cached_tokens >= 4 * PAGE and max(chunk_queries) > tiny_cfg.mla_absorb_max_tokens
+    assert r2.cached_tokens >= 4 * PAGE and chunk_prefixes
     assert r1.output == _oracle(tiny_params, tiny_cfg, turn1, 3)
     assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 3)
