@@ -11,8 +11,9 @@ Prefill (`mla_prefill`, naive form, qk 192 / v 128): against
 `jax.nn.dot_product_attention(implementation="cudnn")` on the same FLOPs
 (cuDNN's head dim padded to 192 for q/k and v).
 Chunk (a prefill chunk continuing a cache: B1, 2048 new tokens after 0 / 2k / 8k cached,
-H16 and H96): `mla_prefill_chunk` (what the model runs) against the absorbed decode kernel
-with Sq = 2048 and XLA's masked attention on expanded K/V, with errors against XLA.
+H16 and H96): `mla_prefill_chunk` (what the model runs), its Hopper twin `mla_prefill_chunk_hopper`, the
+absorbed decode kernel with Sq = 2048 and XLA's masked attention on expanded K/V, with errors
+against XLA.
 `--tiny` runs every code path at toy sizes in interpret mode (CPU smoke test).
 """
 
@@ -179,9 +180,10 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
 
 def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False, deadline=float("inf")):
     """A prefill chunk continuing a cache (B sequences x T new tokens after P cached, H heads):
-    `mla_prefill_chunk` (expanded form, what `kimik3.ops` runs) against the absorbed decode
-    kernels with Sq = T (Hopper where it runs, else Triton) and XLA's masked attention on
-    the expanded K/V; FLOPs of the expanded form (causal within the chunk)."""
+    `mla_prefill_chunk` (expanded form, what `kimik3.ops` runs) and its Hopper twin (GPU only)
+    against the absorbed decode kernels with Sq = T (Hopper where it runs, else Triton) and
+    XLA's masked attention on the expanded K/V; FLOPs of the expanded form (causal within
+    the chunk)."""
     rows = []
     for b, t, prefix_len, h in shapes:
         if time.monotonic() > deadline:
@@ -204,6 +206,11 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
             prefix = mla.LatentPrefix(pages, table, lens, w_kb, w_vb)
             return mla.mla_prefill_chunk(q, k, v, prefix, scale=scale, rope_dim=p, interpret=interpret)[0]
 
+        def expanded_hopper(q, pages, table, lens):
+            k, v = mla.expand_heads(chunk_latent, w_kb, w_vb)
+            prefix = mla.LatentPrefix(pages, table, lens, w_kb, w_vb)
+            return mla_hopper.mla_prefill_chunk_hopper(q, k, v, prefix, scale=scale, interpret=interpret)[0]
+
         def absorbed(q, pages, table, lens):
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_kb)
             decode = mla.mla_decode if interpret or h * t < 64 else mla_hopper.mla_decode_hopper
@@ -218,7 +225,8 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
 
         args = (q, pages, table, lens)
         times, outs = {}, {}
-        for name, fn in (("expanded", expanded), ("absorbed", absorbed), ("xla", xla)):
+        kernels = (("expanded", expanded),) + (() if interpret else (("expanded_hopper", expanded_hopper),))
+        for name, fn in kernels + (("absorbed", absorbed), ("xla", xla)):
             try:
                 jitted = jax.jit(fn)
                 outs[name] = jitted(*args).astype(jnp.float32)
@@ -229,9 +237,11 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
         err = {n: float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref))) for n, o in outs.items() if ref is not None}
         flops = 2 * b * h * t * (prefix_len + (t + 1) / 2) * (nope + p + dv)
         rows.append(dict(section="chunk", case=f"B{b} T{t} P{prefix_len} H{h}",
-                         expanded_ms=times.get("expanded"), absorbed_ms=times.get("absorbed"), xla_ms=times.get("xla"),
+                         expanded_ms=times.get("expanded"), expanded_hopper_ms=times.get("expanded_hopper"),
+                         absorbed_ms=times.get("absorbed"), xla_ms=times.get("xla"),
                          expanded_tflops=flops / (times["expanded"] * 1e-3) / 1e12 if "expanded" in times else None,
-                         expanded_err=err.get("expanded"), absorbed_err=err.get("absorbed")))
+                         expanded_err=err.get("expanded"), expanded_hopper_err=err.get("expanded_hopper"),
+                         absorbed_err=err.get("absorbed")))
         print(rows[-1], flush=True)
     return rows
 

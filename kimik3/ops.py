@@ -122,8 +122,8 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope)
                 return o
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
-            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h, table.shape[1] * pages.shape[1],
-                                   _compute_capability())
+            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h,
+                                   table.shape[1] * pages.shape[1], _compute_capability())
             decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
             o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages.astype(q_latent.dtype),
                                  table, q_pos_bt[:, -1] + 1, scale=scale)

@@ -414,32 +414,46 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
       o [B, T, H, v_dim] in v's dtype, lse fp32 [B, T, H].
     """
     interpret = _default_interpret() if interpret is None else interpret
-    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, k must be [B, T, H, D] and v [B, T, H, Dv] with one B, T, H; got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
-    b, t = q.shape[:2]
+    t = q.shape[1]
     block = min(block, max(16, 1 << (t - 1).bit_length()))  # a short chunk: one small query block
     block_k = min(block_k, block)
-    if prefix.block_tables.ndim != 2 or prefix.block_tables.shape[0] != b or jnp.shape(prefix.lens) != (b,):
-        raise ValueError(f"prefix.block_tables must be [B={b}, max_pages] and prefix.lens [B]; got "
-                         f"{tuple(prefix.block_tables.shape)}, {tuple(jnp.shape(prefix.lens))}")
-    if _concrete(prefix.lens) and _concrete(prefix.block_tables):
-        check_prefix_pages(prefix, np.asarray(prefix.lens))
-    capacity = prefix.block_tables.shape[1] * prefix.latent_pages.shape[1]
-    lp, lq = -(-capacity // block_k) * block_k, -(-t // block) * block
-    p_lens = jnp.asarray(prefix.lens, jnp.int32)
-    pad_to = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
-    pk, pv = prefix.expand(capacity)
-    keys = jnp.concatenate([pad_to(pk.astype(k.dtype), lp), pad_to(k, lq)], axis=1)
-    vals = jnp.concatenate([pad_to(pv.astype(v.dtype), lp), pad_to(v, lq)], axis=1)
-    valid = jnp.arange(lq)[None] < t
-    q_pos = jnp.where(valid, p_lens[:, None] + jnp.arange(lq)[None], -1)
-    k_pos = jnp.concatenate([jnp.where(jnp.arange(lp)[None] < p_lens[:, None], jnp.arange(lp)[None], _NEVER),
-                             jnp.where(valid, q_pos, _NEVER)], axis=1)
-    o, lse = _prefill_padded(p_lens, q_pos, k_pos, pad_to(q, lq), keys, vals, lp=lp, rope_dim=rope_dim, scale=scale,
-                             block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
-                             num_stages=num_stages)
+    lay = ChunkLayout(q, k, v, prefix, q_multiple=block, k_multiple=block_k)
+    o, lse = _prefill_padded(lay.p_lens, lay.q_pos, lay.k_pos, lay.q, lay.keys, lay.vals, lp=lay.lp,
+                             rope_dim=rope_dim, scale=scale, block=block, block_k=block_k, interpret=interpret,
+                             num_warps=num_warps, num_stages=num_stages)
     return o[:, :t, :, :v.shape[-1]], lse[:, :t]
+
+
+class ChunkLayout:
+    """The padded operands of a prefill chunk continuing a cache, shared by the chunk kernels:
+    q [B, lq, H, Dqk] (T rows padded to a multiple of `q_multiple`), keys / vals [B, lp + lq,
+    H, D*] (the prefix expanded over the whole block table, padded to `lp`, a multiple of
+    `k_multiple`, then the chunk), positions q_pos [B, lq] (-1 for padding) and k_pos [B, lp +
+    lq] (past each prefix's length and for padding: a position no query reaches), p_lens
+    int32 [B] (concrete or traced).  Validates shapes (and concrete tables) first."""
+
+    def __init__(self, q, k, v, prefix: LatentPrefix, *, q_multiple: int, k_multiple: int):
+        if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
+            raise ValueError(f"q, k must be [B, T, H, D] and v [B, T, H, Dv] with one B, T, H; got {q.shape}, "
+                             f"{k.shape}, {v.shape}")
+        b, t = q.shape[:2]
+        if prefix.block_tables.ndim != 2 or prefix.block_tables.shape[0] != b or jnp.shape(prefix.lens) != (b,):
+            raise ValueError(f"prefix.block_tables must be [B={b}, max_pages] and prefix.lens [B]; got "
+                             f"{tuple(prefix.block_tables.shape)}, {tuple(jnp.shape(prefix.lens))}")
+        if _concrete(prefix.lens) and _concrete(prefix.block_tables):
+            check_prefix_pages(prefix, np.asarray(prefix.lens))
+        capacity = prefix.block_tables.shape[1] * prefix.latent_pages.shape[1]
+        self.lp, self.lq = lp, lq = -(-capacity // k_multiple) * k_multiple, -(-t // q_multiple) * q_multiple
+        self.p_lens = p_lens = jnp.asarray(prefix.lens, jnp.int32)
+        pad_to = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+        pk, pv = prefix.expand(capacity)
+        self.q = pad_to(q, lq)
+        self.keys = jnp.concatenate([pad_to(pk.astype(k.dtype), lp), pad_to(k, lq)], axis=1)
+        self.vals = jnp.concatenate([pad_to(pv.astype(v.dtype), lp), pad_to(v, lq)], axis=1)
+        valid = jnp.arange(lq)[None] < t
+        self.q_pos = jnp.where(valid, p_lens[:, None] + jnp.arange(lq)[None], -1)
+        self.k_pos = jnp.concatenate([jnp.where(jnp.arange(lp)[None] < p_lens[:, None], jnp.arange(lp)[None], _NEVER),
+                                      jnp.where(valid, self.q_pos, _NEVER)], axis=1)
 
 
 def check_prefix_pages(prefix: LatentPrefix, p_lens):

@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla import (_LOG2E, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows, merge_splits,
-                                visible_keys)
+from pallas_kernels.mla import (_LOG2E, ChunkLayout, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows,
+                                merge_splits, visible_keys)
 
 _COMPUTE_WGS = 2
 
@@ -89,9 +89,13 @@ def _stream(n_steps, steps: int, load, released):
         wait_released(i)
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
+def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
             prefix_blocks, lp_blocks, scale_log2, interpret):
-    """One CTA: sequence `seq`, head `heads`, new-token rows [q_tile * 2 block_q, + 2 block_q)."""
+    """One CTA: sequence `seq`, head `heads`, new-token rows [q_tile * 2 block_q, + 2 block_q).
+
+    Prefix lengths come as static whole-block counts (`prefix_blocks`, page-granular cache
+    hits) or, when `prefix_blocks` is None, from `plen_ref` (int32 [N] in GMEM, any length,
+    traced): then a partly filled last prefix block is one more step, masked by length."""
     q_smem2, o_smem2, k_smem, v_smem, lse_smem2, p_smem2 = smem
     k_bars, v_bars, q_bars = bars
     k_used, v_used = used
@@ -100,10 +104,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
     dtype = q_ref.dtype
     dv = v_smem.shape[-1]
 
-    # Whole prefix blocks of this sequence: the static per-sequence counts, selected by index.
-    n_prefix = jnp.int32(0)
-    for i, nb in enumerate(prefix_blocks):
-        n_prefix = jnp.where(seq == i, jnp.int32(nb), n_prefix)
+    if prefix_blocks is None:  # traced lengths: whole blocks, then the partly filled one if any
+        plen = plen_ref[seq]
+        n_full = lax.div(plen, jnp.int32(block_kv))
+        n_prefix = pl.cdiv(plen, jnp.int32(block_kv))
+    else:  # whole prefix blocks of this sequence: the static per-sequence counts, selected by index
+        n_prefix = jnp.int32(0)
+        for i, nb in enumerate(prefix_blocks):
+            n_prefix = jnp.where(seq == i, jnp.int32(nb), n_prefix)
 
     def key_block(step):  # the key block (of the [lp + lq] key rows) a pipeline step loads
         return jnp.where(step < n_prefix, step, lp_blocks + step - n_prefix)
@@ -142,10 +150,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
             s = pl.run_scoped(qk_scoped, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_used.at[slot])
             s = s * scale_log2
-            if masked:  # new-token block reaching the diagonal: key index <= query index
+            if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(rows + row0 >= cols + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
+                if masked == "prefix":  # the partly filled prefix block: keys before the prefix's end
+                    s = jnp.where(cols + kv_step * block_kv < plen, s, -jnp.inf)
+                else:  # new-token block reaching the diagonal: key index <= query index
+                    s = jnp.where(rows + row0 >= cols + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -189,8 +200,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
             schedule_barrier()
 
         carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked=True), carry)
+        if prefix_blocks is None:  # whole prefix blocks, then the partly filled one (a row sees key 0)
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(n_full, n_prefix, functools.partial(step, masked="prefix"), carry)
+            carry = lax.fori_loop(n_prefix, clear_steps, functools.partial(step, masked=False), carry)
+        else:
+            carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked="diagonal"), carry)
         lax.fori_loop(my_steps, cta_steps, drain, None)
         pl.when(wg == 0)(schedule_barrier)
 
@@ -216,9 +232,9 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, *, 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
                                              "scale_log2", "interpret"))
-def _hopper_core(q, k, v, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret):
-    """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv] -> o [N, lq, H, Dv],
-    lse base 2 [N, H, lq]."""
+def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret):
+    """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv], p_lens int32 [N] (read
+    only when prefix_blocks is None) -> o [N, lq, H, Dv], lse base 2 [N, H, lq]."""
     n, lq, h, dqk = q.shape
     dv = v.shape[-1]
     tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
@@ -228,10 +244,10 @@ def _hopper_core(q, k, v, *, block_q, block_kv, steps, prefix_blocks, lp_blocks,
             plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
             tiled((_COMPUTE_WGS, block_q, block_kv)) if interpret else None)
 
-    def entry(q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref):
         pl.run_scoped(
             lambda smem, bars, used, schedule: _kernel(
-                q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
+                q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
                 block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=lp_blocks,
                 scale_log2=scale_log2, interpret=interpret),
             smem,
@@ -251,7 +267,7 @@ def _hopper_core(q, k, v, *, block_q, block_kv, steps, prefix_blocks, lp_blocks,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(q, k, v)
+    )(q, k, v, p_lens)
 
 
 def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
@@ -273,10 +289,37 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
                          f"lengths multiples of block_kv {block_kv} (got {lay.p_lens.tolist()})")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     keys, vals = lay.keys_values(k, v)
-    o, lse2 = _hopper_core(lay.gather(q), keys, vals, block_q=block_q, block_kv=block_kv, steps=steps,
+    o, lse2 = _hopper_core(lay.gather(q), keys, vals, jnp.asarray(lay.p_lens, jnp.int32), block_q=block_q,
+                           block_kv=block_kv, steps=steps,
                            prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
                            scale_log2=float(scale) * _LOG2E, interpret=interpret)
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
+
+
+def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64, block_kv=64, steps=2,
+                             interpret=None):
+    """`pallas_kernels.mla.mla_prefill_chunk` (same arguments and results, no `rope_dim`) as the
+    Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
+    kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
+    fp16; head dims multiples of 64.
+
+    Not yet run on a GPU (written after the session's device time was spent; the interpreter
+    and the CUDA lowering test it): `kimik3.ops` runs the Triton `mla_prefill_chunk` until
+    `benchmarks/mla.py --sections chunk` has measured both."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a 16-bit float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
+        raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "
+                         f"of 64 and steps >= 2; got {block_q}, {block_kv}, {steps}")
+    lay = ChunkLayout(q, k, v, prefix, q_multiple=_COMPUTE_WGS * block_q, k_multiple=block_kv)
+    if lay.lq % block_kv:
+        raise ValueError(f"block_kv {block_kv} must divide {_COMPUTE_WGS} x block_q = {_COMPUTE_WGS * block_q}")
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    o, lse2 = _hopper_core(lay.q, lay.keys, lay.vals, lay.p_lens, block_q=block_q, block_kv=block_kv, steps=steps,
+                           prefix_blocks=None, lp_blocks=lay.lp // block_kv, scale_log2=float(scale) * _LOG2E,
+                           interpret=interpret)
+    t = q.shape[1]
+    return o[:, :t], jnp.swapaxes(lse2, 1, 2)[:, :t] / _LOG2E
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -559,5 +602,6 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
     o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
-                                    p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E, interpret=interpret)
+                                    p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
+                                    interpret=interpret)
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

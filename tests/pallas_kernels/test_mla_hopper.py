@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_hopper, supports
+from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper, supports
 
 O_ATOL = 2e-2  # outputs of O(1) stored in bf16, P rounded to bf16 before P @ V
 LSE_ATOL = 1e-4
@@ -69,6 +69,26 @@ def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_sp
     np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
 
 
+def test_chunk_with_traced_prefix_lengths_of_any_value(rng):
+    """A batch of chunks after prefixes of 37 (not a whole key block), 0 and 100 cached tokens,
+    the lengths traced (a jitted serving step) == the packed reference."""
+    import jax
+    b, t, h, r, rope, nope, dv, page = 3, 20, 1, 32, 64, 64, 64, 32
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    q, k, v = f(b, t, h, nope + rope), f(b, t, h, nope + rope), f(b, t, h, dv)
+    pages = f(14, page, r + rope)
+    table = jnp.asarray(rng.permutation(14)[:12].reshape(b, 4), jnp.int32)
+    w_kb, w_vb = f(r, h, nope) * 0.2, f(r, h, dv) * 0.2
+    p_lens = jnp.asarray([37, 0, 100], jnp.int32)
+    chunk = jax.jit(lambda lens: mla_prefill_chunk_hopper(q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb),
+                                                          scale=0.125))
+    o, lse = chunk(p_lens)
+    assert o.shape == (b, t, h, dv) and lse.shape == (b, t, h)
+    pack = lambda x: x.reshape((b * t,) + x.shape[2:])
+    _check(pack(o), pack(lse), pack(q), pack(k), pack(v), np.arange(b + 1) * t, 0.125,
+           LatentPrefix(pages, table, p_lens, w_kb, w_vb))
+
+
 class TestRefused:
     def test_prefix_not_a_whole_number_of_key_blocks(self, rng):
         q, k, v, cu = _inputs(rng, [10], 1, 64, 64)
@@ -111,10 +131,12 @@ def _lowers_for_cuda(fn, *shapes):
 def test_prefill_lowers_for_hopper_at_the_model_dims():
     from pallas_kernels import mla_hopper
     n, lq, h, lp = 2, 256, 2, 64
-    _lowers_for_cuda(lambda q, k, v: mla_hopper._hopper_core(
-        q, k, v, block_q=64, block_kv=64, steps=2, prefix_blocks=(1, 0), lp_blocks=1, scale_log2=0.1,
-        interpret=False),
-        ((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 128), jnp.bfloat16))
+    for prefix_blocks in ((1, 0), None):  # static whole blocks; lengths read by the kernel
+        _lowers_for_cuda(lambda q, k, v, n_p: mla_hopper._hopper_core(
+            q, k, v, n_p, block_q=64, block_kv=64, steps=2, prefix_blocks=prefix_blocks, lp_blocks=1, scale_log2=0.1,
+            interpret=False),
+            ((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 128), jnp.bfloat16),
+            ((n,), jnp.int32))
 
 
 @pytest.mark.parametrize("block_kv, steps", [(32, 2), (32, 3), (64, 2), (64, 3)])
