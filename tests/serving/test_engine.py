@@ -311,13 +311,13 @@ def test_prefix_hit_through_the_pallas_kernels_equals_the_oracle(rng, tiny_cfg, 
     real = mla.mla_prefill_chunk
     monkeypatch.setattr(mla, "mla_prefill_chunk",
                         lambda *a, **kw: chunk_prefixes.append(a[3].lens) or real(*a, **kw))
-    eng = _engine(tiny_params, tiny_cfg, kernels="pallas")
-    turn1 = rng.integers(0, 256, 70).tolist()
-    r1 = eng.submit(turn1, 3)
+    eng = _engine(tiny_params, tiny_cfg, kernels="pallas", prefill_chunk_tokens=64)  # one chunk a turn
+    turn1 = rng.integers(0, 256, 4 * PAGE).tolist()
+    r1 = eng.submit(turn1, 2)
     eng.run(max_steps=100)
-    turn2 = turn1 + r1.output + rng.integers(0, 256, 20).tolist()
-    r2 = eng.submit(turn2, 3)
+    turn2 = turn1 + r1.output + rng.integers(0, 256, 14).tolist()
+    r2 = eng.submit(turn2, 2)
     eng.run(max_steps=100)
-    assert r2.cached_tokens >= 4 * PAGE and chunk_prefixes
-    assert r1.output == _oracle(tiny_params, tiny_cfg, turn1, 3)
-    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 3)
+    assert r2.cached_tokens == 4 * PAGE and chunk_prefixes  # turn 2: 16 new tokens after a 64-token hit
+    assert r1.output == _oracle(tiny_params, tiny_cfg, turn1, 2)
+    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 2)
