@@ -198,18 +198,16 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
         w_vb = (jax.random.normal(ks[4], (r, h, dv)) * r ** -0.5).astype(jnp.bfloat16)
         lens = jnp.full((b,), prefix_len, jnp.int32)
         scale = (nope + p) ** -0.5
-        latent = mla.gather_pages(pages, table)
-        chunk_latent = latent[:, prefix_len:prefix_len + t]
+        chunk_latent = mla.gather_pages(pages, table)[:, prefix_len:prefix_len + t]
 
-        def expanded(q, pages, table, lens):
-            k, v = mla.expand_heads(chunk_latent, w_kb, w_vb)
-            prefix = mla.LatentPrefix(pages, table, lens, w_kb, w_vb)
-            return mla.mla_prefill_chunk(q, k, v, prefix, scale=scale, rope_dim=p, interpret=interpret)[0]
+        def chunk_operands(q, pages, table, lens):  # what kimik3.ops hands a chunk kernel
+            return (q, *mla.expand_heads(chunk_latent, w_kb, w_vb), mla.LatentPrefix(pages, table, lens, w_kb, w_vb))
 
-        def expanded_hopper(q, pages, table, lens):
-            k, v = mla.expand_heads(chunk_latent, w_kb, w_vb)
-            prefix = mla.LatentPrefix(pages, table, lens, w_kb, w_vb)
-            return mla_hopper.mla_prefill_chunk_hopper(q, k, v, prefix, scale=scale, interpret=interpret)[0]
+        def expanded(*args):
+            return mla.mla_prefill_chunk(*chunk_operands(*args), scale=scale, rope_dim=p, interpret=interpret)[0]
+
+        def expanded_hopper(*args):
+            return mla_hopper.mla_prefill_chunk_hopper(*chunk_operands(*args), scale=scale, interpret=interpret)[0]
 
         def absorbed(q, pages, table, lens):
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_kb)

@@ -1,6 +1,6 @@
 """Quick decode comparison of `mla_decode` configs, Triton and Hopper (one short GPU call).
 
-    PYTHONPATH=$PWD python3 benchmarks/mla_h96_probe.py [--configs hopperx64x2x1,...]
+    PYTHONPATH=$PWD python3 benchmarks/mla_h96_probe.py [--configs 64x8x512x32,hopperx64x2,...]
 
 For each config: the largest error against `mla_decode_ref` (fp32 math on the
 same bf16 inputs) on a ragged case (B2, lengths 1000 and 333, Sq 2, H96, random
@@ -22,11 +22,18 @@ from kimik3 import ops
 from pallas_kernels import mla
 
 
-def max_error(cfg, h=96, r=512, p=64, page=128):
-    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 4)
-    lens = jnp.array([1000, 333], jnp.int32)
-    pages = jax.random.normal(k1, (24, page, r + p), jnp.bfloat16)
+def ragged_cache(key, width, page=128):
+    """Two sequences of 1000 and 333 cached tokens on random non-contiguous pages (8 each of
+    24): (pages [24, page, width] bf16, block_tables [2, 8], seq_lens [2])."""
+    k1, k2 = jax.random.split(key)
+    pages = jax.random.normal(k1, (24, page, width), jnp.bfloat16)
     table = jax.random.permutation(k2, 24)[:16].reshape(2, 8).astype(jnp.int32)
+    return pages, table, jnp.array([1000, 333], jnp.int32)
+
+
+def max_error(cfg, h=96, r=512, p=64, page=128):
+    k1, k3, k4 = jax.random.split(jax.random.PRNGKey(3), 3)
+    pages, table, lens = ragged_cache(k1, r + p, page)
     ql = jax.random.normal(k3, (2, 2, h, r), jnp.bfloat16)
     qp = jax.random.normal(k4, (2, 2, h, p), jnp.bfloat16)
     o, lse = decode_fn(cfg)(ql, qp, pages, table, lens, scale=0.05)
@@ -38,13 +45,11 @@ def max_error(cfg, h=96, r=512, p=64, page=128):
 def model_path_error(h, sq, r=512, rope=64, nope=128, v=128, page=128):
     """`kimik3.ops.mla_attention`'s absorbed paged path, Pallas (the kernel `mla_decode_impl`
     picks) vs reference, on the same bf16 inputs: (kernel, max |diff| / max |reference|)."""
-    ks = jax.random.split(jax.random.PRNGKey(h * 10 + sq), 5)
-    b, lens = 2, jnp.array([1000, 333], jnp.int32)
-    pages = jax.random.normal(ks[0], (24, page, r + rope), jnp.bfloat16)
-    table = jax.random.permutation(ks[1], 24)[:16].reshape(b, 8).astype(jnp.int32)
-    q = jax.random.normal(ks[2], (b, sq, h, nope + rope), jnp.bfloat16)
-    w_kb = (jax.random.normal(ks[3], (r, h, nope)) * r ** -0.5).astype(jnp.bfloat16)
-    w_vb = (jax.random.normal(ks[4], (r, h, v)) * r ** -0.5).astype(jnp.bfloat16)
+    ks = jax.random.split(jax.random.PRNGKey(h * 10 + sq), 4)
+    pages, table, lens = ragged_cache(ks[0], r + rope, page)
+    q = jax.random.normal(ks[1], (2, sq, h, nope + rope), jnp.bfloat16)
+    w_kb = (jax.random.normal(ks[2], (r, h, nope)) * r ** -0.5).astype(jnp.bfloat16)
+    w_vb = (jax.random.normal(ks[3], (r, h, v)) * r ** -0.5).astype(jnp.bfloat16)
     latent = mla.gather_pages(pages, table)
     kw = dict(kv_lora=r, scale=(nope + rope) ** -0.5, q_pos_bt=lens[:, None] - sq + jnp.arange(sq)[None],
               k_pos_bs=jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2]), absorbed=True,

@@ -270,14 +270,19 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     )(q, k, v, p_lens)
 
 
+def _check_16bit(*xs):
+    """wgmma here takes bf16 / fp16 operands, one dtype for all."""
+    if xs[0].dtype not in (jnp.bfloat16, jnp.float16) or any(x.dtype != xs[0].dtype for x in xs):
+        raise ValueError(f"q, k, v must share a 16-bit float dtype; got {', '.join(str(x.dtype) for x in xs)}")
+
+
 def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
                        block_kv=64, steps=2, interpret=None):
     """`mla_prefill` (same arguments and results, no `rope_dim` needed: q / k keep nope and rope
     together) as a Hopper kernel.  bf16 / fp16 inputs; qk and v head dims multiples of 64 and
     prefix lengths multiples of `block_kv` (`supports`).  Raises ValueError otherwise, before
     any launch."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a 16-bit float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_16bit(q, k, v)
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, "
                          f"{block_kv}, {steps}")
@@ -306,8 +311,7 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     Not yet run on a GPU (written after the session's device time was spent; the interpreter
     and the CUDA lowering test it): `kimik3.ops` runs the Triton `mla_prefill_chunk` until
     `benchmarks/mla.py --sections chunk` has measured both."""
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a 16-bit float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_16bit(q, k, v)
     if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "
                          f"of 64 and steps >= 2; got {block_q}, {block_kv}, {steps}")
