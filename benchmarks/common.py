@@ -105,3 +105,104 @@ def profile_kernels(fn, *args, calls: int = 5, top: int = 20, top_host: int = 8,
     rows += [row("device", line, name, us / calls / 1e3) for (line, name), us in busy_us.most_common(top)]
     rows += [row("host", line, name, us / calls / 1e3) for (line, name), us in host_us.most_common(top_host)]
     return rows
+
+
+# Ops of an optimized GPU HLO module that launch nothing (views, tuples, constants, parameters).
+_NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+              "replica-id", "opt-barrier", "add-dependency"}
+
+
+def hlo_census(text: str) -> dict:
+    """What a compiled XLA GPU program launches per call, from `jitted.lower(...).compile().as_text()`.
+
+    Returns {"entry_ops": ops of the entry computation that launch work (kernels, custom calls,
+    copies, loops), "graphs": command-buffer (CUDA graph) calls among them, "ops_in_graphs": ops
+    captured inside those graphs, "outside_graphs": {opcode or custom-call target: count} of the
+    entry's launching ops that run outside any graph (what breaks capture), "launches": the
+    host-side launches per call (entry ops outside graphs + one per graph), "while": loops}."""
+    import collections
+    import re
+
+    comps, name, body = {}, None, []
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, body = ("ENTRY:" if head.group(1) else "") + head.group(2), []
+            continue
+        if line.startswith("}"):
+            if name:
+                comps[name] = body
+            name = None
+            continue
+        if name is not None and "=" in line:
+            body.append(line.strip())
+
+    def opcode(inst):
+        m = re.search(r"=\s*(?:\([^=]*?\)|[\w\[\]{},:\s/*#.]+?)\s+([\w\-]+)\(", inst)
+        op = m.group(1) if m else "?"
+        if op == "custom-call":
+            t = re.search(r'custom_call_target="([^"]+)"', inst)
+            op = f"custom-call:{t.group(1) if t else '?'}"
+        return op
+
+    entry = next((b for n, b in comps.items() if n.startswith("ENTRY:")), [])
+    outside, graphs, in_graphs, loops = collections.Counter(), 0, 0, 0
+    for inst in entry:
+        op = opcode(inst)
+        if op in _NO_LAUNCH:
+            continue
+        callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", inst)
+        if op == "call" and callee and "command_buffer" in callee.group(1):
+            graphs += 1
+            in_graphs += sum(opcode(i) not in _NO_LAUNCH for i in comps.get(callee.group(1), []))
+            continue
+        loops += op == "while"
+        outside[op] += 1
+    launching = sum(outside.values())
+    return {"entry_ops": launching + graphs, "graphs": graphs, "ops_in_graphs": in_graphs,
+            "launches": launching + graphs, "while": loops, "outside_graphs": dict(outside.most_common())}
+
+
+def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:
+    """Device-to-device copy rate (read + write) of torch's `copy_` over `nbytes`, GB/s: the
+    memory ceiling (XLA's elementwise copy reads lower and would flatter a kernel measured
+    against it).  None where torch or a CUDA device is missing."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 20
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    stop.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(stop) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds / 1e9
+
+
+def time_pipelined(fn, *args, iters=20, warmup=3):
+    """(ms per call with `iters` calls back to back and one sync, host ms to dispatch one call):
+    the rate a serving loop that never waits between steps sees, and the host's share of it."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    out, host = None, 0.0
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        h0 = time.perf_counter()
+        out = fn(*args)
+        host += time.perf_counter() - h0
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3, host / iters * 1e3
