@@ -224,7 +224,9 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
         slots = cache["slots"]
         # "export_at" (int32 [E], optional): KDA states to export at those token counts of this call
         export = {"export_at": cache["export_at"]} if "export_at" in cache else {}
-        layer_caches = tuple(dict({k: v[slots] for k, v in layer.items()}, **export) if kind == "kda" else
+        # KDA layers take their pools and the slots: rows are read and written by slot inside the
+        # layer (in place in the decode kernel), not gathered and scattered around it.
+        layer_caches = tuple(dict(layer, slots=slots, **export) if kind == "kda" else
                              {"pages": layer["pages"], "block_tables": cache["block_tables"]}
                              for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
     logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
@@ -235,7 +237,7 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
         out = dict(cache, lengths=cache["lengths"] + tokens.shape[1])
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}
             out["exports"] = tuple(new["exports"] for kind, new in zip(cfg.mixer_kinds, new_layers) if kind == "kda")
-        out["layers"] = tuple({k: pool[k].at[cache["slots"]].set(new[k]) for k in pool} if kind == "kda" else
+        out["layers"] = tuple({k: new[k] for k in pool} if kind == "kda" else
                               {"pages": new["pages"]}
                               for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
         return logits, out

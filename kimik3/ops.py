@@ -35,15 +35,30 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
-def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None):
+def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
     One token (decode) takes the recurrent form; longer spans the chunked form.
     Returns (o [B, T, H, V], final_state [B, H, K, V] fp32), and with export_at (int32 [E]
     token counts, traced) a third output: the states after them in the same pass,
     [B, E, H, K, V] fp32 (zeros for entries that are not multiples of chunk_size in 1..T).
+
+    slots: int32 [B] or None.  With slots, `initial_state` is a state *pool* [num_slots, H, K, V]
+    holding row b's state at slots[b], and the second output is the updated pool.  One decode
+    token on the Pallas path updates the pool in place by slot inside the kernel (no gather or
+    scatter of state rows around it: at B32 on `small` those moved ~1.2 GB a step); otherwise
+    the rows are gathered, run, and scattered back.  Rows may share a slot only if its contents
+    are scratch (a decode batch's padding rows).
     """
     b, t, h, dk = q.shape
+    if slots is not None:
+        if initial_state is None:
+            raise ValueError("kda: slots index a state pool; pass it as initial_state")
+        if resolve(kernels) == "pallas" and t == 1 and export_at is None:
+            return kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state, slots=slots)
+        out = kda(q, k, v, g, beta, initial_state=initial_state[slots], chunk_size=chunk_size, kernels=kernels,
+                  export_at=export_at)
+        return (out[0], initial_state.at[slots].set(out[1])) + tuple(out[2:])
     if export_at is not None:
         if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
             return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,

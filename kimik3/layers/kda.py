@@ -37,7 +37,11 @@ class KDA(nn.Module):
     returns, under "exports", the cache entries as they stood after each count
     ({"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}): the states a prefix
     cache snapshots at its block boundaries, from this one pass (entries that are not
-    multiples of the chunk size in 1..T give zeros)."""
+    multiples of the chunk size in 1..T give zeros).
+
+    A cache with "slots" (int32 [B]) is a view of pools: its entries are [num_slots, ...] and
+    row b reads and writes slot slots[b]; the new cache then holds the updated pools (the
+    decode kernel updates the state pool in place, `kimik3.ops.kda`)."""
 
     cfg: ModelConfig
     kernels: str = "auto"  # see kimik3.ops
@@ -62,12 +66,17 @@ class KDA(nn.Module):
         cache = cache or {}
         new_cache = {}
         export_at = cache.get("export_at")
+        slots = cache.get("slots")
         exports = {}
 
         def branch(name, w):
             y = jnp.einsum("btd,dhk->bthk", x_btd, w).reshape(b, t, h * k)
-            out = short_conv(y, conv[name], cache.get(f"conv_{name}"), export_at)
+            conv_state = cache.get(f"conv_{name}")  # [B, W-1, H*D], or the pool [num_slots, W-1, H*D]
+            rows = conv_state if slots is None else conv_state[slots]
+            out = short_conv(y, conv[name], rows, export_at)
             y, new_cache[f"conv_{name}"] = out[:2]
+            if slots is not None:  # conv rows are small ([B, W-1, H*D]): scattered back into their pool
+                new_cache[f"conv_{name}"] = conv_state.at[slots].set(out[1].astype(conv_state.dtype))
             if export_at is not None:
                 exports[f"conv_{name}"] = out[2]
             return jax.nn.silu(y).reshape(b, t, h, k)
@@ -79,7 +88,7 @@ class KDA(nn.Module):
         g = kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound)
         beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
         out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
-                      kernels=self.kernels, export_at=export_at)
+                      kernels=self.kernels, export_at=export_at, slots=slots)
         o, new_cache["state"] = out[:2]
         if export_at is not None:
             valid = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)
