@@ -80,6 +80,7 @@ from cache.host_tier import HostKVTier, make_key
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
+from serving.model_runner import DecodeRows, DecodeRunner
 from serving.sampling import GREEDY, SamplingParams, choose_token
 from sharding.paged import PagedStep, helper_programs
 
@@ -198,6 +199,7 @@ class Engine:
                              f"a step with every slot decoding must leave room for prefill")
         self.max_pages = max_pages_per_request or -(-cfg.max_seq_len // page_tokens)
         self._prefill_step, self._decode_step = self._mesh_steps(mesh, dispatch, num_slots)
+        self.runner = DecodeRunner(cfg, self.kernels)  # unsharded decode steps: persistent buffers, device sampling
         self._mesh_params = {s.mode: s.place_params(params) for s in (self._prefill_step, self._decode_step) if s}
         self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
@@ -534,7 +536,7 @@ class Engine:
         """Compiled step programs so far (the unsharded model and the sharded steps)."""
         steps = [s for s in (self._prefill_step, self._decode_step) if s]
         return (model._forward._cache_size() + model.forward_step._cache_size() + sum(s.programs() for s in steps)
-                + (helper_programs() if steps else 0))
+                + (helper_programs() if steps else 0) + self.runner.programs())
 
     def _forward(self, tokens, tables, slots, lengths, step: PagedStep | None = None, images=None,
                  export_at=None):
@@ -599,8 +601,9 @@ class Engine:
         number of new programs."""
         before = self._programs()
         shapes = [(1, t, step) for t, step in self._prefill_lengths()]
-        shapes += [(b, 1, self._decode_step) for b in sorted({self._decode_bucket(n)
-                                                              for n in range(1, self.scratch_slot + 1)})]
+        buckets = sorted({self._decode_bucket(n) for n in range(1, self.scratch_slot + 1)})
+        if self._decode_step is not None:
+            shapes += [(b, 1, self._decode_step) for b in buckets]
 
         def rows(b):
             return [[NULL_BLOCK] * self.max_pages] * b, [self.scratch_slot] * b, [0] * b
@@ -611,6 +614,10 @@ class Engine:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
+        def decode_rows(b):  # padding only: writes land in the scratch slot and the null page
+            return DecodeRows.build(b, [], [], [], [], [], max_pages=self.max_pages, null_page=NULL_BLOCK,
+                                    scratch_slot=self.scratch_slot)
+
         static = self._step_static()
 
         for b, t, step in shapes:
@@ -618,15 +625,23 @@ class Engine:
                 logits, self.pools = step(self._mesh_params[step.mode], self.pools, jnp.zeros((b, t), jnp.int32),
                                           *rows(b))
                 jax.block_until_ready(logits)
-        unsharded = sorted({(b, t) for b, t, step in shapes if step is None})  # prefill T1 == decode B1
-        workers = threads or max(1, min(len(unsharded), (os.cpu_count() or 2) // 2))
+        unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
+        decode = buckets if self._decode_step is None else []
+        jobs = [functools.partial(lambda shape: model.forward_step.lower(*step_args(shape), **static).compile(), s)
+                for s in unsharded]
+        jobs += [functools.partial(lambda b: self.runner.compile(self.params, self.pools, decode_rows(b)), b)
+                 for b in decode]
+        workers = threads or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
         # Lowering and compiling neither run nor donate anything, so they may overlap.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda shape: model.forward_step.lower(*step_args(shape), **static).compile(), unsharded))
+            list(pool.map(lambda job: job(), jobs))
         for shape in unsharded:
             logits, view = model.forward_step(*step_args(shape), **static)
             self.pools = {"layers": view["layers"]}
             jax.block_until_ready(logits)
+        for b in decode:
+            self.pools, tokens = self.runner.dispatch(self.params, self.pools, decode_rows(b))
+            jax.block_until_ready(tokens)
         return self._programs() - before
 
     def _prefill_chunk(self, req: Request, budget_tokens: int) -> int:
@@ -772,6 +787,20 @@ class Engine:
         if not reqs:
             return 0
         bucket = self._decode_bucket(len(reqs))
+        if self._decode_step is None:  # one device: the decode program with its persistent buffers
+            rows = DecodeRows.build(bucket, [r.output[-1] for r in reqs], [self._table(r) for r in reqs],
+                                    [r._slot for r in reqs], [r._cached_len for r in reqs],
+                                    [r.sampling for r in reqs], max_pages=self.max_pages, null_page=NULL_BLOCK,
+                                    scratch_slot=self.scratch_slot)
+            before = self._programs()
+            self.pools, tokens = self.runner.dispatch(self.params, self.pools, rows)
+            tokens = np.asarray(tokens)
+            self.runner.settle(rows, tokens)
+            self.compiles += self._programs() - before
+            for r, token in zip(reqs, tokens):
+                r._cached_len += 1
+                self._emit(r, int(token))
+            return len(reqs)
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad

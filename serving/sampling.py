@@ -1,16 +1,24 @@
 """Token choice from logits: greedy, or temperature / top-p sampling that is reproducible.
 
 A sampled token depends only on (logits, temperature, top_p, seed, position):
-the random draw for the token at absolute position p uses a generator seeded
-with ``(seed, p)``.  So a request that is preempted and resumed, handed from a
-prefill to a decode engine, or failed over to another worker mid-stream
+the random draw for the token at absolute position p uses the key
+``fold_in(key(seed), p)``.  So a request that is preempted and resumed, handed
+from a prefill to a decode engine, or failed over to another worker mid-stream
 continues with the tokens it would have produced uninterrupted.
+
+The choice runs on the device, inside the serving step (`sample_tokens`): a step
+returns B int32 tokens, not B x V fp32 logits, and the next step can take them
+without the host.  `choose_token` is the same function for one row on the host.
+Nucleus sampling draws by Gumbel-max over the tokens whose probability is at
+least the nucleus edge's (so every token tied with the edge is kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -36,19 +44,47 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 63-bit seed as the two uint32 words of its threefry key (high, low)."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def sample_tokens(logits_bv, temperature_b, top_p_b, seed_b2, position_b, *, greedy: bool):
+    """Next tokens int32 [B] from logits [B, V] (fp32), on the device.
+
+    temperature_b f32 [B] (0: greedy row), top_p_b f32 [B], seed_b2 uint32 [B, 2] (`seed_words`),
+    position_b int32 [B]: the absolute position of the token being chosen.  greedy (static):
+    every row is greedy, so the step is one argmax (no sort, no random bits)."""
+    logits = logits_bv.astype(jnp.float32)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy:
+        return argmax
+    temp = jnp.where(temperature_b > 0, temperature_b, 1.0)[:, None]
+    z = logits / temp
+    p = jax.nn.softmax(z, axis=-1)
+    p_desc = -jnp.sort(-p, axis=-1)
+    before = jnp.cumsum(p_desc, axis=-1) - p_desc  # mass of the tokens ahead of each one
+    kept = jnp.sum(before < top_p_b[:, None], axis=-1)  # >= 1: the top token is always kept
+    edge = jnp.take_along_axis(p_desc, (kept - 1)[:, None], axis=-1)  # the nucleus's smallest probability
+
+    def gumbel(words, position):
+        key = jax.random.fold_in(jax.random.wrap_key_data(words, impl="threefry2x32"), position)
+        return jax.random.gumbel(key, logits.shape[-1:], jnp.float32)
+
+    noise = jax.vmap(gumbel)(seed_b2.astype(jnp.uint32), position_b.astype(jnp.int32))
+    drawn = jnp.argmax(jnp.where(p >= edge, z + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature_b > 0, drawn, argmax)
+
+
+_sample_one = jax.jit(sample_tokens, static_argnames=("greedy",))
+
+
 def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int) -> int:
-    """The next token from fp32 logits [V] for the token at absolute `position`."""
+    """The next token from fp32 logits [V] for the token at absolute `position`: `sample_tokens`
+    for one row (what the serving step computes on the device)."""
     if params.greedy:
         return int(np.argmax(logits_v))
-    z = np.asarray(logits_v, np.float64) / params.temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        keep = np.cumsum(p[order]) - p[order] < params.top_p  # tokens before which mass < top_p
-        mask = np.zeros_like(p, bool)
-        mask[order[keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
-    rng = np.random.default_rng([params.seed, position])
-    return int(rng.choice(p.size, p=p))
+    out = _sample_one(jnp.asarray(logits_v, jnp.float32)[None], jnp.asarray([params.temperature], jnp.float32),
+                      jnp.asarray([params.top_p], jnp.float32), jnp.asarray([seed_words(params.seed)], jnp.uint32),
+                      jnp.asarray([position], jnp.int32), greedy=False)
+    return int(out[0])

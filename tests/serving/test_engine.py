@@ -263,8 +263,10 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
     compiles nothing and still gives the oracle's tokens.  (num_pages 44 is unique to this test,
     so its programs are new even when other tests ran in this process.)"""
     eng = _engine(tiny_params, tiny_cfg, num_pages=44, num_slots=3, prefill_chunk_tokens=24)
-    shapes = {(1, t) for t, _ in eng._prefill_lengths()} | {(eng._decode_bucket(n), 1) for n in range(1, 4)}
-    assert eng.warmup(threads=4) == len(shapes)
+    # one prefill program per chunk length, one decode program (greedy) per bucket
+    programs = {("prefill", t) for t, _ in eng._prefill_lengths()} | {("decode", eng._decode_bucket(n))
+                                                                     for n in range(1, 4)}
+    assert eng.warmup(threads=4) == len(programs)
     prompts = [rng.integers(0, 256, n).tolist() for n in (29, 11, 50)]
     reqs = [eng.submit(p, 5) for p in prompts]
     eng.run(max_steps=200)
