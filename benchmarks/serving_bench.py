@@ -14,6 +14,7 @@ read per step over the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -31,8 +32,9 @@ from serving.sampling import GREEDY
 
 
 def programs() -> int:
-    """Compiled model step programs in this process (`model._forward` and the engines' `forward_step`)."""
-    return model._forward._cache_size() + model.forward_step._cache_size()
+    """Compiled model step programs in this process (`model._forward`, the engines' `forward_step` and
+    `serving.model_runner.decode_program`)."""
+    return model._forward._cache_size() + model.forward_step._cache_size() + decode_program._cache_size()
 
 
 def make(params, cfg, mode, args):
@@ -90,15 +92,31 @@ def decode_roofline(params, cfg, args, copy_gbs):
                                                           rows[2].tolist(), [GREEDY] * b, max_pages=eng.max_pages,
                                                           null_page=0, scratch_slot=eng.scratch_slot)}
 
-    def engine_step():  # dispatch, read the tokens (the host waits), advance: the engine's loop
-        state["pools"], tokens = runner.dispatch(params, state["pools"], state["rows"])
+    def engine_step():  # dispatch, read the tokens (the host waits), advance: a synchronous loop
+        state["pools"], tokens, did = runner.dispatch(params, state["pools"], state["rows"])
         out = np.asarray(tokens)
-        runner.settle(state["rows"], out)
+        runner.settle(state["rows"], out, did)
         state["rows"] = state["rows"].advanced(out)
         return tokens
 
     runner_ms = common.time_jax(engine_step, iters=10)
     overwrites = runner.overwrites
+
+    def async_steps(n=20):  # the engine's decode-only phase: step i+1 goes out before step i is read
+        t0 = time.perf_counter()
+        state["pools"], prev, _ = runner.dispatch(params, state["pools"], state["rows"], tokens_on_device=True)
+        for _ in range(n - 1):
+            state["rows"] = dataclasses.replace(state["rows"], lengths=state["rows"].lengths + 1)
+            state["pools"], tokens, _ = runner.dispatch(params, state["pools"], state["rows"],
+                                                        tokens_on_device=True)
+            np.asarray(prev)
+            prev = tokens
+        np.asarray(prev)
+        state["rows"] = dataclasses.replace(state["rows"], lengths=state["rows"].lengths + 1)
+        return (time.perf_counter() - t0) / n * 1e3
+
+    async_steps(3)
+    async_ms = async_steps()
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
         state["pools"], runner._io[b] = decode_program(params, state["pools"], runner._io[b], cfg=cfg,
@@ -110,10 +128,10 @@ def decode_roofline(params, cfg, args, copy_gbs):
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
-    return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", runner_step_ms=runner_ms,
-                runner_overwrites=overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
+    return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", async_step_ms=async_ms,
+                runner_step_ms=runner_ms, runner_overwrites=overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
-                roofline_ms=roof_ms, of_roofline=roof_ms / runner_ms,
+                roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
                 weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
                 graphs=census["graphs"], ops_in_graphs=census["ops_in_graphs"],
                 outside_graphs=str(census["outside_graphs"])[:200]), profile

@@ -200,6 +200,7 @@ class Engine:
         self.max_pages = max_pages_per_request or -(-cfg.max_seq_len // page_tokens)
         self._prefill_step, self._decode_step = self._mesh_steps(mesh, dispatch, num_slots)
         self.runner = DecodeRunner(cfg, self.kernels)  # unsharded decode steps: persistent buffers, device sampling
+        self._inflight = None  # (requests, DecodeRows, device tokens, dispatch id) of the decode step not yet read
         self._mesh_params = {s.mode: s.place_params(params) for s in (self._prefill_step, self._decode_step) if s}
         self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
@@ -404,6 +405,10 @@ class Engine:
         return self.finished
 
     def step(self) -> None:
+        if self._chainable():  # a decode-only phase: step n+1 goes out before step n's tokens are read
+            self._chain_decode()
+            return
+        self._settle_decode()
         self._admit()
         # Decide both sets before running either: a request whose prefill ends this step
         # emits its first token and decodes from the next step on.
@@ -416,8 +421,58 @@ class Engine:
                 break
             if req in self.running:  # a decode preemption may have sent it back to the queue
                 used += self._prefill_chunk(req, left)
+        if prefilling or self.waiting:  # not a decode-only phase: read this step's tokens now
+            self._settle_decode()
         if used:
             self.step_tokens.append(used)
+
+    # ---- async decode: one step in flight ------------------------------------------------------------
+    def _chainable(self) -> bool:
+        """Whether the next step may be dispatched on the in-flight step's device tokens: the same
+        requests, none of which can have reached max_new_tokens with the in-flight token, nothing
+        waiting or prefilling, and pages for the next position without preempting."""
+        if self._inflight is None or self.waiting:
+            return False
+        reqs = self._inflight[0]
+        if len(reqs) != len(self.running) or any(r.done or len(r.output) + 1 >= r.max_new_tokens
+                                                 or r.stop_at_eos and r.output[-1:] == [tokenizer.EOS_ID]
+                                                 for r in reqs):
+            return False
+        if set(map(id, reqs)) != set(map(id, self.running)):
+            return False
+        need = sum(max(0, self.manager.pages_needed(r._cached_len + 1)
+                       - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
+        return need <= self.manager.page_pool.num_free
+
+    def _chain_decode(self) -> None:
+        reqs = self._inflight[0]
+        for r in reqs:
+            self.manager.extend(r.request_id, r._cached_len + 1)
+        rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
+        self.pools, tokens, did = self.runner.dispatch(self.params, self.pools, rows, tokens_on_device=True)
+        for r in reqs:
+            r._cached_len += 1
+        previous, self._inflight = self._inflight, (reqs, rows, tokens, did)
+        self._resolve_decode(previous)
+        self.step_tokens.append(len(reqs))
+
+    def _settle_decode(self) -> None:
+        """Read the in-flight decode step's tokens, if any."""
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            self._resolve_decode(previous)
+
+    def _resolve_decode(self, inflight) -> None:
+        """Emit a dispatched decode step's tokens (waits for them).  Requests that ended since it
+        was dispatched (EOS in the step before, cancellation) drop theirs."""
+        reqs, rows, tokens, did = inflight
+        before = self._programs()
+        tokens = np.asarray(tokens)
+        self.runner.settle(rows, tokens, did)
+        self.compiles += self._programs() - before
+        for r, token in zip(reqs, tokens):
+            if not r.done and r in self.running:
+                self._emit(r, int(token))
 
     def _admit(self) -> None:
         while self.waiting and self._free_slots:
@@ -640,7 +695,7 @@ class Engine:
             self.pools = {"layers": view["layers"]}
             jax.block_until_ready(logits)
         for b in decode:
-            self.pools, tokens = self.runner.dispatch(self.params, self.pools, decode_rows(b))
+            self.pools, tokens, _ = self.runner.dispatch(self.params, self.pools, decode_rows(b))
             jax.block_until_ready(tokens)
         return self._programs() - before
 
@@ -788,18 +843,13 @@ class Engine:
             return 0
         bucket = self._decode_bucket(len(reqs))
         if self._decode_step is None:  # one device: the decode program with its persistent buffers
-            rows = DecodeRows.build(bucket, [r.output[-1] for r in reqs], [self._table(r) for r in reqs],
-                                    [r._slot for r in reqs], [r._cached_len for r in reqs],
-                                    [r.sampling for r in reqs], max_pages=self.max_pages, null_page=NULL_BLOCK,
-                                    scratch_slot=self.scratch_slot)
             before = self._programs()
-            self.pools, tokens = self.runner.dispatch(self.params, self.pools, rows)
-            tokens = np.asarray(tokens)
-            self.runner.settle(rows, tokens)
+            rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
+            self.pools, tokens, did = self.runner.dispatch(self.params, self.pools, rows)
             self.compiles += self._programs() - before
-            for r, token in zip(reqs, tokens):
+            for r in reqs:
                 r._cached_len += 1
-                self._emit(r, int(token))
+            self._inflight = (reqs, rows, tokens, did)  # read by the next step (or at this one's end)
             return len(reqs)
         pad = bucket - len(reqs)
         tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
@@ -811,6 +861,11 @@ class Engine:
             r._cached_len += 1
             self._emit(r, self._choose(r, row))
         return len(reqs)
+
+    def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
+        return DecodeRows.build(self._decode_bucket(len(reqs)), tokens, [self._table(r) for r in reqs],
+                                [r._slot for r in reqs], [r._cached_len for r in reqs], [r.sampling for r in reqs],
+                                max_pages=self.max_pages, null_page=NULL_BLOCK, scratch_slot=self.scratch_slot)
 
     def records(self):
         """Metrics records of the finished requests (serving.metrics)."""

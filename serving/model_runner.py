@@ -102,8 +102,9 @@ def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy:
 
 @functools.partial(jax.jit, donate_argnames=("io",))
 def _overwrite(io, values):
-    """io's buffers, holding `values` (same shapes and dtypes): the outputs alias the donated io."""
-    return {k: jnp.asarray(values[k], io[k].dtype) for k in IO_KEYS}
+    """io with the entries in `values` (a subset of its keys, same shapes) replaced; every output
+    aliases the donated io, so the buffers stay where the decode program's graph expects them."""
+    return dict(io, **{k: jnp.asarray(v, io[k].dtype) for k, v in values.items()})
 
 
 @jax.jit
@@ -114,46 +115,60 @@ def _read_tokens(io):
 class DecodeRunner:
     """The decode steps of one engine: a `DecodeIO` per bucket, kept on the device between steps.
 
-    ``tokens = runner.step(params, pools_holder, rows)``: runs `decode_program` on `rows`
-    (`DecodeRows`), writing the rows into the bucket's buffers only where they differ from what
-    the buffers hold (after the previous step, which advanced them on the device)."""
+    ``pools, tokens = runner.dispatch(params, pools, rows)`` enqueues `decode_program` on `rows`
+    (`DecodeRows`), writing into the bucket's buffers only the entries that differ from what
+    they hold (the previous step advanced them on the device).  ``tokens_on_device=True``
+    chains a step on the previous one's sampled tokens before the host has read them (async
+    scheduling: `rows.tokens` is ignored); ``settle`` then records them once read."""
 
     def __init__(self, cfg: ModelConfig, kernels: str):
         self.cfg, self.kernels = cfg, kernels
         self._io: dict[int, dict] = {}
-        self._holds: dict[int, DecodeRows] = {}  # what each bucket's buffers hold, as the host knows it
-        self.overwrites = 0  # steps whose rows had to be written into the buffers
+        # what each bucket's buffers hold, as the host knows it (tokens None: not read yet)
+        self._holds: dict[int, DecodeRows | None] = {}
+        self._dispatched = 0
+        self._last: dict[int, int] = {}  # bucket -> id of its latest dispatch
+        self.overwrites = 0  # steps whose rows had to be (partly) written into the buffers
 
-    def _buffers(self, rows: DecodeRows) -> dict:
+    def _buffers(self, rows: DecodeRows, tokens_on_device: bool) -> dict:
         bucket = len(rows.tokens)
-        io = self._io.get(bucket)
+        io, held = self._io.pop(bucket, None), self._holds.get(bucket)
+        if tokens_on_device and (io is None or held is None):
+            raise RuntimeError(f"no earlier step of bucket {bucket} to chain on")
         if io is None:
-            io = jax.device_put(rows.as_dict())
             self.overwrites += 1
-        elif not rows.same_as(self._holds.get(bucket)):
-            io = _overwrite(io, rows.as_dict())
+            return jax.device_put(rows.as_dict())
+        keys = IO_KEYS[1:] if tokens_on_device else IO_KEYS
+        changed = {k: getattr(rows, k) for k in keys
+                   if held is None or getattr(held, k) is None or not np.array_equal(getattr(rows, k), getattr(held, k))}
+        if changed:
             self.overwrites += 1
+            io = _overwrite(io, changed)
         return io
 
-    def dispatch(self, params, pools, rows: DecodeRows):
-        """Enqueue a step; returns (pools, tokens on the device [bucket]) without waiting."""
+    def dispatch(self, params, pools, rows: DecodeRows, *, tokens_on_device: bool = False):
+        """Enqueue a step; returns (pools, tokens on the device [bucket], dispatch id) without waiting."""
         bucket = len(rows.tokens)
-        io = self._buffers(rows)
-        self._io.pop(bucket, None)  # donated below: never reuse the old handle
+        io = self._buffers(rows, tokens_on_device)
         pools, io = decode_program(params, pools, io, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy)
         self._io[bucket] = io
-        self._holds[bucket] = None  # unknown until the tokens are read
-        return pools, _read_tokens(io)
+        self._holds[bucket] = dataclasses.replace(rows, tokens=None, lengths=(rows.lengths + rows.active)
+                                                  .astype(np.int32))
+        self._dispatched += 1
+        self._last[bucket] = self._dispatched
+        return pools, _read_tokens(io), self._dispatched
 
-    def settle(self, rows: DecodeRows, tokens: np.ndarray) -> None:
-        """Record what the bucket's buffers hold after the step over `rows` that sampled `tokens`."""
-        self._holds[len(rows.tokens)] = rows.advanced(tokens)
+    def settle(self, rows: DecodeRows, tokens: np.ndarray, dispatch_id: int) -> None:
+        """The tokens of dispatch `dispatch_id` over `rows`, read: what its bucket's buffers hold,
+        unless a later step was chained on them since."""
+        bucket = len(rows.tokens)
+        if self._last.get(bucket) == dispatch_id:
+            self._holds[bucket] = rows.advanced(tokens)
 
     def programs(self) -> int:
         return decode_program._cache_size()
 
     def compile(self, params, pools, rows: DecodeRows):
         """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""
-        io = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rows.as_dict())
-        return decode_program.lower(params, pools, io, cfg=self.cfg, kernels=self.kernels,
+        return decode_program.lower(params, pools, rows.as_dict(), cfg=self.cfg, kernels=self.kernels,
                                     greedy=rows.greedy).compile()
