@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ import numpy as np
 from kimik3 import model
 from kimik3.config import ModelConfig
 from serving.sampling import SamplingParams, sample_tokens, seed_words
+
+log = logging.getLogger(__name__)
 
 IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed")
 
@@ -172,3 +175,170 @@ class DecodeRunner:
         """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""
         return decode_program.lower(params, pools, rows.as_dict(), cfg=self.cfg, kernels=self.kernels,
                                     greedy=rows.greedy).compile()
+
+
+class ModelRunner:
+    """Every jitted program one engine runs, and the shapes it runs them at.
+
+    * prefill chunks: `kimik3.model.forward_step` (pools donated) at power-of-two lengths, or the
+      prefill mesh's sharded step (`sharding.paged.PagedStep`) at tp * 2^k;
+    * decode: `decode_program` on persistent buffers (`DecodeRunner`), or the decode mesh's
+      sharded step, at power-of-two buckets (multiples of dp);
+    * `warmup`: compiles all of them ahead of time, concurrently.
+
+    The pools live in a `serving.kv_pools.KVPools`; every call threads `kv.pools` through."""
+
+    def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
+                 page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int):
+        self.params, self.cfg, self.kernels, self.role = params, cfg, kernels, role
+        self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
+        self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens,
+                                                               max_step_tokens)
+        self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
+        self.decode = DecodeRunner(cfg, kernels)
+
+    def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):
+        """(prefill step, decode step) from the `mesh` argument; ValueError for one that does not fit."""
+        from sharding.paged import PagedStep
+
+        if mesh is None:
+            return None, None
+        if self.role == "both":
+            if not (isinstance(mesh, (tuple, list)) and len(mesh) == 2):
+                raise ValueError("role 'both' takes mesh=(prefill_mesh, decode_mesh) (either may be None); "
+                                 f"got {type(mesh).__name__}")
+            pm, dm = mesh
+        elif isinstance(mesh, (tuple, list)):
+            raise ValueError(f"role {self.role!r} takes one mesh (its {self.role} mesh), not a pair")
+        else:
+            pm, dm = (mesh, None) if self.role == "prefill" else (None, mesh)
+        pre = None if pm is None else PagedStep(self.cfg, pm, "prefill", dispatch=dispatch, kernels=self.kernels)
+        dec = None if dm is None else PagedStep(self.cfg, dm, "decode", dispatch=dispatch, kernels=self.kernels)
+        if pre is not None:
+            tp = pre.size
+            if page_tokens % tp:
+                raise ValueError(f"tp={tp} must divide page_tokens={page_tokens} (prefix hits and KDA "
+                                 f"snapshot boundaries are page multiples; sharded chunks are tp multiples)")
+            if self.prefill_chunk_tokens < tp:
+                raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} is below tp={tp}")
+            if max_step_tokens - num_slots < tp:
+                raise ValueError(f"max_step_tokens ({max_step_tokens}) must leave tp={tp} prefill tokens "
+                                 f"beside a decode row for each of the {num_slots} slots")
+        for s in (pre, dec):
+            if s is not None:
+                log.info("engine (%s): %s steps on %s=%d ep=%d over devices %s", self.role, s.mode,
+                         s.shape.group_axis, s.size, s.shape.ep, [d.id for d in s.mesh.devices.flat])
+        return pre, dec
+
+    # ---- shapes ------------------------------------------------------------------------------------
+    def step_static(self) -> dict:
+        """The unsharded prefill step's static arguments (warm-up compiles exactly these): logits
+        for the last position only, which is all a step samples from."""
+        return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1)
+
+    def export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
+        """The export positions an unsharded prefill chunk passes (`offsets` padded with -1 to
+        `export_slots`), or None for chunks shorter than one KDA chunk (those never export)."""
+        if chunk_tokens < self.cfg.kda_chunk_size:
+            return None
+        return list(offsets) + [-1] * (self.export_slots - len(offsets))
+
+    def prefill_lengths(self) -> list[tuple[int, object]]:
+        """Every prefill chunk length this engine runs, with the step that runs it (None: unsharded)."""
+        c, pre = self.prefill_chunk_tokens, self.prefill_step
+        if pre is None:
+            return [(1 << i, None) for i in range(c.bit_length())]
+        tp = pre.size
+        return ([(1 << i, None) for i in range((tp - 1).bit_length())]
+                + [(tp << i, pre) for i in range((c // tp).bit_length())])
+
+    def decode_bucket(self, n: int) -> int:
+        """Rows of a decode batch of n requests: the next power of two, rounded up to a multiple of dp."""
+        bucket = 1 << (n - 1).bit_length()
+        if self.decode_step is not None:
+            bucket = -(-bucket // self.decode_step.size) * self.decode_step.size
+        return bucket
+
+    def programs(self) -> int:
+        """Compiled step programs so far (the unsharded model, the decode program, the sharded steps)."""
+        from sharding.paged import helper_programs
+
+        steps = [s for s in (self.prefill_step, self.decode_step) if s]
+        return (model._forward._cache_size() + model.forward_step._cache_size() + sum(s.programs() for s in steps)
+                + (helper_programs() if steps else 0) + self.decode.programs())
+
+    # ---- calls -------------------------------------------------------------------------------------
+    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_at=None):
+        """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
+        returns the last position's logits f32 [B, V] as numpy and, with export_at (int32 [E] token
+        counts of this call; unsharded only), the KDA exports (`kimik3.model.paged_view`), else None.
+        step: `prefill_step` or `decode_step` (a mesh), or None (the unsharded model)."""
+        # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
+        # not prompts, so the steps call the jitted cores directly.
+        if step is not None:
+            logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
+            return np.asarray(logits[:, -1], np.float32), None
+        view = model.paged_view(kv.pools, tables, slots, lengths, export_at)
+        positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
+                                          **self.step_static())
+        kv.pools = {"layers": view["layers"]}
+        return np.asarray(logits[:, -1], np.float32), view.get("exports")
+
+    def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None) -> int:
+        """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests)
+        and run each once on scratch rows (the scratch slot and null pages).
+
+        threads: unsharded shapes compile ahead of time concurrently on this many threads
+        (default: one per shape, at most half the CPU cores): XLA's compile of a whole-model
+        step is mostly single-threaded, so the ~20 shapes of a serving engine take minutes one
+        by one.  The runs that follow (one by one: each donates the pools) then find their
+        executables compiled.  The decode program compiles in its greedy variant (a batch with
+        a sampled row compiles the other on first use).  Returns the number of new programs."""
+        import concurrent.futures
+        import os
+
+        before = self.programs()
+        scratch = kv.scratch_slot
+        shapes = [(1, t, step) for t, step in self.prefill_lengths()]
+        buckets = sorted({self.decode_bucket(n) for n in range(1, scratch + 1)})
+        if self.decode_step is not None:
+            shapes += [(b, 1, self.decode_step) for b in buckets]
+
+        def rows(b):
+            return [[null_page] * max_pages] * b, [scratch] * b, [0] * b
+
+        def step_args(shape):
+            b, t = shape
+            view = model.paged_view(kv.pools, *rows(b), self.export_at(t) if b == 1 else None)
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+            return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
+
+        def decode_rows(b):  # padding only: writes land in the scratch slot and the null page
+            return DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
+                                    scratch_slot=scratch)
+
+        for b, t, step in shapes:
+            if step is not None:  # writes land in the scratch slot and the null page only
+                logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, jnp.zeros((b, t), jnp.int32),
+                                        *rows(b))
+                jax.block_until_ready(logits)
+        unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
+        decode = buckets if self.decode_step is None else []
+        static = self.step_static()
+        jobs = [functools.partial(lambda s: model.forward_step.lower(*step_args(s), **static).compile(), s)
+                for s in unsharded]
+        jobs += [functools.partial(lambda b: self.decode.compile(self.params, kv.pools, decode_rows(b)), b)
+                 for b in decode]
+        workers = threads or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
+        # Lowering and compiling neither run nor donate anything, so they may overlap.
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda job: job(), jobs))
+        for shape in unsharded:
+            logits, view = model.forward_step(*step_args(shape), **static)
+            kv.pools = {"layers": view["layers"]}
+            jax.block_until_ready(logits)
+        for b in decode:
+            kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b))
+            jax.block_until_ready(tokens)
+        return self.programs() - before

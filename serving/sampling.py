@@ -16,10 +16,12 @@ least the nucleus edge's (so every token tied with the edge is kept).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+# JAX is imported where the device functions run: `SamplingParams` is part of the scheduler's
+# request records, and the scheduler imports no JAX.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,9 @@ def sample_tokens(logits_bv, temperature_b, top_p_b, seed_b2, position_b, *, gre
     temperature_b f32 [B] (0: greedy row), top_p_b f32 [B], seed_b2 uint32 [B, 2] (`seed_words`),
     position_b int32 [B]: the absolute position of the token being chosen.  greedy (static):
     every row is greedy, so the step is one argmax (no sort, no random bits)."""
+    import jax
+    import jax.numpy as jnp
+
     logits = logits_bv.astype(jnp.float32)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
@@ -76,7 +81,11 @@ def sample_tokens(logits_bv, temperature_b, top_p_b, seed_b2, position_b, *, gre
     return jnp.where(temperature_b > 0, drawn, argmax)
 
 
-_sample_one = jax.jit(sample_tokens, static_argnames=("greedy",))
+@functools.cache
+def _sample_one():
+    import jax
+
+    return jax.jit(sample_tokens, static_argnames=("greedy",))
 
 
 def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int) -> int:
@@ -84,7 +93,7 @@ def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int) ->
     for one row (what the serving step computes on the device)."""
     if params.greedy:
         return int(np.argmax(logits_v))
-    out = _sample_one(jnp.asarray(logits_v, jnp.float32)[None], jnp.asarray([params.temperature], jnp.float32),
-                      jnp.asarray([params.top_p], jnp.float32), jnp.asarray([seed_words(params.seed)], jnp.uint32),
-                      jnp.asarray([position], jnp.int32), greedy=False)
+    out = _sample_one()(np.asarray(logits_v, np.float32)[None], np.asarray([params.temperature], np.float32),
+                        np.asarray([params.top_p], np.float32), np.asarray([seed_words(params.seed)], np.uint32),
+                        np.asarray([position], np.int32), greedy=False)
     return int(out[0])

@@ -285,8 +285,8 @@ def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng,
     first = rng.integers(0, 256, 230).tolist()
     r1 = eng.submit(first, 4)
     calls = []
-    forward = eng._forward
-    eng._forward = lambda tokens, *a, **k: calls.append(tokens.shape) or forward(tokens, *a, **k)
+    forward = eng.runner.forward  # prefill chunks (decode runs its own program)
+    eng.runner.forward = lambda kv, tokens, *a, **k: calls.append(tokens.shape) or forward(kv, tokens, *a, **k)
     eng.run(max_steps=100)
     assert calls[:2] == [(1, 128), (1, 64)]  # [0, 128) exports 64 and ends at 128; [128, 192) ends at 192
     second = first[:100] + rng.integers(0, 256, 20).tolist()

@@ -1,0 +1,357 @@
+"""The scheduler: which requests run in a step, and how much of each (vLLM V1's ``schedule()``).
+
+Pure Python over the cache manager: no JAX, no model, testable with numpy block stores.
+``Scheduler.schedule() -> StepPlan`` decides one step under a token budget:
+
+1. **admit** waiting requests while a slot is free and the pools hold their prompt
+   (`PagedKVManager.begin`: a prefix hit restores pages and a KDA snapshot and skips that
+   prefill; a request back from an offload brings its KV with it);
+2. **decode** one token for every running request past its prefill: decode rows are charged
+   to the budget first (they are what TPOT waits on).  Pages for the token each writes come
+   first; when the pool runs short the most recently admitted requests are preempted (their
+   KV offloaded to the host tier where there is one, recomputed otherwise);
+3. **prefill** chunks of the prefilling requests, oldest first, with what is left of the
+   budget (and at most `prefill_tokens_while_decoding` while decode rows run, so a long
+   prompt does not stretch every running request's next token).  A chunk's length is a power
+   of two (exact, few compiled shapes); the KDA snapshot boundaries inside it are exported by
+   its own pass where the pass can (a KDA-chunk multiple from its start), else the chunk ends
+   at the boundary and the slot's state is snapshotted after it.
+
+The engine executes the plan (`serving.engine.Engine`) and reports back through `emit` and
+`release`.  Request bookkeeping (`_computed`, `_boundaries`) advances when a step is planned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+
+import numpy as np
+
+from cache.block_pool import NoFreeBlocks
+from cache.host_tier import make_key
+from cache.manager import PagedKVManager, RequestBlocks
+from kimik3 import tokenizer
+from serving.sampling import GREEDY, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    stop_at_eos: bool = False
+    arrival_s: float = dataclasses.field(default_factory=time.monotonic)
+    sampling: SamplingParams = GREEDY
+    images: np.ndarray | None = None  # [N, S, S, C] for the prompt's <|image|> placeholders
+    mm_items: tuple = ()  # cache.block_hash.MMItem per image: its content hash enters the block hashes
+    # filled by the engine
+    output: list[int] = dataclasses.field(default_factory=list)
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    cached_tokens_host: int = 0
+    admitted_s: float | None = None
+    done: bool = False
+    error: str | None = None
+    _slot: int = -1
+    _context: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill (prompt, + output on resume)
+    _computed: int = 0  # tokens of _context whose KV is in the cache (or planned into it)
+    _cached_len: int = 0  # tokens in the cache once prefilled (decode writes at this position)
+    _boundaries: list[int] = dataclasses.field(default_factory=list)
+    _offload_keys: list[str] | None = None  # host-tier entries of its KV while preempted
+    _resume_kv: tuple | None = None  # (page contents, packed KDA state) fetched back for re-admission
+    _image_rows: object = None  # the images' ViT embeddings [N * P, D], computed once at first prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """A request admitted this step: its blocks, and the KV to install if it is back from an
+    offload (pages, packed KDA state), else its slot starts from `blocks.snapshot_block`."""
+
+    request: Request
+    blocks: RequestBlocks
+    resume_kv: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Preemption:
+    """A running request sent back to the queue.  offload_keys: host-tier keys its KV (the pages
+    of `page_table` holding `cached_len` tokens, then the packed state of `slot`) is to be
+    written under before the step runs; None: it resumes by recompute."""
+
+    request: Request
+    page_table: tuple[int, ...]
+    slot: int
+    cached_len: int
+    offload_keys: tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Tokens [start, end) of `request._context`.  export: snapshot boundaries strictly inside,
+    exported by the chunk's own pass; snapshot_at_end: the chunk ends at a boundary whose state
+    is the slot after it; sharded: it runs on the prefill mesh."""
+
+    request: Request
+    start: int
+    end: int
+    export: tuple[int, ...] = ()
+    snapshot_at_end: bool = False
+    sharded: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def last(self) -> bool:
+        """The chunk completes its request's prefill (its logits give the next token)."""
+        return self.end == len(self.request._context)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step, as `Scheduler.schedule` decided it; executed in this order by the engine."""
+
+    preempted: list[Preemption] = dataclasses.field(default_factory=list)
+    admitted: list[Admission] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Request, str]] = dataclasses.field(default_factory=list)
+    decode: list[Request] = dataclasses.field(default_factory=list)
+    prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(c.tokens for c in self.prefill)
+
+    @property
+    def decode_only(self) -> bool:
+        return not (self.prefill or self.admitted or self.preempted or self.failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    num_slots: int
+    page_tokens: int
+    prefill_chunk_tokens: int
+    max_step_tokens: int
+    export_slots: int  # KDA states one unsharded chunk can export in its own pass
+    kda_chunk_tokens: int  # the KDA pass's chunk: exports land on its multiples from a chunk's start
+    sharded_prefill: int | None = None  # tp of the prefill mesh (chunks of tp * 2^k tokens), None: unsharded
+    prefill_tokens_while_decoding: int | None = None  # prefill cap in a step with decode rows (None: budget)
+    namespace: str = ""
+
+
+class Scheduler:
+    """Queues, slots and the plan of each step over a `PagedKVManager` (see the module comment)."""
+
+    def __init__(self, config: SchedulerConfig, manager: PagedKVManager, *, publish_to_host: bool = False):
+        self.config, self.manager, self.publish_to_host = config, manager, publish_to_host
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admitted: prefilling or decoding
+        self.finished: list[Request] = []
+        self.free_slots = list(range(config.num_slots))
+        self.preemptions = 0
+        self.offloaded_resumes = 0  # preempted requests resumed from their offloaded KV (no recompute)
+        self.recomputed_tokens = 0  # tokens re-prefilled after a preemption (offload missing or no host tier)
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._admit(plan)
+        # Both sets are decided before either runs: a request whose prefill ends this step emits
+        # its first token then and decodes from the next step on.
+        decoding = [r for r in self.running if r._computed >= len(r._context) and not r.done]
+        prefilling = [r for r in self.running if r._computed < len(r._context)]
+        if decoding:
+            plan.decode = self._make_room(decoding, plan)
+        cap = self.config.prefill_tokens_while_decoding if plan.decode else None
+        prefill_budget = self.config.max_step_tokens - len(plan.decode)
+        if cap is not None:
+            prefill_budget = min(prefill_budget, cap)
+        for req in prefilling:
+            left = prefill_budget - sum(c.tokens for c in plan.prefill)
+            if left < 1:
+                break
+            if req in self.running:  # a decode preemption may have sent it back to the queue
+                chunk = self._plan_prefill(req, left)
+                if chunk is not None:
+                    plan.prefill.append(chunk)
+        return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if req._offload_keys is not None:
+                self._fetch_offloaded(req)
+            req._context = req._context or list(req.prompt)
+            try:
+                blocks = self.manager.begin(req.request_id, req._context, req.mm_items)
+            except NoFreeBlocks:
+                return  # admission by capacity: it waits until running requests free pages
+            self.waiting.pop(0)
+            req._slot = self.free_slots.pop()
+            if req.admitted_s is None:  # a resumed request keeps its first admission's numbers
+                req.admitted_s = time.monotonic()
+                req.cached_tokens = blocks.hit.tokens
+                req.cached_tokens_host = blocks.hit.pages_host * self.config.page_tokens
+            self.manager.release_hit_snapshot(req.request_id)
+            resume, req._resume_kv = req._resume_kv, None
+            if resume is not None:  # back from an offload: its KV is installed, no recompute
+                req._computed = req._cached_len = len(req._context)
+                self.offloaded_resumes += 1
+            else:
+                req._computed = blocks.hit.tokens
+                if req.output:
+                    self.recomputed_tokens += len(req._context) - req._computed
+            req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
+            self.running.append(req)
+            plan.admitted.append(Admission(req, blocks, resume))
+
+    def _fetch_offloaded(self, req: Request) -> None:
+        """Bring a preempted request's offloaded KV back from the host tier (once); on any
+        missing or corrupt entry it resumes by recompute instead."""
+        keys, req._offload_keys = req._offload_keys, None
+        cached = len(req.prompt) + len(req.output) - 1  # the last output token is not in the cache yet
+        pages = [np.empty(self.manager.pages.block_shape, self.manager.pages.dtype) for _ in range(len(keys) - 1)]
+        state = np.empty(self.manager.snapshots.block_shape, np.float32)
+        found = self.manager.host.batch_get_into(keys, pages + [state])
+        self.manager.host.remove(keys)
+        if all(found):
+            req._resume_kv = (pages, state)
+            req._context = req._context[:cached]
+        else:
+            log.info("request %s: offloaded KV incomplete in the host tier; resuming by recompute", req.request_id)
+
+    def _make_room(self, reqs: list[Request], plan: StepPlan) -> list[Request]:
+        """Pages for the token each request is about to write, preempting the most recently
+        admitted requests when the pool is short.  Returns the requests that decode this step."""
+        reqs = list(reqs)
+        need = lambda rs: sum(max(0, self.manager.pages_needed(r._cached_len + 1)
+                                  - len(self.manager.requests[r.request_id].page_table)) for r in rs)
+        while reqs and need(reqs) > self.manager.page_pool.num_free:
+            victim = max(reqs, key=lambda r: r.admitted_s or 0.0)
+            reqs.remove(victim)
+            if not reqs and need([victim]) > self.manager.page_pool.num_free + len(
+                    self.manager.requests[victim.request_id].page_table):
+                self.running.remove(victim)
+                self.release(victim, error="out of KV capacity")
+                plan.failed.append((victim, "out of KV capacity"))
+                return []
+            plan.preempted.append(self._preempt(victim))
+        for r in reqs:
+            self.manager.extend(r.request_id, r._cached_len + 1)
+        return reqs
+
+    def _preempt(self, req: Request) -> Preemption:
+        """Free a running request's pages and slot and queue it first to resume.  With a host
+        tier its KV is to be offloaded (the engine writes it before the step runs, while the
+        freed pages still hold it); recomputing prompt + output is the last resort."""
+        self.preemptions += 1
+        self.running.remove(req)
+        req._context = list(req.prompt) + list(req.output)
+        keys = None
+        if self.manager.host is not None and req._cached_len == len(req._context) - 1:
+            tag = f"{req.request_id}/{self.preemptions}"
+            n_pages = -(-req._cached_len // self.config.page_tokens)
+            keys = tuple(make_key(self.manager.spec.namespace, "preempt",
+                                  hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest())
+                         for i in range(n_pages + 1))
+        table = tuple(self.manager.requests[req.request_id].page_table)
+        out = Preemption(req, table, req._slot, req._cached_len, keys)
+        self.manager.finish(req.request_id)
+        self.free_slots.append(req._slot)
+        req._slot, req._computed, req._cached_len = -1, 0, 0
+        self.waiting.insert(0, req)
+        return out
+
+    def _plan_prefill(self, req: Request, budget_tokens: int) -> PrefillChunk | None:
+        """The next chunk of `req` (at most `budget_tokens`), or None when the budget left is below
+        one sharded span.  Advances the request's bookkeeping."""
+        cfg = self.config
+        start, ctx = req._computed, req._context
+        end = min(len(ctx), start + cfg.prefill_chunk_tokens, start + budget_tokens)
+        if req.images is not None and start < len(req.prompt) < end:
+            # Placeholders take image rows only inside the prompt (a recompute after preemption
+            # may include generated <|image|> ids, which decode embedded as plain tokens).
+            end = len(req.prompt)
+        tp = cfg.sharded_prefill
+        export: list[int] = []
+        if tp is not None and len(ctx) - start >= tp:
+            if req._boundaries and req._boundaries[0] < end:
+                end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
+            # Sharded: tp * 2^k tokens.  `start` is a multiple of tp here (hits and boundaries are
+            # page multiples, tp divides the page, every earlier chunk was a tp multiple).
+            spans = (end - start) // tp
+            if spans == 0:
+                return None
+            end = start + tp * (1 << (spans.bit_length() - 1))
+            sharded = True
+        else:
+            # With a prefill mesh this is only the prompt's last < tp tokens, unsharded.
+            end, export = self.plan_chunk(start, end, req._boundaries)
+            sharded = False
+        for boundary in export:
+            req._boundaries.remove(boundary)
+        at_end = bool(req._boundaries) and req._boundaries[0] == end
+        if at_end:
+            req._boundaries.pop(0)
+        req._computed = end
+        return PrefillChunk(req, start, end, tuple(export), at_end, sharded)
+
+    def plan_chunk(self, start: int, end: int, boundaries: list[int]) -> tuple[int, list[int]]:
+        """The end of an unsharded prefill chunk from `start` (at most `end`), and the snapshot
+        boundaries strictly inside it, which its pass exports (`export_at`).
+
+        Chunk lengths are powers of two (exact: no padding, few compiled shapes).  A boundary
+        inside the chunk is exported where the KDA pass produces its state, at a multiple of
+        the KDA chunk from `start`, and only up to `export_slots` of them; any other boundary
+        ends the chunk there instead (its state is then the slot row after the pass)."""
+        unit = self.config.kda_chunk_tokens
+        while True:
+            end = start + (1 << ((end - start).bit_length() - 1))
+            inside = [b for b in boundaries if start < b < end]
+            not_exportable = [b for b in inside if (b - start) % unit]
+            if not_exportable:
+                end = not_exportable[0]
+            elif len(inside) > self.config.export_slots:
+                end = inside[self.config.export_slots]
+            else:
+                return end, inside
+
+    # ---- updates from the engine -------------------------------------------------------------------
+    def emit(self, req: Request, token: int) -> None:
+        """A new token of a running request; finishes it at max_new_tokens or EOS."""
+        req.output.append(token)
+        req.token_times_s.append(time.monotonic())
+        if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == tokenizer.EOS_ID):
+            self.running.remove(req)
+            self.release(req)
+
+    def release(self, req: Request, error: str | None = None) -> None:
+        """Free a request's blocks and slot (publishing its KV to the host tier if asked) and
+        move it to `finished`."""
+        if req._offload_keys is not None:  # cancelled while preempted: drop its offloaded KV
+            self.manager.host.remove(req._offload_keys)
+            req._offload_keys = None
+        if req.request_id in self.manager.requests:
+            if self.publish_to_host and error is None:
+                self.manager.publish_to_host(req.request_id)
+            self.manager.finish(req.request_id)
+        if req._slot >= 0:
+            self.free_slots.append(req._slot)
+            req._slot = -1
+        req.done, req.error = True, error
+        self.finished.append(req)
+
+    def cancel(self, request_id: str) -> bool:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self.release(req, error="cancelled")
+                    return True
+        return False

@@ -1,0 +1,202 @@
+"""The scheduler plans steps with no model: admission by capacity and slots, decode rows first,
+prefill chunks under the budget with their KDA snapshot exports, preemption by offload or recompute.
+
+A test plays the engine: it executes nothing on a device, it only reports tokens back
+(`Scheduler.emit`) the way `Engine.step` does after running a plan."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from cache.host_tier import EmbeddedHostKVTier
+from cache.manager import ArrayBlockStore, CacheSpec, PagedKVManager
+from serving.scheduler import Request, Scheduler, SchedulerConfig
+
+PAGE = 16
+KDA_BLOCK = 4 * PAGE
+CHUNK = 64
+
+
+def make(num_pages=32, num_slots=4, num_snaps=16, host=None, **kw):
+    spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
+    mgr = PagedKVManager(spec, ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32), num_pages,
+                         ArrayBlockStore(num_snaps, (8,), np.float32), num_snaps, host)
+    cfg = dict(num_slots=num_slots, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=CHUNK + num_slots,
+               export_slots=CHUNK // KDA_BLOCK + 2, kda_chunk_tokens=16)
+    cfg.update(kw)
+    return Scheduler(SchedulerConfig(**cfg), mgr)
+
+
+def request(rid, n_prompt, n_new=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return Request(rid, rng.integers(0, 200, n_prompt).tolist(), n_new)
+
+
+def play(s, plan, token=7):
+    """Report back what running `plan` would: pages committed, snapshots taken, tokens emitted."""
+    for chunk in plan.prefill:
+        req = chunk.request
+        s.manager.commit_pages(req.request_id, chunk.end)
+        for b in chunk.export:
+            s.manager.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
+        if chunk.snapshot_at_end:
+            s.manager.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
+        if chunk.last:
+            req._cached_len = chunk.end
+            s.emit(req, token)
+    for req in plan.decode:
+        req._cached_len += 1
+        s.emit(req, token)
+
+
+def prefill_all(s, req):
+    """Plan and play steps until `req` has its first token; returns its chunks."""
+    chunks = []
+    while not req.output:
+        plan = s.schedule()
+        chunks += [c for c in plan.prefill if c.request is req]
+        play(s, plan)
+    return chunks
+
+
+def test_the_scheduler_imports_no_jax():
+    code = "import sys, serving.scheduler; sys.exit('jax' in sys.modules)"
+    import subprocess
+
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_prompt_is_prefilled_in_power_of_two_chunks_then_decoded():
+    s = make()
+    req = request("a", 100)
+    s.waiting.append(req)
+    plan = s.schedule()
+    assert [a.request for a in plan.admitted] == [req] and not plan.decode
+    assert [(c.start, c.end) for c in plan.prefill] == [(0, 64)]
+    play(s, plan)
+    spans = []
+    while req._computed < len(req._context):
+        plan = s.schedule()
+        spans += [(c.start, c.end) for c in plan.prefill]
+        play(s, plan)
+    assert spans == [(64, 96), (96, 100)]  # 32 + 4: powers of two, exact
+    plan = s.schedule()
+    assert plan.decode == [req] and not plan.prefill and plan.decode_only
+
+
+def test_snapshot_boundaries_are_exported_by_the_pass_or_end_the_chunk():
+    s = make()
+    req = request("a", 150)  # boundaries: the KDA block at 64, 128, and the last full page (144)
+    s.waiting.append(req)
+    chunks = prefill_all(s, req)
+    ends = [(c.start, c.end, c.export, c.snapshot_at_end) for c in chunks]
+    # 64 and 128 are chunk ends (snapshotted after the pass); 144 lies inside [128, 150) at a
+    # multiple of the KDA chunk (16) from the start: exported by the pass
+    assert ends[0] == (0, 64, (), True) and ends[1] == (64, 128, (), True)
+    assert ends[2][:2] == (128, 144) or 144 in ends[2][2]
+    assert s.manager.lookup(req._context + [1]).tokens == 144
+
+
+def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
+    s = make(num_slots=4, max_step_tokens=40)
+    first = [request(f"d{i}", 16, n_new=50, seed=i) for i in range(3)]
+    s.waiting.extend(first)
+    for r in first:
+        prefill_all(s, r)
+    assert all(r._computed == 16 and r.output for r in first)
+    late = request("p", 100, seed=9)
+    s.waiting.append(late)
+    plan = s.schedule()
+    assert plan.decode == first
+    assert sum(c.tokens for c in plan.prefill) <= 40 - 3 and plan.prefill[0].tokens == 32
+
+
+def test_a_prefill_cap_while_decoding_bounds_the_chunk():
+    s = make(num_slots=4, prefill_tokens_while_decoding=8)
+    d = request("d", 10, n_new=50)
+    s.waiting.append(d)
+    prefill_all(s, d)
+    s.waiting.append(request("p", 100, seed=3))
+    plan = s.schedule()
+    assert len(plan.decode) == 1 and [c.tokens for c in plan.prefill] == [8]
+
+
+def test_admission_waits_for_a_slot_and_for_pages():
+    s = make(num_pages=9, num_slots=2)  # 8 usable pages of 16 tokens
+    reqs = [request(f"r{i}", 60, seed=i) for i in range(3)]  # 4 pages each
+    s.waiting.extend(reqs)
+    plan = s.schedule()
+    assert [a.request for a in plan.admitted] == reqs[:2] and s.waiting == [reqs[2]]
+    assert not s.free_slots
+
+
+def test_a_second_turn_is_admitted_with_its_prefix_hit():
+    s = make()
+    a = request("a", 100, n_new=1)
+    s.waiting.append(a)
+    while not a.done:
+        play(s, s.schedule())
+    b = Request("b", a.prompt + a.output + [5] * 20, 2)
+    s.waiting.append(b)
+    plan = s.schedule()
+    assert plan.admitted[0].blocks.hit.tokens == 96 and b.cached_tokens == 96
+    assert plan.prefill[0].start == 96
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first():
+    s = make(num_pages=9, num_slots=2)
+    old, new = request("old", 60, n_new=40), request("new", 60, n_new=40, seed=1)
+    s.waiting.append(old)
+    play(s, s.schedule())
+    s.waiting.append(new)
+    for _ in range(6):
+        play(s, s.schedule())
+    preempted = []
+    for _ in range(20):
+        plan = s.schedule()
+        preempted += plan.preempted
+        play(s, plan)
+        if preempted:
+            break
+    assert [p.request for p in preempted] == [new] and s.preemptions == 1
+    assert s.waiting[0] is new and new._slot == -1 and new._context == new.prompt + new.output
+    assert preempted[0].offload_keys is None  # no host tier: it resumes by recompute
+
+
+def test_with_a_host_tier_a_preemption_names_the_keys_to_offload():
+    s = make(num_pages=9, num_slots=2, host=EmbeddedHostKVTier(1 << 20))
+    old, new = request("old", 60, n_new=40), request("new", 60, n_new=40, seed=1)
+    s.waiting.append(old)
+    play(s, s.schedule())
+    s.waiting.append(new)
+    plan = s.schedule()
+    while not plan.preempted:
+        play(s, plan)
+        plan = s.schedule()
+    p = plan.preempted[0]
+    assert p.request is new and len(p.offload_keys) == -(-p.cached_len // PAGE) + 1
+    assert len(p.page_table) >= -(-p.cached_len // PAGE) and p.slot >= 0
+
+
+def test_cancel_frees_the_slot_and_blocks():
+    s = make()
+    req = request("a", 40, n_new=10)
+    s.waiting.append(req)
+    play(s, s.schedule())
+    assert s.cancel("a") and req.error == "cancelled" and "a" not in s.manager.requests
+    assert sorted(s.free_slots) == [0, 1, 2, 3] and not s.cancel("a")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_eos_and_max_tokens_end_requests(n):
+    s = make()
+    reqs = [request(f"r{i}", 20, n_new=n, seed=i) for i in range(2)]
+    reqs[1].stop_at_eos = True
+    s.waiting.extend(reqs)
+    from kimik3 import tokenizer
+
+    for _ in range(10):
+        plan = s.schedule()
+        play(s, plan, token=tokenizer.EOS_ID)
+    assert all(r.done for r in reqs) and len(reqs[0].output) == n and len(reqs[1].output) == 1
