@@ -115,6 +115,11 @@ _NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
 def hlo_census(text: str) -> dict:
     """What a compiled XLA GPU program launches per call, from `jitted.lower(...).compile().as_text()`.
 
+    XLA of jax 0.11 forms CUDA graphs (command buffers) *after* HLO optimization, from the thunk
+    sequence, so they do not show here ("graphs" stays 0 on it; older XLAs wrapped them as
+    `command_buffer` calls, counted here): see them with `TF_CPP_VMODULE=command_buffer_thunk=3`
+    or the `*.thunk_sequence_after_thunk_passes.txt` of `--xla_dump_to`.
+
     Returns {"entry_ops": ops of the entry computation that launch work (kernels, custom calls,
     copies, loops), "graphs": command-buffer (CUDA graph) calls among them, "ops_in_graphs": ops
     captured inside those graphs, "outside_graphs": {opcode or custom-call target: count} of the

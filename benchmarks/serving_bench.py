@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from kimik3 import config, model, quantization, sizing
+from kimik3 import compile_cache, config, model, quantization, sizing
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
@@ -133,8 +133,7 @@ def decode_roofline(params, cfg, args, copy_gbs):
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
                 weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
-                graphs=census["graphs"], ops_in_graphs=census["ops_in_graphs"],
-                outside_graphs=str(census["outside_graphs"])[:200]), profile
+                ops=str(census["outside_graphs"])[:200]), profile
 
 
 def main():
@@ -155,7 +154,10 @@ def main():
                     help="write the timed decode step's optimized HLO to --out (decode_step_B<b>.hlo.txt)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip loads that start after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--compile-cache", default=None,
+                    help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
+    compile_cache.enable(args.compile_cache)  # as the demo does: a second run skips the compiles
     if args.quick:
         args.prompt, args.output, args.loads, args.chunk, args.page_tokens = 48, 6, "1,2", 64, 16
     loads = [int(x) for x in args.loads.split(",")]

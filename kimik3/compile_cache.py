@@ -43,5 +43,15 @@ def enable(value: str | None = None) -> str | None:
         return None
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    _autotune_cache(os.path.join(directory, "autotune"))
     log.info("persistent compilation cache: %s", directory)
     return directory
+
+
+def _autotune_cache(directory: str) -> None:
+    """XLA's GPU autotuning results beside the programs (a cache hit skips the compile, but a
+    program evicted or compiled for a new shape still re-autotunes its GEMMs without this).
+    Only effective before the GPU backend starts; XLA_FLAGS set by the user win."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_per_fusion_autotune_cache_dir" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={directory}".strip()

@@ -393,12 +393,12 @@ class Engine:
         logits, exports = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start], step=step,
                                               images=images, export_at=export_at)
         self.manager.commit_pages(req.request_id, end)
-        checkpoint = self.manager.requests[req.request_id].checkpoint_block
-        for i, boundary in enumerate(chunk.export):
-            self.kv.save_export(exports, i, checkpoint)
+        blocks = self.manager.requests[req.request_id]  # each commit publishes the checkpoint block
+        for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it
+            self.kv.save_export(exports, i, blocks.checkpoint_block)
             self.manager.commit_snapshot(req.request_id, boundary)
         if chunk.snapshot_at_end:
-            self.kv.save_state(req._slot, checkpoint)
+            self.kv.save_state(req._slot, blocks.checkpoint_block)
             self.manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req._cached_len = end

@@ -88,11 +88,7 @@ class DecodeRows:
                                    lengths=(self.lengths + self.active).astype(np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy"), donate_argnames=("pools", "io"))
-def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: bool):
-    """One decode token for every row of `io` (`DecodeIO`): the model over the pools, sampling on the
-    device.  Returns (pools, io) updated in place: io["tokens"] the sampled tokens, io["lengths"]
-    advanced by io["active"]."""
+def _decode_body(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: bool):
     view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"])
     logits, view = model._forward_impl(params, io["tokens"][:, None], io["lengths"][:, None], view, None, cfg=cfg,
                                        expert_path="grouped", kernels=kernels, logits_tail=1)
@@ -101,6 +97,38 @@ def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy:
     active = io["active"] > 0
     io = dict(io, tokens=jnp.where(active, new, io["tokens"]), lengths=io["lengths"] + io["active"])
     return {"layers": view["layers"]}, io
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy"), donate_argnames=("pools", "io"))
+def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: bool):
+    """One decode token for every row of `io` (`DecodeIO`): the model over the pools, sampling on the
+    device.  Returns (pools, io) updated in place: io["tokens"] the sampled tokens, io["lengths"]
+    advanced by io["active"]."""
+    return _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "n_steps"),
+                   donate_argnames=("pools", "io"))
+def multi_decode_program(params, pools, io, stop_at_eos_b, eos_id, *, cfg: ModelConfig, kernels: str, greedy: bool,
+                         n_steps: int):
+    """`n_steps` decode steps in one program (a decode-only phase: no host between steps).
+
+    The caller has extended every active row's pages for n_steps more tokens and none may reach
+    its max_new_tokens before the last step.  A row with stop_at_eos_b (bool [B]) that samples
+    `eos_id` stops there: its later tokens are -1 and its length no longer advances (io["active"]
+    drops to 0 for it).  Returns (pools, io, tokens int32 [B, n_steps]); row b's tokens equal n_steps
+    calls of `decode_program` that stop at its EOS."""
+
+    def step(i, carry):
+        pools, io, out = carry
+        was_active = io["active"] > 0
+        pools, io = _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)
+        out = out.at[:, i].set(jnp.where(was_active, io["tokens"], -1))
+        ended = was_active & stop_at_eos_b & (io["tokens"] == eos_id)
+        return pools, dict(io, active=jnp.where(ended, 0, io["active"])), out
+
+    out = jnp.full((io["tokens"].shape[0], n_steps), -1, jnp.int32)
+    return jax.lax.fori_loop(0, n_steps, step, (pools, io, out))
 
 
 @functools.partial(jax.jit, donate_argnames=("io",))
@@ -161,6 +189,21 @@ class DecodeRunner:
         self._last[bucket] = self._dispatched
         return pools, _read_tokens(io), self._dispatched
 
+    def dispatch_multi(self, params, pools, rows: DecodeRows, n_steps: int, stop_at_eos, eos_id: int):
+        """`multi_decode_program` over `rows` (written into the bucket's buffers as `dispatch` does,
+        tokens from the host); returns (pools, tokens on the device [bucket, n_steps]).  The
+        buffers' contents are unknown to the host afterwards (rows may have stopped at EOS): the
+        next dispatch writes them whole."""
+        bucket = len(rows.tokens)
+        io = self._buffers(rows, False)
+        pools, io, tokens = multi_decode_program(params, pools, io, jnp.asarray(stop_at_eos, bool),
+                                                 jnp.int32(eos_id), cfg=self.cfg, kernels=self.kernels,
+                                                 greedy=rows.greedy, n_steps=n_steps)
+        self._io[bucket], self._holds[bucket] = io, None
+        self._dispatched += 1
+        self._last[bucket] = self._dispatched
+        return pools, tokens
+
     def settle(self, rows: DecodeRows, tokens: np.ndarray, dispatch_id: int) -> None:
         """The tokens of dispatch `dispatch_id` over `rows`, read: what its bucket's buffers hold,
         unless a later step was chained on them since."""
@@ -169,7 +212,7 @@ class DecodeRunner:
             self._holds[bucket] = rows.advanced(tokens)
 
     def programs(self) -> int:
-        return decode_program._cache_size()
+        return decode_program._cache_size() + multi_decode_program._cache_size()
 
     def compile(self, params, pools, rows: DecodeRows):
         """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""

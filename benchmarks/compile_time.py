@@ -1,0 +1,62 @@
+"""Compile time of one decode step on this machine (issue 15's CPU yardstick).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/compile_time.py [--config small] [--batch 8] [--repeats 3]
+
+`kimik3.model.forward` with a contiguous cache, B rows of one token: the first call (trace,
+lower, compile, run) minus the second (run), in a fresh process per repeat so no cache is warm
+(the persistent compilation cache is off here).  Prints one line per repeat and the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def one(config: str, batch: int) -> float:
+    os.environ["KIMIK3_COMPILE_CACHE"] = "off"
+    import jax
+    import jax.numpy as jnp
+
+    from kimik3 import config as configs, model
+
+    cfg = configs.get_config(config)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    cache = model.init_cache(cfg, batch, 256)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    jax.block_until_ready(params)
+    t0 = time.perf_counter()
+    jax.block_until_ready(model.forward(params, cfg, tokens, cache=cache))
+    t1 = time.perf_counter()
+    jax.block_until_ready(model.forward(params, cfg, tokens, cache=cache))
+    t2 = time.perf_counter()
+    return (t1 - t0) - (t2 - t1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="small")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(one(args.config, args.batch)))
+        return
+    seconds = []
+    for i in range(args.repeats):
+        out = subprocess.run([sys.executable, __file__, "--child", "--config", args.config, "--batch", str(args.batch)],
+                             capture_output=True, text=True, check=True, env=dict(os.environ))
+        seconds.append(float(out.stdout.strip().splitlines()[-1]))
+        print(f"repeat {i}: compile {seconds[-1]:.2f} s", flush=True)
+    print(f"{args.config} decode step B{args.batch} T1 compile (first call - second): median "
+          f"{statistics.median(seconds):.2f} s over {args.repeats} fresh processes")
+
+
+if __name__ == "__main__":
+    main()
