@@ -80,7 +80,8 @@ class DisaggregatedServer:
             if r.error is not None or p is None:
                 continue
             out.append(RequestRecord(p.arrival_s, p.token_times_s[:1] + r.token_times_s[1:], len(p.prompt),
-                                     p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
+                                     p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s,
+                                     p.token_mixed[:1] + r.token_mixed[1:]))
         for p in self.prefill.finished:  # single-token requests never reach the decode engine
             if p.error is None and p.max_new_tokens == 1:
                 out.append(RequestRecord(p.arrival_s, p.token_times_s, len(p.prompt),

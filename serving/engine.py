@@ -176,7 +176,8 @@ class Engine:
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
-        self._inflight = None  # (requests, DecodeRows, device tokens, dispatch id) of a decode step not yet read
+        # (requests, DecodeRows, device tokens, dispatch id, mixed) of a decode step not yet read
+        self._inflight = None
         self._ids = itertools.count()
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
@@ -326,7 +327,8 @@ class Engine:
         from serving.metrics import RequestRecord
 
         return [RequestRecord(r.arrival_s, r.token_times_s, len(r.prompt), r.cached_tokens - r.cached_tokens_host,
-                              r.cached_tokens_host, r.admitted_s) for r in self.finished if r.error is None]
+                              r.cached_tokens_host, r.admitted_s, r.token_mixed)
+                for r in self.finished if r.error is None]
 
     # ---- the loop: plan -> run -> update ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -371,7 +373,7 @@ class Engine:
             else:
                 self.kv.restore_state(a.request._slot, a.blocks.snapshot_block)
         if plan.decode:
-            self._decode(plan.decode)
+            self._decode(plan.decode, mixed=bool(plan.prefill))
         for chunk in plan.prefill:
             self._run_chunk(chunk)
         if not plan.decode_only:  # read this step's decode tokens now (no step is chained on them)
@@ -406,15 +408,17 @@ class Engine:
             if self.role == "prefill" and self.on_prefilled is not None:
                 req.output.append(token)
                 req.token_times_s.append(time.monotonic())
+                req.token_mixed.append(True)
                 self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
                 self.running.remove(req)
                 self.scheduler.release(req)
             else:
-                self.scheduler.emit(req, token)
+                self.scheduler.emit(req, token, mixed=True)
 
     # ---- decode ----------------------------------------------------------------------------------
-    def _decode(self, reqs: list[Request]) -> None:
-        """Dispatch one token for each of `reqs` (pages already extended by the scheduler)."""
+    def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
+        """Dispatch one token for each of `reqs` (pages already extended by the scheduler); mixed:
+        the step also runs prefill chunks (metrics split TPOT by it)."""
         if self.runner.decode_step is not None:  # a decode mesh: the sharded step, synchronous
             bucket = self._decode_bucket(len(reqs))
             pad = bucket - len(reqs)
@@ -425,13 +429,13 @@ class Engine:
             logits, _ = self.runner.forward(self.kv, tokens, tables, slots, lengths, step=self.runner.decode_step)
             for r, row in zip(reqs, logits):
                 r._cached_len += 1
-                self.scheduler.emit(r, self._choose(r, row))
+                self.scheduler.emit(r, self._choose(r, row), mixed)
             return
         rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
         self.pools, tokens, did = self.runner.decode.dispatch(self.params, self.pools, rows)
         for r in reqs:
             r._cached_len += 1
-        self._inflight = (reqs, rows, tokens, did)  # read by the next step (or at this one's end)
+        self._inflight = (reqs, rows, tokens, did, mixed)  # read by the next step (or at this one's end)
 
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
@@ -458,7 +462,7 @@ class Engine:
         self.compiles += self.runner.programs() - before
         for r in reqs:
             r._cached_len += 1
-        previous, self._inflight = self._inflight, (reqs, rows, tokens, did)
+        previous, self._inflight = self._inflight, (reqs, rows, tokens, did, False)
         self._resolve_decode(previous)
         self.step_tokens.append(len(reqs))
 
@@ -471,12 +475,12 @@ class Engine:
     def _resolve_decode(self, inflight) -> None:
         """Emit a dispatched decode step's tokens (waits for them).  Requests that ended since it
         was dispatched (EOS the step before, cancellation) drop theirs."""
-        reqs, rows, tokens, did = inflight
+        reqs, rows, tokens, did, mixed = inflight
         tokens = np.asarray(tokens)
         self.runner.decode.settle(rows, tokens, did)
         for r, token in zip(reqs, tokens):
             if not r.done and r in self.running:
-                self.scheduler.emit(r, int(token))
+                self.scheduler.emit(r, int(token), mixed)
 
     def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
         return DecodeRows.build(self._decode_bucket(len(reqs)), tokens, [self._table(r) for r in reqs],

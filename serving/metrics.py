@@ -1,7 +1,9 @@
 """Serving metrics, defined once (DESIGN.md) and used everywhere.
 
 * TTFT: arrival to first output token.
-* TPOT: mean gap between a request's consecutive output tokens.
+* TPOT: mean gap between a request's consecutive output tokens; split by the step that produced
+  the later token: decode-only steps, and steps that also ran prefill chunks ("mixed": what
+  prompts arriving cost the running requests).
 * queue time: arrival to admission (first KV allocated).
 * throughput: output tokens / wall time of the run.
 * token cache rate: prompt tokens served from cache / prompt tokens, per tier.
@@ -24,6 +26,7 @@ class RequestRecord:
     cached_tokens_gpu: int
     cached_tokens_host: int
     admitted_s: float | None = None
+    token_mixed: Sequence[bool] = ()  # per output token: its step also ran prefill (empty: unknown)
 
     @property
     def ttft_s(self) -> float | None:
@@ -33,6 +36,21 @@ class RequestRecord:
     def tpot_s(self) -> float | None:
         t = self.token_times_s
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def _gaps(self, mixed: bool) -> float | None:
+        t, m = self.token_times_s, self.token_mixed
+        gaps = [t[i] - t[i - 1] for i in range(1, len(t)) if i < len(m) and bool(m[i]) == mixed]
+        return sum(gaps) / len(gaps) if gaps else None
+
+    @property
+    def tpot_decode_only_s(self) -> float | None:
+        """Mean gap before tokens from decode-only steps."""
+        return self._gaps(False)
+
+    @property
+    def tpot_mixed_s(self) -> float | None:
+        """Mean gap before tokens from steps that also ran prefill chunks."""
+        return self._gaps(True)
 
     @property
     def queue_s(self) -> float | None:
@@ -58,6 +76,8 @@ class Summary:
     cache_rate: float
     cache_rate_gpu: float
     cache_rate_host: float
+    tpot_decode_only_s: dict = dataclasses.field(default_factory=lambda: percentiles([]))
+    tpot_mixed_s: dict = dataclasses.field(default_factory=lambda: percentiles([]))
 
     @property
     def throughput_tok_s(self) -> float:
@@ -70,18 +90,20 @@ def summarize(name: str, records: Sequence[RequestRecord], wall_s: float) -> Sum
     host = sum(r.cached_tokens_host for r in records)
     return Summary(name, len(records), sum(len(r.token_times_s) for r in records), wall_s,
                    percentiles([r.ttft_s for r in records]), percentiles([r.tpot_s for r in records]),
-                   percentiles([r.queue_s for r in records]), (gpu + host) / prompt, gpu / prompt, host / prompt)
+                   percentiles([r.queue_s for r in records]), (gpu + host) / prompt, gpu / prompt, host / prompt,
+                   percentiles([r.tpot_decode_only_s for r in records]), percentiles([r.tpot_mixed_s for r in records]))
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
     ms = lambda d, q: f"{1e3 * d[q]:.1f}"
     lines = ["| mode | requests | throughput tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
-             "queue p50 / p99 ms | cache rate (GPU + host) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "TPOT p50 decode-only / mixed ms | queue p50 / p99 ms | cache rate (GPU + host) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in summaries:
         lines.append(f"| {s.name} | {s.requests} | {s.throughput_tok_s:.1f} | "
                      f"{ms(s.ttft_s, 'p50')} / {ms(s.ttft_s, 'p90')} / {ms(s.ttft_s, 'p99')} | "
                      f"{ms(s.tpot_s, 'p50')} / {ms(s.tpot_s, 'p90')} / {ms(s.tpot_s, 'p99')} | "
+                     f"{ms(s.tpot_decode_only_s, 'p50')} / {ms(s.tpot_mixed_s, 'p50')} | "
                      f"{ms(s.queue_s, 'p50')} / {ms(s.queue_s, 'p99')} | "
                      f"{s.cache_rate:.1%} ({s.cache_rate_gpu:.1%} + {s.cache_rate_host:.1%}) |")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ class Request:
     # filled by the engine
     output: list[int] = dataclasses.field(default_factory=list)
     token_times_s: list[float] = dataclasses.field(default_factory=list)
+    token_mixed: list[bool] = dataclasses.field(default_factory=list)  # its step also ran prefill (metrics)
     cached_tokens: int = 0
     cached_tokens_host: int = 0
     admitted_s: float | None = None
@@ -323,10 +324,12 @@ class Scheduler:
                 return end, inside
 
     # ---- updates from the engine -------------------------------------------------------------------
-    def emit(self, req: Request, token: int) -> None:
-        """A new token of a running request; finishes it at max_new_tokens or EOS."""
+    def emit(self, req: Request, token: int, mixed: bool = False) -> None:
+        """A new token of a running request (mixed: its step also ran prefill chunks); finishes it
+        at max_new_tokens or EOS."""
         req.output.append(token)
         req.token_times_s.append(time.monotonic())
+        req.token_mixed.append(mixed)
         if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == tokenizer.EOS_ID):
             self.running.remove(req)
             self.release(req)

@@ -15,6 +15,14 @@ def test_definitions():
     assert math.isclose(s.tpot_s["p50"], 0.3)  # single-token requests have no TPOT
 
 
+def test_tpot_splits_by_whether_the_step_also_ran_prefill():
+    r = RequestRecord(0.0, [1.0, 1.1, 1.6, 1.7], 10, 0, 0, token_mixed=[True, False, True, False])
+    assert math.isclose(r.tpot_decode_only_s, 0.1) and math.isclose(r.tpot_mixed_s, 0.5)
+    s = summarize("x", [r], wall_s=1.0)
+    assert math.isclose(s.tpot_decode_only_s["p50"], 0.1) and math.isclose(s.tpot_mixed_s["p50"], 0.5)
+    assert RequestRecord(0.0, [1.0, 2.0], 1, 0, 0).tpot_mixed_s is None  # unknown split: none reported
+
+
 def test_percentiles():
     p = percentiles(list(range(1, 101)))
     assert math.isclose(p["p50"], 50.5) and p["p99"] > 99
