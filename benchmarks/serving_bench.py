@@ -26,7 +26,7 @@ from benchmarks import common
 from kimik3 import compile_cache, config, model, quantization, sizing
 from serving import metrics
 from serving.disagg import DisaggregatedServer
-from serving.engine import Engine
+from serving.engine import Engine, EngineConfig
 from serving.model_runner import DecodeRows, DecodeRunner, decode_program
 from serving.sampling import GREEDY
 
@@ -38,13 +38,15 @@ def programs() -> int:
 
 
 def make(params, cfg, mode, args):
-    kw = dict(num_pages=args.pages, num_slots=args.max_load, num_snapshots=2 * args.max_load,
-              page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
-              max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
-              prefill_chunk_tokens=args.chunk, kernels=args.kernels)
+    ec = EngineConfig(num_pages=args.pages, num_slots=args.max_load, num_snapshots=2 * args.max_load,
+                      page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
+                      max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
+                      prefill_chunk_tokens=args.chunk, kernels=args.kernels,
+                      prefill_tokens_while_decoding=args.prefill_while_decoding)
     if mode == "colocated":
-        return Engine(params, cfg, **kw)
-    return DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), Engine(params, cfg, role="decode", **kw))
+        return Engine(params, cfg, ec)
+    return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
+                               Engine(params, cfg, ec.replace(role="decode")))
 
 
 def run_load(server, n, args, seed, output=None):
@@ -57,10 +59,10 @@ def run_load(server, n, args, seed, output=None):
     return metrics.summarize(f"N={n}", server.records()[-n:], time.monotonic() - t0)
 
 
-def decode_roofline(params, cfg, args, copy_gbs):
+def decode_roofline(params, cfg, args, copy_gbs, b):
     """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline;
     with `--profile-step`, also the step's busiest device ops (rows of section "profile")."""
-    b, ctx = args.max_load, args.prompt
+    ctx = args.prompt
     eng = make(params, cfg, "colocated", args)
     table = np.arange(1, 1 + b * (-(-ctx // args.page_tokens) + 1)).reshape(b, -1) % eng.manager.page_pool.num_blocks
     pad = np.zeros((b, eng.max_pages - table.shape[1]), np.int64)
@@ -154,6 +156,10 @@ def main():
                     help="write the timed decode step's optimized HLO to --out (decode_step_B<b>.hlo.txt)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip loads that start after this many seconds")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decode-batches", default=None,
+                    help="batches of the decode-step section, e.g. 1,32 (default: the largest load)")
+    ap.add_argument("--prefill-while-decoding", type=int, default=None,
+                    help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
@@ -198,14 +204,18 @@ def main():
             rows.append(dict(section="load sweep", mode=mode, load=n, throughput_tok_s=s.throughput_tok_s,
                              ttft_p50_ms=1e3 * s.ttft_s["p50"], ttft_p99_ms=1e3 * s.ttft_s["p99"],
                              tpot_p50_ms=1e3 * s.tpot_s["p50"], tpot_p99_ms=1e3 * s.tpot_s["p99"],
+                             tpot_decode_only_p50_ms=1e3 * s.tpot_decode_only_s["p50"],
+                             tpot_mixed_p50_ms=1e3 * s.tpot_mixed_s["p50"],
                              new_programs=programs() - before))
             common.write_results(args.out, "serving_bench", rows)
             if 1e3 * s.tpot_s["p50"] <= args.tpot_target_ms:
                 best[mode] = max(best.get(mode, 0), n)
     rows.append(dict(section=f"largest load with TPOT p50 <= {args.tpot_target_ms} ms",
                      colocated=best.get("colocated", 0), pd=best.get("pd", 0)))
-    step_row, profile = decode_roofline(params, cfg, args, copy_gbs)
-    rows += [step_row] + profile
+    for b in [int(x) for x in (args.decode_batches or str(args.max_load)).split(",")]:
+        step_row, profile = decode_roofline(params, cfg, args, copy_gbs, b)
+        rows += [step_row] + profile
+        common.write_results(args.out, "serving_bench", rows)
     print(f"total {time.monotonic() - t_start:.0f} s", flush=True)
     common.write_results(args.out, "serving_bench", rows)
 

@@ -27,7 +27,7 @@ from cache.host_tier import EmbeddedHostKVTier
 from kimik3 import config, model
 from serving import metrics
 from serving.disagg import DisaggregatedServer
-from serving.engine import Engine
+from serving.engine import Engine, EngineConfig
 from serving.workload import WorkloadSpec, generate_sessions  # noqa: F401 - WorkloadSpec used by _workload
 
 log = logging.getLogger(__name__)
@@ -50,15 +50,15 @@ class DemoSpec:
 
 
 def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
-    common = dict(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
-                  page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
-                  max_pages_per_request=max_pages, prefill_chunk_tokens=256)
+    common = EngineConfig(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
+                          page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
+                          max_pages_per_request=max_pages, prefill_chunk_tokens=256)
     if mode.startswith("colocated"):
         host = EmbeddedHostKVTier(spec.host_bytes) if mode.endswith("host") else None
-        return Engine(params, cfg, host=host, **common)
+        return Engine(params, cfg, common, host=host)
     host = EmbeddedHostKVTier(spec.host_bytes) if mode == "pd-store" else None
-    prefill = Engine(params, cfg, role="prefill", host=host, **common)
-    decode = Engine(params, cfg, role="decode", host=host, **common)
+    prefill = Engine(params, cfg, common.replace(role="prefill"), host=host)
+    decode = Engine(params, cfg, common.replace(role="decode"), host=host)
     return DisaggregatedServer(prefill, decode, "store" if mode == "pd-store" else "direct")
 
 

@@ -534,7 +534,7 @@ def build_engine(args):
     import jax
 
     from kimik3 import config, model
-    from serving.engine import Engine
+    from serving.engine import Engine, EngineConfig
 
     cfg = config.get_config(args.config)
     dtype = args.dtype or cfg.dtype
@@ -550,11 +550,11 @@ def build_engine(args):
 
         host = MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata, staging_bytes=args.staging_mb << 20)
     role = args.role
-    engine = Engine(params, cfg, num_pages=args.num_pages, num_slots=args.num_slots,
-                    num_snapshots=args.num_snapshots or 4 * args.num_slots, page_tokens=page,
-                    kda_block_tokens=block, max_pages_per_request=max_pages,
-                    prefill_chunk_tokens=args.prefill_chunk_tokens, host=host, kernels=args.kernels,
-                    namespace=namespace, role=role, publish_to_host=host is not None)
+    engine = Engine(params, cfg, EngineConfig(
+        num_pages=args.num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
+        page_tokens=page, kda_block_tokens=block, max_pages_per_request=max_pages,
+        prefill_chunk_tokens=args.prefill_chunk_tokens, kernels=args.kernels, namespace=namespace, role=role,
+        publish_to_host=host is not None), host=host)
     info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
             "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
             "kda_block_tokens": block, "max_context": min(cfg.max_seq_len, max_pages * page),
