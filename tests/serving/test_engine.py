@@ -323,3 +323,22 @@ def test_prefix_hit_through_the_pallas_kernels_equals_the_oracle(rng, tiny_cfg, 
     assert r2.cached_tokens == 4 * PAGE and chunk_prefixes  # turn 2: 16 new tokens after a 64-token hit
     assert r1.output == _oracle(tiny_params, tiny_cfg, turn1, 2)
     assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 2)
+
+
+def test_a_decode_only_phase_chains_steps_on_the_device_buffers(rng, tiny_cfg, tiny_params):
+    """Once only decode rows run, each step is dispatched on the previous step's device tokens
+    (before the host reads them) and the decode buffers are rewritten only when a table gains a
+    page or the batch changes: what keeps XLA's CUDA graph of the step from re-recording.  The
+    tokens still equal the oracle's, also for the request that stops early."""
+    eng = _engine(tiny_params, tiny_cfg)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (20, 20)]
+    reqs = [eng.submit(p, n) for p, n in zip(prompts, (40, 25))]
+    chained, chain = [], eng._chain_decode
+    eng._chain_decode = lambda: chained.append(1) or chain()
+    eng.run(max_steps=200)
+    decode_steps = 40 - 1
+    assert len(chained) >= decode_steps - 6
+    # first write, a page boundary every 16 tokens per row, the batch shrinking at 25 tokens
+    assert eng.runner.decode.overwrites <= 8
+    for req, p, n in zip(reqs, prompts, (40, 25)):
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, n)
