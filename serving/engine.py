@@ -159,6 +159,11 @@ class Engine:
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots)
         sharded = bool(self.runner.prefill_step or self.runner.decode_step)
+        cap = config.prefill_tokens_while_decoding
+        if pre_step := self.runner.prefill_step:
+            if cap is not None and cap < pre_step.size:
+                raise ValueError(f"prefill_tokens_while_decoding ({cap}) is below tp={pre_step.size}: sharded "
+                                 f"prefill chunks could never run beside decode rows")
         self.kv = KVPools(cfg, num_pages=config.num_pages, num_slots=config.num_slots,
                           num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
                           commit=sharded)
@@ -339,6 +344,7 @@ class Engine:
             if not self.has_work():
                 break
             self.step()
+        self._settle_decode()  # the last step's tokens, if it left them in flight
         return self.finished
 
     def warmup(self, threads: int | None = None) -> int:
@@ -372,6 +378,7 @@ class Engine:
                 self._install_kv(a.request, a.blocks, *a.resume_kv)
             else:
                 self.kv.restore_state(a.request._slot, a.blocks.snapshot_block)
+            a.restored(self.manager)
         if plan.decode:
             self._decode(plan.decode, mixed=bool(plan.prefill))
         for chunk in plan.prefill:

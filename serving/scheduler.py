@@ -77,6 +77,10 @@ class Admission:
     blocks: RequestBlocks
     resume_kv: tuple | None = None
 
+    def restored(self, manager: PagedKVManager) -> None:
+        """The executor has restored the hit's snapshot into the slot: its block may be reused."""
+        manager.release_hit_snapshot(self.request.request_id)
+
 
 @dataclasses.dataclass(frozen=True)
 class Preemption:
@@ -199,7 +203,9 @@ class Scheduler:
                 req.admitted_s = time.monotonic()
                 req.cached_tokens = blocks.hit.tokens
                 req.cached_tokens_host = blocks.hit.pages_host * self.config.page_tokens
-            self.manager.release_hit_snapshot(req.request_id)
+            # The hit's snapshot block stays held until the engine has restored it into the slot
+            # (`Admission.restored`): a later admission's `begin` may otherwise load another
+            # prefix's snapshot from the host tier into it first.
             resume, req._resume_kv = req._resume_kv, None
             if resume is not None:  # back from an offload: its KV is installed, no recompute
                 req._computed = req._cached_len = len(req._context)
@@ -233,8 +239,16 @@ class Scheduler:
         reqs = list(reqs)
         need = lambda rs: sum(max(0, self.manager.pages_needed(r._cached_len + 1)
                                   - len(self.manager.requests[r.request_id].page_table)) for r in rs)
+        # A request admitted in this plan has no KV in the pools until the plan runs (a resumed
+        # one's is installed then): it is never a victim now; short of pages, it decodes next step.
+        fresh = {id(a.request) for a in plan.admitted}
+        newest = lambda rs: max(rs, key=lambda r: r.admitted_s or 0.0)
         while reqs and need(reqs) > self.manager.page_pool.num_free:
-            victim = max(reqs, key=lambda r: r.admitted_s or 0.0)
+            movable = [r for r in reqs if id(r) not in fresh]
+            if not movable:
+                reqs.remove(newest(reqs))
+                continue
+            victim = newest(movable)
             reqs.remove(victim)
             if not reqs and need([victim]) > self.manager.page_pool.num_free + len(
                     self.manager.requests[victim.request_id].page_table):

@@ -342,3 +342,42 @@ def test_a_decode_only_phase_chains_steps_on_the_device_buffers(rng, tiny_cfg, t
     assert eng.runner.decode.overwrites <= 8
     for req, p, n in zip(reqs, prompts, (40, 25)):
         assert req.output == _oracle(tiny_params, tiny_cfg, p, n)
+
+
+def test_hit_snapshots_are_held_until_restored_when_admissions_load_from_the_host(rng, tiny_cfg, tiny_params):
+    """Three second turns admitted in one step, one of them hitting a snapshot the host tier
+    loads back: a hit's snapshot block is not reused (by that load) before its slot is restored
+    from it, so every turn equals the oracle."""
+    eng = _engine(tiny_params, tiny_cfg, num_pages=64, num_snapshots=5, prefill_chunk_tokens=64,
+                  host=EmbeddedHostKVTier(1 << 26))
+    prompts = {k: rng.integers(0, 200, 33).tolist() for k in ("a", "b", "c")}
+    for k in ("c", "a", "b"):  # c's snapshot is evicted to the host tier by the later ones
+        eng.submit(prompts[k], 1, request_id=k)
+        eng.run(50)
+    turns = {k: eng.submit(p + [5] * 8, 4, request_id=f"{k}2") for k, p in prompts.items()}
+    eng.run(100)
+    for k, req in turns.items():
+        assert req.cached_tokens == 32
+        assert req.output == _oracle(tiny_params, tiny_cfg, prompts[k] + [5] * 8, 4)
+
+
+def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_back(tiny_cfg, tiny_params):
+    """Tight pages and a host tier: preempted requests come back from their offloaded KV and may
+    be short of pages again at once; they wait a step instead of being preempted before their KV
+    is installed.  Every request finishes with the tokens of an engine that never preempts."""
+    rng = np.random.default_rng(1)  # a workload found to preempt requests right after their resume
+    num_pages = int(rng.integers(6, 14))
+    work = []
+    for _ in range(int(rng.integers(2, 5))):
+        prompt = rng.integers(0, 200, int(rng.integers(10, 40))).tolist()
+        work.append((prompt, int(rng.integers(10, 60))))
+    tight = _engine(tiny_params, tiny_cfg, num_pages=num_pages, num_snapshots=16, prefill_chunk_tokens=64,
+                    max_pages_per_request=None, host=EmbeddedHostKVTier(1 << 26))
+    roomy = _engine(tiny_params, tiny_cfg, num_pages=64, num_snapshots=16, prefill_chunk_tokens=64)
+    got = [tight.submit(p, n) for p, n in work]
+    want = [roomy.submit(p, n) for p, n in work]
+    tight.run(max_steps=400)
+    roomy.run(max_steps=400)
+    assert tight.preemptions >= 1 and tight.offloaded_resumes >= 1
+    assert [r.error for r in got] == [None] * len(work)
+    assert [r.output for r in got] == [r.output for r in want]

@@ -35,6 +35,8 @@ def request(rid, n_prompt, n_new=4, seed=0):
 
 def play(s, plan, token=7):
     """Report back what running `plan` would: pages committed, snapshots taken, tokens emitted."""
+    for a in plan.admitted:
+        a.restored(s.manager)
     for chunk in plan.prefill:
         req = chunk.request
         s.manager.commit_pages(req.request_id, chunk.end)
