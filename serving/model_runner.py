@@ -220,6 +220,37 @@ class DecodeRunner:
                                     greedy=rows.greedy).compile()
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable of this host (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def compile_threads(jobs: int, *, cpu_count: int | None = None, available_bytes: int | None = -1,
+                    bytes_per_compile: int | None = None) -> int:
+    """Threads for a warm-up's concurrent compiles: at most one per job, half the cores, and no more
+    than the host's available memory holds at `bytes_per_compile` each ($KIMIK3_COMPILE_GIB, default
+    1.5 GiB: whole-model compiles of `small` on 8 threads peaked at 12.4 GiB of host RSS).
+    available_bytes: -1 reads the host's; None: no memory bound."""
+    import os
+
+    cpus = cpu_count or os.cpu_count() or 2
+    n = max(1, min(jobs, cpus // 2))
+    if available_bytes == -1:
+        available_bytes = _available_bytes()
+    if bytes_per_compile is None:
+        bytes_per_compile = int(float(os.environ.get("KIMIK3_COMPILE_GIB", "1.5")) * (1 << 30))
+    if available_bytes is not None and bytes_per_compile > 0:
+        n = min(n, max(1, available_bytes // bytes_per_compile))
+    return n
+
+
 class ModelRunner:
     """Every jitted program one engine runs, and the shapes it runs them at.
 
@@ -333,13 +364,13 @@ class ModelRunner:
         and run each once on scratch rows (the scratch slot and null pages).
 
         threads: unsharded shapes compile ahead of time concurrently on this many threads
-        (default: one per shape, at most half the CPU cores): XLA's compile of a whole-model
+        (default `compile_threads`: one per shape, at most half the CPU cores, bounded by the
+        host's available memory): XLA's compile of a whole-model
         step is mostly single-threaded, so the ~20 shapes of a serving engine take minutes one
         by one.  The runs that follow (one by one: each donates the pools) then find their
         executables compiled.  The decode program compiles in its greedy variant (a batch with
         a sampled row compiles the other on first use).  Returns the number of new programs."""
         import concurrent.futures
-        import os
 
         before = self.programs()
         scratch = kv.scratch_slot
@@ -373,7 +404,7 @@ class ModelRunner:
                 for s in unsharded]
         jobs += [functools.partial(lambda b: self.decode.compile(self.params, kv.pools, decode_rows(b)), b)
                  for b in decode]
-        workers = threads or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
+        workers = threads or compile_threads(len(jobs))
         # Lowering and compiling neither run nor donate anything, so they may overlap.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: job(), jobs))

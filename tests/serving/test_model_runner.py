@@ -79,3 +79,14 @@ def test_decode_rows_pad_to_the_bucket_and_advance_as_the_device_does():
     after = rows.advanced(np.asarray([7, 8, 5, 5]))
     assert after.tokens.tolist() == [7, 8, 0, 0] and after.lengths.tolist() == [11, 21, 0, 0]
     assert not after.same_as(rows) and after.same_as(rows.advanced(np.asarray([7, 8, 1, 1])))
+
+
+def test_warmup_compile_threads_are_bounded_by_jobs_cores_and_memory():
+    from serving.model_runner import compile_threads
+
+    gib = 1 << 30
+    assert compile_threads(20, cpu_count=16, available_bytes=None) == 8  # half the cores
+    assert compile_threads(3, cpu_count=16, available_bytes=None) == 3  # one per job
+    assert compile_threads(20, cpu_count=16, available_bytes=4 * gib, bytes_per_compile=3 * gib // 2) == 2
+    assert compile_threads(20, cpu_count=16, available_bytes=gib // 2, bytes_per_compile=gib) == 1  # never 0
+    assert compile_threads(20, cpu_count=2, available_bytes=None) == 1
