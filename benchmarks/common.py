@@ -113,34 +113,24 @@ _NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", 
 
 
 def hlo_census(text: str) -> dict:
-    """What a compiled XLA GPU program launches per call, from `jitted.lower(...).compile().as_text()`.
+    """What a compiled XLA GPU program launches per call, from `jitted.lower(...).compile().as_text()`:
+    {"launches": launching ops of the entry computation (kernels, custom calls, copies, loops),
+    "while": loops among them, "ops": {opcode or custom-call target: count}}.
 
-    XLA of jax 0.11 forms CUDA graphs (command buffers) *after* HLO optimization, from the thunk
-    sequence, so they do not show here ("graphs" stays 0 on it; older XLAs wrapped them as
-    `command_buffer` calls, counted here): see them with `TF_CPP_VMODULE=command_buffer_thunk=3`
-    or the `*.thunk_sequence_after_thunk_passes.txt` of `--xla_dump_to`.
-
-    Returns {"entry_ops": ops of the entry computation that launch work (kernels, custom calls,
-    copies, loops), "graphs": command-buffer (CUDA graph) calls among them, "ops_in_graphs": ops
-    captured inside those graphs, "outside_graphs": {opcode or custom-call target: count} of the
-    entry's launching ops that run outside any graph (what breaks capture), "launches": the
-    host-side launches per call (entry ops outside graphs + one per graph), "while": loops}."""
+    XLA forms CUDA graphs (command buffers) *after* HLO optimization, from the thunk sequence, so
+    they do not show here: see them with `TF_CPP_VMODULE=command_buffer_thunk=3` or the
+    `*.thunk_sequence_after_thunk_passes.txt` of `--xla_dump_to`."""
     import collections
     import re
 
-    comps, name, body = {}, None, []
+    entry, inside = [], False
     for line in text.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name, body = ("ENTRY:" if head.group(1) else "") + head.group(2), []
-            continue
-        if line.startswith("}"):
-            if name:
-                comps[name] = body
-            name = None
-            continue
-        if name is not None and "=" in line:
-            body.append(line.strip())
+        if line.startswith("ENTRY "):
+            inside = True
+        elif inside and line.startswith("}"):
+            break
+        elif inside and "=" in line:
+            entry.append(line.strip())
 
     def opcode(inst):
         m = re.search(r"=\s*(?:\([^=]*?\)|[\w\[\]{},:\s/*#.]+?)\s+([\w\-]+)\(", inst)
@@ -150,22 +140,8 @@ def hlo_census(text: str) -> dict:
             op = f"custom-call:{t.group(1) if t else '?'}"
         return op
 
-    entry = next((b for n, b in comps.items() if n.startswith("ENTRY:")), [])
-    outside, graphs, in_graphs, loops = collections.Counter(), 0, 0, 0
-    for inst in entry:
-        op = opcode(inst)
-        if op in _NO_LAUNCH:
-            continue
-        callee = re.search(r"(?:to_apply|calls)=%?([\w.\-]+)", inst)
-        if op == "call" and callee and "command_buffer" in callee.group(1):
-            graphs += 1
-            in_graphs += sum(opcode(i) not in _NO_LAUNCH for i in comps.get(callee.group(1), []))
-            continue
-        loops += op == "while"
-        outside[op] += 1
-    launching = sum(outside.values())
-    return {"entry_ops": launching + graphs, "graphs": graphs, "ops_in_graphs": in_graphs,
-            "launches": launching + graphs, "while": loops, "outside_graphs": dict(outside.most_common())}
+    ops = collections.Counter(op for op in map(opcode, entry) if op not in _NO_LAUNCH)
+    return {"launches": sum(ops.values()), "while": ops.get("while", 0), "ops": dict(ops.most_common())}
 
 
 def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:

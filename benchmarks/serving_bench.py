@@ -90,15 +90,15 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
 
     # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device).
     runner = DecodeRunner(cfg, eng.kernels)
-    state = {"pools": pools[0], "rows": DecodeRows.build(b, [0] * b, rows[0].tolist(), rows[1].tolist(),
+    held = {"pools": pools[0], "rows": DecodeRows.build(b, [0] * b, rows[0].tolist(), rows[1].tolist(),
                                                           rows[2].tolist(), [GREEDY] * b, max_pages=eng.max_pages,
                                                           null_page=0, scratch_slot=eng.scratch_slot)}
 
     def engine_step():  # dispatch, read the tokens (the host waits), advance: a synchronous loop
-        state["pools"], tokens, did = runner.dispatch(params, state["pools"], state["rows"])
+        held["pools"], tokens, did = runner.dispatch(params, held["pools"], held["rows"])
         out = np.asarray(tokens)
-        runner.settle(state["rows"], out, did)
-        state["rows"] = state["rows"].advanced(out)
+        runner.settle(held["rows"], out, did)
+        held["rows"] = held["rows"].advanced(out)
         return tokens
 
     runner_ms = common.time_jax(engine_step, iters=10)
@@ -106,22 +106,22 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
 
     def async_steps(n=20):  # the engine's decode-only phase: step i+1 goes out before step i is read
         t0 = time.perf_counter()
-        state["pools"], prev, _ = runner.dispatch(params, state["pools"], state["rows"], tokens_on_device=True)
+        held["pools"], prev, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
         for _ in range(n - 1):
-            state["rows"] = dataclasses.replace(state["rows"], lengths=state["rows"].lengths + 1)
-            state["pools"], tokens, _ = runner.dispatch(params, state["pools"], state["rows"],
+            held["rows"] = dataclasses.replace(held["rows"], lengths=held["rows"].lengths + 1)
+            held["pools"], tokens, _ = runner.dispatch(params, held["pools"], held["rows"],
                                                         tokens_on_device=True)
             np.asarray(prev)
             prev = tokens
         np.asarray(prev)
-        state["rows"] = dataclasses.replace(state["rows"], lengths=state["rows"].lengths + 1)
+        held["rows"] = dataclasses.replace(held["rows"], lengths=held["rows"].lengths + 1)
         return (time.perf_counter() - t0) / n * 1e3
 
     async_steps(3)
     async_ms = async_steps()
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
-        state["pools"], runner._io[b] = decode_program(params, state["pools"], runner._io[b], cfg=cfg,
+        held["pools"], runner._io[b] = decode_program(params, held["pools"], runner._io[b], cfg=cfg,
                                                        kernels=eng.kernels, greedy=True)
         return runner._io[b]["tokens"]
 
@@ -135,7 +135,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
                 weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
-                ops=str(census["outside_graphs"])[:200]), profile
+                ops=str(census["ops"])[:200]), profile
 
 
 def main():

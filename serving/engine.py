@@ -158,19 +158,17 @@ class Engine:
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots)
-        sharded = bool(self.runner.prefill_step or self.runner.decode_step)
+        pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
-        if pre_step := self.runner.prefill_step:
-            if cap is not None and cap < pre_step.size:
-                raise ValueError(f"prefill_tokens_while_decoding ({cap}) is below tp={pre_step.size}: sharded "
-                                 f"prefill chunks could never run beside decode rows")
+        if pre is not None and cap is not None and cap < pre.size:
+            raise ValueError(f"prefill_tokens_while_decoding ({cap}) is below tp={pre.size}: sharded "
+                             f"prefill chunks could never run beside decode rows")
         self.kv = KVPools(cfg, num_pages=config.num_pages, num_slots=config.num_slots,
                           num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
-                          commit=sharded)
+                          commit=bool(pre or self.runner.decode_step))
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}"
         self.manager = PagedKVManager(CacheSpec(ns, config.page_tokens, config.kda_block_tokens), self.kv.pages,
                                       config.num_pages, self.kv.snapshots, config.num_snapshots, host)
-        pre = self.runner.prefill_step
         self.scheduler = Scheduler(SchedulerConfig(
             num_slots=config.num_slots, page_tokens=config.page_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens, max_step_tokens=self.max_step_tokens,
@@ -455,9 +453,7 @@ class Engine:
             return False
         if any(r.done or len(r.output) + 1 >= r.max_new_tokens for r in reqs):
             return False
-        need = sum(max(0, self.manager.pages_needed(r._cached_len + 1)
-                       - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
-        return need <= self.manager.page_pool.num_free
+        return self.scheduler.pages_short(reqs) <= self.manager.page_pool.num_free
 
     def _chain_decode(self) -> None:
         reqs = self._inflight[0]

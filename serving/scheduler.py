@@ -237,8 +237,7 @@ class Scheduler:
         """Pages for the token each request is about to write, preempting the most recently
         admitted requests when the pool is short.  Returns the requests that decode this step."""
         reqs = list(reqs)
-        need = lambda rs: sum(max(0, self.manager.pages_needed(r._cached_len + 1)
-                                  - len(self.manager.requests[r.request_id].page_table)) for r in rs)
+        need = self.pages_short
         # A request admitted in this plan has no KV in the pools until the plan runs (a resumed
         # one's is installed then): it is never a victim now; short of pages, it decodes next step.
         fresh = {id(a.request) for a in plan.admitted}
@@ -260,6 +259,11 @@ class Scheduler:
         for r in reqs:
             self.manager.extend(r.request_id, r._cached_len + 1)
         return reqs
+
+    def pages_short(self, reqs: list[Request]) -> int:
+        """New pages `reqs` need to write one more token each (at `_cached_len`)."""
+        return sum(max(0, self.manager.pages_needed(r._cached_len + 1)
+                       - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
 
     def _preempt(self, req: Request) -> Preemption:
         """Free a running request's pages and slot and queue it first to resume.  With a host
