@@ -55,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip-demo", action="store_true")
+    ap.add_argument("--dump-step-hlo", action="store_true", help="keep the decode steps' optimized HLO (bench/)")
     ap.add_argument("--config", default="small", help="small (the issue's figures); tiny smoke-tests this script")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -71,7 +72,8 @@ def main():
     bench_out = os.path.join(args.out, "bench")
     quick = ["--quick"] if args.config == "tiny" else []
     run([sys.executable, os.path.join(HERE, "serving_bench.py"), "--config", args.config, "--modes", "",
-         "--loads", "32", "--decode-batches", "1,32", *quick, "--out", bench_out, "--compile-cache", "off"],
+         "--loads", "32", "--decode-batches", "1,32", *quick, "--out", bench_out, "--compile-cache", "off",
+         *(["--dump-step-hlo"] if args.dump_step_hlo else [])],
         os.path.join(args.out, "bench.log"), env)
     try:
         rows = json.load(open(os.path.join(bench_out, "serving_bench.json")))
@@ -106,7 +108,7 @@ def main():
                 report["demo_tpot_mixed_p50_ms"] = fig.get("tpot_mixed_p50_ms")
             report[f"peak_rss_gib_{label}"] = fig.get("peak_rss_gib")
             save()
-        report["peak_rss_gib"] = max(v for k, v in report.items() if k.startswith("peak_rss_gib_") and v)
+        report["peak_rss_gib"] = max((v for k, v in report.items() if k.startswith("peak_rss_gib_") and v), default=None)
     save()
     print(json.dumps(report, indent=1))
 

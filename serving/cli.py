@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
@@ -177,23 +178,38 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--manifest", default="kimi_k3_mxfp4", help="bf16 | kimi_k3_mxfp4")
     i.set_defaults(func=_cmd_info)
 
-    # Subcommands whose modules own their arguments.
-    from serving import launch, router, worker
-    from sharding import plan
+    # Subcommands whose modules own their arguments.  The serving ones need the HTTP stack
+    # (fastapi, uvicorn); without it they answer with what is missing, and `demo` still runs.
+    import importlib
 
-    for name, module, help_ in (
-            ("plan", plan, "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
-            ("worker", worker, "one engine in its own process, behind HTTP (health, load, drain)"),
-            ("router", router, "OpenAI-compatible router over prefill/decode workers"),
-            ("launch", launch, "a Mooncake store, prefill/decode workers and a router in one command")):
+    for name, module_name, help_ in (
+            ("plan", "sharding.plan", "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
+            ("worker", "serving.worker", "one engine in its own process, behind HTTP (health, load, drain)"),
+            ("router", "serving.router", "OpenAI-compatible router over prefill/decode workers"),
+            ("launch", "serving.launch", "a Mooncake store, prefill/decode workers and a router in one command")):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            p = sub.add_parser(name, help=f"{help_} (unavailable: needs {e.name})")
+            p.set_defaults(func=functools.partial(_missing, name, e.name))
+            continue
         p = sub.add_parser(name, help=help_)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return parser
 
 
+def _missing(command: str, module: str, args) -> int:
+    print(f"kimik3: error: `kimik3 {command}` needs the Python package {module!r}, which is not installed "
+          f"(pip install fastapi uvicorn, or ./run.sh test to set up the full environment)", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args.func, "func", None) is not _missing:  # only an unavailable command takes anything
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     compile_cache.enable(args.compile_cache)

@@ -29,3 +29,22 @@ def test_console_entry_point_runs():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "layers        4 (3 KDA, 1 MLA)" in out.stdout
+
+
+def test_demo_runs_without_the_http_stack_and_serving_commands_say_what_is_missing(monkeypatch, capsys):
+    """The GPU image has no fastapi: `kimik3 demo` must still parse, and `kimik3 router` must
+    name the missing package instead of a traceback."""
+    import importlib
+
+    real = importlib.import_module
+
+    def no_http(name, *a, **k):
+        if name in ("serving.router", "serving.worker", "serving.launch"):
+            raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", no_http)
+    args = cli.build_parser().parse_args(["demo", "--config", "tiny"])
+    assert args.func is cli._cmd_demo
+    assert cli.main(["router", "--port", "8000"]) == 2
+    assert "needs the Python package 'fastapi'" in capsys.readouterr().err
