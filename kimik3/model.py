@@ -96,12 +96,13 @@ class KimiK3(nn.Module):
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None, logits_tail=None):
+    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
         """images_nhwc: [N, S, S, C] pixels, or {"rows": [M, D], "first": int32 []} image
         embeddings computed earlier (`image_embeddings`) and the row the first placeholder
         among `tokens_bt` takes.  logits_tail: logits for only the last this many positions
         ([B, logits_tail, V]): a serving step needs the last one, and the fp32 head over every
-        prompt token would cost more than a layer."""
+        prompt token would cost more than a layer.  valid_b: int32 [B], row b's real tokens
+        (the rest pad it); with logits_tail=1 the logits are those of its last real token."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
         x = embed[tokens_bt]
@@ -115,7 +116,11 @@ class KimiK3(nn.Module):
             layer_cache = None if layer_caches is None else layer_caches[i]
             x, c = Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}")(x, positions_bt, layer_cache)
             new_caches.append(c)
-        if logits_tail is not None:
+        if logits_tail is not None and valid_b is not None:
+            if logits_tail != 1:
+                raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
+            x = jnp.take_along_axis(x, jnp.clip(valid_b - 1, 0, x.shape[1] - 1)[:, None, None], axis=1)
+        elif logits_tail is not None:
             x = x[:, -logits_tail:]
         x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
@@ -189,15 +194,20 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_toke
     return {"layers": layers}
 
 
-def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None) -> Cache:
+def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid=None) -> Cache:
     """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
     (distinct KDA rows), lengths int32 [B] (tokens already cached).  export_at: int32 [E]
     token counts of the coming call after which every KDA layer's cache entries are
-    returned too (the forward's cache then has "exports"; see `kimik3.layers.kda.KDA`)."""
+    returned too (the forward's cache then has "exports"; see `kimik3.layers.kda.KDA`).
+    valid: int32 [B], the real tokens of each row of the coming call; the rest pad the call
+    to a compiled length and change nothing (the lengths advance by `valid`, the logits are
+    the last real token's; see `kimik3.layers.kda.KDA` and `kimik3.layers.mla.MLA`)."""
     view = {"layers": pools["layers"], "block_tables": jnp.asarray(block_tables, jnp.int32),
             "slots": jnp.asarray(slots, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
     if export_at is not None:
         view["export_at"] = jnp.asarray(export_at, jnp.int32)
+    if valid is not None:
+        view["valid"] = jnp.asarray(valid, jnp.int32)
     return view
 
 
@@ -224,17 +234,19 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
         slots = cache["slots"]
         # "export_at" (int32 [E], optional): KDA states to export at those token counts of this call
         export = {"export_at": cache["export_at"]} if "export_at" in cache else {}
+        valid = {"valid": cache["valid"]} if "valid" in cache else {}
         # KDA layers take their pools and the slots: rows are read and written by slot inside the
         # layer (in place in the decode kernel), not gathered and scattered around it.
-        layer_caches = tuple(dict(layer, slots=slots, **export) if kind == "kda" else
-                             {"pages": layer["pages"], "block_tables": cache["block_tables"]}
+        layer_caches = tuple(dict(layer, slots=slots, **export, **valid) if kind == "kda" else
+                             {"pages": layer["pages"], "block_tables": cache["block_tables"], **valid}
                              for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
     logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
-        {"params": params}, tokens, positions, layer_caches, images, logits_tail)
+        {"params": params}, tokens, positions, layer_caches, images, logits_tail,
+        cache.get("valid") if _is_paged(cache) else None)
     if cache is None:
         return logits, None
     if _is_paged(cache):
-        out = dict(cache, lengths=cache["lengths"] + tokens.shape[1])
+        out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]))
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}
             out["exports"] = tuple(new["exports"] for kind, new in zip(cfg.mixer_kinds, new_layers) if kind == "kda")
         out["layers"] = tuple({k: new[k] for k in pool} if kind == "kda" else

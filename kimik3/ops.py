@@ -131,7 +131,9 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 pages = latent_bsr.reshape(b * s // page, page, latent_bsr.shape[-1])
                 table = jnp.arange(b * s // page, dtype=jnp.int32).reshape(b, s // page)
             if not absorbed:
-                chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1)  # the chunk's own rows
+                # the chunk's own rows; "clip": the pad tokens of a padded chunk may sit past the
+                # table, and a NaN fill there would reach real rows through 0 * NaN in P @ V
+                chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1, mode="clip")
                 k, v = mla_kernels.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
                 o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope)

@@ -232,12 +232,17 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
                             num_warps=num_warps, num_stages=num_stages)
 
 
-def write_latent(latent_pages, new_latent, block_tables, positions):
+def write_latent(latent_pages, new_latent, block_tables, positions, valid=None):
     """Write new latents [B, T, D] at absolute `positions` [B, T] into their pages (a scatter;
-    in place when `latent_pages` is donated by the caller's jit)."""
+    in place when `latent_pages` is donated by the caller's jit).  valid: int32 [B] or None;
+    row b's latents after its first valid[b] are dropped (they pad a chunk, and their
+    positions may lie past the row's block table)."""
     page = latent_pages.shape[1]
-    page_idx = jnp.take_along_axis(block_tables, positions // page, axis=1)
-    return latent_pages.at[page_idx, positions % page].set(new_latent.astype(latent_pages.dtype))
+    page_idx = jnp.take_along_axis(block_tables, positions // page, axis=1, mode="clip")
+    if valid is not None:  # an out-of-range page index: the scatter drops the row
+        real = jnp.arange(positions.shape[1])[None] < valid[:, None]
+        page_idx = jnp.where(real, page_idx, latent_pages.shape[0])
+    return latent_pages.at[page_idx, positions % page].set(new_latent.astype(latent_pages.dtype), mode="drop")
 
 
 # ---- prefill -----------------------------------------------------------------------------------

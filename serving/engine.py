@@ -5,8 +5,8 @@ The pieces, as in vLLM V1:
 * `serving.scheduler.Scheduler` plans each step (`schedule() -> StepPlan`): admissions with
   prefix hits, decode rows, prefill chunks with the KDA snapshot boundaries their pass exports,
   preemptions.  Pure Python over the `PagedKVManager`.
-* `serving.model_runner.ModelRunner` owns every jitted program: prefill chunks (power-of-two
-  lengths), the decode program (persistent buffers per power-of-two bucket, sampling on the
+* `serving.model_runner.ModelRunner` owns every jitted program: prefill chunks (padded to a
+  few lengths), the decode program (persistent buffers per power-of-two bucket, sampling on the
   device, async dispatch), the sharded steps on meshes, and the warm-up that compiles them.
 * `serving.kv_pools.KVPools` owns the device pools (MLA pages, KDA slots, KDA snapshots) and
   moves state between them.
@@ -38,8 +38,8 @@ sharded step gathers its rows from the pools into the contiguous `init_cache` la
 on the mesh, and writes the new latent rows and KDA rows back (`sharding.paged`).
 Shapes: sharded prefill chunks are ``tp * 2**k`` tokens (prefix hits and snapshot
 boundaries are page multiples, so ``tp`` must divide ``page_tokens``); a prompt's last
-``< tp`` tokens run unsharded on the default device, exactly (padding a chunk would push
-pad tokens through the KDA recurrence and conv state).  Decode batches are padded (scratch
+``< tp`` tokens run unsharded on the default device, padded as every unsharded chunk is
+(pad tokens leave the KDA state, conv rows and pages as they were).  Decode batches are padded (scratch
 slot, null pages) to a power of two rounded up to a multiple of dp.  A mesh that does not
 fit the config or these sizes raises ValueError at construction.
 
@@ -396,9 +396,8 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        export_at = None if chunk.sharded else self.runner.export_at(end - start, [b - start for b in chunk.export])
         logits, exports = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start], step=step,
-                                              images=images, export_at=export_at)
+                                              images=images, export_offsets=[b - start for b in chunk.export])
         self.manager.commit_pages(req.request_id, end)
         blocks = self.manager.requests[req.request_id]  # each commit publishes the checkpoint block
         for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it

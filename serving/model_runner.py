@@ -220,6 +220,18 @@ class DecodeRunner:
                                     greedy=rows.greedy).compile()
 
 
+def prefill_buckets(limit: int, smallest: int = 64) -> list[int]:
+    """The lengths unsharded prefill chunks of at most `limit` tokens are padded to: `smallest`
+    (one KDA chunk: shorter spans cost it anyway) times powers of 4, and `limit` itself.  Each
+    is a whole-model compile and one call per chunk; padding wastes at most 3/4 of a chunk's
+    tokens (256-token chunks: 2 programs, where exact power-of-two pieces took 9 programs and up
+    to 8 calls per chunk)."""
+    out = [min(smallest, limit)]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 4, limit))
+    return out
+
+
 def _available_bytes() -> int | None:
     """MemAvailable of this host (Linux), or None where it cannot be read."""
     try:
@@ -254,8 +266,9 @@ def compile_threads(jobs: int, *, cpu_count: int | None = None, available_bytes:
 class ModelRunner:
     """Every jitted program one engine runs, and the shapes it runs them at.
 
-    * prefill chunks: `kimik3.model.forward_step` (pools donated) at power-of-two lengths, or the
-      prefill mesh's sharded step (`sharding.paged.PagedStep`) at tp * 2^k;
+    * prefill chunks: `kimik3.model.forward_step` (pools donated) padded to a few lengths
+      (`prefill_buckets`), or the prefill mesh's sharded step (`sharding.paged.PagedStep`) at
+      tp * 2^k, exact;
     * decode: `decode_program` on persistent buffers (`DecodeRunner`), or the decode mesh's
       sharded step, at power-of-two buckets (multiples of dp);
     * `warmup`: compiles all of them ahead of time, concurrently.
@@ -311,20 +324,26 @@ class ModelRunner:
         return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1)
 
     def export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
-        """The export positions an unsharded prefill chunk passes (`offsets` padded with -1 to
-        `export_slots`), or None for chunks shorter than one KDA chunk (those never export)."""
+        """The export positions an unsharded prefill chunk of `chunk_tokens` (its compiled
+        length) passes (`offsets` padded with -1 to `export_slots`), or None for chunks shorter
+        than one KDA chunk (those never export)."""
         if chunk_tokens < self.cfg.kda_chunk_size:
             return None
         return list(offsets) + [-1] * (self.export_slots - len(offsets))
 
     def prefill_lengths(self) -> list[tuple[int, object]]:
-        """Every prefill chunk length this engine runs, with the step that runs it (None: unsharded)."""
+        """Every prefill chunk length this engine compiles, with the step that runs it (None: the
+        unsharded model, padded up to the length: `prefill_buckets`; a mesh: tp * 2^k, exact)."""
         c, pre = self.prefill_chunk_tokens, self.prefill_step
         if pre is None:
-            return [(1 << i, None) for i in range(c.bit_length())]
+            return [(t, None) for t in prefill_buckets(c)]
         tp = pre.size
-        return ([(1 << i, None) for i in range((tp - 1).bit_length())]
+        return ([(t, None) for t in (prefill_buckets(tp - 1) if tp > 1 else [])]
                 + [(tp << i, pre) for i in range((c // tp).bit_length())])
+
+    def prefill_bucket(self, n: int) -> int:
+        """The compiled length an unsharded chunk of n tokens runs at (padded)."""
+        return next(t for t, step in self.prefill_lengths() if step is None and t >= n)
 
     def decode_bucket(self, n: int) -> int:
         """Rows of a decode batch of n requests: the next power of two, rounded up to a multiple of dp."""
@@ -342,18 +361,23 @@ class ModelRunner:
                 + (helper_programs() if steps else 0) + self.decode.programs())
 
     # ---- calls -------------------------------------------------------------------------------------
-    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_at=None):
+    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
-        returns the last position's logits f32 [B, V] as numpy and, with export_at (int32 [E] token
-        counts of this call; unsharded only), the KDA exports (`kimik3.model.paged_view`), else None.
-        step: `prefill_step` or `decode_step` (a mesh), or None (the unsharded model)."""
+        returns the last token's logits f32 [B, V] as numpy and, for the unsharded model, the KDA
+        exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None.
+        step: `prefill_step` or `decode_step` (a mesh, exact lengths), or None (the unsharded
+        model, padded to `prefill_bucket(T)`)."""
         # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
         # not prompts, so the steps call the jitted cores directly.
         if step is not None:
             logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
             return np.asarray(logits[:, -1], np.float32), None
-        view = model.paged_view(kv.pools, tables, slots, lengths, export_at)
-        positions = view["lengths"][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        b, n = tokens.shape
+        bucket = self.prefill_bucket(n)  # padded: a few compiled lengths serve every chunk
+        tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, bucket - n)))
+        view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
+                                valid=[n] * b)
+        positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
         logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
                                           **self.step_static())
         kv.pools = {"layers": view["layers"]}
@@ -384,7 +408,7 @@ class ModelRunner:
 
         def step_args(shape):
             b, t = shape
-            view = model.paged_view(kv.pools, *rows(b), self.export_at(t) if b == 1 else None)
+            view = model.paged_view(kv.pools, *rows(b), self.export_at(t), valid=[t] * b)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
 

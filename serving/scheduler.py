@@ -12,8 +12,8 @@ Pure Python over the cache manager: no JAX, no model, testable with numpy block 
    KV offloaded to the host tier where there is one, recomputed otherwise);
 3. **prefill** chunks of the prefilling requests, oldest first, with what is left of the
    budget (and at most `prefill_tokens_while_decoding` while decode rows run, so a long
-   prompt does not stretch every running request's next token).  A chunk's length is a power
-   of two (exact, few compiled shapes); the KDA snapshot boundaries inside it are exported by
+   prompt does not stretch every running request's next token).  A chunk runs padded to one of
+   a few compiled lengths; the KDA snapshot boundaries inside it are exported by
    its own pass where the pass can (a KDA-chunk multiple from its start), else the chunk ends
    at the boundary and the slot's state is snapshotted after it.
 
@@ -325,13 +325,13 @@ class Scheduler:
         """The end of an unsharded prefill chunk from `start` (at most `end`), and the snapshot
         boundaries strictly inside it, which its pass exports (`export_at`).
 
-        Chunk lengths are powers of two (exact: no padding, few compiled shapes).  A boundary
-        inside the chunk is exported where the KDA pass produces its state, at a multiple of
-        the KDA chunk from `start`, and only up to `export_slots` of them; any other boundary
-        ends the chunk there instead (its state is then the slot row after the pass)."""
+        A chunk runs padded to one of a few compiled lengths (`serving.model_runner.prefill_buckets`),
+        so any length does.  A boundary inside the chunk is exported where the KDA pass produces
+        its state, at a multiple of the KDA chunk from `start`, and only up to `export_slots` of
+        them; any other boundary ends the chunk there instead (its state is then the slot row
+        after the pass)."""
         unit = self.config.kda_chunk_tokens
         while True:
-            end = start + (1 << ((end - start).bit_length() - 1))
             inside = [b for b in boundaries if start < b < end]
             not_exportable = [b for b in inside if (b - start) % unit]
             if not_exportable:

@@ -41,7 +41,12 @@ class KDA(nn.Module):
 
     A cache with "slots" (int32 [B]) is a view of pools: its entries are [num_slots, ...] and
     row b reads and writes slot slots[b]; the new cache then holds the updated pools (the
-    decode kernel updates the state pool in place, `kimik3.ops.kda`)."""
+    decode kernel updates the state pool in place, `kimik3.ops.kda`).
+
+    A cache with "valid" (int32 [B]) marks only the first valid[b] tokens of row b as real: the
+    rest pad a prefill chunk to its compiled length.  Pad tokens enter the recurrence with
+    q = k = v = 0, no decay and beta = 0 (what the chunked kernels pad with themselves), so the
+    state and every real token's output are those of the unpadded span."""
 
     cfg: ModelConfig
     kernels: str = "auto"  # see kimik3.ops
@@ -67,13 +72,16 @@ class KDA(nn.Module):
         new_cache = {}
         export_at = cache.get("export_at")
         slots = cache.get("slots")
+        valid = cache.get("valid")
+        real = None if valid is None else (jnp.arange(t)[None] < valid[:, None])[..., None, None]  # [B, T, 1, 1]
+        pad = (lambda x: x) if real is None else (lambda x: jnp.where(real, x, jnp.zeros((), x.dtype)))
         exports = {}
 
         def branch(name, w):
             y = jnp.einsum("btd,dhk->bthk", x_btd, w).reshape(b, t, h * k)
             conv_state = cache.get(f"conv_{name}")  # [B, W-1, H*D], or the pool [num_slots, W-1, H*D]
             rows = conv_state if slots is None else conv_state[slots]
-            out = short_conv(y, conv[name], rows, export_at)
+            out = short_conv(y, conv[name], rows, export_at, valid)
             y, new_cache[f"conv_{name}"] = out[:2]
             if slots is not None:  # conv rows are small ([B, W-1, H*D]): scattered back into their pool
                 new_cache[f"conv_{name}"] = conv_state.at[slots].set(out[1].astype(conv_state.dtype))
@@ -81,19 +89,24 @@ class KDA(nn.Module):
                 exports[f"conv_{name}"] = out[2]
             return jax.nn.silu(y).reshape(b, t, h, k)
 
-        q = l2_normalize(branch("q", w_q))
-        kk = l2_normalize(branch("k", w_k))
-        v = branch("v", w_v)
+        q = pad(l2_normalize(branch("q", w_q)))
+        kk = pad(l2_normalize(branch("k", w_k)))
+        v = pad(branch("v", w_v))
         f = jnp.einsum("btr,rhk->bthk", x_btd @ w_fa, w_fb)
-        g = kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound)
+        g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
         beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
+        if real is not None:
+            beta = jnp.where(real[..., 0], beta, 0.0)
         out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
                       kernels=self.kernels, export_at=export_at, slots=slots)
         o, new_cache["state"] = out[:2]
         if export_at is not None:
-            valid = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)
-            exports = {n: jnp.where(valid.reshape((1, -1) + (1,) * (s.ndim - 2)), s, 0) for n, s in exports.items()}
-            new_cache["exports"] = dict(exports, state=out[2])
+            named = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)[None]  # [1, E]
+            if valid is not None:  # a position among a row's pad tokens names no state either
+                named = named & (export_at[None] <= valid[:, None])
+            exports = dict(exports, state=out[2])
+            new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
+                                    for n, s in exports.items()}
         gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", x_btd @ w_ga, w_gb).astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

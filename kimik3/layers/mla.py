@@ -62,7 +62,8 @@ class MLA(nn.Module):
 
     With a contiguous cache ``{"latent": [B, S, D]}`` the new latents are
     written at ``positions[:, 0]``; with a paged cache ``{"pages": [P, page, D],
-    "block_tables": [B, max_pages]}`` they are written into their pages.
+    "block_tables": [B, max_pages]}`` they are written into their pages (with "valid" int32
+    [B], only row b's first valid[b] latents: the rest pad a prefill chunk and are dropped).
     Attention reads the whole cache (causality masks unwritten rows).  Spans of
     at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.
     """
@@ -97,7 +98,8 @@ class MLA(nn.Module):
             latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
         else:
             if "pages" in cache:
-                pages = write_latent(cache["pages"], latent_new, cache["block_tables"], positions_bt)
+                pages = write_latent(cache["pages"], latent_new, cache["block_tables"], positions_bt,
+                                     cache.get("valid"))
                 new_cache = {"pages": pages, "block_tables": cache["block_tables"]}
                 paged = (pages, cache["block_tables"])
                 latent = gather_pages(pages, cache["block_tables"])

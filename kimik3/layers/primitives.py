@@ -35,13 +35,15 @@ def situ_glu(gate, up, gate_cap: float, up_cap: float):
     return (situ(g32, gate_cap) * softcap(u32, up_cap)).astype(gate.dtype)
 
 
-def short_conv(x_btc, w_wc, state_bwc=None, export_at=None):
+def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
     """Depthwise causal conv of width W (fla's ShortConvolution, no bias).
 
     Args:
       x_btc: [B, T, C] inputs; w_wc: [W, C] taps, oldest first.
       state_bwc: [B, W-1, C], the W-1 inputs before x (zeros if None).
       export_at: optional int32 [E] token counts in 0..T (traced).
+      valid_b: optional int32 [B]: only the first valid_b[b] tokens of row b are real (the rest
+        pad a prefill chunk to its compiled length); the new state is taken after them.
     Returns:
       y_btc [B, T, C] (before the activation) and the new state [B, W-1, C];
       with export_at also the state after each of those counts, [B, E, W-1, C].
@@ -52,11 +54,16 @@ def short_conv(x_btc, w_wc, state_bwc=None, export_at=None):
         state_bwc = jnp.zeros((b, width - 1, c), x_btc.dtype)
     ext = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B, T+W-1, C]
     y = sum(ext[:, j:j + t].astype(jnp.float32) * w_wc[j].astype(jnp.float32) for j in range(width))
+    if valid_b is None:
+        new_state = ext[:, t:]
+    else:
+        new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, width - 1, axis=0))(
+            ext, jnp.clip(valid_b, 0, t))
     if export_at is None:
-        return y.astype(x_btc.dtype), ext[:, t:]
+        return y.astype(x_btc.dtype), new_state
     at = jnp.clip(export_at, 0, t)
     states = jax.vmap(lambda p: jax.lax.dynamic_slice_in_dim(ext, p, width - 1, axis=1))(at)  # [E, B, W-1, C]
-    return y.astype(x_btc.dtype), ext[:, t:], jnp.moveaxis(states, 0, 1)
+    return y.astype(x_btc.dtype), new_state, jnp.moveaxis(states, 0, 1)
 
 
 def fan_in_init(fan_in: int):

@@ -80,3 +80,50 @@ def test_one_pass_exports_every_kda_layer_as_a_replay_leaves_it(rng, tiny_cfg, t
             for key, rows in exported.items():
                 np.testing.assert_allclose(rows[0, e], replay["layers"][i][key][1], atol=ATOL, rtol=ATOL)
     assert all(not np.asarray(rows[0, 2]).any() for exported in out["exports"] for rows in exported.values())
+
+
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_params, kernels):
+    """`valid` on a paged view: rows of 70 and 55 real tokens padded with junk ids to one
+    96-token call give each row's own unpadded pass: the last real token's logits, the KDA
+    state and conv rows, the exports, the latent pages; pad latents land nowhere (pages
+    outside the tables stay zero, even where pad positions run past a table)."""
+    toks = _tokens(rng, 96).repeat(2, 0)
+    toks[1] = _tokens(rng, 96)
+    valid = [70, 55]
+    tables = np.array([[3, 6, 9, 12, 2], [5, 1, 8, 4, 0]], np.int32)  # row 1: 55 tokens need 4 pages; 0 pads
+    tables[1, 4] = 15  # a page past row 1's real tokens: pad writes must not land in it either
+    slots = [2, 0]
+    pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
+    # the jitted core, as the engine calls it: a padded call may run past a row's table
+    positions = np.broadcast_to(np.arange(96, dtype=np.int32), (2, 96))
+    got, out = model._forward(tiny_params, toks, positions,
+                              model.paged_view(pools, tables, slots, [0, 0], export_at=[64, -1], valid=valid), None,
+                              cfg=tiny_cfg, expert_path="grouped", kernels=kernels, logits_tail=1)
+    assert np.asarray(out["lengths"]).tolist() == valid
+    used = set()
+    for b, n in enumerate(valid):
+        pages = tables[b, :-(-n // PAGE)]
+        used |= set(pages.tolist())
+        want, alone = model.forward(tiny_params, tiny_cfg, toks[b:b + 1, :n], kernels=kernels,
+                                    cache=model.paged_view(pools, tables[b:b + 1], slots[b:b + 1], [0],
+                                                           export_at=[64, -1]))
+        np.testing.assert_allclose(got[b, -1], want[0, -1], atol=ATOL, rtol=0)
+        for i, kind in enumerate(tiny_cfg.mixer_kinds):
+            for key, pool in out["layers"][i].items():
+                if kind == "kda":
+                    np.testing.assert_allclose(pool[slots[b]], alone["layers"][i][key][slots[b]], atol=ATOL, rtol=0)
+                else:
+                    rows = np.asarray(pool[pages]).reshape(-1, pool.shape[-1])[:n]
+                    np.testing.assert_allclose(rows, np.asarray(alone["layers"][i][key][pages])
+                                               .reshape(-1, pool.shape[-1])[:n], atol=ATOL, rtol=0)
+        for padded, single in zip(out["exports"], alone["exports"]):
+            for key in padded:
+                np.testing.assert_allclose(padded[key][b], single[key][0], atol=ATOL, rtol=0)
+    for i, kind in enumerate(tiny_cfg.mixer_kinds):
+        if kind == "mla":
+            untouched = sorted(set(range(16)) - used)
+            assert not np.asarray(out["layers"][i]["pages"][np.array(untouched)]).any()
+            for b, n in enumerate(valid):  # the last real page holds nothing past the real tokens
+                last = tables[b, (n - 1) // PAGE]
+                assert not np.asarray(out["layers"][i]["pages"][last, n % PAGE or PAGE:]).any()

@@ -170,8 +170,8 @@ def test_step_token_budget_packs_several_prefills_and_is_never_exceeded(rng, tin
     prompts = [rng.integers(0, 256, n).tolist() for n in (20, 45, 9)]
     reqs = [eng.submit(p, 4) for p in prompts]
     eng.step()
-    # One step prefills from all three requests: 16 + 32 (its chunk cap) + 8 tokens, power-of-two chunks.
-    assert [r._computed for r in reqs] == [16, 32, 8]
+    # One step prefills from all three requests: 20 + 32 (its chunk cap) + 9 tokens.
+    assert [r._computed for r in reqs] == [20, 32, 9]
     eng.run(max_steps=200)
     assert max(eng.step_tokens) <= 80
     for req, p in zip(reqs, prompts):
@@ -276,8 +276,9 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
 
 
 def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng, tiny_cfg, tiny_params):
-    """With 256-token chunks the first chunk runs 128 tokens and the KDA-block boundary at 64
-    lies inside it: the chunk's one pass exports that state (no chunk ends there).  A second
+    """With 256-token chunks the first chunk runs 224 tokens (to the last full page's snapshot)
+    and the KDA-block boundaries at 64, 128 and 192 lie inside it: the chunk's one pass exports
+    their states (no chunk ends there).  A second
     request sharing 100 tokens hits that snapshot and decodes the oracle's tokens, and the
     snapshot equals the one an engine whose chunks end at 64 takes from the slot."""
     kw = dict(num_pages=64, kda_block_tokens=4 * PAGE, prefill_chunk_tokens=256)
@@ -288,7 +289,7 @@ def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng,
     forward = eng.runner.forward  # prefill chunks (decode runs its own program)
     eng.runner.forward = lambda kv, tokens, *a, **k: calls.append(tokens.shape) or forward(kv, tokens, *a, **k)
     eng.run(max_steps=100)
-    assert calls[:2] == [(1, 128), (1, 64)]  # [0, 128) exports 64 and ends at 128; [128, 192) ends at 192
+    assert calls[:2] == [(1, 224), (1, 6)]  # [0, 224) exports 64, 128, 192; the last 6 tokens (padded)
     second = first[:100] + rng.integers(0, 256, 20).tolist()
     r2 = eng.submit(second, 4)
     eng.run(max_steps=100)

@@ -69,7 +69,7 @@ def test_the_scheduler_imports_no_jax():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_a_prompt_is_prefilled_in_power_of_two_chunks_then_decoded():
+def test_a_prompt_is_prefilled_in_chunks_of_any_length_then_decoded():
     s = make()
     req = request("a", 100)
     s.waiting.append(req)
@@ -82,7 +82,7 @@ def test_a_prompt_is_prefilled_in_power_of_two_chunks_then_decoded():
         plan = s.schedule()
         spans += [(c.start, c.end) for c in plan.prefill]
         play(s, plan)
-    assert spans == [(64, 96), (96, 100)]  # 32 + 4: powers of two, exact
+    assert spans == [(64, 100)]  # one chunk of what is left (the runner pads it to a compiled length)
     plan = s.schedule()
     assert plan.decode == [req] and not plan.prefill and plan.decode_only
 
@@ -111,7 +111,7 @@ def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
     s.waiting.append(late)
     plan = s.schedule()
     assert plan.decode == first
-    assert sum(c.tokens for c in plan.prefill) <= 40 - 3 and plan.prefill[0].tokens == 32
+    assert [c.tokens for c in plan.prefill] == [40 - 3]  # what the three decode rows leave
 
 
 def test_a_prefill_cap_while_decoding_bounds_the_chunk():
@@ -152,10 +152,8 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
     s.waiting.append(old)
     play(s, s.schedule())
     s.waiting.append(new)
-    for _ in range(6):
-        play(s, s.schedule())
     preempted = []
-    for _ in range(20):
+    for _ in range(60):
         plan = s.schedule()
         preempted += plan.preempted
         play(s, plan)
