@@ -163,6 +163,7 @@ def main():
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     compile_cache.enable(args.compile_cache)  # as the demo does: a second run skips the compiles
     if args.quick:
         args.prompt, args.output, args.loads, args.chunk, args.page_tokens = 48, 6, "1,2", 64, 16

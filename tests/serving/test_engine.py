@@ -170,8 +170,9 @@ def test_step_token_budget_packs_several_prefills_and_is_never_exceeded(rng, tin
     prompts = [rng.integers(0, 256, n).tolist() for n in (20, 45, 9)]
     reqs = [eng.submit(p, 4) for p in prompts]
     eng.step()
-    # One step prefills from all three requests: 20 + 32 (its chunk cap) + 9 tokens.
-    assert [r._computed for r in reqs] == [20, 32, 9]
+    # One step prefills from all three requests: 16 (to its first page's snapshot) + 32 (its
+    # chunk cap) + 9 tokens, each chunk padded to a compiled length.
+    assert [r._computed for r in reqs] == [16, 32, 9]
     eng.run(max_steps=200)
     assert max(eng.step_tokens) <= 80
     for req, p in zip(reqs, prompts):
