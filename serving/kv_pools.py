@@ -32,6 +32,62 @@ def set_rows(pool, index, rows):
     return pool.at[index].set(rows.astype(pool.dtype))
 
 
+# The moves below are one program each over every layer: run eagerly, layer by layer and key by
+# key, a KDA slot <-> snapshot move of `small` was ~50 dispatches (~28 ms on an H200, more than
+# a prefill chunk), paid at every admission and snapshot.
+
+
+def _pack(rows_per_layer, keys):
+    """One fp32 vector from each KDA layer's {key: rows} (layer order, then `keys` order)."""
+    return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1) for layer in rows_per_layer for k in keys])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _restore_slot(kda_pools, slot, packed):
+    """Every KDA layer's rows of `slot` from one packed vector (pools donated: written in place)."""
+    out, off = [], 0
+    for layer in kda_pools:
+        new = {}
+        for k in sorted(layer):
+            shape = layer[k].shape[1:]
+            n = int(np.prod(shape))
+            new[k] = layer[k].at[slot].set(packed[off:off + n].reshape(shape).astype(layer[k].dtype))
+            off += n
+        out.append(new)
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _save_slot(snapshots, block, kda_pools, slot):
+    """snapshots[block] = every KDA layer's rows of `slot`, packed (snapshots donated)."""
+    return snapshots.at[block].set(_pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools],
+                                         sorted(kda_pools[0])))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _save_export(snapshots, block, exports, index):
+    """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed."""
+    return snapshots.at[block].set(_pack([{k: v[0, index] for k, v in layer.items()} for layer in exports],
+                                         sorted(exports[0])))
+
+
+@jax.jit
+def _slot_rows(kda_pools, slot):
+    return _pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools], sorted(kda_pools[0]))
+
+
+@jax.jit
+def _read_pages(mla_pools, index):
+    """[n, n_mla, page, D] fp32: pages `index` of every MLA layer, in one gather."""
+    return jnp.stack([layer[index].astype(jnp.float32) for layer in mla_pools], 1)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_pages(mla_pools, index, data):
+    """Pages `index` of every MLA layer from data [n, n_mla, page, D] (pools donated)."""
+    return tuple(layer.at[index].set(data[:, k].astype(layer.dtype)) for k, layer in enumerate(mla_pools))
+
+
 def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype) -> int:
     """One MLA page: page_tokens latent rows in every MLA layer."""
     return cfg.mixer_kinds.count("mla") * page_tokens * cfg.mla_latent_dim * jnp.dtype(dtype).itemsize
@@ -54,18 +110,12 @@ class MLAPageStore:
         self.dtype = np.dtype(jnp.dtype(kv.dtype).name if kv.dtype != jnp.bfloat16 else "float32")
 
     def read(self, blocks):
-        layers = self.kv.pools["layers"]
-        idx = jnp.asarray(blocks, jnp.int32)
-        stacked = np.stack([np.asarray(layers[i]["pages"][idx], np.float32) for i in self.kv.mla_layers], 1)
+        stacked = np.asarray(_read_pages(self.kv.mla_pools(), jnp.asarray(blocks, jnp.int32)))
         return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
 
     def write(self, blocks, arrays):
-        idx = jnp.asarray(blocks, jnp.int32)
-        data = np.stack(arrays)  # [n, n_mla, page, D]
-        layers = list(self.kv.pools["layers"])
-        for k, i in enumerate(self.kv.mla_layers):
-            layers[i] = {"pages": set_rows(layers[i]["pages"], idx, jnp.asarray(data[:, k]))}
-        self.kv.pools = {"layers": tuple(layers)}
+        pools = _write_pages(self.kv.mla_pools(), jnp.asarray(blocks, jnp.int32), jnp.asarray(np.stack(arrays)))
+        self.kv.set_layers(self.kv.mla_layers, [{"pages": p} for p in pools])
 
 
 class SnapshotStore:
@@ -102,38 +152,45 @@ class KVPools:
         self.snapshot_size = sum(int(np.prod(kda0[k].shape[1:])) for k in self.kda_keys) * len(self.kda_layers)
         self.pages = MLAPageStore(self)
         self.snapshots = SnapshotStore(self, num_snapshots)
+        self._zeros = None  # a fresh request's packed state, made once
 
+    # ---- the pools' layers by kind ------------------------------------------------------------------
+    def kda_pools(self) -> tuple:
+        return tuple(self.pools["layers"][i] for i in self.kda_layers)
+
+    def mla_pools(self) -> tuple:
+        return tuple(self.pools["layers"][i]["pages"] for i in self.mla_layers)
+
+    def set_layers(self, indices, layers) -> None:
+        """Replace the pools of layers `indices` (after a program that donated them)."""
+        new = list(self.pools["layers"])
+        for i, layer in zip(indices, layers):
+            new[i] = layer
+        self.pools = {"layers": tuple(new)}
+
+    # ---- moves (one program each) -------------------------------------------------------------------
     def restore_state(self, slot: int, snapshot_block: int | None) -> None:
         """A slot's KDA rows from a snapshot block (zeros: no block, a fresh request)."""
-        vec = (self.snapshots.data[snapshot_block] if snapshot_block is not None
-               else jnp.zeros((self.snapshot_size,), jnp.float32))
-        layers, off = list(self.pools["layers"]), 0
-        for i in self.kda_layers:
-            layer = dict(layers[i])
-            for k in self.kda_keys:
-                shape = layer[k].shape[1:]
-                n = int(np.prod(shape))
-                layer[k] = set_rows(layer[k], slot, vec[off:off + n].reshape(shape))
-                off += n
-            layers[i] = layer
-        self.pools = {"layers": tuple(layers)}
-
-    def pack(self, entries_per_layer):
-        """One snapshot vector (fp32) from each KDA layer's {state, conv_*} entries, in layer order."""
-        return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1)
-                                for layer in entries_per_layer for k in self.kda_keys])
+        if snapshot_block is None:
+            if self._zeros is None:
+                self._zeros = jnp.zeros((self.snapshot_size,), jnp.float32)
+            packed = self._zeros
+        else:
+            packed = self.snapshots.data[snapshot_block]
+        self.set_layers(self.kda_layers, _restore_slot(self.kda_pools(), jnp.int32(slot), packed))
 
     def packed_state(self, slot: int):
-        return self.pack({k: v[slot] for k, v in self.pools["layers"][i].items()} for i in self.kda_layers)
+        return _slot_rows(self.kda_pools(), jnp.int32(slot))
 
     def save_state(self, slot: int, snapshot_block: int) -> None:
-        self.snapshots.data = set_rows(self.snapshots.data, snapshot_block, self.packed_state(slot))
+        self.snapshots.data = _save_slot(self.snapshots.data, jnp.int32(snapshot_block), self.kda_pools(),
+                                         jnp.int32(slot))
 
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
         (`kimik3.model.paged_view`'s exports; packed as `packed_state` packs a state row)."""
-        packed = self.pack({k: v[0, index] for k, v in layer.items()} for layer in exports)
-        self.snapshots.data = set_rows(self.snapshots.data, snapshot_block, packed)
+        self.snapshots.data = _save_export(self.snapshots.data, jnp.int32(snapshot_block), tuple(exports),
+                                           jnp.int32(index))
 
     def write_snapshot(self, snapshot_block: int, packed: np.ndarray) -> None:
         self.snapshots.data = set_rows(self.snapshots.data, snapshot_block, jnp.asarray(packed))
