@@ -56,12 +56,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--dump-step-hlo", action="store_true", help="keep the decode steps' optimized HLO (bench/)")
+    ap.add_argument("--commit", default=None,
+                    help="the commit measured (default: git rev-parse HEAD here; a device machine's copy of the "
+                         "tree may carry a stale .git, so pass it from the machine that sent the tree)")
     ap.add_argument("--config", default="small", help="small (the issue's figures); tiny smoke-tests this script")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     report = {"date": datetime.date.today().isoformat(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+              "commit": args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=ROOT).stdout.strip() or None}
     path = os.path.join(args.out, "serving_small.json")
 
