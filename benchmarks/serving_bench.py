@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from kimik3 import compile_cache, config, model, quantization, sizing
+from kimik3 import compile_cache, config, fused, model, quantization, sizing
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
@@ -171,7 +171,7 @@ def main():
     args.max_load = max(loads)
     args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
     cfg = config.get_config(args.config)
-    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    params = fused.fuse_projections(model.init_params(cfg, jax.random.PRNGKey(0)), cfg)  # what engines run
     xla_copy_gbs = common.copy_gbs()
     torch_gbs = common.torch_copy_gbs()
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs

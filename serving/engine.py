@@ -158,6 +158,9 @@ class Engine:
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots)
+        # What this engine runs: the runner's layout (`kimik3.fused` unless sharded).  Pass fused
+        # params (`kimik3.fused.fuse_projections`) to share one copy between engines.
+        self.params = self.runner.params
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:

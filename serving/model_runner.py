@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimik3 import model
+from kimik3 import fused, model
 from kimik3.config import ModelConfig
 from serving.sampling import SamplingParams, sample_tokens, seed_words
 
@@ -277,11 +277,15 @@ class ModelRunner:
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int):
-        self.params, self.cfg, self.kernels, self.role = params, cfg, kernels, role
+        self.cfg, self.kernels, self.role = cfg, kernels, role
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
+        if mesh is not None and fused.is_fused(params):
+            raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's")
         self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens,
                                                                max_step_tokens)
         self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
+        # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`).
+        self.params = params if mesh is not None else fused.fuse_projections(params, cfg)
         self.decode = DecodeRunner(cfg, kernels)
 
     def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):

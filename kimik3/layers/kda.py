@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import flax.linen as nn
 
 from kimik3 import ops
@@ -57,14 +58,22 @@ class KDA(nn.Module):
         d, h, k = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
         b, t, _ = x_btd.shape
         p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
-        w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
+        widths = (h * k, h * k, h * k, k, h, k)  # q, k, v, gate f_a, beta, output gate g_a
+        fused = self.has_variable("params", "w_in_dx")  # `kimik3.fused`: the six input projections as one GEMM
+        w_in = self.param("w_in_dx", fan_in_init(d), (d, sum(widths))) if fused else None
+        # (declared in this order: params initialize from per-module counters, so the order is the init)
+        if not fused:
+            w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
         conv = {n: p(f"conv_{n}_wc", (cfg.kda_conv_size, h * k), cfg.kda_conv_size) for n in "qkv"}
-        w_fa, w_fb = p("w_fa_dr", (d, k), d), p("w_fb_rhk", (k, h, k), k)
+        w_fa = None if fused else p("w_fa_dr", (d, k), d)
+        w_fb = p("w_fb_rhk", (k, h, k), k)
         dt_bias = self.param("dt_bias_hk", nn.initializers.zeros, (h, k))
         a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)),
                            (h,))
-        w_b = p("w_beta_dh", (d, h), d)
-        w_ga, w_gb = p("w_ga_dr", (d, k), d), p("w_gb_rhv", (k, h, k), k)
+        if not fused:
+            w_b, w_ga = p("w_beta_dh", (d, h), d), p("w_ga_dr", (d, k), d)
+            w_in = (w_q.reshape(d, -1), w_k.reshape(d, -1), w_v.reshape(d, -1), w_fa, w_b, w_ga)
+        w_gb = p("w_gb_rhv", (k, h, k), k)
         o_norm = self.param("o_norm_v", nn.initializers.ones, (k,))
         w_o = p("w_o_hvd", (h, k, d), h * k)
 
@@ -77,8 +86,12 @@ class KDA(nn.Module):
         pad = (lambda x: x) if real is None else (lambda x: jnp.where(real, x, jnp.zeros((), x.dtype)))
         exports = {}
 
-        def branch(name, w):
-            y = jnp.einsum("btd,dhk->bthk", x_btd, w).reshape(b, t, h * k)
+        if isinstance(w_in, tuple):
+            xq, xk, xv, xfa, xb, xga = (x_btd @ w for w in w_in)
+        else:
+            xq, xk, xv, xfa, xb, xga = jnp.split(x_btd @ w_in, np.cumsum(widths)[:-1].tolist(), axis=-1)
+
+        def branch(name, y):  # y [B, T, H*D], this branch's projection
             conv_state = cache.get(f"conv_{name}")  # [B, W-1, H*D], or the pool [num_slots, W-1, H*D]
             rows = conv_state if slots is None else conv_state[slots]
             out = short_conv(y, conv[name], rows, export_at, valid)
@@ -89,12 +102,12 @@ class KDA(nn.Module):
                 exports[f"conv_{name}"] = out[2]
             return jax.nn.silu(y).reshape(b, t, h, k)
 
-        q = pad(l2_normalize(branch("q", w_q)))
-        kk = pad(l2_normalize(branch("k", w_k)))
-        v = pad(branch("v", w_v))
-        f = jnp.einsum("btr,rhk->bthk", x_btd @ w_fa, w_fb)
+        q = pad(l2_normalize(branch("q", xq)))
+        kk = pad(l2_normalize(branch("k", xk)))
+        v = pad(branch("v", xv))
+        f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)
         g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
-        beta = jax.nn.sigmoid((x_btd @ w_b).astype(jnp.float32))
+        beta = jax.nn.sigmoid(xb.astype(jnp.float32))
         if real is not None:
             beta = jnp.where(real[..., 0], beta, 0.0)
         out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
@@ -107,6 +120,6 @@ class KDA(nn.Module):
             exports = dict(exports, state=out[2])
             new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
                                     for n, s in exports.items()}
-        gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", x_btd @ w_ga, w_gb).astype(jnp.float32))
+        gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", xga, w_gb).astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import flax.linen as nn
 
 from kimik3 import ops
@@ -76,21 +77,32 @@ class MLA(nn.Module):
         cfg = self.cfg
         d, h, r = cfg.d_model, cfg.mla_heads, cfg.kv_lora_rank
         p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
+        q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
+        widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)  # q (or its LoRA-down), kv latent, output gate
+        fused = self.has_variable("params", "w_in_dx")  # `kimik3.fused`: the three projections of x as one GEMM
+        if fused:
+            xq, kv, xg = jnp.split(x_btd @ self.param("w_in_dx", fan_in_init(d), (d, sum(widths))),
+                                   np.cumsum(widths)[:-1].tolist(), axis=-1)
         if cfg.q_lora_rank:
-            w_qa = p("w_qa_dq", (d, cfg.q_lora_rank), d)
+            w_qa = None if fused else p("w_qa_dq", (d, cfg.q_lora_rank), d)
             q_norm = self.param("q_norm", nn.initializers.ones, (cfg.q_lora_rank,))
             w_qb = p("w_qb_qhk", (cfg.q_lora_rank, h, cfg.mla_qk_dim), cfg.q_lora_rank)
-            q = jnp.einsum("btq,qhk->bthk", rms_norm(x_btd @ w_qa, q_norm, cfg.norm_eps), w_qb)
+            xq = xq if fused else x_btd @ w_qa
+            q = jnp.einsum("btq,qhk->bthk", rms_norm(xq, q_norm, cfg.norm_eps), w_qb)
+        elif fused:
+            q = xq.reshape(xq.shape[:2] + (h, cfg.mla_qk_dim))
         else:
             q = jnp.einsum("btd,dhk->bthk", x_btd, p("w_q_dhk", (d, h, cfg.mla_qk_dim), d))
-        w_kva = p("w_kva_dr", (d, cfg.mla_latent_dim), d)
+        w_kva = None if fused else p("w_kva_dr", (d, cfg.mla_latent_dim), d)
         kv_norm = self.param("kv_norm", nn.initializers.ones, (r,))
         w_kb = p("w_kb_rhn", (r, h, cfg.qk_nope_dim), r)
         w_vb = p("w_vb_rhv", (r, h, cfg.v_head_dim), r)
-        w_gate = p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
+        w_gate = None if fused else p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
         w_o = p("w_o_hvd", (h, cfg.v_head_dim, d), h * cfg.v_head_dim)
 
-        kv = x_btd @ w_kva
+        if not fused:
+            kv = x_btd @ w_kva
+            xg = jnp.einsum("btd,dhv->bthv", x_btd, w_gate)
         latent_new = jnp.concatenate([rms_norm(kv[..., :r], kv_norm, cfg.norm_eps), kv[..., r:]], axis=-1)
         t = x_btd.shape[1]
         paged = None
@@ -111,6 +123,6 @@ class MLA(nn.Module):
         o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
                               q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
                               contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
-        gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x_btd, w_gate).astype(jnp.float32))
+        gate = jax.nn.sigmoid(xg.reshape(o.shape).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

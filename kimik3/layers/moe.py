@@ -40,11 +40,20 @@ def _expert_ffn(h_gate, h_up, caps):
     return situ_glu(h_gate, h_up, *caps)
 
 
+def _gate_up(x, w_gate, w_up, dot):
+    """(gate, up) projections of x; w_up None: w_gate holds both, [..., 2F] (`kimik3.fused`)."""
+    if w_up is None:
+        h = dot(x, w_gate)
+        return h[..., :h.shape[-1] // 2], h[..., h.shape[-1] // 2:]
+    return dot(x, w_gate), dot(x, w_up)
+
+
 def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
     """Grouped expert GEMMs: rows sorted by expert, one `ops.grouped_matmul` per projection.
 
     x_nl [N, L] latent tokens; ids/weights [N, k]; expert weights [E, L, F] /
-    [E, F, L].  Returns the weighted combine [N, L].
+    [E, F, L] (w_up_elf None: w_gate_elf is gate ++ up, [E, L, 2F], one GEMM for both).
+    Returns the weighted combine [N, L].
     """
     n, k = ids_nk.shape
     n_experts = w_gate_elf.shape[0]
@@ -53,7 +62,7 @@ def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, c
     rows = x_nl[order // k]  # [N*k, L], grouped by expert
     group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
     gmm = lambda a, w: ops.grouped_matmul(a, w, group_sizes, kernels=kernels)
-    h = _expert_ffn(gmm(rows, w_gate_elf), gmm(rows, w_up_elf), caps)
+    h = _expert_ffn(*_gate_up(rows, w_gate_elf, w_up_elf, gmm), caps)
     y_sorted = gmm(h, w_out_efl)  # [N*k, L]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
     return jnp.einsum("nk,nkl->nl", weights_nk.astype(y.dtype), y)
@@ -64,7 +73,8 @@ def experts_dense_ref(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl,
     out = jnp.zeros(x_nl.shape, jnp.float32)
     for e in range(w_gate_elf.shape[0]):
         w_e = jnp.sum(jnp.where(ids_nk == e, weights_nk, 0.0), axis=-1)  # [N]
-        y_e = _expert_ffn(x_nl @ w_gate_elf[e], x_nl @ w_up_elf[e], caps) @ w_out_efl[e]
+        up_e = None if w_up_elf is None else w_up_elf[e]
+        y_e = _expert_ffn(*_gate_up(x_nl, w_gate_elf[e], up_e, jnp.matmul), caps) @ w_out_efl[e]
         out = out + w_e[:, None] * y_e.astype(jnp.float32)
     return out.astype(x_nl.dtype)
 
@@ -85,22 +95,31 @@ class LatentMoE(nn.Module):
         d, l, f, e = cfg.d_model, cfg.moe_latent_dim, cfg.moe_expert_dim, cfg.n_routed_experts
         w_router = self.param("w_router_de", fan_in_init(d), (d, e))
         bias = self.param("router_bias_e", nn.initializers.zeros, (e,))
-        w_down = self.param("w_down_dl", fan_in_init(d), (d, l))
-        w_gate = self.param("w_gate_elf", fan_in_init(l), (e, l, f))
-        w_up = self.param("w_up_elf", fan_in_init(l), (e, l, f))
+        fs = cfg.n_shared_experts * cfg.moe_shared_dim  # n shared SiTU-GLU experts summed == one of n * F units
+        caps = (cfg.situ_gate_cap, cfg.situ_up_cap)
+        b, t, _ = x_btd.shape
+        x_nd = x_btd.reshape(b * t, d)
+        if self.has_variable("params", "w_in_dx"):
+            # `kimik3.fused`: x's three bf16 projections (latent down, shared gate, shared up) as one
+            # GEMM, and each expert's gate and up as one grouped GEMM
+            x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, l + 2 * fs))
+            x_nl, shared_gate, shared_up = x_in[:, :l], x_in[:, l:l + fs], x_in[:, l + fs:]
+            w_gate, w_up = self.param("w_gateup_elf", fan_in_init(l), (e, l, 2 * f)), None
+        else:
+            x_nl = x_nd @ self.param("w_down_dl", fan_in_init(d), (d, l))
+            w_gate = self.param("w_gate_elf", fan_in_init(l), (e, l, f))
+            w_up = self.param("w_up_elf", fan_in_init(l), (e, l, f))
         w_out = self.param("w_out_efl", fan_in_init(f), (e, f, l))
         latent_norm = self.param("latent_norm_l", nn.initializers.ones, (l,))
         w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 
-        b, t, _ = x_btd.shape
-        x_nd = x_btd.reshape(b * t, d)
         ids, weights = route(x_nd, w_router, bias, cfg.n_active_experts)
-        z = EXPERT_PATHS[self.expert_path](x_nd @ w_down, ids, weights, w_gate, w_up, w_out,
-                                           (cfg.situ_gate_cap, cfg.situ_up_cap), self.kernels)
+        z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
         routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
-        if cfg.n_shared_experts:
-            # n shared SiTU-GLU experts summed == one with n * F intermediate units.
-            y = y + MLP(d, cfg.n_shared_experts * cfg.moe_shared_dim, cfg.situ_gate_cap, cfg.situ_up_cap,
-                        name="shared")(x_btd)
+        if fs and w_up is None:
+            w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))
+            y = y + (situ_glu(shared_gate, shared_up, *caps) @ w_shared_out).reshape(b, t, d).astype(y.dtype)
+        elif fs:
+            y = y + MLP(d, fs, cfg.situ_gate_cap, cfg.situ_up_cap, name="shared")(x_btd)
         return y

@@ -1,0 +1,63 @@
+"""The serving layout of the params: projections that read the same input as one GEMM.
+
+`fuse_projections(params, cfg)` rewrites the checkpoint layout (`kimik3.model.init_params`,
+what checkpoints, sharding rules and quantization manifests name) once, at load:
+
+* KDA: q, k, v, the gate's f_a, beta and the output gate's g_a -> ``kda/w_in_dx`` [D, 3HK + K + H + K];
+* MLA: q (or its LoRA-down), the kv latent and the output gate -> ``mla/w_in_dx``;
+* MoE: the latent down-projection and the shared experts' gate and up -> ``moe/w_in_dx``
+  (the shared experts' out -> ``moe/w_shared_out_fd``), each routed expert's gate and up ->
+  ``moe/w_gateup_elf`` [E, L, 2F] (one grouped GEMM).
+
+The layers take either layout (they look for ``w_in_dx``) and compute the same math: a decode
+step of `small` launches one GEMM where it launched up to six, per layer.  The fp32 router
+stays apart (its own dtype and precision).  Sharded steps keep the checkpoint layout (their
+rules shard heads; a fused matrix would interleave them).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from kimik3.config import ModelConfig
+
+
+def is_fused(params) -> bool:
+    return any("w_in_dx" in layer.get(kind, {}) for name, layer in params.items() if name.startswith("layer_")
+               for kind in ("kda", "mla", "moe"))
+
+
+def _cat(*ws):
+    return jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=-1)
+
+
+def fuse_projections(params, cfg: ModelConfig):
+    """params in the serving layout (see the module comment); a fused tree comes back as is.
+    The arrays are new: callers drop the checkpoint-layout tree to free its memory."""
+    if is_fused(params):
+        return params
+    out = dict(params)
+    for i in range(cfg.n_layers):
+        layer = dict(params[f"layer_{i}"])
+        if "kda" in layer:
+            p = dict(layer["kda"])
+            names = ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr")
+            p["w_in_dx"] = _cat(*(p.pop(n) for n in names))
+            layer["kda"] = p
+        if "mla" in layer:
+            p = dict(layer["mla"])
+            q = "w_qa_dq" if "w_qa_dq" in p else "w_q_dhk"
+            p["w_in_dx"] = _cat(*(p.pop(n) for n in (q, "w_kva_dr", "w_gate_dhv")))
+            layer["mla"] = p
+        if "moe" in layer:
+            p = dict(layer["moe"])
+            ins = [p.pop("w_down_dl")]
+            if "shared" in p:
+                shared = p.pop("shared")
+                ins += [shared["w_gate_df"], shared["w_up_df"]]
+                p["w_shared_out_fd"] = shared["w_out_fd"]
+            p["w_in_dx"] = _cat(*ins)
+            p["w_gateup_elf"] = jnp.concatenate([p.pop("w_gate_elf"), p.pop("w_up_elf")], axis=-1)
+            layer["moe"] = p
+        out[f"layer_{i}"] = layer
+    return out
