@@ -13,6 +13,9 @@ import jax
 # backend initializes (single-device tests still run on device 0).
 jax.config.update("jax_num_cpu_devices", 8)
 
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -24,9 +27,31 @@ def tiny_cfg():
     return config.tiny()
 
 
+# Leaves the model initializes to the identity (norm scales 1, biases 0).  Fixtures draw them at
+# random instead, so a wrong axis, an omitted weight or a mis-sliced shard of them changes the
+# numbers every oracle and sharded comparison checks.
+SCALE_LEAF = re.compile(r"(scale|_norm|norm_v|norm_l)$")
+BIAS_LEAF = re.compile(r"(/bias|dt_bias_hk)$")
+
+
+def perturb_identity_leaves(params, seed: int):
+    """Norm scales ~ 1 + 0.1 N(0, 1), biases ~ 0.1 N(0, 1); every other leaf as it was."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, x):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if SCALE_LEAF.search(name):
+            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(x.shape), x.dtype)
+        if BIAS_LEAF.search(name):
+            return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
-    params = model.init_params(tiny_cfg, jax.random.PRNGKey(0), "float32")
+    params = perturb_identity_leaves(model.init_params(tiny_cfg, jax.random.PRNGKey(0), "float32"), seed=7)
     # A non-zero selection bias, so tests see it steer selection and not weights.
     for i in range(1, tiny_cfg.n_layers):
         bias = jax.random.normal(jax.random.PRNGKey(100 + i), (tiny_cfg.n_routed_experts,)) * 0.1

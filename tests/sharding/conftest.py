@@ -29,19 +29,20 @@ def tiny8_cfg(tiny_cfg):
 
 
 def host_init(cfg, seed: int):
-    """Params of `cfg` drawn on the host with the model's init distributions (fan-in normals, unit
-    norms, A_log = log U(1, 16), zero dt_bias, a small non-zero router bias): no init compile, which
-    on a busy 2-core machine costs more than the tests themselves."""
+    """Params of `cfg` drawn on the host (fan-in normals, norm scales 1 + 0.1 N, A_log = log U(1, 16),
+    dt_bias and biases 0.1 N, a small non-zero router bias): no init compile, which on a busy
+    2-core machine costs more than the tests themselves."""
     rng = np.random.default_rng(seed)
 
     def leaf(path, x):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
+        # norm scales and biases drawn around the identity (as tests/conftest.py's fixtures)
         if re.search(r"(norm|scale|norm_l|norm_v)$", name):
-            return np.ones(x.shape, np.float32)
+            return (1.0 + 0.1 * rng.standard_normal(x.shape)).astype(np.float32)
         if name.endswith("a_log_h"):
             return np.log(rng.uniform(1.0, 16.0, x.shape)).astype(np.float32)
-        if name.endswith("dt_bias_hk"):
-            return np.zeros(x.shape, np.float32)
+        if name.endswith("dt_bias_hk") or name.endswith("/bias"):
+            return (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
         if name.endswith("router_bias_e"):
             return (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
         if name == "embed_vd":

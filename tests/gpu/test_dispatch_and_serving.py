@@ -1,0 +1,62 @@
+"""The model's kernel dispatch on the GPU it serves on, and the serving path in bf16 and fp32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3 import config, generate, model, ops
+from serving.engine import Engine, EngineConfig
+from tests.gpu.conftest import sm90
+
+
+@pytest.mark.skipif(not sm90(), reason="sm_90 dispatch")
+def test_small_dispatches_its_mla_to_the_hopper_kernels():
+    cc = ops._compute_capability()
+    cfg = config.small()
+    assert ops.mla_prefill_impl(jnp.bfloat16, cfg.mla_qk_dim, cfg.v_head_dim, cc) == "hopper"
+    # decode: 16 heads x 1 token fill no 64-row tile; long tables take the Hopper kernel anyway
+    assert ops.mla_decode_impl(jnp.bfloat16, cfg.kv_lora_rank, cfg.qk_rope_dim, 128, 16, 2048, cc) == "triton"
+    assert ops.mla_decode_impl(jnp.bfloat16, cfg.kv_lora_rank, cfg.qk_rope_dim, 128, 16, 16384, cc) == "hopper"
+    assert ops.mla_decode_impl(jnp.bfloat16, cfg.kv_lora_rank, cfg.qk_rope_dim, 128, 96, 2048, cc) == "hopper"
+
+
+def _oracle(params, cfg, prompt, n):
+    return generate.generate(params, cfg, prompt, n, use_cache=False).tokens
+
+
+def _bf16_engine(params, cfg):
+    return Engine(params, cfg, EngineConfig(num_pages=64, num_slots=4, num_snapshots=16, page_tokens=16,
+                                            kda_block_tokens=64, max_pages_per_request=16, prefill_chunk_tokens=64))
+
+
+def test_a_bf16_engine_with_ragged_batches_and_padded_rows_gives_each_request_its_own_tokens():
+    """tiny in bf16 through the Pallas kernels: three ragged prompts share decode batches padded
+    to a power of two (scratch rows) and padded prefill chunks; each request's greedy tokens equal
+    those it gets alone in the same engine.  A failure here means rows leak into each other (a
+    padded row, a shared slot) or the GPU's GEMMs are not batch-invariant: either is a finding."""
+    cfg = config.tiny().replace(dtype="bfloat16")
+    params = model.init_params(cfg, jax.random.PRNGKey(3))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (37, 130, 5)]
+    eng = _bf16_engine(params, cfg)
+    reqs = [eng.submit(p, 6) for p in prompts]
+    eng.run(max_steps=200)
+    for req, p in zip(reqs, prompts):
+        alone = _bf16_engine(params, cfg)
+        want = alone.submit(p, 6)
+        alone.run(max_steps=200)
+        assert req.output == want.output, req.request_id
+
+
+@pytest.mark.parametrize("kernels", ["pallas", "reference"])
+def test_small_fp32_cached_generate_gives_the_oracles_tokens(kernels):
+    """`small` with fp32 params at the highest matmul precision: the cached path (Pallas or
+    reference kernels) gives the no-cache fp32 oracle's greedy tokens."""
+    cfg = config.small().replace(dtype="float32")
+    params = model.init_params(cfg, jax.random.PRNGKey(0), "float32")
+    prompt = np.random.default_rng(1).integers(0, 256, 300).tolist()
+    with jax.default_matmul_precision("highest"):
+        want = _oracle(params, cfg, prompt, 4)
+        got = generate.generate(params, cfg, prompt, 4, use_cache=True, kernels=kernels).tokens
+    np.testing.assert_array_equal(got, want)
