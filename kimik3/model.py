@@ -8,7 +8,7 @@ Contiguous cache (`init_cache`), one row per sequence::
 
     {"lengths": int32 [B]               tokens already in the cache per sequence,
      "layers":  tuple, one per layer:
-        KDA: {"state": f32 [B, H, K, V], "conv_q"/"conv_k"/"conv_v": [B, W-1, H*D]}
+        KDA: {"state": f32 [B, H, K, V], "conv": [B, W-1, 3, H*D]}  (the q, k, v convs' last inputs)
         MLA: {"latent": [B, max_len, kv_lora + rope]}}
 
 Paged cache (`init_paged_cache` + `paged_view`): pools shared by every request,
@@ -16,7 +16,7 @@ and the batch's view of them::
 
     {"lengths": int32 [B], "block_tables": int32 [B, max_pages], "slots": int32 [B],
      "layers": tuple, one per layer:
-        KDA: {"state": f32 [num_slots, H, K, V], "conv_*": [num_slots, W-1, H*D]}
+        KDA: {"state": f32 [num_slots, H, K, V], "conv": [num_slots, W-1, 3, H*D]}
         MLA: {"pages": [num_pages, page_tokens, kv_lora + rope]}}
 
 Both go through the same layers: the paged pools are viewed per batch
@@ -247,7 +247,7 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
         return logits, None
     if _is_paged(cache):
         out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]))
-        if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}
+        if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
             out["exports"] = tuple(new["exports"] for kind, new in zip(cfg.mixer_kinds, new_layers) if kind == "kda")
         out["layers"] = tuple({k: new[k] for k in pool} if kind == "kda" else
                               {"pages": new["pages"]}

@@ -169,7 +169,8 @@ class Engine:
         self.kv = KVPools(cfg, num_pages=config.num_pages, num_slots=config.num_slots,
                           num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
                           commit=bool(pre or self.runner.decode_step))
-        ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}"
+        # the layout version keeps blocks a store kept for an older packing from ever being read
+        ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
         self.manager = PagedKVManager(CacheSpec(ns, config.page_tokens, config.kda_block_tokens), self.kv.pages,
                                       config.num_pages, self.kv.snapshots, config.num_snapshots, host)
         self.scheduler = Scheduler(SchedulerConfig(

@@ -25,6 +25,11 @@ from kimik3 import model
 from kimik3.config import ModelConfig
 
 
+# Bumped whenever a page's or a snapshot's byte layout changes (2: the KDA conv rows as one
+# [W-1, 3, H*D] entry): cache keys carry it, so blocks stored by an older layout are misses.
+LAYOUT_VERSION = 2
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def set_rows(pool, index, rows):
     """pool.at[index].set(rows), in place: the pool is donated (an eager `.at[].set` copies

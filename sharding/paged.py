@@ -9,7 +9,7 @@ The sharded classes take the contiguous per-request cache of
     view  = model.paged_view(pools, tables [B, P], slots [B], lengths [B])
     cache = contiguous_cache(cfg, view)       on the pools' device; init_cache layout:
               MLA layer: {"latent": [B, P * page, R]}   each request's pages, in table order
-              KDA layer: {"state": f32 [B, H, K, V], "conv_*": [B, W-1, H*D]}   its slot's rows
+              KDA layer: {"state": f32 [B, H, K, V], "conv": [B, W-1, 3, H*D]}   its slot's rows
               "lengths": int32 [B]
     cache = sharded.place_cache(cache)        onto the mesh (prefill: heads split, latent
                                               replicated; decode: requests split over dp)

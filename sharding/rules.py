@@ -101,7 +101,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 CACHE_AXES = {
     "lengths": ("batch",),
     "state": ("batch", "heads", "head_dim", "head_dim"),
-    "conv_q": ("batch", "conv", "heads"), "conv_k": ("batch", "conv", "heads"), "conv_v": ("batch", "conv", "heads"),
+    "conv": ("batch", "conv", None, "heads"),  # [B, W-1, q|k|v, H*D]
     "latent": ("batch", "cache_len", "kv_latent"),
 }
 

@@ -15,7 +15,7 @@ from kimik3 import ops
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import fan_in_init, l2_normalize, rms_norm, short_conv
 
-CACHE_KEYS = ("state", "conv_q", "conv_k", "conv_v")
+CACHE_KEYS = ("state", "conv")
 
 
 def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float):
@@ -25,10 +25,10 @@ def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float):
 
 
 def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> dict:
-    """Recurrent state [B, H, K, V] fp32 and conv states [B, W-1, H*D]."""
+    """Recurrent state [B, H, K, V] fp32 and the q, k, v short convs' last inputs [B, W-1, 3, H*D]
+    (one array: one gather and one scatter per layer when a decode step reads it by slot)."""
     h, d, w = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
-    conv = lambda: jnp.zeros((batch, w - 1, h * d), dtype)
-    return {"state": jnp.zeros((batch, h, d, d), jnp.float32), "conv_q": conv(), "conv_k": conv(), "conv_v": conv()}
+    return {"state": jnp.zeros((batch, h, d, d), jnp.float32), "conv": jnp.zeros((batch, w - 1, 3, h * d), dtype)}
 
 
 class KDA(nn.Module):
@@ -36,7 +36,7 @@ class KDA(nn.Module):
 
     A cache with "export_at" (int32 [E] token counts within this call, traced) also
     returns, under "exports", the cache entries as they stood after each count
-    ({"state": [B, E, H, K, V], "conv_*": [B, E, W-1, H*D]}): the states a prefix
+    ({"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}): the states a prefix
     cache snapshots at its block boundaries, from this one pass (entries that are not
     multiples of the chunk size in 1..T give zeros).
 
@@ -87,24 +87,27 @@ class KDA(nn.Module):
         exports = {}
 
         if isinstance(w_in, tuple):
-            xq, xk, xv, xfa, xb, xga = (x_btd @ w for w in w_in)
-        else:
-            xq, xk, xv, xfa, xb, xga = jnp.split(x_btd @ w_in, np.cumsum(widths)[:-1].tolist(), axis=-1)
+            xs = [x_btd @ w for w in w_in]
+            x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
+        else:  # q, k, v come out of the fused GEMM side by side: the convs' input as it is
+            proj = x_btd @ w_in
+            x_qkv, xfa, xb, xga = jnp.split(proj, np.cumsum((3 * h * k,) + widths[3:-1]).tolist(), axis=-1)
 
-        def branch(name, y):  # y [B, T, H*D], this branch's projection
-            conv_state = cache.get(f"conv_{name}")  # [B, W-1, H*D], or the pool [num_slots, W-1, H*D]
-            rows = conv_state if slots is None else conv_state[slots]
-            out = short_conv(y, conv[name], rows, export_at, valid)
-            y, new_cache[f"conv_{name}"] = out[:2]
-            if slots is not None:  # conv rows are small ([B, W-1, H*D]): scattered back into their pool
-                new_cache[f"conv_{name}"] = conv_state.at[slots].set(out[1].astype(conv_state.dtype))
-            if export_at is not None:
-                exports[f"conv_{name}"] = out[2]
-            return jax.nn.silu(y).reshape(b, t, h, k)
-
-        q = pad(l2_normalize(branch("q", xq)))
-        kk = pad(l2_normalize(branch("k", xk)))
-        v = pad(branch("v", xv))
+        # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
+        # (or the pool [num_slots, ...] read and written by slot).
+        w_conv = jnp.concatenate([conv[n] for n in "qkv"], axis=-1)
+        conv_state = cache.get("conv")
+        rows = conv_state if conv_state is None or slots is None else conv_state[slots]
+        rows = None if rows is None else rows.reshape(b, cfg.kda_conv_size - 1, 3 * h * k)
+        out = short_conv(x_qkv, w_conv, rows, export_at, valid)
+        new_rows = out[1].reshape(b, cfg.kda_conv_size - 1, 3, h * k)
+        new_cache["conv"] = new_rows if slots is None else conv_state.at[slots].set(new_rows.astype(conv_state.dtype))
+        if export_at is not None:
+            exports["conv"] = out[2].reshape(out[2].shape[:3] + (3, h * k))
+        y = jax.nn.silu(out[0]).reshape(b, t, 3, h, k)
+        q = pad(l2_normalize(y[:, :, 0]))
+        kk = pad(l2_normalize(y[:, :, 1]))
+        v = pad(y[:, :, 2])
         f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)
         g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
         beta = jax.nn.sigmoid(xb.astype(jnp.float32))
