@@ -75,12 +75,20 @@ def test_drain_refuses_new_requests_and_resume_accepts_them(client):
 
 
 def test_a_closed_stream_cancels_the_request_and_frees_its_kv(client, rng):
-    load0 = client.get("/load").json()
-    with client.stream("POST", "/generate", json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}) as r:
-        for line in r.iter_lines():
-            if '"token"' in line:
-                break  # leave after the first token: the connection closes
     import time
+
+    load0 = client.get("/load").json()
+    # 10 ms a step: the 150 tokens take 1.5 s, so the request is still running when the closed
+    # stream is noticed (unthrottled, tiny can finish all of them first and nothing is cancelled)
+    client.loop.step_delay_s = 0.01
+    try:
+        with client.stream("POST", "/generate",
+                           json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}) as r:
+            for line in r.iter_lines():
+                if '"token"' in line:
+                    break  # leave after the first token: the connection closes
+    finally:
+        client.loop.step_delay_s = 0.0
 
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -1,0 +1,36 @@
+"""Benchmark scripts run end to end on `tiny` on the CPU: a script that breaks is caught here,
+not on the GPU machine, where a run costs device time (a missing --out folder once cost one).
+Only that they run and write what they promise is checked; their numbers mean nothing here."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, tmp_path, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT, KIMIK3_COMPILE_CACHE="off", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_serving_bench_writes_its_sections_and_the_step_hlo(tmp_path):
+    out = tmp_path / "bench"  # does not exist yet: the script makes it
+    _run(["benchmarks/serving_bench.py", "--config", "tiny", "--quick", "--modes", "", "--loads", "2",
+          "--decode-batches", "2", "--dump-step-hlo", "--out", str(out), "--compile-cache", "off"], tmp_path)
+    rows = json.load(open(out / "serving_bench.json"))
+    step = [r for r in rows if r["section"] == "decode step vs roofline"]
+    assert step and step[0]["case"].startswith("B2") and step[0]["launches"] > 0
+    assert (out / "decode_step_B2.hlo.txt").stat().st_size > 0
+
+
+@pytest.mark.parametrize("script", [["benchmarks/prefill_probe.py", "--config", "tiny"],
+                                    ["benchmarks/compile_time.py", "--config", "tiny", "--repeats", "1"]])
+def test_probe_scripts_run(script, tmp_path):
+    assert _run(script, tmp_path).strip()
