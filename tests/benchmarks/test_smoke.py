@@ -31,6 +31,7 @@ def test_serving_bench_writes_its_sections_and_the_step_hlo(tmp_path):
 
 
 @pytest.mark.parametrize("script", [["benchmarks/prefill_probe.py", "--config", "tiny"],
-                                    ["benchmarks/compile_time.py", "--config", "tiny", "--repeats", "1"]])
+                                    ["benchmarks/compile_time.py", "--config", "tiny", "--repeats", "1"],
+                                    ["benchmarks/bf16_drift.py", "--config", "tiny", "--tokens", "16"]])
 def test_probe_scripts_run(script, tmp_path):
     assert _run(script, tmp_path).strip()
