@@ -277,7 +277,7 @@ class ModelRunner:
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int):
-        self.cfg, self.kernels, self.role = cfg, kernels, role
+        self.cfg, self.kernels, self.role, self.num_slots = cfg, kernels, role, num_slots
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
         if mesh is not None and fused.is_fused(params):
             raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's")
@@ -349,9 +349,16 @@ class ModelRunner:
         """The compiled length an unsharded chunk of n tokens runs at (padded)."""
         return next(t for t, step in self.prefill_lengths() if step is None and t >= n)
 
+    # Decode batches below this many rows run at it (or at the slots' power of two, if fewer): a
+    # decode step reads its weights whatever its rows, so padding rows cost little (their MoE
+    # rows may read a few more experts), and each bucket is a whole-model compile.
+    MIN_DECODE_BUCKET = 8
+
     def decode_bucket(self, n: int) -> int:
-        """Rows of a decode batch of n requests: the next power of two, rounded up to a multiple of dp."""
-        bucket = 1 << (n - 1).bit_length()
+        """Rows of a decode batch of n requests: the next power of two, at least MIN_DECODE_BUCKET
+        (or the slots' power of two), rounded up to a multiple of dp."""
+        floor = min(self.MIN_DECODE_BUCKET, 1 << (self.num_slots - 1).bit_length())
+        bucket = max(floor, 1 << (n - 1).bit_length())
         if self.decode_step is not None:
             bucket = -(-bucket // self.decode_step.size) * self.decode_step.size
         return bucket
