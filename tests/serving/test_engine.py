@@ -1,5 +1,6 @@
 """The engine's greedy tokens equal the oracle's: batched, across turns, from prefix hits."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -154,6 +155,10 @@ def test_memory_budget_sizing_and_capacity_report(tiny_cfg, tiny_params):
                                     num_slots=4, snapshots_per_slot=4, max_pages_per_request=16, kernels="reference")
     cap = eng.capacity()
     assert cap["pages"] + 1 == eng.manager.page_pool.num_blocks and cap["kv_tokens"] == cap["pages"] * PAGE
+    # What the device holds, counted from the arrays themselves (not the formula that sized them):
+    # the budget, less at most one page's remainder.
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(eng.kv.pools)) + eng.snapshots.data.nbytes
+    assert 40 * page + 25 * state - page < held <= 40 * page + 25 * state
     assert cap["pool_bytes"] <= 40 * page + 25 * state + page and cap["checkpoint_block_bytes_per_request"] == state
     with pytest.raises(ValueError, match="budget"):
         Engine.from_memory_budget(tiny_params, tiny_cfg, budget_bytes=state, page_tokens=PAGE)
