@@ -7,7 +7,6 @@ host), and the KDA snapshot moves around it (eager pool ops).
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import time
 
@@ -21,9 +20,10 @@ from serving.engine import Engine, EngineConfig
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="small")
+    ap.add_argument("--compile-cache", default=None,
+                    help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
-    caches = sorted(glob.glob("/tmp/kimik3-xla-*"))
-    compile_cache.enable(caches[-1] if caches else None)
+    compile_cache.enable(args.compile_cache)
     cfg = config.get_config(args.config)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     ec = EngineConfig(num_pages=96, num_slots=4, num_snapshots=16, page_tokens=32, kda_block_tokens=128,

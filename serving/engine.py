@@ -141,7 +141,7 @@ class Engine:
         "both" (either may be None).  on_prefilled: callable(engine, request) for role "prefill"."""
         config = EngineConfig(**overrides) if config is None else config.replace(**overrides)
         self.config = config
-        self.params, self.cfg = params, cfg
+        self.cfg = cfg
         self.role = config.role
         self.on_prefilled = on_prefilled
         self.dtype = params["embed_vd"].dtype
@@ -158,9 +158,6 @@ class Engine:
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots)
-        # What this engine runs: the runner's layout (`kimik3.fused` unless sharded).  Pass fused
-        # params (`kimik3.fused.fuse_projections`) to share one copy between engines.
-        self.params = self.runner.params
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:
@@ -189,6 +186,9 @@ class Engine:
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     pools = property(lambda self: self.kv.pools, lambda self, v: setattr(self.kv, "pools", v))
+    # What this engine runs: the runner's layout (`kimik3.fused` unless sharded).  Pass fused
+    # params (`kimik3.fused.fuse_projections`) to share one copy between engines.
+    params = property(lambda self: self.runner.params)
     pages = property(lambda self: self.kv.pages)
     snapshots = property(lambda self: self.kv.snapshots)
     snapshot_size = property(lambda self: self.kv.snapshot_size)

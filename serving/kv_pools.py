@@ -42,9 +42,15 @@ def set_rows(pool, index, rows):
 # a prefill chunk), paid at every admission and snapshot.
 
 
-def _pack(rows_per_layer, keys):
-    """One fp32 vector from each KDA layer's {key: rows} (layer order, then `keys` order)."""
-    return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1) for layer in rows_per_layer for k in keys])
+def _pack(rows_per_layer):
+    """One fp32 vector from each KDA layer's {key: rows}: layer order, then sorted keys (the order
+    `_restore_slot` unpacks and `KVPools.kda_keys` sizes)."""
+    return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1) for layer in rows_per_layer
+                            for k in sorted(layer)])
+
+
+def _slot_packed(kda_pools, slot):
+    return _pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -65,20 +71,16 @@ def _restore_slot(kda_pools, slot, packed):
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _save_slot(snapshots, block, kda_pools, slot):
     """snapshots[block] = every KDA layer's rows of `slot`, packed (snapshots donated)."""
-    return snapshots.at[block].set(_pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools],
-                                         sorted(kda_pools[0])))
+    return snapshots.at[block].set(_slot_packed(kda_pools, slot))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _save_export(snapshots, block, exports, index):
     """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed."""
-    return snapshots.at[block].set(_pack([{k: v[0, index] for k, v in layer.items()} for layer in exports],
-                                         sorted(exports[0])))
+    return snapshots.at[block].set(_pack([{k: v[0, index] for k, v in layer.items()} for layer in exports]))
 
 
-@jax.jit
-def _slot_rows(kda_pools, slot):
-    return _pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools], sorted(kda_pools[0]))
+_slot_rows = jax.jit(_slot_packed)
 
 
 @jax.jit

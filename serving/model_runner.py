@@ -270,7 +270,7 @@ class ModelRunner:
       (`prefill_buckets`), or the prefill mesh's sharded step (`sharding.paged.PagedStep`) at
       tp * 2^k, exact;
     * decode: `decode_program` on persistent buffers (`DecodeRunner`), or the decode mesh's
-      sharded step, at power-of-two buckets (multiples of dp);
+      sharded step, at power-of-two buckets of at least `MIN_DECODE_BUCKET` rows (multiples of dp);
     * `warmup`: compiles all of them ahead of time, concurrently.
 
     The pools live in a `serving.kv_pools.KVPools`; every call threads `kv.pools` through."""

@@ -58,9 +58,9 @@ class KDA(nn.Module):
         d, h, k = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
         b, t, _ = x_btd.shape
         p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
-        widths = (h * k, h * k, h * k, k, h, k)  # q, k, v, gate f_a, beta, output gate g_a
+        in_width = 3 * h * k + k + h + k  # q, k, v, the gate's f_a, beta, the output gate's g_a
         fused = self.has_variable("params", "w_in_dx")  # `kimik3.fused`: the six input projections as one GEMM
-        w_in = self.param("w_in_dx", fan_in_init(d), (d, sum(widths))) if fused else None
+        w_in = self.param("w_in_dx", fan_in_init(d), (d, in_width)) if fused else None
         # (declared in this order: params initialize from per-module counters, so the order is the init)
         if not fused:
             w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
@@ -86,12 +86,11 @@ class KDA(nn.Module):
         pad = (lambda x: x) if real is None else (lambda x: jnp.where(real, x, jnp.zeros((), x.dtype)))
         exports = {}
 
-        if isinstance(w_in, tuple):
+        if fused:  # q, k, v come out of the one GEMM side by side: the convs' input as it is
+            x_qkv, xfa, xb, xga = jnp.split(x_btd @ w_in, np.cumsum((3 * h * k, k, h)).tolist(), axis=-1)
+        else:
             xs = [x_btd @ w for w in w_in]
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
-        else:  # q, k, v come out of the fused GEMM side by side: the convs' input as it is
-            proj = x_btd @ w_in
-            x_qkv, xfa, xb, xga = jnp.split(proj, np.cumsum((3 * h * k,) + widths[3:-1]).tolist(), axis=-1)
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
         # (or the pool [num_slots, ...] read and written by slot).

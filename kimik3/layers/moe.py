@@ -99,7 +99,8 @@ class LatentMoE(nn.Module):
         caps = (cfg.situ_gate_cap, cfg.situ_up_cap)
         b, t, _ = x_btd.shape
         x_nd = x_btd.reshape(b * t, d)
-        if self.has_variable("params", "w_in_dx"):
+        fused = self.has_variable("params", "w_in_dx")
+        if fused:
             # `kimik3.fused`: x's three bf16 projections (latent down, shared gate, shared up) as one
             # GEMM, and each expert's gate and up as one grouped GEMM
             x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, l + 2 * fs))
@@ -117,7 +118,7 @@ class LatentMoE(nn.Module):
         z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
         routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
-        if fs and w_up is None:
+        if fs and fused:
             w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))
             y = y + (situ_glu(shared_gate, shared_up, *caps) @ w_shared_out).reshape(b, t, d).astype(y.dtype)
         elif fs:
