@@ -18,17 +18,19 @@ import sys
 import time
 
 
-def one(config: str, batch: int, fused_layout: bool = False) -> float:
+def one(config: str, batch: int, fused_layout: bool = False, stacked_layout: bool = False) -> float:
     os.environ["KIMIK3_COMPILE_CACHE"] = "off"
     import jax
     import jax.numpy as jnp
 
-    from kimik3 import config as configs, fused, model
+    from kimik3 import config as configs, fused, model, stacked
 
     cfg = configs.get_config(config)
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     if fused_layout:  # the serving layout the engine's programs read
         params = fused.fuse_projections(params, cfg)
+    if stacked_layout:  # the repeated periods as one scan step (kimik3.stacked)
+        params = stacked.stack_periods(params, cfg)
     cache = model.init_cache(cfg, batch, 256)
     tokens = jnp.zeros((batch, 1), jnp.int32)
     jax.block_until_ready(params)
@@ -46,15 +48,16 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fused", action="store_true", help="params in the serving layout (kimik3.fused)")
+    ap.add_argument("--stacked", action="store_true", help="params in the scanned layout (kimik3.stacked)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(one(args.config, args.batch, args.fused)))
+        print(json.dumps(one(args.config, args.batch, args.fused, args.stacked)))
         return
     seconds = []
     for i in range(args.repeats):
         out = subprocess.run([sys.executable, __file__, "--child", "--config", args.config, "--batch", str(args.batch)]
-                             + (["--fused"] if args.fused else []),
+                             + (["--fused"] if args.fused else []) + (["--stacked"] if args.stacked else []),
                              capture_output=True, text=True, check=True, env=dict(os.environ))
         seconds.append(float(out.stdout.strip().splitlines()[-1]))
         print(f"repeat {i}: compile {seconds[-1]:.2f} s", flush=True)

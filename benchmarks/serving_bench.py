@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from kimik3 import compile_cache, config, fused, model, quantization, sizing
+from kimik3 import compile_cache, config, model, quantization, sizing, stacked
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
@@ -42,7 +42,7 @@ def make(params, cfg, mode, args):
                       page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
                       max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
                       prefill_chunk_tokens=args.chunk, kernels=args.kernels,
-                      prefill_tokens_while_decoding=args.prefill_while_decoding)
+                      prefill_tokens_while_decoding=args.prefill_while_decoding, scan_layers=not args.unrolled)
     if mode == "colocated":
         return Engine(params, cfg, ec)
     return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
@@ -74,7 +74,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         logits, out = model.forward_step(params, jnp.zeros((b, 1), jnp.int32), positions,
                                          model.paged_view(pools[0], *rows), None, cfg=cfg, expert_path="grouped",
                                          kernels=eng.kernels)
-        pools[0] = {"layers": out["layers"]}
+        pools[0] = model.pools_of(out)
         return logits
 
     ms = common.time_jax(step)
@@ -160,6 +160,9 @@ def main():
                     help="batches of the decode-step section, e.g. 1,32 (default: the largest load)")
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="every layer unrolled in the programs (EngineConfig.scan_layers=False; default: the "
+                         "repeated periods as one scan step, kimik3.stacked)")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
@@ -171,7 +174,8 @@ def main():
     args.max_load = max(loads)
     args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
     cfg = config.get_config(args.config)
-    params = fused.fuse_projections(model.init_params(cfg, jax.random.PRNGKey(0)), cfg)  # what engines run
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg,  # what engines run
+                                     scan=not args.unrolled)
     xla_copy_gbs = common.copy_gbs()
     torch_gbs = common.torch_copy_gbs()
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs

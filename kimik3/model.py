@@ -11,17 +11,16 @@ Contiguous cache (`init_cache`), one row per sequence::
         KDA: {"state": f32 [B, H, K, V], "conv": [B, W-1, 3, H*D]}  (the q, k, v convs' last inputs)
         MLA: {"latent": [B, max_len, kv_lora + rope]}}
 
-Paged cache (`init_paged_cache` + `paged_view`): pools shared by every request,
-and the batch's view of them::
+Paged cache (`init_paged_cache` + `paged_view`): pools shared by every request, one per
+mixer kind for all its layers, and the batch's view of them::
 
     {"lengths": int32 [B], "block_tables": int32 [B, max_pages], "slots": int32 [B],
-     "layers": tuple, one per layer:
-        KDA: {"state": f32 [num_slots, H, K, V], "conv": [num_slots, W-1, 3, H*D]}
-        MLA: {"pages": [num_pages, page_tokens, kv_lora + rope]}}
+     "kda": {"state": f32 [n_kda * num_slots, H, K, V], "conv": [n_kda * num_slots, W-1, 3, H*D]},
+     "mla": {"pages": [n_mla * num_pages, page_tokens, kv_lora + rope]}}
 
-Both go through the same layers: the paged pools are viewed per batch
-(KDA rows gathered by slot and scattered back, MLA pages read and written
-through the block tables).
+KDA layer k's slot s is row k * num_slots + s; MLA layer m's page p is m * num_pages + p
+(`kimik3.caches.PagedPools`): every layer, unrolled or scanned (`kimik3.stacked`), updates its
+rows in place.  Both caches go through the same layers.
 """
 
 from __future__ import annotations
@@ -35,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 
-from kimik3 import ops, tokenizer
-from kimik3.config import ModelConfig
+from kimik3 import ops, stacked, tokenizer
+from kimik3.caches import LayerCaches, PagedPools, kind_index
+from kimik3.config import ATTENTION_PERIOD, ModelConfig
 from kimik3.layers.kda import KDA, init_kda_cache
 from kimik3.layers.mla import MLA, init_mla_cache
 from kimik3.layers.mlp import MLP
@@ -77,6 +77,36 @@ class Block(nn.Module):
         return x_btd + y, cache
 
 
+def _run_block(block, x, positions_bt, caches, cfg, layer, period):
+    """One block over `caches` (`kimik3.caches`): its layer's entry in, what it wrote back.
+    Returns (x, caches, the KDA exports of this layer or None)."""
+    x, new = block(x, positions_bt, None if caches is None else caches.get(cfg, layer, period))
+    if caches is None:
+        return x, None, None
+    caches, exports = caches.put(cfg, layer, period, new)
+    return x, caches, exports
+
+
+class Period(nn.Module):
+    """One scan step over the stacked periods (`kimik3.stacked`): layers first .. first + P - 1
+    stand for period `period`'s (traced int32 []); their weights are that period's slice."""
+
+    cfg: ModelConfig
+    first: int
+    expert_path: str = "grouped"
+    kernels: str = "auto"
+
+    @nn.compact
+    def __call__(self, carry, period, positions_bt):
+        x, caches = carry
+        exports = []
+        for j in range(ATTENTION_PERIOD):
+            block = Block(self.cfg, self.first + j, self.expert_path, self.kernels, name=f"layer_{j}")
+            x, caches, e = _run_block(block, x, positions_bt, caches, self.cfg, self.first + j, period)
+            exports.append(e)
+        return (x, caches), tuple(exports)
+
+
 def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
     """Replace <|image|> placeholders, in row-major (batch, time) order, by the
     rows of emb [N, P, D] flattened to [N*P, D], starting at row `first_row`
@@ -89,14 +119,18 @@ def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
 
 
 class KimiK3(nn.Module):
-    """tokens [B, T], positions [B, T], per-layer caches, images -> logits [B, T, V] fp32."""
+    """tokens [B, T], positions [B, T], caches (`kimik3.caches`), images -> (logits [B, T, V] fp32,
+    the caches written, the KDA layers' exports in layer order or None).
+
+    With params in the scanned layout (`kimik3.stacked`: a "periods" subtree) the repeated
+    periods run as one `nn.scan` step; the math per layer is the same."""
 
     cfg: ModelConfig
     expert_path: str = "grouped"
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, layer_caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
+    def __call__(self, tokens_bt, positions_bt, caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
         """images_nhwc: [N, S, S, C] pixels, or {"rows": [M, D], "first": int32 []} image
         embeddings computed earlier (`image_embeddings`) and the row the first placeholder
         among `tokens_bt` takes.  logits_tail: logits for only the last this many positions
@@ -111,11 +145,29 @@ class KimiK3(nn.Module):
         elif cfg.vit is not None and images_nhwc is not None:
             emb = ViT(cfg.vit, cfg.d_model, name="vit")(images_nhwc.astype(x.dtype))
             x = splice_image_embeddings(x, tokens_bt, emb)
-        new_caches = []
+        first, n = stacked.scan_layout(cfg)
+        scanned = range(first, first + n * ATTENTION_PERIOD) if self.has_variable("params", stacked.PERIODS) else ()
+        exports = {}
         for i in range(cfg.n_layers):
-            layer_cache = None if layer_caches is None else layer_caches[i]
-            x, c = Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}")(x, positions_bt, layer_cache)
-            new_caches.append(c)
+            if i in scanned:
+                if i == first:  # the periods as one scan step over their stacked weights (`kimik3.stacked`)
+                    if isinstance(caches, LayerCaches):
+                        caches = caches.stack(first, n)
+                    periods = nn.scan(Period, variable_axes={"params": 0}, split_rngs={"params": True},
+                                      in_axes=(0, nn.broadcast), length=n)
+                    (x, caches), period_exports = periods(cfg, first, self.expert_path, self.kernels,
+                                                          name=stacked.PERIODS)((x, caches), jnp.arange(n),
+                                                                                positions_bt)
+                    if isinstance(caches, LayerCaches):
+                        caches = caches.unstack(n)
+                    for j, e in enumerate(period_exports):
+                        for p in range(n) if e is not None else ():
+                            exports[first + p * ATTENTION_PERIOD + j] = jax.tree_util.tree_map(lambda a: a[p], e)
+                continue
+            x, caches, e = _run_block(Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}"),
+                                      x, positions_bt, caches, cfg, i, None)
+            if e is not None:
+                exports[i] = e
         if logits_tail is not None and valid_b is not None:
             if logits_tail != 1:
                 raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
@@ -125,7 +177,7 @@ class KimiK3(nn.Module):
         x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
         logits = jnp.dot(x.astype(jnp.float32), lm_head.astype(jnp.float32))
-        return logits, tuple(new_caches)
+        return logits, caches, tuple(exports[i] for i in sorted(exports)) or None
 
 
 # ---- params -----------------------------------------------------------------------------------
@@ -186,24 +238,48 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
 
 def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_tokens: int = 128, dtype=None):
     """Pools: `num_pages` MLA latent pages of `page_tokens` per MLA layer and `num_slots`
-    KDA state rows per KDA layer.  View them per batch with `paged_view`."""
+    KDA state rows per KDA layer, one pool per kind (`kimik3.caches.PagedPools`'s layout).
+    View them per batch with `paged_view`; `pool_layers` splits them per layer."""
     dtype = jnp.dtype(dtype or cfg.dtype)
-    layers = tuple(init_kda_cache(cfg, num_slots, dtype) if kind == "kda" else
-                   {"pages": jnp.zeros((num_pages, page_tokens, cfg.mla_latent_dim), dtype)}
-                   for kind in cfg.mixer_kinds)
-    return {"layers": layers}
+    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
+    return {"kda": init_kda_cache(cfg, n_kda * num_slots, dtype),
+            "mla": {"pages": jnp.zeros((n_mla * num_pages, page_tokens, cfg.mla_latent_dim), dtype)}}
+
+
+def pools_of(view: Cache) -> Cache:
+    """The pools of a paged view (or of the cache a paged forward returned)."""
+    return {"kda": view["kda"], "mla": view["mla"]}
+
+
+def pool_layers(cfg: ModelConfig, pools: Cache) -> tuple:
+    """Per layer, its part of the pools: KDA {"state": [S, ...], "conv": [S, ...]}, MLA
+    {"pages": [P, ...]} (slices: copies, for inspection and the sharded steps' gathers)."""
+    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
+    out = []
+    for i, kind in enumerate(cfg.mixer_kinds):
+        k, (pool, n) = kind_index(cfg, i), ((pools["kda"], n_kda) if kind == "kda" else (pools["mla"], n_mla))
+        out.append({key: v[k * (v.shape[0] // n):(k + 1) * (v.shape[0] // n)] for key, v in pool.items()})
+    return tuple(out)
+
+
+def pool_offsets(cfg: ModelConfig, pools: Cache) -> tuple[int, int]:
+    """(num_slots, num_pages): the rows of one KDA layer and the pages of one MLA layer in the pools
+    (KDA layer k's slot s is row k * num_slots + s; MLA layer m's page p is m * num_pages + p)."""
+    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
+    return pools["kda"]["state"].shape[0] // max(n_kda, 1), pools["mla"]["pages"].shape[0] // max(n_mla, 1)
 
 
 def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid=None) -> Cache:
     """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
     (distinct KDA rows), lengths int32 [B] (tokens already cached).  export_at: int32 [E]
     token counts of the coming call after which every KDA layer's cache entries are
-    returned too (the forward's cache then has "exports"; see `kimik3.layers.kda.KDA`).
+    returned too (the forward's cache then has "exports": per KDA layer {"state": [B, E, H, K, V],
+    "conv": [B, E, W-1, 3, H*D]}; see `kimik3.layers.kda.KDA`).
     valid: int32 [B], the real tokens of each row of the coming call; the rest pad the call
     to a compiled length and change nothing (the lengths advance by `valid`, the logits are
     the last real token's; see `kimik3.layers.kda.KDA` and `kimik3.layers.mla.MLA`)."""
-    view = {"layers": pools["layers"], "block_tables": jnp.asarray(block_tables, jnp.int32),
-            "slots": jnp.asarray(slots, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
+    view = dict(pools_of(pools), block_tables=jnp.asarray(block_tables, jnp.int32),
+                slots=jnp.asarray(slots, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
     if export_at is not None:
         view["export_at"] = jnp.asarray(export_at, jnp.int32)
     if valid is not None:
@@ -217,43 +293,39 @@ def _is_paged(cache: Cache | None) -> bool:
 
 def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
     """Tokens per sequence the cache can hold (MLA latent rows; KDA has no limit)."""
-    for kind, layer in zip(cfg.mixer_kinds, cache["layers"]):
-        if kind == "mla":
-            if _is_paged(cache):
-                return cache["block_tables"].shape[1] * layer["pages"].shape[1]
-            return layer["latent"].shape[1]
-    return cfg.max_seq_len
+    if "mla" not in cfg.mixer_kinds:
+        return cfg.max_seq_len
+    if _is_paged(cache):
+        return cache["block_tables"].shape[1] * cache["mla"]["pages"].shape[1]
+    return cache["layers"][cfg.mixer_kinds.index("mla")]["latent"].shape[1]
 
 
 # ---- forward ------------------------------------------------------------------------------------
 
 
 def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None):
-    layer_caches = None if cache is None else cache["layers"]
-    if _is_paged(cache):
-        slots = cache["slots"]
-        # "export_at" (int32 [E], optional): KDA states to export at those token counts of this call
-        export = {"export_at": cache["export_at"]} if "export_at" in cache else {}
-        valid = {"valid": cache["valid"]} if "valid" in cache else {}
-        # KDA layers take their pools and the slots: rows are read and written by slot inside the
-        # layer (in place in the decode kernel), not gathered and scattered around it.
-        layer_caches = tuple(dict(layer, slots=slots, **export, **valid) if kind == "kda" else
-                             {"pages": layer["pages"], "block_tables": cache["block_tables"], **valid}
-                             for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
-    logits, new_layers = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
-        {"params": params}, tokens, positions, layer_caches, images, logits_tail,
-        cache.get("valid") if _is_paged(cache) else None)
+    paged = _is_paged(cache)
+    if cache is None:
+        caches = None
+    elif paged:
+        # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
+        # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
+        caches = PagedPools(cache["kda"], cache["mla"], cache["slots"], cache["block_tables"],
+                            cache.get("export_at"), cache.get("valid"),
+                            n_kda=cfg.mixer_kinds.count("kda"), n_mla=cfg.mixer_kinds.count("mla"))
+    else:
+        caches = LayerCaches(tuple(cache["layers"]))
+    logits, caches, exports = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
+        {"params": params}, tokens, positions, caches, images, logits_tail, cache.get("valid") if paged else None)
     if cache is None:
         return logits, None
-    if _is_paged(cache):
-        out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]))
+    if paged:
+        out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda,
+                   mla=caches.mla)
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
-            out["exports"] = tuple(new["exports"] for kind, new in zip(cfg.mixer_kinds, new_layers) if kind == "kda")
-        out["layers"] = tuple({k: new[k] for k in pool} if kind == "kda" else
-                              {"pages": new["pages"]}
-                              for kind, pool, new in zip(cfg.mixer_kinds, cache["layers"], new_layers))
+            out["exports"] = exports
         return logits, out
-    return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": new_layers}
+    return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}
 
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail")

@@ -24,7 +24,7 @@ import jax
 from tqdm import tqdm
 
 from cache.host_tier import EmbeddedHostKVTier
-from kimik3 import config, fused, model
+from kimik3 import config, model, stacked
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
@@ -107,7 +107,7 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None):
 def main(spec: DemoSpec, out_dir: str) -> str:
     cfg = config.get_config(spec.config)
     # the serving layout once, shared by every engine (each would otherwise fuse its own copy)
-    params = fused.fuse_projections(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg)
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements

@@ -94,7 +94,9 @@ class EngineConfig:
     request over while its KV is still held), or "decode".
     publish_to_host: write each finished request's pages and snapshots to the host tier at once
     (a shared store then serves them to other engines), not only when they are evicted.
-    dispatch: the sharded MoE's all-to-all ("auto", "dense", "ragged"; see `sharding.layers`)."""
+    dispatch: the sharded MoE's all-to-all ("auto", "dense", "ragged"; see `sharding.layers`).
+    scan_layers: unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one scan
+    step over stacked weights (`kimik3.stacked`; same tokens, fewer blocks to compile)."""
 
     num_pages: int
     num_slots: int = 8
@@ -110,6 +112,7 @@ class EngineConfig:
     role: str = "both"
     publish_to_host: bool = False
     dispatch: str = "auto"
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -157,7 +160,8 @@ class Engine:
         self.runner = ModelRunner(params, cfg, kernels=self.kernels, role=config.role, mesh=mesh,
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                  max_step_tokens=self.max_step_tokens, export_slots=export_slots)
+                                  max_step_tokens=self.max_step_tokens, export_slots=export_slots,
+                                  scan_layers=config.scan_layers)
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:
@@ -186,8 +190,8 @@ class Engine:
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     pools = property(lambda self: self.kv.pools, lambda self, v: setattr(self.kv, "pools", v))
-    # What this engine runs: the runner's layout (`kimik3.fused` unless sharded).  Pass fused
-    # params (`kimik3.fused.fuse_projections`) to share one copy between engines.
+    # What this engine runs: the runner's layout (`kimik3.stacked.serving_layout` unless sharded).
+    # Pass params already in that layout to share one copy between engines.
     params = property(lambda self: self.runner.params)
     pages = property(lambda self: self.kv.pages)
     snapshots = property(lambda self: self.kv.snapshots)

@@ -26,8 +26,9 @@ from kimik3.config import ModelConfig
 
 
 # Bumped whenever a page's or a snapshot's byte layout changes (2: the KDA conv rows as one
-# [W-1, 3, H*D] entry): cache keys carry it, so blocks stored by an older layout are misses.
-LAYOUT_VERSION = 2
+# [W-1, 3, H*D] entry; 3: a snapshot packs key by key, each key's rows of every layer): cache
+# keys carry it, so blocks stored by an older layout are misses.
+LAYOUT_VERSION = 3
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -42,57 +43,66 @@ def set_rows(pool, index, rows):
 # a prefill chunk), paid at every admission and snapshot.
 
 
-def _pack(rows_per_layer):
-    """One fp32 vector from each KDA layer's {key: rows}: layer order, then sorted keys (the order
-    `_restore_slot` unpacks and `KVPools.kda_keys` sizes)."""
-    return jnp.concatenate([layer[k].astype(jnp.float32).reshape(-1) for layer in rows_per_layer
-                            for k in sorted(layer)])
+def _pack(rows):
+    """One fp32 vector from {key: [n_kda, ...] every KDA layer's entries}: sorted keys, then layer
+    order (the order `_restore_slot` unpacks and `KVPools.snapshot_size` sizes)."""
+    return jnp.concatenate([rows[k].astype(jnp.float32).reshape(-1) for k in sorted(rows)])
 
 
-def _slot_packed(kda_pools, slot):
-    return _pack([{k: v[slot] for k, v in layer.items()} for layer in kda_pools])
+def _rows_of(kda_pool, slot, n_kda):
+    """Row indices of `slot` in every KDA layer of the pool (`kimik3.caches.PagedPools`)."""
+    s = kda_pool["state"].shape[0] // n_kda
+    return slot + jnp.arange(n_kda, dtype=jnp.int32) * s
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _restore_slot(kda_pools, slot, packed):
-    """Every KDA layer's rows of `slot` from one packed vector (pools donated: written in place)."""
-    out, off = [], 0
-    for layer in kda_pools:
-        new = {}
-        for k in sorted(layer):
-            shape = layer[k].shape[1:]
-            n = int(np.prod(shape))
-            new[k] = layer[k].at[slot].set(packed[off:off + n].reshape(shape).astype(layer[k].dtype))
-            off += n
-        out.append(new)
-    return tuple(out)
+@functools.partial(jax.jit, static_argnames=("n_kda",), donate_argnums=(0,))
+def _restore_slot(kda_pool, slot, packed, *, n_kda):
+    """Every KDA layer's rows of `slot` from one packed vector (pool donated: written in place)."""
+    rows, out, off = _rows_of(kda_pool, slot, n_kda), {}, 0
+    for k in sorted(kda_pool):
+        shape = (n_kda,) + kda_pool[k].shape[1:]
+        n = int(np.prod(shape))
+        out[k] = kda_pool[k].at[rows].set(packed[off:off + n].reshape(shape).astype(kda_pool[k].dtype))
+        off += n
+    return out
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _save_slot(snapshots, block, kda_pools, slot):
+def _slot_packed(kda_pool, slot, n_kda):
+    rows = _rows_of(kda_pool, slot, n_kda)
+    return _pack({k: v[rows] for k, v in kda_pool.items()})
+
+
+@functools.partial(jax.jit, static_argnames=("n_kda",), donate_argnums=(0,))
+def _save_slot(snapshots, block, kda_pool, slot, *, n_kda):
     """snapshots[block] = every KDA layer's rows of `slot`, packed (snapshots donated)."""
-    return snapshots.at[block].set(_slot_packed(kda_pools, slot))
+    return snapshots.at[block].set(_slot_packed(kda_pool, slot, n_kda))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _save_export(snapshots, block, exports, index):
     """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed."""
-    return snapshots.at[block].set(_pack([{k: v[0, index] for k, v in layer.items()} for layer in exports]))
+    return snapshots.at[block].set(_pack({k: jnp.stack([layer[k][0, index] for layer in exports])
+                                          for k in exports[0]}))
 
 
-_slot_rows = jax.jit(_slot_packed)
+_slot_rows = jax.jit(_slot_packed, static_argnames=("n_kda",))
 
 
-@jax.jit
-def _read_pages(mla_pools, index):
+def _page_rows(pages, index, n_mla):
+    """[n, n_mla] page indices of pages `index` in every MLA layer of the pool."""
+    return index[:, None] + jnp.arange(n_mla, dtype=jnp.int32)[None] * (pages.shape[0] // n_mla)
+
+
+@functools.partial(jax.jit, static_argnames=("n_mla",))
+def _read_pages(pages, index, *, n_mla):
     """[n, n_mla, page, D] fp32: pages `index` of every MLA layer, in one gather."""
-    return jnp.stack([layer[index].astype(jnp.float32) for layer in mla_pools], 1)
+    return pages[_page_rows(pages, index, n_mla)].astype(jnp.float32)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_pages(mla_pools, index, data):
-    """Pages `index` of every MLA layer from data [n, n_mla, page, D] (pools donated)."""
-    return tuple(layer.at[index].set(data[:, k].astype(layer.dtype)) for k, layer in enumerate(mla_pools))
+@functools.partial(jax.jit, static_argnames=("n_mla",), donate_argnums=(0,))
+def _write_pages(pages, index, data, *, n_mla):
+    """Pages `index` of every MLA layer from data [n, n_mla, page, D] (pool donated)."""
+    return pages.at[_page_rows(pages, index, n_mla)].set(data.astype(pages.dtype))
 
 
 def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype) -> int:
@@ -117,12 +127,14 @@ class MLAPageStore:
         self.dtype = np.dtype(jnp.dtype(kv.dtype).name if kv.dtype != jnp.bfloat16 else "float32")
 
     def read(self, blocks):
-        stacked = np.asarray(_read_pages(self.kv.mla_pools(), jnp.asarray(blocks, jnp.int32)))
+        stacked = np.asarray(_read_pages(self.kv.pools["mla"]["pages"], jnp.asarray(blocks, jnp.int32),
+                                         n_mla=len(self.kv.mla_layers)))
         return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
 
     def write(self, blocks, arrays):
-        pools = _write_pages(self.kv.mla_pools(), jnp.asarray(blocks, jnp.int32), jnp.asarray(np.stack(arrays)))
-        self.kv.set_layers(self.kv.mla_layers, [{"pages": p} for p in pools])
+        pages = _write_pages(self.kv.pools["mla"]["pages"], jnp.asarray(blocks, jnp.int32),
+                             jnp.asarray(np.stack(arrays)), n_mla=len(self.kv.mla_layers))
+        self.kv.pools = dict(self.kv.pools, mla={"pages": pages})
 
 
 class SnapshotStore:
@@ -154,26 +166,12 @@ class KVPools:
         self.pools = model.init_paged_cache(cfg, num_pages, num_slots + 1, page_tokens, dtype)
         if commit:
             self.pools = jax.device_put(self.pools, next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices())))
-        kda0 = self.pools["layers"][self.kda_layers[0]] if self.kda_layers else {}
-        self.kda_keys = sorted(kda0)
-        self.snapshot_size = sum(int(np.prod(kda0[k].shape[1:])) for k in self.kda_keys) * len(self.kda_layers)
+        n_kda = len(self.kda_layers)
+        self.kda_keys = sorted(self.pools["kda"])
+        self.snapshot_size = sum(int(np.prod(v.shape[1:])) for v in self.pools["kda"].values()) * n_kda
         self.pages = MLAPageStore(self)
         self.snapshots = SnapshotStore(self, num_snapshots)
         self._zeros = None  # a fresh request's packed state, made once
-
-    # ---- the pools' layers by kind ------------------------------------------------------------------
-    def kda_pools(self) -> tuple:
-        return tuple(self.pools["layers"][i] for i in self.kda_layers)
-
-    def mla_pools(self) -> tuple:
-        return tuple(self.pools["layers"][i]["pages"] for i in self.mla_layers)
-
-    def set_layers(self, indices, layers) -> None:
-        """Replace the pools of layers `indices` (after a program that donated them)."""
-        new = list(self.pools["layers"])
-        for i, layer in zip(indices, layers):
-            new[i] = layer
-        self.pools = {"layers": tuple(new)}
 
     # ---- moves (one program each) -------------------------------------------------------------------
     def restore_state(self, slot: int, snapshot_block: int | None) -> None:
@@ -184,14 +182,15 @@ class KVPools:
             packed = self._zeros
         else:
             packed = self.snapshots.data[snapshot_block]
-        self.set_layers(self.kda_layers, _restore_slot(self.kda_pools(), jnp.int32(slot), packed))
+        self.pools = dict(self.pools, kda=_restore_slot(self.pools["kda"], jnp.int32(slot), packed,
+                                                         n_kda=len(self.kda_layers)))
 
     def packed_state(self, slot: int):
-        return _slot_rows(self.kda_pools(), jnp.int32(slot))
+        return _slot_rows(self.pools["kda"], jnp.int32(slot), n_kda=len(self.kda_layers))
 
     def save_state(self, slot: int, snapshot_block: int) -> None:
-        self.snapshots.data = _save_slot(self.snapshots.data, jnp.int32(snapshot_block), self.kda_pools(),
-                                         jnp.int32(slot))
+        self.snapshots.data = _save_slot(self.snapshots.data, jnp.int32(snapshot_block), self.pools["kda"],
+                                         jnp.int32(slot), n_kda=len(self.kda_layers))
 
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position

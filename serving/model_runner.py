@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimik3 import fused, model
+from kimik3 import fused, model, stacked
 from kimik3.config import ModelConfig
 from serving.sampling import SamplingParams, sample_tokens, seed_words
 
@@ -96,7 +96,7 @@ def _decode_body(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: b
     new = sample_tokens(logits[:, -1], io["temperature"], io["top_p"], io["seed"], io["lengths"] + 1, greedy=greedy)
     active = io["active"] > 0
     io = dict(io, tokens=jnp.where(active, new, io["tokens"]), lengths=io["lengths"] + io["active"])
-    return {"layers": view["layers"]}, io
+    return model.pools_of(view), io
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy"), donate_argnames=("pools", "io"))
@@ -276,16 +276,20 @@ class ModelRunner:
     The pools live in a `serving.kv_pools.KVPools`; every call threads `kv.pools` through."""
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
-                 page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int):
+                 page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
+                 scan_layers: bool = True):
         self.cfg, self.kernels, self.role, self.num_slots = cfg, kernels, role, num_slots
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
-        if mesh is not None and fused.is_fused(params):
-            raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's")
+        if mesh is not None and (fused.is_fused(params) or stacked.is_stacked(params)):
+            raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's or "
+                             "kimik3.stacked's")
         self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens,
                                                                max_step_tokens)
         self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
-        # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`).
-        self.params = params if mesh is not None else fused.fuse_projections(params, cfg)
+        # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`)
+        # and, with scan_layers, the repeated periods as one scan step (`kimik3.stacked`: each
+        # whole-model program compiles about half the blocks).
+        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=scan_layers)
         self.decode = DecodeRunner(cfg, kernels)
 
     def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):
@@ -391,7 +395,7 @@ class ModelRunner:
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
         logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
                                           **self.step_static())
-        kv.pools = {"layers": view["layers"]}
+        kv.pools = model.pools_of(view)
         return np.asarray(logits[:, -1], np.float32), view.get("exports")
 
     def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None) -> int:
@@ -445,7 +449,7 @@ class ModelRunner:
             list(pool.map(lambda job: job(), jobs))
         for shape in unsharded:
             logits, view = model.forward_step(*step_args(shape), **static)
-            kv.pools = {"layers": view["layers"]}
+            kv.pools = model.pools_of(view)
             jax.block_until_ready(logits)
         for b in decode:
             kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b))

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from kimik3 import model
+from kimik3.caches import kind_index
 from kimik3.config import ModelConfig
 # The MLA layer's own paged read / write (pallas_kernels.mla, re-exported where the layer uses them).
 from kimik3.layers.mla import gather_pages, write_latent
@@ -59,9 +60,10 @@ def contiguous_cache(view, *, cfg: ModelConfig):
     MLA latent [B, max_pages * page, R] (the rows of each row's pages, in block-table order),
     KDA state / conv rows of each row's slot, lengths [B]."""
     tables, slots = view["block_tables"], view["slots"]
-    layers = tuple({k: v[slots] for k, v in layer.items()} if kind == "kda" else
-                   {"latent": gather_pages(layer["pages"], tables)}
-                   for kind, layer in zip(cfg.mixer_kinds, view["layers"]))
+    num_slots, num_pages = model.pool_offsets(cfg, view)
+    layers = tuple({k: v[slots + kind_index(cfg, i) * num_slots] for k, v in view["kda"].items()} if kind == "kda"
+                   else {"latent": gather_pages(view["mla"]["pages"], tables + kind_index(cfg, i) * num_pages)}
+                   for i, kind in enumerate(cfg.mixer_kinds))
     return {"lengths": view["lengths"], "layers": layers}
 
 
@@ -80,13 +82,18 @@ def new_entries(cache, *, cfg: ModelConfig, t: int):
 def write_back(view, delta, *, cfg: ModelConfig):
     """Write `new_entries` into the pools of a paged view: latent rows [B, t, R] into the pages at
     positions lengths + arange(t) (through the block tables), KDA rows into their slots.
-    Returns the new pools ``{"layers": ...}``."""
+    Returns the new pools (`kimik3.model.init_paged_cache`'s layout)."""
     t = next((d["rows"].shape[1] for d in delta if "rows" in d), 0)
     positions = view["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    layers = tuple({k: pool[k].at[view["slots"]].set(new[k].astype(pool[k].dtype)) for k in pool} if kind == "kda"
-                   else {"pages": write_latent(pool["pages"], new["rows"], view["block_tables"], positions)}
-                   for kind, pool, new in zip(cfg.mixer_kinds, view["layers"], delta))
-    return {"layers": layers}
+    num_slots, num_pages = model.pool_offsets(cfg, view)
+    kda, pages = dict(view["kda"]), view["mla"]["pages"]
+    for i, (kind, new) in enumerate(zip(cfg.mixer_kinds, delta)):
+        k = kind_index(cfg, i)
+        if kind == "kda":
+            kda = {key: kda[key].at[view["slots"] + k * num_slots].set(new[key].astype(kda[key].dtype)) for key in kda}
+        else:
+            pages = write_latent(pages, new["rows"], view["block_tables"] + k * num_pages, positions)
+    return {"kda": kda, "mla": {"pages": pages}}
 
 
 def helper_programs() -> int:

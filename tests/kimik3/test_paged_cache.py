@@ -27,7 +27,7 @@ def test_paged_pieces_equal_the_contiguous_cache(rng, tiny_cfg, tiny_params, ker
         want, contiguous = model.forward(tiny_params, tiny_cfg, toks[:, lo:hi], cache=contiguous, kernels="reference")
         got, view = model.forward(tiny_params, tiny_cfg, toks[:, lo:hi], kernels=kernels,
                                   cache=model.paged_view(pools, table, slots, lengths))
-        pools, lengths = {"layers": view["layers"]}, np.asarray(view["lengths"])
+        pools, lengths = model.pools_of(view), np.asarray(view["lengths"])
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     assert lengths.tolist() == [70, 70]
 
@@ -38,16 +38,18 @@ def test_second_request_resumes_from_shared_pages_and_a_kda_snapshot(rng, tiny_c
     table_a = np.array([[3, 6, 9]], np.int32)
     # Request A: the shared prefix (2 full pages), snapshot its KDA state, then its own tail.
     _, view = model.forward(tiny_params, tiny_cfg, prefix, cache=model.paged_view(pools, table_a, [0], [0]))
-    snapshot = {i: dict(layer) for i, layer in enumerate(view["layers"]) if tiny_cfg.mixer_kind(i) == "kda"}
+    snapshot = {i: dict(layer) for i, layer in enumerate(model.pool_layers(tiny_cfg, view))
+                if tiny_cfg.mixer_kind(i) == "kda"}
     _, view = model.forward(tiny_params, tiny_cfg, tail_a, cache=model.paged_view(view, table_a, [0], [2 * PAGE]))
-    pools = {"layers": view["layers"]}
-    # Request B: same prefix pages (shared, read-only), its KDA slot 2 restored from A's snapshot row 0.
-    layers = list(pools["layers"])
-    for i, snap in snapshot.items():
-        layers[i] = {k: layers[i][k].at[2].set(snap[k][0]) for k in layers[i]}
+    pools = model.pools_of(view)
+    # Request B: same prefix pages (shared, read-only), its KDA slot 2 restored from A's snapshot row 0
+    # (KDA layer k's slot s is row k * num_slots + s of the pool).
+    kda = dict(pools["kda"])
+    for k, snap in enumerate(snapshot.values()):
+        kda = {key: kda[key].at[k * 4 + 2].set(snap[key][0]) for key in kda}
     table_b = np.array([[3, 6, 1]], np.int32)  # pages 3 and 6 shared with A; page 1 its own
     logits_b, _ = model.forward(tiny_params, tiny_cfg, tail_b,
-                                cache=model.paged_view({"layers": tuple(layers)}, table_b, [2], [2 * PAGE]))
+                                cache=model.paged_view(dict(pools, kda=kda), table_b, [2], [2 * PAGE]))
     # The oracle for B: its whole prompt with no cache at all.
     want, _ = model.forward(tiny_params, tiny_cfg, np.concatenate([prefix, tail_b], 1))
     np.testing.assert_allclose(logits_b, want[:, 2 * PAGE:], atol=ATOL, rtol=0)
@@ -78,7 +80,8 @@ def test_one_pass_exports_every_kda_layer_as_a_replay_leaves_it(rng, tiny_cfg, t
                                   cache=model.paged_view(pools, table, slot, [0]))
         for exported, i in zip(out["exports"], kda_layers):
             for key, rows in exported.items():
-                np.testing.assert_allclose(rows[0, e], replay["layers"][i][key][1], atol=ATOL, rtol=ATOL)
+                np.testing.assert_allclose(rows[0, e], model.pool_layers(tiny_cfg, replay)[i][key][1], atol=ATOL,
+                                           rtol=ATOL)
     assert all(not np.asarray(rows[0, 2]).any() for exported in out["exports"] for rows in exported.values())
 
 
@@ -109,21 +112,23 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
                                     cache=model.paged_view(pools, tables[b:b + 1], slots[b:b + 1], [0],
                                                            export_at=[64, -1]))
         np.testing.assert_allclose(got[b, -1], want[0, -1], atol=ATOL, rtol=0)
+        out_layers, alone_layers = model.pool_layers(tiny_cfg, out), model.pool_layers(tiny_cfg, alone)
         for i, kind in enumerate(tiny_cfg.mixer_kinds):
-            for key, pool in out["layers"][i].items():
+            for key, pool in out_layers[i].items():
                 if kind == "kda":
-                    np.testing.assert_allclose(pool[slots[b]], alone["layers"][i][key][slots[b]], atol=ATOL, rtol=0)
+                    np.testing.assert_allclose(pool[slots[b]], alone_layers[i][key][slots[b]], atol=ATOL, rtol=0)
                 else:
                     rows = np.asarray(pool[pages]).reshape(-1, pool.shape[-1])[:n]
-                    np.testing.assert_allclose(rows, np.asarray(alone["layers"][i][key][pages])
+                    np.testing.assert_allclose(rows, np.asarray(alone_layers[i][key][pages])
                                                .reshape(-1, pool.shape[-1])[:n], atol=ATOL, rtol=0)
         for padded, single in zip(out["exports"], alone["exports"]):
             for key in padded:
                 np.testing.assert_allclose(padded[key][b], single[key][0], atol=ATOL, rtol=0)
     for i, kind in enumerate(tiny_cfg.mixer_kinds):
         if kind == "mla":
+            pages_i = model.pool_layers(tiny_cfg, out)[i]["pages"]
             untouched = sorted(set(range(16)) - used)
-            assert not np.asarray(out["layers"][i]["pages"][np.array(untouched)]).any()
+            assert not np.asarray(pages_i[np.array(untouched)]).any()
             for b, n in enumerate(valid):  # the last real page holds nothing past the real tokens
                 last = tables[b, (n - 1) // PAGE]
-                assert not np.asarray(out["layers"][i]["pages"][last, n % PAGE or PAGE:]).any()
+                assert not np.asarray(pages_i[last, n % PAGE or PAGE:]).any()

@@ -388,3 +388,26 @@ def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_bac
     assert tight.preemptions >= 1 and tight.offloaded_resumes >= 1
     assert [r.error for r in got] == [None] * len(work)
     assert [r.output for r in got] == [r.output for r in want]
+
+
+def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng):
+    """12 layers (two periods scanned, `kimik3.stacked`): batched decode, chunked prefill and a
+    second turn restored from a KDA snapshot and shared pages give the unrolled oracle's tokens."""
+    import dataclasses
+
+    from kimik3 import config, model, stacked
+    from tests.conftest import perturb_identity_leaves
+
+    cfg = dataclasses.replace(config.tiny(), n_layers=12)
+    params = perturb_identity_leaves(model.init_params(cfg, jax.random.PRNGKey(4), "float32"), seed=9)
+    eng = _engine(params, cfg)
+    assert stacked.is_stacked(eng.params)
+    turn1 = tokenizer.apply_chat_template([tokenizer.Message("user", "y" * 70)])
+    reqs = [eng.submit(turn1, 5), eng.submit(rng.integers(0, 256, 23).tolist(), 5)]
+    eng.run(max_steps=100)
+    turn2 = turn1 + reqs[0].output + tokenizer.apply_chat_template([tokenizer.Message("user", "z")])[1:]
+    r2 = eng.submit(turn2, 4)
+    eng.run(max_steps=100)
+    assert r2.cached_tokens > 0
+    for r in reqs + [r2]:
+        assert r.error is None and r.output == _oracle(params, cfg, r.prompt, len(r.output))

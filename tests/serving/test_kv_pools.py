@@ -22,7 +22,8 @@ def _fill(kv, rng):
 
 
 def _slot(kv, slot):
-    return {i: {k: np.asarray(v[slot]) for k, v in kv.pools["layers"][i].items()} for i in kv.kda_layers}
+    layers = model.pool_layers(kv.cfg, kv.pools)
+    return {i: {k: np.asarray(v[slot]) for k, v in layers[i].items()} for i in kv.kda_layers}
 
 
 def test_save_then_restore_moves_every_kda_layer_of_a_slot(rng, tiny_cfg):
@@ -62,7 +63,7 @@ def test_an_export_is_packed_as_the_slot_it_equals(rng, tiny_cfg, tiny_params):
                                                                                 export_at=[64, -1]))
     kv.save_export(out["exports"], 0, 3)
     _, alone = model.forward(tiny_params, tiny_cfg, toks[:, :64], cache=model.paged_view(kv.pools, table, slot, [0]))
-    kv.pools = {"layers": alone["layers"]}
+    kv.pools = model.pools_of(alone)
     np.testing.assert_allclose(np.asarray(kv.snapshots.data[3]), np.asarray(kv.packed_state(1)), atol=2e-4, rtol=0)
 
 
@@ -74,4 +75,4 @@ def test_pages_round_trip_through_the_block_store(rng, tiny_cfg):
     np.testing.assert_array_equal(got[0], blocks[1])
     np.testing.assert_array_equal(got[1], blocks[0])
     for k, i in enumerate(kv.mla_layers):
-        np.testing.assert_array_equal(np.asarray(kv.pools["layers"][i]["pages"][5]), blocks[0][k])
+        np.testing.assert_array_equal(np.asarray(model.pool_layers(kv.cfg, kv.pools)[i]["pages"][5]), blocks[0][k])
