@@ -161,8 +161,8 @@ def main():
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
     ap.add_argument("--unrolled", action="store_true",
-                    help="every layer unrolled in the programs (EngineConfig.scan_layers=False; default: the "
-                         "repeated periods as one scan step, kimik3.stacked)")
+                    help="prefill programs unrolled too (EngineConfig.scan_layers=False; default: they scan the "
+                         "repeated periods, kimik3.stacked; decode programs are unrolled either way)")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
@@ -174,8 +174,7 @@ def main():
     args.max_load = max(loads)
     args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
     cfg = config.get_config(args.config)
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg,  # what engines run
-                                     scan=not args.unrolled)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, scan=False)  # what engines run
     xla_copy_gbs = common.copy_gbs()
     torch_gbs = common.torch_copy_gbs()
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs

@@ -107,7 +107,7 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None):
 def main(spec: DemoSpec, out_dir: str) -> str:
     cfg = config.get_config(spec.config)
     # the serving layout once, shared by every engine (each would otherwise fuse its own copy)
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg, scan=False)
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements

@@ -95,8 +95,10 @@ class EngineConfig:
     publish_to_host: write each finished request's pages and snapshots to the host tier at once
     (a shared store then serves them to other engines), not only when they are evicted.
     dispatch: the sharded MoE's all-to-all ("auto", "dense", "ragged"; see `sharding.layers`).
-    scan_layers: unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one scan
-    step over stacked weights (`kimik3.stacked`; same tokens, fewer blocks to compile)."""
+    scan_layers: unsharded prefill programs run the repeated [KDA, KDA, KDA, MLA] periods as one
+    scan step over a stacked copy of their weights (`kimik3.stacked`; same tokens, about half
+    the blocks to compile per prefill shape); decode programs read the unrolled layers (see
+    `serving.model_runner.ModelRunner`)."""
 
     num_pages: int
     num_slots: int = 8
@@ -190,8 +192,8 @@ class Engine:
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     pools = property(lambda self: self.kv.pools, lambda self, v: setattr(self.kv, "pools", v))
-    # What this engine runs: the runner's layout (`kimik3.stacked.serving_layout` unless sharded).
-    # Pass params already in that layout to share one copy between engines.
+    # What this engine runs: the runner's layout (`kimik3.stacked.serving_layout(scan=False)` unless
+    # sharded).  Pass params already in that layout to share one copy between engines.
     params = property(lambda self: self.runner.params)
     pages = property(lambda self: self.kv.pages)
     snapshots = property(lambda self: self.kv.snapshots)

@@ -286,10 +286,15 @@ class ModelRunner:
         self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens,
                                                                max_step_tokens)
         self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
-        # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`)
-        # and, with scan_layers, the repeated periods as one scan step (`kimik3.stacked`: each
-        # whole-model program compiles about half the blocks).
-        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=scan_layers)
+        # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`).
+        # Decode programs read the layers unrolled: inside a scan each period's weights are sliced
+        # out of the stack by a copy (every expert's, too), which doubled the bytes of a
+        # weight-bound step on the H200.  With scan_layers the prefill programs read a second copy
+        # with the periods stacked (`kimik3.stacked`): a compute-bound chunk hides the slice copies,
+        # and each prefill shape compiles about half the blocks.
+        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=False)
+        self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers and mesh is None
+                               else self.params)
         self.decode = DecodeRunner(cfg, kernels)
 
     def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):
@@ -393,7 +398,7 @@ class ModelRunner:
         view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
                                 valid=[n] * b)
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
-        logits, view = model.forward_step(self.params, jnp.asarray(tokens), positions, view, images,
+        logits, view = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
                                           **self.step_static())
         kv.pools = model.pools_of(view)
         return np.asarray(logits[:, -1], np.float32), view.get("exports")
@@ -425,7 +430,7 @@ class ModelRunner:
             b, t = shape
             view = model.paged_view(kv.pools, *rows(b), self.export_at(t), valid=[t] * b)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-            return self.params, jnp.zeros((b, t), jnp.int32), positions, view, None
+            return self.prefill_params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
         def decode_rows(b):  # padding only: writes land in the scratch slot and the null page
             return DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,

@@ -79,12 +79,13 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
         step, after = model.forward_step(p, toks[:, -1:], np.asarray(out["lengths"])[:, None], view, None,
                                          cfg=deep_cfg, expert_path="grouped", kernels=kernels, logits_tail=1)
         outs.append((logits, out["exports"], step, model.pools_of(after)))
-    (want_logits, want_exports, want_step, want_pools), (logits, exports, step, got_pools) = outs
-    assert len(exports) == deep_cfg.mixer_kinds.count("kda")
-    np.testing.assert_array_equal(logits, want_logits)
-    np.testing.assert_array_equal(step, want_step)
-    jax.tree.map(np.testing.assert_array_equal, exports, want_exports)
-    jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
+    (want_logits, want_exports, want_step, want_pools), *scanned = outs
+    for logits, exports, step, got_pools in scanned:
+        assert len(exports) == deep_cfg.mixer_kinds.count("kda")
+        np.testing.assert_array_equal(logits, want_logits)
+        np.testing.assert_array_equal(step, want_step)
+        jax.tree.map(np.testing.assert_array_equal, exports, want_exports)
+        jax.tree.map(np.testing.assert_array_equal, got_pools, want_pools)
     # and the rows moved: every KDA layer's slots and every MLA layer's first pages were written
     for i, layer in enumerate(model.pool_layers(deep_cfg, got_pools)):
         before = model.pool_layers(deep_cfg, pools)[i]

@@ -391,8 +391,9 @@ def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_bac
 
 
 def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng):
-    """12 layers (two periods scanned, `kimik3.stacked`): batched decode, chunked prefill and a
-    second turn restored from a KDA snapshot and shared pages give the unrolled oracle's tokens."""
+    """12 layers (two periods scanned in the prefill programs, `kimik3.stacked`): batched decode,
+    chunked prefill and a second turn restored from a KDA snapshot and shared pages give the
+    unrolled oracle's tokens."""
     import dataclasses
 
     from kimik3 import config, model, stacked
@@ -401,7 +402,8 @@ def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng):
     cfg = dataclasses.replace(config.tiny(), n_layers=12)
     params = perturb_identity_leaves(model.init_params(cfg, jax.random.PRNGKey(4), "float32"), seed=9)
     eng = _engine(params, cfg)
-    assert stacked.is_stacked(eng.params)
+    # prefill programs scan (weights stacked inside them), decode programs read the unrolled layers
+    assert stacked.is_stacked(eng.runner.prefill_params) and not stacked.is_stacked(eng.params)
     turn1 = tokenizer.apply_chat_template([tokenizer.Message("user", "y" * 70)])
     reqs = [eng.submit(turn1, 5), eng.submit(rng.integers(0, 256, 23).tolist(), 5)]
     eng.run(max_steps=100)
