@@ -179,11 +179,30 @@ def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):
     return r, p, page
 
 
-def _decode_blocking(rows: int):
+SMEM_BYTES = 232_448  # shared memory per block on H100 / H200 (227 KiB)
+
+
+def decode_smem_bytes(block_m: int, block_k: int, num_stages: int, width: int, itemsize: int) -> int:
+    """Shared memory of one decode program: `num_stages` key tiles [block_k, width] and the
+    queries [block_m, width] (width = kv_lora + rope), plus 1 KiB of Triton's own.  Matches
+    the H200's report for fp32 at block (64, 32), 2 stages, width 576: 295,936 bytes."""
+    return (num_stages * block_k + block_m) * width * itemsize + 1024
+
+
+def _decode_blocking(rows: int, width: int = 576, itemsize: int = 2, num_stages: int = 2):
     """(block_m, block_k, num_warps) by rows = heads x query tokens, from H200 runs
     (RESULTS.md): 16-row blocks for few rows (H16); 64-row blocks with 32-key steps and
-    8 warps once there are 64 rows to fill them (H96 B16 ctx8k: 0.262 vs 0.337 ms)."""
-    return (64, 32, 8) if rows >= 64 else (16, 64, 4)
+    8 warps once there are 64 rows to fill them (H96 B16 ctx8k: 0.262 vs 0.337 ms).  Wider
+    elements (fp32) halve the rows, then the keys, until the tiles fit `SMEM_BYTES`."""
+    block_m, block_k, warps = (64, 32, 8) if rows >= 64 else (16, 64, 4)
+    while decode_smem_bytes(block_m, block_k, num_stages, width, itemsize) > SMEM_BYTES:
+        if block_m > 16:
+            block_m //= 2
+        elif block_k > 16:
+            block_k //= 2
+        else:
+            break  # the caller's check names the shape
+    return block_m, block_k, warps
 
 
 def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=None,
@@ -202,9 +221,9 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
       block_m / block_k / block_v / num_warps / num_stages: rows (heads x queries) per
         program, keys per step, value columns per program (default all kv_lora; a power
         of two dividing it), warps, pipeline stages; None picks by heads x queries
-        (`_decode_blocking`).  Shared memory holds num_stages
-        key tiles of block_k x (kv_lora + rope) plus the queries: 64 rows with
-        block_k 64 and 2 stages need ~250-290 KiB, over H200's 227 KiB.
+        (`_decode_blocking`, which shrinks blocks for fp32).  Shared memory holds num_stages
+        key tiles of block_k x (kv_lora + rope) plus the queries (`decode_smem_bytes`):
+        a choice over the H200's 227 KiB is refused before any launch.
     Returns:
       o_latent [B, Sq, H, kv_lora] in q_latent's dtype, lse fp32 [B, Sq, H].
     Raises:
@@ -215,11 +234,17 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
     if not (_is_pow2(r) and _is_pow2(p) and r >= 16 and p >= 16):
         raise ValueError(f"kv_lora and rope dims must be powers of two >= 16; got {r}, {p}")
-    auto_m, auto_k, auto_warps = _decode_blocking(sq * h)
+    itemsize = jnp.dtype(latent_pages.dtype).itemsize
+    auto_m, auto_k, auto_warps = _decode_blocking(sq * h, r + p, itemsize, num_stages)
     block_m, num_warps = block_m or auto_m, num_warps or auto_warps
     block_k = min(block_k or auto_k, page)
     if page % block_k:
         raise ValueError(f"page size {page} must be a multiple of block_k {block_k}")
+    smem = decode_smem_bytes(block_m, block_k, num_stages, r + p, itemsize)
+    if smem > SMEM_BYTES:
+        raise ValueError(f"mla_decode: block_m {block_m} x block_k {block_k} x {num_stages} stages needs {smem} "
+                         f"bytes of shared memory at kv_lora + rope = {r + p} ({latent_pages.dtype}); a block "
+                         f"has {SMEM_BYTES}")
     block_v = r if block_v is None else block_v
     if not (_is_pow2(block_v) and 16 <= block_v <= r):
         raise ValueError(f"block_v must be a power of two in [16, kv_lora={r}]; got {block_v}")

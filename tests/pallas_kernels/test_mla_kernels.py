@@ -155,3 +155,25 @@ class TestBadInput:
             mla_decode(ql, qp[..., :8], pages, table, jnp.asarray([5, 5]), scale=0.1)
         with pytest.raises(ValueError, match="cu_seqlens"):
             mla_prefill(ql[0], ql[0], ql[0], cu_seqlens=[0, 2, 1], scale=0.1, rope_dim=16)
+
+
+@pytest.mark.parametrize("rows", [16, 64, 96 * 4])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_decode_blocking_fits_shared_memory_at_model_dims(rows, itemsize):
+    """The Triton decode's blocks fit an H200 block's shared memory at `small`'s and the full
+    model's latent width (512 + 64) in bf16 and fp32: fp32 at (64, 32) asked for 295,936 bytes
+    on the H200 (the fp32 `small` oracle on the GPU), which `decode_smem_bytes` reproduces."""
+    from pallas_kernels.mla import SMEM_BYTES, _decode_blocking, decode_smem_bytes
+
+    assert decode_smem_bytes(64, 32, 2, 576, 4) == 295_936
+    block_m, block_k, _ = _decode_blocking(rows, 576, itemsize)
+    assert decode_smem_bytes(block_m, block_k, 2, 576, itemsize) <= SMEM_BYTES
+    if itemsize == 2:  # bf16 keeps the blocking measured on the H200
+        assert (block_m, block_k) == ((64, 32) if rows >= 64 else (16, 64))
+
+
+def test_decode_refuses_blocks_over_shared_memory(rng):
+    pages, table = _paged(rng, 2, 8, 64, 576, 3)
+    ql, qp = _rand(rng, 2, 1, 64, 512), _rand(rng, 2, 1, 64, 64)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_decode(ql, qp, pages.astype(jnp.float32), table, jnp.asarray([5, 5]), scale=0.1, block_m=64, block_k=64)
