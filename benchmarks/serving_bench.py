@@ -88,9 +88,11 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
             f.write(compiled.as_text())
     profile = common.profile_kernels(step, top=30) if args.profile_step else []
 
-    # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device).
-    runner = DecodeRunner(cfg, eng.kernels)
-    held = {"pools": pools[0], "rows": DecodeRows.build(b, [0] * b, rows[0].tolist(), rows[1].tolist(),
+    # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device),
+    # at the engine's bucket for b requests (at least 8 rows: a one-row step would also meet XLA's
+    # dot strength reduction, broadcast-multiply + reduce, which writes every weight-sized product).
+    runner, bucket = DecodeRunner(cfg, eng.kernels), eng.runner.decode_bucket(b)
+    held = {"pools": pools[0], "rows": DecodeRows.build(bucket, [0] * b, rows[0].tolist(), rows[1].tolist(),
                                                           rows[2].tolist(), [GREEDY] * b, max_pages=eng.max_pages,
                                                           null_page=0, scratch_slot=eng.scratch_slot)}
 
@@ -121,16 +123,16 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     async_ms = async_steps()
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
-        held["pools"], runner._io[b] = decode_program(params, held["pools"], runner._io[b], cfg=cfg,
-                                                       kernels=eng.kernels, greedy=True)
-        return runner._io[b]["tokens"]
+        held["pools"], runner._io[bucket] = decode_program(params, held["pools"], runner._io[bucket], cfg=cfg,
+                                                            kernels=eng.kernels, greedy=True)
+        return runner._io[bucket]["tokens"]
 
     replay_ms, replay_host_ms = common.time_pipelined(replay, iters=10)
     weights = sizing.weight_bytes(cfg, quantization.BF16)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
-    return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", async_step_ms=async_ms,
+    return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", decode_bucket=bucket, async_step_ms=async_ms,
                 runner_step_ms=runner_ms, runner_overwrites=overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
