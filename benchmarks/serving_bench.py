@@ -42,7 +42,7 @@ def make(params, cfg, mode, args):
                       page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
                       max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
                       prefill_chunk_tokens=args.chunk, kernels=args.kernels,
-                      prefill_tokens_while_decoding=args.prefill_while_decoding, scan_layers=not args.unrolled)
+                      prefill_tokens_while_decoding=args.prefill_while_decoding, scan_layers=args.scan)
     if mode == "colocated":
         return Engine(params, cfg, ec)
     return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
@@ -162,9 +162,8 @@ def main():
                     help="batches of the decode-step section, e.g. 1,32 (default: the largest load)")
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
-    ap.add_argument("--unrolled", action="store_true",
-                    help="prefill programs unrolled too (EngineConfig.scan_layers=False; default: they scan the "
-                         "repeated periods, kimik3.stacked; decode programs are unrolled either way)")
+    ap.add_argument("--scan", default="prefill", choices=("prefill", "all", "none"),
+                    help="EngineConfig.scan_layers: which programs scan the repeated periods (kimik3.stacked)")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()
@@ -176,7 +175,8 @@ def main():
     args.max_load = max(loads)
     args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
     cfg = config.get_config(args.config)
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, scan=False)  # what engines run
+    # the layout the engines' decode programs read (the decode section times those programs)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, scan=args.scan == "all")
     xla_copy_gbs = common.copy_gbs()
     torch_gbs = common.torch_copy_gbs()
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs

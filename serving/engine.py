@@ -71,7 +71,7 @@ from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
 from serving import kv_pools
 from serving.kv_pools import KVPools
-from serving.model_runner import DecodeRows, ModelRunner
+from serving.model_runner import SCAN_CHOICES, DecodeRows, ModelRunner
 from serving.sampling import GREEDY, SamplingParams, choose_token
 from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig, StepPlan
 
@@ -95,10 +95,10 @@ class EngineConfig:
     publish_to_host: write each finished request's pages and snapshots to the host tier at once
     (a shared store then serves them to other engines), not only when they are evicted.
     dispatch: the sharded MoE's all-to-all ("auto", "dense", "ragged"; see `sharding.layers`).
-    scan_layers: unsharded prefill programs run the repeated [KDA, KDA, KDA, MLA] periods as one
-    scan step over a stacked copy of their weights (`kimik3.stacked`; same tokens, about half
-    the blocks to compile per prefill shape); decode programs read the unrolled layers (see
-    `serving.model_runner.ModelRunner`)."""
+    scan_layers: which unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one
+    scan step over stacked weights (`kimik3.stacked`; same tokens, about half the blocks to
+    compile per shape): "prefill" (default; decode programs read the unrolled layers, see
+    `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none"."""
 
     num_pages: int
     num_slots: int = 8
@@ -114,7 +114,7 @@ class EngineConfig:
     role: str = "both"
     publish_to_host: bool = False
     dispatch: str = "auto"
-    scan_layers: bool = True
+    scan_layers: str = "prefill"
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -124,6 +124,8 @@ class EngineConfig:
         if self.step_tokens <= self.num_slots:
             raise ValueError(f"max_step_tokens ({self.step_tokens}) must exceed num_slots ({self.num_slots}): "
                              f"a step with every slot decoding must leave room for prefill")
+        if self.scan_layers not in SCAN_CHOICES:
+            raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1 (or None)")
 

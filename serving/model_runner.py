@@ -263,6 +263,9 @@ def compile_threads(jobs: int, *, cpu_count: int | None = None, available_bytes:
     return n
 
 
+SCAN_CHOICES = ("prefill", "all", "none")  # which unsharded programs scan the periods (`kimik3.stacked`)
+
+
 class ModelRunner:
     """Every jitted program one engine runs, and the shapes it runs them at.
 
@@ -277,7 +280,7 @@ class ModelRunner:
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
-                 scan_layers: bool = True):
+                 scan_layers: str = "prefill"):
         self.cfg, self.kernels, self.role, self.num_slots = cfg, kernels, role, num_slots
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
         if mesh is not None and (fused.is_fused(params) or stacked.is_stacked(params)):
@@ -287,13 +290,15 @@ class ModelRunner:
                                                                max_step_tokens)
         self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
         # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`).
-        # Decode programs read the layers unrolled: inside a scan each period's weights are sliced
-        # out of the stack by a copy (every expert's, too), which doubled the bytes of a
-        # weight-bound step on the H200.  With scan_layers the prefill programs read a second copy
-        # with the periods stacked (`kimik3.stacked`): a compute-bound chunk hides the slice copies,
-        # and each prefill shape compiles about half the blocks.
-        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=False)
-        self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers and mesh is None
+        # scan_layers "prefill": decode programs read the layers unrolled (inside a scan each
+        # period's weights are sliced out of the stack by a copy, every expert's too, which cost a
+        # weight-bound B32 step +1.3 ms on the H200), prefill programs a second copy with the
+        # periods stacked (`kimik3.stacked`: a compute-bound chunk hides the slice copies, and each
+        # prefill shape compiles about half the blocks).  "all": one stacked copy for both.
+        if scan_layers not in SCAN_CHOICES:
+            raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {scan_layers!r}")
+        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=scan_layers == "all")
+        self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
                                else self.params)
         self.decode = DecodeRunner(cfg, kernels)
 

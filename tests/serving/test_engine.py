@@ -390,7 +390,8 @@ def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_bac
     assert [r.output for r in got] == [r.output for r in want]
 
 
-def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng):
+@pytest.mark.parametrize("scan", ["prefill", "all"])
+def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng, scan):
     """12 layers (two periods scanned in the prefill programs, `kimik3.stacked`): batched decode,
     chunked prefill and a second turn restored from a KDA snapshot and shared pages give the
     unrolled oracle's tokens."""
@@ -401,9 +402,11 @@ def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng):
 
     cfg = dataclasses.replace(config.tiny(), n_layers=12)
     params = perturb_identity_leaves(model.init_params(cfg, jax.random.PRNGKey(4), "float32"), seed=9)
-    eng = _engine(params, cfg)
-    # prefill programs scan (weights stacked inside them), decode programs read the unrolled layers
-    assert stacked.is_stacked(eng.runner.prefill_params) and not stacked.is_stacked(eng.params)
+    with pytest.raises(ValueError, match="scan_layers"):
+        _engine(params, cfg, scan_layers="sometimes")
+    eng = _engine(params, cfg, scan_layers=scan)
+    # prefill programs read the stacked periods; decode programs the unrolled layers unless "all"
+    assert stacked.is_stacked(eng.runner.prefill_params) and stacked.is_stacked(eng.params) == (scan == "all")
     turn1 = tokenizer.apply_chat_template([tokenizer.Message("user", "y" * 70)])
     reqs = [eng.submit(turn1, 5), eng.submit(rng.integers(0, 256, 23).tolist(), 5)]
     eng.run(max_steps=100)
