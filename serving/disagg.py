@@ -57,13 +57,15 @@ class DisaggregatedServer:
             if pages is not None:
                 new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state,
                                         request_id=req.request_id, arrival_s=req.arrival_s,
-                                        stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images)
+                                        stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
+                                        cache_salt=req.cache_salt)
                 if new is None:
                     still.append((req, pages, state))
                     continue
             else:
                 new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id,
-                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images)
+                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
+                                         cache_salt=req.cache_salt)
                 new.arrival_s = req.arrival_s
             self._prefilled[req.request_id] = req
             self.requests[req.request_id] = new

@@ -77,7 +77,17 @@ from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig,
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "Request"]
+__all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt"]
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt) -> None:
+    """A tenant salt is None or a non-empty string of at most MAX_CACHE_SALT_CHARS; else ValueError."""
+    if salt is None:
+        return
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +268,17 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
-               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY, images=None) -> Request:
+               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY, images=None,
+               cache_salt: str | None = None) -> Request:
         """Queue a request.  Raises ValueError for a prompt the engine can never serve.
         `sampling`: greedy by default; temperature / top-p draws are seeded per position
         (serving.sampling), so preemption and handoffs do not change them.
         `images`: [N, S, S, C] (float in [0, 1] or uint8) for the prompt's N * tokens_per_image
         <|image|> placeholders; their content hashes enter the prefix-cache block hashes, so a
-        prefix hit never crosses a different image."""
+        prefix hit never crosses a different image.
+        `cache_salt`: the tenant's salt (`check_cache_salt`): prefix hits only among requests that
+        carry the same salt."""
+        check_cache_salt(cache_salt)
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
         prompt = [int(t) for t in prompt]
@@ -283,7 +297,7 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                              f"context limit of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos,
-                      sampling=sampling, images=images, mm_items=mm_items)
+                      sampling=sampling, images=images, mm_items=mm_items, cache_salt=cache_salt)
         self.waiting.append(req)
         return req
 
@@ -515,18 +529,19 @@ class Engine:
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
-              sampling: SamplingParams = GREEDY, images=None) -> Request | None:
+              sampling: SamplingParams = GREEDY, images=None, cache_salt: str | None = None) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt.  None if it does not fit now."""
+        check_cache_salt(cache_salt)
         if not self.scheduler.free_slots:
             return None
         images, mm_items = self._check_images(list(prompt), images)
         try:
-            blocks = self.manager.begin(request_id, prompt, mm_items)
+            blocks = self.manager.begin(request_id, prompt, mm_items, salt=cache_salt)
         except NoFreeBlocks:
             return None
         req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling,
-                      images=images, mm_items=mm_items)
+                      images=images, mm_items=mm_items, cache_salt=cache_salt)
         req.admitted_s = time.monotonic()
         req.cached_tokens = blocks.hit.tokens
         req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import json
 import random
 from typing import Annotated, Literal, Union
 
@@ -92,7 +94,9 @@ class _Common(_Strict):
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
-    user: StrictStr | None = None
+    user: StrictStr | None = Field(None, max_length=256)
+    # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
 
 
 class ChatCompletionRequest(_Common):
@@ -108,6 +112,17 @@ def sampling_options(req: _Common) -> dict:
     """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
     seed = req.seed if req.seed is not None else random.getrandbits(63)
     return {"temperature": req.temperature or 0.0, "top_p": req.top_p or 1.0, "seed": seed}
+
+
+def tenant_salt(req: _Common) -> str | None:
+    """The prefix-cache salt of a request's tenant: its `cache_salt` and its `user`, hashed
+    together (None when it names neither: the shared cache).  A prompt cached by one tenant is
+    then never a hit for another, so `cached_tokens` (and the time to first token) cannot be
+    used to guess another tenant's prompt."""
+    if req.cache_salt is None and req.user is None:
+        return None
+    tenant = json.dumps([req.cache_salt, req.user])
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
 def check_common(req: _Common) -> None:

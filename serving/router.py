@@ -57,7 +57,8 @@ import httpx
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
-                                completion_prompt, resolve_max_tokens, sampling_options, validation_error)
+                                completion_prompt, resolve_max_tokens, sampling_options, tenant_salt,
+                                validation_error)
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +357,8 @@ class Router:
         low = min(w.score() for w in cands)
         return random.choice([w for w in cands if w.score() == low])
 
-    async def pick(self, pool: list[Worker], tried: set[str], prompt: list[int] | None) -> Worker | None:
+    async def pick(self, pool: list[Worker], tried: set[str], prompt: list[int] | None,
+                   salt: str | None = None) -> Worker | None:
         cands = [w for w in pool if w.available()]
         cands = [w for w in cands if w.url not in tried] or cands
         if not cands:
@@ -365,7 +367,7 @@ class Router:
         if prompt is None:
             return best
         decision, chosen = "load", best
-        holder, h = self._affinity_holder(prompt)
+        holder, h = self._affinity_holder(prompt, salt)
         if holder is not None:
             ns = self._fact("namespace")
             in_store = False
@@ -383,24 +385,25 @@ class Router:
         self.metrics.affinity.labels(decision).inc()
         return chosen
 
-    def _hashes(self, prompt: list[int]) -> list[bytes]:
+    def _hashes(self, prompt: list[int], salt: str | None = None) -> list[bytes]:
+        """The workers' block hashes of `prompt` for a tenant's `salt` (as their caches key them)."""
         from cache.block_hash import block_hashes
 
         ns, page = self._fact("namespace"), self._fact("page_tokens")
         if not ns or not page:
             return []
-        return block_hashes(prompt, block_size=page, namespace=ns)
+        return block_hashes(prompt, block_size=page, namespace=ns, salt=salt)
 
-    def _affinity_holder(self, prompt: list[int]) -> tuple[str | None, bytes | None]:
-        hashes = self._hashes(prompt[:-1])  # hits are capped at n - 1 tokens
+    def _affinity_holder(self, prompt: list[int], salt: str | None = None) -> tuple[str | None, bytes | None]:
+        hashes = self._hashes(prompt[:-1], salt)  # hits are capped at n - 1 tokens
         for h in reversed(hashes):
             if h in self.affinity:
                 self.affinity.move_to_end(h)
                 return self.affinity[h], h
         return None, None
 
-    def _remember(self, prompt: list[int], url: str) -> None:
-        for h in self._hashes(prompt):
+    def _remember(self, prompt: list[int], url: str, salt: str | None = None) -> None:
+        for h in self._hashes(prompt, salt):
             self.affinity[h] = url
             self.affinity.move_to_end(h)
         while len(self.affinity) > self.cfg.affinity_entries:
@@ -458,7 +461,7 @@ class Router:
         tried: set[str] = set()
         failures = 0
         while True:
-            w = await self.pick(pool, tried, prompt if affinity else None)
+            w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"))
             if w is None:
                 failures += 1
                 if failures > self.cfg.retries:
@@ -479,7 +482,7 @@ class Router:
                         if role == "decode" and before == 1:  # the handoff itself, not a failover
                             self.metrics.handoffs.labels("direct" if adopt is not None else "store").inc()
                         if affinity:
-                            self._remember(prompt, w.url)
+                            self._remember(prompt, w.url, opts.get("cache_salt"))
                         yield "done", ev
                         return
             except WorkerFailure as e:
@@ -527,7 +530,7 @@ class Router:
                     if r.status_code == 200:
                         w.breaker.success()
                         self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
-                        self._remember(prompt, w.url)
+                        self._remember(prompt, w.url, opts.get("cache_salt"))
                         h = r.headers
                         return int(h["x-kimik3-token"]), r.content, {
                             "cached_tokens": int(h["x-kimik3-cached-tokens"]),
@@ -557,12 +560,16 @@ class Router:
         await asyncio.sleep(random.uniform(0, delay))  # full jitter
 
     async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
-                       sampling: dict | None = None, images_b64: list[str] | None = None):
+                       sampling: dict | None = None, images_b64: list[str] | None = None,
+                       cache_salt: str | None = None):
         """Yields ("token", id) for every output token and a final ("done", summary).
         `sampling`: {"temperature", "top_p", "seed"} (default greedy); `images_b64`: the
         prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
-        and inside a direct handoff's KV)."""
+        and inside a direct handoff's KV); `cache_salt`: the tenant's (`openai_api.tenant_salt`),
+        sent to every worker and in the router's own affinity hashes."""
         opts = {"stop_at_eos": stop_at_eos, **(sampling or {}), "images": images_b64}
+        if cache_salt is not None:
+            opts["cache_salt"] = cache_salt
         out: list[int] = []
         summary = {"cached_tokens": 0, "cached_tokens_host": 0, "finish_reason": "length"}
         from kimik3 import tokenizer
@@ -779,7 +786,8 @@ class _Stream:
         try:
             async with asyncio.timeout(self.r.cfg.request_timeout_s):
                 async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid,
-                                                  sampling_options(self.req), self.images_b64):
+                                                  sampling_options(self.req), self.images_b64,
+                                                  tenant_salt(self.req)):
                     await self._queue.put(item)
         except APIError as e:
             await self._queue.put(("error", e))

@@ -49,6 +49,9 @@ class Request:
     sampling: SamplingParams = GREEDY
     images: np.ndarray | None = None  # [N, S, S, C] for the prompt's <|image|> placeholders
     mm_items: tuple = ()  # cache.block_hash.MMItem per image: its content hash enters the block hashes
+    # The tenant's prefix-cache salt (vLLM's `cache_salt`): it enters block 0's hash, so a request
+    # hits only blocks its own tenant stored (and `cached_tokens` never reveals another's prompt).
+    cache_salt: str | None = None
     # filled by the engine
     output: list[int] = dataclasses.field(default_factory=list)
     token_times_s: list[float] = dataclasses.field(default_factory=list)
@@ -194,7 +197,7 @@ class Scheduler:
                 self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
             try:
-                blocks = self.manager.begin(req.request_id, req._context, req.mm_items)
+                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=req.cache_salt)
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)

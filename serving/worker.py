@@ -7,8 +7,9 @@ The engine is not thread-safe, so exactly one background thread owns it (`Engine
 HTTP handlers (asyncio, uvicorn) hand it commands through a queue and get their tokens
 back through per-request asyncio queues.  Endpoints:
 
-* ``POST /generate`` ``{"prompt": [ids], "max_tokens": n, "stop_at_eos": bool, "request_id": str}``:
-  NDJSON stream.  First line ``{"accepted": true, ...}`` once the engine took the request, then
+* ``POST /generate`` ``{"prompt": [ids], "max_tokens": n, "stop_at_eos": bool, "request_id": str,
+  "cache_salt": str}``: NDJSON stream (``cache_salt``, the tenant's: prefix hits only among requests
+  with the same salt; `serving.engine.check_cache_salt`).  First line ``{"accepted": true, ...}`` once the engine took the request, then
   one ``{"token": id, "index": i}`` line per token, ``{"keepalive": true}`` lines while nothing
   else happens (a live worker is never silent for more than `keepalive_s`), and a last line
   ``{"done": true, "finish_reason": ..., "cached_tokens": ..., "cached_tokens_host": ...}`` or
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
+from serving.engine import check_cache_salt
 from serving.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -119,18 +121,18 @@ class EngineLoop:
             return None
 
     def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
-               export: bool = False, sampling: SamplingParams = GREEDY, images=None) -> _Sub:
+               export: bool = False, sampling: SamplingParams = GREEDY, images=None, cache_salt=None) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
-        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images)))
+        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images, cache_salt)))
         return sub
 
     def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
-              request_id: str, sampling: SamplingParams = GREEDY, images=None) -> _Sub:
+              request_id: str, sampling: SamplingParams = GREEDY, images=None, cache_salt=None) -> _Sub:
         """Take over a request another worker prefilled (direct handoff), after `try_reserve`."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
         self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling,
-                                  images)))
+                                  images, cache_salt)))
         return sub
 
     def cancel(self, sub: _Sub) -> None:
@@ -166,10 +168,10 @@ class EngineLoop:
     def _handle(self, kind: str, payload) -> None:
         e = self.engine
         if kind == "submit":
-            sub, prompt, n, stop_at_eos, sampling, images = payload
+            sub, prompt, n, stop_at_eos, sampling, images, cache_salt = payload
             try:
                 sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling,
-                                   images=images)
+                                   images=images, cache_salt=cache_salt)
             except ValueError as err:
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -193,11 +195,11 @@ class EngineLoop:
     def _try_adopts(self) -> None:
         still = []
         for item in self._adopts:
-            sub, prompt, first, n, pages, state, stop_at_eos, sampling, images = item
+            sub, prompt, first, n, pages, state, stop_at_eos, sampling, images, cache_salt = item
             try:
                 req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
                                         arrival_s=time.monotonic(), stop_at_eos=stop_at_eos, sampling=sampling,
-                                        images=images)
+                                        images=images, cache_salt=cache_salt)
             except ValueError as err:  # images that do not match the prompt
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -360,6 +362,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
         images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
+        cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)  # the tenant's prefix-cache salt
 
         def sampling(self) -> SamplingParams:
             return SamplingParams(self.temperature, self.top_p, self.seed)
@@ -396,14 +399,14 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return None, refuse(why)
         if adopt is not None:
             sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6], sampling=adopt[7],
-                             images=adopt[8])
+                             images=adopt[8], cache_salt=adopt[9])
         else:
             try:
                 images = decode_images(body.images)
             except ValueError as err:
                 return None, error(400, str(err))
             sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
-                              sampling=body.sampling(), images=images,
+                              sampling=body.sampling(), images=images, cache_salt=body.cache_salt,
                               export=body.export_kv and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
@@ -441,7 +444,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
     @app.post("/adopt")
     async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, cache_salt: str | None = None):
         """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
         (npz: prompt, token, pages, state); streams like /generate from the second token."""
         try:
@@ -458,10 +461,11 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return error(400, "the KV handoff does not match this worker's model or page size")
         try:
             sampling = SamplingParams(temperature, top_p, seed)
+            check_cache_salt(cache_salt)
         except ValueError as err:
             return error(400, str(err))
         sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling,
-                                        images))
+                                        images, cache_salt))
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/prefill")

@@ -416,3 +416,23 @@ def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng, scan):
     assert r2.cached_tokens > 0
     for r in reqs + [r2]:
         assert r.error is None and r.output == _oracle(params, cfg, r.prompt, len(r.output))
+
+
+def test_tenants_hit_only_their_own_prefix_cache(rng, tiny_cfg, tiny_params):
+    """A prompt cached under one tenant's salt is no hit for another tenant (nor for the shared,
+    unsalted cache), and the same tenant hits it; tokens are the oracle's either way."""
+    eng = _engine(tiny_params, tiny_cfg)
+    prompt = rng.integers(0, 256, 5 * PAGE).tolist()
+    first = eng.submit(prompt, 3, cache_salt="tenant-a")
+    eng.run(max_steps=100)
+    others = [eng.submit(prompt, 3, cache_salt="tenant-b"), eng.submit(prompt, 3)]
+    eng.run(max_steps=100)
+    again = eng.submit(prompt, 3, cache_salt="tenant-a")
+    eng.run(max_steps=100)
+    assert first.cached_tokens == 0 and all(r.cached_tokens == 0 for r in others)
+    assert again.cached_tokens >= 4 * PAGE
+    want = _oracle(tiny_params, tiny_cfg, prompt, 3)
+    assert all(r.output == want for r in [first, *others, again])
+    for bad in ("", "x" * 300, 7):
+        with pytest.raises(ValueError, match="cache_salt"):
+            eng.submit(prompt, 3, cache_salt=bad)

@@ -44,3 +44,19 @@ def test_chat_prompt_returns_the_images_in_placeholder_order(rng):
     assert len(images) == 2 and (images[0] == a).all() and (images[1] == b).all()
     with pytest.raises(APIError, match="no vision encoder"):
         chat_prompt(req, max_images=4, tokens_per_image=0)
+
+
+def test_a_tenant_salt_comes_from_cache_salt_and_user():
+    from pydantic import ValidationError
+
+    from serving.openai_api import tenant_salt
+
+    body = lambda **kw: ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kw)
+    assert tenant_salt(body()) is None  # no tenant named: the shared cache
+    salts = {tenant_salt(body(**kw)) for kw in ({"user": "a"}, {"user": "b"}, {"cache_salt": "a"},
+                                                {"cache_salt": "a", "user": "a"})}
+    assert len(salts) == 4 and None not in salts  # a user is not a salt of the same text
+    assert tenant_salt(body(user="a")) == tenant_salt(body(user="a"))
+    for bad in ({"cache_salt": ""}, {"cache_salt": "x" * 257}, {"cache_salt": 3}):
+        with pytest.raises(ValidationError):
+            body(**bad)

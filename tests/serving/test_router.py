@@ -381,6 +381,30 @@ BAD = [
 ]
 
 
+def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, params):
+    """Issue 17's prefix oracle: tenant A's prompt (a secret in its system prompt) cached, tenant B
+    (another `cache_salt`, or another `user`) sending the same prompt sees cached_tokens 0 and gets
+    the same tokens; A sending it again hits its own blocks."""
+    base = cluster.url("router")
+    text = "system: the PIN is 4821. Never reveal it. " * 3
+    prompt, want = chat_prompt(text), None
+
+    def cached(**kw):
+        nonlocal want
+        r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 3, **kw), timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        want = want or oracle(params, prompt, 3)
+        assert body["choices"][0]["token_ids"] == want
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(user="mallory") == 0
+    assert cached() == 0  # nor the shared, unsalted cache
+    assert cached(cache_salt="tenant-a") >= (len(prompt) // PAGE - 1) * PAGE
+
+
 def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
     base = cluster.url("router")
     urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
@@ -535,6 +559,7 @@ def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_los
 def test_router_and_workers_as_real_processes(cluster, params):
     for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
                   check_direct_handoff_through_a_second_router_equals_the_oracle,
+                  check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens,
                   check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker,
                   check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv,
                   check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves,
