@@ -77,7 +77,7 @@ from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig,
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt"]
+__all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt", "check_handoff"]
 
 MAX_CACHE_SALT_CHARS = 256
 
@@ -88,6 +88,18 @@ def check_cache_salt(salt) -> None:
         return
     if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+
+def check_handoff(prompt: list[int], token: int, pages, state, *, vocab_size: int, page_tokens: int) -> None:
+    """ValueError unless a KV handoff is well formed: token ids in range, one page per
+    `page_tokens` prompt tokens, finite page and state values."""
+    if any(t < 0 or t >= vocab_size for t in prompt) or not 0 <= token < vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size})")
+    if len(pages) != -(-len(prompt) // page_tokens):
+        raise ValueError(f"{len(prompt)} prompt tokens need {-(-len(prompt) // page_tokens)} pages; got {len(pages)}")
+    if not (np.isfinite(state).all() and all(np.isfinite(p).all() for p in pages)):
+        raise ValueError("the KV handoff holds values that are not finite")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,6 +545,8 @@ class Engine:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt.  None if it does not fit now."""
         check_cache_salt(cache_salt)
+        check_handoff(list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size,
+                      page_tokens=self.page_tokens)
         if not self.scheduler.free_slots:
             return None
         images, mm_items = self._check_images(list(prompt), images)

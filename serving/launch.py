@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 
+from serving import internal_auth
+
 log = logging.getLogger(__name__)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,9 +85,14 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
 
 
+# One internal token per deployment (this process): the router and every worker share it.
+_TOKEN = internal_auth.token() or internal_auth.new_token()
+
+
 def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env[internal_auth.ENV] = _TOKEN
     return env
 
 
@@ -227,10 +234,10 @@ def run(args) -> int:
     try:
         dep.start()
         state = dep.state()
-        if args.state_file:
+        if args.state_file:  # 0600: it holds the internal token the admin routes take
             tmp = args.state_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(state, f)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(dict(state, internal_token=_TOKEN), f)
             os.replace(tmp, args.state_file)
         print(f"kimik3: serving {args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
               f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "

@@ -56,6 +56,7 @@ import uuid
 import httpx
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
+from serving import internal_auth
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
                                 completion_prompt, resolve_max_tokens, sampling_options, tenant_salt,
                                 validation_error)
@@ -289,7 +290,8 @@ class Router:
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.read_timeout_s,
-                                                                              connect=self.cfg.connect_timeout_s))
+                                                                              connect=self.cfg.connect_timeout_s),
+                                        headers=internal_auth.headers(internal_auth.token()))
         if self.cfg.mooncake_master:
             try:
                 self.store = await asyncio.to_thread(StoreProbe, self.cfg.mooncake_master, self.cfg.mooncake_metadata)
@@ -737,6 +739,10 @@ class Router:
                 "running": self.admission.running, "waiting": self.admission.waiting}}
 
         async def set_drain(request: Request, drain: bool):
+            if not internal_auth.authorized(request.headers.get("authorization"), internal_auth.token()):
+                return JSONResponse(APIError(401, "the admin routes need the deployment's internal token "
+                                                  "(`kimik3 launch --state-file`)", type="authentication_error")
+                                    .body(), status_code=401)
             try:
                 url = json.loads(await request.body())["url"].rstrip("/")
             except (ValueError, KeyError, TypeError, AttributeError):

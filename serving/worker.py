@@ -48,7 +48,8 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
-from serving.engine import check_cache_salt
+from serving import internal_auth
+from serving.engine import check_cache_salt, check_handoff
 from serving.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -379,6 +380,18 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     def error(status: int, message: str, **extra) -> JSONResponse:
         return JSONResponse({"error": message, **extra}, status_code=status)
 
+    tok = internal_auth.token()
+    if tok is None:
+        log.warning("no %s: this worker's endpoints take requests from anyone who reaches its port",
+                    internal_auth.ENV)
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        # every POST changes state (runs, adopts KV, drains): only the deployment's router may
+        if request.method == "POST" and not internal_auth.authorized(request.headers.get("authorization"), tok):
+            return error(401, "missing or wrong internal token (the router's)")
+        return await call_next(request)
+
     async def parse(request: Request) -> GenerateBody | JSONResponse:
         try:
             return GenerateBody.model_validate(json.loads(await request.body()))
@@ -460,6 +473,10 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         if state.shape != (loop.engine.snapshot_size,) or (pages and pages[0].shape != loop.engine.pages.block_shape):
             return error(400, "the KV handoff does not match this worker's model or page size")
         try:
+            # what /adopt commits becomes the cached KV of the prompt's prefix: check it as /generate
+            # checks a prompt, and that every value is finite (NaN pages would poison every later hit)
+            check_handoff(prompt, token, pages, state, vocab_size=info.get("vocab_size", 1 << 31),
+                          page_tokens=loop.engine.page_tokens)
             sampling = SamplingParams(temperature, top_p, seed)
             check_cache_salt(cache_salt)
         except ValueError as err:
@@ -562,7 +579,9 @@ def build_engine(args):
     info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
             "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
             "kda_block_tokens": block, "max_context": min(cfg.max_seq_len, max_pages * page),
-            "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity()}
+            "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity(),
+            # a KV handoff's layout (/adopt): one page block, and the packed KDA state
+            "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size)}
     return engine, host, info
 
 

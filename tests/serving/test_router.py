@@ -23,10 +23,12 @@ import pytest
 
 from kimik3 import config, model, tokenizer
 from kimik3.generate import generate
+from serving import internal_auth
 from serving.launch import child_env, free_port, stop_process, wait_healthy
 
 SEED = 0
 PAGE = 16
+AUTH = internal_auth.headers(child_env()[internal_auth.ENV])  # the deployment's internal token
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "kimik3-test-jax-cache")
 WORKER_ARGS = ["--config", "tiny", "--seed", str(SEED), "--dtype", "float32", "--page-tokens", str(PAGE),
                "--kda-block-tokens", str(4 * PAGE), "--prefill-chunk-tokens", "16", "--num-pages", "48",
@@ -405,6 +407,36 @@ def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, p
     assert cached(cache_salt="tenant-a") >= (len(prompt) // PAGE - 1) * PAGE
 
 
+def check_workers_and_admin_routes_refuse_callers_without_the_internal_token(cluster, params):
+    """Issue 17 #2 / #5: a worker's POSTs and the router's admin routes need the deployment's token;
+    an authenticated /adopt of hostile KV (NaN pages for a real prompt) is refused, and the
+    prompt's next request still gets the oracle's tokens (nothing was committed)."""
+    import io as _io
+
+    worker = cluster.url("decode0")
+    prompt = chat_prompt("poison me if you can")
+    for path in ("/generate", "/prefill", "/drain", "/resume"):
+        r = httpx.post(worker + path, json={"prompt": prompt, "max_tokens": 2}, timeout=10)
+        assert r.status_code == 401, (path, r.text)
+        r = httpx.post(worker + path, json={"prompt": prompt, "max_tokens": 2}, timeout=10,
+                       headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, path
+    r = httpx.post(cluster.url("router") + "/admin/drain", json={"url": worker}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(worker + "/health", timeout=5).json()["status"] == "ok"  # nothing was drained
+    info = httpx.get(worker + "/health", timeout=5).json()
+    n_pages = -(-len(prompt) // info["page_tokens"])
+    buf = _io.BytesIO()
+    np.savez(buf, prompt=np.asarray(prompt, np.int32), token=np.int32(5),
+             pages=np.full((n_pages,) + tuple(info["page_shape"]), np.nan, np.float32),
+             state=np.zeros(info["snapshot_size"], np.float32))
+    r = httpx.post(worker + "/adopt", params={"max_tokens": 4}, content=buf.getvalue(), timeout=30, headers=AUTH)
+    assert r.status_code == 400 and "finite" in r.json()["error"]
+    got = httpx.post(cluster.url("router") + "/v1/chat/completions", json=chat_body("poison me if you can", 4),
+                     timeout=120).json()["choices"][0]["token_ids"]
+    assert got == oracle(params, prompt, 4)
+
+
 def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
     base = cluster.url("router")
     urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
@@ -452,7 +484,8 @@ def check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_it
     # the restarted worker finds the first turn's KV (published by the prefill worker) in the store
     cluster.start_worker(victim)
     turn2 = prompt + want + chat_prompt("and then?")[1:]
-    r = httpx.post(cluster.url(victim) + "/prefill", json={"prompt": turn2, "max_tokens": 1}, timeout=60)
+    r = httpx.post(cluster.url(victim) + "/prefill", json={"prompt": turn2, "max_tokens": 1}, timeout=60,
+                   headers=AUTH)
     assert r.status_code == 200 and r.json()["cached_tokens_host"] >= (len(prompt) // PAGE) * PAGE
     assert r.json()["token"] == oracle(params, turn2, 1)[0]
     wait_for(lambda: workers(cluster)[cluster.url(victim)]["circuit"] == "closed", 30, "the circuit to close")
@@ -509,7 +542,8 @@ def check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(c
                 busy = [n for n in ("decode0", "decode1")
                         if httpx.get(cluster.url(n) + "/load", timeout=5).json()["inflight"] > 0]
                 drained = cluster.url(busy[0])
-                assert httpx.post(base + "/admin/drain", json={"url": drained}, timeout=10).json()["draining"]
+                assert httpx.post(base + "/admin/drain", json={"url": drained}, timeout=10,
+                                  headers=AUTH).json()["draining"]
                 before = httpx.get(drained + "/load", timeout=5).json()["submitted"]
     assert out == want  # the drained worker finished what it had
     try:
@@ -519,7 +553,7 @@ def check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(c
         assert httpx.get(drained + "/load", timeout=5).json()["submitted"] == before
         assert httpx.get(drained + "/health", timeout=5).json()["status"] == "draining"
     finally:
-        httpx.post(base + "/admin/resume", json={"url": drained}, timeout=10)
+        httpx.post(base + "/admin/resume", json={"url": drained}, timeout=10, headers=AUTH)
     wait_for(lambda: workers(cluster)[drained]["draining"] is False, 10, "the worker to resume")
 
 
@@ -560,6 +594,7 @@ def test_router_and_workers_as_real_processes(cluster, params):
     for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
                   check_direct_handoff_through_a_second_router_equals_the_oracle,
                   check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens,
+                  check_workers_and_admin_routes_refuse_callers_without_the_internal_token,
                   check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker,
                   check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv,
                   check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves,
