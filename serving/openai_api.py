@@ -88,8 +88,8 @@ class _Common(_Strict):
     max_tokens: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)  # strict: "0.5" is a 400, as "5" is
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     seed: StrictInt | None = Field(None, ge=0, lt=2 ** 63)
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
@@ -133,6 +133,7 @@ def check_common(req: _Common) -> None:
 
 
 MAX_IMAGE_BYTES = 16 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096  # checked from the header, before anything is decoded
 
 
 def decode_image(url: str, size: int) -> np.ndarray:
@@ -151,7 +152,10 @@ def decode_image(url: str, size: int) -> np.ndarray:
 
     try:
         raw = base64.b64decode(payload, validate=True)
-        with Image.open(io.BytesIO(raw)) as im:
+        with Image.open(io.BytesIO(raw)) as im:  # reads the header only
+            if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
+                raise APIError(400, f"image of {im.size[0]} x {im.size[1]} pixels; at most {MAX_IMAGE_PIXELS} "
+                                    f"pixels are accepted", param="messages", code="image_too_large")
             return np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR), np.uint8)
     except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
         raise APIError(400, f"broken image: {type(e).__name__}: {e}", param="messages", code="invalid_image") from None

@@ -154,6 +154,8 @@ class RouterConfig:
     breaker_cooldown_s: float = 5.0
     breaker_max_cooldown_s: float = 30.0
     max_images: int = 16
+    max_body_bytes: int = 32 << 20  # larger bodies are a 413 before they are read whole
+    image_decoders: int = 4  # requests decoding images at once (off the event loop)
     default_max_tokens: int = 256
     affinity_slack: float = 2.0
     affinity_entries: int = 100_000
@@ -161,6 +163,26 @@ class RouterConfig:
     mooncake_metadata: str | None = None
     handoff: str = "auto"  # store | direct | auto (store when the prefill workers have one)
     prefill_timeout_s: float = 30.0  # a direct-handoff prefill answers in one piece: no keepalives
+
+
+# A worker restart takes 10-20 s (a fresh process compiles its steps): clients retry after that.
+RETRY_AFTER = {"Retry-After": "15"}
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, or a 413 past `limit` bytes: refused on its Content-Length before
+    reading, and while reading (a chunked body states none)."""
+    too_large = lambda: APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large()
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class WorkerFailure(Exception):
@@ -468,7 +490,7 @@ class Router:
                 failures += 1
                 if failures > self.cfg.retries:
                     raise APIError(503, f"no healthy {role} worker is available; retry later",
-                                   type="service_unavailable", code="no_worker")
+                                   type="service_unavailable", code="no_worker", headers=RETRY_AFTER)
                 await self._backoff(failures)
                 continue
             tried.add(w.url)
@@ -501,7 +523,7 @@ class Router:
                 if failures > self.cfg.retries:
                     raise APIError(503, f"the request failed on {failures} {role} workers after {len(out)} "
                                         f"tokens; retry later (last error: {e})", type="service_unavailable",
-                                   code="worker_failure")
+                                   code="worker_failure", headers=RETRY_AFTER)
                 self.metrics.retries.labels(role).inc()
                 await self._backoff(failures)
             finally:
@@ -612,6 +634,8 @@ class Router:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
@@ -622,15 +646,19 @@ class Router:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
         check_common(req)
-        if kind == "chat":
-            vit = self.model_cfg.vit
-            prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
-                                         tokens_per_image=vit.tokens_per_image if vit else 0,
-                                         image_size=vit.image_size if vit else 0)
-            requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        else:
-            prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size), []
-            requested = req.max_tokens
+        try:
+            if kind == "chat":
+                vit = self.model_cfg.vit
+                prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
+                                             tokens_per_image=vit.tokens_per_image if vit else 0,
+                                             image_size=vit.image_size if vit else 0)
+                requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            else:
+                prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size), []
+                requested = req.max_tokens
+        except UnicodeEncodeError as e:  # a lone surrogate (valid JSON, not valid UTF-8)
+            raise APIError(400, f"text that is not valid Unicode: {e.reason} at {e.start}",
+                           code="invalid_text") from None
         max_tokens = resolve_max_tokens(requested, len(prompt), self.max_context, self.cfg.default_max_tokens)
         return req, prompt, max_tokens, [base64.b64encode(im.tobytes()).decode() for im in images] or None
 
@@ -666,11 +694,23 @@ class Router:
         async def validation(request, exc):
             return JSONResponse(APIError(400, f"invalid request: {exc.errors()}").body(), status_code=400)
 
+        @app.exception_handler(Exception)
+        async def internal(request, exc):  # a bug: an OpenAI-shaped 500, one log line, no traceback to the client
+            log.error("internal error on %s: %r", request.url.path, exc)
+            return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
+
+        decoders = asyncio.Semaphore(self.cfg.image_decoders)
+
         async def handle(request: Request, kind: str):
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             t0 = time.monotonic()
             try:
-                req, prompt, max_tokens, images_b64 = self.parse(kind, await request.body())
+                raw = await read_body(request, self.cfg.max_body_bytes)
+                if b"image_url" in raw:  # decoding images costs CPU and memory: off the event loop, bounded
+                    async with decoders:
+                        req, prompt, max_tokens, images_b64 = await asyncio.to_thread(self.parse, kind, raw)
+                else:
+                    req, prompt, max_tokens, images_b64 = self.parse(kind, raw)
             except APIError as e:
                 self.metrics.rejected.labels("invalid").inc()
                 return error_response(e, endpoint)
@@ -936,7 +976,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "command-line values win")
     parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default kimik3-<config>)")
-    for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens"):
+    for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens",
+                 "max_body_bytes", "image_decoders"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"default {getattr(d, name)}")
     for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",

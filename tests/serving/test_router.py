@@ -7,6 +7,8 @@ is bounded.  The scenarios (`check_*`) run in order inside one test, so that `py
 whole for the next.
 """
 
+import base64
+import io
 import json
 import os
 import signal
@@ -83,7 +85,8 @@ class Cluster:
             "--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url,
             "--max-inflight", "4", "--max-queue", "4", "--queue-timeout-s", "4", "--read-timeout-s", "4",
             "--health-interval-s", "0.3", "--health-timeout-s", "1.5", "--breaker-threshold", "2",
-            "--breaker-cooldown-s", "2", "--breaker-max-cooldown-s", "4", "--retries", "3", "--log-level", "info"])
+            "--breaker-cooldown-s", "2", "--breaker-max-cooldown-s", "4", "--retries", "3", "--log-level", "info",
+            "--max-body-bytes", str(1 << 20)])
         wait_healthy(self.url("router"), self.procs["router"], 60)
         return self
 
@@ -380,7 +383,21 @@ BAD = [
      400, "role"),
     ("n > 1", json.dumps(chat_body("hi", 3, n=2)).encode(), 400, "n must be 1"),
     ("temperature out of range", json.dumps(chat_body("hi", 3, temperature=7)).encode(), 400, "temperature"),
+    ("temperature as a string", json.dumps(chat_body("hi", 3, temperature="0.5")).encode(), 400, "temperature"),
+    ("nested too deeply", b'{"model": "kimik3-tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "nested too deeply"),
+    ("a lone surrogate", json.dumps(chat_body("hi \ud800", 3)).encode(), 400, "not valid Unicode"),
+    ("a body over the cap", json.dumps(chat_body("x" * (1 << 20), 3)).encode(), 413, "larger than"),
 ]
+
+
+def _huge_png() -> bytes:
+    """A 5000 x 4000 PNG (a few KB compressed: a decompression bomb under PIL's own limit)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (5000, 4000)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, params):
@@ -451,6 +468,10 @@ def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster)
     r = httpx.post(base + "/v1/completions", json={"model": "kimik3-tiny", "prompt": [1, 99999], "max_tokens": 2},
                    timeout=30)
     assert r.status_code == 400 and "token id" in r.json()["error"]["message"]
+    url = "data:image/png;base64," + base64.b64encode(_huge_png()).decode()
+    r = httpx.post(base + "/v1/chat/completions", timeout=30, json={"model": "kimik3-tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+    assert r.status_code == 400 and "pixels" in r.json()["error"]["message"]
     assert httpx.post(base + "/v1/nothing", json={}, timeout=10).status_code == 404
     assert submitted() == before and metric(cluster, "kimik3_router_worker_requests_total") == attempts
 
