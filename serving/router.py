@@ -165,6 +165,8 @@ class RouterConfig:
     prefill_timeout_s: float = 30.0  # a direct-handoff prefill answers in one piece: no keepalives
 
 
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
 # A worker restart takes 10-20 s (a fresh process compiles its steps): clients retry after that.
 RETRY_AFTER = {"Retry-After": "15"}
 
@@ -206,6 +208,8 @@ class _Metrics:
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.tpot = Histogram("kimik3_router_tpot_seconds", "mean gap between output tokens", registry=r,
                               buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.abandoned = Counter("kimik3_router_abandoned", "non-streamed requests whose client left before the "
+                                 "answer (their worker requests were cancelled)", registry=r)
         self.prompt_tokens = Counter("kimik3_router_prompt_tokens", "prompt tokens", registry=r)
         self.completion_tokens = Counter("kimik3_router_completion_tokens", "completion tokens", registry=r)
         self.cached_tokens = Counter("kimik3_router_cached_prompt_tokens", "prompt tokens served from cache",
@@ -667,7 +671,9 @@ class Router:
 
         from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from fastapi.responses import JSONResponse, Response
+
+        from serving.http_util import ClosingStreamingResponse
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -746,8 +752,30 @@ class Router:
                     async for chunk in events:
                         yield chunk
 
-                return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            return await stream.collect(first)
+                # closes the stream (and so the worker's request) even when the client leaves mid-way
+                return ClosingStreamingResponse(body(), stream.close, media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache"})
+            return await collect_unless_gone(request, stream, first)
+
+        async def collect_unless_gone(request: Request, stream: "_Stream", first):
+            """A non-streamed answer, or, once its client has gone, nothing: the stream closes, which
+            closes the worker's connection and so cancels its request (no decoding for nobody)."""
+            collect = asyncio.ensure_future(stream.collect(first))
+
+            async def gone():
+                while not await request.is_disconnected():
+                    await asyncio.sleep(DISCONNECT_POLL_S)
+
+            watch = asyncio.ensure_future(gone())
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if collect.done():
+                watch.cancel()
+                return collect.result()
+            collect.cancel()
+            with contextlib.suppress(BaseException):
+                await collect  # its `finally` closes the stream
+            self.metrics.abandoned.inc()
+            return Response(status_code=499)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):

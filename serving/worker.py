@@ -49,6 +49,7 @@ import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from serving import internal_auth
+from serving.http_util import ClosingStreamingResponse
 from serving.engine import check_cache_salt, check_handoff
 from serving.sampling import GREEDY, SamplingParams
 
@@ -427,25 +428,27 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         return sub, first
 
     def ndjson(sub, first) -> StreamingResponse:
-        async def lines():
-            finished = False
-            try:
-                yield json.dumps(first) + "\n"
-                while True:
-                    try:
-                        ev = await asyncio.wait_for(sub.events.get(), keepalive_s)
-                    except asyncio.TimeoutError:
-                        yield '{"keepalive": true}\n'
-                        continue
-                    yield json.dumps(ev) + "\n"
-                    if "done" in ev or "error" in ev:
-                        finished = True
-                        return
-            finally:
-                if not finished:  # the client went away: free the KV now
-                    loop.cancel(sub)
+        finished = False
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        async def lines():
+            nonlocal finished
+            yield json.dumps(first) + "\n"
+            while True:
+                try:
+                    ev = await asyncio.wait_for(sub.events.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    yield '{"keepalive": true}\n'
+                    continue
+                yield json.dumps(ev) + "\n"
+                if "done" in ev or "error" in ev:
+                    finished = True
+                    return
+
+        def close():
+            if not finished:  # the client went away: stop decoding and free the KV now
+                loop.cancel(sub)
+
+        return ClosingStreamingResponse(lines(), close, media_type="application/x-ndjson")
 
     @app.post("/generate")
     async def generate(request: Request):

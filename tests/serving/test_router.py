@@ -454,6 +454,25 @@ def check_workers_and_admin_routes_refuse_callers_without_the_internal_token(clu
     assert got == oracle(params, prompt, 4)
 
 
+def check_a_client_that_leaves_cancels_its_worker_request(cluster):
+    """Issue 17 #8: a client that goes away (a streamed request closed after its first chunk, a
+    non-streamed one timing out) gets its worker request cancelled, not decoded to max_tokens."""
+    base = cluster.url("router")
+    urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
+    cancelled = lambda: sum(httpx.get(u + "/load", timeout=10).json()["cancelled"] for u in urls)
+    before = cancelled()
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
+                      json=chat_body("tell me a long story", 600, stream=True, ignore_eos=True)) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())
+    wait_for(lambda: cancelled() > before, 20, "the streamed request's worker request to be cancelled")
+    before, abandoned = cancelled(), metric(cluster, "kimik3_router_abandoned_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/v1/chat/completions", json=chat_body("tell me another", 600, ignore_eos=True), timeout=1.5)
+    wait_for(lambda: cancelled() > before, 20, "the non-streamed request's worker request to be cancelled")
+    assert metric(cluster, "kimik3_router_abandoned_total") == abandoned + 1
+
+
 def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
     base = cluster.url("router")
     urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
@@ -617,6 +636,7 @@ def test_router_and_workers_as_real_processes(cluster, params):
                   check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens,
                   check_workers_and_admin_routes_refuse_callers_without_the_internal_token,
                   check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker,
+                  check_a_client_that_leaves_cancels_its_worker_request,
                   check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv,
                   check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves,
                   check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere,
