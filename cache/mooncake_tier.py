@@ -57,13 +57,24 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TierError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _repo_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 class MooncakeServices:
-    """A master (+ HTTP metadata server) and a memory server on loopback.  Context manager."""
+    """A master, the HTTP metadata server (`cache.metadata_server`) and a memory server, each its
+    own process on loopback.  Context manager."""
 
     def __init__(self, segment_bytes: int = 512 << 20, log_dir: str | None = None):
         self.segment_bytes = segment_bytes
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="mooncake-")
         self.rpc_port, self.http_port, self.metrics_port, self.client_port = (_free_port() for _ in range(4))
+        self.metadata: subprocess.Popen | None = None
         self.master: subprocess.Popen | None = None
         self.memory_server: subprocess.Popen | None = None
 
@@ -81,13 +92,18 @@ class MooncakeServices:
                                 start_new_session=True)
 
     def start_master(self) -> None:
+        if self.metadata is None or self.metadata.poll() is not None:
+            # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
+            out = open(os.path.join(self.log_dir, "metadata_server.log"), "w")
+            self.metadata = subprocess.Popen([sys.executable, "-m", "cache.metadata_server", "--port",
+                                              str(self.http_port)], stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True, cwd=_REPO, env=_repo_env())
+            _wait_port(self.http_port, self.metadata, 20)
         self.master = self._spawn("mooncake_master", [
-            "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.http_port}", "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=false", "--rpc_address=127.0.0.1",
             f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
             "--default_kv_lease_ttl=10000"])  # a read holds its objects this long (ms)
         _wait_port(self.rpc_port, self.master, 20)
-        _wait_port(self.http_port, self.master, 20)
 
     def start(self) -> "MooncakeServices":
         self.start_master()
@@ -117,6 +133,7 @@ class MooncakeServices:
     def stop(self) -> None:
         self._stop(self.memory_server)
         self._stop(self.master)
+        self._stop(self.metadata)
 
     def __enter__(self):
         return self.start()

@@ -179,6 +179,7 @@ class Deployment:
         if self.services is not None:
             pids["mooncake_master"] = self.services.master.pid
             pids["mooncake_memory_server"] = self.services.memory_server.pid
+            pids["mooncake_metadata_server"] = self.services.metadata.pid
         return {"router": self.router.url + "/v1" if self.router else None,
                 "prefill": [w.url for w in self.workers if w.name.startswith("prefill")],
                 "decode": [w.url for w in self.workers if w.name.startswith("decode")],
