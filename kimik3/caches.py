@@ -24,8 +24,8 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from kimik3 import stacked
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
 
 
@@ -33,6 +33,14 @@ def kind_index(cfg: ModelConfig, layer: int) -> int:
     """Layer `layer`'s index among the layers of its mixer kind."""
     kind = cfg.mixer_kind(layer)
     return sum(1 for i in range(layer) if cfg.mixer_kind(i) == kind)
+
+
+def pool_offsets(cfg: ModelConfig, pools) -> tuple[int, int]:
+    """(num_slots, num_pages): the rows of one KDA layer and the pages of one MLA layer in the
+    pools (or a paged view; anything with "kda" and "mla"): KDA layer k's slot s is row
+    k * num_slots + s, MLA layer m's page p is m * num_pages + p."""
+    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
+    return pools["kda"]["state"].shape[0] // max(n_kda, 1), pools["mla"]["pages"].shape[0] // max(n_mla, 1)
 
 
 def per_period(cfg: ModelConfig, layer: int) -> int:
@@ -50,20 +58,13 @@ class LayerCaches:
     first: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def stack(self, first: int, n: int) -> "LayerCaches":
-        p = ATTENTION_PERIOD
-        periods = tuple(jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
-                                               *[self.layers[first + i * p + j] for i in range(n)])
-                        for j in range(p))
-        layers = tuple(None if first <= l < first + n * p else c for l, c in enumerate(self.layers))
+        periods = stacked.stack_positions(lambda l: self.layers[l], first, n)
+        layers = tuple(None if first <= l < first + n * ATTENTION_PERIOD else c for l, c in enumerate(self.layers))
         return LayerCaches(layers, periods, first)
 
     def unstack(self, n: int) -> "LayerCaches":
-        p, first = ATTENTION_PERIOD, self.first
-        layers = list(self.layers)
-        for j in range(p):
-            for i in range(n):
-                layers[first + i * p + j] = jax.tree_util.tree_map(lambda x: x[i], self.periods[j])
-        return LayerCaches(tuple(layers))
+        layers = stacked.unstack_positions(self.periods, self.first, n)
+        return LayerCaches(tuple(layers.get(l, c) for l, c in enumerate(self.layers)))
 
     def get(self, cfg, layer, period):
         if period is None:
@@ -76,8 +77,8 @@ class LayerCaches:
         if period is None:
             return dataclasses.replace(self, layers=self.layers[:layer] + (new,) + self.layers[layer + 1:]), exports
         j = layer - self.first
-        stacked = jax.tree_util.tree_map(lambda s, x: s.at[period].set(x), self.periods[j], new)
-        return dataclasses.replace(self, periods=self.periods[:j] + (stacked,) + self.periods[j + 1:]), exports
+        rows = jax.tree_util.tree_map(lambda s, x: s.at[period].set(x), self.periods[j], new)
+        return dataclasses.replace(self, periods=self.periods[:j] + (rows,) + self.periods[j + 1:]), exports
 
 
 @jax.tree_util.register_dataclass
@@ -93,8 +94,6 @@ class PagedPools:
     block_tables: jax.Array
     export_at: Any = None
     valid: Any = None
-    n_kda: int = dataclasses.field(default=1, metadata=dict(static=True))
-    n_mla: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def _index(self, cfg, layer, period):
         k = kind_index(cfg, layer)
@@ -102,13 +101,12 @@ class PagedPools:
 
     def get(self, cfg, layer, period):
         k = self._index(cfg, layer, period)
+        num_slots, num_pages = pool_offsets(cfg, {"kda": self.kda, "mla": self.mla})
         extra = {} if self.valid is None else {"valid": self.valid}
         if cfg.mixer_kind(layer) == "kda":
-            num_slots = self.kda["state"].shape[0] // self.n_kda
             if self.export_at is not None:
                 extra["export_at"] = self.export_at
             return dict(self.kda, slots=self.slots + k * num_slots, **extra)
-        num_pages = self.mla["pages"].shape[0] // self.n_mla
         return {"pages": self.mla["pages"], "block_tables": self.block_tables + k * num_pages, **extra}
 
     def put(self, cfg, layer, period, new):

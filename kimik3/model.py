@@ -35,7 +35,7 @@ import numpy as np
 import flax.linen as nn
 
 from kimik3 import ops, stacked, tokenizer
-from kimik3.caches import LayerCaches, PagedPools, kind_index
+from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
 from kimik3.layers.kda import KDA, init_kda_cache
 from kimik3.layers.mla import MLA, init_mla_cache
@@ -146,7 +146,7 @@ class KimiK3(nn.Module):
             emb = ViT(cfg.vit, cfg.d_model, name="vit")(images_nhwc.astype(x.dtype))
             x = splice_image_embeddings(x, tokens_bt, emb)
         first, n = stacked.scan_layout(cfg)
-        scanned = range(first, first + n * ATTENTION_PERIOD) if self.has_variable("params", stacked.PERIODS) else ()
+        scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
         for i in range(cfg.n_layers):
             if i in scanned:
@@ -160,9 +160,8 @@ class KimiK3(nn.Module):
                                                                                 positions_bt)
                     if isinstance(caches, LayerCaches):
                         caches = caches.unstack(n)
-                    for j, e in enumerate(period_exports):
-                        for p in range(n) if e is not None else ():
-                            exports[first + p * ATTENTION_PERIOD + j] = jax.tree_util.tree_map(lambda a: a[p], e)
+                    exports.update({l: e for l, e in stacked.unstack_positions(period_exports, first, n).items()
+                                    if e is not None})
                 continue
             x, caches, e = _run_block(Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}"),
                                       x, positions_bt, caches, cfg, i, None)
@@ -254,19 +253,9 @@ def pools_of(view: Cache) -> Cache:
 def pool_layers(cfg: ModelConfig, pools: Cache) -> tuple:
     """Per layer, its part of the pools: KDA {"state": [S, ...], "conv": [S, ...]}, MLA
     {"pages": [P, ...]} (slices: copies, for inspection and the sharded steps' gathers)."""
-    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
-    out = []
-    for i, kind in enumerate(cfg.mixer_kinds):
-        k, (pool, n) = kind_index(cfg, i), ((pools["kda"], n_kda) if kind == "kda" else (pools["mla"], n_mla))
-        out.append({key: v[k * (v.shape[0] // n):(k + 1) * (v.shape[0] // n)] for key, v in pool.items()})
-    return tuple(out)
-
-
-def pool_offsets(cfg: ModelConfig, pools: Cache) -> tuple[int, int]:
-    """(num_slots, num_pages): the rows of one KDA layer and the pages of one MLA layer in the pools
-    (KDA layer k's slot s is row k * num_slots + s; MLA layer m's page p is m * num_pages + p)."""
-    n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
-    return pools["kda"]["state"].shape[0] // max(n_kda, 1), pools["mla"]["pages"].shape[0] // max(n_mla, 1)
+    sizes = dict(zip(("kda", "mla"), pool_offsets(cfg, pools)))
+    return tuple({key: v[kind_index(cfg, i) * sizes[kind]:(kind_index(cfg, i) + 1) * sizes[kind]]
+                  for key, v in pools[kind].items()} for i, kind in enumerate(cfg.mixer_kinds))
 
 
 def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid=None) -> Cache:
@@ -311,8 +300,7 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
         # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
         # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
         caches = PagedPools(cache["kda"], cache["mla"], cache["slots"], cache["block_tables"],
-                            cache.get("export_at"), cache.get("valid"),
-                            n_kda=cfg.mixer_kinds.count("kda"), n_mla=cfg.mixer_kinds.count("mla"))
+                            cache.get("export_at"), cache.get("valid"))
     else:
         caches = LayerCaches(tuple(cache["layers"]))
     logits, caches, exports = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(

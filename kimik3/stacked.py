@@ -39,6 +39,20 @@ def scanned_layers(cfg: ModelConfig) -> range:
     return range(first, first + n * ATTENTION_PERIOD)
 
 
+def stack_positions(layer_tree, first: int, n: int) -> tuple:
+    """Per period position j, the trees `layer_tree(l)` of layers l = first + i*P + j (i < n)
+    stacked on a new leading axis i."""
+    return tuple(jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves),
+                                        *[layer_tree(first + i * ATTENTION_PERIOD + j) for i in range(n)])
+                 for j in range(ATTENTION_PERIOD))
+
+
+def unstack_positions(positions, first: int, n: int) -> dict:
+    """The inverse of `stack_positions`: {layer: its tree} (None trees stay None)."""
+    return {first + i * ATTENTION_PERIOD + j: jax.tree_util.tree_map(lambda leaf: leaf[i], positions[j])
+            for j in range(ATTENTION_PERIOD) for i in range(n)}
+
+
 def is_stacked(params) -> bool:
     return PERIODS in params
 
@@ -51,11 +65,8 @@ def stack_periods(params, cfg: ModelConfig):
     if is_stacked(params) or n == 0:
         return params
     out = {k: v for k, v in params.items() if k not in {f"layer_{i}" for i in scanned_layers(cfg)}}
-    out[PERIODS] = {
-        f"layer_{j}": jax.tree_util.tree_map(
-            lambda *leaves: jnp.stack(leaves),
-            *[params[f"layer_{first + i * ATTENTION_PERIOD + j}"] for i in range(n)])
-        for j in range(ATTENTION_PERIOD)}
+    out[PERIODS] = {f"layer_{j}": tree
+                    for j, tree in enumerate(stack_positions(lambda l: params[f"layer_{l}"], first, n))}
     return out
 
 
@@ -65,10 +76,8 @@ def unstack_periods(params, cfg: ModelConfig):
         return params
     first, n = scan_layout(cfg)
     out = {k: v for k, v in params.items() if k != PERIODS}
-    for j in range(ATTENTION_PERIOD):
-        for i in range(n):
-            out[f"layer_{first + i * ATTENTION_PERIOD + j}"] = jax.tree_util.tree_map(
-                lambda leaf: leaf[i], params[PERIODS][f"layer_{j}"])
+    positions = tuple(params[PERIODS][f"layer_{j}"] for j in range(ATTENTION_PERIOD))
+    out.update({f"layer_{l}": tree for l, tree in unstack_positions(positions, first, n).items()})
     return out
 
 

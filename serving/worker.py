@@ -9,7 +9,8 @@ back through per-request asyncio queues.  Endpoints:
 
 * ``POST /generate`` ``{"prompt": [ids], "max_tokens": n, "stop_at_eos": bool, "request_id": str,
   "cache_salt": str}``: NDJSON stream (``cache_salt``, the tenant's: prefix hits only among requests
-  with the same salt; `serving.engine.check_cache_salt`).  First line ``{"accepted": true, ...}`` once the engine took the request, then
+  with the same salt; `serving.engine.check_cache_salt`).  First line ``{"accepted": true, ...}``
+  once the engine took the request, then
   one ``{"token": id, "index": i}`` line per token, ``{"keepalive": true}`` lines while nothing
   else happens (a live worker is never silent for more than `keepalive_s`), and a last line
   ``{"done": true, "finish_reason": ..., "cached_tokens": ..., "cached_tokens_host": ...}`` or
@@ -50,7 +51,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from serving import internal_auth
 from serving.http_util import ClosingStreamingResponse
-from serving.engine import check_cache_salt, check_handoff
+from serving.engine import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
         images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
-        cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)  # the tenant's prefix-cache salt
+        cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # the tenant's
 
         def sampling(self) -> SamplingParams:
             return SamplingParams(self.temperature, self.top_p, self.seed)
