@@ -86,7 +86,6 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     if args.dump_step_hlo:
         with open(os.path.join(args.out, f"decode_step_B{b}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
-    profile = common.profile_kernels(step, top=30) if args.profile_step else []
 
     # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device),
     # at the engine's bucket for b requests (at least 8 rows: a one-row step would also meet XLA's
@@ -128,6 +127,8 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         return runner._io[bucket]["tokens"]
 
     replay_ms, replay_host_ms = common.time_pipelined(replay, iters=10)
+    # what the engine's decode program spends its device time on (the engine runs it, not forward_step)
+    profile = [dict(r, case=f"B{b}") for r in common.profile_kernels(replay, top=40)] if args.profile_step else []
     weights = sizing.weight_bytes(cfg, quantization.BF16)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)

@@ -42,6 +42,8 @@ def demo_figures(text: str) -> dict:
     out["warmup_s"] = float(m.group(1)) if m else None
     m = re.search(r"peak RSS of this process ([\d.]+) GiB", text)
     out["peak_rss_gib"] = float(m.group(1)) if m else None
+    m = re.search(r"after each phase: ([^)]*)\)", text)
+    out["rss_phases_gib"] = m.group(1) if m else None
     row = next((line for line in text.splitlines() if line.startswith("| colocated |")), None)
     if row:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -110,8 +112,9 @@ def main():
                 report["demo_tpot_decode_only_p50_ms"] = fig.get("tpot_decode_only_p50_ms")
                 report["demo_tpot_mixed_p50_ms"] = fig.get("tpot_mixed_p50_ms")
             report[f"peak_rss_gib_{label}"] = fig.get("peak_rss_gib")
+            report[f"rss_phases_gib_{label}"] = fig.get("rss_phases_gib")
             save()
-        report["peak_rss_gib"] = max((v for k, v in report.items() if k.startswith("peak_rss_gib_") and v), default=None)
+        report["peak_rss_gib"] = max((v for k, v in report.items() if k.startswith("peak_rss_gib_") and isinstance(v, float)), default=None)
     save()
     print(json.dumps(report, indent=1))
 

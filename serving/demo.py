@@ -104,18 +104,40 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None):
     return metrics.summarize(mode, records, wall), records, sum(e.compiles for e in engines)
 
 
+def _rss_gib() -> tuple[float, float]:
+    """(current, peak) resident set of this process in GiB (Linux /proc; peak from getrusage elsewhere)."""
+    cur = peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        cur = int(fields["VmRSS"].split()[0]) / 2**20
+        peak = int(fields["VmHWM"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        pass
+    return cur, peak
+
+
 def main(spec: DemoSpec, out_dir: str) -> str:
     cfg = config.get_config(spec.config)
+    t_start = time.monotonic()
+    rss = {"start": _rss_gib()}  # where host memory and start-up time go: current / peak GiB after each phase
     # the serving layout once, shared by every engine (each would otherwise fuse its own copy)
     params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg, scan=False)
+    jax.block_until_ready(params)
+    rss["params"] = _rss_gib()
+    seconds = {"params": time.monotonic() - t_start}
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
     probe = _engines(params, cfg, spec, "colocated", _max_pages(spec))
     probe.warmup()
+    rss["warm-up compiles"] = _rss_gib()
+    seconds["warm-up compiles"] = time.monotonic() - t0
     for mode in MODES:  # the cache bookkeeping and handoff ops compile here too, not while measuring
         run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), mode)
     warmup_s = time.monotonic() - t0
+    rss["warm-up runs"] = _rss_gib()
+    seconds["warm-up runs"] = warmup_s - seconds["warm-up compiles"]
     cap = probe.capacity()
     with tqdm(total=n_turns * len(MODES), desc="demo", unit="turn") as bar:
         for mode in MODES:
@@ -123,6 +145,10 @@ def main(spec: DemoSpec, out_dir: str) -> str:
             summary, records, compiles[mode] = run_mode(params, cfg, spec, mode, bar)
             summaries.append(summary)
             all_records[mode] = records
+            rss[mode] = _rss_gib()
+    for phase, (cur, peak) in rss.items():
+        log.info("host RSS after %s: %.2f GiB (peak %.2f)%s", phase, cur, peak,
+                 f"; {seconds[phase]:.1f} s" if phase in seconds else "")
     table = metrics.format_table(summaries)
     os.makedirs(out_dir, exist_ok=True)
     metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
@@ -131,7 +157,9 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
               f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
               f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
-              f"warm-up (compiles) {warmup_s:.1f} s; "
+              f"warm-up (compiles) {warmup_s:.1f} s (engine warm-up {seconds['warm-up compiles']:.1f} s, then one "
+              f"short run per setup {seconds['warm-up runs']:.1f} s; params {seconds['params']:.1f} s before it); "
               f"new compiles while measuring: {compiles}; "
-              f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+              f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
+              + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
     return header + "\n" + table + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"
