@@ -184,8 +184,9 @@ SMEM_BYTES = 232_448  # shared memory per block on H100 / H200 (227 KiB)
 
 def decode_smem_bytes(block_m: int, block_k: int, num_stages: int, width: int, itemsize: int) -> int:
     """Shared memory of one decode program: `num_stages` key tiles [block_k, width] and the
-    queries [block_m, width] (width = kv_lora + rope), plus 1 KiB of Triton's own.  Matches
-    the H200's report for fp32 at block (64, 32), 2 stages, width 576: 295,936 bytes."""
+    queries [block_m, width] (width = kv_lora + rope), plus 1 KiB of Triton's own: an
+    upper estimate (the fp32 overflow it was fitted to came from the prefill kernel,
+    `prefill_smem_bytes`); tests/gpu/test_fp32_kernels.py runs the fp32 blockings it picks."""
     return (num_stages * block_k + block_m) * width * itemsize + 1024
 
 
@@ -381,8 +382,33 @@ def _pow2_at_least_16(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
+def prefill_smem_bytes(block: int, block_k: int, num_stages: int, dqk: int, dv: int, itemsize: int) -> int:
+    """Shared memory of one prefill program: the query block [block, dqk], num_stages - 1
+    buffered key / value tiles [block_k, dqk + dv] and the probabilities [block, block_k]
+    (dims padded to powers of two as the kernel pads them), plus 512 bytes of Triton's own.
+    Matches the H200's report for fp32 at block 128 / block_k 64, 3 stages, qk 192, v 128:
+    295,424 bytes."""
+    return (block * dqk + (num_stages - 1) * block_k * (dqk + dv) + block * block_k) * itemsize + 512
+
+
+def _prefill_stages(block: int, block_k: int, num_stages, dqk: int, dv: int, rope_dim: int, itemsize: int) -> int:
+    """num_stages for the prefill kernel: the caller's, refused before any launch if its tiles
+    overflow `SMEM_BYTES`; None: 3 (the H200's fastest for bf16), fewer where they would
+    not fit (fp32 at the model's dims: 2)."""
+    dims = (_pow2_at_least_16(dqk - rope_dim) + _pow2_at_least_16(rope_dim), _pow2_at_least_16(dv))
+    fits = lambda n: prefill_smem_bytes(block, block_k, n, *dims, itemsize) <= SMEM_BYTES
+    if num_stages is None:
+        num_stages = next((n for n in (3, 2, 1) if fits(n)), 1)
+    if not fits(num_stages):
+        raise ValueError(f"mla_prefill: block {block} x block_k {block_k} x {num_stages} stages needs "
+                         f"{prefill_smem_bytes(block, block_k, num_stages, *dims, itemsize)} bytes of shared memory "
+                         f"at qk {dqk} / v {dv} ({itemsize}-byte elements); a block has {SMEM_BYTES}: pass a "
+                         f"smaller block or block_k")
+    return num_stages
+
+
 def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=128,
-                block_k=64, interpret=None, num_warps=8, num_stages=3):
+                block_k=64, interpret=None, num_warps=8, num_stages=None):
     """Causal flash attention (naive MLA form) over packed new tokens plus a cached prefix.
 
     Args:
@@ -393,7 +419,8 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
       prefix: the cached tokens before each sequence's new ones, or None.
       block / block_k / num_warps / num_stages: query rows and keys per step (block_k
         divides block; None: block), warps, pipeline stages.  The defaults were the
-        fastest of five on H200 at every benchmarked shape (RESULTS.md).
+        fastest of five on H200 at every benchmarked shape (RESULTS.md); num_stages None:
+        3, fewer where the tiles overflow shared memory (`_prefill_stages`: fp32).
     Returns:
       o [T, H, v_dim] in v's dtype, lse fp32 [T, H].
     """
@@ -401,6 +428,8 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     block_k = block if block_k is None else block_k
     if not (_is_pow2(block) and _is_pow2(block_k) and 16 <= block_k <= block):
         raise ValueError(f"block and block_k must be powers of two with 16 <= block_k <= block; got {block}, {block_k}")
+    num_stages = _prefill_stages(block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim,
+                                 jnp.dtype(k.dtype).itemsize)
     lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=block, k_multiple=block)
     keys, vals = lay.keys_values(k, v)
     q_pos, k_pos = lay.positions()
@@ -427,7 +456,7 @@ def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale,
 
 
 def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=128, block_k=64, interpret=None,
-                      num_warps=8, num_stages=3):
+                      num_warps=8, num_stages=None):
     """A prefill chunk continuing a cache, as a serving step batches it: B sequences each adding
     the same T new tokens after `prefix.lens[b]` cached ones, whose length may be traced (a
     jitted step's cache view).  The prefix is expanded from its pages over the whole block
@@ -447,6 +476,8 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
     t = q.shape[1]
     block = min(block, max(16, 1 << (t - 1).bit_length()))  # a short chunk: one small query block
     block_k = min(block_k, block)
+    num_stages = _prefill_stages(block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim,
+                                 jnp.dtype(k.dtype).itemsize)
     lay = ChunkLayout(q, k, v, prefix, q_multiple=block, k_multiple=block_k)
     o, lse = _prefill_padded(lay.p_lens, lay.q_pos, lay.k_pos, lay.q, lay.keys, lay.vals, lp=lay.lp,
                              rope_dim=rope_dim, scale=scale, block=block, block_k=block_k, interpret=interpret,

@@ -161,15 +161,35 @@ class TestBadInput:
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_decode_blocking_fits_shared_memory_at_model_dims(rows, itemsize):
     """The Triton decode's blocks fit an H200 block's shared memory at `small`'s and the full
-    model's latent width (512 + 64) in bf16 and fp32: fp32 at (64, 32) asked for 295,936 bytes
-    on the H200 (the fp32 `small` oracle on the GPU), which `decode_smem_bytes` reproduces."""
+    model's latent width (512 + 64) in bf16 and fp32 by `decode_smem_bytes`' estimate (the GPU
+    suite runs the fp32 blockings: tests/gpu/test_fp32_kernels.py)."""
     from pallas_kernels.mla import SMEM_BYTES, _decode_blocking, decode_smem_bytes
 
-    assert decode_smem_bytes(64, 32, 2, 576, 4) == 295_936
     block_m, block_k, _ = _decode_blocking(rows, 576, itemsize)
     assert decode_smem_bytes(block_m, block_k, 2, 576, itemsize) <= SMEM_BYTES
     if itemsize == 2:  # bf16 keeps the blocking measured on the H200
         assert (block_m, block_k) == ((64, 32) if rows >= 64 else (16, 64))
+
+
+def test_prefill_stages_fit_shared_memory_at_model_dims():
+    """The Triton prefill at the model's qk 192 / v 128: fp32 at 3 stages asked the H200 for
+    295,424 bytes (tests/gpu/test_fp32_kernels.py), which `prefill_smem_bytes` reproduces; fp32
+    now runs 2 stages, bf16 keeps its measured 3."""
+    from pallas_kernels.mla import SMEM_BYTES, _prefill_stages, prefill_smem_bytes
+
+    assert prefill_smem_bytes(128, 64, 3, 192, 128, 4) == 295_424
+    assert _prefill_stages(128, 64, None, 192, 128, 64, 2) == 3
+    assert _prefill_stages(128, 64, None, 192, 128, 64, 4) == 2
+    assert prefill_smem_bytes(128, 64, 2, 192, 128, 4) <= SMEM_BYTES
+    with pytest.raises(ValueError, match="shared memory"):
+        _prefill_stages(128, 64, 3, 192, 128, 64, 4)
+
+
+def test_prefill_refuses_stages_over_shared_memory(rng):
+    q, k, v = _rand(rng, 64, 2, 192).astype(jnp.float32), _rand(rng, 64, 2, 192).astype(jnp.float32), \
+        _rand(rng, 64, 2, 128).astype(jnp.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_prefill(q, k, v, cu_seqlens=[0, 64], scale=0.1, rope_dim=64, num_stages=3)
 
 
 def test_decode_refuses_blocks_over_shared_memory(rng):
