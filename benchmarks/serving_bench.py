@@ -105,21 +105,26 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     runner_ms = common.time_jax(engine_step, iters=10)
     overwrites = runner.overwrites
 
+    def advance(rows):  # what the device did: active rows advance, padding rows stay (no overwrite)
+        return dataclasses.replace(rows, lengths=rows.lengths + rows.active)
+
     def async_steps(n=20):  # the engine's decode-only phase: step i+1 goes out before step i is read
         t0 = time.perf_counter()
         held["pools"], prev, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
         for _ in range(n - 1):
-            held["rows"] = dataclasses.replace(held["rows"], lengths=held["rows"].lengths + 1)
+            held["rows"] = advance(held["rows"])
             held["pools"], tokens, _ = runner.dispatch(params, held["pools"], held["rows"],
                                                         tokens_on_device=True)
             np.asarray(prev)
             prev = tokens
         np.asarray(prev)
-        held["rows"] = dataclasses.replace(held["rows"], lengths=held["rows"].lengths + 1)
+        held["rows"] = advance(held["rows"])
         return (time.perf_counter() - t0) / n * 1e3
 
     async_steps(3)
+    before = runner.overwrites
     async_ms = async_steps()
+    async_overwrites = runner.overwrites - before  # 0: the loop chained on the device's buffers
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
         held["pools"], runner._io[bucket] = decode_program(params, held["pools"], runner._io[bucket], cfg=cfg,
@@ -134,7 +139,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
     return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", decode_bucket=bucket, async_step_ms=async_ms,
-                runner_step_ms=runner_ms, runner_overwrites=overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
+                runner_step_ms=runner_ms, runner_overwrites=overwrites, async_overwrites=async_overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
                 weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
@@ -183,6 +188,7 @@ def main():
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs
     rows = [dict(section="roofline", case=f"{jax.devices()[0].device_kind}", copy_gbs=copy_gbs,
                  torch_copy_gbs=torch_gbs, xla_copy_gbs=xla_copy_gbs)]
+    common.write_results(args.out, "serving_bench", rows)  # a run cut short keeps what it measured
     best = {}
     t_start = time.monotonic()
     for mode in [m for m in args.modes.split(",") if m]:
@@ -220,7 +226,9 @@ def main():
     rows.append(dict(section=f"largest load with TPOT p50 <= {args.tpot_target_ms} ms",
                      colocated=best.get("colocated", 0), pd=best.get("pd", 0)))
     for b in [int(x) for x in (args.decode_batches or str(args.max_load)).split(",")]:
+        t0 = time.monotonic()
         step_row, profile = decode_roofline(params, cfg, args, copy_gbs, b)
+        print(f"decode section B{b}: {time.monotonic() - t0:.1f} s", flush=True)
         rows += [step_row] + profile
         common.write_results(args.out, "serving_bench", rows)
     print(f"total {time.monotonic() - t_start:.0f} s", flush=True)
