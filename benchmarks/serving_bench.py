@@ -59,6 +59,25 @@ def run_load(server, n, args, seed, output=None):
     return metrics.summarize(f"N={n}", server.records()[-n:], time.monotonic() - t0)
 
 
+def expected_experts(cfg, rows: int, bucket: int) -> float:
+    """Routed experts a decode step over `rows` requests padded to `bucket` reads per MoE layer,
+    expected under uniform routing: each row picks k of G distinct experts; the padding rows
+    (one input, one route) count as one more row."""
+    g, k = cfg.n_routed_experts, cfg.n_active_experts
+    n = rows + (1 if bucket > rows else 0)
+    return g * (1 - ((g - k) / g) ** n)
+
+
+def weights_read_bytes(cfg, bucket: int, rows: int) -> float:
+    """bf16 weight bytes a decode step reads: every weight but the routed experts, and of those
+    the `expected_experts` share (B1 reads ~8 of 32, B32 nearly all)."""
+    per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * 2  # gate, up, down
+    n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
+    routed = n_moe * cfg.n_routed_experts * per_expert
+    share = expected_experts(cfg, rows, bucket) / cfg.n_routed_experts
+    return sizing.weight_bytes(cfg, quantization.BF16) - routed * (1 - share)
+
+
 def decode_roofline(params, cfg, args, copy_gbs, b):
     """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline;
     with `--profile-step`, also the step's busiest device ops (rows of section "profile")."""
@@ -69,9 +88,14 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     rows = (np.concatenate([table, pad], 1), np.arange(b), np.full(b, ctx))  # host arrays: the view is donated
     positions = jnp.full((b, 1), ctx, jnp.int32)
     pools = [eng.pools]
+    # Distinct tokens per row, as real requests have: identical rows (all token 0 over zero pools)
+    # route every row to the same top-k experts, so a step would read k of the experts' weights
+    # where a real B32 batch reads nearly all of them (the roofline counts them all).
+    first = np.random.default_rng(b).integers(0, cfg.vocab_size, b).astype(np.int32)
+    tokens = jnp.asarray(first[:, None])
 
     def step():  # the engine's step: pools donated and threaded through, context fixed at ctx
-        logits, out = model.forward_step(params, jnp.zeros((b, 1), jnp.int32), positions,
+        logits, out = model.forward_step(params, tokens, positions,
                                          model.paged_view(pools[0], *rows), None, cfg=cfg, expert_path="grouped",
                                          kernels=eng.kernels)
         pools[0] = model.pools_of(out)
@@ -80,7 +104,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     ms = common.time_jax(step)
     pipelined_ms, host_ms = common.time_pipelined(step)
     view = model.paged_view(pools[0], *rows)
-    compiled = model.forward_step.lower(params, jnp.zeros((b, 1), jnp.int32), positions, view, None, cfg=cfg,
+    compiled = model.forward_step.lower(params, tokens, positions, view, None, cfg=cfg,
                                         expert_path="grouped", kernels=eng.kernels).compile()
     census = common.hlo_census(compiled.as_text())
     if args.dump_step_hlo:
@@ -91,7 +115,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     # at the engine's bucket for b requests (at least 8 rows: a one-row step would also meet XLA's
     # dot strength reduction, broadcast-multiply + reduce, which writes every weight-sized product).
     runner, bucket = DecodeRunner(cfg, eng.kernels), eng.runner.decode_bucket(b)
-    held = {"pools": pools[0], "rows": DecodeRows.build(bucket, [0] * b, rows[0].tolist(), rows[1].tolist(),
+    held = {"pools": pools[0], "rows": DecodeRows.build(bucket, first.tolist(), rows[0].tolist(), rows[1].tolist(),
                                                           rows[2].tolist(), [GREEDY] * b, max_pages=eng.max_pages,
                                                           null_page=0, scratch_slot=eng.scratch_slot)}
 
@@ -134,7 +158,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     replay_ms, replay_host_ms = common.time_pipelined(replay, iters=10)
     # what the engine's decode program spends its device time on (the engine runs it, not forward_step)
     profile = [dict(r, case=f"B{b}") for r in common.profile_kernels(replay, top=40)] if args.profile_step else []
-    weights = sizing.weight_bytes(cfg, quantization.BF16)
+    weights = weights_read_bytes(cfg, bucket, b)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
@@ -142,7 +166,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
                 runner_step_ms=runner_ms, runner_overwrites=overwrites, async_overwrites=async_overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
                 forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
-                weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
+                weight_gb=weights / 1e9, experts_read=expected_experts(cfg, b, bucket), kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
                 ops=str(census["ops"])[:200]), profile
 
 
