@@ -91,29 +91,59 @@ class MooncakeServices:
         return subprocess.Popen([_binary(name)] + args, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
+    def _start_metadata(self) -> None:
+        # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
+        out = open(os.path.join(self.log_dir, "metadata_server.log"), "a")
+        self.metadata = subprocess.Popen([sys.executable, "-m", "cache.metadata_server", "--port",
+                                          str(self.http_port)], stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, cwd=_REPO, env=_repo_env())
+        _wait_port(self.http_port, self.metadata, 20)
+
     def start_master(self) -> None:
+        """The master (and the metadata server if it is not running), on this object's ports."""
         if self.metadata is None or self.metadata.poll() is not None:
-            # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
-            out = open(os.path.join(self.log_dir, "metadata_server.log"), "w")
-            self.metadata = subprocess.Popen([sys.executable, "-m", "cache.metadata_server", "--port",
-                                              str(self.http_port)], stdout=out, stderr=subprocess.STDOUT,
-                                             start_new_session=True, cwd=_REPO, env=_repo_env())
-            _wait_port(self.http_port, self.metadata, 20)
+            self._start_metadata()
         self.master = self._spawn("mooncake_master", [
             "--enable_http_metadata_server=false", "--rpc_address=127.0.0.1",
             f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
             "--default_kv_lease_ttl=10000"])  # a read holds its objects this long (ms)
         _wait_port(self.rpc_port, self.master, 20)
 
-    def start(self) -> "MooncakeServices":
-        self.start_master()
+    def _start_memory_server(self) -> None:
         self.memory_server = self._spawn("mooncake_client", [
             "--host=127.0.0.1", f"--port={self.client_port}", f"--master_server_address={self.master_addr}",
             f"--metadata_server={self.metadata_url}", "--protocol=tcp",
             f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=16MB"])
         _wait_port(self.client_port, self.memory_server, 30)
         time.sleep(0.5)  # let the segment mount register with the master
+
+    def start(self) -> "MooncakeServices":
+        self.start_master()
+        self._start_memory_server()
         return self
+
+    def supervise(self) -> list[str]:
+        """Restart whichever service exited (reaping it), on its own port; returns their names.
+        A restarted master starts empty (the store's entries were its metadata): clients see
+        misses, then new entries, with no restart of their own.  The memory server restarts
+        with the master or the metadata server: its segment is mounted afresh at once (on its
+        own it re-registers with a new master only after a while, and its old contents are
+        unreachable either way)."""
+        dead = lambda p: p is not None and p.poll() is not None
+        restarted = []
+        if dead(self.metadata):
+            self._start_metadata()
+            restarted.append("metadata_server")
+        if dead(self.master):
+            self.start_master()
+            restarted.append("mooncake_master")
+        if dead(self.memory_server) or restarted:
+            self._stop(self.memory_server)
+            self._start_memory_server()
+            restarted.append("memory_server")
+        for name in restarted:
+            log.warning("mooncake %s had exited; restarted it", name)
+        return restarted
 
     def kill_master(self) -> None:
         """Fault injection: the master dies (SIGKILL)."""
@@ -140,6 +170,12 @@ class MooncakeServices:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# Mooncake's error codes (mooncake-store types.h): a key that is not there, and a master that
+# does not answer.  Other negative codes are faults too.
+OBJECT_NOT_FOUND = -704
+RPC_FAIL = -900
 
 
 class MooncakeHostKVTier(HostKVTier):
@@ -209,7 +245,8 @@ class MooncakeHostKVTier(HostKVTier):
                     rcs = self._store.batch_get_into(list(keys[lo:hi]), ptrs, sizes[lo:hi])
                 except Exception as e:  # noqa: BLE001
                     log.warning("mooncake batch_get failed: %r", e)
-                    rcs = [-1] * (hi - lo)
+                    rcs = [RPC_FAIL] * (hi - lo)
+                self.stats.errors += sum(rc < 0 and rc != OBJECT_NOT_FOUND for rc in rcs)  # not a miss: a fault
                 off = 0
                 for key, out, rc, s in zip(keys[lo:hi], outs[lo:hi], rcs, sizes[lo:hi]):
                     arr = decode_entry(memoryview(self._staging)[off:off + s], out.shape, out.dtype) if rc == s else None
@@ -241,10 +278,13 @@ class MooncakeHostKVTier(HostKVTier):
 
     def exists(self, keys):
         try:
-            return [rc == 1 for rc in self._store.batch_is_exist(list(keys))]
+            rcs = self._store.batch_is_exist(list(keys))
         except Exception as e:  # noqa: BLE001
             log.warning("mooncake exists failed: %r", e)
+            self.stats.errors += 1
             return [False] * len(keys)
+        self.stats.errors += any(rc < 0 for rc in rcs)  # 1 present, 0 absent, < 0 the store failed
+        return [rc == 1 for rc in rcs]
 
     def remove(self, keys):
         for k in keys:

@@ -8,6 +8,10 @@ starts a Mooncake store (`mooncake_master` + a memory server, cache/mooncake_tie
 waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
 the router, then the workers, then the store.  A worker (or the router) that exits on its
 own is restarted on its port (at most `--max-restarts` times); KV it had published stays in the store.
+A store service that exits (the master, the memory server, the metadata server) is restarted
+the same way; until it is back, workers answer store lookups with misses (their tier's circuit
+breaker, cache/guarded_tier.py) and report "degraded" on /health.  `--state-file` always
+holds the live pids.
 """
 
 from __future__ import annotations
@@ -127,6 +131,7 @@ class Deployment:
         self.services = None
         self.workers: list[Child] = []
         self.router: Child | None = None
+        self.store_restarts: dict[str, int] = {}
 
     def _worker_argv(self, role: str, index: int, port: int) -> list[str]:
         a = self.args
@@ -186,8 +191,11 @@ class Deployment:
                 "store": self.services.master_addr if self.services else None, "pids": pids,
                 "log_dir": self.log_dir}
 
-    def supervise(self) -> None:
-        """Restart children (workers, router) that exited on their own, on their own ports."""
+    def supervise(self) -> bool:
+        """Restart children (workers, router) and store services (master, memory server, metadata
+        server) that exited on their own, on their own ports, each at most `--max-restarts` times.
+        Returns whether anything was restarted (its pid changed)."""
+        changed = False
         for w in self.workers + [self.router]:
             if w.proc.poll() is not None:
                 if w.restarts >= self.args.max_restarts:
@@ -195,6 +203,22 @@ class Deployment:
                 w.restarts += 1
                 log.warning("%s exited with code %s; restarting it on port %d", w.name, w.proc.returncode, w.port)
                 w.spawn()
+                changed = True
+        if self.services is not None:
+            for name in self.services.supervise():
+                self.store_restarts[name] = self.store_restarts.get(name, 0) + 1
+                if self.store_restarts[name] > self.args.max_restarts:
+                    raise RuntimeError(f"the store's {name} exited {self.store_restarts[name]} times")
+                changed = True
+        return changed
+
+    def write_state(self, path: str) -> None:
+        """The deployment's URLs and live pids, with the internal token the admin routes take
+        (0600), replaced atomically."""
+        tmp = path + ".tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(dict(self.state(), internal_token=_TOKEN), f)
+        os.replace(tmp, path)
 
     def stop(self) -> None:
         stop_process(self.router.proc if self.router else None)
@@ -235,16 +259,14 @@ def run(args) -> int:
     try:
         dep.start()
         state = dep.state()
-        if args.state_file:  # 0600: it holds the internal token the admin routes take
-            tmp = args.state_file + ".tmp"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                json.dump(dict(state, internal_token=_TOKEN), f)
-            os.replace(tmp, args.state_file)
+        if args.state_file:
+            dep.write_state(args.state_file)
         print(f"kimik3: serving {args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
               f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
               f"Ctrl-C stops", flush=True)
         while not stop.wait(0.5):
-            dep.supervise()
+            if dep.supervise() and args.state_file:  # restarted children have new pids
+                dep.write_state(args.state_file)
     except RuntimeError as e:
         log.error("%s", e)
         print(f"kimik3 launch: {e} (logs in {dep.log_dir})", file=sys.stderr, flush=True)

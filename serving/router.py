@@ -130,7 +130,8 @@ class Worker:
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining or
                 self.drained_by_router, "circuit": self.breaker.state, "inflight": self.inflight,
                 "score": self.score(), "load": self.load, "last_error": self.last_error,
-                "worker_id": self.info.get("worker_id"), "pid": self.info.get("pid")}
+                "worker_id": self.info.get("worker_id"), "pid": self.info.get("pid"),
+                "status": self.info.get("status"), "store_health": self.info.get("store_health")}
 
 
 @dataclasses.dataclass
@@ -277,7 +278,10 @@ class StoreProbe:
     def __init__(self, master: str, metadata: str):
         from cache.mooncake_tier import MooncakeHostKVTier
 
-        self.tier = MooncakeHostKVTier(master, metadata, staging_bytes=1 << 20)
+        from cache.guarded_tier import GuardedHostKVTier
+
+        # a probe is a hint: a dead store answers "not there" at once, never stalls routing
+        self.tier = GuardedHostKVTier(MooncakeHostKVTier(master, metadata, staging_bytes=1 << 20), timeout_s=0.5)
 
     def has(self, namespace: str, block_hash: bytes) -> bool:
         from cache.host_tier import make_key
@@ -794,7 +798,9 @@ class Router:
         async def health():
             ok = (any(w.available() for w in self.prefill) or not self.prefill) and \
                  (any(w.available() for w in self.decode) or not self.decode)
-            return JSONResponse({"status": "ok" if ok else "unavailable", "model": self.model_name,
+            degraded = any(w.info.get("status") == "degraded" for w in self.workers if w.available())
+            return JSONResponse({"status": ("degraded" if degraded else "ok") if ok else "unavailable",
+                                 "model": self.model_name,
                                  "workers": [w.describe() for w in self.workers]}, status_code=200 if ok else 503)
 
         @app.get("/metrics")

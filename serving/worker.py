@@ -19,7 +19,8 @@ back through per-request asyncio queues.  Endpoints:
   shared store (`--mooncake-master`) every finished request's pages and KDA snapshots are
   published there (`Engine(publish_to_host=True)`), so a decode worker (or this worker after a
   restart) finds the prompt's prefix in the store.
-* ``GET /health`` (200 ok / 503 draining or failed, plus the model facts a router needs),
+* ``GET /health`` (200 ok or degraded: the shared store is not answering and its lookups are
+  misses, `cache.guarded_tier`; 503 draining or failed; plus the model facts a router needs),
   ``GET /load`` (queue depth, running, free pages and sessions, KV use), ``POST /drain``
   (refuse new requests, finish the admitted ones), ``POST /resume``, ``GET /metrics``.
 
@@ -521,9 +522,14 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
     @app.get("/health")
     async def health():
-        status = "failed" if loop.failed else "draining" if loop.draining else "ok"
-        return JSONResponse({"status": status, "pid": os.getpid(), **info, "load": loop.load()},
-                            status_code=200 if status == "ok" else 503)
+        tier = getattr(loop.engine.manager, "host", None)
+        store = tier.health() if hasattr(tier, "health") else None
+        status = "failed" if loop.failed else "draining" if loop.draining else \
+            "degraded" if store and store["status"] != "ok" else "ok"
+        extra = {"store_health": store} if store else {}
+        # degraded: serving, with store lookups answered as misses until the store is back
+        return JSONResponse({"status": status, "pid": os.getpid(), **info, **extra, "load": loop.load()},
+                            status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/load")
     async def load():
@@ -573,7 +579,12 @@ def build_engine(args):
     if args.mooncake_master:
         from cache.mooncake_tier import MooncakeHostKVTier
 
-        host = MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata, staging_bytes=args.staging_mb << 20)
+        from cache.guarded_tier import GuardedHostKVTier
+
+        # behind a deadline and a breaker: a dead store turns into misses, not stalled steps
+        host = GuardedHostKVTier(MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata,
+                                                    staging_bytes=args.staging_mb << 20),
+                                 timeout_s=args.store_timeout_s, cooldown_s=args.store_cooldown_s)
     role = args.role
     engine = Engine(params, cfg, EngineConfig(
         num_pages=args.num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
@@ -607,6 +618,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mooncake-master", default=None, help="host:port of a mooncake_master (the shared store)")
     parser.add_argument("--mooncake-metadata", default=None, help="its HTTP metadata URL")
     parser.add_argument("--staging-mb", type=int, default=16)
+    parser.add_argument("--store-timeout-s", type=float, default=1.0,
+                        help="longest wait for one store call; one overrun opens the store's breaker")
+    parser.add_argument("--store-cooldown-s", type=float, default=5.0,
+                        help="while the breaker is open, store lookups are misses; then one call probes")
     parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")

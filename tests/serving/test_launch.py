@@ -59,6 +59,20 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
             "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched"}], "max_tokens": 4,
             "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # Issue 17 #4 / #10: a store master that dies is restarted (and reaped), and the state
+        # file follows the live pids.
+        old_master = state["pids"]["mooncake_master"]
+        os.kill(old_master, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while json.loads(state_file.read_text())["pids"]["mooncake_master"] == old_master:
+            assert time.monotonic() < deadline, "the launcher did not restart the store's master"
+            time.sleep(0.25)
+        state = json.loads(state_file.read_text())
+        assert not _alive(old_master) and _alive(state["pids"]["mooncake_master"])
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "after the store restarted"}],
+            "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

@@ -172,3 +172,41 @@ def test_images_travel_as_base64_pixels_and_equal_the_oracle(client, tiny_cfg, t
     assert r.status_code == 400 and "base64" in r.json()["error"]
     r = client.post("/generate", json=dict(body, images=None))
     assert r.status_code == 400 and "no images" in r.json()["error"]
+
+
+def test_a_dead_store_degrades_health_and_costs_requests_nothing(client, tiny_cfg, tiny_params, rng, monkeypatch):
+    """Issue 17 #4: with the shared store's master killed, requests still get the oracle's tokens,
+    /health says "degraded" (200: still serving), and once the breaker is open no request's
+    lookup reaches the store (the TTFT a dead store used to cost: 7-47 s)."""
+    import os
+
+    from cache.guarded_tier import GuardedHostKVTier
+    from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
+
+    try:
+        svc = MooncakeServices(segment_bytes=64 << 20).start()
+    except TierError as e:
+        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+            raise
+        pytest.skip(f"Mooncake unavailable: {e}")
+    tier = GuardedHostKVTier(MooncakeHostKVTier(svc.master_addr, svc.metadata_url, staging_bytes=1 << 20),
+                             timeout_s=2.0, cooldown_s=3600.0)
+    try:
+        monkeypatch.setattr(client.loop.engine.manager, "host", tier)
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert health.json()["store_health"]["breaker"] == "closed"
+        svc.kill_master()
+        for n in (3, 2):  # the first lookup meets the dead store and opens the breaker
+            prompt = [9, n] + rng.integers(0, 256, 3 * PAGE).tolist()
+            done = client.post("/prefill", json={"prompt": prompt, "max_tokens": 1}).json()
+            assert done["tokens"] == generate(tiny_params, tiny_cfg, prompt, 1).tokens.tolist()
+            if n == 3:
+                skipped = tier.skipped
+        assert tier.skipped > skipped  # the second request's lookup never reached the store
+        health = client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert health.json()["store_health"]["breaker"] == "open"
+    finally:
+        svc.stop()
+        tier.close()
