@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python benchmarks/fault_drill.py [--config tiny] [--requests 6] [--out DIR]
 
 Starts `kimik3 launch` (1 prefill + 1 decode worker, the store, the router; CPU by default),
-then times short requests (non-streamed, one new token: the latency is the TTFT) in three
+then times short requests (non-streamed, two new tokens: the prefill worker's first, then the
+decode worker's after the KV handoff, so the latency is about the TTFT plus one step) in three
 phases: normal; right after SIGKILL of `mooncake_master` (the launcher restarts it within a
 second, the workers' store breakers stay open for their cooldown, so lookups are misses);
 after the cooldown (hits from the store again).  Prints one markdown table: per phase the
@@ -38,14 +39,15 @@ def handoff_tokens(base: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^kimik3_router_handoff_cached_tokens_total (\S+)$", text, re.M))
 
 
-def phase(base: str, state: dict, name: str, prompts: list[str]) -> dict:
+def phase(base: str, state: dict, name: str, prompts: list[str], model: str = "tiny") -> dict:
     import httpx
 
     times = []
     for p in prompts:
         t0 = time.monotonic()
         r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
-            "model": "kimik3", "messages": [{"role": "user", "content": p}], "max_tokens": 1})
+            "model": f"kimik3-{model}", "messages": [{"role": "user", "content": p}], "max_tokens": 2,
+            "ignore_eos": True})
         times.append(time.monotonic() - t0)
         if r.status_code != 200:
             raise RuntimeError(f"{name}: {r.status_code} {r.text[:200]}")
@@ -83,19 +85,19 @@ def main():
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, None, 60)
         text = "a short question about caches, number {}: " + "the same long system prompt " * 12
-        phase(base, state, "warm-up", [text.format(-1)])
+        phase(base, state, "warm-up", [text.format(-1)], model=args.config)
         before = handoff_tokens(base)
-        rows.append(phase(base, state, "normal", [text.format(i) for i in range(args.requests)]))
+        rows.append(phase(base, state, "normal", [text.format(i) for i in range(args.requests)], model=args.config))
         rows[-1]["store_served_prompt_tokens"] = handoff_tokens(base) - before
         os.kill(state["pids"]["mooncake_master"], signal.SIGKILL)
         before = handoff_tokens(base)
         rows.append(phase(base, state, "master killed (breaker open)",
-                          [text.format(100 + i) for i in range(args.requests)]))
+                          [text.format(100 + i) for i in range(args.requests)], model=args.config))
         rows[-1]["store_served_prompt_tokens"] = handoff_tokens(base) - before
         time.sleep(args.cooldown_s + 1.0)  # the launcher restarted the master; the breakers probe again
         state = json.load(open(state_file))
         before = handoff_tokens(base)
-        rows.append(phase(base, state, "after restart + cooldown", [text.format(200 + i) for i in range(args.requests)]))
+        rows.append(phase(base, state, "after restart + cooldown", [text.format(200 + i) for i in range(args.requests)], model=args.config))
         rows[-1]["store_served_prompt_tokens"] = handoff_tokens(base) - before
     finally:
         if proc.poll() is None:

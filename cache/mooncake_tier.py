@@ -130,19 +130,21 @@ class MooncakeServices:
         own it re-registers with a new master only after a while, and its old contents are
         unreachable either way)."""
         dead = lambda p: p is not None and p.poll() is not None
+        exited = [n for n, p in (("metadata_server", self.metadata), ("mooncake_master", self.master),
+                                 ("memory_server", self.memory_server)) if dead(p)]
         restarted = []
-        if dead(self.metadata):
+        if "metadata_server" in exited:
             self._start_metadata()
             restarted.append("metadata_server")
-        if dead(self.master):
+        if "mooncake_master" in exited:
             self.start_master()
             restarted.append("mooncake_master")
-        if dead(self.memory_server) or restarted:
+        if restarted or "memory_server" in exited:
             self._stop(self.memory_server)
             self._start_memory_server()
             restarted.append("memory_server")
-        for name in restarted:
-            log.warning("mooncake %s had exited; restarted it", name)
+        if restarted:
+            log.warning("mooncake: %s exited; restarted %s", ", ".join(exited), ", ".join(restarted))
         return restarted
 
     def kill_master(self) -> None:
