@@ -32,9 +32,12 @@ another worker with exponential backoff and full jitter, at most `--retries` tim
 against that worker's circuit breaker (`--breaker-threshold` consecutive failures open it for
 `--breaker-cooldown-s`, doubling while it keeps failing; a passing health check or request
 after the cooldown closes it).  A decode worker that dies mid-stream is replaced by another
-that continues from prompt + the tokens already sent: nothing is sent twice.  When every
+that continues from prompt + the tokens already sent: nothing is sent twice.  When no worker
+of a role is available at all (down, drained, circuit open), a request waits up to
+`--no-worker-wait-s` for one to come back (a worker restart), then gets a 503.  When every
 attempt fails, the client gets 503 (or, once streaming, a final SSE error event) marked
-retriable.
+retriable, with `Retry-After`.  Request bodies are capped (`--max-body-bytes`, 413) and must
+arrive whole within `--body-timeout-s` (408).
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ class RouterConfig:
     breaker_max_cooldown_s: float = 30.0
     max_images: int = 16
     max_body_bytes: int = 32 << 20  # larger bodies are a 413 before they are read whole
+    body_timeout_s: float = 30.0  # a body not received whole by then is a 408
+    no_worker_wait_s: float = 20.0  # with no worker of a role available, wait this long (a restart) before a 503
     image_decoders: int = 4  # requests decoding images at once (off the event loop)
     default_max_tokens: int = 256
     affinity_slack: float = 2.0
@@ -172,19 +177,30 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 RETRY_AFTER = {"Retry-After": "15"}
 
 
-async def read_body(request, limit: int) -> bytes:
+async def read_body(request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request's body, or a 413 past `limit` bytes: refused on its Content-Length before
-    reading, and while reading (a chunked body states none)."""
+    reading, and while reading (a chunked body states none); a 408 when the whole body has not
+    arrived within `timeout_s` (a client that sends half a body and waits holds a connection
+    and a buffer forever otherwise)."""
     too_large = lambda: APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large()
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise too_large()
-        chunks.append(chunk)
+
+    async def read():
+        nonlocal n
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_large()
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s ({n} bytes read)",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -492,15 +508,21 @@ class Router:
         role = pool[0].role
         tried: set[str] = set()
         failures = 0
+        no_worker_since = None
         while True:
             w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"))
             if w is None:
-                failures += 1
-                if failures > self.cfg.retries:
-                    raise APIError(503, f"no healthy {role} worker is available; retry later",
-                                   type="service_unavailable", code="no_worker", headers=RETRY_AFTER)
-                await self._backoff(failures)
+                # Every worker of the role is down, drained or tripped: wait for one to come back
+                # (a restart takes 10-20 s) rather than fail within a few backoffs.
+                now = time.monotonic()
+                no_worker_since = no_worker_since or now
+                if now - no_worker_since >= self.cfg.no_worker_wait_s:
+                    raise APIError(503, f"no healthy {role} worker was available for {self.cfg.no_worker_wait_s:g} s; "
+                                        f"retry later", type="service_unavailable", code="no_worker",
+                                   headers=RETRY_AFTER)
+                await asyncio.sleep(min(self.cfg.health_interval_s, self.cfg.no_worker_wait_s))
                 continue
+            no_worker_since = None
             tried.add(w.url)
             before = len(out)
             w.inflight += 1
@@ -715,7 +737,7 @@ class Router:
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             t0 = time.monotonic()
             try:
-                raw = await read_body(request, self.cfg.max_body_bytes)
+                raw = await read_body(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
                 if b"image_url" in raw:  # decoding images costs CPU and memory: off the event loop, bounded
                     async with decoders:
                         req, prompt, max_tokens, images_b64 = await asyncio.to_thread(self.parse, kind, raw)
@@ -1016,7 +1038,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"default {getattr(d, name)}")
     for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",
                  "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s",
-                 "breaker_max_cooldown_s", "affinity_slack", "prefill_timeout_s"):
+                 "breaker_max_cooldown_s", "affinity_slack", "prefill_timeout_s", "body_timeout_s",
+                 "no_worker_wait_s"):
         parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
                             help=f"default {getattr(d, name)}")
     parser.add_argument("--handoff", choices=("auto", "store", "direct"), default=None,

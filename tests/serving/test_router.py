@@ -86,7 +86,7 @@ class Cluster:
             "--max-inflight", "4", "--max-queue", "4", "--queue-timeout-s", "4", "--read-timeout-s", "4",
             "--health-interval-s", "0.3", "--health-timeout-s", "1.5", "--breaker-threshold", "2",
             "--breaker-cooldown-s", "2", "--breaker-max-cooldown-s", "4", "--retries", "3", "--log-level", "info",
-            "--max-body-bytes", str(1 << 20)])
+            "--max-body-bytes", str(1 << 20), "--body-timeout-s", "1"])
         wait_healthy(self.url("router"), self.procs["router"], 60)
         return self
 
@@ -492,6 +492,14 @@ def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster)
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
     assert r.status_code == 400 and "pixels" in r.json()["error"]["message"]
     assert httpx.post(base + "/v1/nothing", json={}, timeout=10).status_code == 404
+    # half a body, then silence: a 408 once --body-timeout-s passes, not a connection held forever
+    import socket
+
+    with socket.create_connection(("127.0.0.1", cluster.ports["router"]), timeout=20) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"kimik3-tiny\", ")
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive" in reply, reply[:200]
     assert submitted() == before and metric(cluster, "kimik3_router_worker_requests_total") == attempts
 
 
@@ -597,6 +605,34 @@ def check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(c
     wait_for(lambda: workers(cluster)[drained]["draining"] is False, 10, "the worker to resume")
 
 
+def check_a_request_waits_out_a_pool_with_no_worker_instead_of_failing(cluster, params):
+    """Issue 17 #10: with every decode worker drained (as during a restart of the only one), a
+    request waits (`--no-worker-wait-s`) instead of failing after a few backoffs (~0.35 s),
+    and completes with the oracle's tokens once a worker is back."""
+    import threading
+
+    base = cluster.url("router")
+    decoders = [cluster.url(n) for n in ("decode0", "decode1")]
+    for url in decoders:
+        assert httpx.post(base + "/admin/drain", json={"url": url}, timeout=10, headers=AUTH).json()["draining"]
+    result = {}
+    text = "wait for a worker"
+    thread = threading.Thread(target=lambda: result.update(r=httpx.post(
+        base + "/v1/chat/completions", json=chat_body(text, 3), timeout=60)))
+    try:
+        thread.start()
+        time.sleep(2.0)  # longer than every retry's backoff together
+        assert thread.is_alive() and "r" not in result  # still waiting, not a 503
+    finally:
+        for url in decoders:
+            httpx.post(base + "/admin/resume", json={"url": url}, timeout=10, headers=AUTH)
+        thread.join(60)
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["choices"][0]["token_ids"] == oracle(params, chat_prompt(text), 3)
+    for url in decoders:
+        wait_for(lambda: workers(cluster)[url]["draining"] is False, 10, "the worker to resume")
+
+
 def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost(cluster):
     base = cluster.url("router")
     n_bursts, burst = 2, 12  # router: 4 running + 4 queued; workers: 2 x 2 decode slots
@@ -640,6 +676,7 @@ def test_router_and_workers_as_real_processes(cluster, params):
                   check_a_decode_worker_killed_mid_stream_fails_over_without_duplicates_and_its_restart_finds_the_kv,
                   check_a_hanging_prefill_worker_opens_its_circuit_and_traffic_moves,
                   check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere,
+                  check_a_request_waits_out_a_pool_with_no_worker_instead_of_failing,
                   check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_lost):
         t0 = time.monotonic()
         args = (cluster, params) if "params" in check.__code__.co_varnames[:check.__code__.co_argcount] else (cluster,)
