@@ -36,3 +36,11 @@ def test_serving_bench_writes_its_sections_and_the_step_hlo(tmp_path):
                                     ["benchmarks/bf16_drift.py", "--config", "tiny", "--tokens", "16"]])
 def test_probe_scripts_run(script, tmp_path):
     assert _run(script, tmp_path).strip()
+
+
+def test_the_decode_ab_driver_reports_each_variant(tmp_path):
+    out = tmp_path / "ab"
+    _run(["benchmarks/decode_ab.py", "--config", "tiny", "--quick", "--decode-batches", "2", "--variants", "base",
+          "--out", str(out)], tmp_path)
+    (row,) = json.load(open(out / "decode_ab.json"))
+    assert row["status"] == "ok" and row["B2 launches"] > 0 and row["B2 replay_ms"] > 0
