@@ -17,22 +17,31 @@ REPEATS = 5
 pytestmark = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 
 
-@pytest.mark.parametrize("heads", [16, 96])
-def test_decode_at_the_models_latent_dims_every_repeat(heads):
-    """kv_lora 512 + rope 64, pages of 128, `small`'s 16 heads and full scale's 96."""
-    r, p, page, n_pages, b = 512, 64, 128, 40, 4
+def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=None) -> tuple[float, float]:
+    """Max |error| of output and LSE of `decode` (mla_decode_hopper's contract) against the
+    reference on fresh bf16 inputs: kv_lora 512 + rope 64, pages of 128; `long`: 1-2k keys
+    per row (16-32 P hand-overs between the warpgroups) instead of up to 1k."""
+    r, p, page, b = 512, 64, 128, 4
+    per_row = 16 if long else 8
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    pages = f(b * per_row + 8, page, r + p)
+    table = jnp.asarray(rng.permutation(b * per_row + 8)[:b * per_row].reshape(b, per_row), jnp.int32)
+    lens = jnp.asarray(rng.integers(per_row * page // 2 if long else 1, per_row * page, b), jnp.int32)
+    q_latent, q_pe = f(b, 1, heads, r), f(b, 1, heads, p)
+    o, lse = decode(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5, p_slots=p_slots)
+    up = lambda x: x.astype(jnp.float32)
+    o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, lens, scale=192 ** -0.5)
+    return float(jnp.max(jnp.abs(up(o) - o_ref))), float(jnp.max(jnp.abs(lse - lse_ref)))
+
+
+@pytest.mark.parametrize("heads, long, p_slots", [(16, False, None), (96, False, None), (96, True, 1)])
+def test_decode_at_the_models_latent_dims_every_repeat(heads, long, p_slots):
+    """`small`'s 16 heads and full scale's 96; long contexts with one P slot make warpgroup 0
+    wait on warpgroup 1 at every hand-over (where a release race would show)."""
     for seed in range(REPEATS):
-        rng = np.random.default_rng(seed)
-        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-        pages = f(n_pages, page, r + p)
-        table = jnp.asarray(rng.permutation(n_pages)[:b * 8].reshape(b, 8), jnp.int32)
-        lens = jnp.asarray(rng.integers(1, 8 * page, b), jnp.int32)
-        q_latent, q_pe = f(b, 1, heads, r), f(b, 1, heads, p)
-        o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5)
-        up = lambda x: x.astype(jnp.float32)
-        o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, lens, scale=192 ** -0.5)
-        np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0, err_msg=f"repeat {seed}")
-        np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0, err_msg=f"repeat {seed}")
+        o_err, lse_err = decode_errors(mla_decode_hopper, seed, heads, long, p_slots)
+        assert o_err <= O_ATOL and lse_err <= LSE_ATOL, f"repeat {seed}: output {o_err:.3g}, lse {lse_err:.3g}"
 
 
 @pytest.mark.parametrize("heads", [16, 96])
@@ -50,3 +59,42 @@ def test_prefill_at_the_models_head_dims_every_repeat(heads):
         o_ref, lse_ref = mla_prefill_ref(up(q), up(k), up(v), cu_seqlens=cu, scale=192 ** -0.5)
         np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0, err_msg=f"repeat {seed}")
         np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0, err_msg=f"repeat {seed}")
+
+
+# ---- a mutant the suite must catch (issue 16) ----------------------------------------------------
+# Warpgroup 1 hands the P slot back to warpgroup 0 *before* its P @ V wgmma has read it: warpgroup 0
+# may then overwrite P mid-read.  The Mosaic GPU interpreter (tests/pallas_kernels) cannot see this
+# race; three probe runs of such a mutant gave max errors 0.25, 0.003 and 0.21 on the H200.
+_RELEASE_AFTER_READ = ("            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 1)\n"
+                       "            plgpu.barrier_arrive(p_free.at[pslot])\n")
+_RELEASE_BEFORE_READ = ("            plgpu.barrier_arrive(p_free.at[pslot])\n"
+                        "            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 1)\n")
+
+
+def mutant_source() -> str:
+    """pallas_kernels/mla_hopper.py with the P slot released before it is read."""
+    import pallas_kernels.mla_hopper as mod
+
+    src = open(mod.__file__).read()
+    if src.count(_RELEASE_AFTER_READ) != 1:
+        raise AssertionError("the decode kernel's P release moved: update the mutant with it")
+    return src.replace(_RELEASE_AFTER_READ, _RELEASE_BEFORE_READ)
+
+
+def test_the_suite_catches_a_p_slot_released_before_it_is_read(tmp_path):
+    """The decode check above, run on the mutant (one P slot, long contexts: many hand-overs),
+    must fail in at least one of its repeats."""
+    import importlib.util
+
+    path = tmp_path / "mla_hopper_mutant.py"
+    path.write_text(mutant_source())
+    spec = importlib.util.spec_from_file_location("mla_hopper_mutant", path)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    worst = 0.0
+    for seed in range(3 * REPEATS):  # the check above, on the mutant, at its long one-slot case
+        worst = max(worst, decode_errors(mutant.mla_decode_hopper, 1000 + seed, 96, True, 1)[0])
+        if worst > O_ATOL:
+            return
+    pytest.fail(f"the mutant passed {3 * REPEATS} repeats (max error {worst:.3g}): the decode check cannot see "
+                f"a P slot released early")

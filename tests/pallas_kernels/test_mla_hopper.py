@@ -170,3 +170,11 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps):
 def test_decode_splits_fill_the_sms_in_whole_waves(row_tiles, max_keys, want):
     from pallas_kernels.mla_hopper import decode_splits
     assert decode_splits(row_tiles, max_keys, 64) == want
+
+
+def test_the_gpu_suites_p_slot_mutant_still_applies():
+    """tests/gpu's mutation check edits the decode kernel's source; a refactor that moves the
+    edited lines must update it, not silently leave it testing nothing."""
+    from tests.gpu.test_hopper_kernels import _RELEASE_BEFORE_READ, mutant_source
+
+    assert _RELEASE_BEFORE_READ in mutant_source()
