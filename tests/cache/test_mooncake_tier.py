@@ -109,7 +109,8 @@ def test_the_master_and_the_metadata_server_listen_on_loopback_only(services):
 
 
 @pytest.mark.xfail(strict=True, reason="upstream: the transfer engine's RPC and TCP transport bind every interface "
-                                       "and mooncake_client has no bind-address option (issue 17 #3, open)")
+                                       "and mooncake_client has no bind-address option; MC_TCP_BIND_ADDRESS=127.0.0.1 "
+                                       "(0.3.13.post1) leaves both listeners on 0.0.0.0 / :: (issue 17 #3, open)")
 def test_the_memory_servers_transfer_engine_listens_on_loopback_only(services):
     assert _listening(services.memory_server.pid) <= {"127.0.0.1"}
 
