@@ -89,6 +89,20 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     return moe_kernels.grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g)
 
 
+def grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels="auto") -> bool:
+    """Whether `grouped_ffn` (Pallas) serves these experts: fused gate/up weights, one dtype,
+    dims the kernel tiles."""
+    return (resolve(kernels) == "pallas" and x_nl.dtype == w_gateup_elf.dtype == w_out_efl.dtype
+            and moe_kernels.kernel_dims_ok(x_nl.shape[1], w_gateup_elf.shape[2])
+            and moe_kernels.kernel_dims_ok(w_out_efl.shape[1], w_out_efl.shape[2]))
+
+
+def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
+    """Every routed expert FFN in one group-aligned layout (`pallas_kernels.moe.grouped_ffn`):
+    rows [N, L], ids [N, k] -> unweighted outputs [N, k, L].  Callers check `grouped_ffn_fits`."""
+    return moe_kernels.grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act)
+
+
 def kda_export_mask(export_at, t: int, chunk_size: int):
     """Which entries of a KDA export_at [E] name a state that a pass over t tokens exports."""
     return kda_kernels.export_mask(export_at, t, chunk_size)

@@ -85,6 +85,42 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     return jnp.where(valid, dest, -1), tile_group
 
 
+def _check_gmm(lhs_mk, rhs_gkn, what: str):
+    m, k = lhs_mk.shape
+    g, k2, n = rhs_gkn.shape
+    if k2 != k:
+        raise ValueError(f"{what}: lhs {lhs_mk.shape} and rhs {rhs_gkn.shape} do not match ([M, K], [G, K, N])")
+    if lhs_mk.dtype != rhs_gkn.dtype:
+        raise ValueError(f"{what}: lhs {lhs_mk.dtype} and rhs {rhs_gkn.dtype} must share a dtype")
+    if not kernel_dims_ok(k, n):
+        raise ValueError(f"{what}: K={k} and N={n} must be multiples of 16")
+
+
+def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool):
+    """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
+    tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N]."""
+    k, n = rhs_gkn.shape[1:]
+    block_k, block_n = _pick(k, (64, 32, 16)), _pick(n, (128, 64, 32, 16))
+    precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
+    return pl.pallas_call(
+        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
+        grid=(x_pad.shape[0] // block_m, n // block_n),
+        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), x_pad.dtype),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        name="moe_grouped_matmul",
+    )(tile_group, x_pad, rhs_gkn)
+
+
+def _default_block_m(rows: int) -> int:
+    return 16 if rows <= 512 else 64  # a decode step's few rows per expert; prefill's many
+
+
+def _interpret(interpret):
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=None):
     """Pallas grouped GEMM, the contract of `grouped_matmul_ref`.
@@ -95,33 +131,81 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     (`kernel_dims_ok`).  fp32 inputs multiply in 3xTF32 on the GPU (exact fp32
     in interpret mode), bf16 inputs on bf16 tensor cores, accumulating in fp32.
     """
-    m, k = lhs_mk.shape
-    g, k2, n = rhs_gkn.shape
-    if k2 != k or group_sizes_g.shape != (g,):
-        raise ValueError(f"grouped_matmul: lhs {lhs_mk.shape}, rhs {rhs_gkn.shape}, group_sizes "
-                         f"{group_sizes_g.shape} do not match ([M, K], [G, K, N], [G])")
-    if lhs_mk.dtype != rhs_gkn.dtype:
-        raise ValueError(f"grouped_matmul: lhs {lhs_mk.dtype} and rhs {rhs_gkn.dtype} must share a dtype")
-    if not kernel_dims_ok(k, n):
-        raise ValueError(f"grouped_matmul: K={k} and N={n} must be multiples of 16")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    block_m = block_m or (16 if m <= 512 else 64)
-    block_k, block_n = _pick(k, (64, 32, 16)), _pick(n, (128, 64, 32, 16))
+    m = lhs_mk.shape[0]
+    g = rhs_gkn.shape[0]
+    _check_gmm(lhs_mk, rhs_gkn, "grouped_matmul")
+    if group_sizes_g.shape != (g,):
+        raise ValueError(f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match "
+                         f"([G], [G, K, N])")
+    block_m = block_m or _default_block_m(m)
     # Every group may leave up to block_m - 1 rows of its last tile empty.
     n_tiles = -(-(m + g * (block_m - 1)) // block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
-    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[jnp.where(dest >= 0, dest, n_tiles * block_m)].set(
-        lhs_mk, mode="drop")
-    precision = dots.fp32_precision(interpret) if lhs_mk.dtype == jnp.float32 else None
-    out = pl.pallas_call(
-        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
-        grid=(n_tiles, n // block_n),
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((n_tiles * block_m, n), lhs_mk.dtype),
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
-        name="moe_grouped_matmul",
-    )(tile_group, x_pad, rhs_gkn)
+    x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
+        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
+    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret))
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
+
+
+# Above this many (assignment x expert) pairs the rank of each assignment within its expert comes
+# from a sort; below it from a one-hot running count (one fusion, no sort: a decode step's case).
+_ONE_HOT_RANK_LIMIT = 1 << 22
+
+
+def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
+    """Where each routed assignment goes in the group-aligned layout, with no sorted copy of the rows.
+
+    flat_ids_m [M] int32 expert of each (token, slot) assignment -> (dest [M]: its padded row,
+    tile_group [n_tiles]: the expert of each row tile, -1 past the last, n_tiles static).
+    Assignments of one expert keep their order (a stable sort's)."""
+    m = flat_ids_m.shape[0]
+    n_tiles = -(-(m + n_experts * (block_m - 1)) // block_m)
+    if m * n_experts <= _ONE_HOT_RANK_LIMIT:
+        onehot = (flat_ids_m[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
+        sizes = onehot.sum(0)
+        rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    else:
+        order = jnp.argsort(flat_ids_m, stable=True)
+        sizes = jnp.bincount(flat_ids_m, length=n_experts).astype(jnp.int32)
+        starts = jnp.cumsum(sizes) - sizes
+        rank = jnp.zeros((m,), jnp.int32).at[order].set(
+            jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
+    padded = (sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded)
+    dest = (padded_ends - padded)[flat_ids_m] + rank
+    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
+    tile_group = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
+    return dest.astype(jnp.int32), jnp.where(tile_group < n_experts, tile_group, -1), n_tiles
+
+
+@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret"))
+def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None):
+    """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
+
+    x_nl [N, L] rows, ids_nk [N, k] int32 experts; w_gateup_elf [E, L, 2F] (gate ++ up),
+    w_out_efl [E, F, L]; act(gate [.., F], up [.., F]) -> [.., F] elementwise with
+    act(0, 0) == 0 (padding rows stay zero).  Returns y [N, k, L]: expert ids[n, j]'s
+    output for row n (unweighted), in x's dtype.
+
+    Where `grouped_matmul` twice would gather the rows into expert order, scatter them into
+    the padded layout, gather the gate/up result back, scatter it again for the down
+    projection and gather once more, this places each (row, slot) straight into the layout
+    (`assignment_layout`: no sort for a decode step's few rows), runs both GEMMs and the
+    activation there, and gathers once."""
+    n, k = ids_nk.shape
+    e, l, f2 = w_gateup_elf.shape
+    _check_gmm(x_nl, w_gateup_elf, "grouped_ffn gate/up")
+    if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
+        raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
+                         f"{w_gateup_elf.shape}")
+    _check_gmm(jnp.zeros((1, f2 // 2), x_nl.dtype), w_out_efl, "grouped_ffn down")
+    block_m = block_m or _default_block_m(n * k)
+    interpret = _interpret(interpret)
+    dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
+    rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
+    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows])
+    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret)
+    h = act(h[:, :f2 // 2], h[:, f2 // 2:]).astype(x_nl.dtype)
+    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret)
+    return y[dest].reshape(n, k, l)

@@ -15,6 +15,8 @@ the reference).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -48,13 +50,33 @@ def _gate_up(x, w_gate, w_up, dot):
     return dot(x, w_gate), dot(x, w_up)
 
 
-def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
-    """Grouped expert GEMMs: rows sorted by expert, one `ops.grouped_matmul` per projection.
+@dataclasses.dataclass(frozen=True)
+class _SituGLU:
+    """SiTU-GLU with its caps, hashable (a static argument of the jitted kernel wrapper)."""
 
-    x_nl [N, L] latent tokens; ids/weights [N, k]; expert weights [E, L, F] /
-    [E, F, L] (w_up_elf None: w_gate_elf is gate ++ up, [E, L, 2F], one GEMM for both).
-    Returns the weighted combine [N, L].
-    """
+    caps: tuple[float, float]
+
+    def __call__(self, gate, up):
+        return situ_glu(gate, up, *self.caps)
+
+
+def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
+    """Grouped expert GEMMs.  x_nl [N, L] latent tokens; ids/weights [N, k]; expert weights
+    [E, L, F] / [E, F, L] (w_up_elf None: w_gate_elf is gate ++ up, [E, L, 2F], one GEMM for
+    both).  Returns the weighted combine [N, L].
+
+    With fused gate/up on the Pallas path: `ops.grouped_ffn` (both GEMMs and the activation in
+    one group-aligned layout).  Otherwise rows sorted by expert and one `ops.grouped_matmul`
+    per projection (`_experts_sorted`, also the reference the fused path is tested against)."""
+    if w_up_elf is None and ops.grouped_ffn_fits(x_nl, w_gate_elf, w_out_efl, kernels):
+        y = ops.grouped_ffn(x_nl, ids_nk, w_gate_elf, w_out_efl, _SituGLU(tuple(caps)))
+    else:
+        y = _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels)
+    return jnp.einsum("nk,nkl->nl", weights_nk.astype(y.dtype), y)
+
+
+def _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
+    """Unweighted expert outputs [N, k, L]: rows sorted by expert, a grouped GEMM per projection."""
     n, k = ids_nk.shape
     n_experts = w_gate_elf.shape[0]
     flat_ids = ids_nk.reshape(-1)
@@ -64,8 +86,7 @@ def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, c
     gmm = lambda a, w: ops.grouped_matmul(a, w, group_sizes, kernels=kernels)
     h = _expert_ffn(*_gate_up(rows, w_gate_elf, w_up_elf, gmm), caps)
     y_sorted = gmm(h, w_out_efl)  # [N*k, L]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
-    return jnp.einsum("nk,nkl->nl", weights_nk.astype(y.dtype), y)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
 
 
 def experts_dense_ref(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
