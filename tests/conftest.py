@@ -64,16 +64,22 @@ def rng():
     return np.random.default_rng(1234)
 
 
-@pytest.fixture(scope="session")
-def mooncake_services():
-    """A real mooncake_master + memory server on 127.0.0.1 for the session (skip only outside CI)."""
+def start_mooncake(segment_bytes: int):
+    """Started `MooncakeServices` (master, metadata and memory server on 127.0.0.1), or a skip
+    where Mooncake is not installed (an error where KIMIK3_REQUIRE_MOONCAKE is set, as in CI)."""
     from cache.mooncake_tier import MooncakeServices, TierError
 
     try:
-        services = MooncakeServices(segment_bytes=256 << 20).start()
+        return MooncakeServices(segment_bytes=segment_bytes).start()
     except TierError as e:
         if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
             raise
         pytest.skip(f"Mooncake unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_services():
+    """A real mooncake_master + memory server on 127.0.0.1 for the session (skip only outside CI)."""
+    services = start_mooncake(256 << 20)
     yield services
     services.stop()

@@ -1,7 +1,6 @@
 """A dead store costs nothing (issue 17 #4): the guarded tier's deadline and circuit breaker, on a
 real Mooncake store whose master is killed and restarted, and on an in-process tier that stalls."""
 
-import os
 import threading
 
 import numpy as np
@@ -9,7 +8,8 @@ import pytest
 
 from cache.guarded_tier import CLOSED, HALF_OPEN, OPEN, GuardedHostKVTier
 from cache.host_tier import EmbeddedHostKVTier, make_key
-from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
+from cache.mooncake_tier import MooncakeHostKVTier
+from tests.conftest import start_mooncake
 
 
 class Clock:
@@ -25,13 +25,8 @@ def _keys(tag, n):
 
 
 @pytest.fixture
-def services():
-    try:
-        svc = MooncakeServices(segment_bytes=64 << 20).start()
-    except TierError as e:
-        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
-            raise
-        pytest.skip(f"Mooncake unavailable: {e}")
+def services():  # its own: these tests kill its master
+    svc = start_mooncake(64 << 20)
     yield svc
     svc.stop()
 

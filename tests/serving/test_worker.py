@@ -178,17 +178,11 @@ def test_a_dead_store_degrades_health_and_costs_requests_nothing(client, tiny_cf
     """Issue 17 #4: with the shared store's master killed, requests still get the oracle's tokens,
     /health says "degraded" (200: still serving), and once the breaker is open no request's
     lookup reaches the store (the TTFT a dead store used to cost: 7-47 s)."""
-    import os
-
     from cache.guarded_tier import GuardedHostKVTier
-    from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, TierError
+    from cache.mooncake_tier import MooncakeHostKVTier
+    from tests.conftest import start_mooncake
 
-    try:
-        svc = MooncakeServices(segment_bytes=64 << 20).start()
-    except TierError as e:
-        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
-            raise
-        pytest.skip(f"Mooncake unavailable: {e}")
+    svc = start_mooncake(64 << 20)  # its own: the test kills its master
     tier = GuardedHostKVTier(MooncakeHostKVTier(svc.master_addr, svc.metadata_url, staging_bytes=1 << 20),
                              timeout_s=2.0, cooldown_s=3600.0)
     try:
