@@ -27,12 +27,14 @@ ROOT = os.path.dirname(HERE)
 
 
 def run(cmd: list[str], log_path: str, env: dict) -> str:
+    """Run cmd with its output going straight to log_path (a run cut short keeps what it printed);
+    returns that output."""
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        log.write(proc.stdout)
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     if proc.returncode:
         print(f"{' '.join(cmd)} exited {proc.returncode}; see {log_path}", flush=True)
-    return proc.stdout
+    with open(log_path) as log:
+        return log.read()
 
 
 def demo_figures(text: str) -> dict:
