@@ -27,7 +27,7 @@ from kimik3 import compile_cache, config, model, quantization, sizing, stacked
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
-from serving.model_runner import DecodeRows, DecodeRunner, decode_program
+from serving.model_runner import SCAN_CHOICES, DecodeRows, DecodeRunner, decode_program
 from serving.sampling import GREEDY
 
 
@@ -71,7 +71,7 @@ def expected_experts(cfg, rows: int, bucket: int) -> float:
 def weights_read_bytes(cfg, bucket: int, rows: int) -> float:
     """bf16 weight bytes a decode step reads: every weight but the routed experts, and of those
     the `expected_experts` share (B1 reads ~8 of 32, B32 nearly all)."""
-    per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * 2  # gate, up, down
+    per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * jnp.dtype(jnp.bfloat16).itemsize  # gate, up, down
     n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
     routed = n_moe * cfg.n_routed_experts * per_expert
     share = expected_experts(cfg, rows, bucket) / cfg.n_routed_experts
@@ -192,7 +192,7 @@ def main():
                     help="batches of the decode-step section, e.g. 1,32 (default: the largest load)")
     ap.add_argument("--prefill-while-decoding", type=int, default=None,
                     help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
-    ap.add_argument("--scan", default="prefill", choices=("prefill", "all", "none"),
+    ap.add_argument("--scan", default="prefill", choices=SCAN_CHOICES,
                     help="EngineConfig.scan_layers: which programs scan the repeated periods (kimik3.stacked)")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")

@@ -155,8 +155,3 @@ class GuardedHostKVTier(HostKVTier):
         close = getattr(self.inner, "close", None)
         if close is not None and (self._busy is None or self._busy.done()):
             close()  # a call stuck in the tier keeps it; the process exit reclaims it
-
-    def __getattr__(self, name):  # tier-specific extras (EmbeddedHostKVTier.used_bytes, corrupt_for_test)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)

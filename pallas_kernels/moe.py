@@ -64,36 +64,48 @@ def _gmm_kernel(tile_group_ref, x_ref, w_ref, o_ref, *, block_k, n_k, precision)
         o_ref[...] = jnp.zeros((bm, bn), o_ref.dtype)
 
 
+def _n_tiles(rows: int, groups: int, block_m: int) -> int:
+    """Row tiles of the group-aligned layout: every group may leave up to block_m - 1 rows of
+    its last tile empty."""
+    return -(-(rows + groups * (block_m - 1)) // block_m)
+
+
+def _group_tiles(sizes, block_m: int, n_tiles: int):
+    """(first padded row of each group [G], the group of each row tile [n_tiles], -1 past the
+    last group) of groups of `sizes` rows, each starting on a block_m boundary."""
+    padded = (sizes + block_m - 1) // block_m * block_m
+    padded_ends = jnp.cumsum(padded)
+    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
+    # compare_all: one fused compare-and-count.  The default scan method is an XLA while loop
+    # (several launches and a host round trip per iteration; 30 loops in a `small` decode step).
+    tile_group = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
+    return padded_ends - padded, jnp.where(tile_group < sizes.shape[0], tile_group, -1)
+
+
 def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     """Where each sorted row goes in the group-aligned layout, and each tile's group.
 
     Returns (dest [M] int32: padded row of row r, or -1 for rows past the groups' sum;
     tile_group [n_tiles] int32: the group of tile i, -1 past the last group)."""
     sizes = group_sizes.astype(jnp.int32)
-    padded = (sizes + block_m - 1) // block_m * block_m
-    ends, padded_ends = jnp.cumsum(sizes), jnp.cumsum(padded)
+    starts, tile_group = _group_tiles(sizes, block_m, n_tiles)
+    ends = jnp.cumsum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
-    # compare_all: one fused compare-and-count.  The default scan method is an XLA while loop
-    # (several launches and a host round trip per iteration; 30 loops in a `small` decode step).
     group_of_row = jnp.searchsorted(ends, rows, side="right", method="compare_all").astype(jnp.int32)
     valid = group_of_row < sizes.shape[0]
     gr = jnp.minimum(group_of_row, sizes.shape[0] - 1)
-    dest = (padded_ends - padded)[gr] + rows - (ends - sizes)[gr]
-    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
-    tile_group = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
-    tile_group = jnp.where(tile_group < sizes.shape[0], tile_group, -1)
+    dest = starts[gr] + rows - (ends - sizes)[gr]
     return jnp.where(valid, dest, -1), tile_group
 
 
-def _check_gmm(lhs_mk, rhs_gkn, what: str):
-    m, k = lhs_mk.shape
-    g, k2, n = rhs_gkn.shape
-    if k2 != k:
-        raise ValueError(f"{what}: lhs {lhs_mk.shape} and rhs {rhs_gkn.shape} do not match ([M, K], [G, K, N])")
-    if lhs_mk.dtype != rhs_gkn.dtype:
-        raise ValueError(f"{what}: lhs {lhs_mk.dtype} and rhs {rhs_gkn.dtype} must share a dtype")
-    if not kernel_dims_ok(k, n):
-        raise ValueError(f"{what}: K={k} and N={n} must be multiples of 16")
+def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
+    """ValueError before any launch unless rows [.., K] of lhs_dtype meet weights [G, K, N] the kernel tiles."""
+    if rhs_gkn.shape[1] != k:
+        raise ValueError(f"{what}: lhs rows of {k} and rhs {rhs_gkn.shape} do not match ([M, K], [G, K, N])")
+    if lhs_dtype != rhs_gkn.dtype:
+        raise ValueError(f"{what}: lhs {lhs_dtype} and rhs {rhs_gkn.dtype} must share a dtype")
+    if not kernel_dims_ok(k, rhs_gkn.shape[2]):
+        raise ValueError(f"{what}: K={k} and N={rhs_gkn.shape[2]} must be multiples of 16")
 
 
 def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool):
@@ -133,13 +145,12 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     """
     m = lhs_mk.shape[0]
     g = rhs_gkn.shape[0]
-    _check_gmm(lhs_mk, rhs_gkn, "grouped_matmul")
+    _check_gmm("grouped_matmul", lhs_mk.shape[1], lhs_mk.dtype, rhs_gkn)
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match "
                          f"([G], [G, K, N])")
     block_m = block_m or _default_block_m(m)
-    # Every group may leave up to block_m - 1 rows of its last tile empty.
-    n_tiles = -(-(m + g * (block_m - 1)) // block_m)
+    n_tiles = _n_tiles(m, g, block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
     x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
@@ -160,7 +171,7 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     tile_group [n_tiles]: the expert of each row tile, -1 past the last, n_tiles static).
     Assignments of one expert keep their order (a stable sort's)."""
     m = flat_ids_m.shape[0]
-    n_tiles = -(-(m + n_experts * (block_m - 1)) // block_m)
+    n_tiles = _n_tiles(m, n_experts, block_m)
     if m * n_experts <= _ONE_HOT_RANK_LIMIT:
         onehot = (flat_ids_m[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
         sizes = onehot.sum(0)
@@ -171,12 +182,8 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
         starts = jnp.cumsum(sizes) - sizes
         rank = jnp.zeros((m,), jnp.int32).at[order].set(
             jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
-    padded = (sizes + block_m - 1) // block_m * block_m
-    padded_ends = jnp.cumsum(padded)
-    dest = (padded_ends - padded)[flat_ids_m] + rank
-    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
-    tile_group = jnp.searchsorted(padded_ends, tile_start, side="right", method="compare_all").astype(jnp.int32)
-    return dest.astype(jnp.int32), jnp.where(tile_group < n_experts, tile_group, -1), n_tiles
+    starts, tile_group = _group_tiles(sizes.astype(jnp.int32), block_m, n_tiles)
+    return (starts[flat_ids_m] + rank).astype(jnp.int32), tile_group, n_tiles
 
 
 @functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret"))
@@ -195,11 +202,11 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     activation there, and gathers once."""
     n, k = ids_nk.shape
     e, l, f2 = w_gateup_elf.shape
-    _check_gmm(x_nl, w_gateup_elf, "grouped_ffn gate/up")
+    _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
     if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
         raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
                          f"{w_gateup_elf.shape}")
-    _check_gmm(jnp.zeros((1, f2 // 2), x_nl.dtype), w_out_efl, "grouped_ffn down")
+    _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
     block_m = block_m or _default_block_m(n * k)
     interpret = _interpret(interpret)
     dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)

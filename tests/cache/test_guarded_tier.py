@@ -6,7 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from cache.guarded_tier import CLOSED, HALF_OPEN, OPEN, GuardedHostKVTier
+from cache.guarded_tier import CLOSED, OPEN, GuardedHostKVTier
 from cache.host_tier import EmbeddedHostKVTier, make_key
 from cache.mooncake_tier import MooncakeHostKVTier
 from tests.conftest import start_mooncake
@@ -135,4 +135,3 @@ def test_a_call_still_stuck_in_the_tier_fails_the_probe_without_waiting():
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="timeout_s"):
         GuardedHostKVTier(EmbeddedHostKVTier(1 << 10), timeout_s=0)
-    assert HALF_OPEN == "half-open"
