@@ -82,6 +82,8 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline;
     with `--profile-step`, also the step's busiest device ops (rows of section "profile")."""
     ctx = args.prompt
+    t0 = time.monotonic()
+    say = lambda what: print(f"decode B{b}: {what} at {time.monotonic() - t0:.1f} s", flush=True)
     eng = make(params, cfg, "colocated", args)
     table = np.arange(1, 1 + b * (-(-ctx // args.page_tokens) + 1)).reshape(b, -1) % eng.manager.page_pool.num_blocks
     pad = np.zeros((b, eng.max_pages - table.shape[1]), np.int64)
@@ -94,22 +96,17 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     first = np.random.default_rng(b).integers(0, cfg.vocab_size, b).astype(np.int32)
     tokens = jnp.asarray(first[:, None])
 
-    def step():  # the engine's step: pools donated and threaded through, context fixed at ctx
-        logits, out = model.forward_step(params, tokens, positions,
-                                         model.paged_view(pools[0], *rows), None, cfg=cfg, expert_path="grouped",
-                                         kernels=eng.kernels)
-        pools[0] = model.pools_of(out)
-        return logits
+    forward = {}
+    if args.forward_step:  # the pre-runner path (logits to the host): one more program to compile per batch
+        def step():  # pools donated and threaded through, context fixed at ctx
+            logits, out = model.forward_step(params, tokens, positions,
+                                             model.paged_view(pools[0], *rows), None, cfg=cfg,
+                                             expert_path="grouped", kernels=eng.kernels)
+            pools[0] = model.pools_of(out)
+            return logits
 
-    ms = common.time_jax(step)
-    pipelined_ms, host_ms = common.time_pipelined(step)
-    view = model.paged_view(pools[0], *rows)
-    compiled = model.forward_step.lower(params, tokens, positions, view, None, cfg=cfg,
-                                        expert_path="grouped", kernels=eng.kernels).compile()
-    census = common.hlo_census(compiled.as_text())
-    if args.dump_step_hlo:
-        with open(os.path.join(args.out, f"decode_step_B{b}.hlo.txt"), "w") as f:
-            f.write(compiled.as_text())
+        forward["forward_step_ms"] = common.time_jax(step)
+        forward["forward_pipelined_ms"], forward["forward_host_ms"] = common.time_pipelined(step)
 
     # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device),
     # at the engine's bucket for b requests (at least 8 rows: a one-row step would also meet XLA's
@@ -127,6 +124,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         return tokens
 
     runner_ms = common.time_jax(engine_step, iters=10)
+    say("decode program compiled and timed")
     overwrites = runner.overwrites
 
     def advance(rows):  # what the device did: active rows advance, padding rows stay (no overwrite)
@@ -156,6 +154,13 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         return runner._io[bucket]["tokens"]
 
     replay_ms, replay_host_ms = common.time_pipelined(replay, iters=10)
+    # launches of the program the engine runs (lower().compile() hits the compile the runner did)
+    compiled = decode_program.lower(params, held["pools"], runner._io[bucket], cfg=cfg, kernels=eng.kernels,
+                                    greedy=True).compile()
+    census = common.hlo_census(compiled.as_text())
+    if args.dump_step_hlo:
+        with open(os.path.join(args.out, f"decode_step_B{b}.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
     # what the engine's decode program spends its device time on (the engine runs it, not forward_step)
     profile = [dict(r, case=f"B{b}") for r in common.profile_kernels(replay, top=40)] if args.profile_step else []
     weights = weights_read_bytes(cfg, bucket, b)
@@ -164,7 +169,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
     return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", decode_bucket=bucket, async_step_ms=async_ms,
                 runner_step_ms=runner_ms, runner_overwrites=overwrites, async_overwrites=async_overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
-                forward_step_ms=ms, forward_pipelined_ms=pipelined_ms, forward_host_ms=host_ms,
+                **forward,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
                 weight_gb=weights / 1e9, experts_read=expected_experts(cfg, b, bucket), kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
                 ops=str(census["ops"])[:200]), profile
@@ -194,6 +199,8 @@ def main():
                     help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
     ap.add_argument("--scan", default="prefill", choices=SCAN_CHOICES,
                     help="EngineConfig.scan_layers: which programs scan the repeated periods (kimik3.stacked)")
+    ap.add_argument("--forward-step", action="store_true",
+                    help="also time model.forward_step (logits to the host) at each decode batch: one more compile each")
     ap.add_argument("--compile-cache", default=None,
                     help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
     args = ap.parse_args()

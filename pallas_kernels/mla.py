@@ -22,6 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import dots
 from pallas_kernels.attention import attend
 
 
@@ -66,7 +67,7 @@ def visible_keys(seq_len, n_queries: int, n_heads: int, last_row):
 
 
 def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *, n_heads, n_queries, rank,
-                   block_m, block_k, block_v, page, n_splits, scale):
+                   block_m, block_k, block_v, page, n_splits, scale, precision):
     """One (sequence, split, row block, value block): online softmax over this split's key
     blocks.  Scores use the whole latent (kv_lora + rope); the output accumulates only value
     columns [vb * block_v, (vb + 1) * block_v) of the latent (FlashMLA splits the 512 value
@@ -91,7 +92,8 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
         keys = pl.ds(pos0 % page, block_k)
         c = pages_ref[pg, keys, pl.ds(0, rank)]
         k_pe = pages_ref[pg, keys, pl.ds(rank, qp_ref.shape[-1])]
-        s = (jnp.dot(q_lat, c.T, preferred_element_type=f32) + jnp.dot(q_pe, k_pe.T, preferred_element_type=f32)) * scale
+        s = (jnp.dot(q_lat, c.T, preferred_element_type=f32, precision=precision)
+             + jnp.dot(q_pe, k_pe.T, preferred_element_type=f32, precision=precision)) * scale
         k_pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         s = jnp.where(k_pos[None, :] < limit[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -100,7 +102,7 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
         alpha = jnp.exp(m - m_safe)
         l = l * alpha + jnp.sum(p, axis=1)
         c_v = c if block_v == rank else pages_ref[pg, keys, pl.ds(vb * block_v, block_v)]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(c.dtype), c_v, preferred_element_type=f32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(c.dtype), c_v, preferred_element_type=f32, precision=precision)
         return m_new, l, acc
 
     init = (jnp.full((block_m,), -jnp.inf, f32), jnp.zeros((block_m,), f32), jnp.zeros((block_m, block_v), f32))
@@ -125,7 +127,8 @@ def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, sc
     fold = functools.partial(fold_rows, rows_pad=rows_pad)
     o_part, lse_part = pl.pallas_call(
         functools.partial(_decode_kernel, n_heads=h, n_queries=sq, rank=r, block_m=block_m, block_k=block_k,
-                          block_v=block_v, page=latent_pages.shape[1], n_splits=n_splits, scale=scale),
+                          block_v=block_v, page=latent_pages.shape[1], n_splits=n_splits, scale=scale,
+                          precision=_dot_precision(latent_pages.dtype, interpret)),
         grid=(b, n_splits, rows_pad // block_m, r // block_v),
         out_shape=[jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
                    jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)],
@@ -331,7 +334,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *,
-                    block_q, block_k, prefix_blocks, scale):
+                    block_q, block_k, prefix_blocks, scale, precision):
     """One (sequence, head, query block): the prefix's key blocks, then new key blocks up to
     the diagonal.  Only blocks that can hold an invisible key are masked: the prefix's last
     (padded) blocks and the new blocks that reach the diagonal; scores are kept in base 2
@@ -345,8 +348,8 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
     def step(kb, carry, masked):
         m, l, acc = carry
         ks = pl.ds(kb * block_k, block_k)
-        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32)
-             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32)) * (scale * _LOG2E)
+        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)
+             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)) * (scale * _LOG2E)
         if masked:
             s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -354,7 +357,7 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
         p = jnp.exp2(s - m_safe[:, None])
         alpha = jnp.exp2(m - m_safe)
         vv = v_ref[n, ks, h, :]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32, precision=precision)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     loop = lambda lo, hi, carry, masked: jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
@@ -372,6 +375,12 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
     has = l > 0
     o_ref[n, qs, h, :] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
     lse_ref[n, qs, h] = jnp.where(has, (m + jnp.log2(jnp.where(has, l, 1.0))) / _LOG2E, -jnp.inf)
+
+
+def _dot_precision(dtype, interpret: bool):
+    """fp32 operands: 3xTF32 (a Triton dot of fp32 defaults to single TF32, ~1e-3 relative: the
+    fp32 oracle's cached path then left it by 3e-3 on the H200); 16-bit operands: the default."""
+    return dots.fp32_precision(interpret) if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _pad_last(x, d):
@@ -600,7 +609,7 @@ def _mla_prefill_core(p_lens, q_pos, k_pos, qn, qr, kn, kr, v, *, block, block_k
     n_seq, lq, h, _ = qn.shape
     return pl.pallas_call(
         functools.partial(_prefill_kernel, block_q=block, block_k=block_k, prefix_blocks=prefix_blocks,
-                          scale=scale),
+                          scale=scale, precision=_dot_precision(kn.dtype, interpret)),
         grid=(n_seq, h, lq // block),
         out_shape=[jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
                    jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32)],
