@@ -59,6 +59,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--skip-demo", action="store_true")
+    ap.add_argument("--cold-only", action="store_true", help="the demo once, from a cold compilation cache")
     ap.add_argument("--dump-step-hlo", action="store_true", help="keep the decode steps' optimized HLO (bench/)")
     ap.add_argument("--commit", default=None,
                     help="the commit measured (default: git rev-parse HEAD here; a device machine's copy of the "
@@ -104,7 +105,7 @@ def main():
         demo = [os.path.join(os.path.dirname(sys.executable), "kimik3")]
         if not os.path.exists(demo[0]):
             demo = [sys.executable, "-m", "serving.cli"]
-        for label in ("cold", "warm"):
+        for label in ("cold",) if args.cold_only else ("cold", "warm"):
             text = run(demo + ["demo", "--config", args.config, "--out", os.path.join(args.out, f"demo_{label}")],
                        os.path.join(args.out, f"demo_{label}.log"), denv)
             fig = demo_figures(text)
