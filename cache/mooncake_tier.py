@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from cache.host_tier import HostKVTier, TierError, decode_entry, encode_entry, entry_size
+from cache.loopback import LoopbackUnavailable, loopback_env
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class MooncakeServices:
         self.metadata: subprocess.Popen | None = None
         self.master: subprocess.Popen | None = None
         self.memory_server: subprocess.Popen | None = None
+        self.loopback_only = False  # the memory server's listeners on loopback (`cache.loopback`)
 
     @property
     def master_addr(self) -> str:
@@ -86,10 +88,10 @@ class MooncakeServices:
     def metadata_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
         return subprocess.Popen([_binary(name)] + args, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
 
     def _start_metadata(self) -> None:
         # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
@@ -110,10 +112,16 @@ class MooncakeServices:
         _wait_port(self.rpc_port, self.master, 20)
 
     def _start_memory_server(self) -> None:
+        # Its transfer engine binds every interface unless the loopback shim is preloaded.
+        try:
+            env, self.loopback_only = loopback_env(), True
+        except LoopbackUnavailable as e:
+            env, self.loopback_only = None, False
+            log.warning("%s: the memory server's transfer engine listens on every interface", e)
         self.memory_server = self._spawn("mooncake_client", [
             "--host=127.0.0.1", f"--port={self.client_port}", f"--master_server_address={self.master_addr}",
             f"--metadata_server={self.metadata_url}", "--protocol=tcp",
-            f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=16MB"])
+            f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=16MB"], env=env)
         _wait_port(self.client_port, self.memory_server, 30)
         time.sleep(0.5)  # let the segment mount register with the master
 

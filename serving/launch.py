@@ -93,10 +93,21 @@ class _suppress:
 _TOKEN = internal_auth.token() or internal_auth.new_token()
 
 
-def child_env() -> dict:
+def child_env(public_port: int | None = None) -> dict:
+    """A child's environment: the repo on its path, the deployment's internal token and, given
+    the child's own HTTP port, loopback-only listeners for everything else it binds (the
+    Mooncake transfer engine inside a worker or the router's store probe: `cache.loopback`;
+    the HTTP port binds where its --host says)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[internal_auth.ENV] = _TOKEN
+    if public_port is not None:
+        from cache.loopback import LoopbackUnavailable, loopback_env
+
+        try:
+            env = loopback_env(env, allow_any_ports=(public_port,))
+        except LoopbackUnavailable as e:
+            log.warning("%s: the store clients' transfer engines will listen on every interface", e)
     return env
 
 
@@ -115,8 +126,8 @@ class Child:
 
     def spawn(self) -> None:
         out = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=_ROOT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env(self.port),
+                                     cwd=_ROOT, start_new_session=True)
         out.close()
 
 

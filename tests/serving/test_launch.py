@@ -59,6 +59,15 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
             "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched"}], "max_tokens": 4,
             "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # Issue 17 #3: every listening socket of the deployment is on loopback (the workers' and
+        # the router's store clients and the memory server embed Mooncake's transfer engine, which
+        # binds every interface unless `cache.loopback`'s shim is preloaded).
+        import psutil
+
+        listening = {name: {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
+                            if c.status == psutil.CONN_LISTEN} for name, pid in state["pids"].items()}
+        assert all(listening[n] for n in ("router", "prefill-0", "decode-0", "mooncake_memory_server")), listening
+        assert set().union(*listening.values()) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
         # Issue 17 #4 / #10: a store master that dies is restarted (and reaped), and the state
         # file follows the live pids.
         old_master = state["pids"]["mooncake_master"]
