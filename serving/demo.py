@@ -121,11 +121,15 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     cfg = config.get_config(spec.config)
     t_start = time.monotonic()
     rss = {"start": _rss_gib()}  # where host memory and start-up time go: current / peak GiB after each phase
+    # Start-up shows its phases as they pass (a run cut short says where it was).
+    setup = tqdm(total=2 + len(MODES), desc="warm-up", unit="phase", postfix="params")
     # the serving layout once, shared by every engine (each would otherwise fuse its own copy)
     params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg, scan=False)
     jax.block_until_ready(params)
     rss["params"] = _rss_gib()
     seconds = {"params": time.monotonic() - t_start}
+    setup.set_postfix_str(f"engine compiles (params {seconds['params']:.1f} s)")
+    setup.update(1)
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
@@ -133,8 +137,13 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     probe.warmup()
     rss["warm-up compiles"] = _rss_gib()
     seconds["warm-up compiles"] = time.monotonic() - t0
+    setup.set_postfix_str(f"short runs (compiles {seconds['warm-up compiles']:.1f} s)")
+    setup.update(1)
     for mode in MODES:  # the cache bookkeeping and handoff ops compile here too, not while measuring
         run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), mode)
+        setup.set_postfix_str(f"{mode} at {time.monotonic() - t0:.1f} s")
+        setup.update(1)
+    setup.close()
     warmup_s = time.monotonic() - t0
     rss["warm-up runs"] = _rss_gib()
     seconds["warm-up runs"] = warmup_s - seconds["warm-up compiles"]

@@ -66,6 +66,7 @@ import numpy as np
 from cache.block_hash import MMItem
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
 from cache.host_tier import HostKVTier
+from cache.media.l3 import EncoderCache
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
@@ -120,7 +121,10 @@ class EngineConfig:
     scan_layers: which unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one
     scan step over stacked weights (`kimik3.stacked`; same tokens, about half the blocks to
     compile per shape): "prefill" (default; decode programs read the unrolled layers, see
-    `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none"."""
+    `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none".
+    encoder_cache_bytes: device bytes of ViT embeddings kept across requests by (tenant, image
+    content) (`cache.media.l3`, issue 19); 0: none (the ViT then runs on a request's images
+    together, once per request)."""
 
     num_pages: int
     num_slots: int = 8
@@ -137,6 +141,7 @@ class EngineConfig:
     publish_to_host: bool = False
     dispatch: str = "auto"
     scan_layers: str = "prefill"
+    encoder_cache_bytes: int = 64 << 20
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -207,6 +212,7 @@ class Engine:
             sharded_prefill=None if pre is None else pre.size,
             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding), self.manager,
             publish_to_host=config.publish_to_host)
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
@@ -423,6 +429,21 @@ class Engine:
             self._settle_decode()
 
     # ---- prefill ---------------------------------------------------------------------------------
+    def _image_rows(self, req):
+        """The ViT's rows [n_images * tokens_per_image, D] for the request's images: through L3 (the
+        encoder cache) one image at a time, so a hit holds exactly the rows a miss computes."""
+        if self.encoder_cache is None:
+            return model.image_embeddings(self.params, self.cfg, req.images)
+        rows = []
+        for img, item in zip(req.images, req.mm_items):
+            key = self.encoder_cache.key(item.content_hash, req.cache_salt)
+            r = self.encoder_cache.get(key)
+            if r is None:
+                r = model.image_embeddings(self.params, self.cfg, img[None])
+                self.encoder_cache.put(key, r)
+            rows.append(r)
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
     def _run_chunk(self, chunk: PrefillChunk) -> None:
         req, start, end = chunk.request, chunk.start, chunk.end
         ctx = req._context
@@ -430,7 +451,7 @@ class Engine:
         images = None
         if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
             if req._image_rows is None:  # the ViT runs once per request, at its first image chunk
-                req._image_rows = model.image_embeddings(self.params, self.cfg, req.images)
+                req._image_rows = self._image_rows(req)
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None

@@ -140,6 +140,7 @@ class Deployment:
         self.log_dir = args.log_dir or tempfile.mkdtemp(prefix="kimik3-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.services = None
+        self.redis = None  # the shared L1 fetch cache (`--redis`)
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.store_restarts: dict[str, int] = {}
@@ -164,6 +165,11 @@ class Deployment:
             os.makedirs(self.services.log_dir, exist_ok=True)
             self.services.start()
             log.info("mooncake store at %s", self.services.master_addr)
+        if a.redis:
+            from cache.media.redis_server import RedisServer
+
+            self.redis = RedisServer(max_memory_mb=a.redis_mb, log_dir=os.path.join(self.log_dir, "redis")).start()
+            log.info("L1 fetch cache (redis) at %s", self.redis.url)
         for role, n in (("prefill", a.prefill), ("decode", a.decode)):
             for i in range(n):
                 port = free_port()
@@ -184,6 +190,8 @@ class Deployment:
             argv += ["--decode", *dec]
         if self.services is not None:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
+        if self.redis is not None:
+            argv += ["--l1-redis", self.redis.url]
         self.router = Child("router", argv + shlex.split(a.router_args or ""), a.port,
                             os.path.join(self.log_dir, "router.log"))
         self.router.spawn()
@@ -196,6 +204,8 @@ class Deployment:
             pids["mooncake_master"] = self.services.master.pid
             pids["mooncake_memory_server"] = self.services.memory_server.pid
             pids["mooncake_metadata_server"] = self.services.metadata.pid
+        if self.redis is not None:
+            pids["redis"] = self.redis.proc.pid
         return {"router": self.router.url + "/v1" if self.router else None,
                 "prefill": [w.url for w in self.workers if w.name.startswith("prefill")],
                 "decode": [w.url for w in self.workers if w.name.startswith("decode")],
@@ -241,6 +251,8 @@ class Deployment:
             stop_process(w.proc)
         if self.services is not None:
             self.services.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -252,6 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
+    parser.add_argument("--redis", action="store_true",
+                        help="start a redis-server on 127.0.0.1 as the router's shared L1 fetch cache for image URLs")
+    parser.add_argument("--redis-mb", type=int, default=256, help="its memory (LRU past it)")
     parser.add_argument("--worker-args", default="", help="extra worker options, e.g. \"--num-pages 128\"")
     parser.add_argument("--router-args", default="", help="extra router options, e.g. \"--max-inflight 8\"")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)

@@ -136,22 +136,44 @@ MAX_IMAGE_BYTES = 16 << 20
 MAX_IMAGE_PIXELS = 4096 * 4096  # checked from the header, before anything is decoded
 
 
-def decode_image(url: str, size: int) -> np.ndarray:
-    """A base64 `data:` URL (PNG, JPEG, ...) -> RGB uint8 [size, size, 3], resized to the ViT's
-    input.  Remote URLs are refused (fetching them is the multimodal cache's job, not done
-    here); an undecodable image is a 400, never a worker error."""
+def decode_image(url: str, size: int, fetcher=None, tenant: str | None = None) -> np.ndarray:
+    """An image URL -> RGB uint8 [size, size, 3], resized to the ViT's input: a base64 `data:`
+    URL (PNG, JPEG, ...), or with a `fetcher` (`cache.media.MediaFetcher`) an http(s) URL,
+    fetched under its policy through its L1 cache as `tenant`.  A refused fetch or an
+    undecodable image is a 400, never a worker error."""
     if not url.startswith("data:"):
-        raise APIError(400, "only base64 data: URLs are accepted for images (remote URLs are not fetched)",
-                       param="messages", code="unsupported_image_url")
+        scheme = url.split(":", 1)[0].lower()
+        if fetcher is None or scheme not in ("http", "https"):
+            accepted = "base64 data: URLs" if fetcher is None else "base64 data: URLs or http(s) URLs"
+            off = "; remote fetching is off on this server" if fetcher is None and scheme in ("http", "https") else ""
+            raise APIError(400, f"image URLs must be {accepted}{off}", param="messages", code="unsupported_image_url")
+        from cache.media import FetchError
+
+        try:
+            raw = fetcher.get(url, tenant)
+        except FetchError as e:
+            raise APIError(400, f"image URL refused: {e}", param="messages", code="image_fetch_refused") from None
+        return fetcher.decoded(raw, size, tenant, decode_image_bytes)
     header, _, payload = url.partition(",")
     if ";base64" not in header:
         raise APIError(400, "image data URLs must be base64-encoded", param="messages", code="invalid_image")
     if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
         raise APIError(400, f"image larger than {MAX_IMAGE_BYTES >> 20} MiB", param="messages", code="invalid_image")
-    from PIL import Image
-
     try:
         raw = base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise APIError(400, f"broken image: {type(e).__name__}: {e}", param="messages", code="invalid_image") from None
+    return decode_image_bytes(raw, size) if fetcher is None else fetcher.decoded(raw, size, tenant, decode_image_bytes)
+
+
+def decode_image_bytes(raw: bytes, size: int) -> np.ndarray:
+    """Encoded image bytes -> RGB uint8 [size, size, 3]; the pixel count is checked from the
+    header before anything is decoded; a broken image is a 400."""
+    from PIL import Image
+
+    if len(raw) > MAX_IMAGE_BYTES:
+        raise APIError(400, f"image larger than {MAX_IMAGE_BYTES >> 20} MiB", param="messages", code="invalid_image")
+    try:
         with Image.open(io.BytesIO(raw)) as im:  # reads the header only
             if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
                 raise APIError(400, f"image of {im.size[0]} x {im.size[1]} pixels; at most {MAX_IMAGE_PIXELS} "
@@ -162,9 +184,10 @@ def decode_image(url: str, size: int) -> np.ndarray:
 
 
 def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int,
-                image_size: int = 0) -> tuple[list[int], list[np.ndarray]]:
+                image_size: int = 0, fetcher=None, tenant: str | None = None) -> tuple[list[int], list[np.ndarray]]:
     """Token ids of the conversation with the assistant prompt appended, and its images
-    (uint8 [image_size, image_size, 3] each, in placeholder order)."""
+    (uint8 [image_size, image_size, 3] each, in placeholder order); http(s) image URLs are
+    fetched through `fetcher` as `tenant` (see `decode_image`)."""
     messages, n_images, images = [], 0, []
     for m in req.messages:
         text, n = m.text_and_images()
@@ -178,7 +201,8 @@ def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image
                        code="unsupported_content")
     for m in req.messages:  # the template places a message's images before its text, in order
         if isinstance(m.content, list):
-            images += [decode_image(p.image_url.url, image_size) for p in m.content if isinstance(p, ImagePart)]
+            images += [decode_image(p.image_url.url, image_size, fetcher, tenant)
+                       for p in m.content if isinstance(p, ImagePart)]
     return tokenizer.apply_chat_template(messages, tokens_per_image=tokens_per_image), images
 
 

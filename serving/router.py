@@ -59,6 +59,7 @@ import uuid
 import httpx
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
+from cache.media import build_fetcher
 from serving import internal_auth
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
                                 completion_prompt, resolve_max_tokens, sampling_options, tenant_salt,
@@ -161,7 +162,17 @@ class RouterConfig:
     max_body_bytes: int = 32 << 20  # larger bodies are a 413 before they are read whole
     body_timeout_s: float = 30.0  # a body not received whole by then is a 408
     no_worker_wait_s: float = 20.0  # with no worker of a role available, wait this long (a restart) before a 503
-    image_decoders: int = 4  # requests decoding images at once (off the event loop)
+    image_decoders: int = 4  # requests decoding (and fetching) images at once (off the event loop)
+    # Remote image URLs (`cache.media`): fetched under an SSRF-safe policy (public addresses only,
+    # checked on the resolved address and on every redirect), through the L1 fetch cache.
+    fetch_images: bool = True
+    fetch_allow_hosts: tuple[str, ...] | None = None  # None: any public host
+    fetch_allow_networks: tuple[str, ...] = ()  # non-public CIDRs let through (tests: 127.0.0.1/32)
+    fetch_timeout_s: float = 10.0
+    fetch_max_bytes: int = 16 << 20
+    l1_bytes: int = 256 << 20  # the embedded L1's budget (0: no L1)
+    l1_redis: str | None = None  # redis://127.0.0.1:PORT/0: an L1 shared by every router
+    l2_bytes: int = 256 << 20  # decoded pixels by (tenant, content); 0: none
     default_max_tokens: int = 256
     affinity_slack: float = 2.0
     affinity_entries: int = 100_000
@@ -249,6 +260,8 @@ class _Metrics:
         self.healthy = Gauge("kimik3_router_worker_healthy", "1 when the last health check passed", ["worker"],
                              registry=r)
         self.worker_load = Gauge("kimik3_router_worker_score", "load score", ["worker"], registry=r)
+        self.media = Gauge("kimik3_router_media", "remote images: fetches, seconds fetching, and the L1 fetch "
+                           "cache's hits / misses / puts / corrupt / errors / bytes_hit", ["stat"], registry=r)
 
 
 class Overloaded(Exception):
@@ -328,6 +341,10 @@ class Router:
         self.admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s)
         self.affinity: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.store: StoreProbe | None = None
+        self.media = build_fetcher(enabled=cfg.fetch_images, allow_hosts=cfg.fetch_allow_hosts,
+                                   allow_networks=cfg.fetch_allow_networks, timeout_s=cfg.fetch_timeout_s,
+                                   max_bytes=cfg.fetch_max_bytes, l1_bytes=cfg.l1_bytes, l1_redis=cfg.l1_redis,
+                                   l2_bytes=cfg.l2_bytes)
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self.created = int(time.time())
@@ -681,7 +698,8 @@ class Router:
                 vit = self.model_cfg.vit
                 prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
                                              tokens_per_image=vit.tokens_per_image if vit else 0,
-                                             image_size=vit.image_size if vit else 0)
+                                             image_size=vit.image_size if vit else 0, fetcher=self.media,
+                                             tenant=tenant_salt(req))
                 requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
                 prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size), []
@@ -827,6 +845,8 @@ class Router:
 
         @app.get("/metrics")
         async def metrics():
+            for stat, value in (self.media.stats() if self.media is not None else {}).items():
+                self.metrics.media.labels(stat).set(value)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/admin/workers")
@@ -1045,6 +1065,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handoff", choices=("auto", "store", "direct"), default=None,
                         help="how KV moves from prefill to decode workers: through the shared store, or "
                              "directly (the router carries it); auto: store when the workers have one")
+    parser.add_argument("--no-fetch-images", dest="fetch_images", action="store_false", default=None,
+                        help="refuse http(s) image URLs (only data: URLs)")
+    parser.add_argument("--fetch-allow-hosts", nargs="*", default=None, metavar="HOST",
+                        help="fetch images only from these hosts (NAME or .SUFFIX); default any public host")
+    parser.add_argument("--fetch-allow-networks", nargs="*", default=None, metavar="CIDR",
+                        help="non-public networks image fetches may reach (default none)")
+    parser.add_argument("--fetch-timeout-s", type=float, default=None, help=f"default {d.fetch_timeout_s}")
+    parser.add_argument("--fetch-max-bytes", type=int, default=None, help=f"default {d.fetch_max_bytes}")
+    parser.add_argument("--l1-bytes", type=int, default=None, help=f"embedded L1 fetch cache (default {d.l1_bytes})")
+    parser.add_argument("--l1-redis", default=None, help="redis://127.0.0.1:PORT/0: a shared L1 fetch cache")
+    parser.add_argument("--l2-bytes", type=int, default=None, help=f"decoded-pixel cache (default {d.l2_bytes})")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
     parser.add_argument("--mooncake-metadata", default=None)
     parser.add_argument("--log-level", default="warning")

@@ -82,3 +82,33 @@ def test_image_inputs_are_checked(rng, tiny_cfg, tiny_params):
     with pytest.raises(ValueError, match="NaN"):
         eng.submit(prompt, 3, images=bad)
     assert not eng.waiting
+
+
+def test_the_encoder_cache_serves_an_image_whose_prefix_misses_and_changes_no_token(rng, tiny_cfg, tiny_params):
+    """Issue 19's L3: a second request with the same image behind a different text (its prefix
+    misses the prefix cache) takes the image's ViT rows from the encoder cache; an image that
+    differs in one pixel, or the same image of another tenant, misses; every output equals the
+    oracle's and the outputs of an engine with no encoder cache."""
+    img = rng.random((1, 16, 16, 3)).astype(np.float32)
+    one_pixel = img.copy()
+    one_pixel[0, 5, 7, 1] += 1 / 255
+    first = _chat(tiny_cfg, "what is this?", 1)
+    other_text = _chat(tiny_cfg, "a different question, same picture: is it bright?", 1)
+    cases = [(first, img, None), (other_text, img, None), (other_text, one_pixel, None), (first, img, "tenant-b")]
+    outs = {}
+    for budget in (64 << 20, 0):
+        eng = _engine(tiny_params, tiny_cfg, encoder_cache_bytes=budget)
+        outs[budget] = []
+        for prompt, image, salt in cases:  # one at a time: each finds what the earlier ones left
+            req = eng.submit(prompt, 4, images=image, cache_salt=salt)
+            eng.run(max_steps=200)
+            outs[budget].append(req.output)
+        if budget:
+            second = eng.encoder_cache.stats
+            assert (second.hits, second.misses) == (1, 3), second  # only case 2 hits
+            assert eng.encoder_cache.bytes_held > 0
+        else:
+            assert eng.encoder_cache is None
+    assert outs[64 << 20] == outs[0]
+    for (prompt, image, _), out in zip(cases, outs[0]):
+        assert out == _oracle(tiny_params, tiny_cfg, prompt, 4, image)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
                    f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}")
     proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
                              "--prefill", "1", "--decode", "1", "--store-mb", "64", "--state-file", str(state_file),
+                             *(["--redis"] if shutil.which("redis-server") or os.environ.get("KIMIK3_REQUIRE_MOONCAKE") else []),
                              "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
@@ -67,6 +69,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         listening = {name: {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
                             if c.status == psutil.CONN_LISTEN} for name, pid in state["pids"].items()}
         assert all(listening[n] for n in ("router", "prefill-0", "decode-0", "mooncake_memory_server")), listening
+        assert "redis" in listening or not shutil.which("redis-server")  # issue 19: the shared L1, on loopback too
         assert set().union(*listening.values()) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
         # Issue 17 #4 / #10: a store master that dies is restarted (and reaped), and the state
         # file follows the live pids.

@@ -60,3 +60,49 @@ def test_a_tenant_salt_comes_from_cache_salt_and_user():
     for bad in ({"cache_salt": ""}, {"cache_salt": "x" * 257}, {"cache_salt": 3}):
         with pytest.raises(ValidationError):
             body(**bad)
+
+
+def test_an_http_image_url_is_fetched_through_l1_and_gives_the_data_urls_pixels(rng):
+    """Issue 19: with a fetcher an http(s) image_url gives exactly the pixels of the same image as a
+    data: URL, a second request is served from L1, and a refused fetch is a 400 naming why."""
+    from cache.media import FetchPolicy, MediaFetcher
+    from cache.media.l1 import EmbeddedFetchCache
+    from cache.media.l2 import PixelCache
+    from tests.cache.test_media_fetch import ImageServer
+
+    pixels = rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    data_url = _png(pixels)
+    server = ImageServer()
+    try:
+        server.routes["/p.png"] = (200, {"Content-Type": "image/png"}, base64.b64decode(data_url.split(",", 1)[1]))
+        fetcher = MediaFetcher(FetchPolicy(allow_networks=("127.0.0.1/32",)), EmbeddedFetchCache(),
+                               pixels=PixelCache())
+        req = lambda url: ChatCompletionRequest.model_validate({"model": "m", "messages": [  # noqa: E731
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what is it"}]}]})
+        want = chat_prompt(req(data_url), max_images=2, tokens_per_image=4, image_size=16)
+        for _ in range(2):
+            got = chat_prompt(req(server.url("/p.png")), max_images=2, tokens_per_image=4, image_size=16,
+                              fetcher=fetcher, tenant="t")
+            assert got[0] == want[0] and (got[1][0] == want[1][0]).all()
+        stats = fetcher.stats()
+        assert server.requests == 1 and stats["l1_hits"] == 1 and stats["l2_hits"] == 1 and stats["l2_misses"] == 1
+        # L2 by content: one pixel changed is another image (a miss and its own pixels), never a false hit
+        other = pixels.copy()
+        other[3, 5, 1] ^= 1
+        got = chat_prompt(req(_png(other)), max_images=2, tokens_per_image=4, image_size=24, fetcher=fetcher,
+                          tenant="t")[1][0]
+        assert fetcher.stats()["l2_misses"] == 2
+        np.testing.assert_array_equal(got, decode_image(_png(other), 24))
+        with pytest.raises(APIError, match="non-public address") as e:  # the default policy: loopback refused
+            chat_prompt(req(server.url("/p.png")), max_images=2, tokens_per_image=4, image_size=16,
+                        fetcher=MediaFetcher())
+        assert e.value.status == 400 and e.value.body()["error"]["code"] == "image_fetch_refused"
+        assert server.requests == 1
+        server.routes["/t.txt"] = (200, {"Content-Type": "text/plain"}, b"not an image")
+        with pytest.raises(APIError, match="content type"):
+            chat_prompt(req(server.url("/t.txt")), max_images=2, tokens_per_image=4, image_size=16, fetcher=fetcher)
+        with pytest.raises(APIError, match="remote fetching is off"):
+            chat_prompt(req(server.url("/p.png")), max_images=2, tokens_per_image=4, image_size=16)
+    finally:
+        server.close()

@@ -378,7 +378,10 @@ BAD = [
      400, "broken image"),
     ("remote image URL", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}).encode(),
-     400, "data: URLs"),
+     400, "non-public address"),  # issue 19: the fetcher refuses loopback before connecting
+    ("file image URL", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}).encode(),
+     400, "http(s) URLs"),
     ("bad role", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "robot", "content": "hi"}]}).encode(),
      400, "role"),
     ("n > 1", json.dumps(chat_body("hi", 3, n=2)).encode(), 400, "n must be 1"),

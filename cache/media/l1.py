@@ -1,0 +1,163 @@
+"""L1 of the media cache: fetched image bytes by URL (issue 19).
+
+Two maps, as a content-addressed store keeps them:
+
+    (tenant, normalized URL) -> content hash        who fetched what, per tenant, with a TTL
+    content hash             -> bytes               shared, checked against its hash on read
+
+A tenant reaches bytes only through its own URL entries, so a hit never tells one tenant what
+another fetched; two tenants (or two URLs) with the same image share one copy of its bytes.
+A blob whose bytes no longer match its hash is a miss (counted `corrupt`), never returned.
+
+`EmbeddedFetchCache` is an in-process LRU under a byte budget (the default: one router).
+`RedisFetchCache` is shared by every router and worker that points at the same Redis (started
+on loopback by the tests and `cache.media.redis_server`); every Redis call has a short socket
+timeout, and an outage or a timeout is a miss (counted `errors`), never an error or a stall.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+import urllib.parse
+
+log = logging.getLogger(__name__)
+
+
+def normalize_url(url: str) -> str:
+    """Scheme and host lower-cased, the default port and the fragment dropped; path and query
+    kept as sent (servers may treat them case-sensitively)."""
+    p = urllib.parse.urlsplit(url)
+    scheme, host = p.scheme.lower(), (p.hostname or "").lower()
+    default = {"http": 80, "https": 443}.get(scheme)
+    port = p.port
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port and port != default else "")
+    return urllib.parse.urlunsplit((scheme, netloc, p.path or "/", p.query, ""))
+
+
+def content_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _url_key(tenant: str | None, url: str) -> str:
+    return hashlib.sha256(f"{tenant or ''}\x00{normalize_url(url)}".encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    bytes_hit: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class EmbeddedFetchCache:
+    """In-process L1: an LRU of blobs under `budget_bytes`, URL entries expiring after `ttl_s`."""
+
+    def __init__(self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic):
+        self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
+        self._urls: dict[str, tuple[str, float]] = {}
+        self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    def get(self, url: str, tenant: str | None = None) -> bytes | None:
+        key = _url_key(tenant, url)
+        with self._lock:
+            entry = self._urls.get(key)
+            if entry is not None and entry[1] < self.clock():
+                del self._urls[key]
+                entry = None
+            data = self._blobs.get(entry[0]) if entry is not None else None
+            if data is not None and content_hash(data) != entry[0]:
+                self._drop(entry[0])
+                self.stats.corrupt += 1
+                data = None
+            if data is None:
+                self.stats.misses += 1
+                return None
+            self._blobs.move_to_end(entry[0])
+            self.stats.hits += 1
+            self.stats.bytes_hit += len(data)
+            return data
+
+    def put(self, url: str, data: bytes, tenant: str | None = None) -> None:
+        if len(data) > self.budget_bytes:
+            return
+        digest = content_hash(data)
+        with self._lock:
+            self._urls[_url_key(tenant, url)] = (digest, self.clock() + self.ttl_s)
+            if digest not in self._blobs:
+                self._blobs[digest] = bytes(data)
+                self._bytes += len(data)
+            self._blobs.move_to_end(digest)
+            while self._bytes > self.budget_bytes:
+                self._drop(next(iter(self._blobs)))
+            self.stats.puts += 1
+
+    def _drop(self, digest: str) -> None:
+        self._bytes -= len(self._blobs.pop(digest))
+
+    @property
+    def bytes_held(self) -> int:
+        return self._bytes
+
+
+class RedisFetchCache:
+    """L1 in Redis (`redis_url`, e.g. redis://127.0.0.1:6379/0), shared across processes.
+    Keys live under `prefix`; both maps expire after `ttl_s`."""
+
+    def __init__(self, redis_url: str, ttl_s: float = 3600.0, timeout_s: float = 0.25, prefix: str = "kimik3:l1",
+                 max_entry_bytes: int = 64 << 20):
+        import redis  # optional dependency: only a deployment with a shared L1 needs it
+
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry_on_timeout=False)
+        self.ttl_s, self.prefix, self.max_entry_bytes = ttl_s, prefix, max_entry_bytes
+        self.stats = CacheStats()
+
+    def get(self, url: str, tenant: str | None = None) -> bytes | None:
+        try:
+            digest = self._redis.get(f"{self.prefix}:url:{_url_key(tenant, url)}")
+            data = self._redis.get(f"{self.prefix}:blob:{digest.decode()}") if digest else None
+        except self._errors as e:
+            self.stats.errors += 1
+            log.warning("L1 Redis lookup failed (a miss): %s", e)
+            return None
+        if data is not None and content_hash(data) != digest.decode():
+            self.stats.corrupt += 1
+            data = None
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_hit += len(data)
+        return data
+
+    def put(self, url: str, data: bytes, tenant: str | None = None) -> None:
+        if len(data) > self.max_entry_bytes:
+            return
+        digest, ttl = content_hash(data), max(1, int(self.ttl_s))
+        try:
+            pipe = self._redis.pipeline()
+            pipe.set(f"{self.prefix}:blob:{digest}", data, ex=ttl)
+            pipe.set(f"{self.prefix}:url:{_url_key(tenant, url)}", digest, ex=ttl)
+            pipe.execute()
+            self.stats.puts += 1
+        except self._errors as e:
+            self.stats.errors += 1
+            log.warning("L1 Redis store failed (not cached): %s", e)
+
+    def close(self) -> None:
+        self._redis.close()
