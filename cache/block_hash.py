@@ -34,6 +34,24 @@ class MMItem:
             raise ValueError(f"MMItem needs offset >= 0 and length > 0; got {self.offset}, {self.length}")
 
 
+def image_content_hash(image) -> bytes:
+    """One image's content hash, as every process computes it from the array the engine is given
+    (the router from the uint8 pixels it sends, the worker's engine from what it receives): its
+    dtype, shape and bytes, so uint8 and float copies of a picture never collide."""
+    import numpy as np
+
+    a = np.ascontiguousarray(image)
+    return hashlib.blake2b(a.dtype.str.encode() + repr(a.shape).encode() + a.tobytes(), digest_size=DIGEST_BYTES,
+                           person=b"kimik3-img-v1").digest()
+
+
+def image_items(token_ids: Sequence[int], images, tokens_per_image: int, image_id: int) -> tuple[MMItem, ...]:
+    """One MMItem per image: the k-th image spans the k-th run of `tokens_per_image` placeholders."""
+    where = [i for i, t in enumerate(token_ids) if t == image_id]
+    return tuple(MMItem(image_content_hash(img), where[k * tokens_per_image], tokens_per_image)
+                 for k, img in enumerate(images))
+
+
 def _h(*parts: bytes) -> bytes:
     m = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
     for p in parts:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import logging
 import time
@@ -63,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cache.block_hash import MMItem
+from cache.block_hash import image_items
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
 from cache.host_tier import HostKVTier
 from cache.media.l3 import EncoderCache
@@ -329,11 +328,8 @@ class Engine:
         if self.runner.prefill_step is not None:
             raise ValueError("images on an engine with a prefill mesh are not supported yet")
         arr = np.asarray(model._as_images(images, np.asarray([prompt]), self.cfg))  # checks shape, count, values
-        per = self.cfg.vit.tokens_per_image
-        where = [i for i, t in enumerate(prompt) if t == tokenizer.IMAGE_ID]
-        items = tuple(MMItem(hashlib.blake2b(np.ascontiguousarray(img).tobytes(), digest_size=16).digest(),
-                             where[k * per], per) for k, img in enumerate(arr))
-        return arr, items
+        # hashed as given (the router hashes the uint8 pixels it sends the same way)
+        return arr, image_items(prompt, np.asarray(images), self.cfg.vit.tokens_per_image, tokenizer.IMAGE_ID)
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, **kw):
         """Submit a request and yield its tokens as they come, stepping the engine (which also

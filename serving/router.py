@@ -57,6 +57,7 @@ import time
 import uuid
 
 import httpx
+import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from cache.media import build_fetcher
@@ -423,7 +424,7 @@ class Router:
         return random.choice([w for w in cands if w.score() == low])
 
     async def pick(self, pool: list[Worker], tried: set[str], prompt: list[int] | None,
-                   salt: str | None = None) -> Worker | None:
+                   salt: str | None = None, images_b64: list[str] | None = None) -> Worker | None:
         cands = [w for w in pool if w.available()]
         cands = [w for w in cands if w.url not in tried] or cands
         if not cands:
@@ -432,7 +433,7 @@ class Router:
         if prompt is None:
             return best
         decision, chosen = "load", best
-        holder, h = self._affinity_holder(prompt, salt)
+        holder, h = self._affinity_holder(prompt, salt, images_b64)
         if holder is not None:
             ns = self._fact("namespace")
             in_store = False
@@ -450,25 +451,37 @@ class Router:
         self.metrics.affinity.labels(decision).inc()
         return chosen
 
-    def _hashes(self, prompt: list[int], salt: str | None = None) -> list[bytes]:
-        """The workers' block hashes of `prompt` for a tenant's `salt` (as their caches key them)."""
-        from cache.block_hash import block_hashes
+    def _hashes(self, prompt: list[int], salt: str | None = None, images_b64: list[str] | None = None) -> list[bytes]:
+        """The workers' block hashes of `prompt` for a tenant's `salt` with its images (as their
+        caches key them: a block holding an image's placeholders carries the image's hash, so
+        image prompts match the workers' blocks and prompts that differ only in an image do not)."""
+        from cache.block_hash import block_hashes, image_items
+        from kimik3 import tokenizer
 
         ns, page = self._fact("namespace"), self._fact("page_tokens")
         if not ns or not page:
             return []
-        return block_hashes(prompt, block_size=page, namespace=ns, salt=salt)
+        items = ()
+        if images_b64:
+            vit = self.model_cfg.vit
+            shape = (vit.image_size, vit.image_size, vit.channels)
+            images = [np.frombuffer(base64.b64decode(b), np.uint8).reshape(shape) for b in images_b64]
+            items = image_items(prompt, images, vit.tokens_per_image, tokenizer.IMAGE_ID)
+            items = tuple(it for it in items if it.offset + it.length <= len(prompt))
+        return block_hashes(prompt, block_size=page, namespace=ns, salt=salt, mm_items=items)
 
-    def _affinity_holder(self, prompt: list[int], salt: str | None = None) -> tuple[str | None, bytes | None]:
-        hashes = self._hashes(prompt[:-1], salt)  # hits are capped at n - 1 tokens
+    def _affinity_holder(self, prompt: list[int], salt: str | None = None,
+                         images_b64: list[str] | None = None) -> tuple[str | None, bytes | None]:
+        hashes = self._hashes(prompt[:-1], salt, images_b64)  # hits are capped at n - 1 tokens
         for h in reversed(hashes):
             if h in self.affinity:
                 self.affinity.move_to_end(h)
                 return self.affinity[h], h
         return None, None
 
-    def _remember(self, prompt: list[int], url: str, salt: str | None = None) -> None:
-        for h in self._hashes(prompt, salt):
+    def _remember(self, prompt: list[int], url: str, salt: str | None = None,
+                  images_b64: list[str] | None = None) -> None:
+        for h in self._hashes(prompt, salt, images_b64):
             self.affinity[h] = url
             self.affinity.move_to_end(h)
         while len(self.affinity) > self.cfg.affinity_entries:
@@ -527,7 +540,8 @@ class Router:
         failures = 0
         no_worker_since = None
         while True:
-            w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"))
+            w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"),
+                                opts.get("images"))
             if w is None:
                 # Every worker of the role is down, drained or tripped: wait for one to come back
                 # (a restart takes 10-20 s) rather than fail within a few backoffs.
@@ -553,7 +567,7 @@ class Router:
                         if role == "decode" and before == 1:  # the handoff itself, not a failover
                             self.metrics.handoffs.labels("direct" if adopt is not None else "store").inc()
                         if affinity:
-                            self._remember(prompt, w.url, opts.get("cache_salt"))
+                            self._remember(prompt, w.url, opts.get("cache_salt"), opts.get("images"))
                         yield "done", ev
                         return
             except WorkerFailure as e:
@@ -588,7 +602,7 @@ class Router:
         failures = 0
         body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "export_kv": True, **opts}
         while True:
-            w = await self.pick(self.prefill, tried, prompt)
+            w = await self.pick(self.prefill, tried, prompt, opts.get("cache_salt"), opts.get("images"))
             err = None
             if w is None:
                 err = WorkerFailure("no prefill worker available")
@@ -601,7 +615,7 @@ class Router:
                     if r.status_code == 200:
                         w.breaker.success()
                         self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
-                        self._remember(prompt, w.url, opts.get("cache_salt"))
+                        self._remember(prompt, w.url, opts.get("cache_salt"), opts.get("images"))
                         h = r.headers
                         return int(h["x-kimik3-token"]), r.content, {
                             "cached_tokens": int(h["x-kimik3-cached-tokens"]),

@@ -272,6 +272,35 @@ def test_prefix_affinity_applies_only_when_the_prefix_is_not_in_the_shared_store
     assert text("kimik3_router_prefill_choice_total", {"decision": "store"}) == 1
 
 
+def test_the_routers_hashes_of_an_image_prompt_are_the_engines(rng, tiny_cfg, tiny_params):
+    """Issue 19's L4: the router hashes an image prompt as the workers' caches do (the image's
+    content in the blocks it spans), so image prompts meet their workers' blocks for affinity and
+    the store probe, and two prompts that differ only in their image do not."""
+    import base64
+
+    from kimik3 import tokenizer
+    from serving.engine import Engine, EngineConfig
+    from serving.router import Router, RouterConfig
+
+    page = 16
+    eng = Engine(tiny_params, tiny_cfg, EngineConfig(num_pages=16, num_slots=2, page_tokens=page,
+                                                     kda_block_tokens=4 * page, kernels="reference"))
+    r = Router(RouterConfig(decode=["http://d"]))
+    r.decode[0].info = {"namespace": eng.manager.spec.namespace, "page_tokens": page}
+    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "what is in the picture, in a few words?",
+                                                              n_images=1)],
+                                           tokens_per_image=tiny_cfg.vit.tokens_per_image)
+    s = tiny_cfg.vit.image_size
+    img, other = (rng.integers(0, 256, (1, s, s, 3), dtype=np.uint8) for _ in range(2))
+    b64 = lambda a: [base64.b64encode(a[0].tobytes()).decode()]  # what parse() sends the workers  # noqa: E731
+    for salt in (None, "tenant"):
+        want = eng.manager.hashes(prompt, eng._check_images(prompt, img)[1], salt=salt)
+        assert len(want) >= 2 and r._hashes(prompt, salt, b64(img)) == want
+        got_other = r._hashes(prompt, salt, b64(other))
+        first = prompt.index(tokenizer.IMAGE_ID) // page
+        assert got_other[:first] == want[:first] and got_other[first] != want[first]
+
+
 def test_router_options_from_a_config_file(tmp_path):
     import argparse
 
