@@ -35,29 +35,70 @@ def _cache_dir() -> str:
     return os.environ.get("KIMIK3_SHIM_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kimik3", "shim")
 
 
+def _trusted(path: str) -> bool:
+    """Ours to preload: owned by this user and writable by nobody else (a library planted in a
+    shared directory would otherwise run inside every child)."""
+    st = os.stat(path)
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _loads(path: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(path)  # the right architecture and a well-formed library: ld.so would load it too
+        return True
+    except OSError:
+        return False
+
+
 def shim_path() -> str:
-    """The compiled shim (built on first use; a later source change builds a new one)."""
+    """The compiled shim (built on first use; a later source change, another machine type or
+    another compiler builds a new one).  Raises LoopbackUnavailable naming the problem."""
+    import platform
+
     with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    path = os.path.join(out_dir, f"loopback_bind-{digest}.so")
-    if os.path.exists(path):
-        return path
+        source = f.read()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise LoopbackUnavailable("no C compiler (cc, gcc or clang; or $CC) to build cache/loopback_bind.c: "
-                                  "install one (Debian: build-essential) or Mooncake listens on every interface")
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-ldl"], capture_output=True,
-                          text=True, timeout=120)
-    if proc.returncode:
-        os.unlink(tmp)
-        raise LoopbackUnavailable(f"{cc} failed on cache/loopback_bind.c: {proc.stderr.strip()[:500]}")
-    os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+    digest = hashlib.sha256(source + platform.machine().encode() + (cc or "").encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    path = os.path.join(out_dir, f"loopback_bind-{platform.machine()}-{digest}.so")
+    try:
+        if os.path.exists(path):
+            if _trusted(path) and _trusted(out_dir) and _loads(path):
+                return path
+            raise LoopbackUnavailable(f"{path} is not this user's own, is writable by others, or does not load: "
+                                      f"remove it (or set KIMIK3_SHIM_DIR to a private directory)")
+        if not cc:
+            raise LoopbackUnavailable("no C compiler (cc, gcc or clang; or $CC) to build cache/loopback_bind.c: "
+                                      "install one (Debian: build-essential) or Mooncake listens on every interface")
+        os.makedirs(out_dir, mode=0o700, exist_ok=True)
+        if not _trusted(out_dir):
+            raise LoopbackUnavailable(f"{out_dir} is writable by other users: set KIMIK3_SHIM_DIR to a private "
+                                      f"directory")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-ldl"], capture_output=True,
+                                  text=True, timeout=120)
+            if proc.returncode:
+                raise LoopbackUnavailable(f"{cc} failed on cache/loopback_bind.c: {proc.stderr.strip()[:500]}")
+            os.chmod(tmp, 0o755)
+            if not _loads(tmp):
+                raise LoopbackUnavailable(f"{cc} built a library that does not load here")
+            os.replace(tmp, path)  # atomic: concurrent builders each write their own file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LoopbackUnavailable(f"could not build or check the loopback shim: {type(e).__name__}: {e}") from None
     log.info("built %s", path)
     return path
+
+
+def required() -> bool:
+    """$KIMIK3_REQUIRE_LOOPBACK set: a missing shim is an error, not a warning (CI sets it)."""
+    return bool(os.environ.get("KIMIK3_REQUIRE_LOOPBACK"))
 
 
 def loopback_env(env: dict | None = None, allow_any_ports=()) -> dict:

@@ -5,12 +5,15 @@
  * process started with this library preloaded (cache/loopback.py builds it and sets the
  * environment), bind() to INADDR_ANY binds 127.0.0.1, and bind() to in6addr_any binds the
  * v4-mapped loopback ::ffff:127.0.0.1 on a dual-stack socket (127.0.0.1 clients still connect)
- * or ::1 on a v6-only one.  Ports listed in KIMIK3_BIND_ANY_PORTS (comma-separated) keep the
+ * or ::1 on a v6-only one (so a dual-stack listener takes 127.0.0.1 clients, not [::1] ones).
+ * Not covered: listen() on a never-bound socket (the kernel picks the wildcard itself) and
+ * statically linked programs.  Ports listed in KIMIK3_BIND_ANY_PORTS (comma-separated) keep the
  * wildcard: a public port the operator asked for.  Every other bind() is passed through as is.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,9 +35,18 @@ static int port_allowed(unsigned short port) {
     return 0;
 }
 
+static bind_fn real_bind;
+
+__attribute__((constructor)) static void find_real_bind(void) {
+    real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");  /* before any thread of the process runs */
+}
+
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
-    static bind_fn real_bind = 0;
-    if (!real_bind) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
+    if (!real_bind) find_real_bind();  /* a bind() from another library's constructor, before ours */
+    if (!real_bind) {
+        errno = ENOSYS;
+        return -1;
+    }
     if (addr && addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
         struct sockaddr_in a;
         memcpy(&a, addr, sizeof a);

@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from cache.host_tier import HostKVTier, TierError, decode_entry, encode_entry, entry_size
+from cache import loopback
 from cache.loopback import LoopbackUnavailable, loopback_env
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class MooncakeServices:
         try:
             env, self.loopback_only = loopback_env(), True
         except LoopbackUnavailable as e:
+            if loopback.required():
+                raise
             env, self.loopback_only = None, False
             log.warning("%s: the memory server's transfer engine listens on every interface", e)
         self.memory_server = self._spawn("mooncake_client", [

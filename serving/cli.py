@@ -73,6 +73,15 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_media_bench(args) -> int:
+    from serving import media_bench
+
+    spec = media_bench.MediaBenchSpec(config=args.config, sessions=args.sessions, turns=args.turns,
+                                      fetch_latency_ms=args.fetch_latency_ms, seed=args.seed)
+    print(media_bench.main(spec, args.json))
+    return 0
+
+
 def _cmd_coverage(args) -> int:
     import os
 
@@ -172,6 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default="out")
     c.set_defaults(func=_cmd_coverage)
+
+    m = sub.add_parser("media-bench", help="the media cache's ablation: TTFT and hit rates, none .. all four tiers")
+    m.add_argument("--config", default="tiny")
+    m.add_argument("--sessions", type=int, default=4)
+    m.add_argument("--turns", type=int, default=4)
+    m.add_argument("--fetch-latency-ms", type=float, default=50.0, help="the local image server's answer delay")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
+    m.set_defaults(func=_cmd_media_bench)
 
     i = sub.add_parser("info", help="parameter count and weight bytes of a config")
     i.add_argument("--config", default="kimi_k3")

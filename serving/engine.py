@@ -123,7 +123,8 @@ class EngineConfig:
     `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none".
     encoder_cache_bytes: device bytes of ViT embeddings kept across requests by (tenant, image
     content) (`cache.media.l3`, issue 19); 0: none (the ViT then runs on a request's images
-    together, once per request)."""
+    together, once per request).
+    prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4")."""
 
     num_pages: int
     num_slots: int = 8
@@ -141,6 +142,7 @@ class EngineConfig:
     dispatch: str = "auto"
     scan_layers: str = "prefill"
     encoder_cache_bytes: int = 64 << 20
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -209,7 +211,8 @@ class Engine:
             prefill_chunk_tokens=config.prefill_chunk_tokens, max_step_tokens=self.max_step_tokens,
             export_slots=export_slots, kda_chunk_tokens=cfg.kda_chunk_size,
             sharded_prefill=None if pre is None else pre.size,
-            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding), self.manager,
+            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
+            prefix_caching=config.prefix_caching), self.manager,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
         self.compiles = 0

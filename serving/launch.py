@@ -102,11 +102,13 @@ def child_env(public_port: int | None = None) -> dict:
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[internal_auth.ENV] = _TOKEN
     if public_port is not None:
-        from cache.loopback import LoopbackUnavailable, loopback_env
+        from cache.loopback import LoopbackUnavailable, loopback_env, required
 
         try:
             env = loopback_env(env, allow_any_ports=(public_port,))
         except LoopbackUnavailable as e:
+            if required():
+                raise
             log.warning("%s: the store clients' transfer engines will listen on every interface", e)
     return env
 
@@ -119,6 +121,7 @@ class Child:
     log_path: str
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    env: dict = dataclasses.field(default_factory=dict)  # added to child_env()
 
     @property
     def url(self) -> str:
@@ -126,7 +129,7 @@ class Child:
 
     def spawn(self) -> None:
         out = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=child_env(self.port),
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=dict(child_env(self.port), **self.env),
                                      cwd=_ROOT, start_new_session=True)
         out.close()
 
@@ -190,10 +193,10 @@ class Deployment:
             argv += ["--decode", *dec]
         if self.services is not None:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
-        if self.redis is not None:
-            argv += ["--l1-redis", self.redis.url]
         self.router = Child("router", argv + shlex.split(a.router_args or ""), a.port,
-                            os.path.join(self.log_dir, "router.log"))
+                            os.path.join(self.log_dir, "router.log"),
+                            # the L1's URL holds its password: in the environment, not on the command line
+                            env={"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {})
         self.router.spawn()
         wait_healthy(self.router.url, self.router.proc, a.startup_timeout_s, self.stop_event)
         return self

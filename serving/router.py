@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -1088,7 +1089,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch-timeout-s", type=float, default=None, help=f"default {d.fetch_timeout_s}")
     parser.add_argument("--fetch-max-bytes", type=int, default=None, help=f"default {d.fetch_max_bytes}")
     parser.add_argument("--l1-bytes", type=int, default=None, help=f"embedded L1 fetch cache (default {d.l1_bytes})")
-    parser.add_argument("--l1-redis", default=None, help="redis://127.0.0.1:PORT/0: a shared L1 fetch cache")
+    parser.add_argument("--l1-redis", default=None,
+                        help="redis://:PASSWORD@127.0.0.1:PORT/0: a shared L1 fetch cache (or $KIMIK3_L1_REDIS)")
     parser.add_argument("--l2-bytes", type=int, default=None, help=f"decoded-pixel cache (default {d.l2_bytes})")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
     parser.add_argument("--mooncake-metadata", default=None)
@@ -1107,6 +1109,8 @@ def config_from_args(args) -> RouterConfig:
         v = getattr(args, f.name, None)
         if v is not None and v != []:
             values[f.name] = v
+    if "l1_redis" not in values and os.environ.get("KIMIK3_L1_REDIS"):  # how `kimik3 launch` passes its password
+        values["l1_redis"] = os.environ["KIMIK3_L1_REDIS"]
     return RouterConfig(**values)
 
 

@@ -151,6 +151,9 @@ class SchedulerConfig:
     sharded_prefill: int | None = None  # tp of the prefill mesh (chunks of tp * 2^k tokens), None: unsharded
     prefill_tokens_while_decoding: int | None = None  # prefill cap in a step with decode rows (None: budget)
     namespace: str = ""
+    # False: no request meets another's blocks (each hashes under a salt of its own id): the
+    # ablation's "prefix cache off"; its own blocks still serve its preemption and resume.
+    prefix_caching: bool = True
 
 
 class Scheduler:
@@ -165,6 +168,11 @@ class Scheduler:
         self.preemptions = 0
         self.offloaded_resumes = 0  # preempted requests resumed from their offloaded KV (no recompute)
         self.recomputed_tokens = 0  # tokens re-prefilled after a preemption (offload missing or no host tier)
+
+    def _salt(self, req: Request) -> str | None:
+        if self.config.prefix_caching:
+            return req.cache_salt
+        return f"{req.cache_salt or ''}\x00{req.request_id}"
 
     # ---- planning ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -197,7 +205,7 @@ class Scheduler:
                 self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
             try:
-                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=req.cache_salt)
+                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=self._salt(req))
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)

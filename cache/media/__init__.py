@@ -4,9 +4,10 @@ fetched (`l1`: bytes by URL, embedded or Redis).  `MediaFetcher` is what the ser
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
-from cache.media.fetch import FetchError, FetchPolicy, fetch  # noqa: F401 (re-exported)
+from cache.media.fetch import FetchError, FetchPolicy, check_url, fetch  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -23,6 +24,7 @@ class MediaFetcher:
     def __init__(self, policy: FetchPolicy = FetchPolicy(), cache=None, *, pixels=None, fetch_fn=fetch):
         self.policy, self.cache, self.pixels, self._fetch = policy, cache, pixels, fetch_fn
         self.timing = FetchTiming()
+        self._lock = threading.Lock()
 
     def decoded(self, raw: bytes, size: int, tenant: str | None, decode):
         """decode(raw, size) (-> uint8 pixels), through L2 (`pixels`, a `l2.PixelCache`) if there is one."""
@@ -33,16 +35,21 @@ class MediaFetcher:
         return hit if hit is not None else self.pixels.put(key, decode(raw, size))
 
     def get(self, url: str, tenant: str | None = None) -> bytes:
+        # The URL checks that need no DNS come before L1 (a refused URL is refused, cached or not),
+        # and entries are keyed by the policy too (see `FetchPolicy.fingerprint`).
+        check_url(url, self.policy)
+        key = f"{self.policy.fingerprint()}/{tenant or ''}"
         if self.cache is not None:
-            data = self.cache.get(url, tenant)
+            data = self.cache.get(url, key)
             if data is not None:
                 return data
         t0 = time.monotonic()
         data = self._fetch(url, self.policy)
-        self.timing.fetches += 1
-        self.timing.fetch_s += time.monotonic() - t0
+        with self._lock:
+            self.timing.fetches += 1
+            self.timing.fetch_s += time.monotonic() - t0
         if self.cache is not None:
-            self.cache.put(url, data, tenant)
+            self.cache.put(url, data, key)
         return data
 
     def stats(self) -> dict:

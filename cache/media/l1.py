@@ -10,8 +10,8 @@ another fetched; two tenants (or two URLs) with the same image share one copy of
 A blob whose bytes no longer match its hash is a miss (counted `corrupt`), never returned.
 
 `EmbeddedFetchCache` is an in-process LRU under a byte budget (the default: one router).
-`RedisFetchCache` is shared by every router and worker that points at the same Redis (started
-on loopback by the tests and `cache.media.redis_server`); every Redis call has a short socket
+`RedisFetchCache` is shared by every router that points at the same Redis (started on loopback,
+with a password, by the tests and `kimik3 launch --redis`); every Redis call has a short socket
 timeout, and an outage or a timeout is a miss (counted `errors`), never an error or a stall.
 """
 
@@ -63,9 +63,10 @@ class CacheStats:
 class EmbeddedFetchCache:
     """In-process L1: an LRU of blobs under `budget_bytes`, URL entries expiring after `ttl_s`."""
 
-    def __init__(self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic):
-        self.budget_bytes, self.ttl_s, self.clock = budget_bytes, ttl_s, clock
-        self._urls: dict[str, tuple[str, float]] = {}
+    def __init__(self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic,
+                 max_urls: int = 100_000):
+        self.budget_bytes, self.ttl_s, self.clock, self.max_urls = budget_bytes, ttl_s, clock, max_urls
+        self._urls: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
         self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -96,7 +97,11 @@ class EmbeddedFetchCache:
             return
         digest = content_hash(data)
         with self._lock:
-            self._urls[_url_key(tenant, url)] = (digest, self.clock() + self.ttl_s)
+            key = _url_key(tenant, url)
+            self._urls[key] = (digest, self.clock() + self.ttl_s)
+            self._urls.move_to_end(key)
+            while len(self._urls) > self.max_urls:  # the oldest entries go (their blobs stay in the LRU)
+                self._urls.popitem(last=False)
             if digest not in self._blobs:
                 self._blobs[digest] = bytes(data)
                 self._bytes += len(data)

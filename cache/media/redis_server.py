@@ -1,9 +1,11 @@
 """A redis-server on 127.0.0.1 for the shared L1 (tests, `kimik3 launch --redis`): Debian's
-`redis-server` binary, loopback only, protected mode on, no persistence, its own port."""
+`redis-server` binary, loopback only, a random password (given on its stdin, never on a command
+line other users can read; clients get it in `url`), no persistence, its own port."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -28,21 +30,24 @@ class RedisServer:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kimik3-redis-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.proc: subprocess.Popen | None = None
+        self.password = secrets.token_hex(16)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 20.0) -> "RedisServer":
         binary = shutil.which("redis-server")
         if not binary:
             raise RedisUnavailable("redis-server not found (Debian: apt-get install redis-server)")
         out = open(os.path.join(self.log_dir, "redis.log"), "a")
-        self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--protected-mode", "yes",
-             "--save", "", "--appendonly", "no", "--dir", self.log_dir,
-             "--maxmemory", f"{self.max_memory_mb}mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        conf = (f"bind 127.0.0.1\nport {self.port}\nprotected-mode yes\nrequirepass {self.password}\n"
+                f"save \"\"\nappendonly no\ndir {self.log_dir}\nmaxmemory {self.max_memory_mb}mb\n"
+                f"maxmemory-policy allkeys-lru\n")
+        self.proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.proc.stdin.write(conf.encode())
+        self.proc.stdin.close()
         out.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -50,8 +55,8 @@ class RedisServer:
                 raise RedisUnavailable(f"redis-server exited with {self.proc.returncode}; see {self.log_dir}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                    if b"+PONG" in s.recv(64):
                         return self
             except OSError:
                 time.sleep(0.05)

@@ -80,12 +80,15 @@ def test_the_default_policy_refuses_loopback_before_connecting(server):
 
 @pytest.mark.parametrize("ip", ["127.0.0.1", "10.1.2.3", "172.16.0.9", "192.168.1.1", "169.254.169.254",
                                 "100.64.0.1", "0.0.0.0", "224.0.0.1", "::1", "fe80::1", "fc00::1",
-                                "::ffff:127.0.0.1", "::ffff:10.0.0.1"])
+                                "::ffff:127.0.0.1", "::ffff:10.0.0.1",
+                                # IPv6 forms that carry a private IPv4 address, and old site-local
+                                "64:ff9b::a00:1", "64:ff9b::a9fe:a9fe", "2002:7f00:1::", "::7f00:1",
+                                "::ffff:0:7f00:1", "64:ff9b:1::1", "2001::1", "fec0::1"])
 def test_non_public_addresses_are_refused(ip):
     assert not address_allowed(ip)
 
 
-@pytest.mark.parametrize("ip", ["93.184.216.34", "8.8.8.8", "2606:4700::1111"])
+@pytest.mark.parametrize("ip", ["93.184.216.34", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"])
 def test_public_addresses_are_allowed(ip):
     assert address_allowed(ip)
 
@@ -103,7 +106,7 @@ def test_a_name_is_refused_if_any_address_it_resolves_to_is_private():
 @pytest.mark.parametrize("url, match", [
     ("file:///etc/passwd", "scheme"), ("ftp://example.com/x.png", "scheme"), ("gopher://x/", "scheme"),
     ("http://user:pw@example.com/x.png", "user info"), ("http:///x.png", "no host"),
-    ("http://[::1/x.png", "malformed"),
+    ("http://[::1/x.png", "malformed"), ("http://example.com:99999/x.png", "malformed"),
 ])
 def test_bad_urls_are_refused(url, match):
     with pytest.raises(FetchError, match=match):
@@ -146,7 +149,7 @@ def test_a_redirect_to_a_private_address_is_refused_before_following_it(server):
     server.routes["/r"] = (302, {"Location": "http://169.254.169.254/latest/meta-data/"}, b"")
     with pytest.raises(FetchError, match="non-public address"):
         fetch(server.url("/r"), LOCAL)
-    assert server.requests == 1  # the redirect itself; the metadata address was never connected to
+    assert server.requests == 1  # the redirect itself; the metadata address is refused by its check, before a connect
 
 
 def test_redirects_are_followed_and_bounded(server):
@@ -201,3 +204,48 @@ def test_a_stalling_server_is_cut_at_the_timeout(server):
 def test_a_policy_with_a_malformed_network_is_an_error_at_once():
     with pytest.raises(ValueError):
         FetchPolicy(allow_networks=("127.0.0.1/33",))
+
+
+def test_headers_dripped_a_byte_at_a_time_are_cut_at_the_deadline(server):
+    """The deadline covers the whole fetch, not each read: a server that sends its status line
+    and headers one byte every 0.2 s is cut at timeout_s."""
+    def drip(req):
+        try:
+            for b in b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Pad: " + b"a" * 200:
+                req.wfile.write(bytes([b]))
+                req.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    server.routes["/drip"] = drip
+    t0 = time.monotonic()
+    with pytest.raises(FetchError, match="longer than"):
+        fetch(server.url("/drip"), FetchPolicy(allow_networks=("127.0.0.1/32",), timeout_s=1.0))
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_an_encoded_body_is_refused_not_inflated(server):
+    """A gzip bomb (a small body that inflates past the cap) never gets inflated: only unencoded
+    bodies are fetched."""
+    import gzip
+
+    bomb = gzip.compress(gzip.compress(b"\0" * (64 << 20)))
+    server.routes["/bomb.png"] = (200, {"Content-Type": "image/png", "Content-Encoding": "gzip, gzip"}, bomb)
+    with pytest.raises(FetchError, match="encoded"):
+        fetch(server.url("/bomb.png"), FetchPolicy(allow_networks=("127.0.0.1/32",), max_bytes=1 << 20))
+
+
+def test_the_l1_cache_never_answers_a_url_the_policy_refuses(server):
+    from cache.media import MediaFetcher
+    from cache.media.l1 import EmbeddedFetchCache
+
+    server.routes["/a.png"] = (200, {"Content-Type": "image/png"}, png_bytes(7))
+    cache = EmbeddedFetchCache()
+    loose = MediaFetcher(LOCAL, cache)
+    assert loose.get(server.url("/a.png"), "t")
+    with pytest.raises(FetchError, match="user info"):  # cached as the plain URL, still refused
+        loose.get(server.url("/a.png").replace("http://", "http://u:p@"), "t")
+    with pytest.raises(FetchError, match="non-public"):  # a stricter policy sharing the cache fetches itself
+        MediaFetcher(FetchPolicy(), cache).get(server.url("/a.png"), "t")
+    assert server.requests == 1
