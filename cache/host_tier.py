@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"KK3T"
 VERSION = 2  # 2: XXH3-128 checksums
-KINDS = ("mla", "kda", "preempt")  # the key kinds a tier accepts (preempt: a preempted request's KV)
+KINDS = ("mla", "kda", "preempt", "vit")  # key kinds a tier accepts (preempt: a preempted request's KV; vit: ViT rows)
 _HEADER = struct.Struct("<4sHH16sQ")  # magic, version, header json length, checksum, payload length
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -64,7 +65,7 @@ import numpy as np
 
 from cache.block_hash import image_items
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
-from cache.host_tier import HostKVTier
+from cache.host_tier import HostKVTier, make_key
 from cache.media.l3 import EncoderCache
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
@@ -124,6 +125,9 @@ class EngineConfig:
     encoder_cache_bytes: device bytes of ViT embeddings kept across requests by (tenant, image
     content) (`cache.media.l3`, issue 19); 0: none (the ViT then runs on a request's images
     together, once per request).
+    encoder_cache_to_host: with a host tier, the ViT rows the engine computes are written there
+    too and an encoder-cache miss looks there first, so another engine on the same store finds
+    them (keyed by namespace, tenant and image).
     prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4")."""
 
     num_pages: int
@@ -142,6 +146,7 @@ class EngineConfig:
     dispatch: str = "auto"
     scan_layers: str = "prefill"
     encoder_cache_bytes: int = 64 << 20
+    encoder_cache_to_host: bool = False
     prefix_caching: bool = True
 
     def __post_init__(self):
@@ -215,6 +220,7 @@ class Engine:
             prefix_caching=config.prefix_caching), self.manager,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
+        self._vit_rows = None  # ShapeDtypeStruct of one image's ViT rows, once needed
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
@@ -438,10 +444,50 @@ class Engine:
             key = self.encoder_cache.key(item.content_hash, req.cache_salt)
             r = self.encoder_cache.get(key)
             if r is None:
+                r = self._image_rows_from_host(key)
+            if r is None:
                 r = model.image_embeddings(self.params, self.cfg, img[None])
                 self.encoder_cache.put(key, r)
+                self._image_rows_to_host(key, r)
             rows.append(r)
         return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+    def _host_rows_key(self, key: tuple) -> str | None:
+        if not (self.config.encoder_cache_to_host and self.manager.host is not None):
+            return None
+        tenant, content = key
+        return make_key(self.manager.spec.namespace, "vit",
+                        hashlib.blake2b(tenant.encode() + b"\0" + content, digest_size=16).digest())
+
+    def _image_rows_from_host(self, key: tuple):
+        hk = self._host_rows_key(key)
+        if hk is None:
+            return None
+        if self._vit_rows is None:  # what one image's rows are, without running the ViT
+            s = self.cfg.vit.image_size
+            self._vit_rows = jax.eval_shape(lambda: model.image_embeddings(
+                self.params, self.cfg, np.zeros((1, s, s, self.cfg.vit.channels), np.float32)))
+        out = np.empty(self._vit_rows.shape, self._vit_rows.dtype)
+        try:
+            found = self.manager.host.batch_get_into([hk], [out])[0]
+        except Exception as e:  # noqa: BLE001 - a tier fault is a miss
+            log.warning("host tier read of ViT rows failed: %r", e)
+            found = False
+        if not found:
+            return None
+        rows = jnp.asarray(out)
+        self.encoder_cache.put(key, rows)
+        self.encoder_cache.host_hits += 1
+        return rows
+
+    def _image_rows_to_host(self, key: tuple, rows) -> None:
+        hk = self._host_rows_key(key)
+        if hk is None:
+            return
+        try:
+            self.manager.host.batch_put([hk], [np.asarray(rows)])
+        except Exception as e:  # noqa: BLE001 - a tier fault costs the spill, nothing else
+            log.warning("host tier write of ViT rows failed: %r", e)
 
     def _run_chunk(self, chunk: PrefillChunk) -> None:
         req, start, end = chunk.request, chunk.start, chunk.end

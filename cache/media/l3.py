@@ -23,6 +23,7 @@ class EncoderCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = CacheStats()
+        self.host_hits = 0  # misses here that the host tier answered (`EngineConfig.encoder_cache_to_host`)
 
     @staticmethod
     def key(content_hash: bytes, tenant: str | None) -> tuple:

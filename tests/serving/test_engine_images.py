@@ -112,3 +112,24 @@ def test_the_encoder_cache_serves_an_image_whose_prefix_misses_and_changes_no_to
     assert outs[64 << 20] == outs[0]
     for (prompt, image, _), out in zip(cases, outs[0]):
         assert out == _oracle(tiny_params, tiny_cfg, prompt, 4, image)
+
+
+def test_vit_rows_spilled_to_a_shared_host_tier_serve_another_engine(rng, tiny_cfg, tiny_params):
+    """EngineConfig.encoder_cache_to_host: an engine writes the ViT rows it computes to the host
+    tier; a second engine on the same tier (its own encoder cache empty, its prefix a miss) takes
+    them from there instead of running the ViT, with the oracle's tokens; another tenant does not."""
+    from cache.host_tier import EmbeddedHostKVTier
+
+    host = EmbeddedHostKVTier(64 << 20)
+    img = rng.random((1, 16, 16, 3)).astype(np.float32)
+    a, b = (_engine(tiny_params, tiny_cfg, encoder_cache_to_host=True, host=host) for _ in range(2))
+    first = a.submit(_chat(tiny_cfg, "what is this?", 1), 3, images=img)
+    a.run(max_steps=200)
+    prompt = _chat(tiny_cfg, "another question about the same picture", 1)
+    second = b.submit(prompt, 3, images=img)
+    b.run(max_steps=200)
+    assert a.encoder_cache.host_hits == 0 and b.encoder_cache.host_hits == 1 and first.output
+    assert second.output == _oracle(tiny_params, tiny_cfg, prompt, 3, img)
+    other = b.submit(prompt, 3, images=img, cache_salt="tenant-b")
+    b.run(max_steps=200)
+    assert b.encoder_cache.host_hits == 1 and other.output == second.output
