@@ -56,7 +56,7 @@ def test_shape_or_dtype_mismatch_is_a_miss(rng):
 
 def test_bad_keys_and_budgets():
     with pytest.raises(ValueError, match="kind"):
-        make_key("ns", "vit", b"x")
+        make_key("ns", "audio", b"x")
     with pytest.raises(ValueError, match="namespace"):
         make_key("", "mla", b"x")
     with pytest.raises(ValueError, match="capacity"):
