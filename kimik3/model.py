@@ -25,6 +25,7 @@ rows in place.  Both caches go through the same layers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import Any
@@ -33,6 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
+
+try:  # the threefry lowering switch is only reachable through jax's config module
+    from jax._src import config as jax_config
+except ImportError:  # pragma: no cover
+    jax_config = None
 
 from kimik3 import ops, stacked, tokenizer
 from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
@@ -110,12 +116,17 @@ class Period(nn.Module):
 def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
     """Replace <|image|> placeholders, in row-major (batch, time) order, by the
     rows of emb [N, P, D] flattened to [N*P, D], starting at row `first_row`
-    (a prefill chunk that begins after some of its request's placeholders)."""
+    (a prefill chunk that begins after some of its request's placeholders).
+
+    Placeholders past the last row are text tokens: an <|image|> the model generates is
+    embedded like any token it generates (what a decode step does), so the oracle's full
+    recompute and the cached path agree on it."""
     flat = emb_npd.reshape(-1, emb_npd.shape[-1]).astype(x_btd.dtype)
     is_img = (tokens_bt == tokenizer.IMAGE_ID).reshape(-1)
-    idx = jnp.clip(jnp.cumsum(is_img) - 1 + first_row, 0, flat.shape[0] - 1)
+    row = jnp.cumsum(is_img) - 1 + first_row
+    is_img = is_img & (row < flat.shape[0])
     x = x_btd.reshape(-1, x_btd.shape[-1])
-    return jnp.where(is_img[:, None], flat[idx], x).reshape(x_btd.shape)
+    return jnp.where(is_img[:, None], flat[jnp.clip(row, 0, flat.shape[0] - 1)], x).reshape(x_btd.shape)
 
 
 class KimiK3(nn.Module):
@@ -128,6 +139,7 @@ class KimiK3(nn.Module):
     cfg: ModelConfig
     expert_path: str = "grouped"
     kernels: str = "auto"  # see kimik3.ops
+    blocks: bool = True  # False: the embedding, ViT, final norm and head only (`init_params` draws blocks apart)
 
     @nn.compact
     def __call__(self, tokens_bt, positions_bt, caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
@@ -148,7 +160,7 @@ class KimiK3(nn.Module):
         first, n = stacked.scan_layout(cfg)
         scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
-        for i in range(cfg.n_layers):
+        for i in range(cfg.n_layers if self.blocks else 0):
             if i in scanned:
                 if i == first:  # the periods as one scan step over their stacked weights (`kimik3.stacked`)
                     if isinstance(caches, LayerCaches):
@@ -205,15 +217,56 @@ def cast_params(params: Params, dtype) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def block_kind(cfg: ModelConfig, layer: int) -> tuple[str, str]:
+    """What a block's params depend on: (mixer kind, FFN kind)."""
+    return cfg.mixer_kind(layer), cfg.ffn_kind(layer)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _init_params(key, *, cfg: ModelConfig, dtype: str) -> Params:
-    params = KimiK3(cfg).init(key, *_example_inputs(cfg))["params"]
+def _init_top(key, *, cfg: ModelConfig, dtype: str) -> Params:
+    params = KimiK3(cfg, blocks=False).init(key, *_example_inputs(cfg))["params"]
     return cast_params(params, dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "dtype"))
+def _init_block(key, *, cfg: ModelConfig, layer: int, dtype: str) -> Params:
+    x = jnp.zeros((1, 1, cfg.d_model), jnp.float32)
+    params = Block(cfg, layer).init(key, x, jnp.zeros((1, 1), jnp.int32), None)["params"]
+    return cast_params(params, dtype)
+
+
+@contextlib.contextmanager
+def _cheap_threefry():
+    """The init's draws compile small: threefry as one kernel per draw on GPU
+    (`jax_threefry_gpu_kernel_lowering`: its rounds are not inlined per parameter, a tenth of
+    `small`'s compile time and host memory) and the non-partitionable counter layout (less
+    to compile on every backend: the init is never sharded).  Both scoped to the init (JAX's
+    config is process-global); the bits are the same on CPU and GPU."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.threefry_partitionable(False))
+        kernel = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
+        if kernel is not None:
+            stack.enter_context(kernel(True))
+        yield
+
+
 def init_params(cfg: ModelConfig, key, dtype=None) -> Params:
-    """Random params (fp32 init, then cast to `dtype`, default cfg.dtype)."""
-    return _init_params(key, cfg=cfg, dtype=jnp.dtype(dtype or cfg.dtype).name)
+    """Random params (fp32 init, then cast to `dtype`, default cfg.dtype).
+
+    Block i draws from fold_in(blocks key, i) in a program compiled once per `block_kind`
+    (one whole-model program inlined a threefry per parameter: 127 s of compile for `small`
+    on an H200 host); the embedding, ViT, final norm and head draw from the other key."""
+    dtype = jnp.dtype(dtype or cfg.dtype).name
+    top_key, blocks_key = jax.random.split(key)
+    first_of_kind = {}
+    for i in range(cfg.n_layers):
+        first_of_kind.setdefault(block_kind(cfg, i), i)
+    with _cheap_threefry():
+        params = dict(_init_top(top_key, cfg=cfg, dtype=dtype))
+        for i in range(cfg.n_layers):
+            params[f"layer_{i}"] = _init_block(jax.random.fold_in(blocks_key, i), cfg=cfg,
+                                               layer=first_of_kind[block_kind(cfg, i)], dtype=dtype)
+    return params
 
 
 @functools.lru_cache(maxsize=8)

@@ -334,7 +334,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *,
-                    block_q, block_k, prefix_blocks, scale):
+                    block_q, block_k, prefix_blocks, scale, precision):
     """One (sequence, head, query block): the prefix's key blocks, then new key blocks up to
     the diagonal.  Only blocks that can hold an invisible key are masked: the prefix's last
     (padded) blocks and the new blocks that reach the diagonal; scores are kept in base 2
@@ -348,8 +348,8 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
     def step(kb, carry, masked):
         m, l, acc = carry
         ks = pl.ds(kb * block_k, block_k)
-        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32)
-             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32)) * (scale * _LOG2E)
+        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)
+             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)) * (scale * _LOG2E)
         if masked:
             s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -357,7 +357,7 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
         p = jnp.exp2(s - m_safe[:, None])
         alpha = jnp.exp2(m - m_safe)
         vv = v_ref[n, ks, h, :]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(vv.dtype), vv, preferred_element_type=f32, precision=precision)
         return m_new, l * alpha + jnp.sum(p, axis=1), acc
 
     loop = lambda lo, hi, carry, masked: jax.lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
@@ -379,11 +379,23 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
 
 def _dot_precision(dtype, interpret: bool):
     """The decode kernel's dots: fp32 operands in 3xTF32 (a Triton dot of fp32 defaults to single
-    TF32, ~1e-3 relative), 16-bit operands the default.  The prefill kernel keeps the default
-    (jax's default matmul precision: TF32 for fp32, IEEE under "highest"): in 3xTF32 its fp32
-    tests failed on the H200 where TF32 passed them (RESULTS.md, session 10; cause not captured:
-    shared memory is the suspect, its fp32 tiles already take 213,504 of 232,448 bytes)."""
+    TF32, ~1e-3 relative), 16-bit operands the default.  The prefill kernel's: `_prefill_precision`."""
     return dots.fp32_precision(interpret) if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _prefill_precision(dtype, interpret: bool, fp32_dots: str | None):
+    """The prefill kernel's dots: 16-bit operands the default; fp32 operands as `fp32_dots` asks,
+    by default IEEE fp32.  On the H200 at `small`'s dims IEEE costs what single TF32 does
+    (the kernel is not bound by its dots there) and is exact where TF32 was 3.3e-3 off; 3xTF32's
+    tiles overflow shared memory (344,320 of 232,448 bytes), so it is refused before launch
+    (RESULTS.md, session 11)."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    fp32_dots = fp32_dots or "ieee"
+    if fp32_dots == "tf32x3":
+        raise ValueError("mla_prefill: 3xTF32 tiles overflow the GPU's shared memory at two stages (the H200 asks "
+                         "344,320 of 232,448 bytes at small's dims); use fp32_dots='ieee' (exact, as fast) or 'tf32'")
+    return dots.fp32_precision(interpret, fp32_dots)
 
 
 def _pad_last(x, d):
@@ -420,7 +432,7 @@ def _prefill_stages(block: int, block_k: int, num_stages, dqk: int, dv: int, rop
 
 
 def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=128,
-                block_k=64, interpret=None, num_warps=8, num_stages=None):
+                block_k=64, interpret=None, num_warps=8, num_stages=None, fp32_dots=None):
     """Causal flash attention (naive MLA form) over packed new tokens plus a cached prefix.
 
     Args:
@@ -433,6 +445,9 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
         divides block; None: block), warps, pipeline stages.  The defaults were the
         fastest of five on H200 at every benchmarked shape (RESULTS.md); num_stages None:
         3, fewer where the tiles overflow shared memory (`_prefill_stages`: fp32).
+      fp32_dots: how fp32 operands multiply (`pallas_kernels.dots.GPU_DOT_ALGORITHMS`: "tf32",
+        "ieee"; "tf32x3" overflows shared memory and is refused); None: "ieee".  16-bit
+        operands ignore it.
     Returns:
       o [T, H, v_dim] in v's dtype, lse fp32 [T, H].
     """
@@ -447,12 +462,12 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     q_pos, k_pos = lay.positions()
     o, lse = _prefill_padded(lay.p_lens, q_pos, k_pos, lay.gather(q), keys, vals, lp=lay.lp, rope_dim=rope_dim,
                              scale=scale, block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
-                             num_stages=num_stages)
+                             num_stages=num_stages, precision=_prefill_precision(k.dtype, interpret, fp32_dots))
     return lay.unpad(o, lse, v.shape[-1])
 
 
 def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale, block, block_k, interpret,
-                    num_warps, num_stages):
+                    num_warps, num_stages, precision):
     """The prefill kernel on padded operands: q [N, lq, H, Dqk], keys [N, lp + lq, H, Dqk], vals
     [N, lp + lq, H, Dv] (prefix then new tokens), positions q_pos [N, lq], k_pos [N, lp + lq],
     p_lens [N] (concrete or traced).  Head dims go to powers of two >= 16 (Triton's dot
@@ -464,11 +479,11 @@ def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale,
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return _mla_prefill_core(i32(p_lens), i32(q_pos), i32(k_pos), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
                              block_k=block_k, prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages, precision=precision)
 
 
 def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=128, block_k=64, interpret=None,
-                      num_warps=8, num_stages=None):
+                      num_warps=8, num_stages=None, fp32_dots=None):
     """A prefill chunk continuing a cache, as a serving step batches it: B sequences each adding
     the same T new tokens after `prefix.lens[b]` cached ones, whose length may be traced (a
     jitted step's cache view).  The prefix is expanded from its pages over the whole block
@@ -481,6 +496,7 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
         (positions prefix.lens[b] + 0 .. T - 1).
       prefix: LatentPrefix with lens int32 [B] (concrete or traced) and block_tables [B,
         max_pages] covering them.
+      fp32_dots: as `mla_prefill`'s.
     Returns:
       o [B, T, H, v_dim] in v's dtype, lse fp32 [B, T, H].
     """
@@ -493,7 +509,8 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
     lay = ChunkLayout(q, k, v, prefix, q_multiple=block, k_multiple=block_k)
     o, lse = _prefill_padded(lay.p_lens, lay.q_pos, lay.k_pos, lay.q, lay.keys, lay.vals, lp=lay.lp,
                              rope_dim=rope_dim, scale=scale, block=block, block_k=block_k, interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages)
+                             num_warps=num_warps, num_stages=num_stages,
+                             precision=_prefill_precision(k.dtype, interpret, fp32_dots))
     return o[:, :t, :, :v.shape[-1]], lse[:, :t]
 
 
@@ -606,13 +623,13 @@ class PrefillLayout:
 
 
 @functools.partial(jax.jit, static_argnames=("block", "block_k", "prefix_blocks", "scale", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "precision"))
 def _mla_prefill_core(p_lens, q_pos, k_pos, qn, qr, kn, kr, v, *, block, block_k, prefix_blocks, scale, interpret,
-                      num_warps, num_stages):
+                      num_warps, num_stages, precision):
     n_seq, lq, h, _ = qn.shape
     return pl.pallas_call(
         functools.partial(_prefill_kernel, block_q=block, block_k=block_k, prefix_blocks=prefix_blocks,
-                          scale=scale),
+                          scale=scale, precision=precision),
         grid=(n_seq, h, lq // block),
         out_shape=[jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
                    jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32)],

@@ -22,7 +22,10 @@ def test_cached_generate_equals_the_oracle_for_64_tokens(rng, tiny_cfg, tiny_par
     oracle = generate(tiny_params, tiny_cfg, prompt, 64, images=images, use_cache=False)
     cached = generate(tiny_params, tiny_cfg, prompt, 64, images=images, use_cache=True)
     np.testing.assert_array_equal(cached.tokens, oracle.tokens)
-    np.testing.assert_allclose(cached.logits, oracle.logits, atol=2e-4, rtol=0)
+    # fp32 both ways, different summation orders (chunked prefill + recurrent decode against a
+    # full chunked recompute): ~1e-5 at most steps, 3.6e-4 at the worst of these 128 (KDA's
+    # gated state amplifies rounding); a bf16 or TF32 slip would be ~1e-2.
+    np.testing.assert_allclose(cached.logits, oracle.logits, atol=5e-4, rtol=0)
     assert oracle.tokens.shape == (64,) and oracle.logits.shape == (64, tiny_cfg.vocab_size)
 
 

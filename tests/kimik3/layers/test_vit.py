@@ -34,3 +34,14 @@ def test_splice_replaces_placeholders_in_order():
     emb = jnp.array([[[10.0], [11.0], [12.0]]])  # one image of three tokens
     out = splice_image_embeddings(x, toks, emb)
     np.testing.assert_array_equal(out[..., 0], [[0, 10, 0, 11], [12, 0, 0, 0]])
+
+
+def test_placeholders_past_the_last_image_row_stay_text_tokens():
+    # A generated <|image|> (after the prompt's placeholders) is embedded like any generated
+    # token, as a decode step embeds it: the oracle's full recompute must do the same.
+    x = jnp.arange(5.0).reshape(1, 5, 1) * -1
+    toks = jnp.array([[tokenizer.IMAGE_ID, 1, tokenizer.IMAGE_ID, tokenizer.IMAGE_ID, 2]])
+    emb = jnp.array([[[10.0], [11.0]]])
+    np.testing.assert_array_equal(splice_image_embeddings(x, toks, emb)[0, :, 0], [10, -1, 11, -3, -4])
+    # a chunk starting after the first row: its first placeholder takes row 1, the next is text
+    np.testing.assert_array_equal(splice_image_embeddings(x, toks, emb, first_row=1)[0, :, 0], [11, -1, -2, -3, -4])
