@@ -40,13 +40,18 @@ def test_oracle_runs_in_fp32_whatever_the_params_dtype(tiny_cfg, tiny_params):
     np.testing.assert_array_equal(from_bf16.logits, ref.logits)
 
 
-def test_bf16_cached_path_runs_and_stays_close(tiny_cfg, tiny_params):
+def test_bf16_cached_path_agrees_with_the_bf16_forward_at_every_step(tiny_cfg, tiny_params):
+    """The cached path in bf16 (chunked prefill, then recurrent KDA and absorbed MLA decode
+    steps) against the no-cache bf16 forward over the same tokens: the same precision, another
+    order, so they agree to bf16 precision (max 0.047 over four seeds' steps).  Its distance to
+    the fp32 oracle is not bounded here: a random model's bf16 routing flips at some positions
+    (up to 1.2 relative error in the no-cache forward itself; `benchmarks/bf16_drift.py`)."""
     prompt = _chat(tiny_cfg)
     bf16 = model.cast_params(tiny_params, jnp.bfloat16)
-    oracle = generate(bf16, tiny_cfg, prompt, 4)
     cached = generate(bf16, tiny_cfg, prompt, 4, use_cache=True)
-    # bf16 activations: logits agree to bf16 precision over 4 layers.
-    np.testing.assert_allclose(cached.logits[0], oracle.logits[0], atol=0.25)
+    seq = np.concatenate([prompt, cached.tokens[:3]])
+    full = model.forward(bf16, tiny_cfg, jnp.asarray([seq]), kernels="reference")[0][0, len(prompt) - 1:]
+    np.testing.assert_allclose(cached.logits, np.asarray(full, np.float32), atol=0.15, rtol=0)
 
 
 def test_bad_generate_arguments(tiny_cfg, tiny_params):
