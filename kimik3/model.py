@@ -416,7 +416,7 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
             raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens "
                              f"(max_seq_len={cfg.max_seq_len}"
                              + ("" if cache is None else f", cache capacity={cache_capacity(cfg, cache)}") + ")")
-    return tokens, positions, _as_images(images, tokens, cfg)
+    return tokens, positions, _as_images(images, tokens, cfg, continuing=cache is not None)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None,
@@ -464,11 +464,13 @@ def _as_tokens(tokens, cfg: ModelConfig):
     return jnp.asarray(tokens, jnp.int32)
 
 
-def _as_images(images, tokens, cfg: ModelConfig):
+def _as_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
+    """continuing: the tokens extend a cache; an <|image|> there without images is one the model
+    generated, a text token (`splice_image_embeddings`), not a prompt missing its images."""
     n_placeholders = (int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID))
                       if tokens is not None and _concrete(tokens) else None)
     if images is None:
-        if n_placeholders:
+        if n_placeholders and not continuing:
             raise ValueError(f"tokens hold {n_placeholders} <|image|> placeholders but no images were given")
         return None
     if cfg.vit is None:

@@ -72,9 +72,13 @@ def _max_pages(spec: DemoSpec) -> int:
     return -(-longest // spec.page_tokens) + 1
 
 
-def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None):
+def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None):
+    """One setup over `spec`'s workload.  max_pages: the engines' block-table width (default:
+    what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
+    width, so they compile the programs the measurement runs (another width is another shape
+    of every step program: 28 s of compiles on an H200 at `small`)."""
     sessions = _workload(spec)
-    server = _engines(params, cfg, spec, mode, _max_pages(spec))
+    server = _engines(params, cfg, spec, mode, _max_pages(spec) if max_pages is None else max_pages)
     engines = [server] if isinstance(server, Engine) else [server.prefill, server.decode]
     next_turn = {s: 0 for s in range(len(sessions))}
     live: dict[int, object] = {}
@@ -133,14 +137,15 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     n_turns = sum(len(s) for s in _workload(spec))
     summaries, all_records, compiles = [], {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
-    probe = _engines(params, cfg, spec, "colocated", _max_pages(spec))
+    max_pages = _max_pages(spec)
+    probe = _engines(params, cfg, spec, "colocated", max_pages)
     probe.warmup()
     rss["warm-up compiles"] = _rss_gib()
     seconds["warm-up compiles"] = time.monotonic() - t0
     setup.set_postfix_str(f"short runs (compiles {seconds['warm-up compiles']:.1f} s)")
     setup.update(1)
     for mode in MODES:  # the cache bookkeeping and handoff ops compile here too, not while measuring
-        run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), mode)
+        run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), mode, max_pages=max_pages)
         setup.set_postfix_str(f"{mode} at {time.monotonic() - t0:.1f} s")
         setup.update(1)
     setup.close()

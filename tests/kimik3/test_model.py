@@ -134,3 +134,17 @@ class TestBadInput:
             model.forward(tiny_params, tiny_cfg, toks, images=np.zeros((2, 16, 16, 3), np.float32))
         with pytest.raises(ValueError, match="no images"):
             model.forward(tiny_params, tiny_cfg, toks)
+
+    def test_a_generated_image_token_continuing_a_cache_is_a_text_token(self, tiny_cfg, tiny_params):
+        """A decode step whose token the model sampled as <|image|> runs (no images needed) and
+        gives what the full no-cache forward gives there (extra placeholders are text tokens)."""
+        prompt = np.array([[5, 6, 7]], np.int32)
+        cache = model.init_cache(tiny_cfg, 1, 16)
+        _, cache = model.forward(tiny_params, tiny_cfg, prompt, cache=cache)
+        step, _ = model.forward(tiny_params, tiny_cfg, np.array([[tokenizer.IMAGE_ID]], np.int32), cache=cache)
+        seq = np.array([[5, 6, 7, tokenizer.IMAGE_ID]], np.int32)
+        with pytest.raises(ValueError, match="no images"):  # a prompt's placeholder still needs its image
+            model.forward(tiny_params, tiny_cfg, seq)
+        # the oracle's form: a jitted full recompute (traced tokens: the prompt checks do not apply)
+        full = jax.jit(lambda t: model.forward(tiny_params, tiny_cfg, t)[0])(seq)
+        np.testing.assert_allclose(step[0, -1], full[0, -1], atol=1e-4, rtol=0)
