@@ -8,55 +8,25 @@ key, so whether an image was decoded recently says nothing about another tenant'
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import numpy as np
 
-from cache.media.l1 import CacheStats, content_hash
+from cache.media.l1 import content_hash
+from cache.media.lru import ByteLRU
 
 PROCESSOR = "rgb-bilinear-v1"  # what decode_image_bytes does; a change of it must change this name
 
 
-class PixelCache:
+class PixelCache(ByteLRU):
     def __init__(self, budget_bytes: int = 256 << 20):
-        self.budget_bytes = budget_bytes
-        self._items: collections.OrderedDict[tuple, np.ndarray] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.stats = CacheStats()
+        super().__init__(budget_bytes)
 
     @staticmethod
     def key(raw: bytes, size: int, tenant: str | None) -> tuple:
         return tenant or "", content_hash(raw), size, PROCESSOR
 
-    def get(self, key: tuple) -> np.ndarray | None:
-        with self._lock:
-            arr = self._items.get(key)
-            if arr is None:
-                self.stats.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.stats.hits += 1
-            self.stats.bytes_hit += arr.nbytes
-            return arr
-
     def put(self, key: tuple, pixels: np.ndarray) -> np.ndarray:
+        """Keep a read-only copy (shared between requests: nobody may change it) and return it."""
         arr = np.array(pixels, copy=True)
-        arr.flags.writeable = False  # shared between requests: nobody may change it
-        if arr.nbytes > self.budget_bytes:
-            return arr
-        with self._lock:
-            if key not in self._items:
-                self._items[key] = arr
-                self._bytes += arr.nbytes
-            self._items.move_to_end(key)
-            while self._bytes > self.budget_bytes:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= old.nbytes
-            self.stats.puts += 1
+        arr.flags.writeable = False
+        super().put(key, arr)
         return arr
-
-    @property
-    def bytes_held(self) -> int:
-        return self._bytes
