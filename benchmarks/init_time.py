@@ -86,15 +86,18 @@ def main():
     if args.child:
         print(json.dumps(one(args.config, args.child)), flush=True)
         return
+    failed = False
     for v in args.variants.split(","):
         proc = subprocess.run([sys.executable, __file__, "--config", args.config, "--child", v],
                               capture_output=True, text=True)
         line = proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else json.dumps(
             {"variant": v, "error": proc.stderr[-2000:]})
         print(line, flush=True)
+        failed |= proc.returncode != 0
         if args.out:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

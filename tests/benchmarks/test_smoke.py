@@ -38,6 +38,14 @@ def test_probe_scripts_run(script, tmp_path):
     assert _run(script, tmp_path).strip()
 
 
+@pytest.mark.parametrize("script", [["benchmarks/init_time.py", "--config", "tiny", "--variants", "init_params"],
+                                    ["benchmarks/host_rss.py", "--config", "tiny", "--no-engine", "--trim"],
+                                    ["benchmarks/mla_fp32_dots.py", "--algorithms", "ieee"]])
+def test_json_line_scripts_run_without_an_error_row(script, tmp_path):
+    rows = [json.loads(line) for line in _run(script, tmp_path).splitlines() if line.startswith("{")]
+    assert rows and not [r for r in rows if "error" in r]
+
+
 def test_the_decode_ab_driver_reports_each_variant(tmp_path):
     out = tmp_path / "ab"
     _run(["benchmarks/decode_ab.py", "--config", "tiny", "--quick", "--decode-batches", "2", "--variants", "base",
