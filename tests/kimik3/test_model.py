@@ -148,3 +148,25 @@ class TestBadInput:
         # the oracle's form: a jitted full recompute (traced tokens: the prompt checks do not apply)
         full = jax.jit(lambda t: model.forward(tiny_params, tiny_cfg, t)[0])(seq)
         np.testing.assert_allclose(step[0, -1], full[0, -1], atol=1e-4, rtol=0)
+
+
+def test_init_params_draws_the_whole_models_tree_per_block_kind(tiny_cfg):
+    """Blocks drawn per kind (one program per (mixer, FFN) kind) give exactly the tree flax's init
+    of the whole model declares, every block its own values, the same for the same key."""
+    key = jax.random.PRNGKey(3)
+    params = model.init_params(tiny_cfg, key)
+    declared = model.cast_params(jax.eval_shape(
+        lambda: model.KimiK3(tiny_cfg).init(key, *model._example_inputs(tiny_cfg))["params"]), tiny_cfg.dtype)
+    assert jax.tree.structure(params) == jax.tree.structure(declared)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(declared)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+    kinds = [model.block_kind(tiny_cfg, i) for i in range(tiny_cfg.n_layers)]
+    same = [(i, j) for i in range(len(kinds)) for j in range(i) if kinds[i] == kinds[j]]
+    assert same  # tiny has two (KDA, MoE) blocks: one program, two keys
+    for i, j in same:
+        for name in ("kda", "moe"):
+            for x, y in zip(jax.tree.leaves(params[f"layer_{i}"][name]), jax.tree.leaves(params[f"layer_{j}"][name])):
+                x, y = np.asarray(x), np.asarray(y)
+                assert not np.array_equal(x, y) or np.all(x == x.flat[0]), (i, j, name)  # constants (norms) alike
+    again = model.init_params(tiny_cfg, key)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
