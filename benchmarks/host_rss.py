@@ -18,7 +18,7 @@ import resource
 import time
 
 
-def _rss():
+def _rss():  # not serving.demo's reader: importing it would bring jax in before the first stage
     with open("/proc/self/statm") as f:
         current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     return current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

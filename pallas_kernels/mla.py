@@ -462,12 +462,12 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     q_pos, k_pos = lay.positions()
     o, lse = _prefill_padded(lay.p_lens, q_pos, k_pos, lay.gather(q), keys, vals, lp=lay.lp, rope_dim=rope_dim,
                              scale=scale, block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
-                             num_stages=num_stages, precision=_prefill_precision(k.dtype, interpret, fp32_dots))
+                             num_stages=num_stages, fp32_dots=fp32_dots)
     return lay.unpad(o, lse, v.shape[-1])
 
 
 def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale, block, block_k, interpret,
-                    num_warps, num_stages, precision):
+                    num_warps, num_stages, fp32_dots):
     """The prefill kernel on padded operands: q [N, lq, H, Dqk], keys [N, lp + lq, H, Dqk], vals
     [N, lp + lq, H, Dv] (prefix then new tokens), positions q_pos [N, lq], k_pos [N, lp + lq],
     p_lens [N] (concrete or traced).  Head dims go to powers of two >= 16 (Triton's dot
@@ -479,7 +479,8 @@ def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale,
     i32 = lambda x: jnp.asarray(x, jnp.int32)
     return _mla_prefill_core(i32(p_lens), i32(q_pos), i32(k_pos), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
                              block_k=block_k, prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages, precision=precision)
+                             num_warps=num_warps, num_stages=num_stages,
+                             precision=_prefill_precision(keys.dtype, interpret, fp32_dots))
 
 
 def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=128, block_k=64, interpret=None,
@@ -509,8 +510,7 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
     lay = ChunkLayout(q, k, v, prefix, q_multiple=block, k_multiple=block_k)
     o, lse = _prefill_padded(lay.p_lens, lay.q_pos, lay.k_pos, lay.q, lay.keys, lay.vals, lp=lay.lp,
                              rope_dim=rope_dim, scale=scale, block=block, block_k=block_k, interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages,
-                             precision=_prefill_precision(k.dtype, interpret, fp32_dots))
+                             num_warps=num_warps, num_stages=num_stages, fp32_dots=fp32_dots)
     return o[:, :t, :, :v.shape[-1]], lse[:, :t]
 
 
