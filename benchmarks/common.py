@@ -64,12 +64,12 @@ def write_results(out_dir: str, name: str, rows: list[dict]) -> str:
     return table
 
 
-def profile_kernels(fn, *args, calls: int = 5, top: int = 20, top_host: int = 8,
+def profile_kernels(fn, *args, calls: int = 5, top: int | None = 20, top_host: int = 8,
                     log_dir: str | None = None) -> list[dict]:
     """Trace `calls` calls of fn(*args) with jax.profiler; rows (ms per call) of the device's
     busiest ops by (device line, op name), each line's "<busy>" total and "<ops>" count, then the
     host's busiest `top_host` events (Python dispatch, transfers): where a step's wall time
-    exceeds its device busy time, the host rows say where it went."""
+    exceeds its device busy time, the host rows say where it went.  top=None: every device op."""
     import collections
     import glob
     import gzip
@@ -102,6 +102,7 @@ def profile_kernels(fn, *args, calls: int = 5, top: int = 20, top_host: int = 8,
             host_us[(line, e["name"])] += e.get("dur", 0.0)
     row = lambda kind, line, op, ms: dict(section="profile", where=kind, line=line, op=op[:90], ms_per_call=ms)
     rows = [row("device", line, "<ops>", n / calls) for line, n in count.items()]
+    top = top if top is not None else len(busy_us)
     rows += [row("device", line, name, us / calls / 1e3) for (line, name), us in busy_us.most_common(top)]
     rows += [row("host", line, name, us / calls / 1e3) for (line, name), us in host_us.most_common(top_host)]
     return rows
@@ -142,6 +143,78 @@ def hlo_census(text: str) -> dict:
 
     ops = collections.Counter(op for op in map(opcode, entry) if op not in _NO_LAUNCH)
     return {"launches": sum(ops.values()), "while": ops.get("while", 0), "ops": dict(ops.most_common())}
+
+
+def hlo_sources(text: str, frames: int = 2) -> dict[str, str]:
+    """{instruction name: "file:line function < caller ..."} of a compiled HLO module's entry
+    computation: each instruction's stack frame (a fusion carries its root op's), innermost
+    `frames` of them, from the module's FileNames / FunctionNames / FileLocations / StackFrames
+    tables.  Joins a trace's op names to the Python lines that made them."""
+    import re
+
+    tables, section, entry, inside = {}, None, [], False
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = tables.setdefault(line, {})
+        elif section is not None and re.match(r"^\d+ ", line):
+            k, v = line.split(" ", 1)
+            section[int(k)] = v
+        elif line.startswith("ENTRY "):
+            section, inside = None, True
+        elif inside and line.startswith("}"):
+            break
+        elif inside and "=" in line:
+            entry.append(line.strip())
+        elif not line.strip():
+            section = None
+    files = {k: os.path.relpath(v.strip('"')) for k, v in tables.get("FileNames", {}).items()}
+    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+
+    def field(v, name):
+        m = re.search(rf"{name}=(\d+)", v)
+        return int(m.group(1)) if m else None
+
+    def where(loc_id):
+        v = tables.get("FileLocations", {}).get(loc_id, "")
+        return f"{files.get(field(v, 'file_name_id'), '?')}:{field(v, 'line')} {funcs.get(field(v, 'function_name_id'), '?')}"
+
+    def stack(frame_id):
+        out, seen = [], set()
+        while frame_id and frame_id not in seen and len(out) < frames:
+            seen.add(frame_id)
+            v = tables.get("StackFrames", {}).get(frame_id, "")
+            out.append(where(field(v, "file_location_id")))
+            frame_id = (field(v, "parent_frame_id") or 1) - 1  # printed one above the parent's id; 0: none
+        return " < ".join(out) or "?"
+
+    out = {}
+    for inst in entry:
+        name = inst.split("=", 1)[0].removeprefix("ROOT ").strip().lstrip("%")
+        op = re.search(r'op_name="([^"]+)"', inst)
+        # the module path without the layer index: one row per kind of op, summed over layers
+        path = re.sub(r"layer_\d+", "layer_N", op.group(1)).split("/", 1)[-1] if op else "?"
+        what = f"{path} @ {stack(field(inst, 'stack_frame_id'))}"
+        dedup = re.search(r'deduplicated_name="([^"]+)"', inst)
+        # a trace names a kernel by its fusion's deduplicated name ('.' -> '_'), a Pallas call by
+        # its kernel name (op_name's last part); every instance of one kernel shares the trace row
+        for key in {name, dedup.group(1) if dedup else name} | ({path.rsplit("/", 1)[-1]} if "custom-call" in inst else set()):
+            out.setdefault(key.replace(".", "_").replace("-", "_"), what)
+    return out
+
+
+def by_source(profile_rows: list[dict], sources: dict[str, str], top: int = 60) -> list[dict]:
+    """Device ms per call of `profile_kernels` rows (taken with top=None) summed by the Python line
+    that made each op (`hlo_sources`), busiest first, with the op count per line."""
+    import collections
+
+    ms, n = collections.Counter(), collections.Counter()
+    for r in profile_rows:
+        if r["where"] != "device" or r["op"].startswith("<"):
+            continue
+        key = sources.get(r["op"].replace(".", "_").replace("-", "_"), f"? {r['op'][:40]}")
+        ms[key] += r["ms_per_call"]
+        n[key] += 1
+    return [dict(section="by source", source=k, ms_per_call=v, ops=n[k]) for k, v in ms.most_common(top)]
 
 
 def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:

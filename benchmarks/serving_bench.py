@@ -162,7 +162,12 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         with open(os.path.join(args.out, f"decode_step_B{b}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
     # what the engine's decode program spends its device time on (the engine runs it, not forward_step)
-    profile = [dict(r, case=f"B{b}") for r in common.profile_kernels(replay, top=40)] if args.profile_step else []
+    profile = []
+    if args.profile_step:
+        every = common.profile_kernels(replay, top=None)
+        device = [r for r in every if r["where"] == "device"]
+        profile = [dict(r, case=f"B{b}") for r in device[:42] + [r for r in every if r["where"] == "host"]]
+        profile += [dict(r, case=f"B{b}") for r in common.by_source(every, common.hlo_sources(compiled.as_text()))]
     weights = weights_read_bytes(cfg, bucket, b)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)

@@ -70,11 +70,26 @@ def _n_tiles(rows: int, groups: int, block_m: int) -> int:
     return -(-(rows + groups * (block_m - 1)) // block_m)
 
 
+# Up to this many entries a running sum (or an assignment's rank) is a masked sum over an [n, n]
+# compare: one parallel reduce.  XLA:GPU lowers cumsum to a reduce-window whose serial window
+# took 7.6 us of one decode-step MoE layer's bookkeeping on the H200, more than its GEMMs' share.
+_PAIRWISE_LIMIT = 1024
+
+
+def _running_sum(x_n):
+    """Inclusive cumsum of a 1-D int array; a masked [n, n] sum for n <= _PAIRWISE_LIMIT."""
+    n = x_n.shape[0]
+    if n > _PAIRWISE_LIMIT:
+        return jnp.cumsum(x_n)
+    upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    return jnp.sum(jnp.where(upto, x_n[None, :], 0), axis=1).astype(x_n.dtype)
+
+
 def _group_tiles(sizes, block_m: int, n_tiles: int):
     """(first padded row of each group [G], the group of each row tile [n_tiles], -1 past the
     last group) of groups of `sizes` rows, each starting on a block_m boundary."""
     padded = (sizes + block_m - 1) // block_m * block_m
-    padded_ends = jnp.cumsum(padded)
+    padded_ends = _running_sum(padded)
     tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * block_m
     # compare_all: one fused compare-and-count.  The default scan method is an XLA while loop
     # (several launches and a host round trip per iteration; 30 loops in a `small` decode step).
@@ -108,11 +123,27 @@ def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
         raise ValueError(f"{what}: K={k} and N={rhs_gkn.shape[2]} must be multiples of 16")
 
 
-def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool):
+# (block_n, block_k, num_warps, num_stages) of one grouped GEMM: None picks by shape (`_tiling`)
+Tiling = tuple[int, int, int, int]
+
+
+def _tiling(m: int, k: int, n: int, tiling: Tiling | None) -> Tiling:
+    """The kernel's tiling for M rows of [K] times [G, K, N].  A decode step's few rows per expert
+    leave most row tiles empty, so its column tiles are narrow: more programs stream the active
+    experts' weights at once (`benchmarks/moe_tune.py` measured the choice)."""
+    if tiling is not None:
+        bn, bk = tiling[:2]
+        if n % bn or k % bk:
+            raise ValueError(f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}")
+        return tiling
+    return (_pick(n, (128, 64, 32, 16)), _pick(k, (64, 32, 16)), 4, 3)
+
+
+def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N]."""
     k, n = rhs_gkn.shape[1:]
-    block_k, block_n = _pick(k, (64, 32, 16)), _pick(n, (128, 64, 32, 16))
+    block_n, block_k, num_warps, num_stages = _tiling(x_pad.shape[0], k, n, tiling)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
     return pl.pallas_call(
         functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
@@ -120,7 +151,7 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool):
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), x_pad.dtype),
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="moe_grouped_matmul",
     )(tile_group, x_pad, rhs_gkn)
 
@@ -160,7 +191,8 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
 
 
 # Above this many (assignment x expert) pairs the rank of each assignment within its expert comes
-# from a sort; below it from a one-hot running count (one fusion, no sort: a decode step's case).
+# from a sort; below it from a one-hot running count (no sort), and for at most _PAIRWISE_LIMIT
+# assignments (a decode step) from a count of the earlier assignments to the same expert.
 _ONE_HOT_RANK_LIMIT = 1 << 22
 
 
@@ -172,7 +204,11 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     Assignments of one expert keep their order (a stable sort's)."""
     m = flat_ids_m.shape[0]
     n_tiles = _n_tiles(m, n_experts, block_m)
-    if m * n_experts <= _ONE_HOT_RANK_LIMIT:
+    if m <= _PAIRWISE_LIMIT:
+        sizes = jnp.sum(flat_ids_m[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None], axis=0)
+        earlier = jnp.arange(m)[None, :] < jnp.arange(m)[:, None]
+        rank = jnp.sum((flat_ids_m[None, :] == flat_ids_m[:, None]) & earlier, axis=1)
+    elif m * n_experts <= _ONE_HOT_RANK_LIMIT:
         onehot = (flat_ids_m[:, None] == jnp.arange(n_experts, dtype=jnp.int32)[None]).astype(jnp.int32)
         sizes = onehot.sum(0)
         rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
@@ -186,14 +222,16 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     return (starts[flat_ids_m] + rank).astype(jnp.int32), tile_group, n_tiles
 
 
-@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret"))
-def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling"))
+def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None,
+                tiling: tuple[Tiling | None, Tiling | None] = (None, None)):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts; w_gateup_elf [E, L, 2F] (gate ++ up),
     w_out_efl [E, F, L]; act(gate [.., F], up [.., F]) -> [.., F] elementwise with
     act(0, 0) == 0 (padding rows stay zero).  Returns y [N, k, L]: expert ids[n, j]'s
-    output for row n (unweighted), in x's dtype.
+    output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
+    (`Tiling`; None: by shape).
 
     Where `grouped_matmul` twice would gather the rows into expert order, scatter them into
     the padded layout, gather the gate/up result back, scatter it again for the down
@@ -212,7 +250,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
     rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
     x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows])
-    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret)
+    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0])
     h = act(h[:, :f2 // 2], h[:, f2 // 2:]).astype(x_nl.dtype)
-    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret)
+    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, tiling[1])
     return y[dest].reshape(n, k, l)

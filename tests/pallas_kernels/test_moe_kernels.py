@@ -74,16 +74,25 @@ def _ffn_ref(x, ids, w_gateup, w_out):
     return out
 
 
-@pytest.mark.parametrize("n, k, e, sort_rank", [
-    (32, 4, 8, False),   # a decode step: ranks by a one-hot running count
-    (9, 2, 6, False),    # fewer rows than experts, some experts idle
-    (40, 3, 5, True),    # the sort path large batches take
+def _rank_path(monkeypatch, moe, path):
+    """Force assignment_layout's rank path: 'pairwise' (a decode step's few assignments),
+    'onehot' (a running count), 'sort' (large batches)."""
+    if path != "pairwise":
+        monkeypatch.setattr(moe, "_PAIRWISE_LIMIT", 0)
+    if path == "sort":
+        monkeypatch.setattr(moe, "_ONE_HOT_RANK_LIMIT", 0)
+
+
+@pytest.mark.parametrize("n, k, e, path", [
+    (32, 4, 8, "pairwise"),  # a decode step
+    (32, 4, 8, "onehot"),
+    (9, 2, 6, "pairwise"),   # fewer rows than experts, some experts idle
+    (40, 3, 5, "sort"),      # the path large batches take
 ])
-def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n, k, e, sort_rank):
+def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n, k, e, path):
     from pallas_kernels import moe
 
-    if sort_rank:
-        monkeypatch.setattr(moe, "_ONE_HOT_RANK_LIMIT", 0)
+    _rank_path(monkeypatch, moe, path)
     l, f = 32, 16
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
     ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(n)]).astype(np.int32)  # expert e-1 idle
@@ -94,12 +103,11 @@ def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n,
     np.testing.assert_allclose(np.asarray(y), _ffn_ref(x, ids, w_gateup, w_out), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("sort_rank", [False, True])
-def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rng, monkeypatch, sort_rank):
+@pytest.mark.parametrize("path", ["pairwise", "onehot", "sort"])
+def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rng, monkeypatch, path):
     from pallas_kernels import moe
 
-    if sort_rank:
-        monkeypatch.setattr(moe, "_ONE_HOT_RANK_LIMIT", 0)
+    _rank_path(monkeypatch, moe, path)
     ids = jnp.asarray(rng.integers(0, 5, 60), jnp.int32)
     dest, tile_group, n_tiles = moe.assignment_layout(ids, 7, 8)  # experts 5 and 6 idle
     dest, tile_group, ids = np.asarray(dest), np.asarray(tile_group), np.asarray(ids)
@@ -109,3 +117,20 @@ def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rn
         rows = dest[ids == expert]
         assert (np.diff(rows) == 1).all() and rows[0] % 8 == 0
     assert set(tile_group[tile_group >= 0].tolist()) == set(range(5))
+
+
+@pytest.mark.parametrize("n", [1, 7, 32, 1500])  # 1500: past _PAIRWISE_LIMIT, XLA's cumsum
+def test_running_sum_is_cumsum(rng, n):
+    from pallas_kernels import moe
+
+    x = rng.integers(0, 50, n).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(moe._running_sum(jnp.asarray(x))), np.cumsum(x))
+
+
+def test_grouped_ffn_tiling_must_divide_the_dims():
+    from pallas_kernels import moe
+
+    x, ids = jnp.ones((4, 32), jnp.float32), jnp.zeros((4, 2), jnp.int32)
+    w_gateup, w_out = jnp.ones((3, 32, 64), jnp.float32), jnp.ones((3, 32, 32), jnp.float32)
+    with pytest.raises(ValueError, match="block_n 48"):
+        moe.grouped_ffn(x, ids, w_gateup, w_out, act=_silu_glu, tiling=((48, 32, 4, 3), None))
