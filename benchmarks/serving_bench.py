@@ -61,16 +61,16 @@ def run_load(server, n, args, seed, output=None):
 
 def expected_experts(cfg, rows: int, bucket: int) -> float:
     """Routed experts a decode step over `rows` requests padded to `bucket` reads per MoE layer,
-    expected under uniform routing: each row picks k of G distinct experts; the padding rows
-    (one input, one route) count as one more row."""
+    expected under uniform routing: each row picks k of G distinct experts (the bucket's idle
+    rows are routed to none: `LatentMoE(real_bt=)`)."""
     g, k = cfg.n_routed_experts, cfg.n_active_experts
-    n = rows + (1 if bucket > rows else 0)
+    n = rows
     return g * (1 - ((g - k) / g) ** n)
 
 
 def weights_read_bytes(cfg, bucket: int, rows: int) -> float:
     """bf16 weight bytes a decode step reads: every weight but the routed experts, and of those
-    the `expected_experts` share (B1 reads ~8 of 32, B32 nearly all)."""
+    the `expected_experts` share (B1 reads 4 of 32, B32 nearly all)."""
     per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * jnp.dtype(jnp.bfloat16).itemsize  # gate, up, down
     n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
     routed = n_moe * cfg.n_routed_experts * per_expert

@@ -79,7 +79,11 @@ class Block(nn.Module):
         if cfg.ffn_kind(self.layer) == "dense":
             y = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, name="mlp")(h)
         else:
-            y = LatentMoE(cfg, self.expert_path, self.kernels, name="moe")(h)
+            # a row's pad tokens (past its `valid` count: a padded chunk, a decode bucket's idle
+            # rows) are routed to no expert, so they read no expert weights
+            valid = None if cache is None else cache.get("valid")
+            real = None if valid is None else jnp.arange(h.shape[1])[None] < valid[:, None]
+            y = LatentMoE(cfg, self.expert_path, self.kernels, name="moe")(h, real)
         return x_btd + y, cache
 
 

@@ -201,7 +201,8 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
 
     flat_ids_m [M] int32 expert of each (token, slot) assignment -> (dest [M]: its padded row,
     tile_group [n_tiles]: the expert of each row tile, -1 past the last, n_tiles static).
-    Assignments of one expert keep their order (a stable sort's)."""
+    Assignments of one expert keep their order (a stable sort's).  An id outside [0, E) names no
+    expert: its dest is n_tiles * block_m, past the layout (writes there are dropped)."""
     m = flat_ids_m.shape[0]
     n_tiles = _n_tiles(m, n_experts, block_m)
     if m <= _PAIRWISE_LIMIT:
@@ -214,12 +215,14 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
         rank = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     else:
         order = jnp.argsort(flat_ids_m, stable=True)
-        sizes = jnp.bincount(flat_ids_m, length=n_experts).astype(jnp.int32)
+        sizes = jnp.zeros((n_experts,), jnp.int32).at[flat_ids_m].add(1, mode="drop")
         starts = jnp.cumsum(sizes) - sizes
         rank = jnp.zeros((m,), jnp.int32).at[order].set(
             jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
     starts, tile_group = _group_tiles(sizes.astype(jnp.int32), block_m, n_tiles)
-    return (starts[flat_ids_m] + rank).astype(jnp.int32), tile_group, n_tiles
+    named = (flat_ids_m >= 0) & (flat_ids_m < n_experts)
+    dest = starts[jnp.clip(flat_ids_m, 0, n_experts - 1)] + rank
+    return jnp.where(named, dest, n_tiles * block_m).astype(jnp.int32), tile_group, n_tiles
 
 
 @functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling"))
@@ -227,7 +230,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
                 tiling: tuple[Tiling | None, Tiling | None] = (None, None)):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
-    x_nl [N, L] rows, ids_nk [N, k] int32 experts; w_gateup_elf [E, L, 2F] (gate ++ up),
+    x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
+    w_gateup_elf [E, L, 2F] (gate ++ up),
     w_out_efl [E, F, L]; act(gate [.., F], up [.., F]) -> [.., F] elementwise with
     act(0, 0) == 0 (padding rows stay zero).  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
@@ -249,8 +253,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     interpret = _interpret(interpret)
     dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
     rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
-    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows])
+    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
     h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0])
     h = act(h[:, :f2 // 2], h[:, f2 // 2:]).astype(x_nl.dtype)
     y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, tiling[1])
-    return y[dest].reshape(n, k, l)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

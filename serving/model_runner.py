@@ -89,7 +89,8 @@ class DecodeRows:
 
 
 def _decode_body(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: bool):
-    view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"])
+    # valid = active: an idle row of the bucket writes no state and is routed to no expert
+    view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
     logits, view = model._forward_impl(params, io["tokens"][:, None], io["lengths"][:, None], view, None, cfg=cfg,
                                        expert_path="grouped", kernels=kernels, logits_tail=1)
     # the chosen token sits at position lengths + 1 (the input token is at lengths)

@@ -7,7 +7,8 @@
     routed  = RMSNorm(z) W_up * routed_scaling_factor
     y       = routed + SharedExperts(x)
 
-Two equal expert paths: `experts_grouped` (tokens sorted by expert, one
+An expert id of E (padding tokens, `LatentMoE(real_bt=)`) names no expert: every path gives
+that assignment 0.  Two equal expert paths: `experts_grouped` (tokens sorted by expert, one
 grouped GEMM per projection: `kimik3.ops.grouped_matmul`, the Pallas kernel on
 GPU, `lax.ragged_dot` elsewhere) and `experts_dense_ref` (a loop over experts;
 the reference).
@@ -111,7 +112,9 @@ class LatentMoE(nn.Module):
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, real_bt=None):
+        """real_bt: bool [B, T] or None; tokens marked False (padding) are routed to no expert
+        (their routed part is 0; the shared experts still run) and read no expert weights."""
         cfg = self.cfg
         d, l, f, e = cfg.d_model, cfg.moe_latent_dim, cfg.moe_expert_dim, cfg.n_routed_experts
         w_router = self.param("w_router_de", fan_in_init(d), (d, e))
@@ -136,6 +139,8 @@ class LatentMoE(nn.Module):
         w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 
         ids, weights = route(x_nd, w_router, bias, cfg.n_active_experts)
+        if real_bt is not None:
+            ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
         z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
         routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)

@@ -134,3 +134,24 @@ def test_grouped_ffn_tiling_must_divide_the_dims():
     w_gateup, w_out = jnp.ones((3, 32, 64), jnp.float32), jnp.ones((3, 32, 32), jnp.float32)
     with pytest.raises(ValueError, match="block_n 48"):
         moe.grouped_ffn(x, ids, w_gateup, w_out, act=_silu_glu, tiling=((48, 32, 4, 3), None))
+
+
+@pytest.mark.parametrize("path", ["pairwise", "onehot", "sort"])
+def test_grouped_ffn_gives_an_assignment_to_no_expert_zero_and_leaves_the_rest(rng, monkeypatch, path):
+    """Expert id E (a padding token, `LatentMoE(real_bt=)`) is in no group: its output is 0 and
+    the other assignments' outputs are what they would be without it."""
+    from pallas_kernels import moe
+
+    _rank_path(monkeypatch, moe, path)
+    n, k, e, l, f = 12, 2, 4, 32, 16
+    x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    dropped = ids.copy()
+    dropped[[1, 5, 6]] = e  # three rows routed nowhere
+    dropped[8, 1] = e  # and one slot of another
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
+    y = np.asarray(moe.grouped_ffn(x, jnp.asarray(dropped), w_gateup, w_out, act=_silu_glu))
+    want = _ffn_ref(x, ids, w_gateup, w_out)
+    assert (y[dropped == e] == 0).all()
+    np.testing.assert_allclose(y[dropped < e], want[dropped < e], atol=1e-4, rtol=1e-4)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kimik3.layers.moe import LatentMoE, experts_dense_ref, experts_grouped, route
 
@@ -45,3 +46,19 @@ def test_layer_on_the_pallas_grouped_kernel_equals_the_reference(rng, tiny_cfg):
     pallas = LatentMoE(tiny_cfg, "grouped", "pallas").apply(params, x)
     reference = LatentMoE(tiny_cfg, "grouped", "reference").apply(params, x)
     np.testing.assert_allclose(pallas, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path, kernels", [("grouped", "reference"), ("grouped", "pallas"), ("dense", "auto")])
+def test_padding_tokens_get_no_experts_and_leave_the_real_tokens_unchanged(rng, tiny_cfg, path, kernels):
+    """real_bt False (a padded chunk's tail, a decode bucket's idle rows): the token's routed part
+    is 0, so it equals the layer with every expert's output zeroed; real tokens are untouched."""
+    x = jnp.asarray(rng.standard_normal((2, 9, tiny_cfg.d_model)), jnp.float32)
+    params = LatentMoE(tiny_cfg).init(jax.random.PRNGKey(5), x)
+    real = jnp.asarray(np.arange(9)[None] < np.array([[6], [9]]))  # row 0: 3 pad tokens
+    layer = LatentMoE(tiny_cfg, path, kernels)
+    masked = np.asarray(layer.apply(params, x, real))
+    np.testing.assert_allclose(masked[np.asarray(real)], np.asarray(layer.apply(params, x))[np.asarray(real)],
+                               atol=1e-6, rtol=1e-6)
+    no_experts = jax.tree_util.tree_map(lambda a: a, params)
+    no_experts["params"]["w_out_efl"] = jnp.zeros_like(params["params"]["w_out_efl"])
+    np.testing.assert_allclose(masked[0, 6:], np.asarray(layer.apply(no_experts, x))[0, 6:], atol=1e-6, rtol=1e-6)
