@@ -1,11 +1,18 @@
 """Shared fixtures: the tiny config and its fp32 params, built once per session."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# CLI entry points called in-process (and the worker processes tests start) would turn on the
-# persistent compilation cache in ~/.cache; tests that want it say so (tests/kimik3/test_compile_cache.py).
-os.environ["KIMIK3_COMPILE_CACHE"] = "off"
+# One persistent compilation cache per test run, never the user's ~/.cache: made by the first
+# process (pytest's controller; xdist's workers and every process a test starts -- CLI runs,
+# serving workers, notebooks, benchmark scripts -- inherit it), so each program compiles once a
+# run instead of once per process.  Tests about the cache itself set their own directory
+# (tests/kimik3/test_compile_cache.py).  Cache entries are keyed by the program's HLO and the
+# compiler's version and options: a hit is the same executable.
+_OWN_CACHE = "KIMIK3_TEST_COMPILE_CACHE" not in os.environ
+RUN_CACHE = os.environ.setdefault("KIMIK3_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="kimik3-test-xla-"))
+os.environ["KIMIK3_COMPILE_CACHE"] = RUN_CACHE
 
 import jax
 
@@ -19,7 +26,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kimik3 import config, model
+from kimik3 import compile_cache, config, model
+
+compile_cache.enable(RUN_CACHE)
+
+
+def pytest_sessionfinish(session):
+    """The process that made the run's cache removes it (xdist's workers finish first)."""
+    if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,17 +17,21 @@ def _run(cache: str):
     return [line for line in out.stdout.splitlines() if line.startswith("tokens:")]
 
 
-def test_a_second_run_reads_the_cache_and_gives_the_same_tokens(tmp_path):
+def test_a_second_run_reads_the_cache_and_an_unusable_directory_compiles_as_usual(tmp_path):
+    """One test, three CLI runs (each compiles or loads tiny's programs: the suite's time)."""
     cache = tmp_path / "xla"
     first = _run(str(cache))
     entries = set(os.listdir(cache))
     assert any(name.startswith("jit__forward") for name in entries)
     assert _run(str(cache)) == first and first
     assert set(os.listdir(cache)) == entries  # nothing new to compile the second time
-
-
-def test_off_and_unusable_directories_compile_as_usual(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    assert _run("off") == _run(str(blocker / "xla"))
+    assert _run(str(blocker / "xla")) == first  # a cache that cannot be made: compiled as usual
+
+
+def test_off_names_no_directory_and_a_user_path_expands(monkeypatch):
     assert compile_cache.cache_dir("off") is None and compile_cache.cache_dir("~/x").endswith("/x")
+    monkeypatch.setenv(compile_cache.ENV, "somewhere")
+    assert compile_cache.enable("off") is None  # nothing enabled; children inherit "off"
+    assert os.environ[compile_cache.ENV] == "off"

@@ -103,6 +103,13 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     for mode in demo.MODES:
         assert f"| {mode} | 4 |" in text
     assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()
+    # what benchmarks/serving_small_report.py reads from a demo's output
+    from benchmarks.serving_small_report import demo_figures
+
+    fig = demo_figures(text)
+    for key in ("warmup_s", "peak_rss_gib", "tpot_p50_ms", "tpot_decode_only_p50_ms", "tpot_mixed_p50_ms"):
+        assert isinstance(fig.get(key), float), (key, fig)
+    assert "warm-up compiles" in fig["rss_phases_gib"]
 
 
 def test_a_freshly_started_engine_finds_the_kv_in_mooncake(rng, tiny_cfg, tiny_params, mooncake_services):
