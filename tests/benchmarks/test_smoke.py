@@ -48,6 +48,14 @@ def test_json_line_scripts_run_without_an_error_row(script, tmp_path):
     assert rows and not [r for r in rows if "error" in r]
 
 
+def test_the_moe_tiling_sweep_checks_each_tiling_against_the_default(tmp_path):
+    out = tmp_path / "moe"
+    _run(["benchmarks/moe_tune.py", "--quick", "--layers", "2", "--out", str(out)], tmp_path)
+    rows = [r for r in json.load(open(out / "moe_tune.json")) if r["section"] == "tiling"]
+    assert {r["gemm"] for r in rows} == {"gate/up", "down"}
+    assert all(r["max_err"] <= 1e-2 and r["ms_per_layer"] > 0 for r in rows), rows  # bf16 sums, any tiling
+
+
 def test_the_decode_ab_driver_reports_each_variant(tmp_path):
     out = tmp_path / "ab"
     _run(["benchmarks/decode_ab.py", "--config", "tiny", "--quick", "--decode-batches", "2", "--variants", "base",
