@@ -13,6 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _OWN_CACHE = "KIMIK3_TEST_COMPILE_CACHE" not in os.environ
 RUN_CACHE = os.environ.setdefault("KIMIK3_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="kimik3-test-xla-"))
 os.environ["KIMIK3_COMPILE_CACHE"] = RUN_CACHE
+# and for processes that never call compile_cache.enable (the notebooks' kernels): JAX reads these
+os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 
 import jax
 

@@ -12,6 +12,7 @@ ARGS = [sys.executable, "-m", "serving.cli", "generate", "--config", "tiny", "--
 
 def _run(cache: str):
     env = dict(os.environ, KIMIK3_COMPILE_CACHE=cache)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run's cache (tests/conftest.py): not this test's
     out = subprocess.run(ARGS, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     return [line for line in out.stdout.splitlines() if line.startswith("tokens:")]
