@@ -11,7 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (tests/kimik3/test_compile_cache.py).  Cache entries are keyed by the program's HLO and the
 # compiler's version and options: a hit is the same executable.
 _OWN_CACHE = "KIMIK3_TEST_COMPILE_CACHE" not in os.environ
-RUN_CACHE = os.environ.setdefault("KIMIK3_TEST_COMPILE_CACHE", tempfile.mkdtemp(prefix="kimik3-test-xla-"))
+if _OWN_CACHE:
+    os.environ["KIMIK3_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="kimik3-test-xla-")
+RUN_CACHE = os.environ["KIMIK3_TEST_COMPILE_CACHE"]
 os.environ["KIMIK3_COMPILE_CACHE"] = RUN_CACHE
 # and for processes that never call compile_cache.enable (the notebooks' kernels): JAX reads these
 os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_CACHE
