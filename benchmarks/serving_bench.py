@@ -59,22 +59,21 @@ def run_load(server, n, args, seed, output=None):
     return metrics.summarize(f"N={n}", server.records()[-n:], time.monotonic() - t0)
 
 
-def expected_experts(cfg, rows: int, bucket: int) -> float:
-    """Routed experts a decode step over `rows` requests padded to `bucket` reads per MoE layer,
+def expected_experts(cfg, rows: int) -> float:
+    """Routed experts a decode step over `rows` requests (padded to any bucket) reads per MoE layer,
     expected under uniform routing: each row picks k of G distinct experts (the bucket's idle
     rows are routed to none: `LatentMoE(real_bt=)`)."""
     g, k = cfg.n_routed_experts, cfg.n_active_experts
-    n = rows
-    return g * (1 - ((g - k) / g) ** n)
+    return g * (1 - ((g - k) / g) ** rows)
 
 
-def weights_read_bytes(cfg, bucket: int, rows: int) -> float:
+def weights_read_bytes(cfg, rows: int) -> float:
     """bf16 weight bytes a decode step reads: every weight but the routed experts, and of those
     the `expected_experts` share (B1 reads 4 of 32, B32 nearly all)."""
     per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * jnp.dtype(jnp.bfloat16).itemsize  # gate, up, down
     n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
     routed = n_moe * cfg.n_routed_experts * per_expert
-    share = expected_experts(cfg, rows, bucket) / cfg.n_routed_experts
+    share = expected_experts(cfg, rows) / cfg.n_routed_experts
     return sizing.weight_bytes(cfg, quantization.BF16) - routed * (1 - share)
 
 
@@ -168,7 +167,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         device = [r for r in every if r["where"] == "device"]
         profile = [dict(r, case=f"B{b}") for r in device[:42] + [r for r in every if r["where"] == "host"]]
         profile += [dict(r, case=f"B{b}") for r in common.by_source(every, common.hlo_sources(compiled.as_text()))]
-    weights = weights_read_bytes(cfg, bucket, b)
+    weights = weights_read_bytes(cfg, b)
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
@@ -176,7 +175,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
                 runner_step_ms=runner_ms, runner_overwrites=overwrites, async_overwrites=async_overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
                 **forward,
                 roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
-                weight_gb=weights / 1e9, experts_read=expected_experts(cfg, b, bucket), kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
+                weight_gb=weights / 1e9, experts_read=expected_experts(cfg, b), kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
                 ops=str(census["ops"])[:200]), profile
 
 

@@ -104,7 +104,7 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     tile_group [n_tiles] int32: the group of tile i, -1 past the last group)."""
     sizes = group_sizes.astype(jnp.int32)
     starts, tile_group = _group_tiles(sizes, block_m, n_tiles)
-    ends = jnp.cumsum(sizes)
+    ends = _running_sum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
     group_of_row = jnp.searchsorted(ends, rows, side="right", method="compare_all").astype(jnp.int32)
     valid = group_of_row < sizes.shape[0]
@@ -127,10 +127,9 @@ def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
 Tiling = tuple[int, int, int, int]
 
 
-def _tiling(m: int, k: int, n: int, tiling: Tiling | None) -> Tiling:
-    """The kernel's tiling for M rows of [K] times [G, K, N].  A decode step's few rows per expert
-    leave most row tiles empty, so its column tiles are narrow: more programs stream the active
-    experts' weights at once (`benchmarks/moe_tune.py` measured the choice)."""
+def _tiling(k: int, n: int, tiling: Tiling | None) -> Tiling:
+    """The kernel's tiling for [K] rows times [G, K, N]: `tiling` checked, or the widest tiles
+    that divide (`benchmarks/moe_tune.py` found every tiling within 5% of these at decode)."""
     if tiling is not None:
         bn, bk = tiling[:2]
         if n % bn or k % bk:
@@ -143,7 +142,7 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N]."""
     k, n = rhs_gkn.shape[1:]
-    block_n, block_k, num_warps, num_stages = _tiling(x_pad.shape[0], k, n, tiling)
+    block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
     return pl.pallas_call(
         functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
@@ -216,7 +215,7 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     else:
         order = jnp.argsort(flat_ids_m, stable=True)
         sizes = jnp.zeros((n_experts,), jnp.int32).at[flat_ids_m].add(1, mode="drop")
-        starts = jnp.cumsum(sizes) - sizes
+        starts = _running_sum(sizes) - sizes
         rank = jnp.zeros((m,), jnp.int32).at[order].set(
             jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
     starts, tile_group = _group_tiles(sizes.astype(jnp.int32), block_m, n_tiles)
