@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kda as kda_kernels
+from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
@@ -33,6 +34,18 @@ def resolve(kernels: str) -> str:
         if kernels not in ("reference", "pallas"):
             raise ValueError(f"KIMIK3_KERNELS must be 'reference' or 'pallas'; got {kernels!r}")
     return kernels
+
+
+def kda_decode_fused(kernels: str) -> bool:
+    """Whether a KDA layer's decode token runs as one kernel (`kda_decode`): on the Pallas path."""
+    return resolve(kernels) == "pallas"
+
+
+def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid, **params):
+    """One KDA decode token after its projections, on pooled conv rows and states updated in place:
+    `pallas_kernels.kda_decode.kda_decode` (its arguments; the layer calls this only where
+    `kda_decode_fused`).  Returns (out [B, H, V], conv pool, state pool)."""
+    return kda_decode_kernels.kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid, **params)
 
 
 def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None):

@@ -41,8 +41,9 @@ class KDA(nn.Module):
     multiples of the chunk size in 1..T give zeros).
 
     A cache with "slots" (int32 [B]) is a view of pools: its entries are [num_slots, ...] and
-    row b reads and writes slot slots[b]; the new cache then holds the updated pools (the
-    decode kernel updates the state pool in place, `kimik3.ops.kda`).
+    row b reads and writes slot slots[b]; the new cache then holds the updated pools.  One decode
+    token on the Pallas path (`kimik3.ops.kda_decode_fused`) runs everything after the input
+    projections in one kernel that updates both pools in place (`kimik3.ops.kda_decode`).
 
     A cache with "valid" (int32 [B]) marks only the first valid[b] tokens of row b as real: the
     rest pad a prefill chunk to its compiled length.  Pad tokens enter the recurrence with
@@ -87,15 +88,29 @@ class KDA(nn.Module):
         exports = {}
 
         if fused:  # q, k, v come out of the one GEMM side by side: the convs' input as it is
-            x_qkv, xfa, xb, xga = jnp.split(x_btd @ w_in, np.cumsum((3 * h * k, k, h)).tolist(), axis=-1)
+            x_in = x_btd @ w_in
+            x_qkv, xfa, xb, xga = jnp.split(x_in, np.cumsum((3 * h * k, k, h)).tolist(), axis=-1)
+            beta_col = 3 * h * k + k
         else:
             xs = [x_btd @ w for w in w_in]
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
+            x_in, beta_col = jnp.concatenate([x_qkv, xb], axis=-1), 3 * h * k
+
+        conv_state = cache.get("conv")
+        if slots is not None and t == 1 and export_at is None and ops.kda_decode_fused(self.kernels):
+            # a decode token: convs, gates, recurrence and gated norm in one kernel on both pools
+            # (it reads q | k | v and beta from the projection's output as it is)
+            f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)[:, 0]
+            x_gate = jnp.einsum("btr,rhv->bthv", xga, w_gb)[:, 0]
+            o, conv_pool, state_pool = ops.kda_decode(
+                x_in[:, 0], f, x_gate, conv_state, cache["state"], slots, valid, beta_col=beta_col,
+                w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
+                lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
+            return jnp.einsum("bhv,hvd->bd", o, w_o)[:, None], {"conv": conv_pool, "state": state_pool}
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
         # (or the pool [num_slots, ...] read and written by slot).
         w_conv = jnp.concatenate([conv[n] for n in "qkv"], axis=-1)
-        conv_state = cache.get("conv")
         rows = conv_state if conv_state is None or slots is None else conv_state[slots]
         rows = None if rows is None else rows.reshape(b, cfg.kda_conv_size - 1, 3 * h * k)
         out = short_conv(x_qkv, w_conv, rows, export_at, valid)
