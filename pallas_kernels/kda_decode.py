@@ -13,8 +13,8 @@ scatter by slot, the activation, two norms, the gate math, the pad selects, the 
 here it is one program per (row, head) that reads the conv rows and the state from their pools
 by slot and writes both back in place.  A program owns its head's conv channels whole (q, k and
 every V block), so it reads the old rows before it writes the new ones: no other program touches
-them.  Rows whose `valid` is 0 (a decode bucket's idle rows) leave both pools as they were and
-give 0; they may share a slot only if its contents are scratch.
+them.  Rows whose `valid` is 0 (a decode bucket's idle rows) read nothing, leave both pools as
+they were and give 0; they may share a slot only if its contents are scratch.
 
 `kda_decode_ref` is the same math in jnp (fp32 throughout, like the kernel), on the same pools.
 """
@@ -94,38 +94,40 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
     def l2(u):
         return u * jax.lax.rsqrt(jnp.sum(u * u) + l2_eps)
 
-    q, q_io = conv(0, 0, dk)
-    k, k_io = conv(1, 0, dk)
-    q = jnp.where(real, l2(q), 0.0)
-    k = jnp.where(real, l2(k), 0.0)
-    f = f_ref[b, h, :].astype(f32) + dtb_ref[h, :].astype(f32)
-    g = jnp.where(real, lower_bound * _sigmoid(jnp.exp(a_ref[h].astype(f32)) * f), 0.0)
-    beta = jnp.where(real, _sigmoid(x_ref[b, beta_col + h].astype(f32)), 0.0)
-    decay = jnp.exp(g)
+    @pl.when(~real)
+    def _():  # an idle row: its (scratch) slot is left alone, its output is 0
+        o_ref[b, h, :] = jnp.zeros((dv,), o_ref.dtype)
 
-    outs, writes = [], []
-    for vb in range(dv // block_v):
-        vs = pl.ds(vb * block_v, block_v)
-        v, v_io = conv(2, vb * block_v, block_v)
-        v = jnp.where(real, v, 0.0)
-        s_old = state_in_ref[slot, h, :, vs]  # [K, BV] fp32
-        s = s_old * decay[:, None]
-        pred = jnp.sum(k[:, None] * s, axis=0)
-        s = s + (beta * k)[:, None] * (v - pred)[None, :]
-        outs.append(scale * jnp.sum(q[:, None] * s, axis=0))
-        writes.append((vs, jnp.where(real, s, s_old), v_io))
+    @pl.when(real)
+    def _():
+        q, q_io = conv(0, 0, dk)
+        k, k_io = conv(1, 0, dk)
+        q, k = l2(q), l2(k)
+        f = f_ref[b, h, :].astype(f32) + dtb_ref[h, :].astype(f32)
+        decay = jnp.exp(lower_bound * _sigmoid(jnp.exp(a_ref[h].astype(f32)) * f))
+        beta = _sigmoid(x_ref[b, beta_col + h].astype(f32))
 
-    ss = sum(jnp.sum(o * o) for o in outs)
-    r = jax.lax.rsqrt(ss / dv + eps)
-    # every read of this (slot, head) is done: the writes may land
-    new_rows = [(2, v_io) for _, _, v_io in writes] + [(0, q_io), (1, k_io)]
-    for (vs, s, _), o in zip(writes, outs):
-        state_out_ref[slot, h, :, vs] = s
-        gate = _sigmoid(xg_ref[b, h, vs].astype(f32))
-        o_ref[b, h, vs] = jnp.where(real, o * r * norm_ref[vs].astype(f32) * gate, 0.0).astype(o_ref.dtype)
-    for c, (lanes, rows, ext) in new_rows:
-        for j in range(taps):
-            conv_out_ref[slot, j, c, lanes] = jnp.where(real, ext[j + 1], rows[j]).astype(conv_out_ref.dtype)
+        outs, v_ios = [], []
+        for vb in range(dv // block_v):
+            vs = pl.ds(vb * block_v, block_v)
+            v, v_io = conv(2, vb * block_v, block_v)
+            s = state_in_ref[slot, h, :, vs] * decay[:, None]  # [K, BV] fp32
+            pred = jnp.sum(k[:, None] * s, axis=0)
+            s = s + (beta * k)[:, None] * (v - pred)[None, :]
+            outs.append(scale * jnp.sum(q[:, None] * s, axis=0))
+            # only this program reads this state block: it lands at once (one block live at a time)
+            state_out_ref[slot, h, :, vs] = s
+            v_ios.append(v_io)
+
+        r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / dv + eps)
+        for vb, o in enumerate(outs):
+            vs = pl.ds(vb * block_v, block_v)
+            gate = _sigmoid(xg_ref[b, h, vs].astype(f32))
+            o_ref[b, h, vs] = (o * r * norm_ref[vs].astype(f32) * gate).astype(o_ref.dtype)
+        # every read of this (slot, head)'s conv rows is done: the new rows (the last W-1 inputs) may land
+        for c, (lanes, _, ext) in [(2, v_io) for v_io in v_ios] + [(0, q_io), (1, k_io)]:
+            for jj in range(taps):
+                conv_out_ref[slot, jj, c, lanes] = ext[jj + 1].astype(conv_out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("beta_col", "lower_bound", "eps", "l2_eps", "scale", "block_v",

@@ -44,20 +44,27 @@ def kernel_dims_ok(k: int, n: int) -> bool:
     return _pick(k, (64, 32, 16)) is not None and _pick(n, (128, 64, 32, 16)) is not None
 
 
-def _gmm_kernel(tile_group_ref, x_ref, w_ref, o_ref, *, block_k, n_k, precision):
+def _gmm_kernel(tile_group_ref, x_ref, w_ref, o_ref, *, block_k, n_k, precision, act=None):
+    """One (row tile, column tile).  act: None, or the output is act(gate, up) of the weights'
+    two halves (w [G, K, 2F] gate ++ up; this program's columns j of each, o [.., F])."""
     i, j = pl.program_id(0), pl.program_id(1)
     bm, bn = o_ref.shape
     g = tile_group_ref[i]
+    cols = (0,) if act is None else (0, w_ref.shape[2] // 2)  # where each accumulator's columns start
 
     @pl.when(g >= 0)
     def _():
-        def body(kk, acc):
+        def body(kk, accs):
             xs = x_ref[pl.ds(i * bm, bm), pl.ds(kk * block_k, block_k)]
-            ws = w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(j * bn, bn)]
-            return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32, precision=precision)
+            return tuple(acc + jnp.dot(xs, w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
+                                       preferred_element_type=jnp.float32, precision=precision)
+                         for acc, c in zip(accs, cols))
 
-        acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in cols))
+        if act is None:
+            o_ref[...] = accs[0].astype(o_ref.dtype)
+        else:  # the GEMM's output rounds to the rows' dtype, as an unfused act would read it; act runs in fp32
+            o_ref[...] = act(*(a.astype(o_ref.dtype).astype(jnp.float32) for a in accs)).astype(o_ref.dtype)
 
     @pl.when(g < 0)
     def _():
@@ -138,14 +145,19 @@ def _tiling(k: int, n: int, tiling: Tiling | None) -> Tiling:
     return (_pick(n, (128, 64, 32, 16)), _pick(k, (64, 32, 16)), 4, 3)
 
 
-def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None):
+def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
-    tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N]."""
+    tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
+    or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F]."""
     k, n = rhs_gkn.shape[1:]
+    n = n if act is None else n // 2
     block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling)
+    if act is not None and tiling is None and x_pad.dtype.itemsize > 2:
+        # two fp32 weight tiles a stage: half as wide, the shared memory of one unfused tile (Hopper: 227 KiB)
+        block_n, num_stages = (block_n // 2, num_stages) if block_n >= 32 else (block_n, 2)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision),
+        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision, act=act),
         grid=(x_pad.shape[0] // block_m, n // block_n),
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), x_pad.dtype),
@@ -232,15 +244,17 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
     w_gateup_elf [E, L, 2F] (gate ++ up),
     w_out_efl [E, F, L]; act(gate [.., F], up [.., F]) -> [.., F] elementwise with
-    act(0, 0) == 0 (padding rows stay zero).  Returns y [N, k, L]: expert ids[n, j]'s
+    act(0, 0) == 0 (padding rows stay zero), called on fp32 values (the GEMM's output rounded
+    to x's dtype) inside the kernel.  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
     (`Tiling`; None: by shape).
 
     Where `grouped_matmul` twice would gather the rows into expert order, scatter them into
     the padded layout, gather the gate/up result back, scatter it again for the down
     projection and gather once more, this places each (row, slot) straight into the layout
-    (`assignment_layout`: no sort for a decode step's few rows), runs both GEMMs and the
-    activation there, and gathers once."""
+    (`assignment_layout`: no sort for a decode step's few rows), runs both GEMMs there (the
+    activation in the gate/up kernel's epilogue: a program holds a gate and an up tile of the
+    same columns), and gathers once."""
     n, k = ids_nk.shape
     e, l, f2 = w_gateup_elf.shape
     _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
@@ -253,7 +267,6 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
     rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
     x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
-    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0])
-    h = act(h[:, :f2 // 2], h[:, f2 // 2:]).astype(x_nl.dtype)
+    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0], act=act)  # [.., F]
     y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, tiling[1])
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)
