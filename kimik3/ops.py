@@ -21,6 +21,7 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
+from pallas_kernels import moe_route
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -114,6 +115,22 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     """Every routed expert FFN in one group-aligned layout (`pallas_kernels.moe.grouped_ffn`):
     rows [N, L], ids [N, k] -> unweighted outputs [N, k, L].  Callers check `grouped_ffn_fits`."""
     return moe_kernels.grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act)
+
+
+def routed_ffn_fits(x_nl, w_gateup_elf, w_out_efl, top_k: int, kernels="auto") -> bool:
+    """Whether `routed_ffn` serves N tokens: `grouped_ffn` fits and the routing is one
+    `moe_route.route_layout` program (powers of two; a decode step's few tokens)."""
+    return (grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
+            and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k))
+
+
+def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, top_k: int):
+    """Routed experts from router logits: `moe_route.route_layout` (sigmoid routing and the
+    group-aligned layout in one kernel) then `grouped_ffn` on that layout.  x [N, L], logits
+    [N, E] fp32, real [N] or None -> (routing weights [N, k] fp32, unweighted outputs [N, k, L]).
+    Callers check `routed_ffn_fits`."""
+    weights, dest, tiles = moe_route.route_layout(logits_ne, bias_e, real_n, top_k=top_k)
+    return weights, moe_kernels.grouped_ffn(x_nl, None, w_gateup_elf, w_out_efl, act=act, layout=(dest, tiles))
 
 
 def kda_export_mask(export_at, t: int, chunk_size: int):

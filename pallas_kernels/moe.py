@@ -171,6 +171,11 @@ def _default_block_m(rows: int) -> int:
     return 16 if rows <= 512 else 64  # a decode step's few rows per expert; prefill's many
 
 
+def layout_block_m(assignments: int) -> int:
+    """Rows per tile of `grouped_ffn`'s layout for this many (token, slot) assignments."""
+    return _default_block_m(assignments)
+
+
 def _interpret(interpret):
     return jax.default_backend() != "gpu" if interpret is None else interpret
 
@@ -238,7 +243,7 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
 
 @functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling"))
 def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None,
-                tiling: tuple[Tiling | None, Tiling | None] = (None, None)):
+                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
@@ -247,7 +252,9 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     act(0, 0) == 0 (padding rows stay zero), called on fp32 values (the GEMM's output rounded
     to x's dtype) inside the kernel.  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
-    (`Tiling`; None: by shape).
+    (`Tiling`; None: by shape).  layout: (dest [N, k] int32, tile_group [>= n_tiles] int32) as
+    `pallas_kernels.moe_route.route_layout` gives them (at block_m = `layout_block_m(N * k)`), in
+    place of ids (pass ids_nk None).
 
     Where `grouped_matmul` twice would gather the rows into expert order, scatter them into
     the padded layout, gather the gate/up result back, scatter it again for the down
@@ -255,7 +262,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     (`assignment_layout`: no sort for a decode step's few rows), runs both GEMMs there (the
     activation in the gate/up kernel's epilogue: a program holds a gate and an up tile of the
     same columns), and gathers once."""
-    n, k = ids_nk.shape
+    n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
     _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
     if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
@@ -264,7 +271,12 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
     block_m = block_m or _default_block_m(n * k)
     interpret = _interpret(interpret)
-    dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
+    if layout is None:
+        dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
+    else:
+        dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
+        if tile_group.shape[0] < n_tiles:
+            raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
     rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
     x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
     h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0], act=act)  # [.., F]

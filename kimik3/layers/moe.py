@@ -30,13 +30,22 @@ from kimik3.layers.primitives import fan_in_init, rms_norm, situ_glu
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def route(x_nd, w_router_de, bias_e, top_k: int):
-    """fp32 sigmoid router.  Returns (expert ids [N, k] int32, weights [N, k] fp32)."""
-    scores = jax.nn.sigmoid(jnp.dot(x_nd.astype(jnp.float32), w_router_de.astype(jnp.float32),
-                                    precision=HIGHEST))
+def router_logits(x_nd, w_router_de):
+    """The router's fp32 logits [N, E] (full width, HIGHEST precision)."""
+    return jnp.dot(x_nd.astype(jnp.float32), w_router_de.astype(jnp.float32), precision=HIGHEST)
+
+
+def route_logits(logits_ne, bias_e, top_k: int):
+    """Sigmoid routing of fp32 logits.  Returns (expert ids [N, k] int32, weights [N, k] fp32)."""
+    scores = jax.nn.sigmoid(logits_ne)
     _, ids = jax.lax.top_k(scores + bias_e.astype(jnp.float32), top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def route(x_nd, w_router_de, bias_e, top_k: int):
+    """fp32 sigmoid router.  Returns (expert ids [N, k] int32, weights [N, k] fp32)."""
+    return route_logits(router_logits(x_nd, w_router_de), bias_e, top_k)
 
 
 def _expert_ffn(h_gate, h_up, caps):
@@ -73,7 +82,12 @@ def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, c
         y = ops.grouped_ffn(x_nl, ids_nk, w_gate_elf, w_out_efl, _SituGLU(tuple(caps)))
     else:
         y = _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels)
-    return jnp.einsum("nk,nkl->nl", weights_nk.astype(y.dtype), y)
+    return combine(weights_nk, y)
+
+
+def combine(weights_nk, y_nkl):
+    """The routed output [N, L]: each token's expert outputs [N, k, L] weighted by its routing."""
+    return jnp.einsum("nk,nkl->nl", weights_nk.astype(y_nkl.dtype), y_nkl)
 
 
 def _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
@@ -138,10 +152,17 @@ class LatentMoE(nn.Module):
         latent_norm = self.param("latent_norm_l", nn.initializers.ones, (l,))
         w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 
-        ids, weights = route(x_nd, w_router, bias, cfg.n_active_experts)
-        if real_bt is not None:
-            ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
-        z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
+        logits = router_logits(x_nd, w_router)
+        if (self.expert_path == "grouped" and w_up is None
+                and ops.routed_ffn_fits(x_nl, w_gate, w_out, cfg.n_active_experts, self.kernels)):
+            # a decode step's few tokens: routing and layout in one kernel, then the grouped FFN
+            z = combine(*ops.routed_ffn(x_nl, logits, bias, None if real_bt is None else real_bt.reshape(-1),
+                                        w_gate, w_out, _SituGLU(tuple(caps)), cfg.n_active_experts))
+        else:
+            ids, weights = route_logits(logits, bias, cfg.n_active_experts)
+            if real_bt is not None:
+                ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
+            z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
         routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
         if fs and fused:
