@@ -117,10 +117,19 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     return moe_kernels.grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act)
 
 
+def moe_route_kernel() -> bool:
+    """Whether `routed_ffn` may serve a decode step: ``KIMIK3_MOE_ROUTE=kernel``.  Off by default
+    until the kernel has run on the GPU (it lowers for CUDA in the tests; `RESULTS.md`)."""
+    choice = os.environ.get("KIMIK3_MOE_ROUTE", "xla")
+    if choice not in ("xla", "kernel"):
+        raise ValueError(f"KIMIK3_MOE_ROUTE must be 'xla' or 'kernel'; got {choice!r}")
+    return choice == "kernel"
+
+
 def routed_ffn_fits(x_nl, w_gateup_elf, w_out_efl, top_k: int, kernels="auto") -> bool:
-    """Whether `routed_ffn` serves N tokens: `grouped_ffn` fits and the routing is one
-    `moe_route.route_layout` program (powers of two; a decode step's few tokens)."""
-    return (grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
+    """Whether `routed_ffn` serves N tokens: `moe_route_kernel` is on, `grouped_ffn` fits and the
+    routing is one `moe_route.route_layout` program (powers of two; a decode step's few tokens)."""
+    return (moe_route_kernel() and grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
             and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k))
 
 

@@ -69,9 +69,11 @@ def test_shapes_it_cannot_tile_are_named():
         route_layout(jnp.zeros((24, 32)), jnp.zeros((32,)), top_k=4)
 
 
-def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_reference(rng, tiny_cfg):
+def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_reference(rng, tiny_cfg,
+                                                                                      monkeypatch):
     """LatentMoE with fused gate/up (`kimik3.fused`) and kernels="pallas" on 8 tokens takes
-    `route_layout`; its output equals the reference path's, idle tokens included."""
+    `route_layout` (with KIMIK3_MOE_ROUTE=kernel); its output equals the reference path's, idle
+    tokens included."""
     import dataclasses
 
     from kimik3 import ops
@@ -83,8 +85,11 @@ def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_re
     params = dict(params, router_bias_e=jnp.asarray(rng.standard_normal(tiny_cfg.n_routed_experts) * 0.1))
     fused = {"params": fuse_projections({"layer_0": {"moe": params}}, dataclasses.replace(tiny_cfg, n_layers=1))
              ["layer_0"]["moe"]}
-    assert ops.routed_ffn_fits(jnp.zeros((8, tiny_cfg.moe_latent_dim)), fused["params"]["w_gateup_elf"],
-                               fused["params"]["w_out_efl"], tiny_cfg.n_active_experts, "pallas")
+    fits = lambda: ops.routed_ffn_fits(jnp.zeros((8, tiny_cfg.moe_latent_dim)), fused["params"]["w_gateup_elf"],
+                                       fused["params"]["w_out_efl"], tiny_cfg.n_active_experts, "pallas")
+    assert not fits()  # off by default
+    monkeypatch.setenv("KIMIK3_MOE_ROUTE", "kernel")
+    assert fits()
     real = jnp.asarray([[True, True, False, True], [True, False, False, True]])
     want = LatentMoE(tiny_cfg, "grouped", "reference").apply(fused, x, real)
     got = LatentMoE(tiny_cfg, "grouped", "pallas").apply(fused, x, real)

@@ -1,0 +1,61 @@
+"""The decode step's Triton kernels lower for an H200 on this CPU machine.
+
+Interpret mode (every other test here) runs a kernel's jnp semantics; it does not run the Pallas
+Triton lowering, which refuses some ops the interpreter takes (bf16 division, shapes that are not
+powers of two, ...).  Under an abstract H200 mesh the lowering runs without a GPU, so those
+errors show here, before any device time.  (Triton's own compile to PTX, and shared-memory
+limits, still need the GPU: `tests/gpu`.)"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from pallas_kernels import kda_decode, moe, moe_route
+
+S = jax.ShapeDtypeStruct
+F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+
+def lowered_triton_calls(fn, *shapes) -> int:
+    with jax.sharding.use_abstract_mesh(H200):
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("__gpu$xla.gpu.triton")
+
+
+def test_the_check_catches_what_the_lowering_refuses():
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] / (x_ref[...] + 1)  # bf16 division: Triton has none
+
+    bad = lambda x: pl.pallas_call(kernel, out_shape=S(x.shape, x.dtype), interpret=False)(x)
+    with pytest.raises(NotImplementedError, match="unsupported types"):
+        lowered_triton_calls(bad, S((16, 128), BF16))
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_kda_decode_at_small_dims(rows):
+    h, k, n_slots = 12, 128, 2 * rows + 2
+    fn = lambda x, f, g, cp, sp, sl, va, wq, wk, wv, a, dt, on: kda_decode._decode_core(
+        x, f, g, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=-5.0, eps=1e-6,
+        l2_eps=1e-6, scale=k ** -0.5, block_v=64, num_warps=4, interpret=False)
+    assert lowered_triton_calls(
+        fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, h, k), BF16), S((rows, h, k), BF16),
+        S((n_slots, 3, 3, h * k), BF16), S((n_slots, h, k, k), F32), S((rows,), I32), S((rows,), I32),
+        *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_moe_route_at_small_dims(rows):
+    fn = lambda logits, bias, real: moe_route._route_core(logits, bias, real, top_k=4, block_m=16, interpret=False)
+    assert lowered_triton_calls(fn, S((rows, 32), F32), S((32,), F32), S((rows,), I32)) == 1
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype):
+    act = lambda gate, up: jax.nn.silu(gate) * up
+    fn = lambda x, ids, w_gateup, w_out: moe.grouped_ffn(x, ids, w_gateup, w_out, act=act, interpret=False)
+    assert lowered_triton_calls(fn, S((32, 768), dtype), S((32, 4), I32), S((32, 768, 1536), dtype),
+                                S((32, 768, 768), dtype)) == 2
