@@ -27,11 +27,12 @@ from benchmarks import common
 from pallas_kernels import kda_decode as kd
 from pallas_kernels.kda import fused_recurrent_kda
 
-H, K, W = 12, 128, 4
-CANDIDATES = [(64, 4), (64, 8), (128, 4), (128, 8), (32, 4), (32, 2)]  # (block_v, num_warps)
+W = 4
+# (block_v, num_warps); block_v None: the kernel's default (min(V, 64))
+CANDIDATES = [(None, 4), (None, 8), (128, 4), (128, 8), (32, 4), (32, 2)]
 
 
-def _inputs(key, b, n_slots, layers):
+def _inputs(key, b, n_slots, layers, H, K):
     ks = iter(jax.random.split(key, 16))
     bf = jnp.bfloat16
     r = lambda *s, scale=1.0: (jax.random.normal(next(ks), s, jnp.float32) * scale).astype(bf)
@@ -46,6 +47,7 @@ def _inputs(key, b, n_slots, layers):
 
 @functools.partial(jax.jit, static_argnames=("tiling",), donate_argnames=("pools",))
 def _fused(x, pools, *, tiling):
+    H, K = x["dt_bias"].shape
     out, acc = [], 0.0
     for conv, state in pools:
         o, conv, state = kd.kda_decode(x["x_in"], x["f"], x["x_gate"], conv, state, x["slots"], None,
@@ -60,6 +62,7 @@ def _fused(x, pools, *, tiling):
 @functools.partial(jax.jit, donate_argnames=("pools",))
 def _recurrence_only(x, pools):
     b = x["x_in"].shape[0]
+    H, K = x["dt_bias"].shape
     q = x["x_in"][:, None, :H * K].reshape(b, 1, H, K).astype(jnp.float32)
     q = (q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)  # unit k: a stable state
     g = -jnp.abs(x["f"][:, None].astype(jnp.float32))
@@ -89,19 +92,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12, help="KDA heads (small: 12)")
+    ap.add_argument("--head-dim", type=int, default=128, help="KDA head dim (small: 128)")
     ap.add_argument("--quick", action="store_true", help="two variants, one bucket (a smoke run)")
     args = ap.parse_args()
     torch_gbs = common.torch_copy_gbs()
     gbs = torch_gbs or common.copy_gbs()
     rows = [dict(section="roofline", case=jax.devices()[0].device_kind, copy_gbs=gbs, torch_copy_gbs=torch_gbs)]
     for b in ((8,) if args.quick else (8, 32)):
-        x, pools = _inputs(jax.random.PRNGKey(b), b, 2 * b + 2, args.layers)
+        H, K = args.heads, args.head_dim
+        x, pools = _inputs(jax.random.PRNGKey(b), b, 2 * b + 2, args.layers, H, K)
         fresh = lambda: [tuple(jnp.copy(a) for a in p) for p in pools]
         state_bytes = 2 * b * H * K * K * 4 * args.layers
-        want, _ = _fused(x, fresh(), tiling=(64, 4))
-        for tiling in [None] + (CANDIDATES[:2] if args.quick else CANDIDATES):
+        want, _ = _fused(x, fresh(), tiling=CANDIDATES[0])
+        for tiling in [None] + [c for c in (CANDIDATES[:2] if args.quick else CANDIDATES)
+                                  if c[0] is None or c[0] <= K]:
             row = dict(section="kda decode", case=f"B{b}", kernel="fused_recurrent (recurrence only)" if tiling is None
-                       else f"kda_decode block_v={tiling[0]} warps={tiling[1]}")
+                       else f"kda_decode block_v={tiling[0] or 'default'} warps={tiling[1]}")
             try:
                 if tiling is None:
                     ms = _time(lambda p: _recurrence_only(x, p), fresh())

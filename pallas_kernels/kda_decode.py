@@ -2,9 +2,9 @@
 
 One decode token of a KDA layer, after its input projections, is (per row b, head h)::
 
-    q, k, v  = silu(conv_W([conv rows of slot b ; x_qkv]))      (q, k then L2-normalized)
-    g        = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))  (log-decay, fp32)
-    beta     = sigmoid(x_beta)
+    q, k, v  = silu(conv_W([conv rows of slot b ; x_in's q | k | v]))  (q, k then L2-normalized)
+    g        = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))        (log-decay, fp32)
+    beta     = sigmoid(x_in's beta column)
     S, o     = one step of the delta rule on the pooled state S (`pallas_kernels.kda.kda_step`)
     out      = rms_norm(o) * norm * sigmoid(x_gate)
 

@@ -56,6 +56,15 @@ def test_the_moe_tiling_sweep_checks_each_tiling_against_the_default(tmp_path):
     assert all(r["max_err"] <= 1e-2 and r["ms_per_layer"] > 0 for r in rows), rows  # bf16 sums, any tiling
 
 
+def test_the_kda_decode_sweep_checks_each_variant_against_the_default(tmp_path):
+    out = tmp_path / "kda"
+    _run(["benchmarks/kda_decode_tune.py", "--quick", "--layers", "1", "--heads", "2", "--head-dim", "16",
+          "--out", str(out)], tmp_path)
+    rows = [r for r in json.load(open(out / "kda_decode_tune.json")) if r["section"] == "kda decode"]
+    assert len(rows) == 3 and all("error" not in r and r["us_per_layer"] > 0 for r in rows), rows
+    assert all(r["rel_err"] < 1e-5 for r in rows if "rel_err" in r)
+
+
 def test_the_decode_ab_driver_reports_each_variant(tmp_path):
     out = tmp_path / "ab"
     _run(["benchmarks/decode_ab.py", "--config", "tiny", "--quick", "--decode-batches", "2", "--variants", "base",
