@@ -11,8 +11,6 @@ from kimik3.layers.kda import KDA
 from pallas_kernels.kda_decode import kda_decode, kda_decode_ref
 
 H, K, W = 2, 16, 4
-
-
 BETA_COL = 3 * H * K + 5  # the projection's output holds other columns between q | k | v and beta
 
 
@@ -61,6 +59,17 @@ def test_idle_rows_change_nothing_and_give_zero(rng):
         np.testing.assert_array_equal(np.asarray(state)[slot], before["state_pool"][slot])
         np.testing.assert_array_equal(np.asarray(conv)[slot], before["conv_pool"][slot])
     np.testing.assert_allclose(np.asarray(state)[[2, 1]], np.asarray(state_ref)[[2, 1]], atol=2e-5, rtol=2e-5)
+
+
+def test_v_in_several_blocks_per_program(rng):
+    """block_v < V: a program walks its state in V blocks (small's 128 in two of 64); the output
+    norm spans every block."""
+    arrays, params = decode_inputs(rng, 2, 4)
+    o_ref, conv_ref, state_ref = run(kda_decode_ref, arrays, params, [3, 1], [1, 1])
+    o, conv, state = run(lambda *a, **kw: kda_decode(*a, **kw, block_v=K // 2), arrays, params, [3, 1], [1, 1])
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(state, state_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(conv, conv_ref)
 
 
 def test_bf16_inputs_keep_fp32_math(rng):
