@@ -94,7 +94,7 @@ class KDA(nn.Module):
         else:
             xs = [x_btd @ w for w in w_in]
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
-            x_in, beta_col = jnp.concatenate([x_qkv, xb], axis=-1), 3 * h * k
+            x_in, beta_col = None, 3 * h * k
 
         conv_state = cache.get("conv")
         if slots is not None and t == 1 and export_at is None and ops.kda_decode_fused(self.kernels):
@@ -102,6 +102,7 @@ class KDA(nn.Module):
             # (it reads q | k | v and beta from the projection's output as it is)
             f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)[:, 0]
             x_gate = jnp.einsum("btr,rhv->bthv", xga, w_gb)[:, 0]
+            x_in = jnp.concatenate([x_qkv, xb], axis=-1) if x_in is None else x_in  # q | k | v, then beta
             o, conv_pool, state_pool = ops.kda_decode(
                 x_in[:, 0], f, x_gate, conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
