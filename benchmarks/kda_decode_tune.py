@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -77,7 +78,6 @@ def _recurrence_only(x, pools):
 
 def _time(step, pools, iters=20, warmup=3):
     """ms per call, `iters` calls back to back then one sync (pools fed forward)."""
-    import time
     for _ in range(warmup):
         acc, pools = step(pools)
     jax.block_until_ready(acc)

@@ -33,10 +33,6 @@ from pallas_kernels.kda import kda_step
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
 def kda_decode_ref(x_in, f, x_gate, conv_pool, state_pool, slots, valid, *, beta_col: int, w_conv, a_log,
                    dt_bias, o_norm, lower_bound: float, eps: float, l2_eps: float = 1e-6, scale=None):
     """The reference: same arguments and results as `kda_decode`, in jnp."""
@@ -50,15 +46,15 @@ def kda_decode_ref(x_in, f, x_gate, conv_pool, state_pool, slots, valid, *, beta
     ext = jnp.concatenate([rows, x_in[:, :3 * hk].reshape(b, 1, 3, hk).astype(f32)], axis=1)  # [B, W, 3, H*K]
     taps_w = jnp.stack([w.astype(f32) for w in w_conv], axis=1)  # [W, 3, H*K]
     y = jnp.einsum("bwcn,wcn->bcn", ext, taps_w, precision=HIGHEST)
-    y = (y * _sigmoid(y)).reshape(b, 3, h, dk)
+    y = (y * jax.nn.sigmoid(y)).reshape(b, 3, h, dk)
     l2 = lambda u: u * jax.lax.rsqrt(jnp.sum(u * u, axis=-1, keepdims=True) + l2_eps)
     mask = lambda u: jnp.where(real.reshape((b,) + (1,) * (u.ndim - 1)), u, 0.0)
     q, k, v = mask(l2(y[:, 0])), mask(l2(y[:, 1])), mask(y[:, 2])
-    g = lower_bound * _sigmoid(jnp.exp(a_log.astype(f32))[:, None] * (f.astype(f32) + dt_bias.astype(f32)))
-    beta = _sigmoid(x_in[:, beta_col:beta_col + h].astype(f32))
+    g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32))[:, None] * (f.astype(f32) + dt_bias.astype(f32)))
+    beta = jax.nn.sigmoid(x_in[:, beta_col:beta_col + h].astype(f32))
     o, s_new = kda_step(state_pool[slots], q, k, v, mask(g), mask(beta), scale)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * o_norm.astype(f32)
-    o = mask(o * _sigmoid(x_gate.astype(f32))).astype(x_in.dtype)
+    o = mask(o * jax.nn.sigmoid(x_gate.astype(f32))).astype(x_in.dtype)
     keep = real.reshape(b, 1, 1, 1)
     new_rows = jnp.where(keep, ext[:, 1:], rows).astype(conv_pool.dtype)
     # rows sharing a (scratch) slot: the last write wins here, any one in the kernel
@@ -81,15 +77,15 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
     w_refs = (wq_ref, wk_ref, wv_ref)
 
     def conv(c, start, n):
-        """silu(conv) of channel group c (0 q, 1 k, 2 v) over head h's lanes [start, start + n), the
-        old rows and the extended rows."""
+        """silu(conv) of channel group c (0 q, 1 k, 2 v) over head h's lanes [start, start + n), and
+        (the lanes, the W inputs: W-1 old rows, then this token's)."""
         lanes = pl.ds(h * dk + start, n)
         rows = [conv_in_ref[slot, j, c, lanes].astype(f32) for j in range(taps)]
         ext = rows + [x_ref[b, pl.ds(c * hk + h * dk + start, n)].astype(f32)]
         y = ext[0] * w_refs[c][0, lanes].astype(f32)
         for j in range(1, taps + 1):
             y = y + ext[j] * w_refs[c][j, lanes].astype(f32)
-        return y * _sigmoid(y), (lanes, rows, ext)
+        return y * jax.nn.sigmoid(y), (lanes, ext)
 
     def l2(u):
         return u * jax.lax.rsqrt(jnp.sum(u * u) + l2_eps)
@@ -104,8 +100,8 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
         k, k_io = conv(1, 0, dk)
         q, k = l2(q), l2(k)
         f = f_ref[b, h, :].astype(f32) + dtb_ref[h, :].astype(f32)
-        decay = jnp.exp(lower_bound * _sigmoid(jnp.exp(a_ref[h].astype(f32)) * f))
-        beta = _sigmoid(x_ref[b, beta_col + h].astype(f32))
+        decay = jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_ref[h].astype(f32)) * f))
+        beta = jax.nn.sigmoid(x_ref[b, beta_col + h].astype(f32))
 
         outs, v_ios = [], []
         for vb in range(dv // block_v):
@@ -122,10 +118,10 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
         r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / dv + eps)
         for vb, o in enumerate(outs):
             vs = pl.ds(vb * block_v, block_v)
-            gate = _sigmoid(xg_ref[b, h, vs].astype(f32))
+            gate = jax.nn.sigmoid(xg_ref[b, h, vs].astype(f32))
             o_ref[b, h, vs] = (o * r * norm_ref[vs].astype(f32) * gate).astype(o_ref.dtype)
         # every read of this (slot, head)'s conv rows is done: the new rows (the last W-1 inputs) may land
-        for c, (lanes, _, ext) in [(2, v_io) for v_io in v_ios] + [(0, q_io), (1, k_io)]:
+        for c, (lanes, ext) in [(2, v_io) for v_io in v_ios] + [(0, q_io), (1, k_io)]:
             for jj in range(taps):
                 conv_out_ref[slot, jj, c, lanes] = ext[jj + 1].astype(conv_out_ref.dtype)
 

@@ -167,13 +167,9 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
     )(tile_group, x_pad, rhs_gkn)
 
 
-def _default_block_m(rows: int) -> int:
+def layout_block_m(rows: int) -> int:
+    """Rows per tile of the group-aligned layout for this many rows ((token, slot) assignments)."""
     return 16 if rows <= 512 else 64  # a decode step's few rows per expert; prefill's many
-
-
-def layout_block_m(assignments: int) -> int:
-    """Rows per tile of `grouped_ffn`'s layout for this many (token, slot) assignments."""
-    return _default_block_m(assignments)
 
 
 def _interpret(interpret):
@@ -196,7 +192,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match "
                          f"([G], [G, K, N])")
-    block_m = block_m or _default_block_m(m)
+    block_m = block_m or layout_block_m(m)
     n_tiles = _n_tiles(m, g, block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
@@ -269,7 +265,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
                          f"{w_gateup_elf.shape}")
     _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
-    block_m = block_m or _default_block_m(n * k)
+    block_m = block_m or layout_block_m(n * k)
     interpret = _interpret(interpret)
     if layout is None:
         dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)

@@ -51,13 +51,9 @@ def route_layout_fits(n_tokens: int, n_experts: int, top_k: int) -> bool:
             and n_tokens * n_experts <= _MAX_SCORES and n_tokens * top_k <= moe._PAIRWISE_LIMIT)
 
 
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp(-x))
-
-
 def _route_kernel(logits_ref, bias_ref, real_ref, w_ref, dest_ref, tiles_ref, *, top_k, block_m, past):
     n, e = logits_ref.shape
-    scores = _sigmoid(logits_ref[...].astype(jnp.float32))  # [N, E]
+    scores = jax.nn.sigmoid(logits_ref[...].astype(jnp.float32))  # [N, E]
     sel = scores + bias_ref[...].astype(jnp.float32)[None, :]
     expert = jax.lax.broadcasted_iota(jnp.int32, (n, e), 1)
     real = real_ref[...] > 0  # [N]
