@@ -37,7 +37,7 @@ def _inputs(key, b, n_slots, layers, H, K):
     ks = iter(jax.random.split(key, 16))
     bf = jnp.bfloat16
     r = lambda *s, scale=1.0: (jax.random.normal(next(ks), s, jnp.float32) * scale).astype(bf)
-    x = dict(x_in=r(b, 3 * H * K + K + H + K), f=r(b, H, K), x_gate=r(b, H, K),
+    x = dict(x_in=r(b, 3 * H * K + K + H + K), fg=r(b, 2 * H * K),
              w_conv=tuple(r(W, H * K, scale=0.5) for _ in range(3)),
              a_log=jnp.log(jnp.linspace(1.0, 16.0, H)), dt_bias=jnp.zeros((H, K)), o_norm=jnp.ones((K,)),
              slots=jnp.arange(b, dtype=jnp.int32) * 2 + 1)  # every other slot: not a contiguous block
@@ -51,7 +51,7 @@ def _fused(x, pools, *, tiling):
     H, K = x["dt_bias"].shape
     out, acc = [], 0.0
     for conv, state in pools:
-        o, conv, state = kd.kda_decode(x["x_in"], x["f"], x["x_gate"], conv, state, x["slots"], None,
+        o, conv, state = kd.kda_decode(x["x_in"], x["fg"], conv, state, x["slots"], None,
                                        beta_col=3 * H * K + K, w_conv=x["w_conv"], a_log=x["a_log"],
                                        dt_bias=x["dt_bias"], o_norm=x["o_norm"], lower_bound=-5.0, eps=1e-6,
                                        block_v=tiling[0], num_warps=tiling[1])
@@ -66,7 +66,7 @@ def _recurrence_only(x, pools):
     H, K = x["dt_bias"].shape
     q = x["x_in"][:, None, :H * K].reshape(b, 1, H, K).astype(jnp.float32)
     q = (q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16)  # unit k: a stable state
-    g = -jnp.abs(x["f"][:, None].astype(jnp.float32))
+    g = -jnp.abs(x["fg"][:, None, :H * K].reshape(b, 1, H, K).astype(jnp.float32))
     beta = jax.nn.sigmoid(x["x_in"][:, None, -H:].astype(jnp.float32))
     out, acc = [], 0.0
     for conv, state in pools:

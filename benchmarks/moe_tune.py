@@ -31,19 +31,23 @@ from pallas_kernels import moe
 E, L, F, K = 32, 768, 768, 4
 # (block_n, block_k, num_warps, num_stages); None: the default
 CANDIDATES = [None, (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
-              (32, 64, 2, 4), (16, 128, 2, 3), (32, 256, 4, 2), (128, 128, 8, 3)]
+              (32, 64, 2, 4), (16, 128, 2, 3), (32, 256, 4, 2), (128, 128, 8, 3), (128, 128, 4, 3),
+              (64, 256, 4, 3), (32, 256, 4, 4), (16, 256, 4, 4)]
 
 
 def _act(gate, up):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-def _case(rng, bucket: int, real: int):
-    """x [bucket, L] bf16 and ids [bucket, K]: `real` distinct rows, the rest one shared padding row."""
-    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(real)] + [np.arange(K)] * (bucket - real))
+def _case(rng, bucket: int, real: int, idle_to_none: bool = False):
+    """x [bucket, L] bf16 and ids [bucket, K]: `real` distinct rows, the rest one shared padding
+    row, routed to experts 0..K-1 or (idle_to_none, as the engine's decode step does since the
+    idle rows' valid is 0) to no expert (id E)."""
+    pad = [np.full(K, E) if idle_to_none else np.arange(K)] * (bucket - real)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(real)] + pad)
     x = rng.standard_normal((bucket, L)).astype(np.float32)
     x[real:] = x[-1]
-    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids, jnp.int32), len(set(ids.reshape(-1).tolist()))
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids, jnp.int32), len(set(ids.reshape(-1).tolist()) - {E})
 
 
 def _weights(key, layers: int):
@@ -71,6 +75,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--layers", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="two tilings, one case (a smoke run)")
+    ap.add_argument("--cases", default="b1,b8,b32",
+                    help="b1: one request in the B8 bucket, idle rows to no expert (the engine's decode); "
+                         "b8: the same with the idle rows routed; b32: 32 distinct requests")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     torch_gbs = common.torch_copy_gbs()
@@ -78,10 +85,12 @@ def main():
     rows = [dict(section="roofline", case=jax.devices()[0].device_kind, copy_gbs=gbs, torch_copy_gbs=torch_gbs)]
     weights = _weights(jax.random.PRNGKey(0), args.layers)
     expert_bytes = (L * 2 * F + F * L) * 2
-    cases = [("B8 one request", 8, 1), ("B32", 32, 32)][: 1 if args.quick else 2]
+    every = {"b1": ("B8 one request, idle rows to no expert", 8, 1, True), "b8": ("B8 one request", 8, 1, False),
+             "b32": ("B32", 32, 32, False)}
+    cases = [every[c] for c in args.cases.split(",")][: 1 if args.quick else None]
     cands = CANDIDATES[:2] if args.quick else CANDIDATES
-    for name, bucket, real in cases:
-        x, ids, active = _case(rng, bucket, real)
+    for name, bucket, real, idle_to_none in cases:
+        x, ids, active = _case(rng, bucket, real, idle_to_none)
         want = np.asarray(_layers(x, ids, weights, tiling=(None, None)), np.float32)
         for part in (0, 1):  # tune gate/up with down at its default, then down
             for t in cands:

@@ -3,7 +3,8 @@
 `fuse_projections(params, cfg)` rewrites the checkpoint layout (`kimik3.model.init_params`,
 what checkpoints, sharding rules and quantization manifests name) once, at load:
 
-* KDA: q, k, v, the gate's f_a, beta and the output gate's g_a -> ``kda/w_in_dx`` [D, 3HK + K + H + K];
+* KDA: q, k, v, the gate's f_a, beta and the output gate's g_a -> ``kda/w_in_dx`` [D, 3HK + K + H + K],
+  and the two gates' low-rank up-projections -> ``kda/w_fg_srn`` [2, K, H*K] (one batched GEMM);
 * MLA: q (or its LoRA-down), the kv latent and the output gate -> ``mla/w_in_dx``;
 * MoE: the latent down-projection and the shared experts' gate and up -> ``moe/w_in_dx``
   (the shared experts' out -> ``moe/w_shared_out_fd``), each routed expert's gate and up ->
@@ -43,6 +44,7 @@ def fuse_projections(params, cfg: ModelConfig):
             p = dict(layer["kda"])
             names = ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr")
             p["w_in_dx"] = _cat(*(p.pop(n) for n in names))
+            p["w_fg_srn"] = jnp.stack([_cat(p.pop("w_fb_rhk")), _cat(p.pop("w_gb_rhv"))])  # [2, R, H*K]
             layer["kda"] = p
         if "mla" in layer:
             p = dict(layer["mla"])

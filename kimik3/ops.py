@@ -42,11 +42,11 @@ def kda_decode_fused(kernels: str) -> bool:
     return resolve(kernels) == "pallas"
 
 
-def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid, **params):
+def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params):
     """One KDA decode token after its projections, on pooled conv rows and states updated in place:
     `pallas_kernels.kda_decode.kda_decode` (its arguments; the layer calls this only where
     `kda_decode_fused`).  Returns (out [B, H, V], conv pool, state pool)."""
-    return kda_decode_kernels.kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid, **params)
+    return kda_decode_kernels.kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params)
 
 
 def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None):
@@ -118,9 +118,9 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
 
 
 def moe_route_kernel() -> bool:
-    """Whether `routed_ffn` may serve a decode step: ``KIMIK3_MOE_ROUTE=kernel``.  Off by default
-    until the kernel has run on the GPU (it lowers for CUDA in the tests; `RESULTS.md`)."""
-    choice = os.environ.get("KIMIK3_MOE_ROUTE", "xla")
+    """Whether `routed_ffn` may serve a decode step: ``KIMIK3_MOE_ROUTE=kernel`` (the default) or
+    ``xla`` (routing and layout as XLA ops; `RESULTS.md` has both on the H200)."""
+    choice = os.environ.get("KIMIK3_MOE_ROUTE", "kernel")
     if choice not in ("xla", "kernel"):
         raise ValueError(f"KIMIK3_MOE_ROUTE must be 'xla' or 'kernel'; got {choice!r}")
     return choice == "kernel"

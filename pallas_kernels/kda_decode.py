@@ -33,13 +33,14 @@ from pallas_kernels.kda import kda_step
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def kda_decode_ref(x_in, f, x_gate, conv_pool, state_pool, slots, valid, *, beta_col: int, w_conv, a_log,
+def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: int, w_conv, a_log,
                    dt_bias, o_norm, lower_bound: float, eps: float, l2_eps: float = 1e-6, scale=None):
     """The reference: same arguments and results as `kda_decode`, in jnp."""
     f32 = jnp.float32
     b = x_in.shape[0]
     n_slots, taps, _, hk = conv_pool.shape
     h, dk = dt_bias.shape
+    f, x_gate = fg[:, :hk].reshape(b, h, dk), fg[:, hk:].reshape(b, h, -1)
     scale = dk ** -0.5 if scale is None else scale
     real = (jnp.ones((b,), jnp.int32) if valid is None else valid) > 0
     rows = conv_pool[slots].astype(f32)  # [B, W-1, 3, H*K]
@@ -61,11 +62,12 @@ def kda_decode_ref(x_in, f, x_gate, conv_pool, state_pool, slots, valid, *, beta
     return o, conv_pool.at[slots].set(new_rows), state_pool.at[slots].set(jnp.where(keep, s_new, state_pool[slots]))
 
 
-def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, xg_ref, a_ref, dtb_ref, norm_ref,
+def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, fg_ref, a_ref, dtb_ref, norm_ref,
                    conv_in_ref, state_in_ref, o_ref, conv_out_ref, state_out_ref, *,
                    beta_col, block_v, lower_bound, eps, l2_eps, scale):
-    """One (row, head).  x [B, N] (q | k | v in its first 3*H*K columns); w_* [W, H*K]; conv pool
-    [S, W-1, 3, H*K]; state pool [S, H, K, V].  conv_out / state_out alias conv_in / state_in."""
+    """One (row, head).  x [B, N] (q | k | v in its first 3*H*K columns); fg [B, H*K + H*V] (f,
+    then the output gate's projection); w_* [W, H*K]; conv pool [S, W-1, 3, H*K]; state pool
+    [S, H, K, V].  conv_out / state_out alias conv_in / state_in."""
     f32 = jnp.float32
     b, h = pl.program_id(0), pl.program_id(1)
     n_heads, dk = dtb_ref.shape
@@ -99,7 +101,7 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
         q, q_io = conv(0, 0, dk)
         k, k_io = conv(1, 0, dk)
         q, k = l2(q), l2(k)
-        f = f_ref[b, h, :].astype(f32) + dtb_ref[h, :].astype(f32)
+        f = fg_ref[b, pl.ds(h * dk, dk)].astype(f32) + dtb_ref[h, :].astype(f32)
         decay = jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_ref[h].astype(f32)) * f))
         beta = jax.nn.sigmoid(x_ref[b, beta_col + h].astype(f32))
 
@@ -118,7 +120,7 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
         r = jax.lax.rsqrt(sum(jnp.sum(o * o) for o in outs) / dv + eps)
         for vb, o in enumerate(outs):
             vs = pl.ds(vb * block_v, block_v)
-            gate = jax.nn.sigmoid(xg_ref[b, h, vs].astype(f32))
+            gate = jax.nn.sigmoid(fg_ref[b, pl.ds(hk + h * dv + vb * block_v, block_v)].astype(f32))
             o_ref[b, h, vs] = (o * r * norm_ref[vs].astype(f32) * gate).astype(o_ref.dtype)
         # every read of this (slot, head)'s conv rows is done: the new rows (the last W-1 inputs) may land
         for c, (lanes, ext) in [(2, v_io) for v_io in v_ios] + [(0, q_io), (1, k_io)]:
@@ -129,7 +131,7 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, f_ref, x
 @functools.partial(jax.jit, static_argnames=("beta_col", "lower_bound", "eps", "l2_eps", "scale", "block_v",
                                              "num_warps", "interpret"),
                    donate_argnames=("conv_pool", "state_pool"))
-def _decode_core(x_in, f, x_gate, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm, *,
+def _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm, *,
                  beta_col, lower_bound, eps, l2_eps, scale, block_v, num_warps, interpret):
     b = x_in.shape[0]
     h, dv = dt_bias.shape[0], state_pool.shape[-1]
@@ -140,14 +142,14 @@ def _decode_core(x_in, f, x_gate, conv_pool, state_pool, slots, valid, w_conv, a
         out_shape=[jax.ShapeDtypeStruct((b, h, dv), x_in.dtype),
                    jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
-        input_output_aliases={11: 1, 12: 2},
+        input_output_aliases={10: 1, 11: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="kda_decode",
-    )(slots, valid, x_in, *w_conv, f, x_gate, a_log, dt_bias, o_norm, conv_pool, state_pool)
+    )(slots, valid, x_in, *w_conv, fg, a_log, dt_bias, o_norm, conv_pool, state_pool)
 
 
-def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid=None, *, beta_col: int, w_conv, a_log, dt_bias,
+def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: int, w_conv, a_log, dt_bias,
                o_norm, lower_bound: float, eps: float, l2_eps: float = 1e-6, scale=None, block_v=None,
                num_warps=4, interpret=None):
     """One decode token of a KDA layer on pooled conv rows and states, both updated in place.
@@ -155,8 +157,9 @@ def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid=None, *, bet
     Args:
       x_in: [B, N] the input projections: q | k | v (before the convs) in columns [0, 3*H*K), the
         beta projection in [beta_col, beta_col + H) (the layer's fused GEMM output as it is).
-      f: [B, H, K] the decay gate's projection (before dt_bias); x_gate: [B, H, V] the output
-        gate's projection (before the sigmoid).
+      fg: [B, H*K + H*V] the gates' projections side by side, as one GEMM gives them: the decay
+        gate's f (before dt_bias) in the first H*K columns, the output gate's (before the
+        sigmoid) in the next H*V.
       conv_pool: [S, W-1, 3, H*K], row b's last W-1 conv inputs at slot slots[b]; donated.
       state_pool: [S, H, K, V] float32; donated.
       slots: int32 [B]; valid: int32 [B] or None (all real): rows with 0 change nothing.
@@ -177,9 +180,9 @@ def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid=None, *, bet
     if state_pool.shape != (n_slots, h, dk, dv) or state_pool.dtype != jnp.float32:
         raise ValueError(f"kda_decode: state_pool must be float32 [{n_slots}, {h}, {dk}, V]; "
                          f"got {state_pool.dtype} {state_pool.shape}")
-    if f.shape != (b, h, dk) or x_gate.shape != (b, h, dv) or o_norm.shape != (dv,) or a_log.shape != (h,):
-        raise ValueError(f"kda_decode: f [B, H, K], x_gate [B, H, V], o_norm [V], a_log [H] expected; got "
-                         f"{f.shape}, {x_gate.shape}, {o_norm.shape}, {a_log.shape}")
+    if fg.shape != (b, hk + h * dv) or o_norm.shape != (dv,) or a_log.shape != (h,):
+        raise ValueError(f"kda_decode: fg [B, H*K + H*V], o_norm [V], a_log [H] expected; got "
+                         f"{fg.shape}, {o_norm.shape}, {a_log.shape}")
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"kda_decode: head dims must be powers of two; got K={dk}, V={dv}")
     slots = jnp.asarray(slots, jnp.int32)
@@ -187,7 +190,7 @@ def kda_decode(x_in, f, x_gate, conv_pool, state_pool, slots, valid=None, *, bet
     if slots.shape != (b,) or valid.shape != (b,):
         raise ValueError(f"kda_decode: slots and valid must be [B] = [{b}]; got {slots.shape}, {valid.shape}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    return _decode_core(x_in, f, x_gate, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm,
+    return _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm,
                         beta_col=int(beta_col), lower_bound=float(lower_bound), eps=float(eps), l2_eps=float(l2_eps),
                         scale=float(dk ** -0.5 if scale is None else scale), block_v=block_v or min(dv, 64),
                         num_warps=num_warps, interpret=interpret)

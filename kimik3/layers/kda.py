@@ -67,14 +67,17 @@ class KDA(nn.Module):
             w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
         conv = {n: p(f"conv_{n}_wc", (cfg.kda_conv_size, h * k), cfg.kda_conv_size) for n in "qkv"}
         w_fa = None if fused else p("w_fa_dr", (d, k), d)
-        w_fb = p("w_fb_rhk", (k, h, k), k)
+        # the gates' low-rank up-projections: apart in the checkpoint, stacked [2, R, H*K] in the
+        # serving layout (one batched GEMM for both)
+        w_fb = None if fused else p("w_fb_rhk", (k, h, k), k)
         dt_bias = self.param("dt_bias_hk", nn.initializers.zeros, (h, k))
         a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)),
                            (h,))
         if not fused:
             w_b, w_ga = p("w_beta_dh", (d, h), d), p("w_ga_dr", (d, k), d)
             w_in = (w_q.reshape(d, -1), w_k.reshape(d, -1), w_v.reshape(d, -1), w_fa, w_b, w_ga)
-        w_gb = p("w_gb_rhv", (k, h, k), k)
+        w_gb = None if fused else p("w_gb_rhv", (k, h, k), k)
+        w_fg = self.param("w_fg_srn", fan_in_init(k), (2, k, h * k)) if fused else None
         o_norm = self.param("o_norm_v", nn.initializers.ones, (k,))
         w_o = p("w_o_hvd", (h, k, d), h * k)
 
@@ -96,15 +99,19 @@ class KDA(nn.Module):
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
             x_in, beta_col = None, 3 * h * k
 
+        if fused:  # f | x_gate [B, T, 2 * H*K]: one batched GEMM
+            fg = jnp.einsum("btsr,srn->btsn", jnp.stack([xfa, xga], axis=2), w_fg).reshape(b, t, -1)
+        else:
+            fg = jnp.concatenate([jnp.einsum("btr,rhk->bthk", xfa, w_fb).reshape(b, t, -1),
+                                  jnp.einsum("btr,rhv->bthv", xga, w_gb).reshape(b, t, -1)], axis=-1)
+
         conv_state = cache.get("conv")
         if slots is not None and t == 1 and export_at is None and ops.kda_decode_fused(self.kernels):
             # a decode token: convs, gates, recurrence and gated norm in one kernel on both pools
-            # (it reads q | k | v and beta from the projection's output as it is)
-            f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)[:, 0]
-            x_gate = jnp.einsum("btr,rhv->bthv", xga, w_gb)[:, 0]
+            # (it reads q | k | v and beta from the projection's output as it is, f | x_gate whole)
             x_in = jnp.concatenate([x_qkv, xb], axis=-1) if x_in is None else x_in  # q | k | v, then beta
             o, conv_pool, state_pool = ops.kda_decode(
-                x_in[:, 0], f, x_gate, conv_state, cache["state"], slots, valid, beta_col=beta_col,
+                x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
                 lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
             return jnp.einsum("bhv,hvd->bd", o, w_o)[:, None], {"conv": conv_pool, "state": state_pool}
@@ -123,7 +130,7 @@ class KDA(nn.Module):
         q = pad(l2_normalize(y[:, :, 0]))
         kk = pad(l2_normalize(y[:, :, 1]))
         v = pad(y[:, :, 2])
-        f = jnp.einsum("btr,rhk->bthk", xfa, w_fb)
+        f = fg[..., :h * k].reshape(b, t, h, k)
         g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
         beta = jax.nn.sigmoid(xb.astype(jnp.float32))
         if real is not None:
@@ -138,6 +145,6 @@ class KDA(nn.Module):
             exports = dict(exports, state=out[2])
             new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
                                     for n, s in exports.items()}
-        gate = jax.nn.sigmoid(jnp.einsum("btr,rhv->bthv", xga, w_gb).astype(jnp.float32))
+        gate = jax.nn.sigmoid(fg[..., h * k:].reshape(b, t, h, k).astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -18,7 +18,10 @@ def test_fusing_keeps_every_other_leaf_and_is_idempotent(tiny_cfg, tiny_params):
     assert "w_q_dhk" not in f["layer_0"]["kda"] and "w_gate_elf" not in f["layer_1"]["moe"]
     count = lambda t: sum(x.size for x in jax.tree_util.tree_leaves(t))
     assert count(f) == count(tiny_params)  # the same numbers, rearranged
-    np.testing.assert_array_equal(f["layer_0"]["kda"]["w_fb_rhk"], tiny_params["layer_0"]["kda"]["w_fb_rhk"])
+    kda = tiny_params["layer_0"]["kda"]
+    np.testing.assert_array_equal(f["layer_0"]["kda"]["w_fg_srn"][0].reshape(kda["w_fb_rhk"].shape), kda["w_fb_rhk"])
+    np.testing.assert_array_equal(f["layer_0"]["kda"]["w_fg_srn"][1].reshape(kda["w_gb_rhv"].shape), kda["w_gb_rhv"])
+    np.testing.assert_array_equal(f["layer_1"]["moe"]["w_router_de"], tiny_params["layer_1"]["moe"]["w_router_de"])
 
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])

@@ -17,7 +17,7 @@ BETA_COL = 3 * H * K + 5  # the projection's output holds other columns between 
 def decode_inputs(rng, b, n_slots, dtype=jnp.float32):
     r = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)
     return dict(
-        x_in=r(b, BETA_COL + H + 3), f=r(b, H, K), x_gate=r(b, H, K),
+        x_in=r(b, BETA_COL + H + 3), fg=r(b, 2 * H * K),  # f | x_gate
         conv_pool=r(n_slots, W - 1, 3, H * K),
         state_pool=jnp.asarray(rng.standard_normal((n_slots, H, K, K)) * 0.3, jnp.float32),
     ), dict(w_conv=tuple(r(W, H * K, scale=0.5) for _ in "qkv"), a_log=jnp.log(jnp.asarray([2.0, 9.0])),
@@ -26,7 +26,7 @@ def decode_inputs(rng, b, n_slots, dtype=jnp.float32):
 
 def run(fn, arrays, params, slots, valid):
     a = dict(arrays)
-    return fn(a["x_in"], a["f"], a["x_gate"], a["conv_pool"], a["state_pool"],
+    return fn(a["x_in"], a["fg"], a["conv_pool"], a["state_pool"],
               jnp.asarray(slots, jnp.int32), None if valid is None else jnp.asarray(valid, jnp.int32), **params)
 
 
@@ -86,8 +86,8 @@ def test_bad_shapes_are_named_before_any_launch(rng):
     arrays, params = decode_inputs(rng, 2, 3)
     with pytest.raises(ValueError, match="state_pool must be float32"):
         run(kda_decode, dict(arrays, state_pool=arrays["state_pool"].astype(jnp.bfloat16)), params, [0, 1], None)
-    with pytest.raises(ValueError, match="x_gate"):
-        run(kda_decode, dict(arrays, x_gate=arrays["x_gate"][:, :, :8]), params, [0, 1], None)
+    with pytest.raises(ValueError, match="fg"):
+        run(kda_decode, dict(arrays, fg=arrays["fg"][:, :-8]), params, [0, 1], None)
     with pytest.raises(ValueError, match="slots and valid"):
         run(kda_decode, arrays, params, [0, 1, 2], None)
 
@@ -97,6 +97,7 @@ def fuse_in_projections(params):
     p = dict(params["params"])
     names = ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr")
     p["w_in_dx"] = jnp.concatenate([p.pop(n).reshape(p["w_o_hvd"].shape[-1], -1) for n in names], axis=-1)
+    p["w_fg_srn"] = jnp.stack([p.pop(n).reshape(p["w_o_hvd"].shape[1], -1) for n in ("w_fb_rhk", "w_gb_rhv")])
     return {"params": p}
 
 

@@ -38,11 +38,11 @@ def test_the_check_catches_what_the_lowering_refuses():
 @pytest.mark.parametrize("rows", [8, 32])
 def test_kda_decode_at_small_dims(rows):
     h, k, n_slots = 12, 128, 2 * rows + 2
-    fn = lambda x, f, g, cp, sp, sl, va, wq, wk, wv, a, dt, on: kda_decode._decode_core(
-        x, f, g, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=-5.0, eps=1e-6,
+    fn = lambda x, fg, cp, sp, sl, va, wq, wk, wv, a, dt, on: kda_decode._decode_core(
+        x, fg, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=-5.0, eps=1e-6,
         l2_eps=1e-6, scale=k ** -0.5, block_v=64, num_warps=4, interpret=False)
     assert lowered_triton_calls(
-        fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, h, k), BF16), S((rows, h, k), BF16),
+        fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, 2 * h * k), BF16),
         S((n_slots, 3, 3, h * k), BF16), S((n_slots, h, k, k), F32), S((rows,), I32), S((rows,), I32),
         *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
 

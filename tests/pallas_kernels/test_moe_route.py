@@ -72,8 +72,8 @@ def test_shapes_it_cannot_tile_are_named():
 def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_reference(rng, tiny_cfg,
                                                                                       monkeypatch):
     """LatentMoE with fused gate/up (`kimik3.fused`) and kernels="pallas" on 8 tokens takes
-    `route_layout` (with KIMIK3_MOE_ROUTE=kernel); its output equals the reference path's, idle
-    tokens included."""
+    `route_layout` (KIMIK3_MOE_ROUTE=kernel, the default; =xla keeps routing in XLA ops); its
+    output equals the reference path's, idle tokens included."""
     import dataclasses
 
     from kimik3 import ops
@@ -87,9 +87,14 @@ def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_re
              ["layer_0"]["moe"]}
     fits = lambda: ops.routed_ffn_fits(jnp.zeros((8, tiny_cfg.moe_latent_dim)), fused["params"]["w_gateup_elf"],
                                        fused["params"]["w_out_efl"], tiny_cfg.n_active_experts, "pallas")
-    assert not fits()  # off by default
+    monkeypatch.delenv("KIMIK3_MOE_ROUTE", raising=False)
+    assert fits()  # on by default
+    monkeypatch.setenv("KIMIK3_MOE_ROUTE", "xla")
+    assert not fits()
+    monkeypatch.setenv("KIMIK3_MOE_ROUTE", "fast")
+    with pytest.raises(ValueError, match="KIMIK3_MOE_ROUTE"):
+        fits()
     monkeypatch.setenv("KIMIK3_MOE_ROUTE", "kernel")
-    assert fits()
     real = jnp.asarray([[True, True, False, True], [True, False, False, True]])
     want = LatentMoE(tiny_cfg, "grouped", "reference").apply(fused, x, real)
     got = LatentMoE(tiny_cfg, "grouped", "pallas").apply(fused, x, real)
