@@ -21,7 +21,7 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_route
+from pallas_kernels import moe_combine, moe_route
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -130,16 +130,20 @@ def routed_ffn_fits(x_nl, w_gateup_elf, w_out_efl, top_k: int, kernels="auto") -
     """Whether `routed_ffn` serves N tokens: `moe_route_kernel` is on, `grouped_ffn` fits and the
     routing is one `moe_route.route_layout` program (powers of two; a decode step's few tokens)."""
     return (moe_route_kernel() and grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
-            and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k))
+            and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k)
+            and moe_combine.combine_norm_fits(x_nl.shape[1]))
 
 
-def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, top_k: int):
-    """Routed experts from router logits: `moe_route.route_layout` (sigmoid routing and the
-    group-aligned layout in one kernel) then `grouped_ffn` on that layout.  x [N, L], logits
-    [N, E] fp32, real [N] or None -> (routing weights [N, k] fp32, unweighted outputs [N, k, L]).
-    Callers check `routed_ffn_fits`."""
+def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, top_k: int, latent_norm_l, eps: float):
+    """Routed experts from router logits, to the latent norm: `moe_route.route_layout` (sigmoid
+    routing and the group-aligned layout in one kernel), `grouped_ffn` on that layout, then
+    `moe_combine.combine_norm` (the routing-weighted sum of each token's rows and the latent
+    RMSNorm in one kernel, reading the rows where they lie).  x [N, L], logits [N, E] fp32,
+    real [N] or None -> rms_norm(combine) [N, L].  Callers check `routed_ffn_fits`."""
     weights, dest, tiles = moe_route.route_layout(logits_ne, bias_e, real_n, top_k=top_k)
-    return weights, moe_kernels.grouped_ffn(x_nl, None, w_gateup_elf, w_out_efl, act=act, layout=(dest, tiles))
+    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, w_gateup_elf, w_out_efl, act=act, layout=(dest, tiles),
+                                           gather=False)
+    return moe_combine.combine_norm(y_rows, dest, weights, latent_norm_l, eps=eps)
 
 
 def kda_export_mask(export_at, t: int, chunk_size: int):

@@ -237,9 +237,9 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     return jnp.where(named, dest, n_tiles * block_m).astype(jnp.int32), tile_group, n_tiles
 
 
-@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling"))
+@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling", "gather"))
 def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None,
-                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None):
+                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None, gather: bool = True):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
@@ -250,7 +250,9 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
     (`Tiling`; None: by shape).  layout: (dest [N, k] int32, tile_group [>= n_tiles] int32) as
     `pallas_kernels.moe_route.route_layout` gives them (at block_m = `layout_block_m(N * k)`), in
-    place of ids (pass ids_nk None).
+    place of ids (pass ids_nk None).  gather=False: (the layout's output rows [R, L], dest [N, k]
+    int32, >= R for no expert) instead of y, for a consumer that reads them where they lie
+    (`pallas_kernels.moe_combine`).
 
     Where `grouped_matmul` twice would gather the rows into expert order, scatter them into
     the padded layout, gather the gate/up result back, scatter it again for the down
@@ -277,4 +279,6 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
     h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0], act=act)  # [.., F]
     y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, tiling[1])
+    if not gather:
+        return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

@@ -155,15 +155,18 @@ class LatentMoE(nn.Module):
         logits = router_logits(x_nd, w_router)
         if (self.expert_path == "grouped" and w_up is None
                 and ops.routed_ffn_fits(x_nl, w_gate, w_out, cfg.n_active_experts, self.kernels)):
-            # a decode step's few tokens: routing and layout in one kernel, then the grouped FFN
-            z = combine(*ops.routed_ffn(x_nl, logits, bias, None if real_bt is None else real_bt.reshape(-1),
-                                        w_gate, w_out, _SituGLU(tuple(caps)), cfg.n_active_experts))
+            # a decode step's few tokens: routing and layout in one kernel, the grouped FFN, then
+            # the combine and the latent norm in one kernel
+            z_normed = ops.routed_ffn(x_nl, logits, bias, None if real_bt is None else real_bt.reshape(-1),
+                                      w_gate, w_out, _SituGLU(tuple(caps)), cfg.n_active_experts, latent_norm,
+                                      cfg.norm_eps)
         else:
             ids, weights = route_logits(logits, bias, cfg.n_active_experts)
             if real_bt is not None:
                 ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
             z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
-        routed = (rms_norm(z, latent_norm, cfg.norm_eps) @ w_upproj) * cfg.routed_scaling_factor
+            z_normed = rms_norm(z, latent_norm, cfg.norm_eps)
+        routed = (z_normed @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
         if fs and fused:
             w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, moe, moe_route
+from pallas_kernels import kda_decode, moe, moe_combine, moe_route
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -45,6 +45,13 @@ def test_kda_decode_at_small_dims(rows):
         fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, 2 * h * k), BF16),
         S((n_slots, 3, 3, h * k), BF16), S((n_slots, h, k, k), F32), S((rows,), I32), S((rows,), I32),
         *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_moe_combine_norm_at_small_dims(rows):
+    fn = lambda y, dest, w, norm: moe_combine._combine_norm_core(y, dest, w, norm, eps=1e-6, interpret=False)
+    assert lowered_triton_calls(fn, S((32 * 16, 768), BF16), S((rows, 4), I32), S((rows, 4), F32),
+                                S((768,), BF16)) == 1
 
 
 @pytest.mark.parametrize("rows", [8, 32])
