@@ -99,17 +99,22 @@ class KDA(nn.Module):
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
             x_in, beta_col = None, 3 * h * k
 
-        if fused:  # f | x_gate [B, T, 2 * H*K]: one batched GEMM
-            fg = jnp.einsum("btsr,srn->btsn", jnp.stack([xfa, xga], axis=2), w_fg).reshape(b, t, -1)
+        # the gates' projections f and x_gate [B, T, H, K]: one batched GEMM in the serving layout
+        # (its [B, T, 2, H*K] output is what the decode kernel reads), two apart in the checkpoint's
+        # (whose sharding rules shard each on heads)
+        if fused:
+            fg = jnp.einsum("btsr,srn->btsn", jnp.stack([xfa, xga], axis=2), w_fg)
+            f, x_gate = fg[:, :, 0].reshape(b, t, h, k), fg[:, :, 1].reshape(b, t, h, k)
         else:
-            fg = jnp.concatenate([jnp.einsum("btr,rhk->bthk", xfa, w_fb).reshape(b, t, -1),
-                                  jnp.einsum("btr,rhv->bthv", xga, w_gb).reshape(b, t, -1)], axis=-1)
+            f, x_gate = jnp.einsum("btr,rhk->bthk", xfa, w_fb), jnp.einsum("btr,rhv->bthv", xga, w_gb)
 
         conv_state = cache.get("conv")
         if slots is not None and t == 1 and export_at is None and ops.kda_decode_fused(self.kernels):
             # a decode token: convs, gates, recurrence and gated norm in one kernel on both pools
             # (it reads q | k | v and beta from the projection's output as it is, f | x_gate whole)
             x_in = jnp.concatenate([x_qkv, xb], axis=-1) if x_in is None else x_in  # q | k | v, then beta
+            fg = (fg.reshape(b, t, -1) if fused
+                  else jnp.concatenate([f.reshape(b, t, -1), x_gate.reshape(b, t, -1)], axis=-1))
             o, conv_pool, state_pool = ops.kda_decode(
                 x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
@@ -130,7 +135,6 @@ class KDA(nn.Module):
         q = pad(l2_normalize(y[:, :, 0]))
         kk = pad(l2_normalize(y[:, :, 1]))
         v = pad(y[:, :, 2])
-        f = fg[..., :h * k].reshape(b, t, h, k)
         g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
         beta = jax.nn.sigmoid(xb.astype(jnp.float32))
         if real is not None:
@@ -145,6 +149,6 @@ class KDA(nn.Module):
             exports = dict(exports, state=out[2])
             new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
                                     for n, s in exports.items()}
-        gate = jax.nn.sigmoid(fg[..., h * k:].reshape(b, t, h, k).astype(jnp.float32))
+        gate = jax.nn.sigmoid(x_gate.astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache
