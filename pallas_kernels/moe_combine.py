@@ -24,11 +24,9 @@ from jax.experimental.pallas import triton as pltriton
 
 def combine_norm_ref(y_rl, dest_nk, weights_nk, norm_l, *, eps: float):
     """The reference: same arguments and result as `combine_norm`."""
-    r = y_rl.shape[0]
-    y = jnp.take(y_rl, dest_nk, axis=0, mode="fill", fill_value=0)  # [N, k, L]
+    y = jnp.take(y_rl, dest_nk, axis=0, mode="fill", fill_value=0)  # [N, k, L]: rows past y read 0
     w = weights_nk.astype(y_rl.dtype).astype(jnp.float32)
-    z = jnp.sum(jnp.where((dest_nk < r)[..., None], w[..., None] * y.astype(jnp.float32), 0.0), axis=1)
-    z = z.astype(y_rl.dtype)
+    z = jnp.sum(w[..., None] * y.astype(jnp.float32), axis=1).astype(y_rl.dtype)
     z32 = z.astype(jnp.float32)
     out = z32 * jax.lax.rsqrt(jnp.mean(z32 * z32, axis=-1, keepdims=True) + eps) * norm_l.astype(jnp.float32)
     return out.astype(y_rl.dtype)
