@@ -8,8 +8,8 @@ program, back to back, for the `small` config's experts (E 32, L 768, F 768, top
 engine's decode buckets: B8 holding one request (its seven padding rows share one token, so
 one set of experts: ~8 experts read) and B32 of distinct requests (~32 experts).  Each row is
 one (gate/up tiling, down tiling) pair (`pallas_kernels.moe.Tiling`: block_n, block_k,
-num_warps, num_stages; "default" is `_tiling`'s choice), with the active experts' weight
-bytes over the time against torch's D2D copy rate of the same run.  Every tiling is checked
+num_warps, num_stages; "default" is `grouped_ffn`'s own choice: `few_rows_tiling` at B8), with
+the active experts' weight bytes over the time against torch's D2D copy rate of the same run.  Every tiling is checked
 against the default's output first.
 """
 

@@ -145,6 +145,24 @@ def _tiling(k: int, n: int, tiling: Tiling | None) -> Tiling:
     return (_pick(n, (128, 64, 32, 16)), _pick(k, (64, 32, 16)), 4, 3)
 
 
+# A decode step of a few tokens (<= this many (token, slot) assignments) holds its rows in a few
+# experts: at the widest tiles one expert's columns make 6 programs, and 4 experts leave most of
+# the 132 SMs idle.  Narrow column tiles with long K steps spread each expert over more programs
+# (`benchmarks/moe_tune.py`, B8 one request: 24.5 -> ~20 us a layer); at B32 the wide tiles win.
+FEW_ROWS = 32
+
+
+def few_rows_tiling(rows: int, k: int, n: int, dtype, act: bool) -> Tiling | None:
+    """The tiling for `rows` assignments of a 2-byte dtype times [G, K, N] (N: each of gate and
+    up's columns with act), or None (`_tiling`'s default) past FEW_ROWS or for wider dtypes."""
+    if rows > FEW_ROWS or jnp.dtype(dtype).itemsize != 2:
+        return None
+    bn, bk = _pick(n, (32, 16) if act else (16, 32)), _pick(k, (256, 128, 64, 32, 16) if act else (128, 64, 32, 16))
+    if bn is None or bk is None:
+        return None
+    return (bn, bk, 4, 4) if act else (bn, bk, 2, 3)
+
+
 def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
@@ -248,7 +266,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     act(0, 0) == 0 (padding rows stay zero), called on fp32 values (the GEMM's output rounded
     to x's dtype) inside the kernel.  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
-    (`Tiling`; None: by shape).  layout: (dest [N, k] int32, tile_group [>= n_tiles] int32) as
+    (`Tiling`; None: by shape, `few_rows_tiling` for a decode step's few rows).  layout: (dest [N, k] int32, tile_group [>= n_tiles] int32) as
     `pallas_kernels.moe_route.route_layout` gives them (at block_m = `layout_block_m(N * k)`), in
     place of ids (pass ids_nk None).  gather=False: (the layout's output rows [R, L], dest [N, k]
     int32, >= R for no expert) instead of y, for a consumer that reads them where they lie
@@ -277,8 +295,10 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
     rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
     x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
-    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, tiling[0], act=act)  # [.., F]
-    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, tiling[1])
+    t_gu = tiling[0] or few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True)
+    t_down = tiling[1] or few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False)
+    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act)  # [.., F]
+    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down)
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, moe, moe_combine, moe_route
+from pallas_kernels import kda_decode, moe, moe_combine, moe_route, skinny
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -60,9 +60,15 @@ def test_moe_route_at_small_dims(rows):
     assert lowered_triton_calls(fn, S((rows, 32), F32), S((32,), F32), S((rows,), I32)) == 1
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype):
+@pytest.mark.parametrize("dtype, tokens", [(BF16, 32), (F32, 32), (BF16, 8)])  # 8 x top-4: few_rows_tiling
+def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
     act = lambda gate, up: jax.nn.silu(gate) * up
     fn = lambda x, ids, w_gateup, w_out: moe.grouped_ffn(x, ids, w_gateup, w_out, act=act, interpret=False)
-    assert lowered_triton_calls(fn, S((32, 768), dtype), S((32, 4), I32), S((32, 768, 1536), dtype),
+    assert lowered_triton_calls(fn, S((tokens, 768), dtype), S((tokens, 4), I32), S((32, 768, 1536), dtype),
                                 S((32, 768, 768), dtype)) == 2
+
+
+@pytest.mark.parametrize("rows, k, n", [(8, 1536, 4928), (32, 1536, 1536), (8, 768, 1536)])
+def test_skinny_matmul_at_small_dims(rows, k, n):
+    fn = lambda x, w: skinny.matmul(x, w, interpret=False)
+    assert lowered_triton_calls(fn, S((rows, k), BF16), S((k, n), BF16)) == 1

@@ -155,3 +155,27 @@ def test_grouped_ffn_gives_an_assignment_to_no_expert_zero_and_leaves_the_rest(r
     want = _ffn_ref(x, ids, w_gateup, w_out)
     assert (y[dropped == e] == 0).all()
     np.testing.assert_allclose(y[dropped < e], want[dropped < e], atol=1e-4, rtol=1e-4)
+
+
+def test_a_decode_steps_few_rows_take_narrow_tiles_and_give_the_wide_tiles_answer(rng):
+    """`few_rows_tiling`: <= FEW_ROWS bf16 assignments run narrow column tiles (more programs per
+    expert); past it, or in fp32, the default.  Both tilings compute the same FFN."""
+    from pallas_kernels import moe
+
+    n, k, e, l, f = 8, 4, 6, 256, 64
+    assert moe.few_rows_tiling(n * k, l, f, jnp.bfloat16, act=True) == (32, 256, 4, 4)
+    assert moe.few_rows_tiling(n * k, f, l, jnp.bfloat16, act=False) == (16, 64, 2, 3)
+    assert moe.few_rows_tiling(moe.FEW_ROWS + 1, l, f, jnp.bfloat16, act=True) is None
+    assert moe.few_rows_tiling(n * k, l, f, jnp.float32, act=True) is None
+    x = jnp.asarray(rng.standard_normal((n, l)), jnp.bfloat16)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.bfloat16)
+    few = np.asarray(moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu), np.float32)
+    wide_tiling = (moe._tiling(l, f, None), moe._tiling(f, l, None))
+    wide = np.asarray(moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu, tiling=wide_tiling),
+                      np.float32)
+    want = _ffn_ref(x.astype(jnp.float32), ids, w_gateup.astype(jnp.float32), w_out.astype(jnp.float32))
+    # bf16 h and y (one rounding each, ~2^-8 relative) on fp32 accumulation in either blocking
+    np.testing.assert_allclose(few, want, atol=3e-2, rtol=2e-2)
+    np.testing.assert_allclose(few, wide, atol=2e-2, rtol=1e-2)
