@@ -3,8 +3,10 @@
 At M <= 32 a projection is a weight read: its time is w's bytes over HBM bandwidth.  XLA's
 GEMMs for these shapes (split-K Triton fusions plus a reduce) read `small`'s decode weights
 at 13-49% of the D2D copy rate on the H200.  This kernel gives every program a narrow column
-strip of w (block_n) and, where the strips are too few to fill the SMs, a slice of K
-(split_k: fp32 partials [S, M, N] summed by the caller's fusion, as XLA's split-K does).
+strip of w (block_n) and a slice of K (split_k: fp32 partials [S, M, N] summed by the
+consumer's fusion, as XLA's split-K does).  The model uses it for the projections back to
+d_model (`kimik3.ops.dense`), where it beat XLA's dot; for the wide input projections XLA's
+dot was as fast.
 `benchmarks/skinny_tune.py` measures it against XLA's dot on the same shapes.
 """
 
@@ -30,15 +32,17 @@ def matmul_ref(x_mk, w_kn):
 
 
 def default_tiling(k: int, n: int) -> Tiling | None:
-    """Narrow strips and long K steps, split K until ~2 programs an SM (132 SMs on the H200);
-    None where no tile divides (the caller keeps XLA's dot)."""
-    bn = next((b for b in (64, 32, 16) if n % b == 0), None)
-    bk = next((b for b in (256, 128, 64) if k % b == 0), None)
+    """32-column strips, each program a K-slice of ~768 (split_k = K // 768 where it divides),
+    in 128-deep steps when split, 256-deep when not (`benchmarks/skinny_tune.py` on the H200:
+    the best or within noise of it at M 8 and 32 for `small`'s out-projections); None where
+    no tile divides (the caller keeps XLA's dot)."""
+    bn = next((b for b in (32, 16) if n % b == 0), None)
+    split = 1
+    while k % (2 * split * 128) == 0 and k // (2 * split) >= 768:
+        split *= 2
+    bk = 128 if split > 1 else next((b for b in (256, 128, 64) if k % b == 0), None)
     if bn is None or bk is None:
         return None
-    split = 1
-    while (n // bn) * split < 264 and k % (bk * split * 2) == 0:
-        split *= 2
     return (bn, bk, split, 4, 4)
 
 
