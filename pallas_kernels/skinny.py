@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as pltriton
 # (block_n, block_k, split_k, num_warps, num_stages)
 Tiling = tuple[int, int, int, int, int]
 
-MAX_ROWS = 32  # past this the step is no longer a pure weight read; XLA's GEMMs are the better choice
+MAX_ROWS = 32  # past this a projection is no longer a pure weight read
 _ROWS_PAD = 16  # Triton's dot needs >= 16 rows
 
 
@@ -51,18 +51,27 @@ def fits(m: int, k: int, n: int, dtype) -> bool:
     return m <= MAX_ROWS and jnp.dtype(dtype).itemsize == 2 and default_tiling(k, n) is not None
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k, n_k):
-    """Program (j, s): columns j * block_n of K-slice s (n_k steps of block_k)."""
+def _kernel(x_ref, w_ref, o_ref, *, block_k, n_k, rows):
+    """Program (j, s): columns j * block_n of K-slice s (n_k steps of block_k).  Fewer rows than
+    Triton's dot takes (16) load masked (zeros) and store masked: no padded copy of x."""
     j, s = pl.program_id(0), pl.program_id(1)
-    bm, bn = o_ref.shape
+    bn = o_ref.shape[-1]
+    mp = -(-rows // _ROWS_PAD) * _ROWS_PAD
+    x_mask = jax.lax.broadcasted_iota(jnp.int32, (mp, block_k), 0) < rows
 
     def body(kk, acc):
         k0 = (s * n_k + kk) * block_k
-        return acc + jnp.dot(x_ref[:, pl.ds(k0, block_k)], w_ref[pl.ds(k0, block_k), pl.ds(j * bn, bn)],
-                             preferred_element_type=jnp.float32)
+        if mp == rows:
+            xs = x_ref[:, pl.ds(k0, block_k)]
+        else:
+            xs = pltriton.load(x_ref.at[pl.ds(0, mp), pl.ds(k0, block_k)], mask=x_mask, other=0)
+        return acc + jnp.dot(xs, w_ref[pl.ds(k0, block_k), pl.ds(j * bn, bn)], preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((mp, bn), jnp.float32)).astype(o_ref.dtype)
+    if mp == rows:
+        o_ref[...] = acc
+    else:
+        pltriton.store(o_ref.at[pl.ds(0, mp), :], acc, mask=jax.lax.broadcasted_iota(jnp.int32, (mp, bn), 0) < rows)
 
 
 def _interpret(interpret):
@@ -84,18 +93,16 @@ def matmul(x_mk, w_kn, *, tiling: Tiling | None = None, interpret=None):
     block_n, block_k, split, num_warps, num_stages = tiling or default_tiling(k, n)
     if n % block_n or k % (block_k * split):
         raise ValueError(f"skinny.matmul tiling {tiling}: block_n must divide N={n}, block_k * split_k K={k}")
-    mp = max(_ROWS_PAD, -(-m // _ROWS_PAD) * _ROWS_PAD)
-    x_p = jnp.pad(x_mk, ((0, mp - m), (0, 0))) if mp != m else x_mk
     out_dtype = x_mk.dtype if split == 1 else jnp.float32
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=block_k, n_k=k // (block_k * split)),
+        functools.partial(_kernel, block_k=block_k, n_k=k // (block_k * split), rows=m),
         grid=(n // block_n, split),
-        out_specs=pl.BlockSpec((None, mp, block_n), lambda j, s: (s, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((split, mp, n), out_dtype),
+        out_specs=pl.BlockSpec((None, m, block_n), lambda j, s: (s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((split, m, n), out_dtype),
         interpret=_interpret(interpret),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="skinny_matmul",
-    )(x_p, w_kn)
+    )(x_mk, w_kn)
     y = out[0] if split == 1 else out.sum(0).astype(x_mk.dtype)
-    return y[:m]
+    return y
 

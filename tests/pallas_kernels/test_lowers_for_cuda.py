@@ -68,7 +68,7 @@ def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
                                 S((32, 768, 768), dtype)) == 2
 
 
-@pytest.mark.parametrize("rows, k, n", [(8, 1536, 4928), (32, 1536, 1536), (8, 768, 1536)])
+@pytest.mark.parametrize("rows, k, n", [(8, 1536, 4928), (32, 1536, 1536), (8, 768, 1536), (5, 768, 1536), (20, 1536, 1536)])
 def test_skinny_matmul_at_small_dims(rows, k, n):
     fn = lambda x, w: skinny.matmul(x, w, interpret=False)
     assert lowered_triton_calls(fn, S((rows, k), BF16), S((k, n), BF16)) == 1
