@@ -15,14 +15,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import kda as kda_kernels
 from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_route, skinny
+from pallas_kernels import moe_combine, moe_route
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -91,26 +90,6 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
                                                slots=jnp.arange(b, dtype=jnp.int32))
     o, final_state, _ = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
     return o, final_state
-
-
-# Rows up to which `dense` takes the few-row kernel.  Alone the kernel beat XLA's dot at 32 rows
-# too, but in the B32 decode program XLA's split-K GEMMs (their reduce fused into the consumer)
-# were as fast (`benchmarks/RESULTS.md`, session 15): the kernel serves the B8 bucket.
-DENSE_KERNEL_ROWS = 16
-
-
-def dense(x_md, w_dn, kernels="auto"):
-    """x [..., K] @ w [K, N] -> [..., N] in x's dtype (fp32 accumulation): a projection back to
-    d_model.  A decode step's few rows (<= DENSE_KERNEL_ROWS, bf16) take the few-row Pallas GEMM
-    (`pallas_kernels.skinny`) on the GPU, where it reads these weights faster than XLA's dot;
-    everything else, and the CPU (where the kernel would only run interpreted, `x @ w`'s math
-    at many times the compile), XLA's dot."""
-    lead, k = x_md.shape[:-1], x_md.shape[-1]
-    m = int(np.prod(lead)) if lead else 1
-    if (resolve(kernels) == "pallas" and jax.default_backend() == "gpu" and x_md.dtype == w_dn.dtype
-            and m <= DENSE_KERNEL_ROWS and skinny.fits(m, k, w_dn.shape[1], x_md.dtype)):
-        return skinny.matmul(x_md.reshape(m, k), w_dn).reshape(*lead, w_dn.shape[1])
-    return x_md @ w_dn
 
 
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):

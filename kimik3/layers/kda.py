@@ -119,8 +119,7 @@ class KDA(nn.Module):
                 x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
                 lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
-            y = ops.dense(o.reshape(b, h * k), w_o.reshape(h * k, d), self.kernels)  # einsum bhv,hvd->bd
-            return y[:, None], {"conv": conv_pool, "state": state_pool}
+            return jnp.einsum("bhv,hvd->bd", o, w_o)[:, None], {"conv": conv_pool, "state": state_pool}
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
         # (or the pool [num_slots, ...] read and written by slot).

@@ -125,5 +125,4 @@ class MLA(nn.Module):
                               contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
         gate = jax.nn.sigmoid(xg.reshape(o.shape).astype(jnp.float32))
         o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
-        hv = o.shape[2] * o.shape[3]
-        return ops.dense(o.reshape(*o.shape[:2], hv), w_o.reshape(hv, w_o.shape[2]), self.kernels), new_cache
+        return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache

@@ -166,12 +166,11 @@ class LatentMoE(nn.Module):
                 ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
             z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
             z_normed = rms_norm(z, latent_norm, cfg.norm_eps)
-        routed = ops.dense(z_normed, w_upproj, self.kernels) * cfg.routed_scaling_factor
+        routed = (z_normed @ w_upproj) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
         if fs and fused:
             w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))
-            shared = ops.dense(situ_glu(shared_gate, shared_up, *caps), w_shared_out, self.kernels)
-            y = y + shared.reshape(b, t, d).astype(y.dtype)
+            y = y + (situ_glu(shared_gate, shared_up, *caps) @ w_shared_out).reshape(b, t, d).astype(y.dtype)
         elif fs:
             y = y + MLP(d, fs, cfg.situ_gate_cap, cfg.situ_up_cap, name="shared")(x_btd)
         return y

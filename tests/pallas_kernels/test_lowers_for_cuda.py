@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, moe, moe_combine, moe_route, skinny
+from pallas_kernels import kda_decode, moe, moe_combine, moe_route
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -67,8 +67,3 @@ def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
     assert lowered_triton_calls(fn, S((tokens, 768), dtype), S((tokens, 4), I32), S((32, 768, 1536), dtype),
                                 S((32, 768, 768), dtype)) == 2
 
-
-@pytest.mark.parametrize("rows, k, n", [(8, 1536, 4928), (32, 1536, 1536), (8, 768, 1536), (5, 768, 1536), (20, 1536, 1536)])
-def test_skinny_matmul_at_small_dims(rows, k, n):
-    fn = lambda x, w: skinny.matmul(x, w, interpret=False)
-    assert lowered_triton_calls(fn, S((rows, k), BF16), S((k, n), BF16)) == 1
