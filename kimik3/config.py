@@ -186,6 +186,21 @@ def tiny() -> ModelConfig:
     )
 
 
+def mini() -> ModelConfig:
+    """Training on one GPU (`kimik3 train`): every layer kind, byte-level vocabulary, ~50M
+    parameters: sized to reach a plateau on Debian's Python documentation in minutes on an H200."""
+    return ModelConfig(
+        name="mini", vocab_size=288, d_model=512, n_layers=8, max_seq_len=4096,
+        kda_heads=4, kda_head_dim=128,
+        mla_heads=8, q_lora_rank=256, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64,
+        n_routed_experts=16, n_active_experts=4, n_shared_experts=1,
+        moe_latent_dim=256, moe_expert_dim=256, moe_shared_dim=512, routed_scaling_factor=2.5,
+        dense_ffn_dim=1536,
+        vit=ViTConfig(image_size=112, patch_size=14, width=128, depth=2, heads=4, mlp_dim=512, merge=2),
+        dtype="float32",
+    )
+
+
 def small() -> ModelConfig:
     """About 1B parameters: real kernel shapes (head_dim 128, latent 512+64) on one H200."""
     return ModelConfig(
@@ -220,7 +235,7 @@ def kimi_k3() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "small": small, "kimi_k3": kimi_k3}
+PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3}
 
 
 def get_config(name: str) -> ModelConfig:
