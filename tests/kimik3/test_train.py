@@ -89,3 +89,12 @@ def test_train_config_refuses_what_cannot_run():
         train.TrainConfig(steps=10, warmup_steps=10)
     with pytest.raises(ValueError, match="batch"):
         train.TrainConfig(batch=0)
+
+
+def test_a_copy_of_the_corpus_directory_splits_the_same(tmp_path, rng):
+    texts = {f"d{i}.txt": "x" * int(rng.integers(1, 4 * corpus.BLOCK_BYTES)) + str(i) for i in range(20)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = corpus.load(_write(tmp_path / "a", texts), held_out_fraction=0.2)
+    b = corpus.load(_write(tmp_path / "b", texts), held_out_fraction=0.2)
+    np.testing.assert_array_equal(a.held_out, b.held_out)
