@@ -44,9 +44,15 @@ def kernel_dims_ok(k: int, n: int) -> bool:
     return _pick(k, (64, 32, 16)) is not None and _pick(n, (128, 64, 32, 16)) is not None
 
 
-def _gmm_kernel(tile_group_ref, x_ref, w_ref, o_ref, *, block_k, n_k, precision, act=None):
+def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=None):
     """One (row tile, column tile).  act: None, or the output is act(gate, up) of the weights'
-    two halves (w [G, K, 2F] gate ++ up; this program's columns j of each, o [.., F])."""
+    two halves (w [G, K, 2F] gate ++ up; this program's columns j of each, o [.., F]).
+    top_k: None, the rows come in the layout (x_pad [R, K]); else refs start with dest [A]
+    (each (token, slot) assignment's layout row) and x is the tokens' rows [N, K]: the program
+    finds which assignment sits in each of its rows and loads that token's row (masked: empty
+    rows read zeros), so no padded copy of x is written first."""
+    dest_ref = None if top_k is None else refs[0]
+    x_ref, w_ref, o_ref = refs[-3:]
     i, j = pl.program_id(0), pl.program_id(1)
     bm, bn = o_ref.shape
     g = tile_group_ref[i]
@@ -54,8 +60,21 @@ def _gmm_kernel(tile_group_ref, x_ref, w_ref, o_ref, *, block_k, n_k, precision,
 
     @pl.when(g >= 0)
     def _():
+        if dest_ref is None:
+            load_x = lambda kk: x_ref[pl.ds(i * bm, bm), pl.ds(kk * block_k, block_k)]
+        else:
+            dest = dest_ref[...]  # [A]
+            a = dest.shape[0]
+            hit = dest[None, :] == i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, a), 0)  # [bm, A]
+            token = jnp.sum(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, (bm, a), 1) // top_k, 0), axis=1)
+            filled = jnp.sum(hit.astype(jnp.int32), axis=1) > 0
+            token = jnp.broadcast_to(token[:, None], (bm, block_k))
+            filled = jnp.broadcast_to(filled[:, None], (bm, block_k))
+            column = jax.lax.broadcasted_iota(jnp.int32, (bm, block_k), 1)
+            load_x = lambda kk: pltriton.load(x_ref.at[token, kk * block_k + column], mask=filled, other=0)
+
         def body(kk, accs):
-            xs = x_ref[pl.ds(i * bm, bm), pl.ds(kk * block_k, block_k)]
+            xs = load_x(kk)
             return tuple(acc + jnp.dot(xs, w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
                                        preferred_element_type=jnp.float32, precision=precision)
                          for acc, c in zip(accs, cols))
@@ -163,10 +182,13 @@ def few_rows_tiling(rows: int, k: int, n: int, dtype, act: bool) -> Tiling | Non
     return (bn, bk, 4, 4) if act else (bn, bk, 2, 3)
 
 
-def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None):
+def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None,
+                gather=None):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
-    or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F]."""
+    or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F].
+    gather: (dest [A] int32, top_k, n_tiles): x_pad is instead the tokens' rows [A / top_k, K]
+    and each program loads its layout rows from them (`_gmm_kernel`)."""
     k, n = rhs_gkn.shape[1:]
     n = n if act is None else n // 2
     block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling)
@@ -174,15 +196,26 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
         # two fp32 weight tiles a stage: half as wide, the shared memory of one unfused tile (Hopper: 227 KiB)
         block_n, num_stages = (block_n // 2, num_stages) if block_n >= 32 else (block_n, 2)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
+    rows = x_pad.shape[0] if gather is None else gather[2] * block_m
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision, act=act),
-        grid=(x_pad.shape[0] // block_m, n // block_n),
+        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision, act=act,
+                          top_k=None if gather is None else gather[1]),
+        grid=(rows // block_m, n // block_n),
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n), x_pad.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, n), x_pad.dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="moe_grouped_matmul",
-    )(tile_group, x_pad, rhs_gkn)
+    )(tile_group, *(() if gather is None else (gather[0],)), x_pad, rhs_gkn)
+
+
+# Up to this many (token, slot) assignments (a power of two: Triton tiles the whole dest array)
+# the gate/up kernel loads its rows from the tokens' own rows; past it, a padded copy is written.
+GATHER_LIMIT = 1024
+
+
+def _gathers(assignments: int) -> bool:
+    return assignments <= GATHER_LIMIT and assignments & (assignments - 1) == 0
 
 
 def layout_block_m(rows: int) -> int:
@@ -293,11 +326,15 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
-    rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
-    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
     t_gu = tiling[0] or few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True)
     t_down = tiling[1] or few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False)
-    h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act)  # [.., F]
+    if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
+        h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
+                        gather=(dest.astype(jnp.int32), k, n_tiles))
+    else:
+        rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
+        x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
+        h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act)  # [.., F]
     y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down)
     if not gather:
         return y, dest.reshape(n, k)

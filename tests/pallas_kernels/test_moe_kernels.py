@@ -179,3 +179,27 @@ def test_a_decode_steps_few_rows_take_narrow_tiles_and_give_the_wide_tiles_answe
     # bf16 h and y (one rounding each, ~2^-8 relative) on fp32 accumulation in either blocking
     np.testing.assert_allclose(few, want, atol=3e-2, rtol=2e-2)
     np.testing.assert_allclose(few, wide, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_the_gate_up_kernel_reading_the_tokens_rows_equals_the_padded_copy(rng, monkeypatch, gather):
+    """<= GATHER_LIMIT assignments (a power of two): the gate/up kernel finds each layout row's
+    token from dest and loads its row (no padded copy); past it, the padded copy.  Both give
+    each expert's FFN, zeros for assignments to no expert."""
+    from pallas_kernels import moe
+
+    if not gather:
+        monkeypatch.setattr(moe, "GATHER_LIMIT", 0)
+    n, k, e, l, f = 16, 2, 6, 32, 16
+    assert moe._gathers(n * k) == gather
+    x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    dropped = ids.copy()
+    dropped[[2, 9]] = e  # two tokens routed nowhere
+    dropped[5, 0] = e
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
+    y = np.asarray(moe.grouped_ffn(x, jnp.asarray(dropped), w_gateup, w_out, act=_silu_glu))
+    want = _ffn_ref(x, ids, w_gateup, w_out)
+    assert (y[dropped == e] == 0).all()
+    np.testing.assert_allclose(y[dropped < e], want[dropped < e], atol=1e-4, rtol=1e-4)
