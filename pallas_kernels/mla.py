@@ -145,7 +145,7 @@ def fold_rows(x, rows_pad: int):
     return jnp.pad(x.reshape(b, sq * h, d), ((0, 0), (0, rows_pad - sq * h), (0, 0)))
 
 
-def merge_splits(o_part, lse_part, shape, dtype):
+def merge_splits_ref(o_part, lse_part, shape, dtype):
     """Split-KV partials o [B, S, rows_pad, r] (each normalized over its own keys), lse [B, S,
     rows_pad] -> o [B, Sq, H, r] in `dtype` and lse [B, Sq, H] (shape = q_latent's), as
     o = sum_s exp(lse_s - lse) o_s."""
@@ -154,6 +154,56 @@ def merge_splits(o_part, lse_part, shape, dtype):
     weights = jnp.exp(lse_part - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None])
     o = jnp.sum(weights[..., None] * o_part.astype(jnp.float32), axis=1)
     return o[:, :sq * h].reshape(b, sq, h, r).astype(dtype), lse[:, :sq * h].reshape(b, sq, h)
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits):
+    """Program (b, row block, value block): the splits' partials folded in one pass, as the
+    decode kernel folds key blocks (running max, rescaled sum)."""
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bv = out_ref.shape
+    m = jnp.full((bm,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((bm,), jnp.float32)
+    acc = jnp.zeros((bm, bv), jnp.float32)
+    for s in range(n_splits):  # a handful of splits: unrolled
+        ls = lse_ref[b, s, pl.ds(i * bm, bm)]
+        m_new = jnp.maximum(m, ls)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, w = jnp.exp(m - m_safe), jnp.exp(ls - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_ref[b, s, pl.ds(i * bm, bm), pl.ds(j * bv, bv)]
+        m = m_new
+    has = l > 0
+    out_ref[...] = jnp.where(has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0).astype(out_ref.dtype)
+
+    @pl.when(j == 0)
+    def _():
+        lse_out_ref[...] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
+
+
+_MERGE_ROWS, _MERGE_VALUES = 16, 128
+
+
+def merge_splits(o_part, lse_part, shape, dtype, *, kernel=None, interpret=None):
+    """`merge_splits_ref` (its arguments and results) in one kernel, where XLA's logsumexp and
+    weighted sum took three launches a layer.  kernel: None runs it on a GPU backend (the
+    reference elsewhere: the same math, no interpreter in CPU runs); True runs it anywhere
+    (interpreted off the GPU unless interpret=False, for tests); False the reference."""
+    b, sq, h, r = shape
+    n_splits, rows_pad = o_part.shape[1], o_part.shape[2]
+    on_gpu = jax.default_backend() == "gpu"
+    if not (on_gpu if kernel is None else kernel) or rows_pad % _MERGE_ROWS or r % _MERGE_VALUES:
+        return merge_splits_ref(o_part, lse_part, shape, dtype)
+    o, lse = pl.pallas_call(
+        functools.partial(_merge_kernel, n_splits=n_splits),
+        grid=(b, rows_pad // _MERGE_ROWS, r // _MERGE_VALUES),
+        out_specs=[pl.BlockSpec((None, _MERGE_ROWS, _MERGE_VALUES), lambda bb, i, j: (bb, i, j)),
+                   pl.BlockSpec((None, _MERGE_ROWS), lambda bb, i, j: (bb, i))],
+        out_shape=[jax.ShapeDtypeStruct((b, rows_pad, r), dtype), jax.ShapeDtypeStruct((b, rows_pad), jnp.float32)],
+        interpret=(not on_gpu) if interpret is None else interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        name="mla_merge_splits",
+    )(o_part, lse_part)
+    return o[:, :sq * h].reshape(b, sq, h, r), lse[:, :sq * h].reshape(b, sq, h)
 
 
 def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, moe, moe_combine, moe_route
+from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_route
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -67,3 +67,9 @@ def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
     assert lowered_triton_calls(fn, S((tokens, 768), dtype), S((tokens, 4), I32), S((32, 768, 1536), dtype),
                                 S((32, 768, 768), dtype)) == 2
 
+
+
+@pytest.mark.parametrize("b, splits, rows", [(8, 4, 16), (32, 1, 16), (4, 6, 64)])
+def test_mla_merge_splits_at_small_dims(b, splits, rows):
+    fn = lambda o, lse: mla.merge_splits(o, lse, (b, 1, 16, 512), BF16, kernel=True, interpret=False)
+    assert lowered_triton_calls(fn, S((b, splits, rows, 512), F32), S((b, splits, rows), F32)) == 1

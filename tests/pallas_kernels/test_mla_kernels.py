@@ -197,3 +197,22 @@ def test_decode_refuses_blocks_over_shared_memory(rng):
     ql, qp = _rand(rng, 2, 1, 64, 512), _rand(rng, 2, 1, 64, 64)
     with pytest.raises(ValueError, match="shared memory"):
         mla_decode(ql, qp, pages.astype(jnp.float32), table, jnp.asarray([5, 5]), scale=0.1, block_m=64, block_k=64)
+
+
+@pytest.mark.parametrize("b, splits, sq, h, r", [(2, 5, 1, 16, 256), (3, 1, 2, 8, 128), (1, 8, 1, 12, 128)])
+def test_the_split_merge_kernel_equals_its_reference(rng, b, splits, sq, h, r):
+    """`merge_splits` as one kernel (interpreted here) against the jnp logsumexp merge, with
+    splits that saw no keys (lse -inf, o 0) and rows past Sq * H."""
+    from pallas_kernels.mla import merge_splits, merge_splits_ref
+
+    rows_pad = -(-sq * h // 16) * 16
+    o = jnp.asarray(rng.standard_normal((b, splits, rows_pad, r)), jnp.float32)
+    lse = rng.standard_normal((b, splits, rows_pad)).astype(np.float32) * 3
+    lse[:, -1, ::3] = -np.inf  # a split past some rows' keys
+    if splits == 1:
+        lse[0, 0, :4] = -np.inf  # rows with no keys at all: o 0, lse -inf
+    o = jnp.where(jnp.isfinite(jnp.asarray(lse))[..., None], o, 0.0)
+    got = merge_splits(o, jnp.asarray(lse), (b, sq, h, r), jnp.float32, kernel=True)
+    want = merge_splits_ref(o, jnp.asarray(lse), (b, sq, h, r), jnp.float32)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
