@@ -144,6 +144,7 @@ class KimiK3(nn.Module):
     expert_path: str = "grouped"
     kernels: str = "auto"  # see kimik3.ops
     blocks: bool = True  # False: the embedding, ViT, final norm and head only (`init_params` draws blocks apart)
+    taps: tuple[int, ...] = ()  # layers whose output (the residual stream) is sown as intermediates "tap_{i}"
 
     @nn.compact
     def __call__(self, tokens_bt, positions_bt, caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
@@ -164,6 +165,9 @@ class KimiK3(nn.Module):
         first, n = stacked.scan_layout(cfg)
         scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
+        if set(self.taps) & set(scanned):
+            raise ValueError(f"taps {sorted(set(self.taps) & set(scanned))} are scanned layers (`kimik3.stacked`): "
+                             f"tap the unrolled layout")
         for i in range(cfg.n_layers if self.blocks else 0):
             if i in scanned:
                 if i == first:  # the periods as one scan step over their stacked weights (`kimik3.stacked`)
@@ -183,6 +187,8 @@ class KimiK3(nn.Module):
                                       x, positions_bt, caches, cfg, i, None)
             if e is not None:
                 exports[i] = e
+            if i in self.taps:
+                self.sow("intermediates", f"tap_{i}", x)
         if logits_tail is not None and valid_b is not None:
             if logits_tail != 1:
                 raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
@@ -445,6 +451,26 @@ def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cac
     tokens, positions, images = prepare_inputs(cfg, tokens, images=images, cache=cache, positions=positions)
     return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
                     kernels=ops.resolve(kernels))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "layers", "kernels"))
+def _forward_taps(params, tokens, positions, *, cfg, layers, kernels):
+    model = KimiK3(cfg, "grouped", kernels, taps=layers)
+    (logits, _, _), state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
+    taps = state["intermediates"]
+    return logits, jnp.stack([taps[f"tap_{i}"][0] for i in layers], axis=2)
+
+
+def forward_taps(params: Params, cfg: ModelConfig, tokens, layers: tuple[int, ...], *, kernels: str = "auto"):
+    """The model on whole sequences (no cache), with the residual stream after each of `layers`:
+    (logits [B, T, vocab] fp32, hidden [B, T, len(layers), D] in the params' dtype).  What
+    EAGLE-3's draft head reads from its target (low, middle and high layers).  Raises
+    ValueError for a layer out of range or, in the scanned layout, inside the scan."""
+    layers = tuple(int(i) for i in layers)
+    if not layers or any(not 0 <= i < cfg.n_layers for i in layers):
+        raise ValueError(f"layers must be a non-empty tuple in [0, {cfg.n_layers}); got {layers}")
+    tokens, positions, _ = prepare_inputs(cfg, tokens)
+    return _forward_taps(params, tokens, positions, cfg=cfg, layers=layers, kernels=ops.resolve(kernels))
 
 
 def _concrete(x) -> bool:
