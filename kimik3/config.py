@@ -187,8 +187,9 @@ def tiny() -> ModelConfig:
 
 
 def mini() -> ModelConfig:
-    """Training on one GPU (`kimik3 train`): every layer kind, byte-level vocabulary, ~50M
-    parameters: sized to reach a plateau on Debian's Python documentation in minutes on an H200."""
+    """Training on one GPU (`kimik3 train`): every layer kind, byte-level vocabulary, 43.5M
+    parameters (26M active), meant to reach a plateau on Debian's Python documentation within
+    one short H200 run (not yet measured)."""
     return ModelConfig(
         name="mini", vocab_size=288, d_model=512, n_layers=8, max_seq_len=4096,
         kda_heads=4, kda_head_dim=128,

@@ -13,7 +13,8 @@ serving commands read.  Progress is a tqdm bar; the losses land in `train.json` 
 `loss.png` under `out`.
 
 The model runs its reference kernels (`kernels="reference"`: plain jnp, differentiable); the
-router's selection bias gets no gradient (selection only, as in DeepSeek-V3's bias).
+routers' selection biases stay as initialized: they only choose experts (as DeepSeek-V3's bias),
+so their gradient is zero, and vectors get no weight decay.
 """
 
 from __future__ import annotations
@@ -92,12 +93,6 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
 
 
-def _frozen(params):
-    """The leaves that get no update: the routers' selection biases."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.tree_util.keystr(path, simple=True, separator="/").endswith("router_bias_e"), params)
-
-
 def _plot(history: list[dict], evals: list[dict], path: str) -> None:
     import matplotlib
 
@@ -116,7 +111,7 @@ def _plot(history: list[dict], evals: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def train(tc: TrainConfig, params=None) -> dict:
+def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
     """Train `tc.config` (from `params`, else a fresh init with `tc.seed`); writes the checkpoint
     (`out/checkpoint`), `out/train.json` and `out/loss.png`.  Returns (train.json's contents:
     held-out loss and perplexity at each evaluation, the step losses, tokens and seconds; the
@@ -127,7 +122,6 @@ def train(tc: TrainConfig, params=None) -> dict:
     if params is None:
         params = model.init_params(cfg, jax.random.PRNGKey(tc.seed), "float32")
     opt = optimizer(tc)
-    frozen = _frozen(params)
     opt_state = opt.init(params)
 
     @jax.jit
@@ -136,7 +130,6 @@ def train(tc: TrainConfig, params=None) -> dict:
 
     def step(p, state, window):
         loss, grads = jax.value_and_grad(loss_fn)(p, cfg, window)
-        grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss, optax.tree.norm(grads)
 

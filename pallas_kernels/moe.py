@@ -299,8 +299,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     act(0, 0) == 0 (padding rows stay zero), called on fp32 values (the GEMM's output rounded
     to x's dtype) inside the kernel.  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
-    (`Tiling`; None: by shape, `few_rows_tiling` for a decode step's few rows).  layout: (dest [N, k] int32, tile_group [>= n_tiles] int32) as
-    `pallas_kernels.moe_route.route_layout` gives them (at block_m = `layout_block_m(N * k)`), in
+    (`Tiling`; None: by shape, `few_rows_tiling` for a decode step's few rows).  layout: (dest
+    [N, k] int32, tile_group [>= n_tiles] int32) as `pallas_kernels.moe_route.route_layout` gives them (at block_m = `layout_block_m(N * k)`), in
     place of ids (pass ids_nk None).  gather=False: (the layout's output rows [R, L], dest [N, k]
     int32, >= R for no expert) instead of y, for a consumer that reads them where they lie
     (`pallas_kernels.moe_combine`).
@@ -330,7 +330,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     t_down = tiling[1] or few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False)
     if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
         h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
-                        gather=(dest.astype(jnp.int32), k, n_tiles))
+                        gather=(dest, k, n_tiles))
     else:
         rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
         x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")

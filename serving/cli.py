@@ -67,7 +67,7 @@ def _cmd_train(args) -> int:
     from kimik3 import train
 
     tc = train.TrainConfig(config=args.config, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                           warmup_steps=args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10),
+                           warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
                            eval_every=args.eval_every, eval_batches=args.eval_batches,
                            checkpoint_every=args.checkpoint_every, seed=args.seed, corpus=args.corpus,
                            max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6), out=args.out)

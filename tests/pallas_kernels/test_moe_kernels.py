@@ -143,12 +143,18 @@ def test_grouped_ffn_gives_an_assignment_to_no_expert_zero_and_leaves_the_rest(r
     from pallas_kernels import moe
 
     _rank_path(monkeypatch, moe, path)
-    n, k, e, l, f = 12, 2, 4, 32, 16
+    _check_assignments_to_no_expert(rng, moe, n=12, k=2, e=4, rows=[1, 5, 6], slot=(8, 1))
+
+
+def _check_assignments_to_no_expert(rng, moe, *, n, k, e, rows, slot):
+    """grouped_ffn with `rows` (whole tokens) and one `slot` (token, j) routed to expert id E:
+    those outputs are 0 and the rest each expert's FFN."""
+    l, f = 32, 16
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
     dropped = ids.copy()
-    dropped[[1, 5, 6]] = e  # three rows routed nowhere
-    dropped[8, 1] = e  # and one slot of another
+    dropped[rows] = e
+    dropped[slot] = e
     w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
     w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
     y = np.asarray(moe.grouped_ffn(x, jnp.asarray(dropped), w_gateup, w_out, act=_silu_glu))
@@ -190,16 +196,5 @@ def test_the_gate_up_kernel_reading_the_tokens_rows_equals_the_padded_copy(rng, 
 
     if not gather:
         monkeypatch.setattr(moe, "GATHER_LIMIT", 0)
-    n, k, e, l, f = 16, 2, 6, 32, 16
-    assert moe._gathers(n * k) == gather
-    x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
-    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
-    dropped = ids.copy()
-    dropped[[2, 9]] = e  # two tokens routed nowhere
-    dropped[5, 0] = e
-    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
-    y = np.asarray(moe.grouped_ffn(x, jnp.asarray(dropped), w_gateup, w_out, act=_silu_glu))
-    want = _ffn_ref(x, ids, w_gateup, w_out)
-    assert (y[dropped == e] == 0).all()
-    np.testing.assert_allclose(y[dropped < e], want[dropped < e], atol=1e-4, rtol=1e-4)
+    assert moe._gathers(16 * 2) == gather
+    _check_assignments_to_no_expert(rng, moe, n=16, k=2, e=6, rows=[2, 9], slot=(5, 0))
