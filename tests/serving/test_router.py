@@ -486,23 +486,45 @@ def check_workers_and_admin_routes_refuse_callers_without_the_internal_token(clu
     assert got == oracle(params, prompt, 4)
 
 
+def _worker_counts(cluster) -> dict:
+    """Summed /load counters: every worker's `cancelled`, the decode pool's `submitted` / `finished`."""
+    loads = {n: httpx.get(cluster.url(n) + "/load", timeout=10).json()
+             for n in ("prefill0", "prefill1", "decode0", "decode1")}
+    return {"cancelled": sum(v["cancelled"] for v in loads.values()),
+            "inflight": sum(v["inflight"] for v in loads.values()),
+            "decode_submitted": sum(v["submitted"] for n, v in loads.items() if n.startswith("decode")),
+            "decode_finished": sum(v["finished"] for n, v in loads.items() if n.startswith("decode"))}
+
+
+def _assert_nobody_decodes_for_the_client_that_left(cluster, before: dict, what: str) -> None:
+    """Once the router has closed the stream (its inflight gauge back to 0: no attempt can start
+    after that) and every worker is idle, the request's worker request was cancelled, or, when the
+    client left during the prefill -> decode handoff, no decode request was ever sent; never did a
+    decode worker run it to max_tokens."""
+    wait_for(lambda: metric(cluster, "kimik3_router_inflight") == 0 and _worker_counts(cluster)["inflight"] == 0,
+             30, f"the router and every worker to let go of {what}")
+    after = _worker_counts(cluster)
+    assert after["decode_finished"] == before["decode_finished"], f"{what} was decoded to its end for nobody"
+    assert after["cancelled"] > before["cancelled"] or after["decode_submitted"] == before["decode_submitted"], (
+        f"{what}: a decode request was sent and neither cancelled nor finished", before, after)
+
+
 def check_a_client_that_leaves_cancels_its_worker_request(cluster):
     """Issue 17 #8: a client that goes away (a streamed request closed after its first chunk, a
     non-streamed one timing out) gets its worker request cancelled, not decoded to max_tokens."""
     base = cluster.url("router")
-    urls = [cluster.url(n) for n in ("prefill0", "prefill1", "decode0", "decode1")]
-    cancelled = lambda: sum(httpx.get(u + "/load", timeout=10).json()["cancelled"] for u in urls)
-    before = cancelled()
+    before = _worker_counts(cluster)
     with httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
                       json=chat_body("tell me a long story", 600, stream=True, ignore_eos=True)) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    wait_for(lambda: cancelled() > before, 20, "the streamed request's worker request to be cancelled")
-    before, abandoned = cancelled(), metric(cluster, "kimik3_router_abandoned_total")
+    _assert_nobody_decodes_for_the_client_that_left(cluster, before, "the streamed request")
+    before, abandoned = _worker_counts(cluster), metric(cluster, "kimik3_router_abandoned_total")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(base + "/v1/chat/completions", json=chat_body("tell me another", 600, ignore_eos=True), timeout=1.5)
-    wait_for(lambda: cancelled() > before, 20, "the non-streamed request's worker request to be cancelled")
-    assert metric(cluster, "kimik3_router_abandoned_total") == abandoned + 1
+    _assert_nobody_decodes_for_the_client_that_left(cluster, before, "the non-streamed request")
+    wait_for(lambda: metric(cluster, "kimik3_router_abandoned_total") == abandoned + 1, 10,
+             "the router to count the abandoned request")
 
 
 def check_bad_input_is_a_4xx_in_openai_shape_and_never_reaches_a_worker(cluster):
