@@ -45,6 +45,23 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """(TrainConfig, result, params): `tiny` trained for 60 steps on the Debian licence texts, once
+    per worker; tests that use it carry ``pytest.mark.xdist_group("trained_tiny")`` so that
+    `./run.sh test` (``--dist loadgroup``) runs them on one worker and trains once."""
+    from kimik3 import corpus, train
+
+    try:
+        corpus.find_sources("licenses")
+    except FileNotFoundError:
+        pytest.skip("no /usr/share/common-licenses (not a Debian system)")
+    out = str(tmp_path_factory.mktemp("train"))
+    tc = train.TrainConfig(config="tiny", steps=60, batch=8, seq_len=64, lr=3e-3, warmup_steps=6, eval_every=30,
+                           eval_batches=4, corpus="licenses", out=out, progress=False)
+    return tc, *train.train(tc)
+
+
+@pytest.fixture(scope="session")
 def tiny_cfg():
     return config.tiny()
 

@@ -58,15 +58,47 @@ def write_rows(cache_bsr, rows_btr, start_b):
     return jax.vmap(write)(cache_bsr, rows_btr, start_b)
 
 
+def mla_project(cfg: ModelConfig, w: dict, x_btd):
+    """The layer's projections of x [B, T, D_in] from its weights `w` (separate or `kimik3.fused`):
+    (q [B, T, H, nope + rope], the new latent rows [B, T, kv_lora + rope], the output gate's
+    pre-activation [B, T, H, v]).  D_in is the model width, or 2D in an EAGLE-3 draft layer."""
+    h, r = cfg.mla_heads, cfg.kv_lora_rank
+    if "w_in_dx" in w:
+        q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
+        widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)
+        xq, kv, xg = jnp.split(x_btd @ w["w_in_dx"], np.cumsum(widths)[:-1].tolist(), axis=-1)
+        xg = xg.reshape(xg.shape[:2] + (h, cfg.v_head_dim))
+    else:
+        xq = x_btd @ w["w_qa_dq"] if cfg.q_lora_rank else None
+        kv = x_btd @ w["w_kva_dr"]
+        xg = jnp.einsum("btd,dhv->bthv", x_btd, w["w_gate_dhv"])
+    if cfg.q_lora_rank:
+        q = jnp.einsum("btq,qhk->bthk", rms_norm(xq, w["q_norm"], cfg.norm_eps), w["w_qb_qhk"])
+    elif "w_in_dx" in w:
+        q = xq.reshape(xq.shape[:2] + (h, cfg.mla_qk_dim))
+    else:
+        q = jnp.einsum("btd,dhk->bthk", x_btd, w["w_q_dhk"])
+    latent_new = jnp.concatenate([rms_norm(kv[..., :r], w["kv_norm"], cfg.norm_eps), kv[..., r:]], axis=-1)
+    return q, latent_new, xg
+
+
+def mla_output(w: dict, o_bthv, xg_bthv, dtype):
+    """Gate the attention output o [B, T, H, v] by sigmoid(xg) (fp32) and project it to [B, T, D]."""
+    gate = jax.nn.sigmoid(xg_bthv.astype(jnp.float32))
+    o = (o_bthv.astype(jnp.float32) * gate).astype(dtype)
+    return jnp.einsum("bthv,hvd->btd", o, w["w_o_hvd"])
+
+
 class MLA(nn.Module):
-    """x [B, T, D], positions [B, T] (+ cache) -> y [B, T, D] (+ new cache).
+    """x [B, T, D_in], positions [B, T] (+ cache) -> y [B, T, D] (+ new cache).
 
     With a contiguous cache ``{"latent": [B, S, D]}`` the new latents are
     written at ``positions[:, 0]``; with a paged cache ``{"pages": [P, page, D],
     "block_tables": [B, max_pages]}`` they are written into their pages (with "valid" int32
     [B], only row b's first valid[b] latents: the rest pad a prefill chunk and are dropped).
     Attention reads the whole cache (causality masks unwritten rows).  Spans of
-    at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.
+    at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.  D_in is the model width
+    D, or 2D in an EAGLE-3 draft layer (`kimik3.eagle`); the output is always D wide.
     """
 
     cfg: ModelConfig
@@ -75,35 +107,30 @@ class MLA(nn.Module):
     @nn.compact
     def __call__(self, x_btd, positions_bt, cache=None):
         cfg = self.cfg
-        d, h, r = cfg.d_model, cfg.mla_heads, cfg.kv_lora_rank
+        d, h, r = x_btd.shape[-1], cfg.mla_heads, cfg.kv_lora_rank
         p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
         q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
         widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)  # q (or its LoRA-down), kv latent, output gate
-        fused = self.has_variable("params", "w_in_dx")  # `kimik3.fused`: the three projections of x as one GEMM
-        if fused:
-            xq, kv, xg = jnp.split(x_btd @ self.param("w_in_dx", fan_in_init(d), (d, sum(widths))),
-                                   np.cumsum(widths)[:-1].tolist(), axis=-1)
+        w = {}
+        if self.has_variable("params", "w_in_dx"):  # `kimik3.fused`: the three projections of x as one GEMM
+            w["w_in_dx"] = self.param("w_in_dx", fan_in_init(d), (d, sum(widths)))
         if cfg.q_lora_rank:
-            w_qa = None if fused else p("w_qa_dq", (d, cfg.q_lora_rank), d)
-            q_norm = self.param("q_norm", nn.initializers.ones, (cfg.q_lora_rank,))
-            w_qb = p("w_qb_qhk", (cfg.q_lora_rank, h, cfg.mla_qk_dim), cfg.q_lora_rank)
-            xq = xq if fused else x_btd @ w_qa
-            q = jnp.einsum("btq,qhk->bthk", rms_norm(xq, q_norm, cfg.norm_eps), w_qb)
-        elif fused:
-            q = xq.reshape(xq.shape[:2] + (h, cfg.mla_qk_dim))
-        else:
-            q = jnp.einsum("btd,dhk->bthk", x_btd, p("w_q_dhk", (d, h, cfg.mla_qk_dim), d))
-        w_kva = None if fused else p("w_kva_dr", (d, cfg.mla_latent_dim), d)
-        kv_norm = self.param("kv_norm", nn.initializers.ones, (r,))
+            if "w_in_dx" not in w:
+                w["w_qa_dq"] = p("w_qa_dq", (d, cfg.q_lora_rank), d)
+            w["q_norm"] = self.param("q_norm", nn.initializers.ones, (cfg.q_lora_rank,))
+            w["w_qb_qhk"] = p("w_qb_qhk", (cfg.q_lora_rank, h, cfg.mla_qk_dim), cfg.q_lora_rank)
+        elif "w_in_dx" not in w:
+            w["w_q_dhk"] = p("w_q_dhk", (d, h, cfg.mla_qk_dim), d)
+        if "w_in_dx" not in w:
+            w["w_kva_dr"] = p("w_kva_dr", (d, cfg.mla_latent_dim), d)
+        w["kv_norm"] = self.param("kv_norm", nn.initializers.ones, (r,))
         w_kb = p("w_kb_rhn", (r, h, cfg.qk_nope_dim), r)
         w_vb = p("w_vb_rhv", (r, h, cfg.v_head_dim), r)
-        w_gate = None if fused else p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
-        w_o = p("w_o_hvd", (h, cfg.v_head_dim, d), h * cfg.v_head_dim)
+        if "w_in_dx" not in w:
+            w["w_gate_dhv"] = p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
+        w["w_o_hvd"] = p("w_o_hvd", (h, cfg.v_head_dim, cfg.d_model), h * cfg.v_head_dim)
 
-        if not fused:
-            kv = x_btd @ w_kva
-            xg = jnp.einsum("btd,dhv->bthv", x_btd, w_gate)
-        latent_new = jnp.concatenate([rms_norm(kv[..., :r], kv_norm, cfg.norm_eps), kv[..., r:]], axis=-1)
+        q, latent_new, xg = mla_project(cfg, w, x_btd)
         t = x_btd.shape[1]
         paged = None
         if cache is None:
@@ -123,6 +150,4 @@ class MLA(nn.Module):
         o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
                               q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
                               contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
-        gate = jax.nn.sigmoid(xg.reshape(o.shape).astype(jnp.float32))
-        o = (o.astype(jnp.float32) * gate).astype(x_btd.dtype)
-        return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache
+        return mla_output(w, o, xg, x_btd.dtype), new_cache

@@ -50,18 +50,16 @@ def test_windows_come_in_full_batches_of_seq_len_plus_one():
         train.batches(tokens, 64, 31, seed=0)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    try:
-        corpus.find_sources("licenses")
-    except FileNotFoundError:
-        pytest.skip("no /usr/share/common-licenses (not a Debian system)")
-    out = str(tmp_path_factory.mktemp("train"))
-    tc = train.TrainConfig(config="tiny", steps=60, batch=8, seq_len=64, lr=3e-3, warmup_steps=6, eval_every=30,
-                           eval_batches=4, corpus="licenses", out=out, progress=False)
-    return tc, *train.train(tc)
+# `trained_tiny` (tests/conftest.py): one session-wide run, shared with tests/kimik3/test_eagle.py
+pytestmark_trained = pytest.mark.xdist_group("trained_tiny")
 
 
+@pytest.fixture
+def trained(trained_tiny):
+    return trained_tiny
+
+
+@pytestmark_trained
 def test_a_short_run_on_real_text_lowers_the_held_out_loss(trained):
     tc, result, _ = trained
     # bytes of English start near ln(288) = 5.66 nats and a unigram model is ~3.1: 60 steps get past it
@@ -72,6 +70,7 @@ def test_a_short_run_on_real_text_lowers_the_held_out_loss(trained):
     assert os.path.getsize(os.path.join(tc.out, "loss.png")) > 0
 
 
+@pytestmark_trained
 def test_the_checkpoint_serves_the_trained_weights(trained, tiny_cfg):
     tc, result, params = trained
     restored, cfg = checkpoint.restore(result["checkpoint"])

@@ -1,0 +1,159 @@
+"""`kimik3.eagle`, `kimik3.eagle_train`, `kimik3.speculative`: the EAGLE-3 draft head trains what
+it will be asked at inference, and speculative decoding never changes the target's answer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from kimik3 import config, eagle, eagle_train, model, speculative, tokenizer
+from kimik3.generate import generate
+
+trained_group = pytest.mark.xdist_group("trained_tiny")  # shares `trained_tiny` with test_train.py
+
+
+def test_ttt_step_j_at_slot_i_is_the_chain_started_at_slot_i(tiny_cfg, tiny_params):
+    """Training-time test computes, for every slot at once, what the chained draft computes one
+    slot at a time: step 0 on the target's features, step j on the draft's own step j - 1."""
+    ecfg = eagle.EagleConfig(taps=(1, 2, 3), ffn_dim=96, ttt_steps=4)
+    draft = eagle.init_draft(jax.random.PRNGKey(3), tiny_cfg, ecfg, tiny_params)
+    toks = jax.random.randint(jax.random.PRNGKey(4), (2, 20), 0, 256)
+    _, taps = model.forward_taps(tiny_params, tiny_cfg, toks, ecfg.taps, kernels="reference")
+    ttt = jax.jit(eagle.ttt_logits, static_argnums=(1, 2))(draft, tiny_cfg, ecfg, tiny_params["embed_vd"], taps, toks)
+    chain_fn = jax.jit(eagle.draft_chain, static_argnums=(1, 5))
+    assert ttt.shape == (4, 2, 20, tiny_cfg.vocab_size)
+    for b, i in [(0, 0), (1, 13)]:
+        n = i + 2  # the chain's first slot i reads (h_i, x_{i+1})
+        chain = chain_fn(draft, tiny_cfg, tiny_params["embed_vd"], taps[b], toks[b, :n], 4,
+                         greedy_tokens=toks[b, n:n + 3])
+        np.testing.assert_allclose(np.asarray(chain), np.asarray(ttt[:, b, i]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained_draft(trained_tiny, tmp_path_factory):
+    _, _, params = trained_tiny
+    out = str(tmp_path_factory.mktemp("eagle"))
+    dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
+                                      out=out, progress=False)
+    result, draft = eagle_train.train_draft(params, config.tiny(), dc)
+    return params, result, draft, out
+
+
+@trained_group
+def test_training_on_the_targets_continuations_teaches_the_draft_to_agree_with_it(trained_draft):
+    _, result, _, _ = trained_draft
+    before, after = result["held_out_before"], result["held_out_after"]
+    assert len(after["acc"]) == 3
+    # a fresh draft agrees with the target's top-1 by chance (~1/288); 60 steps get past 30% at every depth
+    assert max(before["acc"]) < 0.05 and min(after["acc"]) > 0.3, (before, after)
+    assert all(a < b for a, b in zip(after["ce"], before["ce"]))
+
+
+@pytest.fixture(scope="module")
+def oracle_tokens(trained_draft):
+    params = trained_draft[0]
+    prompt = tokenizer.encode("Permission is hereby granted")
+    return prompt, generate(params, config.tiny(), prompt, 32).tokens
+
+
+@trained_group
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_speculative_decoding_emits_the_oracles_tokens(trained_draft, oracle_tokens, k):
+    params, _, _, out = trained_draft
+    cfg = config.tiny()
+    draft, ecfg = eagle_train.load_draft(out + "/draft", cfg, params)
+    prompt, want = oracle_tokens
+    got = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 32, k)
+    np.testing.assert_array_equal(got.tokens, want)
+    assert sum(got.accepted) > 0 and max(got.accepted) <= k  # drafts were kept: the accept path ran
+    assert 1.0 < got.accept_length <= k + 1 and 0.0 < got.acceptance <= 1.0
+
+
+@trained_group
+def test_sampling_with_a_draft_is_reproducible_and_stops_at_max_tokens(trained_draft):
+    params, _, draft, out = trained_draft
+    cfg = config.tiny()
+    _, ecfg = eagle_train.load_draft(out + "/draft", cfg, params)
+    prompt = tokenizer.encode("The licence")
+    a = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
+    b = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert a.tokens.shape == (20,) and ((0 <= a.tokens) & (a.tokens < cfg.vocab_size)).all()
+
+
+def _markov_two_tokens(target, draft, k, n, seed):
+    """Sample the first two tokens after token 0 with speculative sampling, where the target is the
+    Markov chain `target` [V, V] (row x: p(next | x)) and the draft the chain `draft`."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(target.shape, np.int64)
+    logit = lambda p: np.log(np.maximum(p, 1e-300))
+    for _ in range(n):
+        out, last = [], 0
+        t0 = int(rng.choice(target.shape[0], p=target[last]))
+        while len(out) < 2:
+            out.append(t0)
+            ds, qs, x = [], [], t0
+            for _ in range(k):
+                qs.append(draft[x])
+                x = int(rng.choice(draft.shape[0], p=draft[x]))
+                ds.append(x)
+            target_logits = logit(target[[t0] + ds])  # p after t0, d_1 .. d_k
+            a, t0 = speculative.accept(target_logits, ds, np.stack(qs), temperature=1.0, rng=rng)
+            out.extend(ds[:a])
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_sampling_keeps_the_targets_distribution(k):
+    """Chi-square on the joint of the first two emitted tokens: rejection sampling emits the
+    target's distribution whatever the draft proposes (here a draft far from the target); the
+    draft's own chain, sampled the same way, is refused by the same test."""
+    v = 4
+    rng = np.random.default_rng(0)
+    target = rng.dirichlet(np.ones(v), size=v)
+    draft = rng.dirichlet(np.ones(v) * 0.3, size=v)
+    exact = target[0][:, None] * target  # p(x1 = a) p(x2 = b | a)
+    n = 6000
+    counts = _markov_two_tokens(target, draft, k, n, seed=k)
+    assert stats.chisquare(counts.ravel(), exact.ravel() * n).pvalue > 1e-3
+    wrong = draft[0][:, None] * draft  # what emitting the drafts unverified would give
+    assert stats.chisquare(counts.ravel(), wrong.ravel() * n).pvalue < 1e-6
+
+
+def test_greedy_accept_keeps_the_agreeing_prefix_and_takes_the_targets_next():
+    logits = np.full((4, 5), -1.0)
+    logits[[0, 1, 2, 3], [2, 4, 1, 3]] = 1.0  # the target's argmax after t0, d1, d2, d3
+    assert speculative.accept(logits, [2, 4, 0]) == (2, 1)
+    assert speculative.accept(logits, [2, 4, 1]) == (3, 3)
+    assert speculative.accept(logits, [0, 4, 1]) == (0, 2)
+
+
+def test_bad_draft_requests_get_clear_errors(tiny_cfg, tiny_params, tmp_path):
+    ecfg = eagle.default_config(tiny_cfg)
+    draft = eagle.init_draft(jax.random.PRNGKey(0), tiny_cfg, ecfg, tiny_params)
+    for k in (0, speculative.MAX_DRAFT_TOKENS + 1):
+        with pytest.raises(ValueError, match="draft tokens k"):
+            speculative.speculative_generate(tiny_params, tiny_cfg, draft, ecfg, [1, 2], 4, k)
+    other = config.mini()
+    with pytest.raises(ValueError, match="does not fit target mini"):
+        speculative.check_draft(other, eagle.default_config(other), draft, 2)
+    with pytest.raises(ValueError, match="taps"):
+        eagle.EagleConfig(taps=(1, 2), ffn_dim=8)
+    with pytest.raises(ValueError, match="must lie in"):
+        eagle.init_draft(jax.random.PRNGKey(0), tiny_cfg, eagle.EagleConfig(taps=(1, 2, 9), ffn_dim=8), tiny_params)
+    eagle_train.save_draft(tmp_path / "d", draft, ecfg, tiny_cfg, tiny_params)
+    restored, ecfg2 = eagle_train.load_draft(tmp_path / "d", tiny_cfg, tiny_params)
+    assert ecfg2 == ecfg
+    jax.tree.map(np.testing.assert_array_equal, restored, jax.tree.map(np.asarray, draft))
+    other_weights = jax.tree.map(lambda x: x, tiny_params)
+    other_weights["lm_head_dv"] = tiny_params["lm_head_dv"] * 2
+    with pytest.raises(ValueError, match="other tiny weights"):
+        eagle_train.load_draft(tmp_path / "d", tiny_cfg, other_weights)
+    with pytest.raises(ValueError, match="another config"):
+        eagle_train.load_draft(tmp_path / "d", other, tiny_params)
+    with pytest.raises(ValueError, match="not an EAGLE-3 draft"):
+        eagle_train.load_draft(tmp_path, tiny_cfg, tiny_params)
+    with pytest.raises(ValueError, match="data"):
+        eagle_train.DraftTrainConfig(data="web")
