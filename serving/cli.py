@@ -4,6 +4,10 @@
     kimik3 info --config kimi_k3                         sizes of a config
     kimik3 train --config mini --steps 3000 --out runs/mini
                                                          train on Debian-shipped text (held-out perplexity)
+    kimik3 train-eagle --checkpoint runs/mini/checkpoint --out runs/eagle
+                                                         an EAGLE-3 draft head for a trained target
+    kimik3 generate --checkpoint C --draft-checkpoint D --draft-tokens 3
+                                                         speculative decoding (reference): acceptance
     kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
     kimik3 demo                                          the agent workload end to end, 4 serving setups
     kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode dp16,ep16
@@ -50,6 +54,8 @@ def _cmd_generate(args) -> int:
     tpi = cfg.vit.tokens_per_image if cfg.vit else 0
     prompt = tokenizer.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
                                            tokens_per_image=tpi)
+    if args.draft_checkpoint:
+        return _generate_speculative(args, params, cfg, prompt, images)
     t0 = time.perf_counter()
     result = generate(params, cfg, prompt, args.max_new_tokens, images=images, use_cache=not args.oracle,
                       stop_at_eos=True)
@@ -60,6 +66,52 @@ def _cmd_generate(args) -> int:
     print(f"text: {tokenizer.decode(result.tokens, skip_special=False)!r}")
     print(f"{len(result.tokens)} tokens in {dt:.2f} s (compile included); weights are "
           f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}")
+    return 0
+
+
+def _generate_speculative(args, params, cfg, prompt, images) -> int:
+    from kimik3 import eagle_train, speculative, tokenizer
+
+    if not args.checkpoint:
+        raise ValueError("--draft-checkpoint needs the target it was trained for: pass --checkpoint")
+    if images is not None:
+        raise ValueError("speculative decoding takes text prompts (no --random-images)")
+    draft, ecfg = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
+    t0 = time.perf_counter()
+    r = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, args.max_new_tokens, args.draft_tokens,
+                                         temperature=args.temperature, seed=args.seed, stop_at_eos=True)
+    dt = time.perf_counter() - t0
+    print(f"config={cfg.name} prompt_tokens={len(prompt)} mode=speculative reference (EAGLE-3, k={r.k}, "
+          f"temperature={args.temperature:g}; no cache, fp32)")
+    print(f"tokens: {r.tokens.tolist()}")
+    print(f"text: {tokenizer.decode(r.tokens, skip_special=False)!r}")
+    print(f"{len(r.tokens)} tokens in {len(r.accepted) + 1} target passes: draft acceptance {r.acceptance:.3f}, "
+          f"accept length {r.accept_length:.2f}; {dt:.2f} s (compile included)")
+    return 0
+
+
+def _cmd_train_eagle(args) -> int:
+    from kimik3 import checkpoint, eagle, eagle_train
+
+    params, cfg = checkpoint.restore(args.checkpoint)
+    dc = eagle_train.DraftTrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                                      prompt_len=args.prompt_len, pool=args.pool, data=args.data,
+                                      ttt_steps=args.ttt_steps, lr=args.lr,
+                                      warmup_steps=args.warmup_steps if args.warmup_steps is not None
+                                      else args.steps // 10, seed=args.seed, corpus=args.corpus,
+                                      max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6),
+                                      out=args.out)
+    ecfg = eagle.default_config(cfg, ttt_steps=args.ttt_steps)
+    if args.taps:
+        ecfg = eagle.EagleConfig(taps=tuple(int(t) for t in args.taps.split(",")), ffn_dim=ecfg.ffn_dim,
+                                 ttt_steps=args.ttt_steps)
+    r, _ = eagle_train.train_draft(params, cfg, dc, ecfg)
+    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)
+    print(f"{r['corpus']}\ntrained the EAGLE-3 draft of {cfg.name} (taps {tuple(ecfg.taps)}) for {dc.steps} steps "
+          f"in {r['seconds']:.1f} s on {r['device']} ({r['data_seconds']:.1f} s building {dc.data} data)\n"
+          f"held-out top-1 agreement with the target per draft position: {fmt(r['held_out_before']['acc'])} -> "
+          f"{fmt(r['held_out_after']['acc'])}\n"
+          f"draft {os.path.join(dc.out, 'draft')}; {os.path.join(dc.out, 'eagle_train.json')}")
     return 0
 
 
@@ -193,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
+    g.add_argument("--draft-checkpoint", default=None, metavar="DIR",
+                   help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding, its no-cache reference")
+    g.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per target pass")
+    g.add_argument("--temperature", type=float, default=0.0, help="with a draft: 0 greedy, else rejection sampling")
     g.set_defaults(func=_cmd_generate)
 
     d = sub.add_parser("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
@@ -240,6 +296,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="init and shuffle seed")
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
+
+    e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head on a trained target's continuations",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--checkpoint", required=True, help="the target (`kimik3 train`'s out/checkpoint)")
+    e.add_argument("--steps", type=int, default=1000)
+    e.add_argument("--batch", type=int, default=16)
+    e.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
+    e.add_argument("--prompt-len", type=int, default=32, help="corpus tokens before the target's continuation")
+    e.add_argument("--pool", type=int, default=512, help="sequences generated once, reshuffled every epoch")
+    e.add_argument("--data", default="generated", help="generated (the target's greedy continuations) | text")
+    e.add_argument("--ttt-steps", type=int, default=3, help="training-time-test depth")
+    e.add_argument("--taps", default=None, help="three target layers, e.g. 2,4,5 (default vLLM's 2, L/2, L-3)")
+    e.add_argument("--lr", type=float, default=3e-3)
+    e.add_argument("--warmup-steps", type=int, default=None, help="None: steps / 10")
+    e.add_argument("--corpus", default="auto", help="as for `kimik3 train`")
+    e.add_argument("--max-corpus-mb", type=float, default=None)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", default="runs/eagle", help="draft/ and eagle_train.json go here")
+    e.set_defaults(func=_cmd_train_eagle)
 
     i = sub.add_parser("info", help="parameter count and weight bytes of a config")
     i.add_argument("--config", default="kimi_k3")

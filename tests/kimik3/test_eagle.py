@@ -157,3 +157,22 @@ def test_bad_draft_requests_get_clear_errors(tiny_cfg, tiny_params, tmp_path):
         eagle_train.load_draft(tmp_path, tiny_cfg, tiny_params)
     with pytest.raises(ValueError, match="data"):
         eagle_train.DraftTrainConfig(data="web")
+
+
+@trained_group
+def test_the_cli_trains_a_draft_and_decodes_with_it(trained_tiny, trained_draft, tmp_path, capsys):
+    from serving import cli
+
+    target = trained_tiny[1]["checkpoint"]
+    out = str(tmp_path / "e")
+    assert cli.main(["train-eagle", "--checkpoint", target, "--out", out, "--steps", "3", "--batch", "4",
+                     "--seq-len", "32", "--prompt-len", "8", "--pool", "4", "--data", "text", "--corpus",
+                     "licenses"]) == 0
+    assert "held-out top-1 agreement" in capsys.readouterr().out
+    assert cli.main(["generate", "--checkpoint", target, "--draft-checkpoint", trained_draft[3] + "/draft",
+                     "--draft-tokens", "2", "--prompt", "Hi", "--max-new-tokens", "6"]) == 0
+    text = capsys.readouterr().out
+    assert "draft acceptance" in text and "k=2" in text
+    # a draft without its target, and a draft of other weights: refused before any decoding
+    assert cli.main(["generate", "--config", "tiny", "--draft-checkpoint", out + "/draft"]) == 2
+    assert "--checkpoint" in capsys.readouterr().err
