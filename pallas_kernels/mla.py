@@ -183,14 +183,20 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits):
 _MERGE_ROWS, _MERGE_VALUES = 16, 128
 
 
+# kernel=None's choice on a GPU backend: the reference until the merge kernel has run on the GPU
+# (it is checked interpreted and lowered for CUDA only: RESULTS.md, session 15).
+MERGE_KERNEL_ON_GPU = False
+
+
 def merge_splits(o_part, lse_part, shape, dtype, *, kernel=None, interpret=None):
     """`merge_splits_ref` (its arguments and results) in one kernel, where XLA's logsumexp and
-    weighted sum took three launches a layer.  kernel: None runs it on a GPU backend (the
-    reference elsewhere: the same math, no interpreter in CPU runs); True runs it anywhere
-    (interpreted off the GPU unless interpret=False, for tests); False the reference."""
+    weighted sum took three launches a layer.  kernel: None runs it on a GPU backend when
+    `MERGE_KERNEL_ON_GPU` (the reference elsewhere: the same math, no interpreter in CPU runs);
+    True runs it anywhere (interpreted off the GPU unless interpret=False, for tests); False the
+    reference."""
     b, sq, h, r = shape
     n_splits, rows_pad = o_part.shape[1], o_part.shape[2]
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = jax.default_backend() == "gpu" and MERGE_KERNEL_ON_GPU
     if not (on_gpu if kernel is None else kernel) or rows_pad % _MERGE_ROWS or r % _MERGE_VALUES:
         return merge_splits_ref(o_part, lse_part, shape, dtype)
     o, lse = pl.pallas_call(
