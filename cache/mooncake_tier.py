@@ -129,8 +129,14 @@ class MooncakeServices:
         time.sleep(0.5)  # let the segment mount register with the master
 
     def start(self) -> "MooncakeServices":
-        self.start_master()
-        self._start_memory_server()
+        """Start all three; if one fails, stop those already running before raising (a caller
+        that skips or falls back must not leave a metadata server behind)."""
+        try:
+            self.start_master()
+            self._start_memory_server()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def supervise(self) -> list[str]:

@@ -161,3 +161,17 @@ def test_the_metadata_server_speaks_mooncakes_protocol():
         assert httpx.get(url.replace("/metadata", "/other"), params={"key": "a"}).status_code == 404
     finally:
         m.stop()
+
+
+def test_a_master_that_fails_to_start_leaves_no_service_behind(monkeypatch, tmp_path):
+    """`MooncakeServices.start` stops the metadata server it started when the master cannot
+    start (a missing libibverbs, a bad binary): a caller that skips leaks no process."""
+    from cache import mooncake_tier
+    from cache.mooncake_tier import MooncakeServices, TierError
+
+    real = mooncake_tier._binary
+    monkeypatch.setattr(mooncake_tier, "_binary", lambda name: "/bin/false" if name == "mooncake_master" else real(name))
+    svc = MooncakeServices(log_dir=str(tmp_path))
+    with pytest.raises(TierError, match="exited"):
+        svc.start()
+    assert svc.metadata is not None and svc.metadata.poll() is not None  # started, then stopped
