@@ -30,6 +30,31 @@ def test_ttt_step_j_at_slot_i_is_the_chain_started_at_slot_i(tiny_cfg, tiny_para
         np.testing.assert_allclose(np.asarray(chain), np.asarray(ttt[:, b, i]), rtol=1e-5, atol=1e-5)
 
 
+def test_the_drafts_own_kv_cache_gives_the_no_cache_chain(tiny_cfg, tiny_params):
+    """The draft's MLA latent rows cached as the target's are (a contiguous cache here; the paged
+    form is the MLA layer's own, tested there): the committed slots prefilled in one call, then
+    one slot per drafted token, equal the no-cache chain."""
+    from kimik3.layers.mla import init_mla_cache
+
+    ecfg = eagle.default_config(tiny_cfg)
+    draft = eagle.init_draft(jax.random.PRNGKey(5), tiny_cfg, ecfg, tiny_params)
+    embed = tiny_params["embed_vd"]
+    toks = jax.random.randint(jax.random.PRNGKey(6), (1, 14), 0, 256)
+    _, taps = model.forward_taps(tiny_params, tiny_cfg, toks, ecfg.taps, kernels="reference")
+    n, k = 11, 3
+    want = jax.jit(eagle.draft_chain, static_argnums=(1, 5))(draft, tiny_cfg, embed, taps[0], toks[0, :n], k,
+                                                           greedy_tokens=toks[0, n:n + k - 1])
+    step = jax.jit(lambda feat, tok, pos, cache: eagle.draft_layer(draft, tiny_cfg, feat, embed[tok], pos, cache))
+    cache = init_mla_cache(tiny_cfg, 1, 32, jnp.float32)
+    feat = eagle.fuse(draft, taps[:, :n - 1])
+    hidden, cache = step(feat, toks[:, 1:n], jnp.arange(n - 1)[None], cache)
+    got = [eagle.draft_logits(draft, tiny_cfg, hidden[:, -1:])[0, 0]]
+    for s in range(1, k):
+        hidden, cache = step(hidden[:, -1:], toks[:, n + s - 1:n + s], jnp.full((1, 1), n - 2 + s), cache)
+        got.append(eagle.draft_logits(draft, tiny_cfg, hidden)[0, 0])
+    np.testing.assert_allclose(np.stack(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def trained_draft(trained_tiny, tmp_path_factory):
     _, _, params = trained_tiny
