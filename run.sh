@@ -44,7 +44,7 @@ case "$cmd" in
     ;;
   test)
     ensure_venv
-    exec .venv/bin/python -m pytest -n 2 --dist loadgroup --durations=15 "$@"
+    exec .venv/bin/python -m pytest -n 2 --durations=15 "$@"
     ;;
   *)
     echo "usage: ./run.sh demo|test [args...]" >&2

@@ -10,7 +10,6 @@ from scipy import stats
 from kimik3 import config, eagle, eagle_train, model, speculative, tokenizer
 from kimik3.generate import generate
 
-trained_group = pytest.mark.xdist_group("trained_tiny")  # shares `trained_tiny` with test_train.py
 
 
 def test_ttt_step_j_at_slot_i_is_the_chain_started_at_slot_i(tiny_cfg, tiny_params):
@@ -55,7 +54,7 @@ def test_the_drafts_own_kv_cache_gives_the_no_cache_chain(tiny_cfg, tiny_params)
     np.testing.assert_allclose(np.stack(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist may interleave other modules' tests and rebuild it
 def trained_draft(trained_tiny, tmp_path_factory):
     _, _, params = trained_tiny
     out = str(tmp_path_factory.mktemp("eagle"))
@@ -65,7 +64,6 @@ def trained_draft(trained_tiny, tmp_path_factory):
     return params, result, draft, out
 
 
-@trained_group
 def test_training_on_the_targets_continuations_teaches_the_draft_to_agree_with_it(trained_draft):
     _, result, _, _ = trained_draft
     before, after = result["held_out_before"], result["held_out_after"]
@@ -75,14 +73,13 @@ def test_training_on_the_targets_continuations_teaches_the_draft_to_agree_with_i
     assert all(a < b for a, b in zip(after["ce"], before["ce"]))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def oracle_tokens(trained_draft):
     params = trained_draft[0]
     prompt = tokenizer.encode("Permission is hereby granted")
     return prompt, generate(params, config.tiny(), prompt, 32).tokens
 
 
-@trained_group
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_speculative_decoding_emits_the_oracles_tokens(trained_draft, oracle_tokens, k):
     params, _, _, out = trained_draft
@@ -95,7 +92,6 @@ def test_greedy_speculative_decoding_emits_the_oracles_tokens(trained_draft, ora
     assert 1.0 < got.accept_length <= k + 1 and 0.0 < got.acceptance <= 1.0
 
 
-@trained_group
 def test_sampling_with_a_draft_is_reproducible_and_stops_at_max_tokens(trained_draft):
     params, _, draft, out = trained_draft
     cfg = config.tiny()
@@ -184,7 +180,6 @@ def test_bad_draft_requests_get_clear_errors(tiny_cfg, tiny_params, tmp_path):
         eagle_train.DraftTrainConfig(data="web")
 
 
-@trained_group
 def test_the_cli_trains_a_draft_and_decodes_with_it(trained_tiny, trained_draft, tmp_path, capsys):
     from serving import cli
 

@@ -50,16 +50,12 @@ def test_windows_come_in_full_batches_of_seq_len_plus_one():
         train.batches(tokens, 64, 31, seed=0)
 
 
-# `trained_tiny` (tests/conftest.py): one session-wide run, shared with tests/kimik3/test_eagle.py
-pytestmark_trained = pytest.mark.xdist_group("trained_tiny")
-
-
+# `trained_tiny` (tests/conftest.py): one run per worker, shared with tests/kimik3/test_eagle.py
 @pytest.fixture
 def trained(trained_tiny):
     return trained_tiny
 
 
-@pytestmark_trained
 def test_a_short_run_on_real_text_lowers_the_held_out_loss(trained):
     tc, result, _ = trained
     # bytes of English start near ln(288) = 5.66 nats and a unigram model is ~3.1: 60 steps get past it
@@ -70,7 +66,6 @@ def test_a_short_run_on_real_text_lowers_the_held_out_loss(trained):
     assert os.path.getsize(os.path.join(tc.out, "loss.png")) > 0
 
 
-@pytestmark_trained
 def test_the_checkpoint_serves_the_trained_weights(trained, tiny_cfg):
     tc, result, params = trained
     restored, cfg = checkpoint.restore(result["checkpoint"])
