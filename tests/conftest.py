@@ -48,9 +48,9 @@ def pytest_sessionfinish(session):
 def trained_tiny(tmp_path_factory):
     """(TrainConfig, result, params): `tiny` trained for 60 steps on the Debian licence texts, once
     per worker process (tests/kimik3/test_train.py and test_eagle.py share it).  xdist's
-    ``--dist loadgroup`` would put its users on one worker, but with pytest 9 its group suffix
-    does not reach the node ids (checked: grouped tests still spread), so each worker that
-    runs one of them trains."""
+    ``--dist loadgroup`` would put its users on one worker, but here (pytest 9.2, xdist 3.8)
+    grouped tests still spread over the workers (checked), so each worker that runs one of
+    them trains."""
     from kimik3 import corpus, train
 
     try:
