@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from kimik3.config import ModelConfig
-from kimik3.layers.mla import MLA, mla_output, mla_project
+from kimik3.layers.mla import MLA, expand_latent, mla_output, mla_project
 from kimik3.layers.mlp import MLP, glu_mlp
 from kimik3.layers.primitives import rms_norm
 
@@ -124,17 +124,6 @@ def draft_logits(params: Params, cfg: ModelConfig, hidden_btd):
     return x @ params["lm_head_dv"].astype(jnp.float32)
 
 
-def _expand(cfg, w, latent_bsr):
-    """MLA's naive form: latent rows [B, S, kv_lora + rope] -> keys [B, S, H, nope + rope],
-    values [B, S, H, v]."""
-    r = cfg.kv_lora_rank
-    c_kv, k_pe = latent_bsr[..., :r], latent_bsr[..., r:]
-    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w["w_kb_rhn"])
-    v = jnp.einsum("bsr,rhv->bshv", c_kv, w["w_vb_rhv"])
-    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (cfg.mla_heads, k_pe.shape[-1]))
-    return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
-
-
 def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, taps_btld, tokens_bt):
     """Training-time test over whole sequences: logits [steps, B, T, V] fp32, where step j's
     row i is the draft's guess at x_{i+j+2} after a chain started at slot i (its token inputs
@@ -152,7 +141,7 @@ def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, ta
         nxt = jnp.pad(tokens_bt[:, j + 1:], ((0, 0), (0, j + 1)))  # x_{i+j+1}, zero past the end
         u = _layer_input(params, cfg, feat, embed_vd[nxt])
         q, latent, xg = mla_project(cfg, w, u)
-        k, v = _expand(cfg, w, latent)
+        k, v = expand_latent(latent, w["w_kb_rhn"], w["w_vb_rhv"], kv_lora=cfg.kv_lora_rank)
         if j == 0:
             keys0, vals0 = k, v
         else:

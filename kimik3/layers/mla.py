@@ -32,13 +32,19 @@ def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     return {"latent": jnp.zeros((batch, max_len, cfg.mla_latent_dim), dtype)}
 
 
-def mla_naive(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
-    """Expanded form: q [B, T, H, nope+rope] over latent rows [B, S, kv_lora+rope] -> [B, T, H, v]."""
+def expand_latent(latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int):
+    """Latent rows [B, S, kv_lora+rope] -> per-head keys [B, S, H, nope+rope] (the shared rope
+    part broadcast to every head) and values [B, S, H, v]."""
     c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
     k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_kb_rhn)
     v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
-    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (q_bthd.shape[2], k_pe.shape[-1]))
-    k = jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1)
+    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (w_kb_rhn.shape[1], k_pe.shape[-1]))
+    return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
+
+
+def mla_naive(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
+    """Expanded form: q [B, T, H, nope+rope] over latent rows [B, S, kv_lora+rope] -> [B, T, H, v]."""
+    k, v = expand_latent(latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora)
     return attend(q_bthd, k, v, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
 
 
