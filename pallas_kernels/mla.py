@@ -183,9 +183,8 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits):
 _MERGE_ROWS, _MERGE_VALUES = 16, 128
 
 
-# kernel=None's choice on a GPU backend: the reference until the merge kernel has run on the GPU
-# (it is checked interpreted and lowered for CUDA only: RESULTS.md, session 15).
-MERGE_KERNEL_ON_GPU = False
+# kernel=None's choice on a GPU backend (its GPU check and A/B: RESULTS.md, session 17).
+MERGE_KERNEL_ON_GPU = True
 
 
 def merge_splits(o_part, lse_part, shape, dtype, *, kernel=None, interpret=None):

@@ -211,9 +211,8 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
 
 # Up to this many (token, slot) assignments (a power of two: Triton tiles the whole dest array)
 # the gate/up kernel loads its rows from the tokens' own rows; past it, a padded copy is written.
-# 0 (off) until the row-gathering kernel has run on the GPU: it is checked interpreted and lowered
-# for CUDA only (RESULTS.md, session 15); 1024 is the limit it was written for.
-GATHER_LIMIT = 0
+# 1024 is the limit it was written for (Triton tiles dest whole); its GPU check: RESULTS.md, session 17.
+GATHER_LIMIT = 1024
 GATHER_LIMIT_WRITTEN_FOR = 1024
 
 
