@@ -154,6 +154,22 @@ def build_data(params32, cfg: ModelConfig, tokens: np.ndarray, dc: DraftTrainCon
     return np.concatenate(out)[:n_seqs]
 
 
+# The most bytes of target features (fp32 logits and taps of the whole pool) kept on the device.
+FEATURE_CACHE_BYTES = 2 << 30
+
+
+def _feature_bytes(cfg: ModelConfig, ecfg: eagle.EagleConfig, seqs: np.ndarray) -> int:
+    return seqs.size * (cfg.vocab_size + len(ecfg.taps) * cfg.d_model) * 4
+
+
+def _features(target, seqs: np.ndarray, batch: int):
+    """The target's (logits [N, S, V], taps [N, S, taps, D]) for every sequence, `batch` at a time."""
+    n = len(seqs)
+    padded = np.concatenate([seqs, np.zeros((-n % batch, seqs.shape[1]), seqs.dtype)])  # one program shape
+    parts = [target(jnp.asarray(padded[i:i + batch])) for i in range(0, len(padded), batch)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs)[:n], *parts)
+
+
 def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eagle.EagleConfig | None = None,
                 draft=None) -> tuple[dict, dict]:
     """Train a draft for the frozen `target_params`.  Returns (the record written to
@@ -171,35 +187,48 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
     embed = params32["embed_vd"]
     opt = optimizer(dc)
     opt_state = opt.init(draft)
+    positions = jnp.broadcast_to(jnp.arange(dc.seq_len)[None], (dc.batch, dc.seq_len))
+    target = jax.jit(lambda seqs: model._forward_taps(params32, seqs, positions, cfg=cfg, layers=ecfg.taps,
+                                                      kernels="reference"))
 
-    def loss(d, seqs):
-        logits, taps = model._forward_taps(params32, seqs, jnp.broadcast_to(jnp.arange(seqs.shape[1])[None],
-                                                                            seqs.shape), cfg=cfg,
-                                           layers=ecfg.taps, kernels="reference")
-        logits, taps = jax.lax.stop_gradient((logits, taps))
+    def loss(d, seqs, feats):
+        logits, taps = feats
         return eagle.ttt_loss(d, cfg, ecfg, embed, taps, seqs, logits)
 
-    def step(d, state, seqs):
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(d, seqs)
+    def step(d, state, seqs, feats):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(d, seqs, feats)
         updates, state = opt.update(grads, state, d)
         return optax.apply_updates(d, updates), state, value, metrics
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    evaluate = jax.jit(lambda d, s: loss(d, s)[1])
+    evaluate = jax.jit(lambda d, s, f: loss(d, s, f)[1])
+    # The frozen target's logits and taps depend only on the sequence: with the pool fixed, they
+    # are computed once per sequence (on the device) unless they would not fit in
+    # FEATURE_CACHE_BYTES, in which case every step recomputes its batch's.
+    pool_feats = _features(target, train_seqs, dc.batch) if _feature_bytes(cfg, ecfg, train_seqs) <= \
+        FEATURE_CACHE_BYTES else None
+    held_feats = _features(target, held_seqs, dc.batch)
+
+    def batch_feats(idx):
+        if pool_feats is None:
+            return target(jnp.asarray(train_seqs[idx]))
+        return jax.tree.map(lambda a: a[jnp.asarray(idx)], pool_feats)
 
     def held_out(d) -> dict:
-        ms = [evaluate(d, jnp.asarray(held_seqs[i:i + dc.batch])) for i in range(0, len(held_seqs), dc.batch)]
+        ms = [evaluate(d, jnp.asarray(held_seqs[i:i + dc.batch]),
+                       jax.tree.map(lambda a: a[i:i + dc.batch], held_feats)) for i in range(0, len(held_seqs), dc.batch)]
         return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ("acc", "ce")}
 
     from tqdm.auto import tqdm
 
     before = held_out(draft)
-    it = iter(grain.MapDataset.source(train_seqs).shuffle(seed=dc.seed).repeat(None)
+    it = iter(grain.MapDataset.source(np.arange(len(train_seqs))).shuffle(seed=dc.seed).repeat(None)
               .batch(dc.batch, drop_remainder=True).to_iter_dataset())
     history = []
     t0 = time.perf_counter()
     for i in tqdm(range(1, dc.steps + 1), desc=f"train-eagle {cfg.name}", disable=not dc.progress, unit="step"):
-        draft, opt_state, value, metrics = step(draft, opt_state, jnp.asarray(next(it)))
+        idx = np.asarray(next(it))
+        draft, opt_state, value, metrics = step(draft, opt_state, jnp.asarray(train_seqs[idx]), batch_feats(idx))
         if i % 10 == 0 or i == dc.steps:
             history.append(dict(step=i, loss=float(value), acc=np.asarray(metrics["acc"]).tolist()))
     seconds = time.perf_counter() - t0
