@@ -1,7 +1,7 @@
-"""Speculative decoding with an EAGLE-3 draft head: the reference, and the acceptance rule.
+"""Speculative decoding with an EAGLE-3 draft head: the reference, its cached twin, and the acceptance rule.
 
-`speculative_generate` is the no-cache reference the engine's speculative path is held
-against, as `generate(use_cache=False)` is for plain decoding: fp32, the target recomputed over
+`speculative_generate` (use_cache=False) is the no-cache reference the engine's speculative
+path is held against, as `generate(use_cache=False)` is for plain decoding: fp32, the target recomputed over
 the whole sequence at every verification (reference kernels), the draft over every slot at
 every drafted token.  A round::
 
@@ -12,7 +12,15 @@ every drafted token.  A round::
                   where d_{a+1} was refused, the bonus token when all k were kept)
 
 Greedy (temperature 0) keeps d_i while it is the target's argmax, so the output is exactly
-greedy decoding's.  With temperature > 0 it is rejection sampling (Leviathan et al. 2023,
+greedy decoding's.
+
+`use_cache=True` keeps the target's state in a contiguous cache instead (`model.init_cache`):
+the verify pass runs only the k + 1 new tokens and returns the KDA layers' state after each of
+them (the pass's KDA runs at chunk 1, so every position is an export); the accepted prefix is
+committed by taking each KDA layer's state and conv rows after a + 1 tokens and advancing the
+lengths by a + 1.  MLA needs no rollback: latent rows past the lengths are never attended (they
+lie after every later query and are overwritten by the next pass).  What the engine's
+speculative step does with its state slots and pages, on a cache one can read.  With temperature > 0 it is rejection sampling (Leviathan et al. 2023,
 Chen et al. 2023): d_i is kept with probability min(1, p(d_i) / q(d_i)), a refused one is
 replaced by a sample of norm(max(p - q, 0)), so every emitted token is distributed as the
 target's.
@@ -29,7 +37,8 @@ import numpy as np
 
 from kimik3 import eagle, tokenizer
 from kimik3.config import ModelConfig
-from kimik3.model import _forward_taps, cast_params
+from kimik3.caches import LayerCaches
+from kimik3.model import KimiK3, _forward_taps, cast_params, init_cache
 
 MAX_DRAFT_TOKENS = 8
 
@@ -98,6 +107,93 @@ def _draft_slot(draft, embed_vd, feat_ld, toks_l, n, *, cfg):
     return h, eagle.draft_logits(draft, cfg, h[None, None])[0, 0]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "layers", "per_token"))
+def _cached_pass(params, tokens_bt, cache, *, cfg, layers, per_token):
+    """The target over tokens [B, T] continuing a contiguous cache (reference kernels): (logits
+    [B, T, V], taps [B, T, len(layers), D], the cache after all T, and with per_token each KDA
+    layer's {"state": [B, T, ...], "conv": [B, T, ...]} after 1 .. T tokens, else None)."""
+    b, t = tokens_bt.shape
+    positions = cache["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    at = jnp.arange(1, t + 1, dtype=jnp.int32)
+    layer_caches = tuple(dict(c, export_at=at) if per_token and kind == "kda" else c
+                         for c, kind in zip(cache["layers"], cfg.mixer_kinds))
+    # chunk 1: the chunked KDA form at one token a chunk is the recurrence, and exports every position
+    run_cfg = dataclasses.replace(cfg, kda_chunk_size=1) if per_token else cfg
+    (logits, caches, exports), state = KimiK3(run_cfg, "grouped", "reference", taps=layers).apply(
+        {"params": params}, tokens_bt, positions, LayerCaches(layer_caches), mutable=["intermediates"])
+    taps = jnp.stack([state["intermediates"][f"tap_{i}"][0] for i in layers], axis=2)
+    return logits, taps, {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def commit(cache_before, cache_after, exports, keep_b, *, cfg):
+    """The contiguous cache after only the first keep_b [B] (in 1 .. T) of a per-token pass's T
+    tokens: KDA state and conv rows from the exports, lengths advanced by keep_b, MLA rows as
+    the pass wrote them (those past the new lengths are never read)."""
+    pick = lambda x: jax.vmap(lambda xb, n: xb[n - 1])(x, keep_b)
+    per_layer = iter(exports)
+    layers = tuple({"state": pick(e["state"]), "conv": pick(e["conv"]).astype(c["conv"].dtype)}
+                   if kind == "kda" and (e := next(per_layer)) is not None else c
+                   for c, kind in zip(cache_after["layers"], cfg.mixer_kinds))
+    return {"lengths": cache_before["lengths"] + keep_b, "layers": layers}
+
+
+class _NoCacheTarget:
+    """The reference's target: every pass recomputes the whole sequence."""
+
+    def __init__(self, params32, cfg, layers, prompt, total):
+        self.params, self.cfg, self.layers, self.capacity = params32, cfg, layers, total
+        self.buf = np.zeros((1, total), np.int32)
+        self.buf[0, :prompt.size] = prompt
+        self.logits, self.taps = _target_pass(params32, jnp.asarray(self.buf), cfg=cfg, layers=layers)
+
+    def prefill_logits(self, n):
+        return np.asarray(self.logits[n - 1])
+
+    def committed_taps(self, n):
+        return self.taps[:n]
+
+    def verify(self, n, tokens):
+        """Logits after each of tokens (placed at n ..), as [len(tokens), V]."""
+        self.buf[0, n:n + len(tokens)] = tokens
+        self.logits, self.taps = _target_pass(self.params, jnp.asarray(self.buf), cfg=self.cfg, layers=self.layers)
+        return np.asarray(self.logits[n:n + len(tokens)])
+
+    def keep(self, n, count):
+        self.buf[0, n + count:] = 0
+
+
+class _CachedTarget:
+    """The target on a contiguous cache: passes over the new tokens only (see the module docstring)."""
+
+    def __init__(self, params32, cfg, layers, prompt, total):
+        self.params, self.cfg, self.layers = params32, cfg, layers
+        self.capacity = min(total, cfg.max_seq_len)
+        self.cache = init_cache(cfg, 1, self.capacity, jnp.float32)
+        logits, taps, self.cache, _ = _cached_pass(params32, jnp.asarray(prompt[None], jnp.int32), self.cache,
+                                                   cfg=cfg, layers=layers, per_token=False)
+        self.taps = np.zeros((total,) + taps.shape[2:], np.float32)
+        self.taps[:prompt.size] = np.asarray(taps[0])
+        self.last = np.asarray(logits[0, -1])
+
+    def prefill_logits(self, n):
+        return self.last
+
+    def committed_taps(self, n):
+        return jnp.asarray(self.taps[:n])
+
+    def verify(self, n, tokens):
+        toks = jnp.asarray(np.asarray(tokens, np.int32)[None])
+        logits, taps, self._after, self._exports = _cached_pass(self.params, toks, self.cache, cfg=self.cfg,
+                                                                layers=self.layers, per_token=True)
+        self._pending = np.asarray(taps[0])
+        return np.asarray(logits[0])
+
+    def keep(self, n, count):
+        self.cache = commit(self.cache, self._after, self._exports, jnp.asarray([count], jnp.int32), cfg=self.cfg)
+        self.taps[n:n + count] = self._pending[:count]
+
+
 def check_draft(cfg: ModelConfig, ecfg: eagle.EagleConfig, draft, k: int) -> None:
     """Clear errors before any launch: k out of range, a draft made for another target."""
     if not 1 <= k <= MAX_DRAFT_TOKENS:
@@ -114,9 +210,9 @@ def check_draft(cfg: ModelConfig, ecfg: eagle.EagleConfig, draft, k: int) -> Non
 
 def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.EagleConfig, prompt_tokens,
                          max_new_tokens: int, k: int, *, temperature: float = 0.0, seed: int = 0,
-                         stop_at_eos: bool = False) -> SpecResult:
+                         stop_at_eos: bool = False, use_cache: bool = False) -> SpecResult:
     """Decode `prompt_tokens` with k drafted tokens per target pass (see the module docstring).
-    temperature 0: exactly `generate(use_cache=False)`'s tokens."""
+    temperature 0: exactly `generate(use_cache=False)`'s tokens, with or without the cache."""
     check_draft(cfg, ecfg, draft, k)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0; got {temperature}")
@@ -133,25 +229,24 @@ def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.Eag
     rng = np.random.default_rng(seed)
     pick = (lambda lg: int(np.argmax(lg))) if temperature == 0 else (
         lambda lg: int(rng.choice(lg.shape[-1], p=probs(lg, temperature))))
-    buf = np.zeros((1, total), np.int32)
-    buf[0, :prompt.size] = prompt
+    target = (_CachedTarget if use_cache else _NoCacheTarget)(params32, cfg, ecfg.taps, prompt, total)
+    committed = np.zeros(total, np.int32)
+    committed[:prompt.size] = prompt
     n = prompt.size  # committed tokens
-    logits, taps = _target_pass(params32, jnp.asarray(buf), cfg=cfg, layers=ecfg.taps)
-    t0 = pick(np.asarray(logits[n - 1]))
+    t0 = pick(target.prefill_logits(n))
     out, accepted = [], []
     while True:
         out.append(t0)
-        buf[0, n] = t0
-        n += 1
+        committed[n] = t0
         if len(out) >= max_new_tokens or (stop_at_eos and t0 == tokenizer.EOS_ID):
             break
-        # draft d_1 .. d_k: slot i reads (h_i, x_{i+1}) for i < n - 1, then its own hidden states
+        # draft d_1 .. d_k: slot i reads (h_i, x_{i+1}) for i < n, then its own hidden states
         feat = np.zeros((total, cfg.d_model), np.float32)
-        feat[:n - 1] = np.asarray(eagle.fuse(draft32, taps[None, :n - 1])[0])
-        toks = np.concatenate([buf[0, 1:], np.zeros(1, np.int32)])  # slot i reads x_{i+1}
+        feat[:n] = np.asarray(eagle.fuse(draft32, target.committed_taps(n)[None])[0])
+        toks = np.concatenate([committed[1:], np.zeros(1, np.int32)])  # slot i reads x_{i+1}
         drafted, qs = [], []
-        for s in range(k):
-            slot = n - 2 + s
+        for s in range(min(k, target.capacity - n - 1)):  # near the cache's end, fewer drafts
+            slot = n - 1 + s
             h, lg = _draft_slot(draft32, embed, jnp.asarray(feat), jnp.asarray(toks), slot, cfg=cfg)
             lg = np.asarray(lg)
             d = pick(lg)
@@ -160,16 +255,15 @@ def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.Eag
                 qs.append(probs(lg, temperature))
             feat[slot + 1] = np.asarray(h)
             toks[slot + 1] = d
-        buf[0, n:n + k] = drafted
-        logits, taps = _target_pass(params32, jnp.asarray(buf), cfg=cfg, layers=ecfg.taps)
-        a, t0 = accept(np.asarray(logits[n - 1:n + k]), drafted, np.stack(qs) if qs else None,
-                       temperature=temperature, rng=rng)
+        logits = target.verify(n, [t0] + drafted)  # [k + 1, V]: after t0, d_1 .. d_k
+        a, t0 = accept(logits, drafted, np.stack(qs) if qs else None, temperature=temperature, rng=rng)
         accepted.append(a)
+        target.keep(n, a + 1)  # t0 and d_1 .. d_a are committed
+        n += 1
         for d in drafted[:a]:
             out.append(d)
+            committed[n] = d
+            n += 1
             if len(out) >= max_new_tokens or (stop_at_eos and d == tokenizer.EOS_ID):
                 return SpecResult(np.asarray(out, np.int32), tuple(accepted), k)
-        buf[0, n:n + k] = 0
-        buf[0, n:n + a] = drafted[:a]
-        n += a
     return SpecResult(np.asarray(out, np.int32), tuple(accepted), k)

@@ -79,10 +79,11 @@ def _generate_speculative(args, params, cfg, prompt, images) -> int:
     draft, ecfg = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
     t0 = time.perf_counter()
     r = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, args.max_new_tokens, args.draft_tokens,
-                                         temperature=args.temperature, seed=args.seed, stop_at_eos=True)
+                                         temperature=args.temperature, seed=args.seed, stop_at_eos=True,
+                                         use_cache=not args.oracle)
     dt = time.perf_counter() - t0
-    print(f"config={cfg.name} prompt_tokens={len(prompt)} mode=speculative reference (EAGLE-3, k={r.k}, "
-          f"temperature={args.temperature:g}; no cache, fp32)")
+    print(f"config={cfg.name} prompt_tokens={len(prompt)} mode=speculative (EAGLE-3, k={r.k}, "
+          f"temperature={args.temperature:g}; {'no cache (the reference)' if args.oracle else 'cached'}, fp32)")
     print(f"tokens: {r.tokens.tolist()}")
     print(f"text: {tokenizer.decode(r.tokens, skip_special=False)!r}")
     print(f"{len(r.tokens)} tokens in {len(r.accepted) + 1} target passes: draft acceptance {r.acceptance:.3f}, "
@@ -246,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
     g.add_argument("--draft-checkpoint", default=None, metavar="DIR",
-                   help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding, its no-cache reference")
+                   help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding (the target on a cache; "
+                        "with --oracle the no-cache reference)")
     g.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per target pass")
     g.add_argument("--temperature", type=float, default=0.0, help="with a draft: 0 greedy, else rejection sampling")
     g.set_defaults(func=_cmd_generate)

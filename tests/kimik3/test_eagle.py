@@ -80,13 +80,14 @@ def oracle_tokens(trained_draft):
     return prompt, generate(params, config.tiny(), prompt, 32).tokens
 
 
+@pytest.mark.parametrize("use_cache", [False, True], ids=["no-cache", "cached"])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_greedy_speculative_decoding_emits_the_oracles_tokens(trained_draft, oracle_tokens, k):
+def test_greedy_speculative_decoding_emits_the_oracles_tokens(trained_draft, oracle_tokens, k, use_cache):
     params, _, _, out = trained_draft
     cfg = config.tiny()
     draft, ecfg = eagle_train.load_draft(out + "/draft", cfg, params)
     prompt, want = oracle_tokens
-    got = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 32, k)
+    got = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 32, k, use_cache=use_cache)
     np.testing.assert_array_equal(got.tokens, want)
     assert sum(got.accepted) > 0 and max(got.accepted) <= k  # drafts were kept: the accept path ran
     assert 1.0 < got.accept_length <= k + 1 and 0.0 < got.acceptance <= 1.0
@@ -100,7 +101,40 @@ def test_sampling_with_a_draft_is_reproducible_and_stops_at_max_tokens(trained_d
     a = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
     b = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
     np.testing.assert_array_equal(a.tokens, b.tokens)
+    c = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5,
+                                         use_cache=True)  # the same logits (to fp32 rounding), the same draws
+    np.testing.assert_array_equal(c.tokens, a.tokens)
     assert a.tokens.shape == (20,) and ((0 <= a.tokens) & (a.tokens < cfg.vocab_size)).all()
+
+
+@pytest.mark.parametrize("keep", [1, 3, 5])
+def test_a_verify_pass_committed_to_its_first_tokens_is_the_cache_of_those_tokens_alone(tiny_cfg, tiny_params, keep):
+    """The cached target's verify pass over T = 5 tokens, then `commit` of the first `keep`: KDA
+    state and conv rows, lengths and the MLA rows they cover equal a pass over those tokens only,
+    and the next token's logits from either cache agree."""
+    rng = np.random.default_rng(keep)
+    prompt = jnp.asarray(rng.integers(1, tiny_cfg.vocab_size, (1, 11)), jnp.int32)
+    new = jnp.asarray(rng.integers(1, tiny_cfg.vocab_size, (1, 5)), jnp.int32)
+    taps = (0, 1, 2)
+    run = lambda toks, cache, per_token: speculative._cached_pass(tiny_params, toks, cache, cfg=tiny_cfg,
+                                                                  layers=taps, per_token=per_token)
+    _, _, cache0, _ = run(prompt, model.init_cache(tiny_cfg, 1, 32, jnp.float32), False)
+    _, _, after, exports = run(new, cache0, True)
+    got = speculative.commit(cache0, after, exports, jnp.asarray([keep], jnp.int32), cfg=tiny_cfg)
+    _, _, want, _ = run(new[:, :keep], cache0, False)
+    assert int(got["lengths"][0]) == int(want["lengths"][0]) == 11 + keep
+    # fp32 both, but the verify pass runs KDA one token a chunk and `want` in one chunk: sums in
+    # another order (~1e-6 relative a layer)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    for kind, g, w in zip(tiny_cfg.mixer_kinds, got["layers"], want["layers"]):
+        if kind == "kda":
+            for name in ("state", "conv"):
+                np.testing.assert_allclose(np.asarray(g[name]), np.asarray(w[name]), **tol)
+        else:
+            np.testing.assert_allclose(np.asarray(g["latent"][:, :11 + keep]), np.asarray(w["latent"][:, :11 + keep]),
+                                       **tol)
+    nxt = jnp.asarray([[7]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(run(nxt, got, False)[0]), np.asarray(run(nxt, want, False)[0]), **tol)
 
 
 def _markov_two_tokens(target, draft, k, n, seed):
@@ -192,7 +226,7 @@ def test_the_cli_trains_a_draft_and_decodes_with_it(trained_tiny, trained_draft,
     assert cli.main(["generate", "--checkpoint", target, "--draft-checkpoint", trained_draft[3] + "/draft",
                      "--draft-tokens", "2", "--prompt", "Hi", "--max-new-tokens", "6"]) == 0
     text = capsys.readouterr().out
-    assert "draft acceptance" in text and "k=2" in text
+    assert "draft acceptance" in text and "k=2" in text and "cached" in text
     # a draft without its target, and a draft of other weights: refused before any decoding
     assert cli.main(["generate", "--config", "tiny", "--draft-checkpoint", out + "/draft"]) == 2
     assert "--checkpoint" in capsys.readouterr().err
