@@ -6,8 +6,9 @@
 Data: the target's own greedy continuations of prompts cut from the corpus (`data="generated"`,
 what the draft will be asked to predict when serving), or the corpus text itself
 (`data="text"`); either way the labels are the target's next-token distributions (soft
-cross-entropy, `eagle.ttt_loss`), never the text's tokens.  The target runs its reference
-kernels under `stop_gradient`; the draft trains with training-time test (`eagle.ttt_logits`).
+cross-entropy, `eagle.ttt_loss`), never the text's tokens.  The frozen target (reference
+kernels) runs once per sequence of the pool, its logits and taps kept on the device; the draft
+trains with training-time test (`eagle.ttt_logits`).
 Held-out: the same data built from the corpus's held-out blocks; its per-step top-1 agreement
 with the target is what greedy acceptance at that draft position will be.
 
