@@ -150,8 +150,9 @@ class _NoCacheTarget:
     def prefill_logits(self, n):
         return np.asarray(self.logits[n - 1])
 
-    def committed_taps(self, n):
-        return self.taps[:n]
+    def taps_buffer(self):
+        """[capacity, taps, D]: the taps of every position (those past the committed ones unused)."""
+        return self.taps
 
     def verify(self, n, tokens):
         """Logits after each of tokens (placed at n ..), as [len(tokens), V]."""
@@ -179,8 +180,8 @@ class _CachedTarget:
     def prefill_logits(self, n):
         return self.last
 
-    def committed_taps(self, n):
-        return jnp.asarray(self.taps[:n])
+    def taps_buffer(self):
+        return jnp.asarray(self.taps)
 
     def verify(self, n, tokens):
         toks = jnp.asarray(np.asarray(tokens, np.int32)[None])
@@ -242,7 +243,8 @@ def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.Eag
             break
         # draft d_1 .. d_k: slot i reads (h_i, x_{i+1}) for i < n, then its own hidden states
         feat = np.zeros((total, cfg.d_model), np.float32)
-        feat[:n] = np.asarray(eagle.fuse(draft32, target.committed_taps(n)[None])[0])
+        # fused at every position, one shape for every round (the FC is per position), kept up to n
+        feat[:n] = np.asarray(eagle.fuse(draft32, target.taps_buffer()[None])[0])[:n]
         toks = np.concatenate([committed[1:], np.zeros(1, np.int32)])  # slot i reads x_{i+1}
         drafted, qs = [], []
         for s in range(min(k, target.capacity - n - 1)):  # near the cache's end, fewer drafts
