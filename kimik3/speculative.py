@@ -12,7 +12,10 @@ every drafted token.  A round::
                   where d_{a+1} was refused, the bonus token when all k were kept)
 
 Greedy (temperature 0) keeps d_i while it is the target's argmax, so the output is exactly
-greedy decoding's.
+greedy decoding's.  With temperature > 0 it is rejection sampling (Leviathan et al. 2023,
+Chen et al. 2023): d_i is kept with probability min(1, p(d_i) / q(d_i)), a refused one is
+replaced by a sample of norm(max(p - q, 0)), so every emitted token is distributed as the
+target's.
 
 `use_cache=True` keeps the target's state in a contiguous cache instead (`model.init_cache`):
 the verify pass runs only the k + 1 new tokens and returns the KDA layers' state after each of
@@ -20,10 +23,7 @@ them (the pass's KDA runs at chunk 1, so every position is an export); the accep
 committed by taking each KDA layer's state and conv rows after a + 1 tokens and advancing the
 lengths by a + 1.  MLA needs no rollback: latent rows past the lengths are never attended (they
 lie after every later query and are overwritten by the next pass).  What the engine's
-speculative step does with its state slots and pages, on a cache one can read.  With temperature > 0 it is rejection sampling (Leviathan et al. 2023,
-Chen et al. 2023): d_i is kept with probability min(1, p(d_i) / q(d_i)), a refused one is
-replaced by a sample of norm(max(p - q, 0)), so every emitted token is distributed as the
-target's.
+speculative step does with its state slots and pages, on a cache one can read.
 """
 
 from __future__ import annotations
