@@ -457,8 +457,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cac
 def _forward_taps(params, tokens, positions, *, cfg, layers, kernels):
     model = KimiK3(cfg, "grouped", kernels, taps=layers)
     (logits, _, _), state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
-    taps = state["intermediates"]
-    return logits, jnp.stack([taps[f"tap_{i}"][0] for i in layers], axis=2)
+    return logits, stacked_taps(state, layers)
+
+
+def stacked_taps(state, layers: tuple[int, ...]):
+    """The residual streams a `KimiK3(taps=layers)` pass sowed: [B, T, len(layers), D]."""
+    return jnp.stack([state["intermediates"][f"tap_{i}"][0] for i in layers], axis=2)
 
 
 def forward_taps(params: Params, cfg: ModelConfig, tokens, layers: tuple[int, ...], *, kernels: str = "auto"):

@@ -38,7 +38,7 @@ import numpy as np
 from kimik3 import eagle, tokenizer
 from kimik3.config import ModelConfig
 from kimik3.caches import LayerCaches
-from kimik3.model import KimiK3, _forward_taps, cast_params, init_cache
+from kimik3.model import KimiK3, _forward_taps, cast_params, init_cache, stacked_taps
 
 MAX_DRAFT_TOKENS = 8
 
@@ -121,8 +121,7 @@ def _cached_pass(params, tokens_bt, cache, *, cfg, layers, per_token):
     run_cfg = dataclasses.replace(cfg, kda_chunk_size=1) if per_token else cfg
     (logits, caches, exports), state = KimiK3(run_cfg, "grouped", "reference", taps=layers).apply(
         {"params": params}, tokens_bt, positions, LayerCaches(layer_caches), mutable=["intermediates"])
-    taps = jnp.stack([state["intermediates"][f"tap_{i}"][0] for i in layers], axis=2)
-    return logits, taps, {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
+    return logits, stacked_taps(state, layers), {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -131,11 +130,14 @@ def commit(cache_before, cache_after, exports, keep_b, *, cfg):
     tokens: KDA state and conv rows from the exports, lengths advanced by keep_b, MLA rows as
     the pass wrote them (those past the new lengths are never read)."""
     pick = lambda x: jax.vmap(lambda xb, n: xb[n - 1])(x, keep_b)
-    per_layer = iter(exports)
-    layers = tuple({"state": pick(e["state"]), "conv": pick(e["conv"]).astype(c["conv"].dtype)}
-                   if kind == "kda" and (e := next(per_layer)) is not None else c
-                   for c, kind in zip(cache_after["layers"], cfg.mixer_kinds))
-    return {"lengths": cache_before["lengths"] + keep_b, "layers": layers}
+    per_kda_layer = iter(exports)
+    layers = []
+    for c, kind in zip(cache_after["layers"], cfg.mixer_kinds):
+        if kind == "kda":
+            e = next(per_kda_layer)
+            c = {"state": pick(e["state"]), "conv": pick(e["conv"]).astype(c["conv"].dtype)}
+        layers.append(c)
+    return {"lengths": cache_before["lengths"] + keep_b, "layers": tuple(layers)}
 
 
 class _NoCacheTarget:
