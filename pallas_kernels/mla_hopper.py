@@ -340,7 +340,7 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
 
 
 def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
-                   block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret):
+                   block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
@@ -464,7 +464,10 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
             plgpu.barrier_wait(p_ready.at[pslot])
             plgpu.barrier_wait(k_bars.at[steps + slot])  # value half 1 of the tile
             alpha = plgpu.load(alpha_smem.at[pslot], layout=row_layout, optimized=False)
-            acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, slot, 1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if stall_ns:  # tests/gpu: warpgroup 1 late to read P, so only the barriers keep the slot
+                pl.delay(stall_ns)
+            acc = value_half(acc, i, slot, 1)
             plgpu.barrier_arrive(p_free.at[pslot])
             plgpu.barrier_arrive(k_used.at[slot])
             return acc
@@ -491,9 +494,9 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "n_splits", "scale_log2", "interpret"))
+                                             "n_splits", "scale_log2", "interpret", "stall_ns"))
 def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, p_slots,
-                 n_splits, scale_log2, interpret):
+                 n_splits, scale_log2, interpret, stall_ns=0):
     """q_rows [B, rows_pad, kv_lora + rope] (heads x queries folded, padded to 64) -> o [B,
     splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
     -inf for a split with no keys)."""
@@ -515,7 +518,8 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
-                page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret),
+                page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
+                stall_ns=stall_ns),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.Barrier(num_arrivals=2, num_barriers=steps),
@@ -566,7 +570,7 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None):
+                      steps=2, p_slots=None, interpret=None, stall_ns=0):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -580,7 +584,13 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     On the H200 (RESULTS.md): 442 TFLOP/s, 68% of the bf16 matmul rate, at 128 heads (B64,
     8k context); at 96 heads the rows pad 96 -> 128 and it reaches 44-50%; memory-bound
     shapes run at the copy rate like the Triton kernel.  `kimik3.ops.mla_decode_impl` picks
-    it on compute capability 9.x when heads x queries fill a 64-row tile."""
+    it on compute capability 9.x when heads x queries fill a 64-row tile.
+
+    stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
+    a P buffer's arrival and its read at every step: a release of the buffer that does not wait
+    for the read then shows as a wrong answer on every run, not by chance (tests/gpu)."""
+    if stall_ns and (interpret if interpret is not None else jax.default_backend() != "gpu"):
+        raise ValueError("stall_ns is a compiled kernel's timing knob; the interpreter has no warpgroup timing")
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
     block_kv = block_kv or (64 if page % 64 == 0 else 32)
     if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or latent_pages.dtype != q_latent.dtype:
@@ -607,5 +617,5 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
-                                    interpret=interpret)
+                                    interpret=interpret, stall_ns=int(stall_ns))
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

@@ -139,10 +139,11 @@ def test_prefill_lowers_for_hopper_at_the_model_dims():
             ((n,), jnp.int32))
 
 
-@pytest.mark.parametrize("block_kv, steps", [(32, 2), (32, 3), (64, 2), (64, 3)])
-def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps):
+@pytest.mark.parametrize("block_kv, steps, stall_ns", [(32, 2, 0), (32, 3, 0), (64, 2, 0), (64, 3, 0), (64, 2, 2000)])
+def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns):
     """kv_lora 512 + rope 64, 96 heads; block_kv 64 fits with one P slot and two steps, not
-    three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does."""
+    three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does.  The
+    GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too."""
     from pallas_kernels import mla_hopper
     b, h, r, p, page = 2, 96, 512, 64, 64
     p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= mla_hopper._SMEM_BYTES else 1
@@ -151,7 +152,7 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps):
                                [block_kv, steps])
     lower = lambda: _lowers_for_cuda(lambda bt, sl, q, pg: mla_hopper._decode_core(
         bt, sl, q, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
-        n_splits=2, scale_log2=0.1, interpret=False),
+        n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns),
         ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r + p), jnp.bfloat16), ((32, page, r + p), jnp.bfloat16))
     if fits:
         lower()
@@ -175,6 +176,7 @@ def test_decode_splits_fill_the_sms_in_whole_waves(row_tiles, max_keys, want):
 def test_the_gpu_suites_p_slot_mutant_still_applies():
     """tests/gpu's mutation check edits the decode kernel's source; a refactor that moves the
     edited lines must update it, not silently leave it testing nothing."""
-    from tests.gpu.test_hopper_kernels import _RELEASE_BEFORE_READ, mutant_source
+    from tests.gpu.test_hopper_kernels import _READ, _RELEASE, mutant_source
 
-    assert _RELEASE_BEFORE_READ in mutant_source()
+    mutant = mutant_source()
+    assert _RELEASE + _READ in mutant and _READ + _RELEASE not in mutant
