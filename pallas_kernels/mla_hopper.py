@@ -589,7 +589,8 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
     for the read then shows as a wrong answer on every run, not by chance (tests/gpu)."""
-    if stall_ns and (interpret if interpret is not None else jax.default_backend() != "gpu"):
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    if stall_ns and interpret:
         raise ValueError("stall_ns is a compiled kernel's timing knob; the interpreter has no warpgroup timing")
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
     block_kv = block_kv or (64 if page % 64 == 0 else 32)
@@ -612,7 +613,6 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
         device = jax.devices()[0]
         sms = (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
         n_splits = decode_splits(b * (rows_pad // 64), block_tables.shape[1] * page, block_kv, sms)
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
     o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
