@@ -6,8 +6,8 @@
 Data: the target's own greedy continuations of prompts cut from the corpus (`data="generated"`,
 what the draft will be asked to predict when serving), or the corpus text itself
 (`data="text"`); either way the labels are the target's next-token distributions (soft
-cross-entropy, `eagle.ttt_loss`), never the text's tokens.  The frozen target (reference
-kernels) runs once per sequence of the pool, its logits and taps kept on the device; the draft
+cross-entropy, `eagle.ttt_loss`), never the text's tokens.  The frozen target (forward
+only, so the device's serving kernels: Pallas on the GPU) runs once per sequence of the pool, its logits and taps kept on the device; the draft
 trains with training-time test (`eagle.ttt_logits`).
 Held-out: the same data built from the corpus's held-out blocks; its per-step top-1 agreement
 with the target is what greedy acceptance at that draft position will be.
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kimik3 import corpus as corpora, eagle, model
+from kimik3 import corpus as corpora, eagle, model, ops
 from kimik3.config import ModelConfig
 from kimik3.train import optimizer
 
@@ -124,17 +124,17 @@ def load_draft(path, cfg: ModelConfig, target_params):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "n"))
 def _greedy_continue(params, prompts_bp, *, cfg, n):
-    """Batched greedy continuation (a contiguous cache, reference kernels): [B, P] -> [B, P + n]."""
+    """Batched greedy continuation (a contiguous cache, the device's serving kernels): [B, P] -> [B, P + n]."""
     b, p = prompts_bp.shape
     cache = model.init_cache(cfg, b, p + n, jnp.float32)
     logits, cache = model._forward(params, prompts_bp, jnp.broadcast_to(jnp.arange(p)[None], (b, p)), cache, None,
-                                   cfg=cfg, expert_path="grouped", kernels="reference")
+                                   cfg=cfg, expert_path="grouped", kernels=ops.resolve("auto"))
     tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
     def step(carry, _):
         tok, cache = carry
         lg, cache = model._forward(params, tok[:, None], cache["lengths"][:, None], cache, None, cfg=cfg,
-                                   expert_path="grouped", kernels="reference")
+                                   expert_path="grouped", kernels=ops.resolve("auto"))
         return (jnp.argmax(lg[:, -1], -1).astype(jnp.int32), cache), tok
 
     _, toks = jax.lax.scan(step, (tok, cache), None, length=n)
@@ -190,7 +190,7 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
     opt_state = opt.init(draft)
     positions = jnp.broadcast_to(jnp.arange(dc.seq_len)[None], (dc.batch, dc.seq_len))
     target = jax.jit(lambda seqs: model._forward_taps(params32, seqs, positions, cfg=cfg, layers=ecfg.taps,
-                                                      kernels="reference"))
+                                                      kernels=ops.resolve("auto")))
 
     def loss(d, seqs, feats):
         logits, taps = feats

@@ -12,7 +12,8 @@ step with its params and optimizer state donated, held-out loss every `eval_ever
 serving commands read.  Progress is a tqdm bar; the losses land in `train.json` and
 `loss.png` under `out`.
 
-The model runs its reference kernels (`kernels="reference"`: plain jnp, differentiable); the
+The step runs the model's reference kernels (`kernels="reference"`: plain jnp, differentiable),
+the held-out loss the device's serving kernels (`kernels="auto"`, forward only); the
 routers' selection biases stay as initialized: they only choose experts (as DeepSeek-V3's bias),
 so their gradient is zero, and vectors get no weight decay.
 """
@@ -57,11 +58,15 @@ class TrainConfig:
     held_out_fraction: float = 0.05
     out: str = "train_out"
     progress: bool = True
+    max_seconds: float | None = None  # stop the loop early once this much time has passed (the
+    # schedule stays the one for `steps`; the result says where it stopped)
 
     def __post_init__(self):
         for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"TrainConfig.max_seconds must be > 0 or None; got {self.max_seconds}")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(f"TrainConfig: lr must be > 0 and warmup_steps in [0, steps); "
                              f"got lr={self.lr}, warmup_steps={self.warmup_steps}, steps={self.steps}")
@@ -79,9 +84,11 @@ def batches(tokens: np.ndarray, batch: int, seq_len: int, *, seed: int, repeat: 
     return ds.map(lambda i: tokens[i * seq_len:i * seq_len + seq_len + 1]).batch(batch, drop_remainder=True)
 
 
-def loss_fn(params, cfg, window_bt):
-    """Mean next-token cross-entropy (nats per token) of windows [B, T + 1]: fp32 log-softmax."""
-    logits, _ = model.forward(params, cfg, window_bt[:, :-1], kernels="reference")
+def loss_fn(params, cfg, window_bt, kernels="reference"):
+    """Mean next-token cross-entropy (nats per token) of windows [B, T + 1]: fp32 log-softmax.
+    kernels: "reference" (differentiable, what the step trains through) or "auto" (the device's
+    serving kernels: the held-out loss needs no gradient)."""
+    logits, _ = model.forward(params, cfg, window_bt[:, :-1], kernels=kernels)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, window_bt[:, 1:, None], axis=-1))
 
@@ -126,7 +133,10 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
 
     @jax.jit
     def evaluate(p, windows):
-        return jnp.mean(jax.lax.map(lambda w: loss_fn(p, cfg, w), windows))
+        # The serving kernels ("auto": Pallas on the GPU), not the reference: XLA:GPU did not finish
+        # compiling the forward-only reference loss of `mini` in 170 s (RESULTS.md, session 18),
+        # while the serving path's forward programs compile in seconds.
+        return jnp.mean(jax.lax.map(lambda w: loss_fn(p, cfg, w, kernels="auto"), windows))
 
     def step(p, state, window):
         loss, grads = jax.value_and_grad(loss_fn)(p, cfg, window)
@@ -149,26 +159,35 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
     t0 = time.perf_counter()
     it = iter(batches(text.train, tc.batch, tc.seq_len, seed=tc.seed).to_iter_dataset())
     bar = tqdm(range(1, tc.steps + 1), desc=f"train {cfg.name}", disable=not tc.progress, unit="step")
+    done = 0
     for i in bar:
         params, opt_state, loss, gnorm = step(params, opt_state, jnp.asarray(next(it)))
-        if i % 10 == 0 or i == tc.steps:  # reading the loss waits for the step: not every step
-            history.append(dict(step=i, loss=float(loss), grad_norm=float(gnorm)))
+        done = i
+        out_of_time = tc.max_seconds is not None and time.perf_counter() - t0 > tc.max_seconds
+        last = i == tc.steps or out_of_time
+        if i % 10 == 0 or last:  # reading the loss waits for the step: not every step
+            history.append(dict(step=i, loss=float(loss), grad_norm=float(gnorm),
+                                elapsed_s=round(time.perf_counter() - t0, 3)))
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
-        if i % tc.eval_every == 0 or i == tc.steps:
+        if i % tc.eval_every == 0 or last:
             record_eval(i)
+        if out_of_time:
+            log.warning("train: max_seconds %.0f reached at step %d of %d; stopping", tc.max_seconds, i, tc.steps)
+            break
         if tc.checkpoint_every and i % tc.checkpoint_every == 0 and i != tc.steps:
             checkpoint.save(os.path.join(tc.out, f"step_{i}"), params, cfg)
     seconds = time.perf_counter() - t0
     ckpt = os.path.join(tc.out, "checkpoint")
     checkpoint.save(ckpt, params, cfg)
     result = dict(config=cfg.name, corpus=text.describe(), train_config=dataclasses.asdict(tc),
-                  tokens=tc.steps * tc.batch * tc.seq_len, seconds=seconds, checkpoint=ckpt,
+                  steps_done=done, stopped_early=done < tc.steps,
+                  tokens=done * tc.batch * tc.seq_len, seconds=seconds, checkpoint=ckpt,
                   held_out_loss=evals[-1]["held_out_loss"], held_out_ppl=evals[-1]["held_out_ppl"],
                   initial_held_out_loss=evals[0]["held_out_loss"], evals=evals, history=history,
                   device=jax.devices()[0].device_kind)
     with open(os.path.join(tc.out, "train.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot(history, evals, os.path.join(tc.out, "loss.png"))
-    log.info("trained %s for %d steps in %.1f s: held-out loss %.4f -> %.4f", cfg.name, tc.steps, seconds,
+    log.info("trained %s for %d steps in %.1f s: held-out loss %.4f -> %.4f", cfg.name, done, seconds,
              evals[0]["held_out_loss"], evals[-1]["held_out_loss"])
     return result, params

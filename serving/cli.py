@@ -123,9 +123,12 @@ def _cmd_train(args) -> int:
                            warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
                            eval_every=args.eval_every, eval_batches=args.eval_batches,
                            checkpoint_every=args.checkpoint_every, seed=args.seed, corpus=args.corpus,
-                           max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6), out=args.out)
+                           max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6), out=args.out,
+                           max_seconds=args.max_minutes and args.max_minutes * 60)
     result, _ = train.train(tc)
-    print(f"{result['corpus']}\ntrained {result['config']} for {tc.steps} steps ({result['tokens']:,} tokens) in "
+    stopped = f" (time limit: stopped at step {result['steps_done']} of {tc.steps})" if result["stopped_early"] else ""
+    print(f"{result['corpus']}\ntrained {result['config']} for {result['steps_done']} steps{stopped} "
+          f"({result['tokens']:,} tokens) in "
           f"{result['seconds']:.1f} s on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
           f"{result['held_out_loss']:.3f} nats/byte (perplexity {result['held_out_ppl']:.2f})\n"
           f"checkpoint {result['checkpoint']}; {os.path.join(tc.out, 'train.json')}, {os.path.join(tc.out, 'loss.png')}")
@@ -296,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory")
     t.add_argument("--max-corpus-mb", type=float, default=None, help="read at most this much text")
     t.add_argument("--seed", type=int, default=0, help="init and shuffle seed")
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop the loop after this long (the schedule stays the one for --steps)")
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
 

@@ -83,6 +83,18 @@ def test_train_config_refuses_what_cannot_run():
         train.TrainConfig(steps=10, warmup_steps=10)
     with pytest.raises(ValueError, match="batch"):
         train.TrainConfig(batch=0)
+    with pytest.raises(ValueError, match="max_seconds"):
+        train.TrainConfig(max_seconds=0)
+
+
+def test_a_time_limit_stops_the_loop_with_an_evaluation_and_a_checkpoint(tmp_path):
+    tc = train.TrainConfig(config="tiny", steps=500, batch=2, seq_len=16, eval_every=100, eval_batches=1,
+                           corpus="licenses", out=str(tmp_path), progress=False, max_seconds=1e-3)
+    result, _ = train.train(tc)
+    assert result["stopped_early"] and result["steps_done"] == 1 and result["tokens"] == 2 * 16
+    assert [e["step"] for e in result["evals"]] == [0, 1]
+    assert [h["step"] for h in result["history"]] == [1] and result["history"][0]["elapsed_s"] > 0
+    checkpoint.restore(result["checkpoint"])
 
 
 def test_a_copy_of_the_corpus_directory_splits_the_same(tmp_path, rng):
