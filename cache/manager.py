@@ -93,6 +93,7 @@ class PrefixHit:
     pages_gpu: int  # of the hit's pages, how many were in the GPU pool
     pages_host: int  # ... and how many came from the host tier
     snapshot_tier: str | None  # "gpu", "host" or None (no hit)
+    dropped_tokens: int = 0  # what `begin(drop_tail=True)` gave up: the hit without the drop minus this one
 
 
 @dataclasses.dataclass
@@ -163,8 +164,10 @@ class PagedKVManager:
         return block_hashes(token_ids, block_size=self.spec.page_tokens, mm_items=mm_items, salt=salt,
                             namespace=self.spec.namespace)
 
-    def _plan_hit(self, hashes: list[bytes], n_tokens: int):
-        """(pages, gpu flags, snapshot tier): the longest boundary with all pages and a snapshot."""
+    def _plan_hit(self, hashes: list[bytes], n_tokens: int, drop_tail: bool = False):
+        """(pages, gpu flags, snapshot tier): the longest boundary with all pages and a snapshot.
+        drop_tail: never the last page of the matched run (an EAGLE-3 draft's rows of its last
+        slot may belong to another continuation: `serving.spec_decode`)."""
         max_pages = min(len(hashes), (n_tokens - 1) // self.spec.page_tokens)
         on_gpu = [self.page_pool.lookup(h) is not None for h in hashes[:max_pages]]
         # Ask the host tier only about pages the GPU pool lacks, up to the first page found nowhere.
@@ -174,18 +177,22 @@ class PagedKVManager:
         while avail < max_pages and (on_gpu[avail] or host_pages.get(avail, False)):
             avail += 1
         snap_gpu = [self.snap_pool.lookup(hashes[i - 1]) is not None for i in range(1, avail + 1)]
-        for n_pages in range(avail, 0, -1):
+        has_snapshot = lambda n: snap_gpu[n - 1] or self._host_has("kda", [hashes[n - 1]])[0]
+        undropped = avail if drop_tail and avail and has_snapshot(avail) else None
+        for n_pages in range(avail - drop_tail, 0, -1):
             if snap_gpu[n_pages - 1]:
-                return n_pages, on_gpu[:n_pages], "gpu"
+                return n_pages, on_gpu[:n_pages], "gpu", (undropped or n_pages) - n_pages
             if self._host_has("kda", [hashes[n_pages - 1]])[0]:
-                return n_pages, on_gpu[:n_pages], "host"
-        return 0, [], None
+                return n_pages, on_gpu[:n_pages], "host", (undropped or n_pages) - n_pages
+        return 0, [], None, undropped or 0
 
-    def lookup(self, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None) -> PrefixHit:
+    def lookup(self, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None,
+               drop_tail: bool = False) -> PrefixHit:
         """What `begin` would hit, without taking anything."""
         hashes = self.hashes(token_ids, mm_items, salt)
-        n_pages, gpu, tier = self._plan_hit(hashes, len(token_ids))
-        return PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier)
+        n_pages, gpu, tier, dropped = self._plan_hit(hashes, len(token_ids), drop_tail)
+        return PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier,
+                         dropped * self.spec.page_tokens)
 
     # ---- request lifecycle ----------------------------------------------------------------------
     def pages_needed(self, n_tokens: int) -> int:
@@ -196,16 +203,16 @@ class PagedKVManager:
         return self.pages_needed(n_tokens) <= self.page_pool.num_free and self.snap_pool.num_free >= 1
 
     def begin(self, request_id: str, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None,
-              ) -> RequestBlocks:
-        """Take the prefix hit and allocate the rest of the prompt's pages.
-        Raises NoFreeBlocks (nothing taken) when the pools cannot hold the request."""
+              drop_tail: bool = False) -> RequestBlocks:
+        """Take the prefix hit (drop_tail: see `_plan_hit`) and allocate the rest of the prompt's
+        pages.  Raises NoFreeBlocks (nothing taken) when the pools cannot hold the request."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already holds blocks")
         n = len(token_ids)
         if n == 0:
             raise ValueError("empty prompt")
         hashes = self.hashes(token_ids, mm_items, salt)
-        n_pages, gpu, tier = self._plan_hit(hashes, n)
+        n_pages, gpu, tier, dropped = self._plan_hit(hashes, n, drop_tail)
         total_pages = self.pages_needed(n)
         n_new = total_pages - sum(gpu)
         gpu_blocks = {i: self.page_pool.lookup(hashes[i]) for i in range(n_pages) if gpu[i]}
@@ -251,7 +258,8 @@ class PagedKVManager:
         for i in range(total_pages):
             table.append(gpu_blocks[i] if i in gpu_blocks else next(it_host) if i < n_pages else next(it_new))
         (checkpoint,) = self.snap_pool.allocate(1)
-        hit = PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier)
+        hit = PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier,
+                        dropped * self.spec.page_tokens)
         req = RequestBlocks(request_id, hashes, table, hit, snapshot, checkpoint, committed_pages=n_pages,
                             owned_snapshots=[snapshot] if snapshot is not None else [])
         self.requests[request_id] = req

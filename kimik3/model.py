@@ -355,7 +355,11 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None):
+def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None,
+                  taps=()):
+    """The forward over a cache (or none): (logits, the cache after) and, with taps (layers,
+    static), a third output: the residual stream after each of them [B, T, len(taps), D] (what
+    an EAGLE-3 draft reads, `kimik3.eagle`)."""
     paged = _is_paged(cache)
     if cache is None:
         caches = None
@@ -366,20 +370,26 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
                             cache.get("export_at"), cache.get("valid"))
     else:
         caches = LayerCaches(tuple(cache["layers"]))
-    logits, caches, exports = KimiK3(cfg, expert_path, ops.resolve(kernels)).apply(
-        {"params": params}, tokens, positions, caches, images, logits_tail, cache.get("valid") if paged else None)
+    module = KimiK3(cfg, expert_path, ops.resolve(kernels), taps=tuple(taps))
+    args = ({"params": params}, tokens, positions, caches, images, logits_tail, cache.get("valid") if paged else None)
+    if taps:
+        (logits, caches, exports), state = module.apply(*args, mutable=["intermediates"])
+        with_taps = lambda *out: out + (stacked_taps(state, tuple(taps)),)
+    else:
+        logits, caches, exports = module.apply(*args)
+        with_taps = lambda *out: out
     if cache is None:
-        return logits, None
+        return with_taps(logits, None)
     if paged:
         out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda,
                    mla=caches.mla)
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
             out["exports"] = exports
-        return logits, out
-    return logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}
+        return with_taps(logits, out)
+    return with_taps(logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers})
 
 
-_STATIC = ("cfg", "expert_path", "kernels", "logits_tail")
+_STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
 _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
 # The serving step: the same program with the cache donated, so the pools (every MLA page and
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its

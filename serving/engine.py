@@ -128,7 +128,10 @@ class EngineConfig:
     encoder_cache_to_host: with a host tier, the ViT rows the engine computes are written there
     too and an encoder-cache miss looks there first, so another engine on the same store finds
     them (keyed by namespace, tenant and image).
-    prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4")."""
+    prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4").
+    draft_tokens: k > 0, EAGLE-3 speculative decoding with the `draft` the engine is given (k
+    drafted tokens per verify pass, `serving.spec_decode`); eagle_tail: the prefix-hit rule for
+    the draft's rows of the last matched page ("drop", "no_drop", "exact")."""
 
     num_pages: int
     num_slots: int = 8
@@ -148,6 +151,8 @@ class EngineConfig:
     encoder_cache_bytes: int = 64 << 20
     encoder_cache_to_host: bool = False
     prefix_caching: bool = True
+    draft_tokens: int = 0
+    eagle_tail: str = "drop"
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -161,6 +166,14 @@ class EngineConfig:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1 (or None)")
+        from kimik3.speculative import MAX_DRAFT_TOKENS
+        from serving.spec_decode import TAIL_MODES
+
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be in [0, {MAX_DRAFT_TOKENS}] (0: no speculation); "
+                             f"got {self.draft_tokens}")
+        if self.eagle_tail not in TAIL_MODES:
+            raise ValueError(f"eagle_tail must be one of {TAIL_MODES}; got {self.eagle_tail!r}")
 
     @property
     def step_tokens(self) -> int:
@@ -173,13 +186,24 @@ class EngineConfig:
 class Engine:
     def __init__(self, params, cfg: ModelConfig, config: EngineConfig | None = None, *,
                  host: HostKVTier | None = None, mesh=None,
-                 on_prefilled: Callable[["Engine", Request], None] | None = None, **overrides):
+                 on_prefilled: Callable[["Engine", Request], None] | None = None, draft=None, **overrides):
         """config: an `EngineConfig` (keyword `overrides` replace its fields; without one they build it).
         host: the host KV tier (embedded or Mooncake) behind the pools, or None.
         mesh: None (one device), or the mesh(es) the model steps run on: a `prefill_mesh` for role
         "prefill", a `decode_mesh` for role "decode", a pair (prefill_mesh, decode_mesh) for role
-        "both" (either may be None).  on_prefilled: callable(engine, request) for role "prefill"."""
+        "both" (either may be None).  on_prefilled: callable(engine, request) for role "prefill".
+        draft: (draft params, `kimik3.eagle.EagleConfig`) of an EAGLE-3 head trained for these
+        params (`kimik3.eagle_train.load_draft`), with config.draft_tokens = k > 0."""
         config = EngineConfig(**overrides) if config is None else config.replace(**overrides)
+        if (draft is None) != (config.draft_tokens == 0):
+            raise ValueError("speculative decoding needs both a draft (draft=(params, EagleConfig)) and "
+                             f"draft_tokens > 0; got draft={'given' if draft is not None else None}, "
+                             f"draft_tokens={config.draft_tokens}")
+        if draft is not None and (mesh is not None or config.role != "both"):
+            raise ValueError("speculative decoding runs on a colocated engine without a mesh (role 'both') for now")
+        if draft is not None and config.scan_layers != "none":
+            # the draft taps target layers, which must be unrolled (`kimik3.model.KimiK3.taps`)
+            config = config.replace(scan_layers="none")
         self.config = config
         self.cfg = cfg
         self.role = config.role
@@ -206,9 +230,17 @@ class Engine:
                              f"prefill chunks could never run beside decode rows")
         self.kv = KVPools(cfg, num_pages=config.num_pages, num_slots=config.num_slots,
                           num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
-                          commit=bool(pre or self.runner.decode_step))
+                          commit=bool(pre or self.runner.decode_step), draft_tokens=config.draft_tokens)
         # the layout version keeps blocks a store kept for an older packing from ever being read
+        self.spec = None
+        if draft is not None:
+            from serving.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(draft[0], draft[1], cfg, k=config.draft_tokens, tail=config.eagle_tail,
+                                    kernels=self.kernels, page_tokens=config.page_tokens)
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
+        if self.spec is not None:  # its page blocks hold this draft's rows too
+            ns += f"/eagle-{self.spec.fingerprint}"
         self.manager = PagedKVManager(CacheSpec(ns, config.page_tokens, config.kda_block_tokens), self.kv.pages,
                                       config.num_pages, self.kv.snapshots, config.num_snapshots, host)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -217,7 +249,9 @@ class Engine:
             export_slots=export_slots, kda_chunk_tokens=cfg.kda_chunk_size,
             sharded_prefill=None if pre is None else pre.size,
             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
-            prefix_caching=config.prefix_caching), self.manager,
+            prefix_caching=config.prefix_caching, lookahead_tokens=config.draft_tokens,
+            drop_tail=self.spec is not None and config.eagle_tail == "drop", offload_preempted=self.spec is None),
+            self.manager,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
         self._vit_rows = None  # ShapeDtypeStruct of one image's ViT rows, once needed
@@ -315,7 +349,10 @@ class Engine:
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         images, mm_items = self._check_images(prompt, images)
-        total = len(prompt) + max_new_tokens
+        if self.spec is not None and sampling.top_p < 1.0:
+            raise ValueError("top_p < 1 is not supported with speculative decoding (its acceptance rule keeps "
+                             "the full distribution at the temperature)")
+        total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond the pool's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
         limit = min(self.cfg.max_seq_len, min(self.max_pages, usable_pages) * self.page_tokens)
@@ -426,6 +463,8 @@ class Engine:
             else:
                 self.kv.restore_state(a.request._slot, a.blocks.snapshot_block)
             a.restored(self.manager)
+            if self.spec is not None:
+                self.spec.on_admit(self, a.request, a.blocks)
         if plan.decode:
             self._decode(plan.decode, mixed=bool(plan.prefill))
         for chunk in plan.prefill:
@@ -500,8 +539,12 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        logits, exports = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start], step=step,
-                                              images=images, export_offsets=[b - start for b in chunk.export])
+        taps = self.spec.taps if self.spec is not None else ()
+        logits, exports, *tapped = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start],
+                                                       step=step, images=images, taps=taps,
+                                                       export_offsets=[b - start for b in chunk.export])
+        if self.spec is not None:
+            self.spec.after_chunk(self, req, start, end, tapped[0])
         self.manager.commit_pages(req.request_id, end)
         blocks = self.manager.requests[req.request_id]  # each commit publishes the checkpoint block
         for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it
@@ -527,6 +570,9 @@ class Engine:
     def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
         """Dispatch one token for each of `reqs` (pages already extended by the scheduler); mixed:
         the step also runs prefill chunks (metrics split TPOT by it)."""
+        if self.spec is not None:  # a verify round, synchronous: it emits several tokens per request
+            self.spec.decode(self, reqs, mixed)
+            return
         if self.runner.decode_step is not None:  # a decode mesh: the sharded step, synchronous
             bucket = self._decode_bucket(len(reqs))
             pad = bucket - len(reqs)

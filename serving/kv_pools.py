@@ -118,23 +118,33 @@ def bytes_per_state(cfg: ModelConfig, dtype) -> int:
 
 
 class MLAPageStore:
-    """BlockStore over the MLA page pools: one block = [n_mla_layers, page, D] (host copies in fp32
-    for bf16 pools: numpy has no bf16)."""
+    """BlockStore over the MLA page pools: one block = [n_mla_layers, page, D], and with an EAGLE-3
+    draft one more layer, the draft's rows of the page (`serving.spec_decode`), so the host tier,
+    offloads and P/D handoffs carry them (host copies in fp32 for bf16 pools: numpy has no bf16)."""
 
     def __init__(self, kv: "KVPools"):
         self.kv = kv
-        self.block_shape = (len(kv.mla_layers), kv.page_tokens, kv.cfg.mla_latent_dim)
+        self.layers = len(kv.mla_layers) + (kv.dpools is not None)
+        self.block_shape = (self.layers, kv.page_tokens, kv.cfg.mla_latent_dim)
         self.dtype = np.dtype(jnp.dtype(kv.dtype).name if kv.dtype != jnp.bfloat16 else "float32")
 
     def read(self, blocks):
-        stacked = np.asarray(_read_pages(self.kv.pools["mla"]["pages"], jnp.asarray(blocks, jnp.int32),
-                                         n_mla=len(self.kv.mla_layers)))
+        index = jnp.asarray(blocks, jnp.int32)
+        stacked = np.asarray(_read_pages(self.kv.pools["mla"]["pages"], index, n_mla=len(self.kv.mla_layers)))
+        if self.kv.dpools is not None:
+            stacked = np.concatenate([stacked, np.asarray(_read_pages(self.kv.dpools["pages"], index, n_mla=1))],
+                                     axis=1)
         return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
 
     def write(self, blocks, arrays):
-        pages = _write_pages(self.kv.pools["mla"]["pages"], jnp.asarray(blocks, jnp.int32),
-                             jnp.asarray(np.stack(arrays)), n_mla=len(self.kv.mla_layers))
+        index, data = jnp.asarray(blocks, jnp.int32), np.stack(arrays)
+        n_mla = len(self.kv.mla_layers)
+        pages = _write_pages(self.kv.pools["mla"]["pages"], index, jnp.asarray(data[:, :n_mla]), n_mla=n_mla)
         self.kv.pools = dict(self.kv.pools, mla={"pages": pages})
+        if self.kv.dpools is not None:
+            self.kv.tail_known[np.asarray(blocks, np.int64)] = False
+            self.kv.dpools = dict(self.kv.dpools, pages=_write_pages(self.kv.dpools["pages"], index,
+                                                                     jnp.asarray(data[:, n_mla:]), n_mla=1))
 
 
 class SnapshotStore:
@@ -156,9 +166,17 @@ class KVPools:
     """The paged pools, the snapshot pool and the moves between them (see the module comment)."""
 
     def __init__(self, cfg: ModelConfig, *, num_pages: int, num_slots: int, num_snapshots: int, page_tokens: int,
-                 dtype, commit: bool = False):
+                 dtype, commit: bool = False, draft_tokens: int = 0):
         """commit: place the pools on the default device explicitly (sharded steps compile their
-        gather / write-back programs per placement)."""
+        gather / write-back programs per placement).  draft_tokens: k > 0 adds an EAGLE-3
+        draft's pools (`serving.spec_decode.init_draft_pools`) as `dpools`."""
+        from serving import spec_decode
+
+        self.dpools = (spec_decode.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
+                       if draft_tokens else None)
+        # pages whose dpools["tail_g"] holds their last slot's feature (blocks written from the
+        # host tier or a handoff do not carry it)
+        self.tail_known = np.zeros(num_pages, bool)
         self.cfg, self.dtype, self.page_tokens = cfg, dtype, page_tokens
         self.mla_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "mla"]
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]

@@ -387,15 +387,19 @@ class ModelRunner:
                 + (helper_programs() if steps else 0) + self.decode.programs())
 
     # ---- calls -------------------------------------------------------------------------------------
-    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
+    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None, taps=()):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
         returns the last token's logits f32 [B, V] as numpy and, for the unsharded model, the KDA
-        exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None.
+        exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None;
+        with taps (layers; the unsharded model only) a third output, the residual stream after
+        each of them [B, T_padded, len(taps), D] on the device (an EAGLE-3 draft's input).
         step: `prefill_step` or `decode_step` (a mesh, exact lengths), or None (the unsharded
         model, padded to `prefill_bucket(T)`)."""
         # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
         # not prompts, so the steps call the jitted cores directly.
         if step is not None:
+            if taps:
+                raise ValueError("taps are not available from a sharded step")
             logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
             return np.asarray(logits[:, -1], np.float32), None
         b, n = tokens.shape
@@ -404,10 +408,10 @@ class ModelRunner:
         view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
                                 valid=[n] * b)
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
-        logits, view = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
-                                          **self.step_static())
+        logits, view, *tapped = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
+                                                   **self.step_static(), taps=tuple(taps))
         kv.pools = model.pools_of(view)
-        return np.asarray(logits[:, -1], np.float32), view.get("exports")
+        return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
     def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None) -> int:
         """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests)

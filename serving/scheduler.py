@@ -69,6 +69,14 @@ class Request:
     _offload_keys: list[str] | None = None  # host-tier entries of its KV while preempted
     _resume_kv: tuple | None = None  # (page contents, packed KDA state) fetched back for re-admission
     _image_rows: object = None  # the images' ViT embeddings [N * P, D], computed once at first prefill
+    # speculative decoding (`serving.spec_decode`): drafted tokens kept per verify pass, the prompt
+    # tokens the tail rule gave up ("drop"), or the tail slot it recomputed ("exact")
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    tail_dropped_tokens: int = 0
+    tail_recomputed: bool = False
+    _catch_n: int = 0  # draft slots pending before the next verify (their features in the pools)
+    _draft_table: list[int] | None = None  # the draft's block table where it differs from the target's
+    _extra_pages: list[int] = dataclasses.field(default_factory=list)  # pages held beside the table, freed at release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +162,13 @@ class SchedulerConfig:
     # False: no request meets another's blocks (each hashes under a salt of its own id): the
     # ablation's "prefix cache off"; its own blocks still serve its preemption and resume.
     prefix_caching: bool = True
+    # Speculative decoding: each decode row writes 1 + lookahead_tokens positions (a verify pass
+    # over t0 and k drafts), so its pages are extended that far; drop_tail: prefix hits never
+    # take the last matched page (`PagedKVManager.begin`); offload_preempted False: a preempted
+    # request resumes by recompute (its draft features are not offloaded).
+    lookahead_tokens: int = 0
+    drop_tail: bool = False
+    offload_preempted: bool = True
 
 
 class Scheduler:
@@ -205,7 +220,8 @@ class Scheduler:
                 self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
             try:
-                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=self._salt(req))
+                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=self._salt(req),
+                                            drop_tail=self.config.drop_tail)
             except NoFreeBlocks:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
@@ -214,6 +230,7 @@ class Scheduler:
                 req.admitted_s = time.monotonic()
                 req.cached_tokens = blocks.hit.tokens
                 req.cached_tokens_host = blocks.hit.pages_host * self.config.page_tokens
+                req.tail_dropped_tokens = blocks.hit.dropped_tokens
             # The hit's snapshot block stays held until the engine has restored it into the slot
             # (`Admission.restored`): a later admission's `begin` may otherwise load another
             # prefix's snapshot from the host tier into it first.
@@ -268,12 +285,17 @@ class Scheduler:
                 return []
             plan.preempted.append(self._preempt(victim))
         for r in reqs:
-            self.manager.extend(r.request_id, r._cached_len + 1)
+            self.manager.extend(r.request_id, self.decode_reach(r))
         return reqs
 
+    def decode_reach(self, req: Request) -> int:
+        """Tokens `req`'s pages must hold for its next decode step: its cached tokens, the token it
+        writes, and the drafts a verify pass writes after it."""
+        return req._cached_len + 1 + self.config.lookahead_tokens
+
     def pages_short(self, reqs: list[Request]) -> int:
-        """New pages `reqs` need to write one more token each (at `_cached_len`)."""
-        return sum(max(0, self.manager.pages_needed(r._cached_len + 1)
+        """New pages `reqs` need for their next decode step (`decode_reach`)."""
+        return sum(max(0, self.manager.pages_needed(self.decode_reach(r))
                        - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
 
     def _preempt(self, req: Request) -> Preemption:
@@ -284,7 +306,8 @@ class Scheduler:
         self.running.remove(req)
         req._context = list(req.prompt) + list(req.output)
         keys = None
-        if self.manager.host is not None and req._cached_len == len(req._context) - 1:
+        if (self.manager.host is not None and self.config.offload_preempted
+                and req._cached_len == len(req._context) - 1):
             tag = f"{req.request_id}/{self.preemptions}"
             n_pages = -(-req._cached_len // self.config.page_tokens)
             keys = tuple(make_key(self.manager.spec.namespace, "preempt",
@@ -293,6 +316,9 @@ class Scheduler:
         table = tuple(self.manager.requests[req.request_id].page_table)
         out = Preemption(req, table, req._slot, req._cached_len, keys)
         self.manager.finish(req.request_id)
+        if req._extra_pages:
+            self.manager.page_pool.free(req._extra_pages)
+        req._extra_pages, req._draft_table, req._catch_n = [], None, 0
         self.free_slots.append(req._slot)
         req._slot, req._computed, req._cached_len = -1, 0, 0
         self.waiting.insert(0, req)
@@ -373,6 +399,9 @@ class Scheduler:
             if self.publish_to_host and error is None:
                 self.manager.publish_to_host(req.request_id)
             self.manager.finish(req.request_id)
+        if req._extra_pages:
+            self.manager.page_pool.free(req._extra_pages)
+            req._extra_pages = []
         if req._slot >= 0:
             self.free_slots.append(req._slot)
             req._slot = -1

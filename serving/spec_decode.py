@@ -1,0 +1,364 @@
+"""EAGLE-3 speculative decoding in the serving engine (issue 18): the draft's paged KV and the round.
+
+The draft head (`kimik3.eagle`) keeps its MLA latent rows in a pool of its own, indexed by the
+target's page ids (a request's draft rows live on its target block table; a prefix hit that
+shares the target's pages shares the draft rows written with them, and `serving.kv_pools`'s
+page blocks carry both to the host tier).  Draft slot i reads (g_i, x_{i+1}): the fused target
+taps at position i and the token after it, so slot i can be written only once x_{i+1} is
+known.  Per running request (its KDA slot) the engine keeps the fused features of the slots
+not written yet, `pending` [k + 1, D], and how many there are (1 .. k + 1).
+
+A decode round for a batch (`spec_round`, one program), from L committed tokens and t0 (the
+last emitted token, at position L)::
+
+    catch-up   the pending slots L - c .. L - 1 on the target's features: draft rows final
+    chain      d_1 from slot L - 1, then slots L .. L + k - 2 on the draft's own hidden states
+               (rows overwritten by the next catch-up)
+    verify     the target over [t0, d_1 .. d_k] at L .. L + k in one pass: KDA at one token a
+               chunk, exporting its state after each token; MLA rows written; logits [B, k + 1, V]
+
+then on the host the acceptance rule (`kimik3.speculative.accept`: greedy, or rejection
+sampling so every emitted token is distributed as the target's), and `spec_commit`: each KDA
+layer's state and conv rows after the a + 1 kept tokens into the slot, the kept positions'
+features as the next round's pending ones.  MLA rows past the new length are never read (each
+lies after every later query and is overwritten by the next verify).
+
+Prefill chunks tap the target too (`kimik3.model.forward_step(..., taps=...)`): after each chunk
+the draft writes the rows of slots start - 1 .. end - 2 and keeps slot end - 1 pending
+(`prefill_draft`).  After a prefix hit of h tokens (`tail` rule, `TAIL_MODES`): "drop" (the
+manager's hit excludes the last matched page: its draft rows are recomputed with the target
+over it), "no_drop" (the matched draft rows are kept, the tail slot h - 1 as it was written:
+for another continuation it may be stale, which costs acceptance, never tokens), "exact" (the
+page is kept and only slot h - 1 is recomputed, from the fused feature every page keeps of its
+last slot (`tail_g`), into a private copy of the page's draft rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kimik3 import eagle, model
+from kimik3.config import ModelConfig
+
+TAIL_MODES = ("drop", "no_drop", "exact")
+
+
+def verify_config(cfg: ModelConfig) -> ModelConfig:
+    """The target's config for a verify pass: KDA at one token a chunk (the chunked form at
+    chunk 1 is the recurrence, and every position is a chunk end, so its state is exported)."""
+    return dataclasses.replace(cfg, kda_chunk_size=1)
+
+
+def init_draft_pools(cfg: ModelConfig, num_pages: int, num_slots: int, page_tokens: int, k: int, dtype) -> dict:
+    """{"pages": [num_pages, page, kv_lora + rope] the draft's latent rows (the target's page ids),
+    "tail_g": f32 [num_pages, D] the fused feature of each page's last slot,
+    "pending": f32 [num_slots, k + 1, D] per KDA slot, the features of its slots not yet written}."""
+    return {"pages": jnp.zeros((num_pages, page_tokens, cfg.mla_latent_dim), dtype),
+            "tail_g": jnp.zeros((num_pages, cfg.d_model), jnp.float32),
+            "pending": jnp.zeros((num_slots, k + 1, cfg.d_model), jnp.float32)}
+
+
+def _draft_rows(draft, embed_vd, dpools, feats_btd, tokens_bt, positions_bt, tables, valid_b, *, cfg, kernels,
+                page_tokens, store_tail: bool):
+    """The draft layer over slots [B, T] on its paged rows (only each row's first valid_b slots
+    are written).  With store_tail, the features of slots that end a page go to tail_g.
+    Returns (hidden [B, T, D], dpools)."""
+    cache = {"pages": dpools["pages"], "block_tables": tables, "valid": valid_b}
+    hidden, cache = eagle.draft_layer(draft, cfg, feats_btd, embed_vd[tokens_bt], positions_bt, cache,
+                                      kernels=kernels)
+    dpools = dict(dpools, pages=cache["pages"])
+    if store_tail:
+        real = jnp.arange(positions_bt.shape[1])[None] < valid_b[:, None]
+        ends = real & (positions_bt % page_tokens == page_tokens - 1)
+        page = jnp.take_along_axis(tables, positions_bt // page_tokens, axis=1, mode="clip")
+        page = jnp.where(ends, page, dpools["tail_g"].shape[0])  # out of range: dropped
+        dpools = dict(dpools, tail_g=dpools["tail_g"].at[page].set(feats_btd.astype(jnp.float32), mode="drop"))
+    return hidden, dpools
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "page_tokens"), donate_argnames=("dpools",))
+def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, count, from_prev, slot, table, *, cfg,
+                  kernels, page_tokens):
+    """The draft rows a prefill chunk makes known, for one request.
+
+    taps_btld [1, T, 3, D]: the chunk's target taps (positions start .. start + T - 1, padded);
+    tokens_bt [1, T + 1]: the tokens x_{i+1} the T + 1 slots read (`prefill_draft_tokens`);
+    count: the slots to write, from slot start - 1 if from_prev (bool: that slot is pending, its
+    feature pending[slot][0]), else from slot start (the last of the T + 1 slots then pads).
+    The feature of the slot after the last written (the chunk's last real position) becomes
+    pending[slot][0].  Returns dpools."""
+    g = eagle.fuse(draft, taps_btld)[0]  # [T, D]
+    feats = jnp.where(from_prev, jnp.concatenate([dpools["pending"][slot, :1], g]),
+                      jnp.concatenate([g, jnp.zeros_like(g[:1])]))
+    first = jnp.where(from_prev, start - 1, start)
+    positions = first + jnp.arange(g.shape[0] + 1, dtype=jnp.int32)
+    _, dpools = _draft_rows(draft, embed_vd, dpools, feats[None], tokens_bt, positions[None], table[None],
+                            count[None], cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
+    last = jax.lax.dynamic_index_in_dim(feats, count, keepdims=False)  # the slot after the last written
+    return dict(dpools, pending=dpools["pending"].at[slot, 0].set(last))
+
+
+@jax.jit
+def set_pending_from_tail(dpools, slot, page):
+    """pending[slot][0] = tail_g[page] (the exact tail rule's slot h - 1)."""
+    return dict(dpools, pending=dpools["pending"].at[slot, 0].set(dpools["tail_g"][page]))
+
+
+@functools.partial(jax.jit, donate_argnames=("dpools",))
+def copy_draft_page(dpools, src, dst):
+    """The draft rows of page src into page dst (a private copy for the exact tail rule)."""
+    return dict(dpools, pages=dpools["pages"].at[dst].set(dpools["pages"][src]))
+
+
+def _choose(logits_bv, temperature_b, key_b):
+    """Greedy rows take the argmax; sampled rows draw from softmax(logits / T).  Returns
+    (tokens int32 [B], probabilities f32 [B, V] the tokens were drawn from (one-hot if greedy))."""
+    greedy = temperature_b <= 0
+    t = jnp.where(greedy, 1.0, temperature_b)[:, None]
+    probs = jax.nn.softmax(logits_bv.astype(jnp.float32) / t, axis=-1)
+    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(key_b, logits_bv.astype(jnp.float32) / t)
+    arg = jnp.argmax(logits_bv, axis=-1)
+    tok = jnp.where(greedy, arg, drawn).astype(jnp.int32)
+    one_hot = jax.nn.one_hot(arg, logits_bv.shape[-1], dtype=jnp.float32)
+    return tok, jnp.where(greedy[:, None], one_hot, probs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
+                   donate_argnames=("pools", "dpools"))
+def spec_round(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
+    """Catch-up, chain and verify for a batch (see the module docstring).
+
+    rows: {"t0": int32 [B] the last emitted tokens (position L), "lengths": [B] L, "catch_n":
+    [B] c, "catch_tokens": [B, k + 1] the tokens x_{i+1} of slots L - c .. (padded), "tables" /
+    "draft_tables": [B, max_pages], "slots": [B], "active": [B] 1 or 0 (padding rows: scratch
+    slot, null pages), "temperature": f32 [B], "seed": uint32 [B] (the draft's draws)}.
+    Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
+    [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
+    the verified positions' fused features)."""
+    embed = params["embed_vd"]
+    lengths, active, slots = rows["lengths"], rows["active"], rows["slots"]
+    b = lengths.shape[0]
+    c = rows["catch_n"]
+    pos_c = (lengths - c)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+    feats = dpools["pending"][slots]
+    hidden, dpools = _draft_rows(draft, embed, dpools, feats, rows["catch_tokens"], pos_c, rows["draft_tables"],
+                                 c * active, cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
+    h = hidden[jnp.arange(b), jnp.maximum(c - 1, 0)]  # slot L - 1
+    # the draws of a round for the token at L + 1 + s: keys from (seed, L), reproducible as `serving.sampling`'s
+    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(sd), p), k))(
+        rows["seed"], lengths)
+    drafts, qs = [], []
+    for s in range(k):
+        lg = eagle.draft_logits(draft, cfg, h[:, None])[:, 0]
+        d, q = _choose(lg, rows["temperature"], keys[:, s])
+        drafts.append(d)
+        qs.append(q)
+        if s == k - 1:
+            break
+        pos = (lengths - 1 + s + 1)[:, None]  # slot L - 1 + s + 1 reads (o of the slot before, d_{s+1})
+        hidden, dpools = _draft_rows(draft, embed, dpools, h[:, None], d[:, None], pos, rows["draft_tables"], active,
+                                     cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=False)
+        h = hidden[:, 0]
+    drafts = jnp.stack(drafts, axis=1)
+    tokens = jnp.concatenate([rows["t0"][:, None], drafts], axis=1)  # [B, k + 1] at L .. L + k
+    view = model.paged_view(pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32),
+                            valid=active * (k + 1))
+    positions = lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
+    logits, view, vtaps = model._forward_impl(params, tokens, positions, view, None, cfg=verify_config(cfg),
+                                              expert_path="grouped", kernels=kernels, taps=taps)
+    g = eagle.fuse(draft, vtaps).astype(jnp.float32)
+    return model.pools_of(view), dpools, logits, drafts, jnp.stack(qs, axis=1), view["exports"], g
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools", "dpools"))
+def spec_commit(pools, dpools, exports, g, slots, keep_b, *, cfg):
+    """Each KDA layer's state and conv rows of `slots` [B] after their first keep_b [B] (1 .. k + 1)
+    verified tokens (`exports`, from `spec_round`), and g [B, k + 1, D] as the slots' pending
+    features.  Padding rows (keep 1, the scratch slot) write scratch only.  Returns (pools, dpools)."""
+    num_slots = pools["kda"]["state"].shape[0] // len(exports)
+    b = slots.shape[0]
+    kda = dict(pools["kda"])
+    for i, e in enumerate(exports):
+        rows = slots + i * num_slots
+        for key in ("state", "conv"):
+            kept = e[key][jnp.arange(b), keep_b - 1]
+            kda[key] = kda[key].at[rows].set(kept.astype(kda[key].dtype))
+    return dict(pools, kda=kda), dict(dpools, pending=dpools["pending"].at[slots].set(g))
+
+
+def catch_up_tokens(context: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
+    """x_{i+1} for the catch-up slots L - c .. L - 1 of a request whose tokens are `context`
+    (prompt + output; context[L] is t0), padded to `width`."""
+    toks = list(context[lengths - catch_n + 1:lengths + 1])
+    return toks + [0] * (width - len(toks))
+
+
+def prefill_draft_tokens(context: list[int], start: int, end: int, from_prev: bool, width: int) -> tuple[list[int], int]:
+    """(the tokens x_{i+1} of `prefill_draft`'s width slots, padded; the slots to write) for the
+    chunk [start, end) of `context`."""
+    first = start - 1 if from_prev else start
+    toks = list(context[first + 1:end])  # slots first .. end - 2 read x_{first+1} .. x_{end-1}
+    return toks + [0] * (width - len(toks)), len(toks)
+
+
+def draft_fingerprint(draft) -> str:
+    """A short hash of a draft's FC and LM head: page blocks holding its rows are keyed by it, so
+    an engine with another draft (or none) never reads them."""
+    h = hashlib.sha256()
+    for name in ("fc_fd", "lm_head_dv"):
+        h.update(np.asarray(jnp.asarray(draft[name]).astype(jnp.bfloat16).astype(jnp.float32)).tobytes())
+    return h.hexdigest()[:12]
+
+
+@dataclasses.dataclass
+class SpecStats:
+    rounds: int = 0  # verify passes (per request row)
+    drafted: int = 0
+    kept: int = 0
+    round_s: list = dataclasses.field(default_factory=list)  # host seconds of each batched round, bounded
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.drafted if self.drafted else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify pass (kept drafts + the target's own)."""
+        return (self.kept + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+class SpecDecoder:
+    """The engine's speculative decoding: the draft, its pools' bookkeeping, and the round (see
+    the module docstring).  The engine calls `on_admit` after a request's slot is restored,
+    `after_chunk` after each prefill chunk, and `decode` for the decode rows of a step."""
+
+    def __init__(self, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, *, k: int, tail: str, kernels: str,
+                 page_tokens: int):
+        from kimik3 import speculative
+
+        speculative.check_draft(cfg, ecfg, draft, k)
+        if tail not in TAIL_MODES:
+            raise ValueError(f"eagle_tail must be one of {TAIL_MODES}; got {tail!r}")
+        self.draft = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), draft)
+        self.ecfg, self.cfg, self.k, self.tail, self.kernels = ecfg, cfg, k, tail, kernels
+        self.page_tokens = page_tokens
+        self.taps = tuple(ecfg.taps)
+        self.fingerprint = draft_fingerprint(draft)
+        self.stats = SpecStats()
+
+    def _mark_tails(self, kv, table: list[int], first: int, count: int) -> None:
+        """Slots first .. first + count - 1 were written on target features: the pages they end
+        now hold their tail feature (`KVPools.tail_known`)."""
+        p = self.page_tokens
+        for end in range(-(-(first + 1) // p) * p, first + count + 1, p):  # slot end - 1 ends a page
+            kv.tail_known[table[(end - 1) // p]] = True
+
+    # ---- admission ---------------------------------------------------------------------------
+    def on_admit(self, eng, req, blocks) -> None:
+        """A request's slot was restored after a prefix hit of blocks.hit.tokens (h): with the
+        "exact" rule the tail slot h - 1 is recomputed into a private copy of its page's draft rows."""
+        req._catch_n, req._draft_table, req.tail_recomputed = 0, None, False
+        h = blocks.hit.tokens
+        if h == 0 or self.tail != "exact":
+            return
+        idx = h // self.page_tokens - 1
+        shared = blocks.page_table[idx]
+        if not eng.kv.tail_known[shared]:
+            return  # its feature did not travel with the page: kept as written (as no_drop)
+        try:
+            (private,) = eng.manager.page_pool.allocate(1)
+        except Exception:  # noqa: BLE001 - no free page: kept as written
+            return
+        req._extra_pages.append(private)
+        eng.kv.dpools = copy_draft_page(eng.kv.dpools, jnp.int32(shared), jnp.int32(private))
+        eng.kv.dpools = set_pending_from_tail(eng.kv.dpools, jnp.int32(req._slot), jnp.int32(shared))
+        table = list(blocks.page_table)
+        table[idx] = private
+        req._draft_table = table
+        req._catch_n, req.tail_recomputed = 1, True
+
+    def draft_table(self, eng, req) -> list[int]:
+        table = eng._table(req)
+        if req._draft_table is not None:
+            table[:len(req._draft_table)] = req._draft_table
+        return table
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def after_chunk(self, eng, req, start: int, end: int, taps) -> None:
+        """The draft rows of a prefill chunk [start, end) of req._context (taps [1, T, 3, D])."""
+        from_prev = req._catch_n > 0
+        width = taps.shape[1] + 1
+        toks, count = prefill_draft_tokens(req._context, start, end, from_prev, width)
+        table = self.draft_table(eng, req)
+        p = self.page_tokens
+        eng.kv.tail_known[np.asarray(table[start // p:-(-end // p)], np.int64)] = False  # written anew here
+        eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
+                                      jnp.asarray([toks], jnp.int32), jnp.int32(start), jnp.int32(count),
+                                      jnp.bool_(from_prev), jnp.int32(req._slot), jnp.asarray(table, jnp.int32),
+                                      cfg=self.cfg, kernels=self.kernels, page_tokens=self.page_tokens)
+        self._mark_tails(eng.kv, table, start - 1 if from_prev else start, count)
+        req._catch_n = 1
+
+    # ---- decode ------------------------------------------------------------------------------
+    def decode(self, eng, reqs, mixed: bool = False) -> None:
+        """One verify round for every request of `reqs` (pages extended for k + 1 tokens by the
+        scheduler); emits each request's kept drafts and the target's next token."""
+        import time
+
+        from kimik3 import speculative
+        from cache.block_pool import NULL_BLOCK
+
+        t_start = time.perf_counter()
+        k = self.k
+        bucket = eng._decode_bucket(len(reqs))
+        pad = bucket - len(reqs)
+        seqs = [r.prompt + r.output for r in reqs]  # position p holds seqs[p]; t0 is at _cached_len
+        null = [NULL_BLOCK] * eng.max_pages
+        rows = {
+            "t0": np.asarray([r.output[-1] for r in reqs] + [0] * pad, np.int32),
+            "lengths": np.asarray([r._cached_len for r in reqs] + [1] * pad, np.int32),
+            "catch_n": np.asarray([r._catch_n for r in reqs] + [1] * pad, np.int32),
+            "catch_tokens": np.asarray([catch_up_tokens(s, r._cached_len, r._catch_n, k + 1)
+                                        for s, r in zip(seqs, reqs)] + [[0] * (k + 1)] * pad, np.int32),
+            "tables": np.asarray([eng._table(r) for r in reqs] + [null] * pad, np.int32),
+            "draft_tables": np.asarray([self.draft_table(eng, r) for r in reqs] + [null] * pad, np.int32),
+            "slots": np.asarray([r._slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
+            "active": np.asarray([1] * len(reqs) + [0] * pad, np.int32),
+            "temperature": np.asarray([r.sampling.temperature for r in reqs] + [0.0] * pad, np.float32),
+            "seed": np.asarray([r.sampling.seed % (2 ** 32) for r in reqs] + [0] * pad, np.uint32),
+        }
+        pools, dpools, logits, drafts, qs, exports, g = spec_round(
+            eng.params, self.draft, eng.kv.pools, eng.kv.dpools, rows, cfg=self.cfg, kernels=self.kernels,
+            taps=self.taps, k=k, page_tokens=self.page_tokens)
+        logits, drafts = np.asarray(logits), np.asarray(drafts)
+        sampled = any(not r.sampling.greedy for r in reqs)
+        qs = np.asarray(qs) if sampled else None
+        keep, out = np.ones(bucket, np.int32), []
+        for i, r in enumerate(reqs):
+            t = r.sampling.temperature
+            rng = np.random.default_rng([r.sampling.seed, r._cached_len]) if t > 0 else None
+            a, nxt = speculative.accept(logits[i], drafts[i], None if qs is None else qs[i], temperature=t, rng=rng)
+            keep[i] = a + 1
+            out.append(list(drafts[i, :a]) + [nxt])
+        eng.kv.pools, eng.kv.dpools = spec_commit(pools, dpools, exports, g, jnp.asarray(rows["slots"]),
+                                                  jnp.asarray(keep), cfg=self.cfg)
+        for i, r in enumerate(reqs):
+            self._mark_tails(eng.kv, self.draft_table(eng, r), r._cached_len - r._catch_n, r._catch_n)
+            r._cached_len += int(keep[i])
+            r._catch_n = int(keep[i])
+            r.accepted.append(int(keep[i]) - 1)
+            self.stats.rounds += 1
+            self.stats.drafted += k
+            self.stats.kept += int(keep[i]) - 1
+            for tok in out[i]:
+                if r.done or r not in eng.running:
+                    break
+                eng.scheduler.emit(r, int(tok), mixed)
+        self.stats.round_s.append(time.perf_counter() - t_start)
+        del self.stats.round_s[:-4096]
