@@ -409,7 +409,7 @@ class ModelRunner:
                                 valid=[n] * b)
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
         logits, view, *tapped = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
-                                                   **self.step_static(), taps=tuple(taps))
+                                                   **self.step_static(), **({"taps": tuple(taps)} if taps else {}))
         kv.pools = model.pools_of(view)
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 

@@ -63,6 +63,20 @@ def trained_tiny(tmp_path_factory):
     return tc, *train.train(tc)
 
 
+@pytest.fixture(scope="session")  # not module: xdist may interleave other modules' tests and rebuild it
+def trained_draft(trained_tiny, tmp_path_factory):
+    """(params, train-eagle result, draft, out dir): an EAGLE-3 draft for `trained_tiny`, 60 steps on
+    its continuations of the licence texts (out/draft loads with `eagle_train.load_draft`)."""
+    from kimik3 import eagle_train
+
+    _, _, params = trained_tiny
+    out = str(tmp_path_factory.mktemp("eagle"))
+    dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
+                                      out=out, progress=False)
+    result, draft = eagle_train.train_draft(params, config.tiny(), dc)
+    return params, result, draft, out
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return config.tiny()

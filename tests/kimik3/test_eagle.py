@@ -54,14 +54,7 @@ def test_the_drafts_own_kv_cache_gives_the_no_cache_chain(tiny_cfg, tiny_params)
     np.testing.assert_allclose(np.stack(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="session")  # not module: xdist may interleave other modules' tests and rebuild it
-def trained_draft(trained_tiny, tmp_path_factory):
-    _, _, params = trained_tiny
-    out = str(tmp_path_factory.mktemp("eagle"))
-    dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
-                                      out=out, progress=False)
-    result, draft = eagle_train.train_draft(params, config.tiny(), dc)
-    return params, result, draft, out
+# `trained_draft` (tests/conftest.py): the draft of `trained_tiny`, shared with tests/serving/test_engine_speculative.py
 
 
 def test_training_on_the_targets_continuations_teaches_the_draft_to_agree_with_it(trained_draft):

@@ -1,0 +1,172 @@
+"""EAGLE-3 speculative decoding in the engine (`serving.spec_decode`, issue 18): the greedy tokens
+are the oracle's for every k, batched and from prefix hits under each tail rule; sampling keeps
+the target's distribution; the draft's rows of a hit are the ones a fresh prefill writes."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from cache.host_tier import EmbeddedHostKVTier
+from kimik3 import config, eagle_train, tokenizer
+from kimik3.generate import generate
+from serving.engine import Engine, EngineConfig
+from serving.sampling import SamplingParams
+
+PAGE = 16
+PROMPTS = ["Permission is hereby granted", "The licence grants you the right to",
+           "This program is free software; you can redistribute it and/or modify"]  # the last: two chunks
+
+
+@pytest.fixture(scope="module")
+def target(trained_draft):
+    params, _, _, out = trained_draft
+    cfg = config.tiny()
+    return params, cfg, eagle_train.load_draft(out + "/draft", cfg, params)
+
+
+def _engine(target, k=3, **kw):
+    params, cfg, draft = target
+    kw = dict(dict(num_pages=64, num_slots=4, num_snapshots=16, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
+                   max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference", draft_tokens=k), **kw)
+    return Engine(params, cfg, draft=draft, **kw)
+
+
+def _oracle(target, prompt, n):
+    params, cfg, _ = target
+    return generate(params, cfg, prompt, n).tokens.tolist()
+
+
+@pytest.fixture(scope="module")
+def oracle(target):
+    return {p: _oracle(target, tokenizer.encode(p), 24) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_speculative_decoding_in_the_engine_emits_the_oracles_tokens(target, oracle, k):
+    eng = _engine(target, k)
+    reqs = [eng.submit(tokenizer.encode(p), 24) for p in PROMPTS]  # one batch of three rows
+    eng.run(max_steps=300)
+    for req, p in zip(reqs, PROMPTS):
+        assert req.error is None and req.output == oracle[p]
+    kept = [a for r in reqs for a in r.accepted]
+    assert sum(kept) > 0 and max(kept) <= k  # drafts were kept: the commit of a partial prefix ran
+    s = eng.spec.stats
+    assert s.rounds == len(kept) and 1.0 < s.accept_length <= k + 1 and 0.0 < s.acceptance <= 1.0
+
+
+# A branching prefix: P is one KDA block (a snapshot boundary), and the page that ends it ends
+# where A and B part, so its last draft slot read A's next token, not B's.
+P = tokenizer.encode("Permission is hereby granted, free of charge, to any person obtaining ")[:4 * PAGE]
+A = P + tokenizer.encode("a copy of this software")[1:]
+B = P + tokenizer.encode("the right to use, copy")[1:]
+
+
+@pytest.mark.parametrize("tail", ["drop", "no_drop", "exact"])
+def test_a_prefix_hit_keeps_the_oracles_tokens_under_each_tail_rule(target, tail):
+    assert len(P) == 4 * PAGE and A[len(P)] != B[len(P)]
+    eng = _engine(target, eagle_tail=tail)
+    eng.submit(A, 6)
+    eng.run(max_steps=100)
+    b = eng.submit(B, 16)
+    eng.run(max_steps=100)
+    assert b.output == _oracle(target, B, 16)
+    if tail == "drop":  # the matched page is dropped and A kept no snapshot before it: no hit
+        assert (b.cached_tokens, b.tail_dropped_tokens) == (0, len(P))
+    else:
+        assert (b.cached_tokens, b.tail_dropped_tokens) == (len(P), 0)
+    assert b.tail_recomputed == (tail == "exact")
+
+
+def _tail_row(eng, prompt):
+    """The draft's row of slot len(P) - 1 for `prompt`, once its prefill has run."""
+    req = eng.submit(prompt, 4)
+    while not req.output:
+        eng.step()
+    page = eng.spec.draft_table(eng, req)[len(P) // PAGE - 1]
+    row = np.asarray(eng.kv.dpools["pages"][page, PAGE - 1])
+    eng.run(max_steps=50)
+    return row
+
+
+def test_the_exact_rule_recomputes_the_tail_slot_as_a_fresh_prefill_writes_it(target):
+    fresh = _tail_row(_engine(target, prefix_caching=False), B)
+    rows = {}
+    for tail in ("no_drop", "exact"):
+        eng = _engine(target, eagle_tail=tail)
+        eng.submit(A, 2)
+        eng.run(max_steps=50)
+        rows[tail] = _tail_row(eng, B)
+    np.testing.assert_allclose(rows["exact"], fresh, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(rows["no_drop"], fresh, atol=1e-3)  # A's row: it read A's next token
+
+
+def test_a_hit_from_the_host_tier_carries_the_draft_rows(target):
+    host = EmbeddedHostKVTier(1 << 26)
+    turn1 = tokenizer.encode(PROMPTS[2])
+    first = _engine(target, host=host, publish_to_host=True)
+    r1 = first.submit(turn1, 6)
+    first.run(max_steps=100)
+    turn2 = turn1 + r1.output + tokenizer.encode(" more")[1:]
+    second = _engine(target, host=host, eagle_tail="no_drop")
+    r2 = second.submit(turn2, 12)
+    second.run(max_steps=100)
+    assert r2.cached_tokens_host > 0 and r2.output == _oracle(target, turn2, 12)
+    assert sum(r2.accepted) > 0
+    # an engine without the draft keys its blocks apart: it never reads rows laid out for one
+    params, cfg, _ = target
+    plain = Engine(params, cfg, num_pages=64, num_slots=4, num_snapshots=16, page_tokens=PAGE,
+                   kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=40,
+                   kernels="reference", host=host)
+    r3 = plain.submit(turn2, 2)
+    plain.run(max_steps=50)
+    assert r3.cached_tokens == 0
+
+
+def test_sampling_through_the_engine_keeps_the_targets_distribution(target):
+    """The second and third sampled tokens (drafted, then accepted or corrected) against the plain
+    engine's, over 200 seeds: a chi-square test of homogeneity.  The first token is the
+    prefill's, the same draw in both engines."""
+    params, cfg, _ = target
+    prompt = tokenizer.encode("The licence")
+    n = 200
+
+    def draws(eng):
+        reqs = [eng.submit(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s)) for s in range(n)]
+        eng.run(max_steps=10_000)
+        return np.asarray([r.output for r in reqs])
+
+    kw = dict(num_pages=96, num_slots=8, num_snapshots=24, page_tokens=PAGE, kernels="reference")
+    spec = draws(_engine(target, k=2, **kw))
+    plain = draws(Engine(params, cfg, **kw))
+    np.testing.assert_array_equal(spec[:, 0], plain[:, 0])
+    for col in (1, 2):
+        tokens, counts = np.unique(np.concatenate([spec[:, col], plain[:, col]]), return_counts=True)
+        common = tokens[counts >= 10]  # rarer tokens pooled into one bin
+        table = [[np.sum(x[:, col] == t) for t in common] + [np.sum(~np.isin(x[:, col], common))]
+                 for x in (spec, plain)]
+        table = np.asarray(table)[:, np.asarray(table).sum(0) > 0]
+        assert stats.chi2_contingency(table)[1] > 1e-3, table
+
+
+def test_bad_speculative_setups_get_clear_errors(target):
+    params, cfg, (draft, ecfg) = target
+    kw = dict(num_pages=16, page_tokens=PAGE, kernels="reference")
+    with pytest.raises(ValueError, match="both a draft"):
+        Engine(params, cfg, draft=(draft, ecfg), **kw)  # no draft_tokens
+    with pytest.raises(ValueError, match="both a draft"):
+        Engine(params, cfg, draft_tokens=2, **kw)
+    with pytest.raises(ValueError, match=r"draft_tokens must be in \[0, 8\]"):
+        EngineConfig(num_pages=16, draft_tokens=9)
+    with pytest.raises(ValueError, match="eagle_tail"):
+        EngineConfig(num_pages=16, eagle_tail="sometimes")
+    wrong = dict(draft, fc_fd=jnp.zeros((3 * cfg.d_model, cfg.d_model + 8)))
+    with pytest.raises(ValueError, match="does not fit target"):
+        Engine(params, cfg, draft=(wrong, ecfg), draft_tokens=2, **kw)
+    with pytest.raises(ValueError, match="colocated"):
+        Engine(params, cfg, draft=(draft, ecfg), draft_tokens=2, role="prefill", **kw)
+    eng = _engine(target)
+    with pytest.raises(ValueError, match="top_p"):
+        eng.submit(A, 4, sampling=SamplingParams(temperature=0.7, top_p=0.9))
+    with pytest.raises(ValueError, match="exceeds the context limit"):
+        eng.submit(A, 16 * PAGE - len(A) - 1)  # fits without the verify pass's k drafts, not with them
