@@ -91,6 +91,34 @@ def _generate_speculative(args, params, cfg, prompt, images) -> int:
     return 0
 
 
+def _cmd_eagle_ab(args) -> int:
+    import json
+
+    import jax.numpy as jnp
+
+    from kimik3 import checkpoint, eagle_train, model
+    from serving import eagle_ab
+
+    params, cfg = checkpoint.restore(args.checkpoint)
+    draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
+    if args.dtype:
+        params = model.cast_params(params, jnp.dtype(args.dtype))
+    kw = {name: getattr(args, name) for name in ("questions", "max_new_tokens", "draft_tokens", "page_tokens",
+                                                  "num_slots", "bootstrap", "seed") if getattr(args, name) is not None}
+    ac = eagle_ab.ABConfig.quick(**kw) if args.quick else eagle_ab.ABConfig(**kw)
+    result = eagle_ab.run(params, cfg, draft, ac, questions_path=args.questions_file,
+                          progress=lambda arm, n: print(f"  {arm}: {n} conversations", file=sys.stderr, flush=True))
+    print(f"two-turn MT-Bench A/B: {result['arms']['drop']['questions']} conversations, {cfg.name} "
+          f"({jnp.dtype(params['embed_vd'].dtype).name}), k={ac.draft_tokens}, greedy, {ac.max_new_tokens} tokens a "
+          f"turn, {ac.page_tokens}-token pages; second turns:")
+    print(eagle_ab.report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _cmd_train_eagle(args) -> int:
     from kimik3 import checkpoint, eagle, eagle_train
 
@@ -303,6 +331,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the loop after this long (the schedule stays the one for --steps)")
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
+
+    ab = sub.add_parser("eagle-ab", help="the EAGLE-3 tail-block A/B (drop / no-drop / exact) on two-turn MT-Bench",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ab.add_argument("--checkpoint", required=True, help="the target (`kimik3 train`'s out/checkpoint)")
+    ab.add_argument("--draft-checkpoint", required=True, help="its draft (`kimik3 train-eagle`'s out/draft)")
+    ab.add_argument("--quick", action="store_true", help="a CPU run: 4 questions, 24 tokens a turn, 16-token pages")
+    ab.add_argument("--questions", type=int, default=None, help="the first N questions (default 80; --quick 4)")
+    ab.add_argument("--questions-file", default=None, help="MT-Bench questions (default: the packaged copy)")
+    ab.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default 128; --quick 24)")
+    ab.add_argument("--draft-tokens", type=int, default=None, help="k (default 3)")
+    ab.add_argument("--page-tokens", type=int, default=None, help="default 128; --quick 16")
+    ab.add_argument("--num-slots", type=int, default=None, help="conversations at a time (default 8; --quick 4)")
+    ab.add_argument("--bootstrap", type=int, default=None, help="paired bootstrap resamples (default 2000)")
+    ab.add_argument("--seed", type=int, default=None)
+    ab.add_argument("--dtype", default=None, help="serve the target in this dtype (default: the checkpoint's)")
+    ab.add_argument("--json", default=None, metavar="PATH", help="write the arms and the differences here")
+    ab.set_defaults(func=_cmd_eagle_ab)
 
     e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head on a trained target's continuations",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

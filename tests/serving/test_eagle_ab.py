@@ -1,0 +1,73 @@
+"""`kimik3 eagle-ab` (`serving.eagle_ab`): the two-turn workload, the arms and their paired
+bootstrap differences."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kimik3 import config, eagle_train, tokenizer
+from serving import cli, eagle_ab
+
+
+def test_the_packaged_questions_are_the_80_two_turn_mt_bench_questions():
+    qs = eagle_ab.load_questions()
+    assert len(qs) == 80 and all(q1 and q2 for q1, q2 in qs)
+
+
+def test_turn_two_continues_turn_one_with_its_answer():
+    t1 = eagle_ab.turn1_tokens("What is a list?")
+    t2 = eagle_ab.turn2_tokens(t1, [65, 66, tokenizer.EOS_ID], "And a tuple?")
+    assert t2[:len(t1)] == t1 and t2[len(t1):len(t1) + 3] == [65, 66, tokenizer.SPECIAL_IDS["<|end_turn|>"]]
+    assert tokenizer.decode(t2[len(t1) + 3:], skip_special=False) == "<|user|>And a tuple?<|end_turn|><|assistant|>"
+
+
+def _rec(hit, accepted, tpot=1.0):
+    return dict(hit=hit, any_hit=hit, cached_tokens=16 * hit, dropped_tokens=0, tail_recomputed=False,
+                accepted=accepted, tpot_ms=tpot)
+
+
+def test_the_paired_bootstrap_brackets_a_known_difference_and_is_zero_for_equal_arms(rng):
+    a = [_rec(True, list(rng.integers(0, 4, 20))) for _ in range(40)]
+    b = [dict(r, hit=i % 2 == 0) for i, r in enumerate(a)]  # half of a's hits, the same drafts
+    d = eagle_ab.paired_bootstrap(a, b, 3, 500, 0)
+    assert d["hits"]["value"] == 20 and d["hits"]["ci_low"] <= 20 <= d["hits"]["ci_high"]
+    assert d["hits"]["ci_low"] > 0  # paired: the resample keeps each question's pair together
+    assert d["acceptance"] == dict(value=0.0, ci_low=0.0, ci_high=0.0)
+
+
+@pytest.fixture(scope="module")
+def ab(trained_draft):
+    params, _, _, out = trained_draft
+    cfg = config.tiny()
+    draft = eagle_train.load_draft(out + "/draft", cfg, params)
+    return eagle_ab.run(params, cfg, draft, eagle_ab.ABConfig.quick(questions=3, bootstrap=200, kernels="reference"))
+
+
+def test_the_arms_keep_the_tokens_and_differ_only_in_what_they_reuse(ab):
+    arms = ab["arms"]
+    assert set(arms) == set(eagle_ab.ARMS) and all(m["questions"] == 3 for m in arms.values())
+    # 16-token pages: every turn 1 has pages, and its last full page ends before its last token
+    assert arms["no_drop"]["hits"] == arms["exact"]["hits"] == 3 and arms["drop"]["hits"] == 0
+    assert arms["drop"]["cached_tokens_mean"] < arms["no_drop"]["cached_tokens_mean"]
+    # a second turn repeats the token after turn 1's tail slot: the kept rows are a fresh prefill's
+    assert arms["exact"]["acceptance"] == arms["no_drop"]["acceptance"] > 0
+    for name, d in ab["differences"].items():
+        for key, v in d.items():
+            if v["value"] is not None:
+                assert v["ci_low"] <= v["value"] <= v["ci_high"], (name, key, v)
+    assert ab["differences"]["no_drop-drop"]["hits"]["value"] == 3
+
+
+def test_the_cli_writes_the_arms_and_the_differences(trained_tiny, trained_draft, tmp_path, capsys):
+    tc, _, _ = trained_tiny
+    _, _, _, out = trained_draft
+    path = tmp_path / "ab.json"
+    assert cli.main(["eagle-ab", "--checkpoint", tc.out + "/checkpoint", "--draft-checkpoint", out + "/draft",
+                     "--quick", "--questions", "2", "--bootstrap", "50", "--json", str(path)]) == 0
+    assert "tail-block hits" in capsys.readouterr().out
+    got = json.loads(path.read_text())
+    for arm in ("drop", "no_drop", "exact"):
+        assert {"hits", "questions", "acceptance", "accept_length"} <= set(got["arms"][arm])
+    assert {"ci_low", "ci_high"} <= set(got["differences"]["no_drop-drop"]["acceptance"])
+    assert np.isfinite(got["arms"]["drop"]["accept_length"])
