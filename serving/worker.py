@@ -570,9 +570,28 @@ def build_engine(args):
     from kimik3 import config, model
     from serving.engine import Engine, EngineConfig
 
-    cfg = config.get_config(args.config)
-    dtype = args.dtype or cfg.dtype
-    params = model.init_params(cfg, jax.random.PRNGKey(args.seed), dtype)
+    draft = None
+    if getattr(args, "checkpoint", None):
+        from kimik3 import checkpoint
+
+        params, cfg = checkpoint.restore(args.checkpoint)
+        dtype = args.dtype or str(params["embed_vd"].dtype)
+        params = model.cast_params(params, jax.numpy.dtype(dtype))
+    else:
+        cfg = config.get_config(args.config)
+        dtype = args.dtype or cfg.dtype
+        params = model.init_params(cfg, jax.random.PRNGKey(args.seed), dtype)
+    spec = getattr(args, "speculative", None)
+    if spec is None and getattr(args, "draft_checkpoint", None):
+        raise ValueError("--draft-checkpoint is for speculative decoding: add --speculative eagle3")
+    if spec is not None:
+        if not args.draft_checkpoint:
+            raise ValueError("--speculative eagle3 needs the draft: --draft-checkpoint DIR (`kimik3 train-eagle`)")
+        if not args.checkpoint:
+            raise ValueError("--speculative eagle3 needs the target the draft was trained for: --checkpoint DIR")
+        from kimik3 import eagle_train
+
+        draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
     page, block = default_cache_geometry(cfg.name)
     page = args.page_tokens or page
     block = args.kda_block_tokens or block
@@ -593,13 +612,16 @@ def build_engine(args):
         num_pages=args.num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
         page_tokens=page, kda_block_tokens=block, max_pages_per_request=max_pages,
         prefill_chunk_tokens=args.prefill_chunk_tokens, kernels=args.kernels, namespace=namespace, role=role,
-        publish_to_host=host is not None), host=host)
+        publish_to_host=host is not None, draft_tokens=args.draft_tokens if draft is not None else 0,
+        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail), host=host, draft=draft)
     info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
             "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
             "kda_block_tokens": block, "max_context": min(cfg.max_seq_len, max_pages * page),
             "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity(),
             # a KV handoff's layout (/adopt): one page block, and the packed KDA state
-            "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size)}
+            "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size),
+            "speculative": None if draft is None else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens,
+                                                       "eagle_tail": engine.config.eagle_tail}}
     return engine, host, info
 
 
@@ -610,6 +632,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
+    parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
+    parser.add_argument("--speculative", choices=("eagle3",), default=None,
+                        help="speculative decoding with an EAGLE-3 draft (colocated role 'both')")
+    parser.add_argument("--draft-checkpoint", default=None, metavar="DIR", help="the draft (`kimik3 train-eagle`)")
+    parser.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per verify pass")
+    parser.add_argument("--eagle-tail", choices=("drop", "no_drop", "exact"), default="drop",
+                        help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot")
+    parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
     parser.add_argument("--num-pages", type=int, default=256)
     parser.add_argument("--num-slots", type=int, default=8, help="concurrent sessions")
     parser.add_argument("--num-snapshots", type=int, default=None)

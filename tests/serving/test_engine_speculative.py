@@ -170,3 +170,44 @@ def test_bad_speculative_setups_get_clear_errors(target):
         eng.submit(A, 4, sampling=SamplingParams(temperature=0.7, top_p=0.9))
     with pytest.raises(ValueError, match="exceeds the context limit"):
         eng.submit(A, 16 * PAGE - len(A) - 1)  # fits without the verify pass's k drafts, not with them
+
+
+def test_a_worker_serves_speculatively_from_its_flags_and_refuses_half_a_setup(trained_tiny, trained_draft):
+    import argparse
+
+    from serving import worker
+
+    tc, _, _ = trained_tiny
+    out = trained_draft[3]
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    base = ["--port", "1", "--num-pages", "32", "--kernels", "reference", "--checkpoint", tc.out + "/checkpoint"]
+    eng, _, info = worker.build_engine(parser.parse_args(base + ["--speculative", "eagle3", "--draft-checkpoint",
+                                                                 out + "/draft", "--draft-tokens", "2",
+                                                                 "--eagle-no-drop"]))
+    assert eng.spec is not None and info["speculative"] == {"method": "eagle3", "draft_tokens": 2,
+                                                            "eagle_tail": "no_drop"}
+    req = eng.submit(tokenizer.encode(PROMPTS[0]), 8)
+    eng.run(max_steps=50)
+    assert req.output == _oracle((eng.params, eng.cfg, None), tokenizer.encode(PROMPTS[0]), 8)
+    with pytest.raises(ValueError, match="needs the draft"):
+        worker.build_engine(parser.parse_args(base + ["--speculative", "eagle3"]))
+    with pytest.raises(ValueError, match="add --speculative eagle3"):
+        worker.build_engine(parser.parse_args(base + ["--draft-checkpoint", out + "/draft"]))
+    with pytest.raises(ValueError, match="other tiny weights"):  # a draft trained for another target
+        worker.build_engine(_other_weights(parser, out))
+
+
+def _other_weights(parser, out):
+    """Worker args whose target is fresh random tiny weights saved as a checkpoint, with the trained draft."""
+    import tempfile
+
+    import jax
+
+    from kimik3 import checkpoint, model
+
+    cfg = config.tiny()
+    path = tempfile.mkdtemp() + "/ckpt"
+    checkpoint.save(path, model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg)
+    return parser.parse_args(["--port", "1", "--num-pages", "32", "--speculative", "eagle3", "--checkpoint", path,
+                              "--draft-checkpoint", out + "/draft"])
