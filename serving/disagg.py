@@ -29,6 +29,10 @@ class DisaggregatedServer:
             raise ValueError("handoff='store' needs both engines on one shared host tier")
         if prefill.role != "prefill" or decode.role == "prefill":
             raise ValueError("engines must have roles 'prefill' and 'decode'")
+        if (prefill.spec is None) != (decode.spec is None) or (
+                prefill.spec is not None and prefill.spec.fingerprint != decode.spec.fingerprint):
+            raise ValueError("speculative P/D needs the same draft on both engines (the prefill engine writes "
+                             "the draft's rows the decode engine reads)")
         self.prefill, self.decode, self.handoff = prefill, decode, handoff
         self.requests: dict[str, Request] = {}  # the client's view: filled as tokens arrive
         self._pending: list[tuple] = []  # handoffs waiting for decode capacity
@@ -46,7 +50,9 @@ class DisaggregatedServer:
             return  # the prefill produced the only token
         if self.handoff == "direct":
             pages, state = engine.export_kv(req)
-            self._pending.append((req, pages, state))
+            # a speculative decode engine also takes the draft's feature of the last prompt slot
+            feature = engine.export_draft_feature(req) if engine.spec is not None else None
+            self._pending.append((req, pages, (state, feature)))
         else:
             engine.manager.publish_to_host(req.request_id)
             self._pending.append((req, None, None))
@@ -55,10 +61,10 @@ class DisaggregatedServer:
         still = []
         for req, pages, state in self._pending:
             if pages is not None:
-                new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state,
+                new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state[0],
                                         request_id=req.request_id, arrival_s=req.arrival_s,
                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, draft_feature=state[1])
                 if new is None:
                     still.append((req, pages, state))
                     continue

@@ -199,8 +199,8 @@ class Engine:
             raise ValueError("speculative decoding needs both a draft (draft=(params, EagleConfig)) and "
                              f"draft_tokens > 0; got draft={'given' if draft is not None else None}, "
                              f"draft_tokens={config.draft_tokens}")
-        if draft is not None and (mesh is not None or config.role != "both"):
-            raise ValueError("speculative decoding runs on a colocated engine without a mesh (role 'both') for now")
+        if draft is not None and mesh is not None:
+            raise ValueError("speculative decoding runs on engines without a mesh for now")
         if draft is not None and config.scan_layers != "none":
             # the draft taps target layers, which must be unrolled (`kimik3.model.KimiK3.taps`)
             config = config.replace(scan_layers="none")
@@ -653,10 +653,19 @@ class Engine:
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
-              sampling: SamplingParams = GREEDY, images=None, cache_salt: str | None = None) -> Request | None:
+              sampling: SamplingParams = GREEDY, images=None, cache_salt: str | None = None,
+              draft_feature: np.ndarray | None = None) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
-        page contents and its KDA state after the whole prompt.  None if it does not fit now."""
+        page contents and its KDA state after the whole prompt (and, for a speculative engine,
+        its draft's rows in the pages and `draft_feature`, the fused target feature of the last
+        prompt slot: `export_draft_feature`).  None if it does not fit now."""
         check_cache_salt(cache_salt)
+        if self.spec is not None:
+            if draft_feature is None or np.shape(draft_feature) != (self.cfg.d_model,):
+                raise ValueError(f"a speculative engine adopts a handoff with its draft feature [{self.cfg.d_model}] "
+                                 "(from an engine with the same draft)")
+            if not np.isfinite(draft_feature).all():
+                raise ValueError("the draft feature holds values that are not finite")
         check_handoff(list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size,
                       page_tokens=self.page_tokens)
         if not self.scheduler.free_slots:
@@ -675,6 +684,8 @@ class Engine:
         req._context = list(prompt)
         self._install_kv(req, blocks, pages, state)
         req._computed = req._cached_len = len(prompt)
+        if self.spec is not None:
+            self.spec.adopted(self, req, draft_feature)
         self.running.append(req)
         self.scheduler.emit(req, first_token)
         return req
@@ -683,6 +694,13 @@ class Engine:
         """(prompt page contents, packed KDA state) of a request this engine holds."""
         table = self.manager.requests[req.request_id].page_table
         return self.kv.read_kv(table, len(req.prompt), req._slot)
+
+    def export_draft_feature(self, req: Request) -> np.ndarray:
+        """f32 [D]: the fused target feature of a prefilled request's last prompt slot, the draft
+        row a speculative decode engine writes first (with the token after it)."""
+        if self.spec is None:
+            raise ValueError("this engine has no draft")
+        return np.asarray(self.kv.dpools["pending"][req._slot, 0])
 
     def _table(self, req: Request) -> list[int]:
         table = self.manager.requests[req.request_id].page_table

@@ -111,6 +111,12 @@ def set_pending_from_tail(dpools, slot, page):
 
 
 @functools.partial(jax.jit, donate_argnames=("dpools",))
+def set_pending(dpools, slot, feature):
+    """pending[slot][0] = feature [D] (a handed-over request's last prompt slot)."""
+    return dict(dpools, pending=dpools["pending"].at[slot, 0].set(feature))
+
+
+@functools.partial(jax.jit, donate_argnames=("dpools",))
 def copy_draft_page(dpools, src, dst):
     """The draft rows of page src into page dst (a private copy for the exact tail rule)."""
     return dict(dpools, pages=dpools["pages"].at[dst].set(dpools["pages"][src]))
@@ -282,6 +288,13 @@ class SpecDecoder:
         table[idx] = private
         req._draft_table = table
         req._catch_n, req.tail_recomputed = 1, True
+
+    def adopted(self, eng, req, feature) -> None:
+        """A handed-over request (`Engine.adopt`): its pages carry the draft's rows of slots
+        0 .. n - 2; slot n - 1 waits on `feature` and the first token."""
+        req._draft_table, req.tail_recomputed = None, False
+        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req._slot), jnp.asarray(feature, jnp.float32))
+        req._catch_n = 1
 
     def draft_table(self, eng, req) -> list[int]:
         table = eng._table(req)

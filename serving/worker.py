@@ -589,6 +589,8 @@ def build_engine(args):
             raise ValueError("--speculative eagle3 needs the draft: --draft-checkpoint DIR (`kimik3 train-eagle`)")
         if not args.checkpoint:
             raise ValueError("--speculative eagle3 needs the target the draft was trained for: --checkpoint DIR")
+        if args.role != "both":  # the HTTP handoff carries no draft feature yet (in-process P/D: serving.disagg)
+            raise ValueError("--speculative eagle3 workers serve colocated (--role both)")
         from kimik3 import eagle_train
 
         draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)

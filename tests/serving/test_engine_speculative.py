@@ -10,6 +10,7 @@ from scipy import stats
 from cache.host_tier import EmbeddedHostKVTier
 from kimik3 import config, eagle_train, tokenizer
 from kimik3.generate import generate
+from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
 from serving.sampling import SamplingParams
 
@@ -76,6 +77,22 @@ def test_a_prefix_hit_keeps_the_oracles_tokens_under_each_tail_rule(target, tail
     else:
         assert (b.cached_tokens, b.tail_dropped_tokens) == (len(P), 0)
     assert b.tail_recomputed == (tail == "exact")
+
+
+@pytest.mark.parametrize("handoff", ["direct", "store"])
+def test_prefill_decode_disaggregation_keeps_the_oracles_tokens(target, oracle, handoff):
+    """The prefill engine writes the draft's rows with the target's pages; the decode engine
+    verifies from them (direct: the pages, the state and the last slot's feature handed over;
+    store: through the shared host tier, the tail prefilled again on the decode side)."""
+    host = EmbeddedHostKVTier(1 << 26) if handoff == "store" else None
+    server = DisaggregatedServer(_engine(target, role="prefill", host=host, publish_to_host=host is not None),
+                                 _engine(target, role="decode", host=host), handoff=handoff)
+    reqs = [server.submit(tokenizer.encode(p), 24) for p in PROMPTS]
+    server.run(max_steps=400)
+    for req, p in zip(reqs, PROMPTS):
+        got = server.requests[req.request_id]
+        assert got.error is None and got.output == oracle[p]
+    assert sum(a for r in server.decode.finished for a in r.accepted) > 0
 
 
 def _tail_row(eng, prompt):
@@ -163,8 +180,11 @@ def test_bad_speculative_setups_get_clear_errors(target):
     wrong = dict(draft, fc_fd=jnp.zeros((3 * cfg.d_model, cfg.d_model + 8)))
     with pytest.raises(ValueError, match="does not fit target"):
         Engine(params, cfg, draft=(wrong, ecfg), draft_tokens=2, **kw)
-    with pytest.raises(ValueError, match="colocated"):
-        Engine(params, cfg, draft=(draft, ecfg), draft_tokens=2, role="prefill", **kw)
+    with pytest.raises(ValueError, match="same draft"):  # P/D where only one side drafts
+        DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), _engine(target, role="decode"))
+    with pytest.raises(ValueError, match="draft feature"):  # a handoff from an engine without the draft
+        _engine(target, role="decode").adopt(A, 1, 4, [np.zeros((3, PAGE, cfg.mla_latent_dim))] * 5,
+                                            np.zeros(1), request_id="x", arrival_s=0.0)
     eng = _engine(target)
     with pytest.raises(ValueError, match="top_p"):
         eng.submit(A, 4, sampling=SamplingParams(temperature=0.7, top_p=0.9))
