@@ -135,9 +135,7 @@ def _choose(logits_bv, temperature_b, key_b):
     return tok, jnp.where(greedy[:, None], one_hot, probs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
-                   donate_argnames=("pools", "dpools"))
-def spec_round(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
+def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
     """Catch-up, chain and verify for a batch (see the module docstring).
 
     rows: {"t0": int32 [B] the last emitted tokens (position L), "lengths": [B] L, "catch_n":
@@ -157,8 +155,8 @@ def spec_round(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pag
                                  c * active, cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
     h = hidden[jnp.arange(b), jnp.maximum(c - 1, 0)]  # slot L - 1
     # the draws of a round for the token at L + 1 + s: keys from (seed, L), reproducible as `serving.sampling`'s
-    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(sd), p), k))(
-        rows["seed"], lengths)
+    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(sd), p), k + 2))(
+        rows["seed"], lengths)  # k draft draws, then the acceptance's uniforms and its resample
     drafts, qs = [], []
     for s in range(k):
         lg = eagle.draft_logits(draft, cfg, h[:, None])[:, 0]
@@ -179,11 +177,51 @@ def spec_round(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pag
     logits, view, vtaps = model._forward_impl(params, tokens, positions, view, None, cfg=verify_config(cfg),
                                               expert_path="grouped", kernels=kernels, taps=taps)
     g = eagle.fuse(draft, vtaps).astype(jnp.float32)
-    return model.pools_of(view), dpools, logits, drafts, jnp.stack(qs, axis=1), view["exports"], g
+    return model.pools_of(view), dpools, logits, drafts, jnp.stack(qs, axis=1), view["exports"], g, keys
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("pools", "dpools"))
-def spec_commit(pools, dpools, exports, g, slots, keep_b, *, cfg):
+def accept_on_device(logits_bkv, drafts_bk, qs_bkv, temperature_b, key_u, key_r):
+    """`kimik3.speculative.accept` for a batch, on the device: (a [B] drafts kept, next [B] the
+    target's token after them).  Greedy rows (temperature 0) keep d_i while it is the target's
+    argmax; sampled rows keep d_i with probability min(1, p(d_i) / q(d_i)) and resample a refused
+    one from norm(max(p - q, 0)) (the bonus token from p_k when all k are kept).  key_u / key_r:
+    [B, 2] keys of the uniforms and of the resample."""
+    b, k = drafts_bk.shape
+    greedy = temperature_b <= 0
+    choice = jnp.argmax(logits_bkv, axis=-1).astype(jnp.int32)  # [B, k + 1]
+    t = jnp.where(greedy, 1.0, temperature_b)[:, None, None]
+    p = jax.nn.softmax(logits_bkv.astype(jnp.float32) / t, axis=-1)  # [B, k + 1, V]
+    take = lambda x, i: jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0]
+    p_d, q_d = take(p[:, :k], drafts_bk), take(qs_bkv, drafts_bk)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(key_u)
+    ok = jnp.where(greedy[:, None], drafts_bk == choice[:, :k], u * q_d < p_d)
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # the agreeing prefix
+    p_a = p[jnp.arange(b), a]  # [B, V]
+    q_a = jnp.concatenate([qs_bkv, jnp.zeros_like(qs_bkv[:, :1])], axis=1)[jnp.arange(b), a]  # zero past k
+    resid = jnp.maximum(p_a - q_a, 0.0)
+    total = resid.sum(-1, keepdims=True)
+    resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)
+    drawn = jax.vmap(lambda kk, r: jax.random.categorical(kk, jnp.log(r)))(key_r, resid).astype(jnp.int32)
+    nxt = jnp.where(greedy, choice[jnp.arange(b), a], drawn)
+    return a.astype(jnp.int32), nxt
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
+                   donate_argnames=("pools", "dpools"))
+def spec_step(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
+    """One whole round in one program: `spec_round`, `accept_on_device`, `spec_commit`.  Returns
+    (pools, dpools, tokens int32 [B, k + 1]: row b's kept drafts then its next token, then
+    padding, a int32 [B])."""
+    pools, dpools, logits, drafts, qs, exports, g, keys = _round_body(
+        params, draft, pools, dpools, rows, cfg=cfg, kernels=kernels, taps=taps, k=k, page_tokens=page_tokens)
+    a, nxt = accept_on_device(logits, drafts, qs, rows["temperature"], keys[:, k], keys[:, k + 1])
+    pools, dpools = _commit_body(pools, dpools, exports, g, rows["slots"], a + 1, cfg=cfg)
+    drafts_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    tokens = jnp.where(jnp.arange(k + 1)[None] == a[:, None], nxt[:, None], drafts_pad)
+    return pools, dpools, tokens, a
+
+
+def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
     """Each KDA layer's state and conv rows of `slots` [B] after their first keep_b [B] (1 .. k + 1)
     verified tokens (`exports`, from `spec_round`), and g [B, k + 1, D] as the slots' pending
     features.  Padding rows (keep 1, the scratch slot) write scratch only.  Returns (pools, dpools)."""
@@ -196,6 +234,11 @@ def spec_commit(pools, dpools, exports, g, slots, keep_b, *, cfg):
             kept = e[key][jnp.arange(b), keep_b - 1]
             kda[key] = kda[key].at[rows].set(kept.astype(kda[key].dtype))
     return dict(pools, kda=kda), dict(dpools, pending=dpools["pending"].at[slots].set(g))
+
+
+_ROUND_STATIC = ("cfg", "kernels", "taps", "k", "page_tokens")
+spec_round = jax.jit(_round_body, static_argnames=_ROUND_STATIC, donate_argnames=("pools", "dpools"))
+spec_commit = jax.jit(_commit_body, static_argnames=("cfg",), donate_argnames=("pools", "dpools"))
 
 
 def catch_up_tokens(context: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
@@ -324,7 +367,6 @@ class SpecDecoder:
         scheduler); emits each request's kept drafts and the target's next token."""
         import time
 
-        from kimik3 import speculative
         from cache.block_pool import NULL_BLOCK
 
         t_start = time.perf_counter()
@@ -346,21 +388,12 @@ class SpecDecoder:
             "temperature": np.asarray([r.sampling.temperature for r in reqs] + [0.0] * pad, np.float32),
             "seed": np.asarray([r.sampling.seed % (2 ** 32) for r in reqs] + [0] * pad, np.uint32),
         }
-        pools, dpools, logits, drafts, qs, exports, g = spec_round(
+        eng.kv.pools, eng.kv.dpools, tokens, kept = spec_step(
             eng.params, self.draft, eng.kv.pools, eng.kv.dpools, rows, cfg=self.cfg, kernels=self.kernels,
             taps=self.taps, k=k, page_tokens=self.page_tokens)
-        logits, drafts = np.asarray(logits), np.asarray(drafts)
-        sampled = any(not r.sampling.greedy for r in reqs)
-        qs = np.asarray(qs) if sampled else None
-        keep, out = np.ones(bucket, np.int32), []
-        for i, r in enumerate(reqs):
-            t = r.sampling.temperature
-            rng = np.random.default_rng([r.sampling.seed, r._cached_len]) if t > 0 else None
-            a, nxt = speculative.accept(logits[i], drafts[i], None if qs is None else qs[i], temperature=t, rng=rng)
-            keep[i] = a + 1
-            out.append(list(drafts[i, :a]) + [nxt])
-        eng.kv.pools, eng.kv.dpools = spec_commit(pools, dpools, exports, g, jnp.asarray(rows["slots"]),
-                                                  jnp.asarray(keep), cfg=self.cfg)
+        tokens, kept = np.asarray(tokens), np.asarray(kept)  # the round's one wait on the device
+        keep = kept + 1
+        out = [tokens[i, :keep[i]].tolist() for i in range(len(reqs))]
         for i, r in enumerate(reqs):
             self._mark_tails(eng.kv, self.draft_table(eng, r), r._cached_len - r._catch_n, r._catch_n)
             r._cached_len += int(keep[i])

@@ -231,3 +231,32 @@ def _other_weights(parser, out):
     checkpoint.save(path, model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg)
     return parser.parse_args(["--port", "1", "--num-pages", "32", "--speculative", "eagle3", "--checkpoint", path,
                               "--draft-checkpoint", out + "/draft"])
+
+
+def test_acceptance_on_the_device_is_the_reference_rule(rng):
+    """`accept_on_device` against `kimik3.speculative.accept`: greedy rows exactly; sampled rows
+    by the distribution of the first emitted token (the target's p_0 whatever q proposes)."""
+    import jax
+
+    from kimik3 import speculative
+    from serving.spec_decode import accept_on_device
+
+    k, v, n = 3, 6, 20000
+    logits = rng.normal(size=(64, k + 1, v)).astype(np.float32)
+    drafts = rng.integers(0, v, (64, k)).astype(np.int32)
+    drafts[::2, 0] = logits[::2, 0].argmax(-1)  # half the rows agree at least once
+    keys = jax.random.split(jax.random.PRNGKey(0), 64)
+    a, nxt = accept_on_device(jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros((64, k, v)), jnp.zeros(64),
+                              keys, keys)
+    want = [speculative.accept(logits[i], drafts[i]) for i in range(64)]
+    assert [(int(x), int(y)) for x, y in zip(a, nxt)] == want and int(np.asarray(a).max()) > 0
+    p = rng.dirichlet(np.ones(v), size=k + 1)
+    q = rng.dirichlet(0.3 * np.ones(v), size=k)
+    d = np.stack([rng.choice(v, n, p=q[j]) for j in range(k)], axis=1).astype(np.int32)
+    keys_u, keys_r = jax.random.split(jax.random.PRNGKey(1), 2 * n).reshape(2, n, 2)
+    a, nxt = accept_on_device(jnp.log(jnp.asarray(p, jnp.float32))[None].repeat(n, 0), jnp.asarray(d),
+                              jnp.asarray(q, jnp.float32)[None].repeat(n, 0), jnp.ones(n), keys_u, keys_r)
+    first = np.where(np.asarray(a) > 0, d[:, 0], np.asarray(nxt))
+    counts = np.bincount(first, minlength=v)
+    assert stats.chisquare(counts, p[0] * n).pvalue > 1e-3
+    assert stats.chisquare(counts, q[0] * n).pvalue < 1e-6  # the drafts unverified: refused
