@@ -218,11 +218,17 @@ class Engine:
         # every KDA-block boundary inside it plus the prompt's last full page.  A fixed count, so the
         # chunk programs keep one shape (`ModelRunner.export_at`).
         export_slots = config.prefill_chunk_tokens // config.kda_block_tokens + 2
+        self.spec = None
+        if draft is not None:
+            from serving.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(draft[0], draft[1], cfg, k=config.draft_tokens, tail=config.eagle_tail,
+                                    kernels=self.kernels, page_tokens=config.page_tokens)
         self.runner = ModelRunner(params, cfg, kernels=self.kernels, role=config.role, mesh=mesh,
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots,
-                                  scan_layers=config.scan_layers)
+                                  scan_layers=config.scan_layers, taps=self.spec.taps if self.spec else ())
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:
@@ -232,12 +238,6 @@ class Engine:
                           num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
                           commit=bool(pre or self.runner.decode_step), draft_tokens=config.draft_tokens)
         # the layout version keeps blocks a store kept for an older packing from ever being read
-        self.spec = None
-        if draft is not None:
-            from serving.spec_decode import SpecDecoder
-
-            self.spec = SpecDecoder(draft[0], draft[1], cfg, k=config.draft_tokens, tail=config.eagle_tail,
-                                    kernels=self.kernels, page_tokens=config.page_tokens)
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
         if self.spec is not None:  # its page blocks hold this draft's rows too
             ns += f"/eagle-{self.spec.fingerprint}"
@@ -431,11 +431,15 @@ class Engine:
         self._settle_decode()  # the last step's tokens, if it left them in flight
         return self.finished
 
+    def _programs(self) -> int:
+        return self.runner.programs() + (self.spec.programs() if self.spec is not None else 0)
+
     def warmup(self, threads: int | None = None) -> int:
         """Compile every step shape this engine can use and run each once on scratch rows
         (`ModelRunner.warmup`).  Returns the number of new programs."""
         self._settle_decode()
-        return self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads)
+        n = self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads)
+        return n + (self.spec.warmup(self) if self.spec is not None else 0)
 
     def step(self) -> None:
         if self._chainable():  # a decode-only phase: step n+1 goes out before step n's tokens are read
@@ -443,9 +447,9 @@ class Engine:
             return
         self._settle_decode()
         plan = self.scheduler.schedule()
-        before = self.runner.programs()
+        before = self._programs()
         self._execute(plan)
-        self.compiles += self.runner.programs() - before  # new XLA programs this step needed
+        self.compiles += self._programs() - before  # new XLA programs this step needed
         if plan.tokens:
             self.step_tokens.append(plan.tokens)
 
@@ -539,9 +543,8 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        taps = self.spec.taps if self.spec is not None else ()
         logits, exports, *tapped = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start],
-                                                       step=step, images=images, taps=taps,
+                                                       step=step, images=images,
                                                        export_offsets=[b - start for b in chunk.export])
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])

@@ -182,8 +182,13 @@ class KVPools:
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
         self.scratch_slot = num_slots  # the extra slot: padding rows of decode batches
         self.pools = model.init_paged_cache(cfg, num_pages, num_slots + 1, page_tokens, dtype)
-        if commit:
-            self.pools = jax.device_put(self.pools, next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices())))
+        if commit or self.dpools is not None:
+            # committed: a program's executable is per placement, and every later call sees the
+            # pools as outputs of earlier programs (committed), so warm-up must see them so too
+            device = next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices()))
+            self.pools = jax.device_put(self.pools, device)
+            if self.dpools is not None:
+                self.dpools = jax.device_put(self.dpools, device)
         n_kda = len(self.kda_layers)
         self.kda_keys = sorted(self.pools["kda"])
         self.snapshot_size = sum(int(np.prod(v.shape[1:])) for v in self.pools["kda"].values()) * n_kda

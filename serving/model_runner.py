@@ -281,8 +281,10 @@ class ModelRunner:
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
-                 scan_layers: str = "prefill"):
-        self.cfg, self.kernels, self.role, self.num_slots = cfg, kernels, role, num_slots
+                 scan_layers: str = "prefill", taps: tuple[int, ...] = ()):
+        """taps: layers whose residual stream the unsharded prefill chunks return too (an EAGLE-3
+        draft's input, `serving.spec_decode`, whose rounds then replace the decode program)."""
+        self.cfg, self.kernels, self.role, self.num_slots, self.taps = cfg, kernels, role, num_slots, tuple(taps)
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
         if mesh is not None and (fused.is_fused(params) or stacked.is_stacked(params)):
             raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's or "
@@ -340,7 +342,8 @@ class ModelRunner:
     def step_static(self) -> dict:
         """The unsharded prefill step's static arguments (warm-up compiles exactly these): logits
         for the last position only, which is all a step samples from."""
-        return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1)
+        return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1,
+                    **({"taps": self.taps} if self.taps else {}))
 
     def export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
         """The export positions an unsharded prefill chunk of `chunk_tokens` (its compiled
@@ -387,18 +390,18 @@ class ModelRunner:
                 + (helper_programs() if steps else 0) + self.decode.programs())
 
     # ---- calls -------------------------------------------------------------------------------------
-    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None, taps=()):
+    def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
         returns the last token's logits f32 [B, V] as numpy and, for the unsharded model, the KDA
         exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None;
-        with taps (layers; the unsharded model only) a third output, the residual stream after
-        each of them [B, T_padded, len(taps), D] on the device (an EAGLE-3 draft's input).
+        with `taps` (the unsharded model only) a third output, the residual stream after each of
+        them [B, T_padded, len(taps), D] on the device.
         step: `prefill_step` or `decode_step` (a mesh, exact lengths), or None (the unsharded
         model, padded to `prefill_bucket(T)`)."""
         # Inputs were checked at submit; generated ids (a random model may emit <|image|>) are
         # not prompts, so the steps call the jitted cores directly.
         if step is not None:
-            if taps:
+            if self.taps:
                 raise ValueError("taps are not available from a sharded step")
             logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
             return np.asarray(logits[:, -1], np.float32), None
@@ -409,7 +412,7 @@ class ModelRunner:
                                 valid=[n] * b)
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
         logits, view, *tapped = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
-                                                   **self.step_static(), **({"taps": tuple(taps)} if taps else {}))
+                                                   **self.step_static())
         kv.pools = model.pools_of(view)
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
@@ -452,7 +455,7 @@ class ModelRunner:
                                         *rows(b))
                 jax.block_until_ready(logits)
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
-        decode = buckets if self.decode_step is None else []
+        decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
         static = self.step_static()
         jobs = [functools.partial(lambda s: model.forward_step.lower(*step_args(s), **static).compile(), s)
                 for s in unsharded]
@@ -463,7 +466,7 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: job(), jobs))
         for shape in unsharded:
-            logits, view = model.forward_step(*step_args(shape), **static)
+            logits, view, *_ = model.forward_step(*step_args(shape), **static)
             kv.pools = model.pools_of(view)
             jax.block_until_ready(logits)
         for b in decode:

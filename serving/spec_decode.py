@@ -308,6 +308,33 @@ class SpecDecoder:
         for end in range(-(-(first + 1) // p) * p, first + count + 1, p):  # slot end - 1 ends a page
             kv.tail_known[table[(end - 1) // p]] = True
 
+    def programs(self) -> int:
+        """Compiled speculative programs so far (rounds per bucket, prefill drafting per chunk length)."""
+        return spec_step._cache_size() + prefill_draft._cache_size()
+
+    def warmup(self, eng) -> int:
+        """Compile and run once, on scratch rows, the round of every decode bucket and the
+        drafting of every prefill chunk length.  Returns the number of new programs."""
+        from cache.block_pool import NULL_BLOCK
+
+        before = self.programs()
+        for bucket in sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)}):
+            eng.kv.pools, eng.kv.dpools, tokens, _ = spec_step(
+                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._rows(eng, [], bucket), cfg=self.cfg,
+                kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+            jax.block_until_ready(tokens)
+        null = jnp.full((eng.max_pages,), NULL_BLOCK, jnp.int32)
+        for t, step in eng.runner.prefill_lengths():
+            if step is None:
+                taps = jax.device_put(jnp.zeros((1, t, len(self.taps), self.cfg.d_model), eng.dtype),
+                                      eng.kv.dpools["pending"].devices().pop())  # committed, as a chunk's are
+                eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
+                                              jnp.zeros((1, t + 1), jnp.int32), jnp.int32(0), jnp.int32(0),
+                                              jnp.bool_(False), jnp.int32(eng.scratch_slot), null, cfg=self.cfg,
+                                              kernels=self.kernels, page_tokens=self.page_tokens)
+        jax.block_until_ready(eng.kv.dpools["pending"])
+        return self.programs() - before
+
     # ---- admission ---------------------------------------------------------------------------
     def on_admit(self, eng, req, blocks) -> None:
         """A request's slot was restored after a prefix hit of blocks.hit.tokens (h): with the
@@ -362,20 +389,14 @@ class SpecDecoder:
         req._catch_n = 1
 
     # ---- decode ------------------------------------------------------------------------------
-    def decode(self, eng, reqs, mixed: bool = False) -> None:
-        """One verify round for every request of `reqs` (pages extended for k + 1 tokens by the
-        scheduler); emits each request's kept drafts and the target's next token."""
-        import time
-
+    def _rows(self, eng, reqs, bucket: int) -> dict:
+        """A round's inputs for `reqs`, padded to `bucket` rows (scratch slot, null pages, inactive)."""
         from cache.block_pool import NULL_BLOCK
 
-        t_start = time.perf_counter()
-        k = self.k
-        bucket = eng._decode_bucket(len(reqs))
-        pad = bucket - len(reqs)
+        k, pad = self.k, bucket - len(reqs)
         seqs = [r.prompt + r.output for r in reqs]  # position p holds seqs[p]; t0 is at _cached_len
         null = [NULL_BLOCK] * eng.max_pages
-        rows = {
+        return {
             "t0": np.asarray([r.output[-1] for r in reqs] + [0] * pad, np.int32),
             "lengths": np.asarray([r._cached_len for r in reqs] + [1] * pad, np.int32),
             "catch_n": np.asarray([r._catch_n for r in reqs] + [1] * pad, np.int32),
@@ -388,12 +409,22 @@ class SpecDecoder:
             "temperature": np.asarray([r.sampling.temperature for r in reqs] + [0.0] * pad, np.float32),
             "seed": np.asarray([r.sampling.seed % (2 ** 32) for r in reqs] + [0] * pad, np.uint32),
         }
+
+    def decode(self, eng, reqs, mixed: bool = False) -> None:
+        """One verify round for every request of `reqs` (pages extended for k + 1 tokens by the
+        scheduler); emits each request's kept drafts and the target's next token."""
+        import time
+
+        t_start = time.perf_counter()
+        k = self.k
+        rows = self._rows(eng, reqs, eng._decode_bucket(len(reqs)))
         eng.kv.pools, eng.kv.dpools, tokens, kept = spec_step(
             eng.params, self.draft, eng.kv.pools, eng.kv.dpools, rows, cfg=self.cfg, kernels=self.kernels,
             taps=self.taps, k=k, page_tokens=self.page_tokens)
         tokens, kept = np.asarray(tokens), np.asarray(kept)  # the round's one wait on the device
         keep = kept + 1
         out = [tokens[i, :keep[i]].tolist() for i in range(len(reqs))]
+
         for i, r in enumerate(reqs):
             self._mark_tails(eng.kv, self.draft_table(eng, r), r._cached_len - r._catch_n, r._catch_n)
             r._cached_len += int(keep[i])

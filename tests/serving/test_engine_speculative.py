@@ -79,6 +79,14 @@ def test_a_prefix_hit_keeps_the_oracles_tokens_under_each_tail_rule(target, tail
     assert b.tail_recomputed == (tail == "exact")
 
 
+def test_after_warmup_a_speculative_engine_serves_without_compiling(target, oracle):
+    eng = _engine(target, k=2, num_slots=2)
+    assert eng.warmup(threads=2) > 0
+    reqs = [eng.submit(tokenizer.encode(p), 24) for p in PROMPTS[:2]]
+    eng.run(max_steps=200)
+    assert eng.compiles == 0 and [r.output for r in reqs] == [oracle[p] for p in PROMPTS[:2]]
+
+
 @pytest.mark.parametrize("handoff", ["direct", "store"])
 def test_prefill_decode_disaggregation_keeps_the_oracles_tokens(target, oracle, handoff):
     """The prefill engine writes the draft's rows with the target's pages; the decode engine
