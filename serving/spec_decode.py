@@ -83,24 +83,23 @@ def _draft_rows(draft, embed_vd, dpools, feats_btd, tokens_bt, positions_bt, tab
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "page_tokens"), donate_argnames=("dpools",))
-def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, count, from_prev, slot, table, *, cfg,
+def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, from_prev, slot, table, *, cfg,
                   kernels, page_tokens):
     """The draft rows a prefill chunk makes known, for one request.
 
-    taps_btld [1, T, 3, D]: the chunk's target taps (positions start .. start + T - 1, padded);
-    tokens_bt [1, T + 1]: the tokens x_{i+1} the T + 1 slots read (`prefill_draft_tokens`);
-    count: the slots to write, from slot start - 1 if from_prev (bool: that slot is pending, its
-    feature pending[slot][0]), else from slot start (the last of the T + 1 slots then pads).
-    The feature of the slot after the last written (the chunk's last real position) becomes
-    pending[slot][0].  Returns dpools."""
+    taps_btld [1, T, 3, D]: the chunk's target taps (positions start .. start + T - 1, the first
+    n_real real); from_prev (bool): slot start - 1 is pending (its feature pending[slot][0]), so
+    the T slots start there and n_real are written, else they start at `start` and n_real - 1
+    are; tokens_bt [1, T]: the tokens x_{i+1} those slots read (`prefill_draft_tokens`).  The
+    feature of the chunk's last real position becomes pending[slot][0].  Returns dpools."""
     g = eagle.fuse(draft, taps_btld)[0]  # [T, D]
-    feats = jnp.where(from_prev, jnp.concatenate([dpools["pending"][slot, :1], g]),
-                      jnp.concatenate([g, jnp.zeros_like(g[:1])]))
+    feats = jnp.where(from_prev, jnp.concatenate([dpools["pending"][slot, :1], g[:-1]]), g)
     first = jnp.where(from_prev, start - 1, start)
-    positions = first + jnp.arange(g.shape[0] + 1, dtype=jnp.int32)
+    count = jnp.where(from_prev, n_real, n_real - 1)
+    positions = first + jnp.arange(g.shape[0], dtype=jnp.int32)
     _, dpools = _draft_rows(draft, embed_vd, dpools, feats[None], tokens_bt, positions[None], table[None],
                             count[None], cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
-    last = jax.lax.dynamic_index_in_dim(feats, count, keepdims=False)  # the slot after the last written
+    last = jax.lax.dynamic_index_in_dim(g, n_real - 1, keepdims=False)
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(last))
 
 
@@ -329,7 +328,7 @@ class SpecDecoder:
                 taps = jax.device_put(jnp.zeros((1, t, len(self.taps), self.cfg.d_model), eng.dtype),
                                       eng.kv.dpools["pending"].devices().pop())  # committed, as a chunk's are
                 eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
-                                              jnp.zeros((1, t + 1), jnp.int32), jnp.int32(0), jnp.int32(0),
+                                              jnp.zeros((1, t), jnp.int32), jnp.int32(0), jnp.int32(0),
                                               jnp.bool_(False), jnp.int32(eng.scratch_slot), null, cfg=self.cfg,
                                               kernels=self.kernels, page_tokens=self.page_tokens)
         jax.block_until_ready(eng.kv.dpools["pending"])
@@ -376,13 +375,12 @@ class SpecDecoder:
     def after_chunk(self, eng, req, start: int, end: int, taps) -> None:
         """The draft rows of a prefill chunk [start, end) of req._context (taps [1, T, 3, D])."""
         from_prev = req._catch_n > 0
-        width = taps.shape[1] + 1
-        toks, count = prefill_draft_tokens(req._context, start, end, from_prev, width)
+        toks, count = prefill_draft_tokens(req._context, start, end, from_prev, taps.shape[1])
         table = self.draft_table(eng, req)
         p = self.page_tokens
         eng.kv.tail_known[np.asarray(table[start // p:-(-end // p)], np.int64)] = False  # written anew here
         eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
-                                      jnp.asarray([toks], jnp.int32), jnp.int32(start), jnp.int32(count),
+                                      jnp.asarray([toks], jnp.int32), jnp.int32(start), jnp.int32(end - start),
                                       jnp.bool_(from_prev), jnp.int32(req._slot), jnp.asarray(table, jnp.int32),
                                       cfg=self.cfg, kernels=self.kernels, page_tokens=self.page_tokens)
         self._mark_tails(eng.kv, table, start - 1 if from_prev else start, count)
