@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import logging
 import time
@@ -65,12 +64,13 @@ import numpy as np
 
 from cache.block_hash import image_items
 from cache.block_pool import NULL_BLOCK, NoFreeBlocks
-from cache.host_tier import HostKVTier, make_key
+from cache.host_tier import HostKVTier
 from cache.media.l3 import EncoderCache
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
 from serving import kv_pools
+from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
 from serving.model_runner import SCAN_CHOICES, DecodeRows, ModelRunner
 from serving.sampling import GREEDY, SamplingParams, choose_token
@@ -254,7 +254,7 @@ class Engine:
             self.manager,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
-        self._vit_rows = None  # ShapeDtypeStruct of one image's ViT rows, once needed
+        self.image_rows = ImageRows(self)
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
@@ -477,61 +477,6 @@ class Engine:
             self._settle_decode()
 
     # ---- prefill ---------------------------------------------------------------------------------
-    def _image_rows(self, req):
-        """The ViT's rows [n_images * tokens_per_image, D] for the request's images: through L3 (the
-        encoder cache) one image at a time, so a hit holds exactly the rows a miss computes."""
-        if self.encoder_cache is None:
-            return model.image_embeddings(self.params, self.cfg, req.images)
-        rows = []
-        for img, item in zip(req.images, req.mm_items):
-            key = self.encoder_cache.key(item.content_hash, req.cache_salt)
-            r = self.encoder_cache.get(key)
-            if r is None:
-                r = self._image_rows_from_host(key)
-            if r is None:
-                r = model.image_embeddings(self.params, self.cfg, img[None])
-                self.encoder_cache.put(key, r)
-                self._image_rows_to_host(key, r)
-            rows.append(r)
-        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
-
-    def _host_rows_key(self, key: tuple) -> str | None:
-        if not (self.config.encoder_cache_to_host and self.manager.host is not None):
-            return None
-        tenant, content = key
-        return make_key(self.manager.spec.namespace, "vit",
-                        hashlib.blake2b(tenant.encode() + b"\0" + content, digest_size=16).digest())
-
-    def _image_rows_from_host(self, key: tuple):
-        hk = self._host_rows_key(key)
-        if hk is None:
-            return None
-        if self._vit_rows is None:  # what one image's rows are, without running the ViT
-            s = self.cfg.vit.image_size
-            self._vit_rows = jax.eval_shape(lambda: model.image_embeddings(
-                self.params, self.cfg, np.zeros((1, s, s, self.cfg.vit.channels), np.float32)))
-        out = np.empty(self._vit_rows.shape, self._vit_rows.dtype)
-        try:
-            found = self.manager.host.batch_get_into([hk], [out])[0]
-        except Exception as e:  # noqa: BLE001 - a tier fault is a miss
-            log.warning("host tier read of ViT rows failed: %r", e)
-            found = False
-        if not found:
-            return None
-        rows = jnp.asarray(out)
-        self.encoder_cache.put(key, rows)
-        self.encoder_cache.host_hits += 1
-        return rows
-
-    def _image_rows_to_host(self, key: tuple, rows) -> None:
-        hk = self._host_rows_key(key)
-        if hk is None:
-            return
-        try:
-            self.manager.host.batch_put([hk], [np.asarray(rows)])
-        except Exception as e:  # noqa: BLE001 - a tier fault costs the spill, nothing else
-            log.warning("host tier write of ViT rows failed: %r", e)
-
     def _run_chunk(self, chunk: PrefillChunk) -> None:
         req, start, end = chunk.request, chunk.start, chunk.end
         ctx = req._context
@@ -539,7 +484,7 @@ class Engine:
         images = None
         if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
             if req._image_rows is None:  # the ViT runs once per request, at its first image chunk
-                req._image_rows = self._image_rows(req)
+                req._image_rows = self.image_rows(req)
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
@@ -663,6 +608,8 @@ class Engine:
         its draft's rows in the pages and `draft_feature`, the fused target feature of the last
         prompt slot: `export_draft_feature`).  None if it does not fit now."""
         check_cache_salt(cache_salt)
+        if self.spec is None and draft_feature is not None:
+            raise ValueError("a speculative handoff (with a draft feature) needs a decode engine with the same draft")
         if self.spec is not None:
             if draft_feature is None or np.shape(draft_feature) != (self.cfg.d_model,):
                 raise ValueError(f"a speculative engine adopts a handoff with its draft feature [{self.cfg.d_model}] "

@@ -190,6 +190,10 @@ def test_bad_speculative_setups_get_clear_errors(target):
         Engine(params, cfg, draft=(wrong, ecfg), draft_tokens=2, **kw)
     with pytest.raises(ValueError, match="same draft"):  # P/D where only one side drafts
         DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), _engine(target, role="decode"))
+    with pytest.raises(ValueError, match="needs a decode engine with the same draft"):  # and the other way
+        Engine(params, cfg, role="decode", **kw).adopt(A, 1, 4, [np.zeros((2, PAGE, cfg.mla_latent_dim))] * 5,
+                                                       np.zeros(1), request_id="y", arrival_s=0.0,
+                                                       draft_feature=np.zeros(cfg.d_model))
     with pytest.raises(ValueError, match="draft feature"):  # a handoff from an engine without the draft
         _engine(target, role="decode").adopt(A, 1, 4, [np.zeros((3, PAGE, cfg.mla_latent_dim))] * 5,
                                             np.zeros(1), request_id="x", arrival_s=0.0)
