@@ -103,6 +103,18 @@ def test_prefill_decode_disaggregation_keeps_the_oracles_tokens(target, oracle, 
     assert sum(a for r in server.decode.finished for a in r.accepted) > 0
 
 
+def test_a_preempted_speculative_request_resumes_by_recompute_with_the_oracles_tokens(target):
+    """9 pages (8 usable) and two prompts that grow past half of them each: one is preempted
+    (with a host tier too: its draft features are not offloaded, so it recomputes)."""
+    prompts = [tokenizer.encode(PROMPTS[2]) + tokenizer.encode(" and")[1:], tokenizer.encode(PROMPTS[1])]
+    eng = _engine(target, num_pages=9, host=EmbeddedHostKVTier(1 << 24))
+    reqs = [eng.submit(p, 48) for p in prompts]
+    eng.run(max_steps=400)
+    assert eng.preemptions >= 1 and eng.offloaded_resumes == 0 and eng.recomputed_tokens > 0
+    for r, p in zip(reqs, prompts):
+        assert r.error is None and r.output == _oracle(target, p, 48)
+
+
 def _tail_row(eng, prompt):
     """The draft's row of slot len(P) - 1 for `prompt`, once its prefill has run."""
     req = eng.submit(prompt, 4)
