@@ -8,7 +8,7 @@ taps at position i and the token after it, so slot i can be written only once x_
 known.  Per running request (its KDA slot) the engine keeps the fused features of the slots
 not written yet, `pending` [k + 1, D], and how many there are (1 .. k + 1).
 
-A decode round for a batch (`spec_round`, one program), from L committed tokens and t0 (the
+A decode round for a batch is one program (`spec_step`), from L committed tokens and t0 (the
 last emitted token, at position L)::
 
     catch-up   the pending slots L - c .. L - 1 on the target's features: draft rows final
@@ -17,11 +17,14 @@ last emitted token, at position L)::
     verify     the target over [t0, d_1 .. d_k] at L .. L + k in one pass: KDA at one token a
                chunk, exporting its state after each token; MLA rows written; logits [B, k + 1, V]
 
-then on the host the acceptance rule (`kimik3.speculative.accept`: greedy, or rejection
-sampling so every emitted token is distributed as the target's), and `spec_commit`: each KDA
-layer's state and conv rows after the a + 1 kept tokens into the slot, the kept positions'
-features as the next round's pending ones.  MLA rows past the new length are never read (each
-lies after every later query and is overwritten by the next verify).
+    accept     `accept_on_device`: `kimik3.speculative.accept`'s rule (greedy, or rejection
+               sampling, so every emitted token is distributed as the target's)
+    commit     each KDA layer's state and conv rows after the a + 1 kept tokens into the slot,
+               the kept positions' features as the next round's pending ones
+
+and the host reads the kept tokens (B x (k + 1) int32), its one wait per round.  MLA rows past
+the new length are never read (each lies after every later query and is overwritten by the
+next verify).  `spec_round` and `spec_commit` are the pieces as programs of their own.
 
 Prefill chunks tap the target too (`kimik3.model.forward_step(..., taps=...)`): after each chunk
 the draft writes the rows of slots start - 1 .. end - 2 and keeps slot end - 1 pending
