@@ -622,7 +622,9 @@ class Engine:
             return None
         images, mm_items = self._check_images(list(prompt), images)
         try:
-            blocks = self.manager.begin(request_id, prompt, mm_items, salt=cache_salt)
+            # the tail rule's drop applies to handoffs too (exact: kept as written, as no_drop)
+            blocks = self.manager.begin(request_id, prompt, mm_items, salt=cache_salt,
+                                        drop_tail=self.scheduler.config.drop_tail)
         except NoFreeBlocks:
             return None
         req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling,

@@ -46,8 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cache.block_pool import NoFreeBlocks
 from kimik3 import eagle, model
 from kimik3.config import ModelConfig
+from serving.sampling import seed_words
 
 TAIL_MODES = ("drop", "no_drop", "exact")
 
@@ -106,7 +108,7 @@ def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, 
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(last))
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("dpools",))
 def set_pending_from_tail(dpools, slot, page):
     """pending[slot][0] = tail_g[page] (the exact tail rule's slot h - 1)."""
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(dpools["tail_g"][page]))
@@ -143,7 +145,7 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
     rows: {"t0": int32 [B] the last emitted tokens (position L), "lengths": [B] L, "catch_n":
     [B] c, "catch_tokens": [B, k + 1] the tokens x_{i+1} of slots L - c .. (padded), "tables" /
     "draft_tables": [B, max_pages], "slots": [B], "active": [B] 1 or 0 (padding rows: scratch
-    slot, null pages), "temperature": f32 [B], "seed": uint32 [B] (the draft's draws)}.
+    slot, null pages), "temperature": f32 [B], "seed": uint32 [B, 2] (`serving.sampling.seed_words`)}.
     Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
     [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
     the verified positions' fused features)."""
@@ -156,9 +158,11 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
     hidden, dpools = _draft_rows(draft, embed, dpools, feats, rows["catch_tokens"], pos_c, rows["draft_tables"],
                                  c * active, cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
     h = hidden[jnp.arange(b), jnp.maximum(c - 1, 0)]  # slot L - 1
-    # the draws of a round for the token at L + 1 + s: keys from (seed, L), reproducible as `serving.sampling`'s
-    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(sd), p), k + 2))(
-        rows["seed"], lengths)  # k draft draws, then the acceptance's uniforms and its resample
+    # a round's draws from (the request's 63-bit seed, L): reproducible under preemption and
+    # handoffs (a function of the sequence, not of the batch); k draft draws, then the
+    # acceptance's uniforms and its resample
+    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(sd[0]), sd[1]), p), k + 2))(rows["seed"], lengths)
     drafts, qs = [], []
     for s in range(k):
         lg = eagle.draft_logits(draft, cfg, h[:, None])[:, 0]
@@ -312,7 +316,8 @@ class SpecDecoder:
 
     def programs(self) -> int:
         """Compiled speculative programs so far (rounds per bucket, prefill drafting per chunk length)."""
-        return spec_step._cache_size() + prefill_draft._cache_size()
+        return sum(f._cache_size() for f in (spec_step, prefill_draft, set_pending, set_pending_from_tail,
+                                             copy_draft_page))
 
     def warmup(self, eng) -> int:
         """Compile and run once, on scratch rows, the round of every decode bucket and the
@@ -334,6 +339,10 @@ class SpecDecoder:
                                               jnp.zeros((1, t), jnp.int32), jnp.int32(0), jnp.int32(0),
                                               jnp.bool_(False), jnp.int32(eng.scratch_slot), null, cfg=self.cfg,
                                               kernels=self.kernels, page_tokens=self.page_tokens)
+        scratch, page = jnp.int32(eng.scratch_slot), jnp.int32(NULL_BLOCK)  # the exact rule's and adopt's moves
+        eng.kv.dpools = copy_draft_page(eng.kv.dpools, page, page)
+        eng.kv.dpools = set_pending_from_tail(eng.kv.dpools, scratch, page)
+        eng.kv.dpools = set_pending(eng.kv.dpools, scratch, jnp.zeros((self.cfg.d_model,), jnp.float32))
         jax.block_until_ready(eng.kv.dpools["pending"])
         return self.programs() - before
 
@@ -351,7 +360,7 @@ class SpecDecoder:
             return  # its feature did not travel with the page: kept as written (as no_drop)
         try:
             (private,) = eng.manager.page_pool.allocate(1)
-        except Exception:  # noqa: BLE001 - no free page: kept as written
+        except NoFreeBlocks:  # no free page: kept as written
             return
         req._extra_pages.append(private)
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, jnp.int32(shared), jnp.int32(private))
@@ -408,7 +417,7 @@ class SpecDecoder:
             "slots": np.asarray([r._slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
             "active": np.asarray([1] * len(reqs) + [0] * pad, np.int32),
             "temperature": np.asarray([r.sampling.temperature for r in reqs] + [0.0] * pad, np.float32),
-            "seed": np.asarray([r.sampling.seed % (2 ** 32) for r in reqs] + [0] * pad, np.uint32),
+            "seed": np.asarray([seed_words(r.sampling.seed) for r in reqs] + [(0, 0)] * pad, np.uint32),
         }
 
     def decode(self, eng, reqs, mixed: bool = False) -> None:

@@ -594,11 +594,20 @@ def build_engine(args):
         from kimik3 import eagle_train
 
         draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
+        if args.eagle_no_drop and args.eagle_tail not in ("drop", "no_drop"):
+            raise ValueError(f"--eagle-no-drop contradicts --eagle-tail {args.eagle_tail}")
     page, block = default_cache_geometry(cfg.name)
     page = args.page_tokens or page
     block = args.kda_block_tokens or block
     max_pages = min(args.max_pages_per_request or -(-cfg.max_seq_len // page), args.num_pages - 1)
-    namespace = args.namespace or f"{cfg.name}/{dtype}/seed{args.seed}"
+    # the weights name the cache: random ones by their seed, a checkpoint's by a fingerprint (of its
+    # embedding and LM head: `eagle_train.fingerprint`), so workers of other weights never share KV
+    weights = f"seed{args.seed}"
+    if getattr(args, "checkpoint", None):
+        from kimik3 import eagle_train
+
+        weights = f"ckpt-{eagle_train.fingerprint(params)}"
+    namespace = args.namespace or f"{cfg.name}/{dtype}/{weights}"
     host = None
     if args.mooncake_master:
         from cache.mooncake_tier import MooncakeHostKVTier
