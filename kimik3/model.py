@@ -374,19 +374,18 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
     args = ({"params": params}, tokens, positions, caches, images, logits_tail, cache.get("valid") if paged else None)
     if taps:
         (logits, caches, exports), state = module.apply(*args, mutable=["intermediates"])
-        with_taps = lambda *out: out + (stacked_taps(state, tuple(taps)),)
+        tapped = (stacked_taps(state, tuple(taps)),)
     else:
-        logits, caches, exports = module.apply(*args)
-        with_taps = lambda *out: out
+        (logits, caches, exports), tapped = module.apply(*args), ()
     if cache is None:
-        return with_taps(logits, None)
+        return (logits, None) + tapped
     if paged:
         out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda,
                    mla=caches.mla)
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
             out["exports"] = exports
-        return with_taps(logits, out)
-    return with_taps(logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers})
+        return (logits, out) + tapped
+    return (logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}) + tapped
 
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")

@@ -24,7 +24,7 @@ last emitted token, at position L)::
 
 and the host reads the kept tokens (B x (k + 1) int32), its one wait per round.  MLA rows past
 the new length are never read (each lies after every later query and is overwritten by the
-next verify).  `spec_round` and `spec_commit` are the pieces as programs of their own.
+next verify).
 
 Prefill chunks tap the target too (`kimik3.model.forward_step(..., taps=...)`): after each chunk
 the draft writes the rows of slots start - 1 .. end - 2 and keeps slot end - 1 pending
@@ -38,6 +38,7 @@ last slot (`tail_g`), into a private copy of the page's draft rows).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -109,14 +110,9 @@ def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, 
 
 
 @functools.partial(jax.jit, donate_argnames=("dpools",))
-def set_pending_from_tail(dpools, slot, page):
-    """pending[slot][0] = tail_g[page] (the exact tail rule's slot h - 1)."""
-    return dict(dpools, pending=dpools["pending"].at[slot, 0].set(dpools["tail_g"][page]))
-
-
-@functools.partial(jax.jit, donate_argnames=("dpools",))
 def set_pending(dpools, slot, feature):
-    """pending[slot][0] = feature [D] (a handed-over request's last prompt slot)."""
+    """pending[slot][0] = feature [D] (a handed-over request's last prompt slot, or the exact tail
+    rule's slot h - 1 from tail_g)."""
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(feature))
 
 
@@ -215,7 +211,7 @@ def accept_on_device(logits_bkv, drafts_bk, qs_bkv, temperature_b, key_u, key_r)
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
                    donate_argnames=("pools", "dpools"))
 def spec_step(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
-    """One whole round in one program: `spec_round`, `accept_on_device`, `spec_commit`.  Returns
+    """One whole round in one program: `_round_body`, `accept_on_device`, `_commit_body`.  Returns
     (pools, dpools, tokens int32 [B, k + 1]: row b's kept drafts then its next token, then
     padding, a int32 [B])."""
     pools, dpools, logits, drafts, qs, exports, g, keys = _round_body(
@@ -229,7 +225,7 @@ def spec_step(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page
 
 def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
     """Each KDA layer's state and conv rows of `slots` [B] after their first keep_b [B] (1 .. k + 1)
-    verified tokens (`exports`, from `spec_round`), and g [B, k + 1, D] as the slots' pending
+    verified tokens (`exports`, from `_round_body`), and g [B, k + 1, D] as the slots' pending
     features.  Padding rows (keep 1, the scratch slot) write scratch only.  Returns (pools, dpools)."""
     num_slots = pools["kda"]["state"].shape[0] // len(exports)
     b = slots.shape[0]
@@ -241,10 +237,6 @@ def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
             kda[key] = kda[key].at[rows].set(kept.astype(kda[key].dtype))
     return dict(pools, kda=kda), dict(dpools, pending=dpools["pending"].at[slots].set(g))
 
-
-_ROUND_STATIC = ("cfg", "kernels", "taps", "k", "page_tokens")
-spec_round = jax.jit(_round_body, static_argnames=_ROUND_STATIC, donate_argnames=("pools", "dpools"))
-spec_commit = jax.jit(_commit_body, static_argnames=("cfg",), donate_argnames=("pools", "dpools"))
 
 
 def catch_up_tokens(context: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
@@ -276,7 +268,8 @@ class SpecStats:
     rounds: int = 0  # verify passes (per request row)
     drafted: int = 0
     kept: int = 0
-    round_s: list = dataclasses.field(default_factory=list)  # host seconds of each batched round, bounded
+    # host seconds of each batched round (the latest; a long-running server keeps no more)
+    round_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))
 
     @property
     def acceptance(self) -> float:
@@ -316,8 +309,7 @@ class SpecDecoder:
 
     def programs(self) -> int:
         """Compiled speculative programs so far (rounds per bucket, prefill drafting per chunk length)."""
-        return sum(f._cache_size() for f in (spec_step, prefill_draft, set_pending, set_pending_from_tail,
-                                             copy_draft_page))
+        return sum(f._cache_size() for f in (spec_step, prefill_draft, set_pending, copy_draft_page))
 
     def warmup(self, eng) -> int:
         """Compile and run once, on scratch rows, the round of every decode bucket and the
@@ -341,7 +333,6 @@ class SpecDecoder:
                                               kernels=self.kernels, page_tokens=self.page_tokens)
         scratch, page = jnp.int32(eng.scratch_slot), jnp.int32(NULL_BLOCK)  # the exact rule's and adopt's moves
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, page, page)
-        eng.kv.dpools = set_pending_from_tail(eng.kv.dpools, scratch, page)
         eng.kv.dpools = set_pending(eng.kv.dpools, scratch, jnp.zeros((self.cfg.d_model,), jnp.float32))
         jax.block_until_ready(eng.kv.dpools["pending"])
         return self.programs() - before
@@ -364,7 +355,7 @@ class SpecDecoder:
             return
         req._extra_pages.append(private)
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, jnp.int32(shared), jnp.int32(private))
-        eng.kv.dpools = set_pending_from_tail(eng.kv.dpools, jnp.int32(req._slot), jnp.int32(shared))
+        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req._slot), eng.kv.dpools["tail_g"][shared])
         table = list(blocks.page_table)
         table[idx] = private
         req._draft_table = table
@@ -448,4 +439,3 @@ class SpecDecoder:
                     break
                 eng.scheduler.emit(r, int(tok), mixed)
         self.stats.round_s.append(time.perf_counter() - t_start)
-        del self.stats.round_s[:-4096]
