@@ -49,6 +49,11 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params):
     return kda_decode_kernels.kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params)
 
 
+# the most tokens a pass at chunk size 1 runs as the unrolled recurrent kernel (`kda`): a verify
+# pass is 1 + k tokens, k <= `kimik3.speculative.MAX_DRAFT_TOKENS`
+VERIFY_MAX_TOKENS = 16
+
+
 def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
@@ -62,7 +67,9 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     token on the Pallas path updates the pool in place by slot inside the kernel (no gather or
     scatter of state rows around it: at B32 on `small` those moved ~1.2 GB a step); otherwise
     the rows are gathered, run, and scattered back.  Rows may share a slot only if its contents
-    are scratch (a decode batch's padding rows).
+    are scratch (a decode batch's padding rows).  With slots, chunk_size 1 and at most
+    VERIFY_MAX_TOKENS tokens (a speculative verify pass) the Pallas path runs the recurrent
+    kernel on the pool, exporting every token's state from it.
     """
     b, t, h, dk = q.shape
     if slots is not None:
@@ -70,6 +77,14 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
             raise ValueError("kda: slots index a state pool; pass it as initial_state")
         if resolve(kernels) == "pallas" and t == 1 and export_at is None:
             return kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state, slots=slots)
+        if resolve(kernels) == "pallas" and export_at is not None and chunk_size == 1 and t <= VERIFY_MAX_TOKENS:
+            # a speculative verify pass (every position exports its state): the recurrence on the
+            # pool by slot, the state after each token written out by the same kernel
+            o, pool, states = kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state, slots=slots,
+                                                              export_states=True)
+            named = (export_at >= 1) & (export_at <= t)
+            picked = jnp.take(states, jnp.clip(export_at - 1, 0, t - 1), axis=1)  # [B, E, H, K, V]
+            return o, pool, jnp.where(named[None, :, None, None, None], picked, 0.0)
         out = kda(q, k, v, g, beta, initial_state=initial_state[slots], chunk_size=chunk_size, kernels=kernels,
                   export_at=export_at)
         return (out[0], initial_state.at[slots].set(out[1])) + tuple(out[2:])

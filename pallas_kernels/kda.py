@@ -763,9 +763,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 
 def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
-                      o_ref, pool_out_ref, *, n_tokens, block_v, scale):
+                      o_ref, pool_out_ref, *states_ref, n_tokens, block_v, scale):
     """One (sequence, head, V block): T tokens of the recurrence on the pooled state.
-    pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched."""
+    pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched.
+    states_ref (optional): [B, T, H, K, V] the state after each token."""
     f32 = jnp.float32
     b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * block_v, block_v)
@@ -778,18 +779,24 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
         pred = jnp.sum(k_t[:, None] * s, axis=0)
         s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_ref[b, t, h, vs].astype(f32) - pred)[None, :]
         o_ref[b, t, h, vs] = (scale * jnp.sum(q_ref[b, t, h, :].astype(f32)[:, None] * s, axis=0)).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][b, t, h, :, vs] = s
         kept = jnp.where(t < n_acc, s, kept)
     pool_out_ref[slot, h, :, vs] = kept
 
 
-@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret"), donate_argnames=("state_pool",))
-def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret):
-    b, t, h, _ = q.shape
+@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states"),
+                    donate_argnames=("state_pool",))
+def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret,
+                          export_states=False):
+    b, t, h, dk = q.shape
     dv = v.shape[-1]
+    states = [jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32)] if export_states else []
     return pl.pallas_call(
         _functools.partial(_recurrent_kernel, n_tokens=t, block_v=block_v, scale=scale),
         grid=(b, h, dv // block_v),
-        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
+        + states,
         input_output_aliases={7: 1},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
@@ -798,7 +805,7 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
-                        interpret=None, block_v=None):
+                        interpret=None, block_v=None, export_states=False):
     """Decode / speculative verify on pooled states, updated in place.
 
     Args:
@@ -811,8 +818,11 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
         many tokens.  Outputs are produced for all T tokens either way, so
         verification runs once with num_accepted = 0 (state untouched), and the
         accepted prefix is committed by a second call over those tokens.
+      export_states: also return the state after every token (a verify pass that
+        commits the accepted prefix's state itself, in one call).
     Returns:
-      (o [B, T, H, V] in v's dtype, the updated state_pool).
+      (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
+      a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.
     """
     _check_shapes(q, k, v, g, beta, None)
     b, t, h, dk = q.shape
@@ -842,8 +852,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or min(dv, 64)
     scale = float(dk ** -0.5 if scale is None else scale)
-    return _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
-                                 interpret=interpret)
+    return tuple(_fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
+                                       interpret=interpret, export_states=export_states))
 
 
 # ---- replay baselines (for comparison only) ---------------------------------------------------

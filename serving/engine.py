@@ -258,7 +258,8 @@ class Engine:
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
-        # (requests, DecodeRows, device tokens, dispatch id, mixed) of a decode step not yet read
+        # (requests, DecodeRows or a speculative round's record (`SpecDecoder.dispatch`), device
+        # tokens, dispatch id, mixed) of a decode step not yet read
         self._inflight = None
         self._ids = itertools.count()
 
@@ -518,8 +519,9 @@ class Engine:
     def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
         """Dispatch one token for each of `reqs` (pages already extended by the scheduler); mixed:
         the step also runs prefill chunks (metrics split TPOT by it)."""
-        if self.spec is not None:  # a verify round, synchronous: it emits several tokens per request
-            self.spec.decode(self, reqs, mixed)
+        if self.spec is not None:  # a verify round, read by the next step (or at this one's end)
+            rnd = self.spec.dispatch(self, reqs)
+            self._inflight = (reqs, rnd, rnd["out"], rnd["id"], mixed)
             return
         if self.runner.decode_step is not None:  # a decode mesh: the sharded step, synchronous
             bucket = self._decode_bucket(len(reqs))
@@ -548,12 +550,28 @@ class Engine:
         reqs = self._inflight[0]
         if len(reqs) != len(self.running) or set(map(id, reqs)) != set(map(id, self.running)):
             return False
-        if any(r.done or len(r.output) + 1 >= r.max_new_tokens for r in reqs):
+        if any(r.done or len(r.output) + self._flight_tokens >= r.max_new_tokens for r in reqs):
             return False
-        return self.scheduler.pages_short(reqs) <= self.manager.page_pool.num_free
+        extra = self._flight_tokens if self.spec is not None else 0  # plain: _cached_len counts it
+        return self.scheduler.pages_short(reqs, extra) <= self.manager.page_pool.num_free
+
+    @property
+    def _flight_tokens(self) -> int:
+        """The most tokens a request may gain from the decode step in flight."""
+        return 1 + (self.spec.k if self.spec is not None else 0)
 
     def _chain_decode(self) -> None:
         reqs = self._inflight[0]
+        if self.spec is not None:  # the round in flight may add k + 1 tokens before this one's
+            for r in reqs:
+                self.manager.extend(r.request_id, self.scheduler.decode_reach(r, self._flight_tokens))
+            before = self._programs()
+            rnd = self.spec.dispatch(self, reqs, chained=True)
+            self.compiles += self._programs() - before
+            previous, self._inflight = self._inflight, (reqs, rnd, rnd["out"], rnd["id"], False)
+            self._resolve_decode(previous, successor=rnd)
+            self.step_tokens.append(len(reqs))
+            return
         for r in reqs:
             self.manager.extend(r.request_id, r._cached_len + 1)
         rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
@@ -572,10 +590,13 @@ class Engine:
             previous, self._inflight = self._inflight, None
             self._resolve_decode(previous)
 
-    def _resolve_decode(self, inflight) -> None:
+    def _resolve_decode(self, inflight, successor=None) -> None:
         """Emit a dispatched decode step's tokens (waits for them).  Requests that ended since it
         was dispatched (EOS the step before, cancellation) drop theirs."""
         reqs, rows, tokens, did, mixed = inflight
+        if self.spec is not None:  # rows: the round's record
+            self.spec.resolve(self, rows, successor, mixed)
+            return
         tokens = np.asarray(tokens)
         self.runner.decode.settle(rows, tokens, did)
         for r, token in zip(reqs, tokens):

@@ -288,14 +288,15 @@ class Scheduler:
             self.manager.extend(r.request_id, self.decode_reach(r))
         return reqs
 
-    def decode_reach(self, req: Request) -> int:
+    def decode_reach(self, req: Request, extra: int = 0) -> int:
         """Tokens `req`'s pages must hold for its next decode step: its cached tokens, the token it
-        writes, and the drafts a verify pass writes after it."""
-        return req._cached_len + 1 + self.config.lookahead_tokens
+        writes, and the drafts a verify pass writes after it (plus `extra`: the tokens a step
+        still in flight may add before it)."""
+        return req._cached_len + 1 + self.config.lookahead_tokens + extra
 
-    def pages_short(self, reqs: list[Request]) -> int:
+    def pages_short(self, reqs: list[Request], extra: int = 0) -> int:
         """New pages `reqs` need for their next decode step (`decode_reach`)."""
-        return sum(max(0, self.manager.pages_needed(self.decode_reach(r))
+        return sum(max(0, self.manager.pages_needed(self.decode_reach(r, extra))
                        - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
 
     def _preempt(self, req: Request) -> Preemption:

@@ -135,17 +135,9 @@ def _choose(logits_bv, temperature_b, key_b):
     return tok, jnp.where(greedy[:, None], one_hot, probs)
 
 
-def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
-    """Catch-up, chain and verify for a batch (see the module docstring).
-
-    rows: {"t0": int32 [B] the last emitted tokens (position L), "lengths": [B] L, "catch_n":
-    [B] c, "catch_tokens": [B, k + 1] the tokens x_{i+1} of slots L - c .. (padded), "tables" /
-    "draft_tables": [B, max_pages], "slots": [B], "active": [B] 1 or 0 (padding rows: scratch
-    slot, null pages), "temperature": f32 [B], "seed": uint32 [B, 2] (`serving.sampling.seed_words`)}.
-    Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
-    [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
-    the verified positions' fused features)."""
-    embed = params["embed_vd"]
+def _draft_body(draft, embed, dpools, rows, *, cfg, kernels, k, page_tokens):
+    """Catch-up and chain (see the module docstring) for a batch of `rows` (`_round_body`).
+    Returns (dpools, drafts int32 [B, k], draft_probs f32 [B, k, V], keys [B, k + 2, 2])."""
     lengths, active, slots = rows["lengths"], rows["active"], rows["slots"]
     b = lengths.shape[0]
     c = rows["catch_n"]
@@ -171,7 +163,13 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
         hidden, dpools = _draft_rows(draft, embed, dpools, h[:, None], d[:, None], pos, rows["draft_tables"], active,
                                      cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=False)
         h = hidden[:, 0]
-    drafts = jnp.stack(drafts, axis=1)
+    return dpools, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), keys
+
+
+def _verify_body(params, draft, pools, rows, drafts, *, cfg, kernels, taps, k):
+    """The target over [t0, d_1 .. d_k] at L .. L + k in one pass (`_round_body`).  Returns (pools,
+    logits [B, k + 1, V], exports, g f32 [B, k + 1, D])."""
+    lengths, active, slots = rows["lengths"], rows["active"], rows["slots"]
     tokens = jnp.concatenate([rows["t0"][:, None], drafts], axis=1)  # [B, k + 1] at L .. L + k
     view = model.paged_view(pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32),
                             valid=active * (k + 1))
@@ -179,7 +177,24 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
     logits, view, vtaps = model._forward_impl(params, tokens, positions, view, None, cfg=verify_config(cfg),
                                               expert_path="grouped", kernels=kernels, taps=taps)
     g = eagle.fuse(draft, vtaps).astype(jnp.float32)
-    return model.pools_of(view), dpools, logits, drafts, jnp.stack(qs, axis=1), view["exports"], g, keys
+    return model.pools_of(view), logits, view["exports"], g
+
+
+def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
+    """Catch-up, chain and verify for a batch (see the module docstring).
+
+    rows: {"t0": int32 [B] the last emitted tokens (position L), "lengths": [B] L, "catch_n":
+    [B] c, "catch_tokens": [B, k + 1] the tokens x_{i+1} of slots L - c .. (padded), "tables" /
+    "draft_tables": [B, max_pages], "slots": [B], "active": [B] 1 or 0 (padding rows: scratch
+    slot, null pages), "temperature": f32 [B], "seed": uint32 [B, 2] (`serving.sampling.seed_words`)}.
+    Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
+    [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
+    the verified positions' fused features, keys)."""
+    dpools, drafts, qs, keys = _draft_body(draft, params["embed_vd"], dpools, rows, cfg=cfg, kernels=kernels, k=k,
+                                           page_tokens=page_tokens)
+    pools, logits, exports, g = _verify_body(params, draft, pools, rows, drafts, cfg=cfg, kernels=kernels, taps=taps,
+                                             k=k)
+    return pools, dpools, logits, drafts, qs, exports, g, keys
 
 
 def accept_on_device(logits_bkv, drafts_bk, qs_bkv, temperature_b, key_u, key_r):
@@ -208,19 +223,44 @@ def accept_on_device(logits_bkv, drafts_bk, qs_bkv, temperature_b, key_u, key_r)
     return a.astype(jnp.int32), nxt
 
 
+# the entries of a round's rows that the round itself advances on the device (`advance_rows`)
+DEVICE_KEYS = ("t0", "lengths", "catch_n", "catch_tokens")
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
-                   donate_argnames=("pools", "dpools"))
+                   donate_argnames=("pools", "dpools", "rows"))
 def spec_step(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
     """One whole round in one program: `_round_body`, `accept_on_device`, `_commit_body`.  Returns
-    (pools, dpools, tokens int32 [B, k + 1]: row b's kept drafts then its next token, then
-    padding, a int32 [B])."""
+    (pools, dpools, rows for the next round (`advance_rows`: the next round can run on them
+    before the host has read this one), out int32 [B, k + 2]: row b's kept drafts then its next
+    token, then padding, and in the last column a, the drafts kept)."""
     pools, dpools, logits, drafts, qs, exports, g, keys = _round_body(
         params, draft, pools, dpools, rows, cfg=cfg, kernels=kernels, taps=taps, k=k, page_tokens=page_tokens)
     a, nxt = accept_on_device(logits, drafts, qs, rows["temperature"], keys[:, k], keys[:, k + 1])
     pools, dpools = _commit_body(pools, dpools, exports, g, rows["slots"], a + 1, cfg=cfg)
     drafts_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     tokens = jnp.where(jnp.arange(k + 1)[None] == a[:, None], nxt[:, None], drafts_pad)
-    return pools, dpools, tokens, a
+    out = jnp.concatenate([tokens, a[:, None]], axis=1)
+    return pools, dpools, _advance(rows, out, k, jnp), out
+
+
+def _advance(rows, out, k: int, xp):
+    """rows after the round that emitted out [B, k + 2] (xp: jnp on the device, np on the host):
+    t0 the next token, L + a + 1, and the a + 1 emitted tokens as the next catch-up (padded with
+    0, as `catch_up_tokens` pads); padding rows unchanged."""
+    a = out[:, k + 1]
+    act = rows["active"] > 0
+    tokens = out[:, :k + 1]
+    emitted = xp.where(xp.arange(k + 1)[None] <= a[:, None], tokens, 0)
+    return dict(rows, t0=xp.where(act, xp.take_along_axis(tokens, a[:, None], axis=1)[:, 0], rows["t0"]),
+                lengths=(rows["lengths"] + (a + 1) * rows["active"]).astype(rows["lengths"].dtype),
+                catch_n=xp.where(act, a + 1, rows["catch_n"]).astype(rows["catch_n"].dtype),
+                catch_tokens=xp.where(act[:, None], emitted, rows["catch_tokens"]).astype(rows["catch_tokens"].dtype))
+
+
+def advance_rows(rows: dict, out: np.ndarray, k: int) -> dict:
+    """The host's copy of what `spec_step` leaves in its rows after emitting `out`."""
+    return _advance(rows, out, k, np)
 
 
 def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
@@ -299,6 +339,14 @@ class SpecDecoder:
         self.taps = tuple(ecfg.taps)
         self.fingerprint = draft_fingerprint(draft)
         self.stats = SpecStats()
+        # per decode bucket: the rows on the device, what the host knows they hold (None for the
+        # entries a round in flight is advancing), and the id of the latest round dispatched on them
+        self._io: dict[int, dict] = {}
+        self._held: dict[int, dict | None] = {}
+        self._last: dict[int, int] = {}
+        self._dispatched = 0
+        self._resolved_s = None  # when the latest round was read (chained rounds' period)
+        self.overwrites = 0  # rounds whose rows had to be (partly) written from the host
 
     def _mark_tails(self, kv, table: list[int], first: int, count: int) -> None:
         """Slots first .. first + count - 1 were written on target features: the pages they end
@@ -318,10 +366,10 @@ class SpecDecoder:
 
         before = self.programs()
         for bucket in sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)}):
-            eng.kv.pools, eng.kv.dpools, tokens, _ = spec_step(
-                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._rows(eng, [], bucket), cfg=self.cfg,
-                kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
-            jax.block_until_ready(tokens)
+            eng.kv.pools, eng.kv.dpools, _, out = spec_step(
+                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._place(eng, self._rows(eng, [], bucket)),
+                cfg=self.cfg, kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+            jax.block_until_ready(out)
         null = jnp.full((eng.max_pages,), NULL_BLOCK, jnp.int32)
         for t, step in eng.runner.prefill_lengths():
             if step is None:
@@ -411,22 +459,70 @@ class SpecDecoder:
             "seed": np.asarray([seed_words(r.sampling.seed) for r in reqs] + [(0, 0)] * pad, np.uint32),
         }
 
-    def decode(self, eng, reqs, mixed: bool = False) -> None:
-        """One verify round for every request of `reqs` (pages extended for k + 1 tokens by the
-        scheduler); emits each request's kept drafts and the target's next token."""
+    @staticmethod
+    def _place(eng, rows: dict) -> dict:
+        """rows on the pools' device (speculation runs on one), committed as every later round's
+        rows are: one program per bucket, not one per placement."""
+        return jax.device_put(rows, next(iter(eng.kv.dpools["pending"].devices())))
+
+    def _buffers(self, eng, rows: dict, chained: bool) -> dict:
+        """The bucket's rows on the device, with the entries of `rows` that differ from what they
+        hold written in (chained: the device-advanced entries are the previous round's, kept)."""
+        from serving.model_runner import _overwrite
+
+        bucket = len(rows["slots"])
+        io, held = self._io.pop(bucket, None), self._held.get(bucket)
+        if chained and io is None:
+            raise RuntimeError(f"no earlier round of bucket {bucket} to chain on")
+        if io is None:
+            self.overwrites += 1
+            return self._place(eng, rows)
+        keys = [key for key in rows if not (chained and key in DEVICE_KEYS)]
+        changed = {key: rows[key] for key in keys if held.get(key) is None or not np.array_equal(rows[key], held[key])}
+        if changed:
+            self.overwrites += 1
+            io = _overwrite(io, changed)
+        return io
+
+    def dispatch(self, eng, reqs, chained: bool = False):
+        """Enqueue one verify round for `reqs` (pages extended for it by the scheduler) without
+        waiting; chained: on the rows the round in flight leaves on the device (its tokens not
+        read yet).  Returns the in-flight record for `resolve`."""
         import time
 
-        t_start = time.perf_counter()
-        k = self.k
         rows = self._rows(eng, reqs, eng._decode_bucket(len(reqs)))
-        eng.kv.pools, eng.kv.dpools, tokens, kept = spec_step(
-            eng.params, self.draft, eng.kv.pools, eng.kv.dpools, rows, cfg=self.cfg, kernels=self.kernels,
-            taps=self.taps, k=k, page_tokens=self.page_tokens)
-        tokens, kept = np.asarray(tokens), np.asarray(kept)  # the round's one wait on the device
-        keep = kept + 1
-        out = [tokens[i, :keep[i]].tolist() for i in range(len(reqs))]
+        if chained:
+            rows = dict(rows, **{key: None for key in DEVICE_KEYS})  # filled when the round before is read
+        io = self._buffers(eng, rows, chained)
+        eng.kv.pools, eng.kv.dpools, io, out = spec_step(
+            eng.params, self.draft, eng.kv.pools, eng.kv.dpools, io, cfg=self.cfg, kernels=self.kernels,
+            taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+        bucket = len(rows["slots"])
+        self._dispatched += 1
+        # the round advances DEVICE_KEYS: unknown until it is read
+        self._io[bucket], self._last[bucket] = io, self._dispatched
+        self._held[bucket] = dict(rows, **{key: None for key in DEVICE_KEYS})
+        return {"reqs": list(reqs), "rows": rows, "out": out, "id": self._dispatched, "chained": chained,
+                "t": time.perf_counter()}
 
-        for i, r in enumerate(reqs):
+    def resolve(self, eng, rnd: dict, successor: dict | None = None, mixed: bool = False) -> None:
+        """Read a dispatched round (its one wait on the device) and emit each request's kept drafts
+        and the target's next token; successor: the round chained on it, whose device-advanced
+        rows this one's tokens determine.  Requests that ended since (EOS, cancellation) drop theirs."""
+        import time
+
+        k, rows = self.k, rnd["rows"]
+        out = np.asarray(rnd["out"])
+        now = time.perf_counter()
+        after = advance_rows(rows, out, k)
+        if successor is not None:
+            successor["rows"].update({key: after[key] for key in DEVICE_KEYS})
+        if self._last.get(len(rows["slots"])) == rnd["id"]:
+            self._held[len(rows["slots"])] = after
+        keep = out[:, k + 1] + 1
+        for i, r in enumerate(rnd["reqs"]):
+            if r.done or r not in eng.running:
+                continue
             self._mark_tails(eng.kv, self.draft_table(eng, r), r._cached_len - r._catch_n, r._catch_n)
             r._cached_len += int(keep[i])
             r._catch_n = int(keep[i])
@@ -434,8 +530,11 @@ class SpecDecoder:
             self.stats.rounds += 1
             self.stats.drafted += k
             self.stats.kept += int(keep[i]) - 1
-            for tok in out[i]:
+            for tok in out[i, :keep[i]].tolist():
                 if r.done or r not in eng.running:
                     break
                 eng.scheduler.emit(r, int(tok), mixed)
-        self.stats.round_s.append(time.perf_counter() - t_start)
+        # a chained round's period is the time between reads; a lone round's, dispatch to read
+        start = self._resolved_s if rnd["chained"] and self._resolved_s is not None else rnd["t"]
+        self.stats.round_s.append(now - start)
+        self._resolved_s = now

@@ -60,3 +60,28 @@ def test_small_fp32_cached_generate_gives_the_oracles_tokens(kernels):
         want = _oracle(params, cfg, prompt, 4)
         got = generate.generate(params, cfg, prompt, 4, use_cache=True, kernels=kernels).tokens
     np.testing.assert_array_equal(got, want)
+
+
+def test_speculative_rounds_on_the_pallas_kernels_give_the_oracles_tokens():
+    """tiny in fp32 (highest matmul precision) with an EAGLE-3 draft, k = 3: the verify pass runs
+    KDA as the recurrent kernel exporting every token's state, MLA decode over 4 query tokens,
+    rounds chained on the device (the next round dispatched before the host reads this one);
+    every request's greedy tokens equal the no-cache oracle's, and the kept drafts are counted."""
+    from kimik3 import eagle
+
+    cfg = config.tiny().replace(dtype="float32")
+    params = model.init_params(cfg, jax.random.PRNGKey(5), "float32")
+    ecfg = eagle.default_config(cfg)
+    draft = eagle.init_draft(jax.random.PRNGKey(6), cfg, ecfg, params)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(32, 127, n).tolist() for n in (21, 70)]
+    with jax.default_matmul_precision("highest"):
+        want = [_oracle(params, cfg, p, 20) for p in prompts]
+        eng = Engine(params, cfg, EngineConfig(num_pages=64, num_slots=2, num_snapshots=16, page_tokens=16,
+                                               kda_block_tokens=64, max_pages_per_request=16,
+                                               prefill_chunk_tokens=64, draft_tokens=3), draft=(draft, ecfg))
+        reqs = [eng.submit(p, 20) for p in prompts]
+        eng.run(max_steps=200)
+    for req, w in zip(reqs, want):
+        assert req.output == list(np.asarray(w).tolist()), req.request_id
+    assert eng.spec.stats.rounds > 0 and eng.spec.stats.drafted == 3 * eng.spec.stats.rounds

@@ -56,3 +56,21 @@ def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, 
 ])
 def test_mla_decode_takes_the_hopper_kernel_where_it_is_faster(dtype, kv_lora, rope, page, rows, max_keys, cc, want):
     assert ops.mla_decode_impl(dtype, kv_lora, rope, page, rows, max_keys, cc) == want
+
+
+def test_a_verify_pass_on_the_pallas_path_exports_what_the_reference_does(rng):
+    """kda at chunk size 1 with every position exported (a speculative verify pass) on a state
+    pool by slot: the recurrent kernel (interpret mode here) gives the reference's outputs, pool
+    and exports, zeros for counts outside 1..T included."""
+    from tests.pallas_kernels.test_kda_ref import kda_inputs
+
+    q, k, v, g, beta = kda_inputs(rng, 2, 4, 2, 16, 16)
+    pool = rng.standard_normal((5, 2, 16, 16)).astype(np.float32)  # a fresh copy per call: the kernel donates it
+    slots = jnp.asarray([4, 1], jnp.int32)
+    export_at = jnp.asarray([1, 2, 3, 4, 0, 6], jnp.int32)
+    run = lambda kernels: ops.kda(q, k, v, g, beta, initial_state=jnp.asarray(pool), chunk_size=1, kernels=kernels,
+                                  export_at=export_at, slots=slots)
+    got, want = run("pallas"), run("reference")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    assert not np.asarray(got[2][:, 4:]).any()

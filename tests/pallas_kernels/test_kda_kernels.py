@@ -150,6 +150,20 @@ class TestFusedRecurrent:
             want = replay_state(*(x[i:i + 1] for x in (q, k, v, g, beta)), n, jnp.asarray(before[slots[i]][None]))
             np.testing.assert_allclose(np.asarray(pool)[slots[i]], want[0], atol=1e-5, rtol=1e-5)
 
+    def test_a_verify_pass_exports_the_state_after_every_token(self, rng):
+        q, k, v, g, beta = kda_inputs(rng, 3, 5, 2, 16, 32)
+        pool = jnp.asarray(rng.standard_normal((6, 2, 16, 32)), jnp.float32)
+        before = np.asarray(pool).copy()
+        slots = np.array([5, 0, 2])
+        o, pool, states = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, export_states=True)
+        assert states.shape == (3, 5, 2, 16, 32)
+        o_ref, _ = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
+        np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
+        for n in range(1, 6):
+            want = replay_state(q, k, v, g, beta, n, jnp.asarray(before[slots]))
+            np.testing.assert_allclose(states[:, n - 1], want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(pool)[slots], states[:, -1], atol=1e-6, rtol=1e-6)
+
     def test_zero_accepted_leaves_the_state_untouched(self, rng):
         q, k, v, g, beta = kda_inputs(rng, 1, 3, 1, 16, 16)
         pool = jnp.asarray(rng.standard_normal((2, 1, 16, 16)), jnp.float32)
