@@ -210,12 +210,14 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
                 o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope)
                 return o
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
+            # the queries take the pages' dtype, never the pages the queries': an fp32 draft
+            # head on a bf16 pool would otherwise convert the whole pool at every call
+            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn).astype(pages.dtype)
             impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h,
                                    table.shape[1] * pages.shape[1], _compute_capability())
             decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
-            o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages.astype(q_latent.dtype),
-                                 table, q_pos_bt[:, -1] + 1, scale=scale)
+            o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1,
+                                 scale=scale)
             return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
         if not absorbed and not contiguous_cache:
             k, v = mla_kernels.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)

@@ -306,8 +306,10 @@ class Engine:
         dtype = params["embed_vd"].dtype
         state = kv_pools.bytes_per_state(cfg, dtype)
         num_snapshots = num_slots * snapshots_per_slot
-        fixed = (num_slots + 1) * state + num_snapshots * state
-        page = kv_pools.bytes_per_page(cfg, page_tokens, dtype)
+        # an EAGLE-3 draft's rows ride on every page, its pending features on every slot
+        k = kw["draft_tokens"] if "draft_tokens" in kw else getattr(kw.get("config"), "draft_tokens", 0)
+        fixed = (num_slots + 1) * (state + kv_pools.bytes_per_draft_slot(cfg, k)) + num_snapshots * state
+        page = kv_pools.bytes_per_page(cfg, page_tokens, dtype, draft=k > 0)
         num_pages = (budget_bytes - fixed) // page if page else 0
         if num_pages < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
@@ -318,14 +320,16 @@ class Engine:
     def capacity(self) -> dict:
         """What the pools hold: tokens of KV, concurrent sessions, and the per-request
         checkpoint block's cost."""
-        page = self.bytes_per_page(self.cfg, self.page_tokens, self.dtype)
+        page = self.bytes_per_page(self.cfg, self.page_tokens, self.dtype, draft=self.spec is not None)
         state = self.bytes_per_state(self.cfg, self.dtype)
+        slot_extra = kv_pools.bytes_per_draft_slot(self.cfg, self.config.draft_tokens)
         n_pages = self.manager.page_pool.num_blocks - 1
         return {"kv_tokens": n_pages * self.page_tokens, "pages": n_pages,
                 "sessions": len(self.scheduler.free_slots) + len(self.running),
                 "snapshots": self.manager.snap_pool.num_blocks - 1,
                 "page_bytes": page, "state_bytes": state, "checkpoint_block_bytes_per_request": state,
-                "pool_bytes": (n_pages + 1) * page + (self.scratch_slot + 1 + self.manager.snap_pool.num_blocks) * state}
+                "pool_bytes": (n_pages + 1) * page + (self.scratch_slot + 1) * (state + slot_extra)
+                + self.manager.snap_pool.num_blocks * state}
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
@@ -509,6 +513,8 @@ class Engine:
                 req.output.append(token)
                 req.token_times_s.append(time.monotonic())
                 req.token_mixed.append(True)
+                if self.spec is not None:
+                    self.spec.write_last_slot(self, req, token)
                 self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
                 self.running.remove(req)
                 self.scheduler.release(req)
@@ -570,7 +576,7 @@ class Engine:
             self.compiles += self._programs() - before
             previous, self._inflight = self._inflight, (reqs, rnd, rnd["out"], rnd["id"], False)
             self._resolve_decode(previous, successor=rnd)
-            self.step_tokens.append(len(reqs))
+            self.step_tokens.append(len(reqs) * self._flight_tokens)  # each row verifies 1 + k tokens
             return
         for r in reqs:
             self.manager.extend(r.request_id, r._cached_len + 1)

@@ -105,9 +105,16 @@ def _write_pages(pages, index, data, *, n_mla):
     return pages.at[_page_rows(pages, index, n_mla)].set(data.astype(pages.dtype))
 
 
-def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype) -> int:
-    """One MLA page: page_tokens latent rows in every MLA layer."""
-    return cfg.mixer_kinds.count("mla") * page_tokens * cfg.mla_latent_dim * jnp.dtype(dtype).itemsize
+def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype, draft: bool = False) -> int:
+    """One MLA page: page_tokens latent rows in every MLA layer (with an EAGLE-3 draft, in its
+    layer too, and the fp32 feature of the page's last slot: `serving.spec_decode.init_draft_pools`)."""
+    layers = cfg.mixer_kinds.count("mla") + int(draft)
+    return layers * page_tokens * cfg.mla_latent_dim * jnp.dtype(dtype).itemsize + (4 * cfg.d_model if draft else 0)
+
+
+def bytes_per_draft_slot(cfg: ModelConfig, draft_tokens: int) -> int:
+    """A running request's speculative extra: the fp32 features of its k + 1 pending draft slots."""
+    return (draft_tokens + 1) * cfg.d_model * 4 if draft_tokens else 0
 
 
 def bytes_per_state(cfg: ModelConfig, dtype) -> int:

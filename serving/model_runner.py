@@ -171,12 +171,22 @@ class DecodeRunner:
             self.overwrites += 1
             return jax.device_put(rows.as_dict())
         keys = IO_KEYS[1:] if tokens_on_device else IO_KEYS
-        changed = {k: getattr(rows, k) for k in keys
-                   if held is None or getattr(held, k) is None or not np.array_equal(getattr(rows, k), getattr(held, k))}
-        if changed:
+        if any(held is None or getattr(held, k) is None or not np.array_equal(getattr(rows, k), getattr(held, k))
+               for k in keys):
+            # the whole group, not the entries that differ: two write programs per bucket, warmed
+            # up (`warm_overwrites`), instead of one per subset compiled while serving
             self.overwrites += 1
-            io = _overwrite(io, changed)
+            io = _overwrite(io, {k: getattr(rows, k) for k in keys})
         return io
+
+    def warm_overwrites(self, rows: DecodeRows) -> None:
+        """Compile (and run) the two writes `_buffers` makes into a bucket's buffers, every entry
+        and every entry but the tokens, leaving them holding `rows` (after a dispatch of its bucket)."""
+        bucket = len(rows.tokens)
+        io = _overwrite(self._io.pop(bucket), {k: getattr(rows, k) for k in IO_KEYS[1:]})
+        self._io[bucket] = _overwrite(io, rows.as_dict())
+        self._holds[bucket] = rows
+        jax.block_until_ready(self._io[bucket])
 
     def dispatch(self, params, pools, rows: DecodeRows, *, tokens_on_device: bool = False):
         """Enqueue a step; returns (pools, tokens on the device [bucket], dispatch id) without waiting."""
@@ -213,7 +223,8 @@ class DecodeRunner:
             self._holds[bucket] = rows.advanced(tokens)
 
     def programs(self) -> int:
-        return decode_program._cache_size() + multi_decode_program._cache_size()
+        # _overwrite is shared with the speculative rounds' rows (`serving.spec_decode`)
+        return decode_program._cache_size() + multi_decode_program._cache_size() + _overwrite._cache_size()
 
     def compile(self, params, pools, rows: DecodeRows):
         """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""
@@ -472,4 +483,5 @@ class ModelRunner:
         for b in decode:
             kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b))
             jax.block_until_ready(tokens)
+            self.decode.warm_overwrites(decode_rows(b))
         return self.programs() - before

@@ -7,7 +7,8 @@ Pure Python over the cache manager: no JAX, no model, testable with numpy block 
    (`PagedKVManager.begin`: a prefix hit restores pages and a KDA snapshot and skips that
    prefill; a request back from an offload brings its KV with it);
 2. **decode** one token for every running request past its prefill: decode rows are charged
-   to the budget first (they are what TPOT waits on).  Pages for the token each writes come
+   to the budget first (they are what TPOT waits on; a speculative row as the 1 + k tokens its
+   verify pass runs).  Pages for the token each writes come
    first; when the pool runs short the most recently admitted requests are preempted (their
    KV offloaded to the host tier where there is one, recomputed otherwise);
 3. **prefill** chunks of the prefilling requests, oldest first, with what is left of the
@@ -138,10 +139,11 @@ class StepPlan:
     failed: list[tuple[Request, str]] = dataclasses.field(default_factory=list)
     decode: list[Request] = dataclasses.field(default_factory=list)
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
+    decode_row_tokens: int = 1  # tokens a decode row runs (a speculative verify pass: 1 + k)
 
     @property
     def tokens(self) -> int:
-        return len(self.decode) + sum(c.tokens for c in self.prefill)
+        return len(self.decode) * self.decode_row_tokens + sum(c.tokens for c in self.prefill)
 
     @property
     def decode_only(self) -> bool:
@@ -191,7 +193,7 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(decode_row_tokens=1 + self.config.lookahead_tokens)
         self._admit(plan)
         # Both sets are decided before either runs: a request whose prefill ends this step emits
         # its first token then and decodes from the next step on.
@@ -200,7 +202,7 @@ class Scheduler:
         if decoding:
             plan.decode = self._make_room(decoding, plan)
         cap = self.config.prefill_tokens_while_decoding if plan.decode else None
-        prefill_budget = self.config.max_step_tokens - len(plan.decode)
+        prefill_budget = self.config.max_step_tokens - len(plan.decode) * plan.decode_row_tokens
         if cap is not None:
             prefill_budget = min(prefill_budget, cap)
         for req in prefilling:

@@ -22,9 +22,16 @@ last emitted token, at position L)::
     commit     each KDA layer's state and conv rows after the a + 1 kept tokens into the slot,
                the kept positions' features as the next round's pending ones
 
-and the host reads the kept tokens (B x (k + 1) int32), its one wait per round.  MLA rows past
-the new length are never read (each lies after every later query and is overwritten by the
-next verify).
+    advance    the round's own rows for the next one (t0, L + a + 1, the emitted tokens as the next
+               catch-up: `advance_rows`), so the engine dispatches round n + 1 on them before the
+               host reads round n (`SpecDecoder.dispatch` / `resolve`, as the plain engine chains
+               its decode steps); the host writes rows only where they changed (a new page, a
+               request joining or leaving)
+
+and the host reads the kept tokens and a (B x (k + 2) int32), its one wait per round, while the
+next round runs.  MLA rows past the new length are never read (each lies after every later
+query and is overwritten by the next verify).  The verify pass's KDA is the recurrent kernel on
+the state pool by slot, exporting every token's state (`kimik3.ops.kda` at chunk size 1).
 
 Prefill chunks tap the target too (`kimik3.model.forward_step(..., taps=...)`): after each chunk
 the draft writes the rows of slots start - 1 .. end - 2 and keeps slot end - 1 pending
@@ -33,7 +40,10 @@ manager's hit excludes the last matched page: its draft rows are recomputed with
 over it), "no_drop" (the matched draft rows are kept, the tail slot h - 1 as it was written:
 for another continuation it may be stale, which costs acceptance, never tokens), "exact" (the
 page is kept and only slot h - 1 is recomputed, from the fused feature every page keeps of its
-last slot (`tail_g`), into a private copy of the page's draft rows).
+last slot (`tail_g`), into a private copy of the page's draft rows).  Drop does not shut out
+staleness entirely (nor does vLLM's rule): the page it keeps last ends on a slot that reads the
+first token of the dropped page, and that slot was written by whichever request published the
+kept page, whose next page may have differed.  Only "exact" recomputes the slot a hit ends on.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import time
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +118,18 @@ def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, 
                             count[None], cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
     last = jax.lax.dynamic_index_in_dim(g, n_real - 1, keepdims=False)
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(last))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "page_tokens"), donate_argnames=("dpools",))
+def write_slot(draft, embed_vd, dpools, slot, position, token, table, *, cfg, kernels, page_tokens):
+    """The draft row of one pending slot `position` (feature pending[slot][0], reading `token`)
+    into its page of `table` [max_pages]: a prefill engine's last prompt slot, once it has
+    sampled the token after the prompt.  Returns dpools."""
+    feats = dpools["pending"][slot, :1][None]  # [1, 1, D]
+    _, dpools = _draft_rows(draft, embed_vd, dpools, feats, token[None, None], position[None, None], table[None],
+                            jnp.ones((1,), jnp.int32), cfg=cfg, kernels=kernels, page_tokens=page_tokens,
+                            store_tail=True)
+    return dpools
 
 
 @functools.partial(jax.jit, donate_argnames=("dpools",))
@@ -279,10 +302,12 @@ def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
 
 
 
-def catch_up_tokens(context: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
-    """x_{i+1} for the catch-up slots L - c .. L - 1 of a request whose tokens are `context`
-    (prompt + output; context[L] is t0), padded to `width`."""
-    toks = list(context[lengths - catch_n + 1:lengths + 1])
+def catch_up_tokens(prompt: list[int], output: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
+    """x_{i+1} for the catch-up slots L - c .. L - 1 of a request whose tokens are prompt + output
+    (position L holds t0), padded to `width`; the k + 1 tokens are sliced, never the whole
+    sequence copied (a round's host side stays O(k) per request at any context length)."""
+    lo, hi, n = lengths - catch_n + 1, lengths + 1, len(prompt)
+    toks = list(prompt[lo:min(hi, n)]) + list(output[max(lo - n, 0):max(hi - n, 0)])
     return toks + [0] * (width - len(toks))
 
 
@@ -357,19 +382,26 @@ class SpecDecoder:
 
     def programs(self) -> int:
         """Compiled speculative programs so far (rounds per bucket, prefill drafting per chunk length)."""
-        return sum(f._cache_size() for f in (spec_step, prefill_draft, set_pending, copy_draft_page))
+        return sum(f._cache_size() for f in (spec_step, prefill_draft, write_slot, set_pending, copy_draft_page))
 
     def warmup(self, eng) -> int:
         """Compile and run once, on scratch rows, the round of every decode bucket and the
         drafting of every prefill chunk length.  Returns the number of new programs."""
         from cache.block_pool import NULL_BLOCK
 
+        from serving.model_runner import _overwrite
+
         before = self.programs()
         for bucket in sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)}):
-            eng.kv.pools, eng.kv.dpools, _, out = spec_step(
-                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._place(eng, self._rows(eng, [], bucket)),
-                cfg=self.cfg, kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
-            jax.block_until_ready(out)
+            rows = self._rows(eng, [], bucket)
+            eng.kv.pools, eng.kv.dpools, io, out = spec_step(
+                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._place(eng, rows), cfg=self.cfg,
+                kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+            # the two writes `_buffers` makes (a chained round's entries, every entry); the
+            # buffers are left holding `rows`
+            io = _overwrite(io, self._place(eng, {key: v for key, v in rows.items() if key not in DEVICE_KEYS}))
+            self._io[bucket], self._held[bucket] = _overwrite(io, self._place(eng, rows)), rows
+            jax.block_until_ready(self._io[bucket])
         null = jnp.full((eng.max_pages,), NULL_BLOCK, jnp.int32)
         for t, step in eng.runner.prefill_lengths():
             if step is None:
@@ -380,6 +412,10 @@ class SpecDecoder:
                                               jnp.bool_(False), jnp.int32(eng.scratch_slot), null, cfg=self.cfg,
                                               kernels=self.kernels, page_tokens=self.page_tokens)
         scratch, page = jnp.int32(eng.scratch_slot), jnp.int32(NULL_BLOCK)  # the exact rule's and adopt's moves
+        if eng.role == "prefill":  # its last prompt slots (`write_last_slot`)
+            eng.kv.dpools = write_slot(self.draft, eng.params["embed_vd"], eng.kv.dpools, scratch, jnp.int32(0),
+                                       jnp.int32(0), null, cfg=self.cfg, kernels=self.kernels,
+                                       page_tokens=self.page_tokens)
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, page, page)
         eng.kv.dpools = set_pending(eng.kv.dpools, scratch, jnp.zeros((self.cfg.d_model,), jnp.float32))
         jax.block_until_ready(eng.kv.dpools["pending"])
@@ -437,20 +473,32 @@ class SpecDecoder:
         self._mark_tails(eng.kv, table, start - 1 if from_prev else start, count)
         req._catch_n = 1
 
+    def write_last_slot(self, eng, req, token: int) -> None:
+        """A prefill engine's request, prefilled: its last prompt slot n - 1 waits on the token after
+        the prompt, which the engine has now sampled.  A decode engine writes that slot in its
+        first round; a prefill engine decodes nothing, so it writes it here: its prefix cache
+        then holds the page whole (a later hit there reads a written row, and the exact rule
+        finds the page's tail feature)."""
+        n = len(req._context)
+        table = self.draft_table(eng, req)
+        eng.kv.dpools = write_slot(self.draft, eng.params["embed_vd"], eng.kv.dpools, jnp.int32(req._slot),
+                                   jnp.int32(n - 1), jnp.int32(token), jnp.asarray(table, jnp.int32), cfg=self.cfg,
+                                   kernels=self.kernels, page_tokens=self.page_tokens)
+        self._mark_tails(eng.kv, table, n - 1, 1)
+
     # ---- decode ------------------------------------------------------------------------------
     def _rows(self, eng, reqs, bucket: int) -> dict:
         """A round's inputs for `reqs`, padded to `bucket` rows (scratch slot, null pages, inactive)."""
         from cache.block_pool import NULL_BLOCK
 
         k, pad = self.k, bucket - len(reqs)
-        seqs = [r.prompt + r.output for r in reqs]  # position p holds seqs[p]; t0 is at _cached_len
         null = [NULL_BLOCK] * eng.max_pages
         return {
             "t0": np.asarray([r.output[-1] for r in reqs] + [0] * pad, np.int32),
             "lengths": np.asarray([r._cached_len for r in reqs] + [1] * pad, np.int32),
             "catch_n": np.asarray([r._catch_n for r in reqs] + [1] * pad, np.int32),
-            "catch_tokens": np.asarray([catch_up_tokens(s, r._cached_len, r._catch_n, k + 1)
-                                        for s, r in zip(seqs, reqs)] + [[0] * (k + 1)] * pad, np.int32),
+            "catch_tokens": np.asarray([catch_up_tokens(r.prompt, r.output, r._cached_len, r._catch_n, k + 1)
+                                        for r in reqs] + [[0] * (k + 1)] * pad, np.int32),
             "tables": np.asarray([eng._table(r) for r in reqs] + [null] * pad, np.int32),
             "draft_tables": np.asarray([self.draft_table(eng, r) for r in reqs] + [null] * pad, np.int32),
             "slots": np.asarray([r._slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
@@ -478,18 +526,15 @@ class SpecDecoder:
             self.overwrites += 1
             return self._place(eng, rows)
         keys = [key for key in rows if not (chained and key in DEVICE_KEYS)]
-        changed = {key: rows[key] for key in keys if held.get(key) is None or not np.array_equal(rows[key], held[key])}
-        if changed:
-            self.overwrites += 1
-            io = _overwrite(io, changed)
+        if any(held.get(key) is None or not np.array_equal(rows[key], held[key]) for key in keys):
+            self.overwrites += 1  # the whole group: two write programs per bucket, warmed up
+            io = _overwrite(io, self._place(eng, {key: rows[key] for key in keys}))
         return io
 
     def dispatch(self, eng, reqs, chained: bool = False):
         """Enqueue one verify round for `reqs` (pages extended for it by the scheduler) without
         waiting; chained: on the rows the round in flight leaves on the device (its tokens not
         read yet).  Returns the in-flight record for `resolve`."""
-        import time
-
         rows = self._rows(eng, reqs, eng._decode_bucket(len(reqs)))
         if chained:
             rows = dict(rows, **{key: None for key in DEVICE_KEYS})  # filled when the round before is read
@@ -509,8 +554,6 @@ class SpecDecoder:
         """Read a dispatched round (its one wait on the device) and emit each request's kept drafts
         and the target's next token; successor: the round chained on it, whose device-advanced
         rows this one's tokens determine.  Requests that ended since (EOS, cancellation) drop theirs."""
-        import time
-
         k, rows = self.k, rnd["rows"]
         out = np.asarray(rnd["out"])
         now = time.perf_counter()

@@ -2,6 +2,7 @@
 are the oracle's for every k, batched and from prefix hits under each tail rule; sampling keeps
 the target's distribution; the draft's rows of a hit are the ones a fresh prefill writes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -284,3 +285,43 @@ def test_acceptance_on_the_device_is_the_reference_rule(rng):
     counts = np.bincount(first, minlength=v)
     assert stats.chisquare(counts, p[0] * n).pvalue > 1e-3
     assert stats.chisquare(counts, q[0] * n).pvalue < 1e-6  # the drafts unverified: refused
+
+
+def test_a_memory_budget_counts_the_drafts_rows_and_pending_features(target):
+    """With a draft every page also holds its rows and its last slot's feature, every slot its
+    pending features: `from_memory_budget` sizes the pools to the budget with them counted, and
+    `capacity` reports what the arrays hold."""
+    params, cfg, draft = target
+    page = Engine.bytes_per_page(cfg, PAGE, np.float32, draft=True)
+    assert page > Engine.bytes_per_page(cfg, PAGE, np.float32)
+    budget = 40 * page + 25 * Engine.bytes_per_state(cfg, np.float32)
+    eng = Engine.from_memory_budget(params, cfg, budget_bytes=budget, page_tokens=PAGE, num_slots=4,
+                                    snapshots_per_slot=4, max_pages_per_request=16, kda_block_tokens=4 * PAGE,
+                                    kernels="reference", draft=draft, draft_tokens=3)
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves((eng.kv.pools, eng.kv.dpools))) + eng.snapshots.data.nbytes
+    assert budget - page < held <= budget
+    assert eng.capacity()["pool_bytes"] == held
+
+
+def test_a_prefill_engine_writes_its_last_prompt_slot_once_it_has_the_token_after_it(target):
+    """A page-aligned prompt's last slot ends its last page.  A colocated engine writes that row in
+    its first round; a P/D prefill engine, which decodes nothing, writes the same row when it
+    samples the first token, so the page it caches is whole (and its tail feature known)."""
+    prompt = tokenizer.encode(PROMPTS[2])[:2 * PAGE]
+    colocated = _engine(target)
+    req = colocated.submit(prompt, 8)
+    while len(req.output) < 2:  # the first round wrote slot 2 * PAGE - 1
+        colocated.step()
+    want = np.asarray(colocated.kv.dpools["pages"][colocated.spec.draft_table(colocated, req)[1], PAGE - 1])
+    colocated.run(max_steps=50)
+    seen = {}
+
+    def handed_over(eng, r):  # while the prefill engine still holds the request
+        page = eng.spec.draft_table(eng, r)[1]
+        seen.update(row=np.asarray(eng.kv.dpools["pages"][page, PAGE - 1]), known=bool(eng.kv.tail_known[page]))
+
+    prefill = _engine(target, role="prefill", on_prefilled=handed_over)
+    prefill.submit(prompt, 8)
+    prefill.run(max_steps=20)
+    assert seen["known"]
+    np.testing.assert_allclose(seen["row"], want, rtol=1e-5, atol=1e-5)

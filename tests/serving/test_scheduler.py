@@ -114,6 +114,19 @@ def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
     assert [c.tokens for c in plan.prefill] == [40 - 3]  # what the three decode rows leave
 
 
+def test_a_speculative_decode_row_is_charged_its_verify_passs_tokens():
+    s = make(num_slots=4, max_step_tokens=40, lookahead_tokens=3)
+    first = [request(f"d{i}", 16, n_new=50, seed=i) for i in range(3)]
+    s.waiting.extend(first)
+    for r in first:
+        prefill_all(s, r)
+    s.waiting.append(request("p", 100, seed=9))
+    plan = s.schedule()
+    assert plan.decode == first
+    assert [c.tokens for c in plan.prefill] == [40 - 3 * 4]  # each row verifies t0 and 3 drafts
+    assert plan.tokens == 40
+
+
 def test_a_prefill_cap_while_decoding_bounds_the_chunk():
     s = make(num_slots=4, prefill_tokens_while_decoding=8)
     d = request("d", 10, n_new=50)
