@@ -69,7 +69,8 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     the rows are gathered, run, and scattered back.  Rows may share a slot only if its contents
     are scratch (a decode batch's padding rows).  With slots, chunk_size 1 and at most
     VERIFY_MAX_TOKENS tokens (a speculative verify pass) the Pallas path runs the recurrent
-    kernel on the pool, exporting every token's state from it.
+    kernel on the pool, exporting every token's state from it.  The Pallas paths on a pool donate
+    it (call them inside a jitted step, or pass a copy).
     """
     b, t, h, dk = q.shape
     if slots is not None:
@@ -212,13 +213,14 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 return o
             # the queries take the pages' dtype, never the pages the queries': an fp32 draft
             # head on a bf16 pool would otherwise convert the whole pool at every call
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn).astype(pages.dtype)
+            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
+            out_dtype, q_latent = q_latent.dtype, q_latent.astype(pages.dtype)
             impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h,
                                    table.shape[1] * pages.shape[1], _compute_capability())
             decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
             o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1,
                                  scale=scale)
-            return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
+            return jnp.einsum("bthr,rhv->bthv", o_latent.astype(out_dtype), w_vb_rhv)
         if not absorbed and not contiguous_cache:
             k, v = mla_kernels.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)
             pack = lambda x: x.reshape((b * t,) + x.shape[2:])

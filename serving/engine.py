@@ -159,9 +159,10 @@ class EngineConfig:
             raise ValueError(f"role must be both, prefill or decode; got {self.role!r}")
         if self.num_slots < 1 or self.num_pages < 2:
             raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 and num_pages ({self.num_pages}) >= 2")
-        if self.step_tokens <= self.num_slots:
-            raise ValueError(f"max_step_tokens ({self.step_tokens}) must exceed num_slots ({self.num_slots}): "
-                             f"a step with every slot decoding must leave room for prefill")
+        if self.step_tokens <= self.num_slots * (1 + self.draft_tokens):
+            raise ValueError(f"max_step_tokens ({self.step_tokens}) must exceed num_slots ({self.num_slots}) x "
+                             f"(1 + draft_tokens ({self.draft_tokens})): a step with every slot decoding must "
+                             f"leave room for prefill")
         if self.scan_layers not in SCAN_CHOICES:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
@@ -177,7 +178,8 @@ class EngineConfig:
 
     @property
     def step_tokens(self) -> int:
-        return self.max_step_tokens or self.prefill_chunk_tokens + self.num_slots
+        # every decode row runs 1 + k tokens (a speculative verify pass), charged before prefill
+        return self.max_step_tokens or self.prefill_chunk_tokens + self.num_slots * (1 + self.draft_tokens)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -443,8 +445,11 @@ class Engine:
         """Compile every step shape this engine can use and run each once on scratch rows
         (`ModelRunner.warmup`).  Returns the number of new programs."""
         self._settle_decode()
-        n = self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads)
-        return n + (self.spec.warmup(self) if self.spec is not None else 0)
+        before = self._programs()  # the speculative warm-up's row writes count in the runner's programs
+        self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads)
+        if self.spec is not None:
+            self.spec.warmup(self)
+        return self._programs() - before
 
     def step(self) -> None:
         if self._chainable():  # a decode-only phase: step n+1 goes out before step n's tokens are read
@@ -549,8 +554,8 @@ class Engine:
 
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
-        requests, none of which can have reached max_new_tokens with the in-flight token, nothing
-        waiting, and pages for the next position without preempting."""
+        requests, none of which can reach max_new_tokens with the in-flight step's tokens (1, or a
+        round's up to k + 1), nothing waiting, and pages for the next step's reach without preempting."""
         if self._inflight is None or self.waiting:
             return False
         reqs = self._inflight[0]

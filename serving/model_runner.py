@@ -21,8 +21,9 @@ that stay put:
 The step samples on the device (`serving.sampling.sample_tokens`) and writes the tokens
 into `io["tokens"]` and `lengths + active` into `io["lengths"]`: the next step's inputs,
 with no host round trip.  When the host's rows differ from what the buffers already hold
-(a new page in a table, a request joining or leaving), `_overwrite` writes the new values
-into the same buffers (donated, aliased).  The tokens reach the host through `_read_tokens`,
+(a new page in a table, a request joining or leaving), `_overwrite` writes them, every entry
+(or every entry but the tokens, chained on the device's), into the same buffers (donated,
+aliased): two write programs per bucket, compiled at warm-up.  The tokens reach the host through `_read_tokens`,
 a copy in its own small program.
 """
 
@@ -148,8 +149,8 @@ class DecodeRunner:
     """The decode steps of one engine: a `DecodeIO` per bucket, kept on the device between steps.
 
     ``pools, tokens = runner.dispatch(params, pools, rows)`` enqueues `decode_program` on `rows`
-    (`DecodeRows`), writing into the bucket's buffers only the entries that differ from what
-    they hold (the previous step advanced them on the device).  ``tokens_on_device=True``
+    (`DecodeRows`), writing into the bucket's buffers, when any entry differs from what they
+    hold (the previous step advanced them on the device), the whole group of entries.  ``tokens_on_device=True``
     chains a step on the previous one's sampled tokens before the host has read them (async
     scheduling: `rows.tokens` is ignored); ``settle`` then records them once read."""
 

@@ -333,6 +333,7 @@ class SpecStats:
     rounds: int = 0  # verify passes (per request row)
     drafted: int = 0
     kept: int = 0
+    chained: int = 0  # batched rounds dispatched before the round before them was read
     # host seconds of each batched round (the latest; a long-running server keeps no more)
     round_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))
 
@@ -392,7 +393,9 @@ class SpecDecoder:
         from serving.model_runner import _overwrite
 
         before = self.programs()
-        for bucket in sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)}):
+        # a P/D prefill engine never decodes: no rounds to compile
+        buckets = [] if eng.role == "prefill" else sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
+        for bucket in buckets:
             rows = self._rows(eng, [], bucket)
             eng.kv.pools, eng.kv.dpools, io, out = spec_step(
                 eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._place(eng, rows), cfg=self.cfg,
@@ -480,6 +483,8 @@ class SpecDecoder:
         then holds the page whole (a later hit there reads a written row, and the exact rule
         finds the page's tail feature)."""
         n = len(req._context)
+        if n % self.page_tokens:
+            return  # the slot lies in a partial page, which no prefix hit can reach
         table = self.draft_table(eng, req)
         eng.kv.dpools = write_slot(self.draft, eng.params["embed_vd"], eng.kv.dpools, jnp.int32(req._slot),
                                    jnp.int32(n - 1), jnp.int32(token), jnp.asarray(table, jnp.int32), cfg=self.cfg,
@@ -514,8 +519,9 @@ class SpecDecoder:
         return jax.device_put(rows, next(iter(eng.kv.dpools["pending"].devices())))
 
     def _buffers(self, eng, rows: dict, chained: bool) -> dict:
-        """The bucket's rows on the device, with the entries of `rows` that differ from what they
-        hold written in (chained: the device-advanced entries are the previous round's, kept)."""
+        """The bucket's rows on the device; where any entry of `rows` differs from what they hold,
+        the whole group is written in (chained: all but the device-advanced entries, which the
+        round in flight leaves)."""
         from serving.model_runner import _overwrite
 
         bucket = len(rows["slots"])
@@ -532,9 +538,10 @@ class SpecDecoder:
         return io
 
     def dispatch(self, eng, reqs, chained: bool = False):
-        """Enqueue one verify round for `reqs` (pages extended for it by the scheduler) without
-        waiting; chained: on the rows the round in flight leaves on the device (its tokens not
-        read yet).  Returns the in-flight record for `resolve`."""
+        """Enqueue one verify round for `reqs` (pages extended for it: by the scheduler, or for a
+        chained round by `Engine._chain_decode`) without waiting; chained: on the rows the round
+        in flight leaves on the device (its tokens not read yet).  Returns the in-flight record
+        for `resolve`."""
         rows = self._rows(eng, reqs, eng._decode_bucket(len(reqs)))
         if chained:
             rows = dict(rows, **{key: None for key in DEVICE_KEYS})  # filled when the round before is read
@@ -544,6 +551,7 @@ class SpecDecoder:
             taps=self.taps, k=self.k, page_tokens=self.page_tokens)
         bucket = len(rows["slots"])
         self._dispatched += 1
+        self.stats.chained += int(chained)
         # the round advances DEVICE_KEYS: unknown until it is read
         self._io[bucket], self._last[bucket] = io, self._dispatched
         self._held[bucket] = dict(rows, **{key: None for key in DEVICE_KEYS})
