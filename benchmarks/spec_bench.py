@@ -9,7 +9,8 @@ the draft at each k, in one process on one device.  Each engine first serves the
 twice (compiles, the second with prefix hits: not timed), then again, timed.  Reported per engine: decode tokens/s (tokens
 after each request's first, over the span from the first request's first token to the last
 token), TPOT p50, and with the draft its acceptance, accept length (tokens per verify pass)
-and the round's host-timed seconds (catch-up + chain + verify + accept + commit, synchronous);
+and the round's period as the host sees it (catch-up + chain + verify + accept + commit; rounds
+are chained, so it is the time between reads of consecutive rounds, dispatch to read for a lone one);
 `same_tokens` counts requests whose tokens equal the plain engine's (greedy: they must, up to
 the rounding of another kernel order at bf16).
 """
