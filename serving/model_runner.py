@@ -140,6 +140,17 @@ def _overwrite(io, values):
     return dict(io, **{k: jnp.asarray(v, io[k].dtype) for k, v in values.items()})
 
 
+def refresh_rows(io, held: dict | None, values: dict, keys, place=lambda v: v):
+    """io (device buffers, donated) with the entries `keys` of `values` written in, as one group,
+    where any of them differs from `held` (what the host knows io holds; None, or None entries:
+    unknown).  A whole group, not the entries that differ: one write program per group and
+    bucket, warmed up, instead of one per subset compiled while serving.  place: puts the values
+    on the device first.  Returns (io, whether it wrote)."""
+    if held is not None and all(held.get(k) is not None and np.array_equal(values[k], held[k]) for k in keys):
+        return io, False
+    return _overwrite(io, place({k: values[k] for k in keys})), True
+
+
 @jax.jit
 def _read_tokens(io):
     return io["tokens"] + 0  # a copy, so the buffer can be donated to the next step while it is read
@@ -172,12 +183,8 @@ class DecodeRunner:
             self.overwrites += 1
             return jax.device_put(rows.as_dict())
         keys = IO_KEYS[1:] if tokens_on_device else IO_KEYS
-        if any(held is None or getattr(held, k) is None or not np.array_equal(getattr(rows, k), getattr(held, k))
-               for k in keys):
-            # the whole group, not the entries that differ: two write programs per bucket, warmed
-            # up (`warm_overwrites`), instead of one per subset compiled while serving
-            self.overwrites += 1
-            io = _overwrite(io, {k: getattr(rows, k) for k in keys})
+        io, wrote = refresh_rows(io, None if held is None else held.as_dict(), rows.as_dict(), keys)
+        self.overwrites += wrote
         return io
 
     def warm_overwrites(self, rows: DecodeRows) -> None:

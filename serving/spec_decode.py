@@ -61,6 +61,7 @@ import numpy as np
 from cache.block_pool import NoFreeBlocks
 from kimik3 import eagle, model
 from kimik3.config import ModelConfig
+from serving.model_runner import _overwrite, refresh_rows
 from serving.sampling import seed_words
 
 TAIL_MODES = ("drop", "no_drop", "exact")
@@ -390,8 +391,6 @@ class SpecDecoder:
         drafting of every prefill chunk length.  Returns the number of new programs."""
         from cache.block_pool import NULL_BLOCK
 
-        from serving.model_runner import _overwrite
-
         before = self.programs()
         # a P/D prefill engine never decodes: no rounds to compile
         buckets = [] if eng.role == "prefill" else sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
@@ -522,8 +521,6 @@ class SpecDecoder:
         """The bucket's rows on the device; where any entry of `rows` differs from what they hold,
         the whole group is written in (chained: all but the device-advanced entries, which the
         round in flight leaves)."""
-        from serving.model_runner import _overwrite
-
         bucket = len(rows["slots"])
         io, held = self._io.pop(bucket, None), self._held.get(bucket)
         if chained and io is None:
@@ -532,9 +529,8 @@ class SpecDecoder:
             self.overwrites += 1
             return self._place(eng, rows)
         keys = [key for key in rows if not (chained and key in DEVICE_KEYS)]
-        if any(held.get(key) is None or not np.array_equal(rows[key], held[key]) for key in keys):
-            self.overwrites += 1  # the whole group: two write programs per bucket, warmed up
-            io = _overwrite(io, self._place(eng, {key: rows[key] for key in keys}))
+        io, wrote = refresh_rows(io, held, rows, keys, place=lambda v: self._place(eng, v))
+        self.overwrites += wrote
         return io
 
     def dispatch(self, eng, reqs, chained: bool = False):
