@@ -26,12 +26,36 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import dots
 
 
+# `grouped_matmul_ref` gathers each row's expert weights while the gathered copy is at most
+# this many times the weights (M <= ratio * G rows: a decode step's few tokens); past it,
+# `lax.ragged_dot`.  XLA:CPU expands ragged_dot into one dense GEMM over every group with a
+# transposed copy of the weights: G times the FLOPs of the rows' own experts (on `small`'s
+# B8 decode step, 32x: most of a 3.5 s CPU step, and 2 GB of copies its first call faults in).
+GATHER_ROWS_PER_GROUP = 2
+
+
+def group_of_rows(group_sizes_g, m: int):
+    """int32 [M]: the group that row r of a sorted [M, ...] belongs to (G past the last row of
+    every group: those rows belong to none)."""
+    ends = jnp.cumsum(group_sizes_g.astype(jnp.int32))
+    return jnp.sum(ends[None, :] <= jnp.arange(m, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+
+
 def grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g):
-    """Reference: `jax.lax.ragged_dot` (fp32 accumulation).  lhs [M, K], rhs [G, K, N],
-    group_sizes [G] int32 (rows past their sum give 0) -> [M, N] in lhs's dtype."""
-    out = jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g.astype(jnp.int32),
-                             preferred_element_type=jnp.float32,
-                             precision=jax.lax.Precision.HIGHEST if lhs_mk.dtype == jnp.float32 else None)
+    """Reference: ``out[r] = lhs[r] @ rhs[g(r)]`` with fp32 accumulation, what `jax.lax.ragged_dot`
+    computes.  lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (rows past their sum give 0)
+    -> [M, N] in lhs's dtype.  A few rows (M <= GATHER_ROWS_PER_GROUP * G) gather their groups'
+    weights and run one batched dot; more run `lax.ragged_dot`."""
+    m, g = lhs_mk.shape[0], rhs_gkn.shape[0]
+    precision = jax.lax.Precision.HIGHEST if lhs_mk.dtype == jnp.float32 else None
+    if m <= GATHER_ROWS_PER_GROUP * g:
+        group = group_of_rows(group_sizes_g, m)
+        w_mkn = rhs_gkn[jnp.minimum(group, g - 1)]
+        out = jnp.einsum("mk,mkn->mn", lhs_mk, w_mkn, preferred_element_type=jnp.float32, precision=precision)
+        out = jnp.where((group < g)[:, None], out, 0.0)
+    else:
+        out = jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g.astype(jnp.int32),
+                                 preferred_element_type=jnp.float32, precision=precision)
     return out.astype(lhs_mk.dtype)
 
 

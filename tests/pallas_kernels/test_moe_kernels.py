@@ -4,11 +4,12 @@ Interpret mode fills outputs with NaN before the kernel runs, so finite results
 prove every tile was written, the empty ones past the last group included.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import grouped_matmul, grouped_matmul_ref
+from pallas_kernels.moe import GATHER_ROWS_PER_GROUP, grouped_matmul, grouped_matmul_ref
 
 
 def _groups(rng, m, g, empty=(1,)):
@@ -34,6 +35,33 @@ def test_grouped_matmul_equals_ragged_dot(rng, m, k, n, g, dtype, block_m):
     assert out.shape == (m, n) and out.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of the output
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("m, g, dtype, short", [
+    (5, 4, jnp.float32, 0),       # fewer rows than groups: the gather form
+    (16, 8, jnp.float32, 3),      # M = 2G, three rows past the groups' sum
+    (32, 32, jnp.bfloat16, 0),    # a decode step's B8 x top-4 over 32 experts, bf16 weights
+    (40, 8, jnp.float32, 5),      # M > GATHER_ROWS_PER_GROUP * G: lax.ragged_dot itself
+])
+def test_reference_is_ragged_dot_in_both_forms(rng, m, g, dtype, short):
+    """The reference's two forms (gathered weights for a few rows, `lax.ragged_dot` past them)
+    compute ragged_dot's rows: row r times its group's weights, zero past the groups' sum."""
+    k, n = 24, 40
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, dtype)
+    sizes = np.asarray(_groups(rng, m - short, g))
+    want = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes), preferred_element_type=jnp.float32,
+                              precision=jax.lax.Precision.HIGHEST).astype(dtype)
+    got = grouped_matmul_ref(lhs, rhs, jnp.asarray(sizes))
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert (m <= GATHER_ROWS_PER_GROUP * g) == (m != 40)  # the cases cover both forms
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of the output
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    assert (np.asarray(got)[m - short:] == 0).all()
+    row_group = np.repeat(np.arange(g), sizes)  # and row by row, with numpy's own matmul
+    mine = np.stack([np.asarray(lhs[r], np.float32) @ np.asarray(rhs[row_group[r]], np.float32)
+                     for r in range(m - short)])
+    np.testing.assert_allclose(np.asarray(got[:m - short], np.float32), mine, atol=5 * tol, rtol=5 * tol)
 
 
 def test_rows_past_the_groups_sum_are_zero(rng):
