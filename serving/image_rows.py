@@ -1,6 +1,6 @@
 """The ViT's rows of a request's images, through the encoder cache (L3) and optionally the host tier.
 
-A miss runs the ViT on one image (`kimik3.model.image_embeddings`); a hit, in the engine's
+Every image runs through the ViT alone (`kimik3.model.image_embeddings`), cached or not; a hit, in the engine's
 `EncoderCache` by (tenant, image content), holds exactly the rows a miss computes.  With
 `EngineConfig.encoder_cache_to_host` the rows an engine computes are written to the host tier
 too and an encoder-cache miss looks there first, so another engine on the same store finds
@@ -30,10 +30,15 @@ class ImageRows:
         self._vit_rows = None  # ShapeDtypeStruct of one image's ViT rows, once needed
 
     def __call__(self, req):
-        """The ViT's rows [n_images * tokens_per_image, D] for the request's images: through L3 (the
-        encoder cache) one image at a time, so a hit holds exactly the rows a miss computes."""
+        """The ViT's rows [n_images * tokens_per_image, D] for the request's images, one image at a
+        time with or without L3 (the encoder cache): a hit holds exactly the rows a miss computes,
+        and an engine without L3 computes them too (a batch of N images through the ViT rounds
+        differently from N batches of one in bf16 on a GPU, where GEMM tiles follow the row
+        count), so the cache tier changes when the work is done, never its bits.  The ViT
+        compiles for one shape."""
         if self.eng.encoder_cache is None:
-            return model.image_embeddings(self.eng.params, self.eng.cfg, req.images)
+            rows = [model.image_embeddings(self.eng.params, self.eng.cfg, img[None]) for img in req.images]
+            return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
         rows = []
         for img, item in zip(req.images, req.mm_items):
             key = self.eng.encoder_cache.key(item.content_hash, req.cache_salt)
