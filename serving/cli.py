@@ -180,7 +180,7 @@ def _cmd_media_bench(args) -> int:
     from serving import media_bench
 
     spec = media_bench.MediaBenchSpec(config=args.config, sessions=args.sessions, turns=args.turns,
-                                      fetch_latency_ms=args.fetch_latency_ms, seed=args.seed)
+                                      fetch_latency_ms=args.fetch_latency_ms, seed=args.seed, dtype=args.dtype)
     print(media_bench.main(spec, args.json))
     return 0
 
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--turns", type=int, default=4)
     m.add_argument("--fetch-latency-ms", type=float, default=50.0, help="the local image server's answer delay")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="the params' dtype (default the config's); tokens must agree across tiers only in exact fp32")
     m.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
     m.set_defaults(func=_cmd_media_bench)
 

@@ -28,7 +28,7 @@ import statistics
 
 import numpy as np
 
-from kimik3 import tokenizer
+from kimik3 import arithmetic, tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -167,22 +167,6 @@ def _diff(ma: dict, mb: dict, key: str):
     return float(ma[key] - mb[key])
 
 
-def _matmul_precision() -> str:
-    import jax
-
-    return str(jax.config.jax_default_matmul_precision or "default")
-
-
-def _exact_arithmetic(params) -> bool:
-    """fp32 weights with fp32 matmuls (the CPU; a GPU only at "highest" precision, else TF32):
-    where every arm must emit the same tokens."""
-    import jax
-
-    if np.dtype(params["embed_vd"].dtype) != np.float32:
-        return False
-    return jax.default_backend() == "cpu" or _matmul_precision() in ("highest", "float32", "fp32")
-
-
 def run(params, cfg, draft, ac: ABConfig, *, questions_path: str | None = None, arms=ARMS, progress=None) -> dict:
     """Every arm on the same questions; the record `--json` writes (see the module docstring)."""
     questions = load_questions(questions_path, ac.questions)
@@ -190,14 +174,14 @@ def run(params, cfg, draft, ac: ABConfig, *, questions_path: str | None = None, 
     first = per_arm[arms[0]]
     mismatched = sorted({i for arm in arms for i, r in enumerate(per_arm[arm]) if r["output"] != first[i]["output"]})
     if mismatched:  # greedy speculative decoding emits the target's tokens in every arm
-        if _exact_arithmetic(params):
+        if arithmetic.exact_arithmetic(params):
             raise RuntimeError(f"arms emitted different tokens for questions {mismatched}")
         # below fp32 (bf16 weights, or TF32 matmuls on a GPU) a recomputed page and a hit round
         # differently (the drift of issue 16): near-tied argmaxes can flip; the arms' metrics
         # are kept and the questions named
         log.warning("arms emitted different tokens for questions %s (%s weights, matmul precision %s: a prefix "
                     "hit and its recompute round differently)", mismatched, params["embed_vd"].dtype,
-                    _matmul_precision())
+                    arithmetic.matmul_precision())
     k = ac.draft_tokens
     result = dict(workload=dict(dataclasses.asdict(ac), questions_file=questions_path or QUESTIONS,
                                 config=cfg.name, turn2_prompt_tokens_mean=float(np.mean([r["turn2_tokens"] for r in first]))),

@@ -28,7 +28,7 @@ import numpy as np
 from cache.media import FetchPolicy, MediaFetcher
 from cache.media.l1 import EmbeddedFetchCache
 from cache.media.l2 import PixelCache
-from kimik3 import config, model, stacked, tokenizer
+from kimik3 import arithmetic, config, model, stacked, tokenizer
 from serving.engine import Engine, EngineConfig
 from serving.openai_api import decode_image_bytes
 
@@ -48,6 +48,7 @@ class MediaBenchSpec:
     output_tokens: int = 4
     page_tokens: int = 16
     seed: int = 0
+    dtype: str | None = None  # the params' dtype (default the config's); tokens must agree only in exact fp32
 
 
 def _jpeg(rng, width: int, height: int) -> bytes:
@@ -180,7 +181,8 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
     cfg = config.get_config(spec.config)
     if cfg.vit is None:
         raise ValueError(f"config {cfg.name!r} has no vision encoder")
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg, scan=False)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed), spec.dtype), cfg,
+                                    scan=False)
     sessions, images = workload(spec, cfg)
     server = SlowImageServer(images, spec.fetch_latency_ms / 1e3)
     try:
@@ -208,7 +210,14 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
              f"{r['l4_hit_rate']:.0%} | {r['fetches']} |" for r in rows]
     text = (f"config={cfg.name}, {spec.sessions} sessions x {spec.turns} turns, {rows[0]['images']} images "
             f"({spec.image_px[0]}x{spec.image_px[1]} JPEG), fetch latency {spec.fetch_latency_ms:g} ms "
-            f"(127.0.0.1); tokens equal across configurations: {same}\n" + head + "\n" + "\n".join(lines))
+            f"(127.0.0.1), {params['embed_vd'].dtype} weights; tokens equal across configurations: {same}\n"
+            + head + "\n" + "\n".join(lines))
     if not same:
-        raise RuntimeError("a cache tier changed the tokens:\n" + text)
+        if arithmetic.exact_arithmetic(params):
+            raise RuntimeError("a cache tier changed the tokens:\n" + text)
+        # below exact fp32 a prefix hit (L4) and its recompute round differently (issue 16's
+        # drift): near-tied greedy tokens can flip; the rows are kept, the configurations named
+        log.warning("configurations %s gave other tokens than none (%s weights, matmul precision %s)",
+                    [r["config"] for r in rows if not r["tokens_equal_none"]], params["embed_vd"].dtype,
+                    arithmetic.matmul_precision())
     return text
