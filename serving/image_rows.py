@@ -1,7 +1,8 @@
 """The ViT's rows of a request's images, through the encoder cache (L3) and optionally the host tier.
 
-Every image runs through the ViT alone (`kimik3.model.image_embeddings`), cached or not; a hit, in the engine's
-`EncoderCache` by (tenant, image content), holds exactly the rows a miss computes.  With
+Every image runs through the ViT alone (`kimik3.model.image_embeddings`), cached or not; a
+hit, in the engine's `EncoderCache` by (tenant, image content), holds exactly the rows a miss
+computes.  With
 `EngineConfig.encoder_cache_to_host` the rows an engine computes are written to the host tier
 too and an encoder-cache miss looks there first, so another engine on the same store finds
 them.  A tier fault is a miss (reads) or a lost spill (writes), never an error.

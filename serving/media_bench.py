@@ -8,8 +8,10 @@ decode and resize (L2: pixels by content), the ViT (L3: embeddings by image, in 
 prefill over the prefix cache (L4), then decodes a few tokens.  Five configurations, each on a
 fresh set of caches: none, L1, L1+L2, L1+L2+L3, all four.  TTFT is submit-to-first-token
 including the fetches; per-tier hit rates come from the tiers' own counters.  Every
-configuration must produce the same tokens (the tiers change when work is done, never what);
-the run fails otherwise.
+configuration must produce the same tokens (the tiers change when work is done, never what):
+in exact fp32 (`kimik3.arithmetic`) the run fails otherwise; below it (bf16, or TF32 matmuls)
+an L4 prefix hit and its recompute round differently, and the rows name the configurations
+whose tokens differ.
 """
 
 from __future__ import annotations
