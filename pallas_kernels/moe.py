@@ -37,8 +37,9 @@ GATHER_ROWS_PER_GROUP = 2
 def group_of_rows(group_sizes_g, m: int):
     """int32 [M]: the group that row r of a sorted [M, ...] belongs to (G past the last row of
     every group: those rows belong to none)."""
-    ends = jnp.cumsum(group_sizes_g.astype(jnp.int32))
-    return jnp.sum(ends[None, :] <= jnp.arange(m, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    ends = _running_sum(group_sizes_g.astype(jnp.int32))
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return jnp.searchsorted(ends, rows, side="right", method="compare_all").astype(jnp.int32)
 
 
 def grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g):
@@ -156,7 +157,7 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     starts, tile_group = _group_tiles(sizes, block_m, n_tiles)
     ends = _running_sum(sizes)
     rows = jnp.arange(m, dtype=jnp.int32)
-    group_of_row = jnp.searchsorted(ends, rows, side="right", method="compare_all").astype(jnp.int32)
+    group_of_row = group_of_rows(sizes, m)
     valid = group_of_row < sizes.shape[0]
     gr = jnp.minimum(group_of_row, sizes.shape[0] - 1)
     dest = starts[gr] + rows - (ends - sizes)[gr]
