@@ -40,7 +40,7 @@ try:  # the threefry lowering switch is only reachable through jax's config modu
 except ImportError:  # pragma: no cover
     jax_config = None
 
-from kimik3 import ops, stacked, tokenizer
+from kimik3 import layerwise, ops, stacked, tokenizer
 from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
 from kimik3.layers.kda import KDA, init_kda_cache
@@ -59,32 +59,52 @@ FP32_PARAM_PATTERN = re.compile(r"(w_router_de|router_bias_e|a_log_h|dt_bias_hk)
 
 
 class Block(nn.Module):
-    """Pre-RMSNorm residual block: token mixer (KDA or MLA), then FFN (dense or MoE)."""
+    """Pre-RMSNorm residual block: token mixer (KDA or MLA), then FFN (dense or MoE).
+
+    Its two halves are methods of their own (`mix`, `ffn`) so that a program can hold one
+    half (`kimik3.layerwise` compiles each mixer kind and each FFN kind once)."""
 
     cfg: ModelConfig
     layer: int
     expert_path: str = "grouped"
     kernels: str = "auto"
 
-    @nn.compact
-    def __call__(self, x_btd, positions_bt, cache):
+    def setup(self):
         cfg = self.cfg
-        h = RMSNorm(cfg.d_model, cfg.norm_eps, name="mixer_norm")(x_btd)
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.mixer_kind(self.layer) == "kda":
-            y, cache = KDA(cfg, self.kernels, name="kda")(h, cache)
+            self.kda = KDA(cfg, self.kernels)
         else:
-            y, cache = MLA(cfg, self.kernels, name="mla")(h, positions_bt, cache)
-        x_btd = x_btd + y
-        h = RMSNorm(cfg.d_model, cfg.norm_eps, name="ffn_norm")(x_btd)
+            self.mla = MLA(cfg, self.kernels)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.ffn_kind(self.layer) == "dense":
-            y = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, name="mlp")(h)
+            self.mlp = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap)
         else:
-            # a row's pad tokens (past its `valid` count: a padded chunk, a decode bucket's idle
-            # rows) are routed to no expert, so they read no expert weights
-            valid = None if cache is None else cache.get("valid")
-            real = None if valid is None else jnp.arange(h.shape[1])[None] < valid[:, None]
-            y = LatentMoE(cfg, self.expert_path, self.kernels, name="moe")(h, real)
+            self.moe = LatentMoE(cfg, self.expert_path, self.kernels)
+
+    def __call__(self, x_btd, positions_bt, cache):
+        valid = None if cache is None else cache.get("valid")
+        x_btd, cache = self.mix(x_btd, positions_bt, cache)
+        return self.ffn(x_btd, valid), cache
+
+    def mix(self, x_btd, positions_bt, cache):
+        """x + mixer(norm(x)), and the layer's cache entry written (None without a cache)."""
+        h = self.mixer_norm(x_btd)
+        if self.cfg.mixer_kind(self.layer) == "kda":
+            y, cache = self.kda(h, cache)
+        else:
+            y, cache = self.mla(h, positions_bt, cache)
         return x_btd + y, cache
+
+    def ffn(self, x_btd, valid_b=None):
+        """x + ffn(norm(x)).  valid_b: int32 [B] or None; a row's pad tokens (past valid[b]: a
+        padded chunk, a decode bucket's idle rows) are routed to no expert, so they read no
+        expert weights."""
+        h = self.ffn_norm(x_btd)
+        if self.cfg.ffn_kind(self.layer) == "dense":
+            return x_btd + self.mlp(h)
+        real = None if valid_b is None else jnp.arange(h.shape[1])[None] < valid_b[:, None]
+        return x_btd + self.moe(h, real)
 
 
 def _run_block(block, x, positions_bt, caches, cfg, layer, period):
@@ -133,6 +153,32 @@ def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
     return jnp.where(is_img[:, None], flat[jnp.clip(row, 0, flat.shape[0] - 1)], x).reshape(x_btd.shape)
 
 
+def embed_inputs(embed_vd, tokens_bt, images, vit=None):
+    """x [B, T, D]: the token embeddings with image rows spliced in.  images: pixels
+    [N, S, S, C] (encoded by `vit`, a callable -> [N, P, D]), or {"rows": [M, D], "first":
+    int32 []} embeddings computed earlier (see `KimiK3`), or None."""
+    x = embed_vd[tokens_bt]
+    if isinstance(images, dict):
+        return splice_image_embeddings(x, tokens_bt, images["rows"], images["first"])
+    if vit is not None and images is not None:
+        return splice_image_embeddings(x, tokens_bt, vit(images.astype(x.dtype)))
+    return x
+
+
+def logits_rows(x_btd, logits_tail=None, valid_b=None):
+    """The rows the head reads (see `KimiK3`'s logits_tail and valid_b)."""
+    if logits_tail is not None and valid_b is not None:
+        if logits_tail != 1:
+            raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
+        return jnp.take_along_axis(x_btd, jnp.clip(valid_b - 1, 0, x_btd.shape[1] - 1)[:, None, None], axis=1)
+    return x_btd if logits_tail is None else x_btd[:, -logits_tail:]
+
+
+def head_logits(x_btd, lm_head_dv):
+    """fp32 logits [B, T, V] of the final-normed rows (the head's dot is fp32 by design)."""
+    return jnp.dot(x_btd.astype(jnp.float32), lm_head_dv.astype(jnp.float32))
+
+
 class KimiK3(nn.Module):
     """tokens [B, T], positions [B, T], caches (`kimik3.caches`), images -> (logits [B, T, V] fp32,
     the caches written, the KDA layers' exports in layer order or None).
@@ -156,12 +202,7 @@ class KimiK3(nn.Module):
         (the rest pad it); with logits_tail=1 the logits are those of its last real token."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
-        x = embed[tokens_bt]
-        if isinstance(images_nhwc, dict):
-            x = splice_image_embeddings(x, tokens_bt, images_nhwc["rows"], images_nhwc["first"])
-        elif cfg.vit is not None and images_nhwc is not None:
-            emb = ViT(cfg.vit, cfg.d_model, name="vit")(images_nhwc.astype(x.dtype))
-            x = splice_image_embeddings(x, tokens_bt, emb)
+        x = embed_inputs(embed, tokens_bt, images_nhwc, None if cfg.vit is None else ViT(cfg.vit, cfg.d_model, name="vit"))
         first, n = stacked.scan_layout(cfg)
         scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
@@ -189,16 +230,9 @@ class KimiK3(nn.Module):
                 exports[i] = e
             if i in self.taps:
                 self.sow("intermediates", f"tap_{i}", x)
-        if logits_tail is not None and valid_b is not None:
-            if logits_tail != 1:
-                raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
-            x = jnp.take_along_axis(x, jnp.clip(valid_b - 1, 0, x.shape[1] - 1)[:, None, None], axis=1)
-        elif logits_tail is not None:
-            x = x[:, -logits_tail:]
-        x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
+        x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(logits_rows(x, logits_tail, valid_b))
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
-        logits = jnp.dot(x.astype(jnp.float32), lm_head.astype(jnp.float32))
-        return logits, caches, tuple(exports[i] for i in sorted(exports)) or None
+        return head_logits(x, lm_head), caches, tuple(exports[i] for i in sorted(exports)) or None
 
 
 # ---- params -----------------------------------------------------------------------------------
@@ -230,6 +264,14 @@ def cast_params(params: Params, dtype) -> Params:
 def block_kind(cfg: ModelConfig, layer: int) -> tuple[str, str]:
     """What a block's params depend on: (mixer kind, FFN kind)."""
     return cfg.mixer_kind(layer), cfg.ffn_kind(layer)
+
+
+def first_of_kind(cfg: ModelConfig, layer: int, half: str = "block") -> int:
+    """The first layer of `layer`'s kind: its `block_kind` (half "block"), its mixer kind
+    ("mixer") or its FFN kind ("ffn").  What a program compiled once per kind (the init's draws,
+    `kimik3.layerwise`) is traced for, since a block (half) depends on nothing else."""
+    kind = {"block": lambda i: block_kind(cfg, i), "mixer": cfg.mixer_kind, "ffn": cfg.ffn_kind}[half]
+    return next(i for i in range(cfg.n_layers) if kind(i) == kind(layer))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
@@ -268,14 +310,11 @@ def init_params(cfg: ModelConfig, key, dtype=None) -> Params:
     on an H200 host); the embedding, ViT, final norm and head draw from the other key."""
     dtype = jnp.dtype(dtype or cfg.dtype).name
     top_key, blocks_key = jax.random.split(key)
-    first_of_kind = {}
-    for i in range(cfg.n_layers):
-        first_of_kind.setdefault(block_kind(cfg, i), i)
     with _cheap_threefry():
         params = dict(_init_top(top_key, cfg=cfg, dtype=dtype))
         for i in range(cfg.n_layers):
             params[f"layer_{i}"] = _init_block(jax.random.fold_in(blocks_key, i), cfg=cfg,
-                                               layer=first_of_kind[block_kind(cfg, i)], dtype=dtype)
+                                               layer=first_of_kind(cfg, i), dtype=dtype)
     return params
 
 
@@ -418,10 +457,13 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
     """
     tokens = _as_tokens(tokens, cfg)
     b, t = tokens.shape
-    start = jnp.zeros((b,), jnp.int32) if cache is None else cache["lengths"]
-    expected = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    start = np.zeros((b,), np.int32) if cache is None else cache["lengths"]
+    # numpy where the values are known: an eager call then compiles no small programs of its own
+    xp = np if _concrete(start) else jnp
+    start = np.asarray(start) if xp is np else start
+    expected = start[:, None].astype(np.int32) + xp.arange(t, dtype=np.int32)[None]
     if positions is None:
-        positions = expected
+        positions = jnp.asarray(expected)
     else:
         positions = jnp.asarray(positions, jnp.int32)
         if positions.shape != (b, t):
@@ -439,7 +481,7 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None,
-            positions=None, expert_path: str = "grouped", kernels: str = "auto"):
+            positions=None, expert_path: str = "grouped", kernels: str = "auto", programs: str = "auto"):
     """Run the model on new tokens.
 
     Args:
@@ -452,12 +494,18 @@ def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cac
       positions: int [B, T] absolute positions; they must be the cache's next
         positions (``lengths + arange(T)``), and default to them.
       kernels: "auto" | "reference" | "pallas" (see `kimik3.ops`).
+      programs: "whole" (one program for the model), "layerwise" (one per block kind, run
+        layer by layer: `kimik3.layerwise`) or "auto" (layerwise where that compiles less: eager
+        CPU calls of a deep model).  The math, and on the CPU the numbers, are the same.
     Returns:
       logits float32 [B, T, vocab] and the updated cache (None without one).
     Raises:
       ValueError (see `prepare_inputs`), before any launch.
     """
     tokens, positions, images = prepare_inputs(cfg, tokens, images=images, cache=cache, positions=positions)
+    if layerwise.use_layerwise(programs, params, cfg, cache, tokens, images):
+        return layerwise.forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
+                                 kernels=ops.resolve(kernels))
     return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
                     kernels=ops.resolve(kernels))
 
@@ -504,6 +552,8 @@ def _as_tokens(tokens, cfg: ModelConfig):
         bad = (arr < 0) | (arr >= cfg.vocab_size)
         if bad.any():
             raise ValueError(f"token id {int(arr[bad][0])} is out of range [0, {cfg.vocab_size})")
+    if isinstance(tokens, np.ndarray):  # converted on the host: no device program for the cast
+        tokens = tokens.astype(np.int32, copy=False)
     return jnp.asarray(tokens, jnp.int32)
 
 
