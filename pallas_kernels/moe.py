@@ -32,6 +32,10 @@ from pallas_kernels import dots
 # transposed copy of the weights: G times the FLOPs of the rows' own experts (on `small`'s
 # B8 decode step, 32x, and 2.2 GB of weight copies: most of a 3.5 s CPU step; 1.0 s gathered).
 GATHER_ROWS_PER_GROUP = 2
+# Past this many bytes of gathered fp32 weights (XLA:CPU upcasts a bf16 batched dot's operands),
+# the few rows run one by one, each reading its group's weights in place: `small`'s B8 decode
+# gathered 32 x 4.5 MB of fp32 expert weights per layer, written and read again each step.
+GATHER_BYTES_LIMIT = 32 << 20
 
 
 def group_of_rows(group_sizes_g, m: int):
@@ -46,13 +50,19 @@ def grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g):
     """Reference: ``out[r] = lhs[r] @ rhs[g(r)]`` with fp32 accumulation, what `jax.lax.ragged_dot`
     computes.  lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (rows past their sum give 0)
     -> [M, N] in lhs's dtype.  A few rows (M <= GATHER_ROWS_PER_GROUP * G) gather their groups'
-    weights and run one batched dot; more run `lax.ragged_dot`."""
+    weights and run one batched dot (one dot per row where that copy would pass
+    GATHER_BYTES_LIMIT); more run `lax.ragged_dot`."""
     m, g = lhs_mk.shape[0], rhs_gkn.shape[0]
     precision = jax.lax.Precision.HIGHEST if lhs_mk.dtype == jnp.float32 else None
     if m <= GATHER_ROWS_PER_GROUP * g:
         group = group_of_rows(group_sizes_g, m)
-        w_mkn = rhs_gkn[jnp.minimum(group, g - 1)]
-        out = jnp.einsum("mk,mkn->mn", lhs_mk, w_mkn, preferred_element_type=jnp.float32, precision=precision)
+        if m * rhs_gkn.shape[1] * rhs_gkn.shape[2] * 4 <= GATHER_BYTES_LIMIT:
+            w_mkn = rhs_gkn[jnp.minimum(group, g - 1)]
+            out = jnp.einsum("mk,mkn->mn", lhs_mk, w_mkn, preferred_element_type=jnp.float32, precision=precision)
+        else:  # row by row, each row's weights read in place
+            out = jax.lax.map(lambda a: jnp.dot(a[0][None], rhs_gkn[jnp.minimum(a[1], g - 1)],
+                                                preferred_element_type=jnp.float32, precision=precision)[0],
+                              (lhs_mk, group))
         out = jnp.where((group < g)[:, None], out, 0.0)
     else:
         out = jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g.astype(jnp.int32),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import moe as moe_module
 from pallas_kernels.moe import GATHER_ROWS_PER_GROUP, grouped_matmul, grouped_matmul_ref
 
 
@@ -43,9 +44,13 @@ def test_grouped_matmul_equals_ragged_dot(rng, m, k, n, g, dtype, block_m):
     (32, 32, jnp.bfloat16, 0),    # a decode step's B8 x top-4 over 32 experts, bf16 weights
     (40, 8, jnp.float32, 5),      # M > GATHER_ROWS_PER_GROUP * G: lax.ragged_dot itself
 ])
-def test_reference_is_ragged_dot_in_both_forms(rng, m, g, dtype, short):
-    """The reference's two forms (gathered weights for a few rows, `lax.ragged_dot` past them)
-    compute ragged_dot's rows: row r times its group's weights, zero past the groups' sum."""
+@pytest.mark.parametrize("gather_bytes_limit", [None, 0])  # 0: the few rows one by one, never gathered
+def test_reference_is_ragged_dot_in_both_forms(rng, m, g, dtype, short, gather_bytes_limit, monkeypatch):
+    """The reference's three forms (gathered weights for a few rows, or one row at a time where
+    that copy would be large; `lax.ragged_dot` past them) compute ragged_dot's rows: row r times
+    its group's weights, zero past the groups' sum."""
+    if gather_bytes_limit is not None:
+        monkeypatch.setattr(moe_module, "GATHER_BYTES_LIMIT", gather_bytes_limit)
     k, n = 24, 40
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
     rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, dtype)
