@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--corpus", default="auto", help="kimik3.corpus source (default: %(default)s)")
     ap.add_argument("--train-minutes", type=float, default=4.0)
     ap.add_argument("--train-steps", type=int, default=3000, help="the schedule's length (default: %(default)s)")
+    ap.add_argument("--train-batch", type=int, default=32)
+    ap.add_argument("--train-seq-len", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-bytes", type=int, default=300)
     ap.add_argument("--positions", type=int, default=8)
@@ -74,8 +76,10 @@ def main():
     if args.checkpoint:
         p32, cfg = checkpoint.restore(args.checkpoint, "float32")
     else:
-        tc = train.TrainConfig(config=args.config, steps=args.train_steps, batch=32, seq_len=512, lr=3e-3,
-                               warmup_steps=min(100, args.train_steps - 1), eval_every=250, eval_batches=8,
+        tc = train.TrainConfig(config=args.config, steps=args.train_steps, batch=args.train_batch,
+                               seq_len=args.train_seq_len, lr=3e-3,
+                               warmup_steps=min(100, args.train_steps - 1), eval_every=250,
+                               eval_batches=min(8, args.train_batch),
                                corpus=args.corpus, out=os.path.join(args.out, "train"), progress=False,
                                max_seconds=args.train_minutes * 60)
         summary, p32 = train.train(tc)

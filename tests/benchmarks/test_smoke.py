@@ -40,6 +40,16 @@ def test_probe_scripts_run(script, tmp_path):
     assert _run(script, tmp_path).strip()
 
 
+def test_the_trained_bf16_check_writes_a_figure_per_position(tmp_path):
+    out = tmp_path / "bf16"
+    _run(["benchmarks/bf16_trained.py", "--config", "tiny", "--train-steps", "2", "--train-batch", "2",
+          "--train-seq-len", "32", "--corpus", "licenses", "--prompts", "2", "--prompt-bytes", "16",
+          "--positions", "3", "--out", str(out)], tmp_path)
+    result = json.load(open(out / "bf16_trained.json"))
+    assert len(result["mean_abs_err_per_position"]) == 3 and len(result["prompts"]) == 2
+    assert result["training"]["steps_done"] == 2
+
+
 @pytest.mark.parametrize("script", [["benchmarks/init_time.py", "--config", "tiny", "--variants", "init_params"],
                                     ["benchmarks/host_rss.py", "--config", "tiny", "--no-engine", "--trim"],
                                     ["benchmarks/mla_fp32_dots.py", "--algorithms", "ieee"]])
