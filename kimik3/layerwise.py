@@ -8,20 +8,25 @@ GPU's answer; on XLA:CPU its body's dynamic slices of every stacked weight add m
 fusions than the scan saves (benchmarks/RESULTS.md, the compile section).  Here instead::
 
     embed program     tokens [B, T] (+ images) -> x [B, T, D]
-    block program     one per `kimik3.model.block_kind`, traced for the kind's first layer
-                      (a block depends only on its kind): (x, positions, the layer's cache
-                      entry) -> (x, the entry written), called once per layer
+    mixer program     one per mixer kind (KDA, MLA), traced for the kind's first layer (a
+                      block's half depends only on its kind): `Block.mix`, (x, positions, the
+                      layer's cache entry) -> (x, the entry written), called once per layer
+    FFN program       one per FFN kind (dense, MoE): `Block.ffn`, x -> x
     head program      x -> fp32 logits [B, T, V]
 
-so a model compiles its (mixer, FFN) kinds (3 for every preset) and not its layers.  The
-math is `kimik3.model`'s: the same `Block`, `embed_inputs`, `logits_rows` and `head_logits`,
-and the per-program results are those of the whole program (tests/kimik3/test_layerwise.py).
+so a model compiles its 2 + 2 kinds and not its layers (one program per (mixer, FFN) pair
+would compile the KDA mixer and the MoE twice: the dense FFN shares layer 0 with a KDA
+mixer).  The math is `kimik3.model`'s: the same `Block` halves, `embed_inputs`, `logits_rows`
+and `head_logits`, and the results are the whole program's (tests/kimik3/test_layerwise.py).
+The price is the run: separate programs reuse no temp buffer across layers (see the compile
+section of benchmarks/RESULTS.md), so loops that call the model many times (`generate`'s
+decode, the engine) keep the whole program.
 
 `kimik3.model.forward` takes this path where it pays (`use_layerwise`): eager calls on the
 CPU with the checkpoint or fused layout and no cache or a contiguous one, when the model has
-at least twice as many layers as kinds.  Everything else (a paged view, the scanned layout, a
-call under an outer `jax.jit`, the GPU, where one program per step is one CUDA graph) runs
-the whole program.
+at least twice as many layers as (mixer, FFN) kinds.  Everything else (a paged view, the
+scanned layout, a call under an outer `jax.jit`, the GPU, where one program per step is one
+CUDA graph) runs the whole program.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ PROGRAMS = ("auto", "whole", "layerwise")
 
 
 def n_kinds(cfg: ModelConfig) -> int:
+    """The model's distinct (mixer, FFN) block kinds (3 for every preset)."""
     from kimik3.model import block_kind
 
     return len({block_kind(cfg, i) for i in range(cfg.n_layers)})
