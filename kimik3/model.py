@@ -202,7 +202,8 @@ class KimiK3(nn.Module):
         (the rest pad it); with logits_tail=1 the logits are those of its last real token."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
-        x = embed_inputs(embed, tokens_bt, images_nhwc, None if cfg.vit is None else ViT(cfg.vit, cfg.d_model, name="vit"))
+        vit = None if cfg.vit is None else ViT(cfg.vit, cfg.d_model, name="vit")
+        x = embed_inputs(embed, tokens_bt, images_nhwc, vit)
         first, n = stacked.scan_layout(cfg)
         scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
