@@ -1,0 +1,234 @@
+"""Quantized weight formats with real arithmetic: quantize, dequantize, the reference matmul.
+
+A weight W [..., K, N] (K contracted: y = x @ W) becomes a `QTensor` of values and scales:
+
+* ``fp8``: e4m3 values, one fp32 scale per 128 x 128 block of (K, N) (DeepSeek-V3's weight
+  layout): scale = amax(block) / 448, values = W / scale rounded to e4m3.  A ragged last block
+  (K or N not a multiple of 128) has its own amax.
+* ``mxfp8``: OCP microscaling: e4m3 values, one e8m0 (power-of-two) scale per 32 consecutive
+  K of each column.  scale = 2^(floor(log2 amax) - 8) (8: e4m3's largest exponent); values
+  past e4m3's largest normal (448) saturate, as the OCP spec defines.
+* ``mxfp4``: OCP microscaling with e2m1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and signs), scale
+  2^(floor(log2 amax) - 2), saturating at 6; two values packed per byte along N (low nibble
+  first), so an [K, N] weight is [K, N / 2] uint8 plus [K / 32, N] e8m0: 4.25 bits a value.
+
+Scales run along K per column (MX) or per 128-column block (fp8), so quantizing the members of a
+projection group apart and concatenating along N gives the bits of the group quantized whole
+whenever the members' widths are multiples of the blocks (the fused GEMMs' bit-exactness).
+
+`dequantize(q)` is exact arithmetic (values x scales in fp32); `matmul_ref(x, q)` is
+``x @ dequantize(q)`` with fp32 accumulation, the reference every kernel is held against.
+`check(q)` refuses a tensor whose scales are missing, mis-shaped, of the wrong dtype, or not
+finite and positive (a corrupt checkpoint entry), before any launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("fp8", "mxfp8", "mxfp4")
+FP8_BLOCK = 128
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+_EMAX = {"mxfp8": 8, "mxfp4": 2}  # the element type's largest exponent (OCP MX: X = floor(log2 amax) - emax)
+# e2m1's magnitudes by 3-bit code (sign in bit 3)
+E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A quantized [..., K, N] weight.  values: float8_e4m3fn [..., K, N] (fp8, mxfp8) or uint8
+    [..., K, N / 2] (mxfp4, packed); scales: float32 [..., ceil(K/128), ceil(N/128)] (fp8) or
+    float8_e8m0fnu [..., K / 32, N] (mx)."""
+
+    values: jax.Array
+    scales: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def bits_per_value(self) -> float:
+        n = math.prod(self.shape)
+        return 8.0 * (self.values.size * self.values.dtype.itemsize
+                      + self.scales.size * self.scales.dtype.itemsize) / n
+
+
+def _require(ok: bool, msg: str):
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_weight(w, fmt: str):
+    _require(fmt in FORMATS, f"unknown format {fmt!r}; known: {FORMATS}")
+    _require(w.ndim >= 2, f"a weight to quantize is [..., K, N]; got shape {tuple(w.shape)}")
+    k, n = w.shape[-2:]
+    if fmt in _EMAX:
+        _require(k % MX_BLOCK == 0, f"{fmt} scales blocks of {MX_BLOCK} along K; K={k} is not a multiple")
+    if fmt == "mxfp4":
+        _require(n % 2 == 0, f"mxfp4 packs two values per byte along N; N={n} is odd")
+
+
+def _pad_to(x, axis: int, multiple: int):
+    size = x.shape[axis]
+    pad = -size % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _fp8_block_scales(w):
+    """fp32 [..., kb, nb]: amax / 448 per 128 x 128 block (1 where a block is all zero)."""
+    k, n = w.shape[-2:]
+    p = _pad_to(_pad_to(jnp.abs(w), -2, FP8_BLOCK), -1, FP8_BLOCK)
+    kb, nb = p.shape[-2] // FP8_BLOCK, p.shape[-1] // FP8_BLOCK
+    amax = p.reshape(p.shape[:-2] + (kb, FP8_BLOCK, nb, FP8_BLOCK)).max(axis=(-3, -1))
+    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+
+
+def _expand_fp8_scales(scales, k: int, n: int):
+    s = jnp.repeat(jnp.repeat(scales, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
+    return s[..., :k, :n]
+
+
+def _mx_exponents(w, fmt: str):
+    """int32 [..., K/32, N]: X = floor(log2 amax) - emax per 32 K of a column, clipped to
+    [-126, 127]: e8m0 reaches 2^-127, but that is an fp32 subnormal, which XLA:CPU flushes to 0
+    (an all-zero block takes 2^-126)."""
+    k = w.shape[-2]
+    blocks = jnp.abs(w).reshape(w.shape[:-2] + (k // MX_BLOCK, MX_BLOCK, w.shape[-1]))
+    amax = blocks.max(axis=-2)
+    _, exp = jnp.frexp(jnp.where(amax > 0, amax, 1.0))  # amax = m * 2^exp, m in [0.5, 1): floor(log2) = exp - 1
+    x = jnp.where(amax > 0, exp - 1 - _EMAX[fmt], -126)
+    return jnp.clip(x, -126, 127).astype(jnp.int32)
+
+
+def _e8m0(x_int):
+    """int32 exponents -> float8_e8m0fnu scales 2^x (exact: e8m0 holds 2^-127 .. 2^127)."""
+    return jnp.ldexp(jnp.ones(x_int.shape, jnp.float32), x_int).astype(jnp.float8_e8m0fnu)
+
+
+def _e2m1_codes(v):
+    """float32 values already scaled into [-6, 6] -> uint8 4-bit e2m1 codes (round to nearest,
+    ties to even code, as the OCP spec rounds)."""
+    mag = jnp.abs(v)
+    # nearest grid point; ties go to the even code (the grid's even codes have a zero mantissa bit)
+    d = jnp.abs(mag[..., None] - jnp.asarray(E2M1_GRID))
+    best = jnp.min(d, axis=-1, keepdims=True)
+    tie_ok = d <= best
+    codes = jnp.arange(8, dtype=jnp.int32)
+    even_first = jnp.where(tie_ok, (codes % 2) * 8 + codes, 99)  # prefer even codes among the nearest
+    code = jnp.argmin(even_first, axis=-1).astype(jnp.uint8)
+    return code | jnp.where(v < 0, jnp.uint8(8), jnp.uint8(0))
+
+
+def _pack_pairs(codes):
+    """uint8 codes [..., N] -> [..., N/2]: code 2j in the low nibble, 2j + 1 in the high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed):
+    """uint8 [..., N/2] -> float32 e2m1 values [..., N] (the inverse of the packing)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (packed.shape[-1] * 2,))
+    mag = jnp.asarray(E2M1_GRID)[(codes & 7).astype(jnp.int32)]
+    return jnp.where(codes & 8, -mag, mag)
+
+
+def quantize(w, fmt: str) -> QTensor:
+    """W [..., K, N] (any float dtype) -> QTensor in `fmt` (see the module comment)."""
+    _check_weight(w, fmt)
+    w = jnp.asarray(w, jnp.float32)
+    k, n = w.shape[-2:]
+    if fmt == "fp8":
+        scales = _fp8_block_scales(w)
+        # amax / scale is 448 up to one rounding: clip so that it cannot overflow e4m3 into NaN
+        values = jnp.clip(w / _expand_fp8_scales(scales, k, n), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+        return QTensor(values, scales, fmt, tuple(w.shape))
+    x = _mx_exponents(w, fmt)
+    scaled = w / jnp.repeat(jnp.ldexp(jnp.ones(x.shape, jnp.float32), x), MX_BLOCK, axis=-2)
+    if fmt == "mxfp8":
+        values = jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    else:
+        values = _pack_pairs(_e2m1_codes(jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)))
+    return QTensor(values, _e8m0(x), fmt, tuple(w.shape))
+
+
+def _scale_shape(fmt: str, shape: tuple) -> tuple:
+    k, n = shape[-2:]
+    if fmt == "fp8":
+        return tuple(shape[:-2]) + (-(-k // FP8_BLOCK), -(-n // FP8_BLOCK))
+    return tuple(shape[:-2]) + (k // MX_BLOCK, n)
+
+
+def check(q: QTensor) -> QTensor:
+    """q if it is well formed; ValueError naming the problem otherwise (a corrupt or mismatched
+    entry is refused at load, never dequantized into wrong weights).  Reads the scales' values."""
+    _require(q.fmt in FORMATS, f"unknown format {q.fmt!r}; known: {FORMATS}")
+    shape = tuple(q.shape)
+    want_values = shape if q.fmt != "mxfp4" else shape[:-1] + (shape[-1] // 2,)
+    want_vdtype = jnp.uint8 if q.fmt == "mxfp4" else jnp.float8_e4m3fn
+    _require(tuple(q.values.shape) == want_values and q.values.dtype == want_vdtype,
+             f"{q.fmt} values for a {shape} weight must be {jnp.dtype(want_vdtype).name} {want_values}; "
+             f"got {q.values.dtype} {tuple(q.values.shape)}")
+    want_scales = _scale_shape(q.fmt, shape)
+    want_sdtype = jnp.float32 if q.fmt == "fp8" else jnp.float8_e8m0fnu
+    _require(tuple(q.scales.shape) == want_scales and q.scales.dtype == want_sdtype,
+             f"{q.fmt} scales for a {shape} weight must be {jnp.dtype(want_sdtype).name} {want_scales}; "
+             f"got {q.scales.dtype} {tuple(q.scales.shape)}")
+    s = np.asarray(q.scales, np.float32)
+    _require(bool(np.all(np.isfinite(s) & (s > 0))),
+             f"{q.fmt} scales hold {int(np.sum(~(np.isfinite(s) & (s > 0))))} non-finite or non-positive entries "
+             f"(a corrupt scale tensor)")
+    if q.fmt != "mxfp4":
+        _require(bool(np.all(np.isfinite(np.asarray(q.values, np.float32)))), f"{q.fmt} values hold NaN")
+    return q
+
+
+def dequantize(q: QTensor):
+    """float32 [..., K, N]: values x scales, exactly."""
+    k, n = q.shape[-2:]
+    if q.fmt == "fp8":
+        return q.values.astype(jnp.float32) * _expand_fp8_scales(q.scales, k, n)
+    values = unpack_e2m1(q.values) if q.fmt == "mxfp4" else q.values.astype(jnp.float32)
+    return values * jnp.repeat(q.scales.astype(jnp.float32), MX_BLOCK, axis=-2)
+
+
+def matmul_ref(x, q: QTensor):
+    """x [..., K] @ dequantize(q) [K, N] -> float32 [..., N], fp32 accumulation at the highest
+    precision (what every quantized GEMM kernel is held against)."""
+    return jnp.matmul(jnp.asarray(x, jnp.float32), dequantize(q), precision=jax.lax.Precision.HIGHEST)
+
+
+def error_bound(w, fmt: str):
+    """float32 [..., K, N]: the largest |W - dequantize(quantize(W))| each element may show (round
+    to nearest of the element type inside the scaled range, plus saturation past it)."""
+    w = jnp.asarray(w, jnp.float32)
+    k, n = w.shape[-2:]
+    if fmt == "fp8":
+        scale = _expand_fp8_scales(_fp8_block_scales(w), k, n)
+        a = jnp.abs(w) / scale
+        step = _e4m3_step(a)
+        return step / 2 * scale * (1 + 1e-6)
+    scale = jnp.repeat(jnp.ldexp(jnp.ones((), jnp.float32), _mx_exponents(w, fmt)), MX_BLOCK, axis=-2)
+    a = jnp.abs(w) / scale
+    if fmt == "mxfp8":
+        inside = _e4m3_step(jnp.minimum(a, E4M3_MAX)) / 2
+        return jnp.where(a <= E4M3_MAX, inside, a - E4M3_MAX) * scale * (1 + 1e-6)
+    step = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0))
+    return jnp.where(a <= E2M1_MAX, step / 2, a - E2M1_MAX) * scale * (1 + 1e-6)
+
+
+def _e4m3_step(a):
+    """The spacing of e4m3 values around |v| = a: 2^(e - 3) for a in [2^e, 2^(e+1)), e >= -6;
+    the subnormal spacing 2^-9 below 2^-6."""
+    _, exp = jnp.frexp(jnp.where(a > 0, a, 1.0))
+    e = jnp.maximum(exp - 1, -6)
+    return jnp.ldexp(jnp.ones(a.shape, jnp.float32), e - 3)
