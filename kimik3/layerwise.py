@@ -16,8 +16,8 @@ fusions than the scan saves (benchmarks/RESULTS.md, the compile section).  Here 
 
 so a model compiles its 2 + 2 kinds and not its layers (one program per (mixer, FFN) pair
 would compile the KDA mixer and the MoE twice: the dense FFN shares layer 0 with a KDA
-mixer).  The math is `kimik3.model`'s: the same `Block` halves, `embed_inputs`, `logits_rows`
-and `head_logits`, and the results are the whole program's (tests/kimik3/test_layerwise.py).
+mixer).  The math is `kimik3.model`'s: the same `Block` halves, `embed_inputs` and
+`head_logits`, and the results are the whole program's (tests/kimik3/test_layerwise.py).
 The price is the run: separate programs reuse no temp buffer across layers (see the compile
 section of benchmarks/RESULTS.md), so loops that call the model many times (`generate`'s
 decode, the engine) keep the whole program.
@@ -54,9 +54,7 @@ def n_kinds(cfg: ModelConfig) -> int:
 
 def _on_cpu(leaf) -> bool:
     devices = getattr(leaf, "devices", None)
-    if devices is None or isinstance(leaf, jax.core.Tracer):
-        return False
-    return all(d.platform == "cpu" for d in devices())
+    return devices is not None and all(d.platform == "cpu" for d in devices())
 
 
 def use_layerwise(programs: str, params, cfg: ModelConfig, cache, *args) -> bool:
@@ -106,16 +104,14 @@ def _ffn_program(block_params, x_btd, *, cfg: ModelConfig, layer: int, expert_pa
     return Block(cfg, layer, expert_path, kernels).apply({"params": block_params}, x_btd, method="ffn")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "logits_tail"))
-def _head_program(final_norm, lm_head_dv, x_btd, valid_b, *, cfg: ModelConfig, logits_tail):
-    from kimik3.model import head_logits, logits_rows
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _head_program(final_norm, lm_head_dv, x_btd, *, cfg: ModelConfig):
+    from kimik3.model import head_logits
 
-    x = RMSNorm(cfg.d_model, cfg.norm_eps).apply({"params": final_norm}, logits_rows(x_btd, logits_tail, valid_b))
-    return head_logits(x, lm_head_dv)
+    return head_logits(RMSNorm(cfg.d_model, cfg.norm_eps).apply({"params": final_norm}, x_btd), lm_head_dv)
 
 
-def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig, expert_path: str, kernels: str,
-            logits_tail=None):
+def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig, expert_path: str, kernels: str):
     """`kimik3.model._forward`'s (logits, cache) for checked inputs (`kimik3.model.prepare_inputs`),
     cache None or contiguous (`kimik3.model.init_cache`), params unstacked."""
     from kimik3.model import first_of_kind
@@ -134,7 +130,7 @@ def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig,
                          kernels=kernels)
         if layers is not None:
             layers[i] = new
-    logits = _head_program(params["final_norm"], params["lm_head_dv"], x, None, cfg=cfg, logits_tail=logits_tail)
+    logits = _head_program(params["final_norm"], params["lm_head_dv"], x, cfg=cfg)
     if cache is None:
         return logits, None
     # the lengths on the host: `prepare_inputs` has read them already, and an eager add would

@@ -165,15 +165,6 @@ def embed_inputs(embed_vd, tokens_bt, images, vit=None):
     return x
 
 
-def logits_rows(x_btd, logits_tail=None, valid_b=None):
-    """The rows the head reads (see `KimiK3`'s logits_tail and valid_b)."""
-    if logits_tail is not None and valid_b is not None:
-        if logits_tail != 1:
-            raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
-        return jnp.take_along_axis(x_btd, jnp.clip(valid_b - 1, 0, x_btd.shape[1] - 1)[:, None, None], axis=1)
-    return x_btd if logits_tail is None else x_btd[:, -logits_tail:]
-
-
 def head_logits(x_btd, lm_head_dv):
     """fp32 logits [B, T, V] of the final-normed rows (the head's dot is fp32 by design)."""
     return jnp.dot(x_btd.astype(jnp.float32), lm_head_dv.astype(jnp.float32))
@@ -231,7 +222,13 @@ class KimiK3(nn.Module):
                 exports[i] = e
             if i in self.taps:
                 self.sow("intermediates", f"tap_{i}", x)
-        x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(logits_rows(x, logits_tail, valid_b))
+        if logits_tail is not None and valid_b is not None:
+            if logits_tail != 1:
+                raise ValueError("a padded call returns the logits of its last real token only (logits_tail=1)")
+            x = jnp.take_along_axis(x, jnp.clip(valid_b - 1, 0, x.shape[1] - 1)[:, None, None], axis=1)
+        elif logits_tail is not None:
+            x = x[:, -logits_tail:]
+        x = RMSNorm(cfg.d_model, cfg.norm_eps, name="final_norm")(x)
         lm_head = self.param("lm_head_dv", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size))
         return head_logits(x, lm_head), caches, tuple(exports[i] for i in sorted(exports)) or None
 

@@ -111,9 +111,19 @@ def _mx_exponents(w, fmt: str):
     return jnp.clip(x, -126, 127).astype(jnp.int32)
 
 
+def _pow2(x_int):
+    """float32 2^x for int32 exponents x (exact)."""
+    return jnp.ldexp(jnp.ones(jnp.shape(x_int), jnp.float32), x_int)
+
+
+def _per_element(mx_scales):
+    """[..., K/32, N] MX scales -> float32 [..., K, N]: each K's scale."""
+    return jnp.repeat(mx_scales.astype(jnp.float32), MX_BLOCK, axis=-2)
+
+
 def _e8m0(x_int):
     """int32 exponents -> float8_e8m0fnu scales 2^x (exact: e8m0 holds 2^-127 .. 2^127)."""
-    return jnp.ldexp(jnp.ones(x_int.shape, jnp.float32), x_int).astype(jnp.float8_e8m0fnu)
+    return _pow2(x_int).astype(jnp.float8_e8m0fnu)
 
 
 def _e2m1_codes(v):
@@ -153,7 +163,7 @@ def quantize(w, fmt: str) -> QTensor:
         values = jnp.clip(w / _expand_fp8_scales(scales, k, n), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
         return QTensor(values, scales, fmt, tuple(w.shape))
     x = _mx_exponents(w, fmt)
-    scaled = w / jnp.repeat(jnp.ldexp(jnp.ones(x.shape, jnp.float32), x), MX_BLOCK, axis=-2)
+    scaled = w / _per_element(_pow2(x))
     if fmt == "mxfp8":
         values = jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     else:
@@ -198,7 +208,7 @@ def dequantize(q: QTensor):
     if q.fmt == "fp8":
         return q.values.astype(jnp.float32) * _expand_fp8_scales(q.scales, k, n)
     values = unpack_e2m1(q.values) if q.fmt == "mxfp4" else q.values.astype(jnp.float32)
-    return values * jnp.repeat(q.scales.astype(jnp.float32), MX_BLOCK, axis=-2)
+    return values * _per_element(q.scales)
 
 
 def matmul_ref(x, q: QTensor):
@@ -217,7 +227,7 @@ def error_bound(w, fmt: str):
         a = jnp.abs(w) / scale
         step = _e4m3_step(a)
         return step / 2 * scale * (1 + 1e-6)
-    scale = jnp.repeat(jnp.ldexp(jnp.ones((), jnp.float32), _mx_exponents(w, fmt)), MX_BLOCK, axis=-2)
+    scale = _per_element(_pow2(_mx_exponents(w, fmt)))
     a = jnp.abs(w) / scale
     if fmt == "mxfp8":
         inside = _e4m3_step(jnp.minimum(a, E4M3_MAX)) / 2
@@ -231,4 +241,4 @@ def _e4m3_step(a):
     the subnormal spacing 2^-9 below 2^-6."""
     _, exp = jnp.frexp(jnp.where(a > 0, a, 1.0))
     e = jnp.maximum(exp - 1, -6)
-    return jnp.ldexp(jnp.ones(a.shape, jnp.float32), e - 3)
+    return _pow2(e - 3)
