@@ -11,7 +11,9 @@ what checkpoints, sharding rules and quantization manifests name) once, at load:
   ``moe/w_gateup_elf`` [E, L, 2F] (one grouped GEMM).
 
 The layers take either layout (they look for ``w_in_dx``) and compute the same math: a decode
-step of `small` launches one GEMM where it launched up to six, per layer.  The fp32 router
+step of `small` launches one GEMM where it launched up to six, per layer.  Quantized members
+(`kimik3.quant.formats.QTensor`, in their GEMM form) fuse by `formats.concat`: each member keeps
+its own bits and scale blocks, so the fused GEMM's columns are the members' GEMMs bit for bit.  The fp32 router
 stays apart (its own dtype and precision).  Sharded steps keep the checkpoint layout (their
 rules shard heads; a fused matrix would interleave them).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from kimik3.config import ModelConfig
+from kimik3.quant import formats as qformats
 
 
 def is_fused(params) -> bool:
@@ -29,6 +32,13 @@ def is_fused(params) -> bool:
 
 
 def _cat(*ws):
+    """Members [K, ...] as one [K, sum N_i] GEMM weight (quantized members: all or none)."""
+    quantized = [isinstance(w, qformats.QTensor) for w in ws]
+    if any(quantized):
+        if not all(quantized):
+            raise ValueError("a fused projection group is quantized whole or not at all; got "
+                             f"{[getattr(w, 'fmt', 'array') for w in ws]}")
+        return qformats.concat(ws)
     return jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=-1)
 
 
@@ -59,7 +69,9 @@ def fuse_projections(params, cfg: ModelConfig):
                 ins += [shared["w_gate_df"], shared["w_up_df"]]
                 p["w_shared_out_fd"] = shared["w_out_fd"]
             p["w_in_dx"] = _cat(*ins)
-            p["w_gateup_elf"] = jnp.concatenate([p.pop("w_gate_elf"), p.pop("w_up_elf")], axis=-1)
+            gate, up = p.pop("w_gate_elf"), p.pop("w_up_elf")
+            p["w_gateup_elf"] = (qformats.concat([gate, up]) if isinstance(gate, qformats.QTensor)
+                                 else jnp.concatenate([gate, up], axis=-1))
             layer["moe"] = p
         out[f"layer_{i}"] = layer
     return out

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover
 from kimik3 import layerwise, ops, stacked, tokenizer
 from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
+from kimik3.quant.formats import QTensor
 from kimik3.layers.kda import KDA, init_kda_cache
 from kimik3.layers.mla import MLA, init_mla_cache
 from kimik3.layers.mlp import MLP
@@ -250,13 +251,15 @@ def cast_params(params: Params, dtype) -> Params:
 
     def cast(path, leaf):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
+        if isinstance(leaf, QTensor):  # quantized weights keep their storage types
+            return leaf
         if not jnp.issubdtype(leaf.dtype, jnp.floating) or FP32_PARAM_PATTERN.search(name):
             return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract trees (restore targets)
             return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=leaf.sharding)
         return leaf.astype(dtype)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
 def block_kind(cfg: ModelConfig, layer: int) -> tuple[str, str]:

@@ -21,7 +21,9 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_route
+from pallas_kernels import moe_combine, moe_route, qgemm
+from kimik3.quant import formats as qformats
+from kimik3.quant.formats import QTensor
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 
@@ -108,11 +110,52 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     return o, final_state
 
 
+def linear(x, w, *, kernels="auto"):
+    """x [..., K] times a weight in GEMM form [K, N] -> [..., N] in x's dtype: an array (``x @ w``)
+    or a `QTensor` in fp8 / mxfp8: a W8A8 GEMM, x quantized per row per K block
+    (`kimik3.quant.formats.quantize_rows`), `pallas_kernels.qgemm.qmatmul` on the Pallas path,
+    its reference elsewhere.  Column results read only their own weight column: fused groups are
+    bit-exact against their members' GEMMs."""
+    if not isinstance(w, QTensor):
+        return x @ w
+    if w.fmt not in qgemm.FORMATS or len(w.shape) != 2:
+        raise ValueError(f"linear takes fp8 / mxfp8 [K, N] weights; got {w.fmt} {w.shape}")
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x [..., {x.shape[-1]}] and a [{k}, {n}] weight do not contract")
+    bk = qgemm.block_k(w.fmt)
+    pad = -k % bk  # a ragged fp8 K (the tiny model): zero rows add nothing to any block's dot
+    x2 = x.reshape(-1, k)
+    values = w.values
+    if pad:
+        x2, values = jnp.pad(x2, ((0, 0), (0, pad))), jnp.pad(values, ((0, pad), (0, 0)))
+    xq, sx = qformats.quantize_rows(x2, w.fmt)
+    col_block = jnp.asarray(qformats.fp8_column_blocks(n, w.segments)) if w.fmt == "fp8" else None
+    gemm = qgemm.qmatmul if resolve(kernels) == "pallas" else qgemm.qmatmul_ref
+    y = gemm(w.fmt, xq, sx, values, w.scales, col_block, out_dtype=x.dtype)
+    return y.reshape(x.shape[:-1] + (n,))
+
+
+def linear_heads(o_bthv, w_hvd, *, kernels="auto"):
+    """The output projection of per-head values o [..., H, V] by w [H, V, D] (or its quantized
+    GEMM form [H * V, D]) -> [..., D]."""
+    if isinstance(w_hvd, QTensor):
+        return linear(o_bthv.reshape(o_bthv.shape[:-2] + (-1,)), w_hvd, kernels=kernels)
+    return jnp.einsum("...hv,hvd->...d", o_bthv, w_hvd)
+
+
+def expert_weights(w, dtype):
+    """Routed-expert weights for the grouped GEMMs: an array as it is; an MXFP4 `QTensor`
+    dequantized to `dtype` (exact in bf16: e2m1 values times powers of two)."""
+    return qformats.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w
+
+
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     """Routed-expert GEMM: rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N].
 
     Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
-    else `lax.ragged_dot` (the reference)."""
+    else `lax.ragged_dot` (the reference).  MXFP4 weights (`QTensor`) are dequantized first."""
+    rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
     if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
             and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
         return moe_kernels.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g)
@@ -122,6 +165,8 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
 def grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels="auto") -> bool:
     """Whether `grouped_ffn` (Pallas) serves these experts: fused gate/up weights, one dtype,
     dims the kernel tiles."""
+    if isinstance(w_gateup_elf, QTensor) or isinstance(w_out_efl, QTensor):
+        return False
     return (resolve(kernels) == "pallas" and x_nl.dtype == w_gateup_elf.dtype == w_out_efl.dtype
             and moe_kernels.kernel_dims_ok(x_nl.shape[1], w_gateup_elf.shape[2])
             and moe_kernels.kernel_dims_ok(w_out_efl.shape[1], w_out_efl.shape[2]))

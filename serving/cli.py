@@ -8,6 +8,10 @@
                                                          an EAGLE-3 draft head for a trained target
     kimik3 generate --checkpoint C --draft-checkpoint D --draft-tokens 3
                                                          speculative decoding (reference): acceptance
+    kimik3 quantize --checkpoint runs/mini/checkpoint --out runs/mini/quantized
+                                                         one checkpoint for the fp8_attn / mxfp8_attn manifests
+    kimik3 generate --checkpoint runs/mini/quantized --manifest fp8_attn
+                                                         generation on the quantized weights
     kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
     kimik3 demo                                          the agent workload end to end, 4 serving setups
     kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode dp16,ep16
@@ -36,11 +40,14 @@ from kimik3 import compile_cache
 def _cmd_generate(args) -> int:
     import jax
 
-    from kimik3 import checkpoint, config, model, tokenizer
+    from kimik3 import config, model, tokenizer
     from kimik3.generate import generate
+    from kimik3.quant import store
 
+    if args.manifest and not args.checkpoint:
+        raise ValueError("--manifest names the quantized weights of a checkpoint: pass --checkpoint DIR")
     if args.checkpoint:
-        params, cfg = checkpoint.restore(args.checkpoint)
+        params, cfg = store.load_params(args.checkpoint, args.manifest)
     else:
         cfg = config.get_config(args.config)
         params = model.init_params(cfg, jax.random.PRNGKey(args.seed))
@@ -65,7 +72,8 @@ def _cmd_generate(args) -> int:
     print(f"tokens: {result.tokens.tolist()}")
     print(f"text: {tokenizer.decode(result.tokens, skip_special=False)!r}")
     print(f"{len(result.tokens)} tokens in {dt:.2f} s (compile included); weights are "
-          f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}")
+          f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}"
+          f"{' as ' + args.manifest if args.manifest else ''}")
     return 0
 
 
@@ -176,6 +184,25 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_quantize(args) -> int:
+    from tqdm import tqdm
+
+    from kimik3.quant import store
+
+    with tqdm(desc="quantize", unit="tensor") as bar:
+        def progress(done, total):
+            bar.total = total
+            bar.update(done - bar.n)
+        record = store.quantize_checkpoint(args.checkpoint, args.out, keep_bf16_experts=args.keep_bf16_experts,
+                                           progress=progress)
+    print(f"wrote {args.out}: {record['config']} for the manifests {', '.join(record['manifests'])}")
+    for name, n in record["bytes"].items():
+        print(f"  {name:22s} {n / 2**20:10.1f} MiB of weights")
+    counts = ", ".join(f"{len(e)} {fmt}" for fmt, e in sorted(record["entries"].items()))
+    print(f"  stored once each: {counts} tensors; load with --checkpoint {args.out} --manifest NAME")
+    return 0
+
+
 def _cmd_media_bench(args) -> int:
     from serving import media_bench
 
@@ -231,10 +258,16 @@ def _cmd_coverage(args) -> int:
 def _cmd_demo(args) -> int:
     from serving import demo
 
-    spec = demo.DemoSpec(config=args.config, sessions=args.sessions, seed=args.seed)
+    spec = demo.DemoSpec(config=args.config, sessions=args.sessions, seed=args.seed, checkpoint=args.checkpoint,
+                         manifest=args.manifest)
     print(demo.main(spec, args.out))
     return 0
 
+
+# the manifest names, here so that --help needs no model import (tests/serving check them against
+# kimik3.quantization)
+SERVING_MANIFESTS = ("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe")
+MANIFEST_NAMES = ("bf16", "kimi_k3_mxfp4") + SERVING_MANIFESTS
 
 PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
 
@@ -272,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="greedy generation from a config (random weights) or a checkpoint")
     g.add_argument("--config", default="tiny", help="tiny | small | kimi_k3 (default tiny)")
     g.add_argument("--checkpoint", default=None, help="checkpoint directory (overrides --config)")
+    g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
+                   help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     g.add_argument("--prompt", default="Hello, Kimi!", help="user message")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
@@ -289,7 +324,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sessions", type=int, default=6)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="out")
+    d.add_argument("--checkpoint", default=None, help="serve these weights (overrides --config; default random)")
+    d.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
+                   help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     d.set_defaults(func=_cmd_demo)
+
+    q = sub.add_parser("quantize", help="one quantized checkpoint for the fp8_attn and mxfp8_attn manifests",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--checkpoint", required=True, help="the bf16 / fp32 checkpoint (`kimik3 train`'s out/checkpoint)")
+    q.add_argument("--out", required=True, help="the quantized checkpoint's directory (new)")
+    q.add_argument("--keep-bf16-experts", action="store_true",
+                   help="also keep the routed experts unquantized: the *_bf16_moe manifests load too")
+    q.set_defaults(func=_cmd_quantize)
 
     c = sub.add_parser("coverage", help="replay the agent workload through the cache tiers")
     c.add_argument("--config", default="tiny")
@@ -372,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameter count and weight bytes of a config")
     i.add_argument("--config", default="kimi_k3")
-    i.add_argument("--manifest", default="kimi_k3_mxfp4", help="bf16 | kimi_k3_mxfp4")
+    i.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(MANIFEST_NAMES),
+                   help="the storage format of each weight (kimik3.quantization)")
     i.set_defaults(func=_cmd_info)
 
     # Subcommands whose modules own their arguments.  The serving ones need the HTTP stack

@@ -47,6 +47,8 @@ class DemoSpec:
     host_bytes: int = 256 << 20
     burst_every_steps: int = 40
     seed: int = 0
+    checkpoint: str | None = None  # serve these weights (random ones from `seed` otherwise)
+    manifest: str | None = None  # with a quantized checkpoint (`kimik3 quantize`): the manifest to load
 
 
 def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
@@ -121,14 +123,26 @@ def _rss_gib() -> tuple[float, float]:
     return cur, peak
 
 
-def main(spec: DemoSpec, out_dir: str) -> str:
+def _params(spec: DemoSpec):
+    """(params, cfg) the demo serves: the checkpoint's (as the manifest loads them), or random."""
+    if spec.manifest and not spec.checkpoint:
+        raise ValueError("--manifest names the quantized weights of a checkpoint: pass --checkpoint DIR")
+    if spec.checkpoint:
+        from kimik3.quant import store
+
+        return store.load_params(spec.checkpoint, spec.manifest)
     cfg = config.get_config(spec.config)
+    return model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg
+
+
+def main(spec: DemoSpec, out_dir: str) -> str:
     t_start = time.monotonic()
     rss = {"start": _rss_gib()}  # where host memory and start-up time go: current / peak GiB after each phase
+    params, cfg = _params(spec)  # before any phase: a bad checkpoint or manifest fails first
     # Start-up shows its phases as they pass (a run cut short says where it was).
     setup = tqdm(total=2 + len(MODES), desc="warm-up", unit="phase", postfix="params")
     # the serving layout once, shared by every engine (each would otherwise fuse its own copy)
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed)), cfg, scan=False)
+    params = stacked.serving_layout(params, cfg, scan=False)
     jax.block_until_ready(params)
     rss["params"] = _rss_gib()
     seconds = {"params": time.monotonic() - t_start}
@@ -166,7 +180,8 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     table = metrics.format_table(summaries)
     os.makedirs(out_dir, exist_ok=True)
     metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
-    header = (f"config={cfg.name} ({jax.default_backend()}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
+    weights = f"{spec.checkpoint} as {spec.manifest}" if spec.manifest else spec.checkpoint or "random"
+    header = (f"config={cfg.name} ({jax.default_backend()}, weights {weights}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
               f"turns, DESIGN.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
               f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
               f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "

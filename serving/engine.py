@@ -69,6 +69,7 @@ from cache.media.l3 import EncoderCache
 from cache.manager import CacheSpec, PagedKVManager
 from kimik3 import model, ops, tokenizer
 from kimik3.config import ModelConfig
+from kimik3.quant import formats as qformats
 from serving import kv_pools
 from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
@@ -241,6 +242,8 @@ class Engine:
                           commit=bool(pre or self.runner.decode_step), draft_tokens=config.draft_tokens)
         # the layout version keeps blocks a store kept for an older packing from ever being read
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
+        if qformats.tree_formats(params):  # KV of quantized weights is not the unquantized model's
+            ns += "/q-" + "+".join(qformats.tree_formats(params))
         if self.spec is not None:  # its page blocks hold this draft's rows too
             ns += f"/eagle-{self.spec.fingerprint}"
         self.manager = PagedKVManager(CacheSpec(ns, config.page_tokens, config.kda_block_tokens), self.kv.pages,

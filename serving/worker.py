@@ -571,10 +571,12 @@ def build_engine(args):
     from serving.engine import Engine, EngineConfig
 
     draft = None
+    if getattr(args, "manifest", None) and not getattr(args, "checkpoint", None):
+        raise ValueError("--manifest names the quantized weights of a checkpoint: pass --checkpoint DIR")
     if getattr(args, "checkpoint", None):
-        from kimik3 import checkpoint
+        from kimik3.quant import store
 
-        params, cfg = checkpoint.restore(args.checkpoint)
+        params, cfg = store.load_params(args.checkpoint, getattr(args, "manifest", None))
         dtype = args.dtype or str(params["embed_vd"].dtype)
         params = model.cast_params(params, jax.numpy.dtype(dtype))
     else:
@@ -644,6 +646,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
     parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
+    parser.add_argument("--manifest", default=None,
+                        choices=("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe"),
+                        help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     parser.add_argument("--speculative", choices=("eagle3",), default=None,
                         help="speculative decoding with an EAGLE-3 draft (colocated role 'both')")
     parser.add_argument("--draft-checkpoint", default=None, metavar="DIR", help="the draft (`kimik3 train-eagle`)")

@@ -13,7 +13,7 @@ import flax.linen as nn
 
 from kimik3 import ops
 from kimik3.config import ModelConfig
-from kimik3.layers.primitives import fan_in_init, l2_normalize, rms_norm, short_conv
+from kimik3.layers.primitives import fan_in_init, gemm_form, l2_normalize, qparam, rms_norm, short_conv
 
 CACHE_KEYS = ("state", "conv")
 
@@ -61,12 +61,12 @@ class KDA(nn.Module):
         p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
         in_width = 3 * h * k + k + h + k  # q, k, v, the gate's f_a, beta, the output gate's g_a
         fused = self.has_variable("params", "w_in_dx")  # `kimik3.fused`: the six input projections as one GEMM
-        w_in = self.param("w_in_dx", fan_in_init(d), (d, in_width)) if fused else None
+        w_in = qparam(self, "w_in_dx", fan_in_init(d), (d, in_width)) if fused else None
         # (declared in this order: params initialize from per-module counters, so the order is the init)
         if not fused:
-            w_q, w_k, w_v = p("w_q_dhk", (d, h, k), d), p("w_k_dhk", (d, h, k), d), p("w_v_dhv", (d, h, k), d)
+            w_q, w_k, w_v = (qparam(self, n, fan_in_init(d), (d, h, k)) for n in ("w_q_dhk", "w_k_dhk", "w_v_dhv"))
         conv = {n: p(f"conv_{n}_wc", (cfg.kda_conv_size, h * k), cfg.kda_conv_size) for n in "qkv"}
-        w_fa = None if fused else p("w_fa_dr", (d, k), d)
+        w_fa = None if fused else qparam(self, "w_fa_dr", fan_in_init(d), (d, k))
         # the gates' low-rank up-projections: apart in the checkpoint, stacked [2, R, H*K] in the
         # serving layout (one batched GEMM for both)
         w_fb = None if fused else p("w_fb_rhk", (k, h, k), k)
@@ -74,12 +74,12 @@ class KDA(nn.Module):
         a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)),
                            (h,))
         if not fused:
-            w_b, w_ga = p("w_beta_dh", (d, h), d), p("w_ga_dr", (d, k), d)
-            w_in = (w_q.reshape(d, -1), w_k.reshape(d, -1), w_v.reshape(d, -1), w_fa, w_b, w_ga)
+            w_b, w_ga = qparam(self, "w_beta_dh", fan_in_init(d), (d, h)), qparam(self, "w_ga_dr", fan_in_init(d), (d, k))
+            w_in = (gemm_form(w_q, 1), gemm_form(w_k, 1), gemm_form(w_v, 1), w_fa, w_b, w_ga)
         w_gb = None if fused else p("w_gb_rhv", (k, h, k), k)
         w_fg = self.param("w_fg_srn", fan_in_init(k), (2, k, h * k)) if fused else None
         o_norm = self.param("o_norm_v", nn.initializers.ones, (k,))
-        w_o = p("w_o_hvd", (h, k, d), h * k)
+        w_o = qparam(self, "w_o_hvd", fan_in_init(h * k), (h, k, d))
 
         cache = cache or {}
         new_cache = {}
@@ -91,11 +91,11 @@ class KDA(nn.Module):
         exports = {}
 
         if fused:  # q, k, v come out of the one GEMM side by side: the convs' input as it is
-            x_in = x_btd @ w_in
+            x_in = ops.linear(x_btd, w_in, kernels=self.kernels)
             x_qkv, xfa, xb, xga = jnp.split(x_in, np.cumsum((3 * h * k, k, h)).tolist(), axis=-1)
             beta_col = 3 * h * k + k
         else:
-            xs = [x_btd @ w for w in w_in]
+            xs = [ops.linear(x_btd, w, kernels=self.kernels) for w in w_in]
             x_qkv, xfa, xb, xga = jnp.concatenate(xs[:3], axis=-1), *xs[3:]
             x_in, beta_col = None, 3 * h * k
 
@@ -119,7 +119,7 @@ class KDA(nn.Module):
                 x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
                 lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
-            return jnp.einsum("bhv,hvd->bd", o, w_o)[:, None], {"conv": conv_pool, "state": state_pool}
+            return ops.linear_heads(o, w_o, kernels=self.kernels)[:, None], {"conv": conv_pool, "state": state_pool}
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
         # (or the pool [num_slots, ...] read and written by slot).
@@ -151,4 +151,4 @@ class KDA(nn.Module):
                                     for n, s in exports.items()}
         gate = jax.nn.sigmoid(x_gate.astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
-        return jnp.einsum("bthv,hvd->btd", o, w_o), new_cache
+        return ops.linear_heads(o, w_o, kernels=self.kernels), new_cache

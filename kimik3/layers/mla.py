@@ -23,7 +23,7 @@ import flax.linen as nn
 from kimik3 import ops
 from kimik3.config import ModelConfig
 from pallas_kernels.attention import attend
-from kimik3.layers.primitives import fan_in_init, rms_norm
+from kimik3.layers.primitives import fan_in_init, gemm_form, qparam, rms_norm
 from pallas_kernels.mla import gather_pages, write_latent
 
 
@@ -64,35 +64,36 @@ def write_rows(cache_bsr, rows_btr, start_b):
     return jax.vmap(write)(cache_bsr, rows_btr, start_b)
 
 
-def mla_project(cfg: ModelConfig, w: dict, x_btd):
+def mla_project(cfg: ModelConfig, w: dict, x_btd, kernels: str = "auto"):
     """The layer's projections of x [B, T, D_in] from its weights `w` (separate or `kimik3.fused`):
     (q [B, T, H, nope + rope], the new latent rows [B, T, kv_lora + rope], the output gate's
-    pre-activation [B, T, H, v]).  D_in is the model width, or 2D in an EAGLE-3 draft layer."""
+    pre-activation [B, T, H, v]).  D_in is the model width, or 2D in an EAGLE-3 draft layer.
+    Any projection may be a quantized `QTensor` in its GEMM form (`kimik3.ops.linear`)."""
     h, r = cfg.mla_heads, cfg.kv_lora_rank
+    lin = lambda x, name: ops.linear(x, gemm_form(w[name], 1), kernels=kernels)
+    heads = lambda y, dim: y.reshape(y.shape[:-1] + (h, dim))
     if "w_in_dx" in w:
         q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
         widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)
-        xq, kv, xg = jnp.split(x_btd @ w["w_in_dx"], np.cumsum(widths)[:-1].tolist(), axis=-1)
-        xg = xg.reshape(xg.shape[:2] + (h, cfg.v_head_dim))
+        xq, kv, xg = jnp.split(lin(x_btd, "w_in_dx"), np.cumsum(widths)[:-1].tolist(), axis=-1)
     else:
-        xq = x_btd @ w["w_qa_dq"] if cfg.q_lora_rank else None
-        kv = x_btd @ w["w_kva_dr"]
-        xg = jnp.einsum("btd,dhv->bthv", x_btd, w["w_gate_dhv"])
+        xq = lin(x_btd, "w_qa_dq" if cfg.q_lora_rank else "w_q_dhk")
+        kv = lin(x_btd, "w_kva_dr")
+        xg = lin(x_btd, "w_gate_dhv")
+    xg = heads(xg, cfg.v_head_dim)
     if cfg.q_lora_rank:
-        q = jnp.einsum("btq,qhk->bthk", rms_norm(xq, w["q_norm"], cfg.norm_eps), w["w_qb_qhk"])
-    elif "w_in_dx" in w:
-        q = xq.reshape(xq.shape[:2] + (h, cfg.mla_qk_dim))
+        q = heads(lin(rms_norm(xq, w["q_norm"], cfg.norm_eps), "w_qb_qhk"), cfg.mla_qk_dim)
     else:
-        q = jnp.einsum("btd,dhk->bthk", x_btd, w["w_q_dhk"])
+        q = heads(xq, cfg.mla_qk_dim)
     latent_new = jnp.concatenate([rms_norm(kv[..., :r], w["kv_norm"], cfg.norm_eps), kv[..., r:]], axis=-1)
     return q, latent_new, xg
 
 
-def mla_output(w: dict, o_bthv, xg_bthv, dtype):
+def mla_output(w: dict, o_bthv, xg_bthv, dtype, kernels: str = "auto"):
     """Gate the attention output o [B, T, H, v] by sigmoid(xg) (fp32) and project it to [B, T, D]."""
     gate = jax.nn.sigmoid(xg_bthv.astype(jnp.float32))
     o = (o_bthv.astype(jnp.float32) * gate).astype(dtype)
-    return jnp.einsum("bthv,hvd->btd", o, w["w_o_hvd"])
+    return ops.linear_heads(o, w["w_o_hvd"], kernels=kernels)
 
 
 class MLA(nn.Module):
@@ -114,12 +115,12 @@ class MLA(nn.Module):
     def __call__(self, x_btd, positions_bt, cache=None):
         cfg = self.cfg
         d, h, r = x_btd.shape[-1], cfg.mla_heads, cfg.kv_lora_rank
-        p = lambda name, shape, fan_in: self.param(name, fan_in_init(fan_in), shape)
+        p = lambda name, shape, fan_in: qparam(self, name, fan_in_init(fan_in), shape)
         q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
         widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)  # q (or its LoRA-down), kv latent, output gate
         w = {}
         if self.has_variable("params", "w_in_dx"):  # `kimik3.fused`: the three projections of x as one GEMM
-            w["w_in_dx"] = self.param("w_in_dx", fan_in_init(d), (d, sum(widths)))
+            w["w_in_dx"] = p("w_in_dx", (d, sum(widths)), d)
         if cfg.q_lora_rank:
             if "w_in_dx" not in w:
                 w["w_qa_dq"] = p("w_qa_dq", (d, cfg.q_lora_rank), d)
@@ -136,7 +137,7 @@ class MLA(nn.Module):
             w["w_gate_dhv"] = p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
         w["w_o_hvd"] = p("w_o_hvd", (h, cfg.v_head_dim, cfg.d_model), h * cfg.v_head_dim)
 
-        q, latent_new, xg = mla_project(cfg, w, x_btd)
+        q, latent_new, xg = mla_project(cfg, w, x_btd, self.kernels)
         t = x_btd.shape[1]
         paged = None
         if cache is None:
@@ -156,4 +157,4 @@ class MLA(nn.Module):
         o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
                               q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
                               contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
-        return mla_output(w, o, xg, x_btd.dtype), new_cache
+        return mla_output(w, o, xg, x_btd.dtype, self.kernels), new_cache

@@ -25,7 +25,7 @@ import flax.linen as nn
 from kimik3 import ops
 from kimik3.config import ModelConfig
 from kimik3.layers.mlp import MLP
-from kimik3.layers.primitives import fan_in_init, rms_norm, situ_glu
+from kimik3.layers.primitives import fan_in_init, qparam, rms_norm, situ_glu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -106,6 +106,8 @@ def _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels
 
 def experts_dense_ref(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
     """Reference: every expert on every token, masked by its routing weight."""
+    w_gate_elf, w_out_efl = ops.expert_weights(w_gate_elf, x_nl.dtype), ops.expert_weights(w_out_efl, x_nl.dtype)
+    w_up_elf = None if w_up_elf is None else ops.expert_weights(w_up_elf, x_nl.dtype)
     out = jnp.zeros(x_nl.shape, jnp.float32)
     for e in range(w_gate_elf.shape[0]):
         w_e = jnp.sum(jnp.where(ids_nk == e, weights_nk, 0.0), axis=-1)  # [N]
@@ -143,12 +145,12 @@ class LatentMoE(nn.Module):
             # GEMM, and each expert's gate and up as one grouped GEMM
             x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, l + 2 * fs))
             x_nl, shared_gate, shared_up = x_in[:, :l], x_in[:, l:l + fs], x_in[:, l + fs:]
-            w_gate, w_up = self.param("w_gateup_elf", fan_in_init(l), (e, l, 2 * f)), None
+            w_gate, w_up = qparam(self, "w_gateup_elf", fan_in_init(l), (e, l, 2 * f)), None
         else:
             x_nl = x_nd @ self.param("w_down_dl", fan_in_init(d), (d, l))
-            w_gate = self.param("w_gate_elf", fan_in_init(l), (e, l, f))
-            w_up = self.param("w_up_elf", fan_in_init(l), (e, l, f))
-        w_out = self.param("w_out_efl", fan_in_init(f), (e, f, l))
+            w_gate = qparam(self, "w_gate_elf", fan_in_init(l), (e, l, f))
+            w_up = qparam(self, "w_up_elf", fan_in_init(l), (e, l, f))
+        w_out = qparam(self, "w_out_efl", fan_in_init(f), (e, f, l))
         latent_norm = self.param("latent_norm_l", nn.initializers.ones, (l,))
         w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+
+from kimik3.quant.formats import QTensor
 
 
 def rms_norm(x, weight, eps: float):
@@ -64,6 +68,23 @@ def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
     at = jnp.clip(export_at, 0, t)
     states = jax.vmap(lambda p: jax.lax.dynamic_slice_in_dim(ext, p, width - 1, axis=1))(at)  # [E, B, W-1, C]
     return y.astype(x_btc.dtype), new_state, jnp.moveaxis(states, 0, 1)
+
+
+def qparam(module: nn.Module, name: str, init, shape):
+    """`module.param(name, init, shape)`, or the quantized weight stored under that name as it
+    is: a `QTensor` holds the weight's GEMM form [K, N] (`kimik3.quant.store`), which Flax's
+    check of the stored shape against `shape` would refuse."""
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, QTensor):
+            return value
+    return module.param(name, init, shape)
+
+
+def gemm_form(w, contracted: int):
+    """A weight [c_1 .. c_n, o_1 .. o_m] as the [K, N] matrix of its GEMM (its first `contracted`
+    axes flattened into K); a `QTensor` already is one."""
+    return w if isinstance(w, QTensor) else w.reshape(math.prod(w.shape[:contracted]), -1)
 
 
 def fan_in_init(fan_in: int):

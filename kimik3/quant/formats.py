@@ -13,8 +13,14 @@ A weight W [..., K, N] (K contracted: y = x @ W) becomes a `QTensor` of values a
   first), so an [K, N] weight is [K, N / 2] uint8 plus [K / 32, N] e8m0: 4.25 bits a value.
 
 Scales run along K per column (MX) or per 128-column block (fp8), so quantizing the members of a
-projection group apart and concatenating along N gives the bits of the group quantized whole
-whenever the members' widths are multiples of the blocks (the fused GEMMs' bit-exactness).
+projection group apart and concatenating along N (`concat`) gives the bits of the group quantized
+whole whenever the members' widths are multiples of the blocks.  Where they are not (fp8: KDA's
+beta is H columns wide, MLA's kv latent 576), the fused fp8 tensor keeps each member's own block
+grid: ``segments`` lists the members' widths and the 128-column blocks restart at each, so a
+fused tensor holds exactly its members' bits and scales (what makes the fused GEMMs bit-exact).
+
+Activations (`quantize_rows`, the W8A8 GEMMs of `pallas_kernels.qgemm`): one scale per row per
+K block: fp8 per 1 x 128 (DeepSeek-V3's activation tiles, fp32), MXFP8 per 1 x 32 (e8m0).
 
 `dequantize(q)` is exact arithmetic (values x scales in fp32); `matmul_ref(x, q)` is
 ``x @ dequantize(q)`` with fp32 accumulation, the reference every kernel is held against.
@@ -52,12 +58,22 @@ class QTensor:
     scales: jax.Array
     fmt: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple = dataclasses.field(metadata=dict(static=True))
+    # fp8 only: the widths along N of the members of a fused group, each with its own 128-column
+    # blocks (scales [..., kb, sum ceil(w / 128)]); () = one member
+    segments: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @property
     def bits_per_value(self) -> float:
         n = math.prod(self.shape)
         return 8.0 * (self.values.size * self.values.dtype.itemsize
                       + self.scales.size * self.scales.dtype.itemsize) / n
+
+
+def tree_formats(tree) -> tuple[str, ...]:
+    """The quantized formats a param tree holds, sorted (() for an unquantized tree): what a prefix
+    cache's namespace carries, so that KV computed under one manifest is never read under another."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, QTensor))
+    return tuple(sorted({leaf.fmt for leaf in leaves if isinstance(leaf, QTensor)}))
 
 
 def _require(ok: bool, msg: str):
@@ -94,9 +110,25 @@ def _fp8_block_scales(w):
     return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
 
 
-def _expand_fp8_scales(scales, k: int, n: int):
-    s = jnp.repeat(jnp.repeat(scales, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)
-    return s[..., :k, :n]
+def _segments(n: int, segments: tuple) -> tuple:
+    segments = tuple(segments) or (n,)
+    _require(sum(segments) == n and all(w > 0 for w in segments),
+             f"fp8 segments {segments} must be positive widths summing to N={n}")
+    return segments
+
+
+def fp8_column_blocks(n: int, segments: tuple = ()):
+    """int32 [N]: the index of each column's 128-column scale block (blocks restart at each member)."""
+    out, first = [], 0
+    for w in _segments(n, segments):
+        out.append(first + np.arange(w) // FP8_BLOCK)
+        first += -(-w // FP8_BLOCK)
+    return np.concatenate(out).astype(np.int32)
+
+
+def _expand_fp8_scales(scales, k: int, n: int, segments: tuple = ()):
+    s = jnp.repeat(scales, FP8_BLOCK, axis=-2)[..., :k, :]
+    return s[..., fp8_column_blocks(n, segments)]
 
 
 def _mx_exponents(w, fmt: str):
@@ -152,16 +184,21 @@ def unpack_e2m1(packed):
     return jnp.where(codes & 8, -mag, mag)
 
 
-def quantize(w, fmt: str) -> QTensor:
-    """W [..., K, N] (any float dtype) -> QTensor in `fmt` (see the module comment)."""
+def quantize(w, fmt: str, segments: tuple = ()) -> QTensor:
+    """W [..., K, N] (any float dtype) -> QTensor in `fmt` (see the module comment).  segments
+    (fp8): the widths of a fused group's members along N, each quantized on its own blocks."""
     _check_weight(w, fmt)
     w = jnp.asarray(w, jnp.float32)
     k, n = w.shape[-2:]
     if fmt == "fp8":
-        scales = _fp8_block_scales(w)
+        segments = _segments(n, segments)
+        bounds = np.cumsum((0,) + segments)
+        scales = jnp.concatenate([_fp8_block_scales(w[..., a:b]) for a, b in zip(bounds[:-1], bounds[1:])], axis=-1)
         # amax / scale is 448 up to one rounding: clip so that it cannot overflow e4m3 into NaN
-        values = jnp.clip(w / _expand_fp8_scales(scales, k, n), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-        return QTensor(values, scales, fmt, tuple(w.shape))
+        values = jnp.clip(w / _expand_fp8_scales(scales, k, n, segments), -E4M3_MAX, E4M3_MAX)
+        return QTensor(values.astype(jnp.float8_e4m3fn), scales, fmt, tuple(w.shape),
+                       segments if len(segments) > 1 else ())
+    _require(not segments or len(segments) == 1, f"{fmt} scales run along K per column: it takes no segments")
     x = _mx_exponents(w, fmt)
     scaled = w / _per_element(_pow2(x))
     if fmt == "mxfp8":
@@ -171,11 +208,46 @@ def quantize(w, fmt: str) -> QTensor:
     return QTensor(values, _e8m0(x), fmt, tuple(w.shape))
 
 
-def _scale_shape(fmt: str, shape: tuple) -> tuple:
+def _scale_shape(fmt: str, shape: tuple, segments: tuple = ()) -> tuple:
     k, n = shape[-2:]
     if fmt == "fp8":
-        return tuple(shape[:-2]) + (-(-k // FP8_BLOCK), -(-n // FP8_BLOCK))
+        return tuple(shape[:-2]) + (-(-k // FP8_BLOCK), sum(-(-w // FP8_BLOCK) for w in _segments(n, segments)))
     return tuple(shape[:-2]) + (k // MX_BLOCK, n)
+
+
+def concat(qs) -> QTensor:
+    """Members [..., K, N_i] of one format -> the fused [..., K, sum N_i] (the members' bits and
+    scales as they are: fp8 keeps each member's blocks as a segment)."""
+    qs = list(qs)
+    fmt, lead = qs[0].fmt, tuple(qs[0].shape[:-1])
+    _require(all(q.fmt == fmt and tuple(q.shape[:-1]) == lead for q in qs),
+             f"concat: members must share a format and [..., K]; got {[(q.fmt, q.shape) for q in qs]}")
+    values = jnp.concatenate([q.values for q in qs], axis=-1)
+    scales = jnp.concatenate([q.scales for q in qs], axis=-1)
+    shape = lead + (sum(q.shape[-1] for q in qs),)
+    segments = sum((tuple(q.segments) or (q.shape[-1],) for q in qs), ()) if fmt == "fp8" else ()
+    return QTensor(values, scales, fmt, shape, segments if len(segments) > 1 else ())
+
+
+def quantize_rows(x, fmt: str):
+    """Activations x [..., K] -> (e4m3 values [..., K], scales [..., K / block] float32): one scale
+    per row per K block, 128 (fp8: amax / 448, DeepSeek-V3's 1 x 128 tiles; K a multiple of 128)
+    or 32 (mxfp8: the e8m0 power of two of `quantize`, saturating).  Row r's values depend on row
+    r alone: a fused GEMM's members see the same activations."""
+    _require(fmt in ("fp8", "mxfp8"), f"activations quantize as fp8 or mxfp8; got {fmt!r}")
+    block = FP8_BLOCK if fmt == "fp8" else MX_BLOCK
+    k = x.shape[-1]
+    _require(k % block == 0, f"{fmt} activation blocks are {block} wide; K={k} is not a multiple")
+    x = jnp.asarray(x, jnp.float32)
+    blocks = x.reshape(x.shape[:-1] + (k // block, block))
+    amax = jnp.abs(blocks).max(axis=-1)
+    if fmt == "fp8":
+        scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
+    else:
+        _, exp = jnp.frexp(jnp.where(amax > 0, amax, 1.0))
+        scales = _pow2(jnp.clip(jnp.where(amax > 0, exp - 1 - _EMAX[fmt], -126), -126, 127))
+    values = jnp.clip(blocks / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return values.reshape(x.shape), scales
 
 
 def check(q: QTensor) -> QTensor:
@@ -188,7 +260,8 @@ def check(q: QTensor) -> QTensor:
     _require(tuple(q.values.shape) == want_values and q.values.dtype == want_vdtype,
              f"{q.fmt} values for a {shape} weight must be {jnp.dtype(want_vdtype).name} {want_values}; "
              f"got {q.values.dtype} {tuple(q.values.shape)}")
-    want_scales = _scale_shape(q.fmt, shape)
+    _require(q.fmt == "fp8" or not q.segments, f"{q.fmt} takes no segments; got {q.segments}")
+    want_scales = _scale_shape(q.fmt, shape, q.segments)
     want_sdtype = jnp.float32 if q.fmt == "fp8" else jnp.float8_e8m0fnu
     _require(tuple(q.scales.shape) == want_scales and q.scales.dtype == want_sdtype,
              f"{q.fmt} scales for a {shape} weight must be {jnp.dtype(want_sdtype).name} {want_scales}; "
@@ -206,7 +279,7 @@ def dequantize(q: QTensor):
     """float32 [..., K, N]: values x scales, exactly."""
     k, n = q.shape[-2:]
     if q.fmt == "fp8":
-        return q.values.astype(jnp.float32) * _expand_fp8_scales(q.scales, k, n)
+        return q.values.astype(jnp.float32) * _expand_fp8_scales(q.scales, k, n, q.segments)
     values = unpack_e2m1(q.values) if q.fmt == "mxfp4" else q.values.astype(jnp.float32)
     return values * _per_element(q.scales)
 
@@ -217,13 +290,13 @@ def matmul_ref(x, q: QTensor):
     return jnp.matmul(jnp.asarray(x, jnp.float32), dequantize(q), precision=jax.lax.Precision.HIGHEST)
 
 
-def error_bound(w, fmt: str):
+def error_bound(w, fmt: str, segments: tuple = ()):
     """float32 [..., K, N]: the largest |W - dequantize(quantize(W))| each element may show (round
     to nearest of the element type inside the scaled range, plus saturation past it)."""
     w = jnp.asarray(w, jnp.float32)
     k, n = w.shape[-2:]
     if fmt == "fp8":
-        scale = _expand_fp8_scales(_fp8_block_scales(w), k, n)
+        scale = _expand_fp8_scales(quantize(w, "fp8", segments).scales, k, n, segments)
         a = jnp.abs(w) / scale
         step = _e4m3_step(a)
         return step / 2 * scale * (1 + 1e-6)

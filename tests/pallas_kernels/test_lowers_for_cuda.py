@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_route
+from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_route, qgemm
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -73,3 +73,16 @@ def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
 def test_mla_merge_splits_at_small_dims(b, splits, rows):
     fn = lambda o, lse: mla.merge_splits(o, lse, (b, 1, 16, 512), BF16, kernel=True, interpret=False)
     assert lowered_triton_calls(fn, S((b, splits, rows, 512), F32), S((b, splits, rows), F32)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
+@pytest.mark.parametrize("rows", [1, 64, 2048])  # decode, a decode bucket, a prefill chunk
+def test_block_scaled_gemm_at_small_dims(fmt, rows):
+    """KDA's fused input projection of `small` ([1536, 4876]: 4876 columns, no power of two)."""
+    k, n = 1536, 4876
+    bk = qgemm.block_k(fmt)
+    sw = S((k // bk, 39), F32) if fmt == "fp8" else S((k // bk, n), jnp.float8_e8m0fnu)
+    col_block = S((n,), I32) if fmt == "fp8" else None
+    fn = lambda xq, sx, wq, sw, cb: qgemm.qmatmul(fmt, xq, sx, wq, sw, cb)
+    assert lowered_triton_calls(fn, S((rows, k), jnp.float8_e4m3fn), S((rows, k // bk), F32),
+                                S((k, n), jnp.float8_e4m3fn), sw, col_block) == 1
