@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks import common
 from kimik3 import compile_cache, config, model, quantization, sizing, stacked
+from kimik3.quant import store
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
@@ -67,14 +68,16 @@ def expected_experts(cfg, rows: int) -> float:
     return g * (1 - ((g - k) / g) ** rows)
 
 
-def weights_read_bytes(cfg, rows: int) -> float:
-    """bf16 weight bytes a decode step reads: every weight but the routed experts, and of those
-    the `expected_experts` share (B1 reads 4 of 32, B32 nearly all)."""
-    per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * jnp.dtype(jnp.bfloat16).itemsize  # gate, up, down
+def weights_read_bytes(cfg, rows: int, manifest: str = "bf16") -> float:
+    """Weight bytes a decode step reads, stored as `manifest` says: every weight but the routed
+    experts, and of those the `expected_experts` share (B1 reads 4 of 32, B32 nearly all)."""
+    rules = quantization.MANIFESTS[manifest]
+    bits = quantization.BITS_PER_VALUE[rules.format_of("layer_1/moe/w_gate_elf")]
+    per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * bits / 8  # gate, up, down
     n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
     routed = n_moe * cfg.n_routed_experts * per_expert
     share = expected_experts(cfg, rows) / cfg.n_routed_experts
-    return sizing.weight_bytes(cfg, quantization.BF16) - routed * (1 - share)
+    return sizing.weight_bytes(cfg, rules) - routed * (1 - share)
 
 
 def decode_roofline(params, cfg, args, copy_gbs, b):
@@ -167,7 +170,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
         device = [r for r in every if r["where"] == "device"]
         profile = [dict(r, case=f"B{b}") for r in device[:42] + [r for r in every if r["where"] == "host"]]
         profile += [dict(r, case=f"B{b}") for r in common.by_source(every, common.hlo_sources(compiled.as_text()))]
-    weights = weights_read_bytes(cfg, b)
+    weights = weights_read_bytes(cfg, b, args.manifest or "bf16")
     kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
     roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
@@ -190,6 +193,7 @@ def main():
     ap.add_argument("--page-tokens", type=int, default=128)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--kernels", default="auto", help="auto | reference | pallas (kimik3.ops)")
+    ap.add_argument("--manifest", default=None, help="serve the random weights quantized as this manifest (fp8_attn, ...)")
     ap.add_argument("--modes", default="colocated,pd", help="serving modes to sweep (colocated, pd)")
     ap.add_argument("--profile-step", action="store_true",
                     help="trace the timed decode step with jax.profiler and tabulate its busiest device ops")
@@ -217,7 +221,10 @@ def main():
     args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
     cfg = config.get_config(args.config)
     # the layout the engines' decode programs read (the decode section times those programs)
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(0)), cfg, scan=args.scan == "all")
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    if args.manifest:  # the weights quantized as the manifest stores them (`kimik3.quant.store`)
+        params = store.quantize_params(params, cfg, args.manifest)
+    params = stacked.serving_layout(params, cfg, scan=args.scan == "all")
     xla_copy_gbs = common.copy_gbs()
     torch_gbs = common.torch_copy_gbs()
     copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs

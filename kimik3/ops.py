@@ -21,7 +21,7 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_route, qgemm
+from pallas_kernels import moe_combine, moe_mxfp4, moe_route, qgemm
 from kimik3.quant import formats as qformats
 from kimik3.quant.formats import QTensor
 
@@ -154,7 +154,12 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     """Routed-expert GEMM: rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N].
 
     Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
-    else `lax.ragged_dot` (the reference).  MXFP4 weights (`QTensor`) are dequantized first."""
+    else `lax.ragged_dot` (the reference).  MXFP4 weights (`QTensor`): on the Pallas path with
+    16-bit rows, `moe_mxfp4.grouped_matmul_mxfp4` (dequantized inside the kernel, read at 4.25
+    bits); elsewhere dequantized first (exact in the rows' dtype)."""
+    if (isinstance(rhs_gkn, QTensor) and rhs_gkn.fmt == "mxfp4" and resolve(kernels) == "pallas"
+            and jnp.dtype(lhs_mk.dtype).itemsize == 2 and (rhs_gkn.shape[-1] // 2) % 16 == 0):
+        return moe_mxfp4.grouped_matmul_mxfp4(lhs_mk, rhs_gkn.values, rhs_gkn.scales, group_sizes_g)
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
     if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
             and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):

@@ -93,6 +93,23 @@ def served_manifests(keep_bf16_experts: bool) -> tuple[str, ...]:
     return tuple(m for m in quantization.SERVING_MANIFESTS if keep_bf16_experts or not m.endswith("_bf16_moe"))
 
 
+def quantize_params(params, cfg: ModelConfig, manifest: str, *, fuse: bool = True):
+    """The checkpoint-layout `params` as `manifest` stores them, in memory (what `load` returns
+    for a checkpoint `quantize_checkpoint` wrote from them): QTensors in their GEMM form,
+    plain leaves cast to the config's dtype (fp32 where the model keeps it); fused unless
+    fuse=False.  For benchmarks and tests; serving loads checkpoints."""
+    rules = quantization.MANIFESTS[manifest]
+    out = {}
+    for path, leaf in _paths(params):
+        fmt = rules.format_of(path)
+        if fmt in PLAIN:
+            _set(out, path, jnp.asarray(leaf).astype(jnp.float32 if fmt == "fp32" else jnp.dtype(cfg.dtype)))
+        else:
+            shape = gemm_shape(path.rsplit("/", 1)[-1], tuple(leaf.shape))
+            _set(out, path, formats.quantize(jnp.asarray(leaf, jnp.float32).reshape(shape), fmt))
+    return fused.fuse_projections(out, cfg) if fuse else out
+
+
 def _bits(q: formats.QTensor) -> dict:
     """A QTensor's arrays as the bytes orbax stores (uint8 views of the float8 types)."""
     as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a

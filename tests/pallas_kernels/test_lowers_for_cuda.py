@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_route, qgemm
+from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_mxfp4, moe_route, qgemm
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -83,6 +83,13 @@ def test_block_scaled_gemm_at_small_dims(fmt, rows):
     bk = qgemm.block_k(fmt)
     sw = S((k // bk, 39), F32) if fmt == "fp8" else S((k // bk, n), jnp.float8_e8m0fnu)
     col_block = S((n,), I32) if fmt == "fp8" else None
-    fn = lambda xq, sx, wq, sw, cb: qgemm.qmatmul(fmt, xq, sx, wq, sw, cb)
+    fn = lambda xq, sx, wq, sw, cb: qgemm.qmatmul(fmt, xq, sx, wq, sw, cb, interpret=False)
     assert lowered_triton_calls(fn, S((rows, k), jnp.float8_e4m3fn), S((rows, k // bk), F32),
                                 S((k, n), jnp.float8_e4m3fn), sw, col_block) == 1
+
+
+@pytest.mark.parametrize("rows", [32, 4096])  # a decode step's assignments, a prefill chunk's
+def test_mxfp4_grouped_gemm_at_small_dims(rows):
+    fn = lambda x, values, scales, sizes: moe_mxfp4.grouped_matmul_mxfp4(x, values, scales, sizes, interpret=False)
+    assert lowered_triton_calls(fn, S((rows, 768), BF16), S((32, 768, 768), jnp.uint8),
+                                S((32, 24, 1536), jnp.float8_e8m0fnu), S((32,), I32)) == 1

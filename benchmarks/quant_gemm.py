@@ -1,0 +1,174 @@
+"""Quantized GEMMs on the GPU (issue 20): projection GEMMs bf16 vs FP8 vs MXFP8, and the routed
+experts' grouped GEMM bf16 vs MXFP4, at decode and prefill sizes, against ceilings measured in
+the same run.
+
+    PYTHONPATH=$PWD python3 benchmarks/quant_gemm.py --out DIR [--quick]
+
+* Projections: `small`'s fused KDA input [1536, 4876], fused MLA input [1536, 3392] and KDA
+  output [1536, 1536]; the full-scale model's (`kimi_k3`, a rank holding the whole attention as
+  the DP decode mesh does): fused KDA input [7168, 24896], MLA q up [1536, 18432], MLA output
+  [12288, 7168].  bf16 is XLA's `x @ w` (cuBLAS); fp8 / mxfp8 is `kimik3.ops.linear` on a
+  `QTensor` (the activations' per-row quantization, then the Pallas block-scaled kernel), the
+  whole projection either way.  M: decode 1-64 rows, prefill 2048-16384.
+* Experts: `moe.grouped_matmul` (bf16 Pallas kernel) vs `moe_mxfp4.grouped_matmul_mxfp4` over
+  the group-aligned layout of `rows` (token, expert) assignments spread uniformly: `small`'s
+  32 experts gate ++ up [768, 1536] and down [768, 768]; a full-scale EP16 rank's 56 experts
+  gate ++ up [4096, 8192].
+* Timing (the same for both sides): `common.time_pipelined`, calls back to back then one sync.
+  Ceilings: torch `copy_` (memory), the best bf16 matmul of XLA and torch (compute).  Each row
+  has the bytes the GEMM must read (weights at their storage width, activations in and out) and
+  the time they take at the copy rate.
+
+Rows go to `quant_gemm.json` under --out as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+from kimik3 import ops
+from kimik3.quant import formats
+from pallas_kernels import moe, moe_mxfp4
+
+PROJECTIONS = {
+    "small KDA in (fused)": (1536, 4876),
+    "small MLA in (fused)": (1536, 3392),
+    "small KDA out": (1536, 1536),
+    "full KDA in (fused)": (7168, 24896),
+    "full MLA q up": (1536, 18432),
+    "full MLA out": (12288, 7168),
+}
+EXPERTS = {
+    "small gate+up": (32, 768, 1536),
+    "small down": (32, 768, 768),
+    "full EP16 rank gate+up": (56, 4096, 8192),
+}
+
+
+def bf16_matmul_tflops() -> float:
+    """The best bf16 matmul rate of XLA and torch on 8192^3, TFLOP/s."""
+    n = 8192
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    xla = 2 * n ** 3 / (common.time_pipelined(jax.jit(lambda x: x @ x), a)[0] * 1e-3) / 1e12
+    best = xla
+    try:
+        import torch
+
+        t = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            t @ t
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            t @ t
+        stop.record()
+        torch.cuda.synchronize()
+        best = max(best, 2 * n ** 3 / (start.elapsed_time(stop) / 20 * 1e-3) / 1e12)
+    except Exception:  # noqa: BLE001 - no torch / CUDA: XLA's figure alone
+        pass
+    return best
+
+
+def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
+    """A well-formed fp8 / mxfp8 [K, N] weight with random e4m3 values and scales (no
+    quantization pass: the full-scale weights would take minutes to quantize)."""
+    values = jnp.asarray(rng.standard_normal((k, n), np.float32) * 64).clip(-448, 448).astype(jnp.float8_e4m3fn)
+    if fmt == "fp8":
+        scales = jnp.asarray(rng.uniform(1e-4, 1e-3, (-(-k // 128), -(-n // 128))), jnp.float32)
+    else:
+        scales = jnp.asarray(np.ldexp(1.0, rng.integers(-14, -8, (k // 32, n))), jnp.float32).astype(
+            jnp.float8_e8m0fnu)
+    return formats.check(formats.QTensor(values, scales, fmt, (k, n)))
+
+
+def random_mxfp4(rng, g: int, k: int, n: int) -> formats.QTensor:
+    values = jnp.asarray(rng.integers(0, 256, (g, k, n // 2), dtype=np.uint8))
+    scales = jnp.asarray(np.ldexp(1.0, rng.integers(-10, -4, (g, k // 32, n))), jnp.float32).astype(jnp.float8_e8m0fnu)
+    return formats.QTensor(values, scales, "mxfp4", (g, k, n))
+
+
+def projection_rows(rng, copy_gbs: float, tflops: float, ms_list, write, quick: bool):
+    for name, (k, n) in PROJECTIONS.items():
+        if quick and name.startswith("full"):
+            continue
+        w16 = jnp.asarray(rng.standard_normal((k, n), np.float32) * k ** -0.5, jnp.bfloat16)
+        qs = {fmt: random_qtensor(rng, fmt, k, n) for fmt in ("fp8", "mxfp8")}
+        for m in ms_list:
+            x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+            row = dict(section="projection", case=name, m=m, k=k, n=n)
+            times = {"bf16": common.time_pipelined(jax.jit(lambda x, w: x @ w), x, w16)[0]}
+            for fmt, q in qs.items():
+                times[fmt] = common.time_pipelined(jax.jit(lambda x, q: ops.linear(x, q, kernels="pallas")), x, q)[0]
+            for fmt, ms in times.items():
+                weight_bytes = k * n * (2 if fmt == "bf16" else 1)
+                moved = weight_bytes + 2 * m * (k + n)
+                row[f"{fmt}_ms"] = ms
+                row[f"{fmt}_of_copy"] = moved / (copy_gbs * 1e9) * 1e3 / ms
+                row[f"{fmt}_tflops"] = 2 * m * k * n / (ms * 1e-3) / 1e12
+            row["fp8_speedup"], row["mxfp8_speedup"] = times["bf16"] / times["fp8"], times["bf16"] / times["mxfp8"]
+            row["of_matmul_ceiling_bf16"] = row["bf16_tflops"] / tflops
+            print(row, flush=True)
+            write(row)
+
+
+def expert_rows(rng, copy_gbs: float, rows_list, write, quick: bool):
+    for name, (g, k, n) in EXPERTS.items():
+        if quick and name.startswith("full"):
+            continue
+        q = random_mxfp4(rng, g, k, n)
+        w16 = moe_mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
+        for rows in rows_list:
+            x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+            sizes = jnp.asarray(np.bincount(np.sort(rng.integers(0, g, rows)), minlength=g), jnp.int32)
+            used = int(np.count_nonzero(np.asarray(sizes)))
+            bf16_ms = common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0]
+            mx_ms = common.time_pipelined(jax.jit(moe_mxfp4.grouped_matmul_mxfp4), x, q.values, q.scales, sizes)[0]
+            bytes16 = used * k * n * 2 + 2 * rows * (k + n)
+            bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)
+            row = dict(section="experts", case=name, rows=rows, experts_read=used, bf16_ms=bf16_ms, mxfp4_ms=mx_ms,
+                       speedup=bf16_ms / mx_ms, bf16_of_copy=bytes16 / (copy_gbs * 1e9) * 1e3 / bf16_ms,
+                       mxfp4_of_copy=bytes4 / (copy_gbs * 1e9) * 1e3 / mx_ms,
+                       memory_bound=bool(2 * rows * k * n / bytes4 < 300))  # FLOP per byte under Hopper's ridge
+            print(row, flush=True)
+            write(row)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--quick", action="store_true", help="small's shapes and a few sizes only")
+    ap.add_argument("--sections", default="projection,experts")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rng = np.random.default_rng(0)
+    copy_torch = common.torch_copy_gbs()
+    copy_gbs = copy_torch or common.copy_gbs()
+    tflops = bf16_matmul_tflops()
+    rows = [dict(section="ceilings", device=jax.devices()[0].device_kind, copy_gbs=copy_gbs,
+                 torch_copy_gbs=copy_torch, bf16_matmul_tflops=tflops)]
+    print(rows[0], flush=True)
+
+    def write(row):
+        rows.append(row)
+        common.write_results(args.out, "quant_gemm", rows)
+
+    write(rows.pop())
+    sections = args.sections.split(",")
+    if "projection" in sections:
+        ms_list = (1, 64, 2048) if args.quick else (1, 8, 32, 64, 2048, 8192, 16384)
+        projection_rows(rng, copy_gbs, tflops, ms_list, write, args.quick)
+    if "experts" in sections:
+        rows_list = (8, 128) if args.quick else (4, 32, 128, 256, 1024)
+        expert_rows(rng, copy_gbs, rows_list, write, args.quick)
+    print(common.markdown_tables([r for r in rows if r["section"] != "ceilings"]) if rows else "", flush=True)
+
+
+if __name__ == "__main__":
+    main()

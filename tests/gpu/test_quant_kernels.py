@@ -1,0 +1,68 @@
+"""The quantized GEMMs compiled for the GPU at `small`'s dims: the block-scaled FP8 / MXFP8
+kernel against its reference, fused projection groups against their members bit for bit (on the
+GPU's own kernel: array_equal), and the MXFP4 grouped expert GEMM against the bf16 path on the
+dequantized weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3 import config, ops
+from kimik3.quant import formats
+from pallas_kernels import moe_mxfp4, qgemm
+
+SMALL = config.small()
+# `small`'s fused groups: KDA q | k | v | f_a | beta | g_a, MLA q_a | kv_a | gate
+GROUPS = {"kda": (1536, 1536, 1536, 128, 12, 128), "mla": (768, 576, 2048)}
+
+
+@pytest.mark.parametrize("fmt", qgemm.FORMATS)
+@pytest.mark.parametrize("m", [1, 8, 64, 2048])
+def test_block_scaled_gemm_against_its_reference(fmt, m):
+    rng = np.random.default_rng(m)
+    operands = qgemm.reference_inputs(rng, fmt, m, 1536, 4876)
+    got = np.asarray(qgemm.qmatmul(fmt, *operands, out_dtype=jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(qgemm.qmatmul_ref(fmt, *operands))
+        x, w = (np.asarray(a, np.float32) for a in operands[0:3:2])
+        scale = np.abs(x) @ np.abs(w)  # the sum of |products| before scaling, per output
+    bk = qgemm.block_k(fmt)
+    s_max = float(np.max(np.asarray(operands[1]))) * float(np.max(np.asarray(operands[3], np.float32)))
+    # Hopper's FP8 MMA adds products in a narrower-than-fp32 accumulator within one instruction
+    # (DeepSeek-V3 measured ~14 bits); each K block's sum is promoted to fp32 after at most bk
+    # products, so the error stays under 2^-12 of the block sums' magnitudes
+    assert np.all(np.abs(got - ref) <= 2.0 ** -12 * scale * s_max + 1e-30), (fmt, m, bk)
+    assert np.mean(np.abs(got - ref)) < 1e-3 * np.mean(np.abs(ref))
+
+
+@pytest.mark.parametrize("fmt", qgemm.FORMATS)
+@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("m", [1, 32, 2048])
+def test_fused_groups_equal_their_members_bit_for_bit_on_the_gpu(fmt, group, m):
+    rng = np.random.default_rng(7)
+    widths = GROUPS[group]
+    members = [formats.quantize(rng.standard_normal((SMALL.d_model, w)).astype(np.float32) * 0.02, fmt)
+               for w in widths]
+    fused = formats.concat(members)
+    x = jnp.asarray(rng.standard_normal((m, SMALL.d_model)), jnp.bfloat16)
+    y = np.asarray(ops.linear(x, fused, kernels="pallas"), np.float32)
+    start = 0
+    for q in members:
+        y_m = np.asarray(ops.linear(x, q, kernels="pallas"), np.float32)
+        np.testing.assert_array_equal(y[:, start:start + q.shape[1]], y_m)
+        start += q.shape[1]
+
+
+@pytest.mark.parametrize("rows", [8, 32, 256, 4096])
+@pytest.mark.parametrize("k, n", [(768, 1536), (768, 768)])  # gate ++ up, down
+def test_mxfp4_grouped_gemm_against_the_bf16_path(rows, k, n):
+    rng = np.random.default_rng(rows)
+    g = SMALL.n_routed_experts
+    q = formats.quantize(rng.standard_normal((g, k, n)).astype(np.float32) * 0.03, "mxfp4")
+    sizes = np.bincount(rng.integers(0, g, rows), minlength=g).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    got = np.asarray(moe_mxfp4.grouped_matmul_mxfp4(x, q.values, q.scales, jnp.asarray(sizes)), np.float32)
+    ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, jnp.asarray(sizes)), np.float32)
+    # the same bf16 products summed in fp32 in another order, each output rounded to bf16
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))
