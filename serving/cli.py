@@ -181,6 +181,11 @@ def _cmd_info(args) -> int:
     print(f"params        {sizing.param_count(cfg):,}")
     print(f"active/token  {sizing.active_param_count(cfg):,}")
     print(f"weight bytes  {sizing.weight_bytes(cfg, manifest):,} ({args.manifest})")
+    bf16 = sizing.weight_bytes(cfg, quantization.BF16)
+    print("per manifest  (weight bytes; saved against bf16)")
+    for name in ("bf16", "kimi_k3_mxfp4") + quantization.SERVING_MANIFESTS:
+        n = sizing.weight_bytes(cfg, quantization.MANIFESTS[name])
+        print(f"  {name:22s} {n / 1e9:12,.3f} GB  {(bf16 - n) / 1e9:12,.3f} GB")
     return 0
 
 

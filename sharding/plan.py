@@ -207,6 +207,8 @@ def report(cfg: ModelConfig, shape: MeshShape, *, batch: int, seq: int, context:
     per_req = mem.kv_per_request + mem.kda_per_request
     if free > 0 and per_req > 0:
         lines.append(f"request capacity      {int(free // per_req):,} requests of {context} tokens per rank")
+    if shape.mode == "decode":
+        lines += manifest_capacity(cfg, shape, batch, context, gpu, act_dtype, dispatch)
     colls = collectives(cfg, shape, batch, seq, act_dtype, dispatch)
     first_moe = next((i for i in range(cfg.n_layers) if cfg.ffn_kind(i) == "moe"), None)
     shown = sorted({c.layer for c in colls if c.layer in (0, first_moe)})
@@ -221,6 +223,28 @@ def report(cfg: ModelConfig, shape: MeshShape, *, batch: int, seq: int, context:
     lines.append(f"all {cfg.n_layers} layers: {len(colls)} collectives, buffers {_gb(total)}, wire {_gb(wire)} per rank "
                  f"per step")
     return "\n".join(lines)
+
+
+CAPACITY_MANIFESTS = ("bf16", "kimi_k3_mxfp4") + quantization.SERVING_MANIFESTS
+
+
+def manifest_capacity(cfg: ModelConfig, shape: MeshShape, batch: int, context: int, gpu: str,
+                      act_dtype: str = "bfloat16", dispatch: str = "dense") -> list[str]:
+    """Lines: per manifest, the weights one decode rank stores, what that frees against bf16, and
+    the KV (MLA latent) tokens and requests of `context` tokens the rest of the GPU holds."""
+    hbm = GPUS[gpu]
+    lines = [f"per manifest (decode rank, {gpu}): weights, freed vs bf16, KV capacity of what is left"]
+    base = None
+    for name in CAPACITY_MANIFESTS:
+        mem = memory(cfg, shape, batch, 1, context, quantization.MANIFESTS[name], act_dtype, dispatch)
+        base = mem.weights if base is None else base
+        free = hbm - mem.weights - sum(mem.buffers.values())
+        per_token = cfg.mixer_kinds.count("mla") * cfg.mla_latent_dim * np.dtype(act_dtype).itemsize
+        per_req = mem.kv_per_request + mem.kda_per_request
+        cap = (f"{int(max(free, 0) // per_token):,} KV tokens, {int(max(free, 0) // per_req):,} requests of {context}"
+               if per_req > 0 else "-")
+        lines.append(f"  {name:22s} weights {_gb(mem.weights):>12}  freed {_gb(base - mem.weights):>12}  {cap}")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

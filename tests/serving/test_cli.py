@@ -61,3 +61,31 @@ def test_demo_runs_without_the_http_stack_and_serving_commands_say_what_is_missi
     assert args.func is cli._cmd_demo
     assert cli.main(["router", "--port", "8000"]) == 2
     assert "needs the Python package 'fastapi'" in capsys.readouterr().err
+
+
+def test_quantize_then_generate_and_info_by_manifest(tmp_path, capsys):
+    """`kimik3 quantize` writes one checkpoint; `generate --manifest` loads it; a wrong pairing
+    of checkpoint and manifest is a one-line error, not a traceback."""
+    import jax
+
+    from kimik3 import checkpoint, config, model, quantization
+
+    cfg = config.tiny()
+    checkpoint.save(tmp_path / "ckpt", model.init_params(cfg, jax.random.PRNGKey(0)), cfg)
+    assert cli.main(["quantize", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "q")]) == 0
+    out = capsys.readouterr().out
+    assert "fp8_attn, mxfp8_attn" in out and "stored once each" in out
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "q"), "--manifest", "mxfp8_attn",
+                     "--max-new-tokens", "3"]) == 0
+    assert "as mxfp8_attn" in capsys.readouterr().out
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "q")]) == 2
+    assert "pass --manifest" in capsys.readouterr().err
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "q"), "--manifest", "fp8_attn_bf16_moe"]) == 2
+    assert "--keep-bf16-experts" in capsys.readouterr().err
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--manifest", "fp8_attn"]) == 2
+    assert "not a quantized checkpoint" in capsys.readouterr().err
+    assert cli.main(["info", "--config", "small"]) == 0
+    assert "mxfp8_attn" in capsys.readouterr().out
+    # the CLI's manifest names (kept there so --help imports no model) are the library's
+    assert cli.SERVING_MANIFESTS == quantization.SERVING_MANIFESTS
+    assert set(cli.MANIFEST_NAMES) == set(quantization.MANIFESTS)

@@ -85,6 +85,18 @@ def test_plan_cli_full_model(capsys):
         assert kind in out
 
 
+def test_plan_shows_what_each_manifest_frees_for_kv_on_a_decode_rank():
+    from sharding.mesh import MeshShape
+
+    cfg = config.get_config("kimi_k3")
+    lines = plan.manifest_capacity(cfg, MeshShape("decode", 16, 16), 256, 32768, "gb300")
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == set(plan.CAPACITY_MANIFESTS)
+    tokens = {name: int(line.split("GB")[-1].split("KV tokens")[0].replace(",", "")) for name, line in rows.items()}
+    # FP8 attention frees more than MXFP4 experts alone; bf16 experts hold back the most
+    assert tokens["fp8_attn"] > tokens["kimi_k3_mxfp4"] > tokens["fp8_attn_bf16_moe"] >= tokens["bf16"]
+
+
 def test_plan_numbers(tiny_cfg):
     """Weights per rank = replicated leaves + split leaves / split; KV and all-to-all sizes from shapes."""
     from kimik3 import quantization
