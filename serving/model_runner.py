@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3 import fused, model, stacked
+from kimik3.quant import formats as qformats
 from kimik3.config import ModelConfig
 from serving.sampling import SamplingParams, sample_tokens, seed_words
 
@@ -305,6 +306,9 @@ class ModelRunner:
         draft's input, `serving.spec_decode`, whose rounds then replace the decode program)."""
         self.cfg, self.kernels, self.role, self.num_slots, self.taps = cfg, kernels, role, num_slots, tuple(taps)
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
+        if mesh is not None and qformats.tree_formats(params):
+            raise ValueError(f"sharded steps take unquantized params; these hold {qformats.tree_formats(params)} "
+                             f"weights (a quantized manifest serves unsharded engines)")
         if mesh is not None and (fused.is_fused(params) or stacked.is_stacked(params)):
             raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's or "
                              "kimik3.stacked's")
