@@ -10,10 +10,11 @@ the same run.
   [12288, 7168].  bf16 is XLA's `x @ w` (cuBLAS); fp8 / mxfp8 is `kimik3.ops.linear` on a
   `QTensor` (the activations' per-row quantization, then the Pallas block-scaled kernel), the
   whole projection either way.  M: decode 1-64 rows, prefill 2048-16384.
-* Experts: `moe.grouped_matmul` (bf16 Pallas kernel) vs `moe_mxfp4.grouped_matmul_mxfp4` over
+* Experts: `moe.grouped_matmul` on bf16 vs MXFP4 weights (`mxfp4.PackedMXFP4`, decoded in the kernel) over
   the group-aligned layout of `rows` (token, expert) assignments spread uniformly: `small`'s
   32 experts gate ++ up [768, 1536] and down [768, 768]; a full-scale EP16 rank's 56 experts
-  gate ++ up [4096, 8192].
+  gate ++ up [4096, 8192] (`--mx-tilings` times more MXFP4 tilings).  And `moe.grouped_ffn`, the
+  decode step's routed experts (gate/up + activation, then down), bf16 vs MXFP4, top-8 routing.
 * Timing (the same for both sides): `common.time_pipelined`, calls back to back then one sync.
   Ceilings: torch `copy_` (memory), the best bf16 matmul of XLA and torch (compute).  Each row
   has the bytes the GEMM must read (weights at their storage width, activations in and out) and
@@ -25,6 +26,7 @@ Rows go to `quant_gemm.json` under --out as they are measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import jax
@@ -34,7 +36,7 @@ import numpy as np
 from benchmarks import common
 from kimik3 import ops
 from kimik3.quant import formats
-from pallas_kernels import moe, moe_mxfp4
+from pallas_kernels import moe, moe_mxfp4, mxfp4
 
 PROJECTIONS = {
     "small KDA in (fused)": (1536, 4876),
@@ -118,24 +120,70 @@ def projection_rows(rng, copy_gbs: float, tflops: float, ms_list, write, quick: 
             write(row)
 
 
-def expert_rows(rng, copy_gbs: float, rows_list, write, quick: bool):
+def _uniform_sizes(rng, rows: int, g: int):
+    return jnp.asarray(np.bincount(np.sort(rng.integers(0, g, rows)), minlength=g), jnp.int32)
+
+
+def expert_rows(rng, copy_gbs: float, rows_list, write, quick: bool, tilings=()):
+    """tilings: extra `moe.Tiling`s to time the MXFP4 kernel at (each row keeps every time)."""
     for name, (g, k, n) in EXPERTS.items():
         if quick and name.startswith("full"):
             continue
         q = random_mxfp4(rng, g, k, n)
-        w16 = moe_mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
+        packed = mxfp4.PackedMXFP4(q.values, q.scales)
+        w16 = mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
         for rows in rows_list:
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
-            sizes = jnp.asarray(np.bincount(np.sort(rng.integers(0, g, rows)), minlength=g), jnp.int32)
+            sizes = _uniform_sizes(rng, rows, g)
             used = int(np.count_nonzero(np.asarray(sizes)))
             bf16_ms = common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0]
-            mx_ms = common.time_pipelined(jax.jit(moe_mxfp4.grouped_matmul_mxfp4), x, q.values, q.scales, sizes)[0]
+            by_tiling = {}
+            for t in (None, *tilings):
+                if t is not None and (n % t[0] or k % t[1]):
+                    continue
+                fn = jax.jit(functools.partial(moe.grouped_matmul, tiling=t))
+                by_tiling[str(t or moe.mx_tiling(moe.layout_block_m(rows), k, n))] = common.time_pipelined(
+                    fn, x, packed, sizes)[0]
+            mx_ms = min(by_tiling.values())
             bytes16 = used * k * n * 2 + 2 * rows * (k + n)
             bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)
             row = dict(section="experts", case=name, rows=rows, experts_read=used, bf16_ms=bf16_ms, mxfp4_ms=mx_ms,
+                       mxfp4_default_ms=next(iter(by_tiling.values())), mxfp4_ms_by_tiling=by_tiling,
                        speedup=bf16_ms / mx_ms, bf16_of_copy=bytes16 / (copy_gbs * 1e9) * 1e3 / bf16_ms,
                        mxfp4_of_copy=bytes4 / (copy_gbs * 1e9) * 1e3 / mx_ms,
                        memory_bound=bool(2 * rows * k * n / bytes4 < 300))  # FLOP per byte under Hopper's ridge
+            print(row, flush=True)
+            write(row)
+
+
+FFNS = {  # experts, latent L, expert width F: gate ++ up [E, L, 2F], down [E, F, L]
+    "small": (32, 768, 768),
+    "full EP16 rank": (56, 4096, 4096),
+}
+
+
+def ffn_rows(rng, copy_gbs: float, tokens_list, write, quick: bool, top_k: int = 8):
+    """`moe.grouped_ffn` (gate/up with the activation in its epilogue, then down: the decode
+    step's routed experts) on bf16 vs MXFP4 experts, tokens each routed to top_k experts."""
+    act = lambda gate, up: jax.nn.silu(gate) * up
+    for name, (e, l, f) in FFNS.items():
+        if quick and name.startswith("full"):
+            continue
+        q_gu, q_out = random_mxfp4(rng, e, l, 2 * f), random_mxfp4(rng, e, f, l)
+        packed = [mxfp4.PackedMXFP4(q.values, q.scales) for q in (q_gu, q_out)]
+        dense = [mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16) for q in (q_gu, q_out)]
+        fn = jax.jit(functools.partial(moe.grouped_ffn, act=act))
+        for tokens in tokens_list:
+            x = jnp.asarray(rng.standard_normal((tokens, l), np.float32), jnp.bfloat16)
+            ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]), jnp.int32)
+            used = len(np.unique(np.asarray(ids)))
+            bf16_ms = common.time_pipelined(fn, x, ids, *dense)[0]
+            mx_ms = common.time_pipelined(fn, x, ids, *packed)[0]
+            weights = used * 3 * l * f
+            row = dict(section="grouped_ffn", case=name, tokens=tokens, top_k=top_k, experts_read=used,
+                       bf16_ms=bf16_ms, mxfp4_ms=mx_ms, speedup=bf16_ms / mx_ms,
+                       bf16_of_copy=weights * 2 / (copy_gbs * 1e9) * 1e3 / bf16_ms,
+                       mxfp4_of_copy=weights * 4.25 / 8 / (copy_gbs * 1e9) * 1e3 / mx_ms)
             print(row, flush=True)
             write(row)
 
@@ -144,7 +192,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true", help="small's shapes and a few sizes only")
-    ap.add_argument("--sections", default="projection,experts")
+    ap.add_argument("--sections", default="projection,experts,grouped_ffn")
+    ap.add_argument("--mx-tilings", default="", help="extra MXFP4 tilings to time, 'bn,bk,warps,stages;...'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -166,7 +215,10 @@ def main():
         projection_rows(rng, copy_gbs, tflops, ms_list, write, args.quick)
     if "experts" in sections:
         rows_list = (8, 128) if args.quick else (4, 32, 128, 256, 1024)
-        expert_rows(rng, copy_gbs, rows_list, write, args.quick)
+        tilings = tuple(tuple(int(v) for v in t.split(",")) for t in args.mx_tilings.split(";") if t)
+        expert_rows(rng, copy_gbs, rows_list, write, args.quick, tilings)
+    if "grouped_ffn" in sections:
+        ffn_rows(rng, copy_gbs, (1, 4, 32) if args.quick else (1, 4, 16, 32, 64), write, args.quick)
     print(common.markdown_tables([r for r in rows if r["section"] != "ceilings"]) if rows else "", flush=True)
 
 

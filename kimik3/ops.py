@@ -21,7 +21,8 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_mxfp4, moe_route, qgemm
+from pallas_kernels import moe_combine, moe_route, qgemm
+from pallas_kernels import mxfp4 as mxfp4_kernels
 from kimik3.quant import formats as qformats
 from kimik3.quant.formats import QTensor
 
@@ -150,16 +151,25 @@ def expert_weights(w, dtype):
     return qformats.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w
 
 
+def _packed_mxfp4(w, dtype):
+    """An MXFP4 `QTensor` the Pallas kernels decode themselves (`pallas_kernels.mxfp4`) for rows of
+    a 16-bit dtype, as their `PackedMXFP4`; None for anything else."""
+    if (isinstance(w, QTensor) and w.fmt == "mxfp4" and jnp.dtype(dtype).itemsize == 2
+            and w.shape[-2] % 32 == 0 and w.shape[-1] % 32 == 0):
+        return mxfp4_kernels.PackedMXFP4(w.values, w.scales)
+    return None
+
+
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     """Routed-expert GEMM: rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N].
 
     Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
     else `lax.ragged_dot` (the reference).  MXFP4 weights (`QTensor`): on the Pallas path with
-    16-bit rows, `moe_mxfp4.grouped_matmul_mxfp4` (dequantized inside the kernel, read at 4.25
-    bits); elsewhere dequantized first (exact in the rows' dtype)."""
-    if (isinstance(rhs_gkn, QTensor) and rhs_gkn.fmt == "mxfp4" and resolve(kernels) == "pallas"
-            and jnp.dtype(lhs_mk.dtype).itemsize == 2 and (rhs_gkn.shape[-1] // 2) % 16 == 0):
-        return moe_mxfp4.grouped_matmul_mxfp4(lhs_mk, rhs_gkn.values, rhs_gkn.scales, group_sizes_g)
+    16-bit rows, decoded inside the kernel (`pallas_kernels.moe_mxfp4`: read at 4.25 bits);
+    elsewhere dequantized first (exact in the rows' dtype)."""
+    packed = _packed_mxfp4(rhs_gkn, lhs_mk.dtype)
+    if packed is not None and resolve(kernels) == "pallas":
+        return moe_kernels.grouped_matmul(lhs_mk, packed, group_sizes_g)
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
     if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
             and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
@@ -167,20 +177,32 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     return moe_kernels.grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g)
 
 
+def _ffn_weights(x_nl, w_gateup_elf, w_out_efl):
+    """The experts' weights as `pallas_kernels.moe.grouped_ffn` takes them (arrays of x's dtype or
+    `PackedMXFP4`), or None where it does not tile them."""
+    out = []
+    for w, (k, n) in ((w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
+                      (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2]))):
+        packed = _packed_mxfp4(w, x_nl.dtype)
+        if packed is not None:
+            out.append(packed)
+        elif not isinstance(w, QTensor) and x_nl.dtype == w.dtype and moe_kernels.kernel_dims_ok(k, n):
+            out.append(w)
+        else:
+            return None
+    return tuple(out)
+
+
 def grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels="auto") -> bool:
-    """Whether `grouped_ffn` (Pallas) serves these experts: fused gate/up weights, one dtype,
-    dims the kernel tiles."""
-    if isinstance(w_gateup_elf, QTensor) or isinstance(w_out_efl, QTensor):
-        return False
-    return (resolve(kernels) == "pallas" and x_nl.dtype == w_gateup_elf.dtype == w_out_efl.dtype
-            and moe_kernels.kernel_dims_ok(x_nl.shape[1], w_gateup_elf.shape[2])
-            and moe_kernels.kernel_dims_ok(w_out_efl.shape[1], w_out_efl.shape[2]))
+    """Whether `grouped_ffn` (Pallas) serves these experts: fused gate/up weights in x's dtype or
+    MXFP4 (16-bit rows), dims the kernel tiles."""
+    return resolve(kernels) == "pallas" and _ffn_weights(x_nl, w_gateup_elf, w_out_efl) is not None
 
 
 def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     """Every routed expert FFN in one group-aligned layout (`pallas_kernels.moe.grouped_ffn`):
     rows [N, L], ids [N, k] -> unweighted outputs [N, k, L].  Callers check `grouped_ffn_fits`."""
-    return moe_kernels.grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act)
+    return moe_kernels.grouped_ffn(x_nl, ids_nk, *_ffn_weights(x_nl, w_gateup_elf, w_out_efl), act=act)
 
 
 def moe_route_kernel() -> bool:
@@ -207,8 +229,8 @@ def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, to
     RMSNorm in one kernel, reading the rows where they lie).  x [N, L], logits [N, E] fp32,
     real [N] or None -> rms_norm(combine) [N, L].  Callers check `routed_ffn_fits`."""
     weights, dest, tiles = moe_route.route_layout(logits_ne, bias_e, real_n, top_k=top_k)
-    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, w_gateup_elf, w_out_efl, act=act, layout=(dest, tiles),
-                                           gather=False)
+    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, *_ffn_weights(x_nl, w_gateup_elf, w_out_efl), act=act,
+                                           layout=(dest, tiles), gather=False)
     return moe_combine.combine_norm(y_rows, dest, weights, latent_norm_l, eps=eps)
 
 

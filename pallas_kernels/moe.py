@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import dots
+from pallas_kernels import dots, mxfp4
 
 
 # `grouped_matmul_ref` gathers each row's expert weights while the gathered copy is at most
@@ -79,15 +79,26 @@ def kernel_dims_ok(k: int, n: int) -> bool:
     return _pick(k, (64, 32, 16)) is not None and _pick(n, (128, 64, 32, 16)) is not None
 
 
-def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=None):
+MX_VARIANT = {"swap": False, "post_scale": False}  # experiment knobs, read at trace time
+
+
+def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=None, mx_ptx=None):
     """One (row tile, column tile).  act: None, or the output is act(gate, up) of the weights'
     two halves (w [G, K, 2F] gate ++ up; this program's columns j of each, o [.., F]).
     top_k: None, the rows come in the layout (x_pad [R, K]); else refs start with dest [A]
     (each (token, slot) assignment's layout row) and x is the tokens' rows [N, K]: the program
     finds which assignment sits in each of its rows and loads that token's row (masked: empty
-    rows read zeros), so no padded copy of x is written first."""
+    rows read zeros), so no padded copy of x is written first.
+    mx_ptx: None, w is [G, K, N] in x's dtype; else the weights are MXFP4 (`mxfp4.PackedMXFP4`:
+    refs hold its packed values [G, K, N / 2] and scale bits [G, K / 32, N] uint8 in place of w)
+    and each 32-K step decodes its tile (`mxfp4.decode_tile`, in PTX if mx_ptx) into the even
+    and odd columns' values: two accumulators a column group, stored to the even and odd columns."""
     dest_ref = None if top_k is None else refs[0]
-    x_ref, w_ref, o_ref = refs[-3:]
+    if mx_ptx is None:
+        x_ref, w_ref, o_ref = refs[-3:]
+    else:
+        x_ref, wp_ref, ws_ref, o_ref = refs[-4:]
+        w_ref = ws_ref  # its last dim is N
     i, j = pl.program_id(0), pl.program_id(1)
     bm, bn = o_ref.shape
     g = tile_group_ref[i]
@@ -96,29 +107,97 @@ def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=
     @pl.when(g >= 0)
     def _():
         if dest_ref is None:
-            load_x = lambda kk: x_ref[pl.ds(i * bm, bm), pl.ds(kk * block_k, block_k)]
+            load_x = lambda start, width: x_ref[pl.ds(i * bm, bm), pl.ds(start, width)]
         else:
             dest = dest_ref[...]  # [A]
             a = dest.shape[0]
             hit = dest[None, :] == i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, a), 0)  # [bm, A]
             token = jnp.sum(jnp.where(hit, jax.lax.broadcasted_iota(jnp.int32, (bm, a), 1) // top_k, 0), axis=1)
             filled = jnp.sum(hit.astype(jnp.int32), axis=1) > 0
-            token = jnp.broadcast_to(token[:, None], (bm, block_k))
-            filled = jnp.broadcast_to(filled[:, None], (bm, block_k))
-            column = jax.lax.broadcasted_iota(jnp.int32, (bm, block_k), 1)
-            load_x = lambda kk: pltriton.load(x_ref.at[token, kk * block_k + column], mask=filled, other=0)
 
-        def body(kk, accs):
-            xs = load_x(kk)
-            return tuple(acc + jnp.dot(xs, w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
-                                       preferred_element_type=jnp.float32, precision=precision)
-                         for acc, c in zip(accs, cols))
+            def load_x(start, width):
+                column = jax.lax.broadcasted_iota(jnp.int32, (bm, width), 1)
+                return pltriton.load(x_ref.at[jnp.broadcast_to(token[:, None], (bm, width)), start + column],
+                                     mask=jnp.broadcast_to(filled[:, None], (bm, width)), other=0)
 
-        accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in cols))
-        if act is None:
-            o_ref[...] = accs[0].astype(o_ref.dtype)
-        else:  # the GEMM's output rounds to the rows' dtype, as an unfused act would read it; act runs in fp32
-            o_ref[...] = act(*(a.astype(o_ref.dtype).astype(jnp.float32) for a in accs)).astype(o_ref.dtype)
+        if mx_ptx is None:
+            def body(kk, accs):
+                xs = load_x(kk * block_k, block_k)
+                return tuple(acc + jnp.dot(xs, w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
+                                           preferred_element_type=jnp.float32, precision=precision)
+                             for acc, c in zip(accs, cols))
+            n_acc, width = len(cols), bn
+        else:
+            half_cols = jax.lax.broadcasted_iota(jnp.int32, (bn // 2,), 0)
+            swap, post = MX_VARIANT["swap"], MX_VARIANT["post_scale"]
+
+            def mma(w, xs):  # [32, P] x [bm, 32] -> [bm, P], or [P, bm] swapped (the weights as the A operand)
+                if swap:
+                    return jax.lax.dot_general(w, xs, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                return jnp.dot(xs, w, preferred_element_type=jnp.float32)
+
+            decode_mode, prefetch = MX_VARIANT.get("decode", "ptx"), MX_VARIANT.get("prefetch", False)
+            subs = block_k // mxfp4.MX_BLOCK
+
+            def load_tiles(kk):  # [(sub, column group)] packed [32, P] uint8
+                return tuple(wp_ref[g, pl.ds(kk * block_k + sub * mxfp4.MX_BLOCK, mxfp4.MX_BLOCK),
+                                    pl.ds(c // 2 + j * (bn // 2), bn // 2)] for sub in range(subs) for c in cols)
+
+            def decode(packed, s_bits, dtype):
+                if decode_mode == "none":  # the framework's ceiling: no decode (wrong values)
+                    v = packed.astype(jnp.int32).astype(dtype)
+                    return v, v
+                if post:
+                    return mxfp4.decode_values(packed, dtype, ptx=decode_mode == "ptx" and mx_ptx)
+                return mxfp4.decode_tile(packed, *s_bits, dtype, ptx=decode_mode == "ptx" and mx_ptx)
+
+            def compute(kk, accs, tiles):
+                accs = list(accs)
+                for sub in range(subs):  # one scale row per 32 K
+                    k0 = kk * block_k + sub * mxfp4.MX_BLOCK
+                    xs = load_x(k0, mxfp4.MX_BLOCK)
+                    for a, c in enumerate(cols):
+                        packed = tiles[sub * len(cols) + a]
+                        s_row = kk * subs + sub
+                        s_bits = [pltriton.load(ws_ref.at[g, s_row, c + j * bn + 2 * half_cols + h]).astype(jnp.int32)
+                                  for h in (0, 1)]
+                        for h, w in enumerate(decode(packed, s_bits, xs.dtype)):
+                            part = mma(w, xs)
+                            if post:
+                                sc = mxfp4.pow2_of_e8m0(s_bits[h])
+                                part = part * (sc[:, None] if swap else sc[None, :])
+                            accs[2 * a + h] = accs[2 * a + h] + part
+                return tuple(accs)
+
+            if prefetch:
+                def body(kk, carry):
+                    accs, tiles = carry
+                    nxt = load_tiles(jnp.minimum(kk + 1, n_k - 1))
+                    return compute(kk, accs, tiles), nxt
+            else:
+                body = lambda kk, accs: compute(kk, accs, load_tiles(kk))
+            n_acc, width = 2 * len(cols), bn // 2
+
+        acc_shape = (width, bm) if (mx_ptx is not None and swap) else (bm, width)
+        init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_acc))
+        if mx_ptx is not None and prefetch:
+            accs = jax.lax.fori_loop(0, n_k, body, (init, load_tiles(0)))[0]
+        else:
+            accs = jax.lax.fori_loop(0, n_k, body, init)
+        # the GEMM's output rounds to the rows' dtype, as an unfused act would read it; act runs in fp32
+        rounded = lambda v: v.astype(o_ref.dtype).astype(jnp.float32)
+        phases = 1 if mx_ptx is None else 2
+        outs = [accs[h] if act is None else act(rounded(accs[h]), rounded(accs[phases + h])) for h in range(phases)]
+        if mx_ptx is None:
+            o_ref[...] = outs[0].astype(o_ref.dtype)
+        elif swap:  # [P, bm]: even and odd columns
+            rows = jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
+            for h, v in enumerate(outs):
+                pltriton.store(o_ref.at[rows, 2 * half_cols[:, None] + h], v.astype(o_ref.dtype))
+        else:  # even and odd columns
+            rows = jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+            for h, v in enumerate(outs):
+                pltriton.store(o_ref.at[rows, 2 * half_cols[None, :] + h], v.astype(o_ref.dtype))
 
     @pl.when(g < 0)
     def _():
@@ -175,9 +254,17 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
 
 
 def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
-    """ValueError before any launch unless rows [.., K] of lhs_dtype meet weights [G, K, N] the kernel tiles."""
+    """ValueError before any launch unless rows [.., K] of lhs_dtype meet weights [G, K, N] (an
+    array of lhs_dtype, or `mxfp4.PackedMXFP4` with 16-bit rows) the kernel tiles."""
     if rhs_gkn.shape[1] != k:
-        raise ValueError(f"{what}: lhs rows of {k} and rhs {rhs_gkn.shape} do not match ([M, K], [G, K, N])")
+        raise ValueError(f"{what}: lhs rows of {k} and rhs {tuple(rhs_gkn.shape)} do not match ([M, K], [G, K, N])")
+    if isinstance(rhs_gkn, mxfp4.PackedMXFP4):
+        mxfp4.check(rhs_gkn, what)
+        if jnp.dtype(lhs_dtype).itemsize != 2:
+            raise ValueError(f"{what}: MXFP4 weights multiply 16-bit rows; got {lhs_dtype}")
+        if k % 32 or rhs_gkn.shape[2] % 32:
+            raise ValueError(f"{what}: MXFP4 K={k} and N={rhs_gkn.shape[2]} must be multiples of 32")
+        return
     if lhs_dtype != rhs_gkn.dtype:
         raise ValueError(f"{what}: lhs {lhs_dtype} and rhs {rhs_gkn.dtype} must share a dtype")
     if not kernel_dims_ok(k, rhs_gkn.shape[2]):
@@ -188,15 +275,26 @@ def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
 Tiling = tuple[int, int, int, int]
 
 
-def _tiling(k: int, n: int, tiling: Tiling | None) -> Tiling:
+def _tiling(k: int, n: int, tiling: Tiling | None, mx_rows: int | None = None) -> Tiling:
     """The kernel's tiling for [K] rows times [G, K, N]: `tiling` checked, or the widest tiles
-    that divide (`benchmarks/moe_tune.py` found every tiling within 5% of these at decode)."""
+    that divide (`benchmarks/moe_tune.py` found every tiling within 5% of these at decode).
+    mx_rows: an MXFP4 GEMM's rows per tile (`mx_tiling`'s defaults; block_k a multiple of 32)."""
     if tiling is not None:
         bn, bk = tiling[:2]
-        if n % bn or k % bk:
-            raise ValueError(f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}")
+        if n % bn or k % bk or (mx_rows is not None and (bk % 32 or bn % 32)):
+            raise ValueError(f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}"
+                             + ("" if mx_rows is None else " and be multiples of 32 (MXFP4)"))
         return tiling
+    if mx_rows is not None:
+        return mx_tiling(mx_rows, k, n)
     return (_pick(n, (128, 64, 32, 16)), _pick(k, (64, 32, 16)), 4, 3)
+
+
+def mx_tiling(block_m: int, k: int, n: int) -> Tiling:
+    """MXFP4 weights at block_m rows a tile: each program decodes its [block_k, block_n] tile
+    once (ALU work the bf16 kernel does not have), so column tiles stay wide; a decode step's
+    tiles of 16 rows take long K steps."""
+    return (_pick(n, (128, 64, 32)), _pick(k, (256, 128, 64, 32) if block_m <= 16 else (128, 64, 32)), 4, 3)
 
 
 # A decode step of a few tokens (<= this many (token, slot) assignments) holds its rows in a few
@@ -222,26 +320,29 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
     or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F].
+    rhs: an array in x's dtype or `mxfp4.PackedMXFP4`.
     gather: (dest [A] int32, top_k, n_tiles): x_pad is instead the tokens' rows [A / top_k, K]
     and each program loads its layout rows from them (`_gmm_kernel`)."""
     k, n = rhs_gkn.shape[1:]
     n = n if act is None else n // 2
-    block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling)
+    rows = x_pad.shape[0] if gather is None else gather[2] * block_m
+    mx = isinstance(rhs_gkn, mxfp4.PackedMXFP4)
+    block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling, mx_rows=block_m if mx else None)
     if act is not None and tiling is None and x_pad.dtype.itemsize > 2:
         # two fp32 weight tiles a stage: half as wide, the shared memory of one unfused tile (Hopper: 227 KiB)
         block_n, num_stages = (block_n // 2, num_stages) if block_n >= 32 else (block_n, 2)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
-    rows = x_pad.shape[0] if gather is None else gather[2] * block_m
+    weights = ((rhs_gkn.values, jax.lax.bitcast_convert_type(rhs_gkn.scales, jnp.uint8)) if mx else (rhs_gkn,))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision, act=act,
-                          top_k=None if gather is None else gather[1]),
+                          top_k=None if gather is None else gather[1], mx_ptx=(not interpret) if mx else None),
         grid=(rows // block_m, n // block_n),
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), x_pad.dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="moe_grouped_matmul",
-    )(tile_group, *(() if gather is None else (gather[0],)), x_pad, rhs_gkn)
+        name="moe_grouped_matmul_mxfp4" if mx else "moe_grouped_matmul",
+    )(tile_group, *(() if gather is None else (gather[0],)), x_pad, *weights)
 
 
 # Up to this many (token, slot) assignments (a power of two: Triton tiles the whole dest array)
@@ -264,12 +365,12 @@ def _interpret(interpret):
     return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
-def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_m", "interpret", "tiling"))
+def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=None, tiling: Tiling | None = None):
     """Pallas grouped GEMM, the contract of `grouped_matmul_ref`.
 
-    lhs [M, K] rows sorted by group; rhs [G, K, N] (same dtype); group_sizes [G]
-    int32.  block_m: rows per tile (default 16 for M <= 512, a decode step's
+    lhs [M, K] rows sorted by group; rhs [G, K, N] (same dtype, or `mxfp4.PackedMXFP4` with
+    16-bit rows: decoded in the kernel, read at 4.25 bits); group_sizes [G] int32.  block_m: rows per tile (default 16 for M <= 512, a decode step's
     few rows per expert; else 64).  K must divide by 16 and N by 16
     (`kernel_dims_ok`).  fp32 inputs multiply in 3xTF32 on the GPU (exact fp32
     in interpret mode), bf16 inputs on bf16 tensor cores, accumulating in fp32.
@@ -286,7 +387,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
     x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
         jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
-    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret))
+    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling)
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
 
 
@@ -332,7 +433,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
     w_gateup_elf [E, L, 2F] (gate ++ up),
-    w_out_efl [E, F, L]; act(gate [.., F], up [.., F]) -> [.., F] elementwise with
+    w_out_efl [E, F, L] (each an array of x's dtype, or `mxfp4.PackedMXFP4` with 16-bit rows:
+    decoded in the kernels, read at 4.25 bits); act(gate [.., F], up [.., F]) -> [.., F] elementwise with
     act(0, 0) == 0 (padding rows stay zero), called on fp32 values (the GEMM's output rounded
     to x's dtype) inside the kernel.  Returns y [N, k, L]: expert ids[n, j]'s
     output for row n (unweighted), in x's dtype.  tiling: (gate/up, down) kernel tilings
@@ -363,8 +465,9 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
-    t_gu = tiling[0] or few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True)
-    t_down = tiling[1] or few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False)
+    dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
+    t_gu = tiling[0] or (few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
+    t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
     if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
         h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
                         gather=(dest, k, n_tiles))

@@ -10,7 +10,7 @@ import pytest
 
 from kimik3 import config, ops
 from kimik3.quant import formats
-from pallas_kernels import moe_mxfp4, qgemm
+from pallas_kernels import moe, moe_mxfp4, mxfp4, qgemm
 
 SMALL = config.small()
 # `small`'s fused groups: KDA q | k | v | f_a | beta | g_a, MLA q_a | kv_a | gate
@@ -66,3 +66,33 @@ def test_mxfp4_grouped_gemm_against_the_bf16_path(rows, k, n):
     ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, jnp.asarray(sizes)), np.float32)
     # the same bf16 products summed in fp32 in another order, each output rounded to bf16
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))
+
+
+def test_mxfp4_decode_in_ptx_is_the_formats_bit_for_bit():
+    """Identity rows read the weights back through the kernel's inline-PTX decode: every code,
+    both nibbles, scales 2^-127 (a bf16 subnormal) to 2^6, equal to the dequantized weights."""
+    rng = np.random.default_rng(3)
+    k, n = 256, 512
+    values = jnp.asarray(rng.integers(0, 256, (2, k, n // 2), dtype=np.uint8))
+    bits = rng.integers(100, 134, (2, k // 32, n)).astype(np.uint8)
+    bits[0, 0, :4] = (0, 1, 126, 133)
+    scales = jnp.asarray(bits).view(jnp.float8_e8m0fnu)
+    eye = jnp.eye(k, dtype=jnp.bfloat16)
+    got = moe_mxfp4.grouped_matmul_mxfp4(jnp.concatenate([eye, eye]), values, scales, jnp.asarray([k, k], jnp.int32))
+    want = mxfp4.dequantize(values, scales).astype(jnp.bfloat16).reshape(2 * k, n)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 32, 512])  # gathered decode rows, the padded copy
+def test_grouped_ffn_on_mxfp4_experts_against_the_bf16_experts(tokens):
+    rng = np.random.default_rng(tokens)
+    e, l, f, top_k = SMALL.n_routed_experts, SMALL.moe_latent_dim, SMALL.moe_expert_dim, SMALL.n_active_experts
+    qs = [formats.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, "mxfp4") for s in ((e, l, 2 * f), (e, f, l))]
+    x = jnp.asarray(rng.standard_normal((tokens, l)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]), jnp.int32)
+    act = lambda gate, up: jax.nn.silu(gate) * up
+    got = moe.grouped_ffn(x, ids, *[mxfp4.PackedMXFP4(q.values, q.scales) for q in qs], act=act)
+    want = moe.grouped_ffn(x, ids, *[mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16) for q in qs], act=act)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    # the same weights (the decode is exact), fp32 sums in another order, bf16 hidden and outputs
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))

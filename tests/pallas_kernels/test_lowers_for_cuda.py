@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_mxfp4, moe_route, qgemm
+from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_mxfp4, moe_route, mxfp4, qgemm
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -93,3 +93,15 @@ def test_mxfp4_grouped_gemm_at_small_dims(rows):
     fn = lambda x, values, scales, sizes: moe_mxfp4.grouped_matmul_mxfp4(x, values, scales, sizes, interpret=False)
     assert lowered_triton_calls(fn, S((rows, 768), BF16), S((32, 768, 768), jnp.uint8),
                                 S((32, 24, 1536), jnp.float8_e8m0fnu), S((32,), I32)) == 1
+
+
+@pytest.mark.parametrize("tokens", [4, 32, 128])  # gathered decode rows (few-row and wide tiles), the padded copy
+def test_grouped_ffn_on_mxfp4_experts(tokens):
+    """The decode step's routed experts with MXFP4 gate/up and down: the inline-PTX decode and the
+    even / odd column stores lower."""
+    act = lambda gate, up: jax.nn.silu(gate) * up
+    fn = lambda x, ids, vg, sg, vo, so: moe.grouped_ffn(x, ids, mxfp4.PackedMXFP4(vg, sg), mxfp4.PackedMXFP4(vo, so),
+                                                        act=act, interpret=False)
+    e8 = jnp.float8_e8m0fnu
+    assert lowered_triton_calls(fn, S((tokens, 768), BF16), S((tokens, 8), I32), S((32, 768, 768), jnp.uint8),
+                                S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
