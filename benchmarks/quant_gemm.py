@@ -142,7 +142,7 @@ def expert_rows(rng, copy_gbs: float, rows_list, write, quick: bool, tilings=())
                 if t is not None and (n % t[0] or k % t[1]):
                     continue
                 fn = jax.jit(functools.partial(moe.grouped_matmul, tiling=t))
-                by_tiling[str(t or moe.mx_tiling(moe.layout_block_m(rows), k, n))] = common.time_pipelined(
+                by_tiling[str(t or moe.mx_tiling(rows, moe.layout_block_m(rows), False, k, n))] = common.time_pipelined(
                     fn, x, packed, sizes)[0]
             mx_ms = min(by_tiling.values())
             bytes16 = used * k * n * 2 + 2 * rows * (k + n)

@@ -79,9 +79,6 @@ def kernel_dims_ok(k: int, n: int) -> bool:
     return _pick(k, (64, 32, 16)) is not None and _pick(n, (128, 64, 32, 16)) is not None
 
 
-MX_VARIANT = {"swap": False, "post_scale": False}  # experiment knobs, read at trace time
-
-
 def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=None, mx_ptx=None):
     """One (row tile, column tile).  act: None, or the output is act(gate, up) of the weights'
     two halves (w [G, K, 2F] gate ++ up; this program's columns j of each, o [.., F]).
@@ -129,71 +126,29 @@ def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=
             n_acc, width = len(cols), bn
         else:
             half_cols = jax.lax.broadcasted_iota(jnp.int32, (bn // 2,), 0)
-            swap, post = MX_VARIANT["swap"], MX_VARIANT["post_scale"]
 
-            def mma(w, xs):  # [32, P] x [bm, 32] -> [bm, P], or [P, bm] swapped (the weights as the A operand)
-                if swap:
-                    return jax.lax.dot_general(w, xs, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                return jnp.dot(xs, w, preferred_element_type=jnp.float32)
-
-            decode_mode, prefetch = MX_VARIANT.get("decode", "ptx"), MX_VARIANT.get("prefetch", False)
-            subs = block_k // mxfp4.MX_BLOCK
-
-            def load_tiles(kk):  # [(sub, column group)] packed [32, P] uint8
-                return tuple(wp_ref[g, pl.ds(kk * block_k + sub * mxfp4.MX_BLOCK, mxfp4.MX_BLOCK),
-                                    pl.ds(c // 2 + j * (bn // 2), bn // 2)] for sub in range(subs) for c in cols)
-
-            def decode(packed, s_bits, dtype):
-                if decode_mode == "none":  # the framework's ceiling: no decode (wrong values)
-                    v = packed.astype(jnp.int32).astype(dtype)
-                    return v, v
-                if post:
-                    return mxfp4.decode_values(packed, dtype, ptx=decode_mode == "ptx" and mx_ptx)
-                return mxfp4.decode_tile(packed, *s_bits, dtype, ptx=decode_mode == "ptx" and mx_ptx)
-
-            def compute(kk, accs, tiles):
+            def body(kk, accs):
                 accs = list(accs)
-                for sub in range(subs):  # one scale row per 32 K
+                for sub in range(block_k // mxfp4.MX_BLOCK):  # one scale row per 32 K
                     k0 = kk * block_k + sub * mxfp4.MX_BLOCK
                     xs = load_x(k0, mxfp4.MX_BLOCK)
                     for a, c in enumerate(cols):
-                        packed = tiles[sub * len(cols) + a]
-                        s_row = kk * subs + sub
-                        s_bits = [pltriton.load(ws_ref.at[g, s_row, c + j * bn + 2 * half_cols + h]).astype(jnp.int32)
-                                  for h in (0, 1)]
-                        for h, w in enumerate(decode(packed, s_bits, xs.dtype)):
-                            part = mma(w, xs)
-                            if post:
-                                sc = mxfp4.pow2_of_e8m0(s_bits[h])
-                                part = part * (sc[:, None] if swap else sc[None, :])
-                            accs[2 * a + h] = accs[2 * a + h] + part
+                        packed = wp_ref[g, pl.ds(k0, mxfp4.MX_BLOCK), pl.ds(c // 2 + j * (bn // 2), bn // 2)]
+                        s_row = kk * (block_k // mxfp4.MX_BLOCK) + sub
+                        s_even, s_odd = (pltriton.load(ws_ref.at[g, s_row, c + j * bn + 2 * half_cols + h])
+                                         .astype(jnp.int32) for h in (0, 1))
+                        for h, w in enumerate(mxfp4.decode_tile(packed, s_even, s_odd, xs.dtype, ptx=mx_ptx)):
+                            accs[2 * a + h] = accs[2 * a + h] + jnp.dot(xs, w, preferred_element_type=jnp.float32)
                 return tuple(accs)
-
-            if prefetch:
-                def body(kk, carry):
-                    accs, tiles = carry
-                    nxt = load_tiles(jnp.minimum(kk + 1, n_k - 1))
-                    return compute(kk, accs, tiles), nxt
-            else:
-                body = lambda kk, accs: compute(kk, accs, load_tiles(kk))
             n_acc, width = 2 * len(cols), bn // 2
 
-        acc_shape = (width, bm) if (mx_ptx is not None and swap) else (bm, width)
-        init = tuple(jnp.zeros(acc_shape, jnp.float32) for _ in range(n_acc))
-        if mx_ptx is not None and prefetch:
-            accs = jax.lax.fori_loop(0, n_k, body, (init, load_tiles(0)))[0]
-        else:
-            accs = jax.lax.fori_loop(0, n_k, body, init)
+        accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((bm, width), jnp.float32) for _ in range(n_acc)))
         # the GEMM's output rounds to the rows' dtype, as an unfused act would read it; act runs in fp32
         rounded = lambda v: v.astype(o_ref.dtype).astype(jnp.float32)
         phases = 1 if mx_ptx is None else 2
         outs = [accs[h] if act is None else act(rounded(accs[h]), rounded(accs[phases + h])) for h in range(phases)]
         if mx_ptx is None:
             o_ref[...] = outs[0].astype(o_ref.dtype)
-        elif swap:  # [P, bm]: even and odd columns
-            rows = jax.lax.broadcasted_iota(jnp.int32, (1, bm), 1)
-            for h, v in enumerate(outs):
-                pltriton.store(o_ref.at[rows, 2 * half_cols[:, None] + h], v.astype(o_ref.dtype))
         else:  # even and odd columns
             rows = jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
             for h, v in enumerate(outs):
@@ -275,26 +230,36 @@ def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
 Tiling = tuple[int, int, int, int]
 
 
-def _tiling(k: int, n: int, tiling: Tiling | None, mx_rows: int | None = None) -> Tiling:
+def _tiling(k: int, n: int, tiling: Tiling | None, mx: tuple[int, int, bool] | None = None) -> Tiling:
     """The kernel's tiling for [K] rows times [G, K, N]: `tiling` checked, or the widest tiles
     that divide (`benchmarks/moe_tune.py` found every tiling within 5% of these at decode).
-    mx_rows: an MXFP4 GEMM's rows per tile (`mx_tiling`'s defaults; block_k a multiple of 32)."""
+    mx: an MXFP4 GEMM's (assignments, block_m, act) (`mx_tiling`'s defaults; block_n and block_k
+    multiples of 32)."""
     if tiling is not None:
         bn, bk = tiling[:2]
-        if n % bn or k % bk or (mx_rows is not None and (bk % 32 or bn % 32)):
+        if n % bn or k % bk or (mx is not None and (bk % 32 or bn % 32)):
             raise ValueError(f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}"
-                             + ("" if mx_rows is None else " and be multiples of 32 (MXFP4)"))
+                             + ("" if mx is None else " and be multiples of 32 (MXFP4)"))
         return tiling
-    if mx_rows is not None:
-        return mx_tiling(mx_rows, k, n)
+    if mx is not None:
+        return mx_tiling(*mx, k, n)
     return (_pick(n, (128, 64, 32, 16)), _pick(k, (64, 32, 16)), 4, 3)
 
 
-def mx_tiling(block_m: int, k: int, n: int) -> Tiling:
-    """MXFP4 weights at block_m rows a tile: each program decodes its [block_k, block_n] tile
-    once (ALU work the bf16 kernel does not have), so column tiles stay wide; a decode step's
-    tiles of 16 rows take long K steps."""
-    return (_pick(n, (128, 64, 32)), _pick(k, (256, 128, 64, 32) if block_m <= 16 else (128, 64, 32)), 4, 3)
+def mx_tiling(assignments: int, block_m: int, act: bool, k: int, n: int) -> Tiling:
+    """MXFP4 weights: each program decodes its [block_k, block_n] weight tile 32 K at a time (ALU
+    work the bf16 kernel does not have).  Wide column tiles (fewer decodes of the shared x rows,
+    long runs of packed bytes) win from a few dozen assignments up; a handful of assignments
+    (<= 16: a few experts) take narrow ones to spread each expert over more programs; 64-row
+    tiles with the activation's two halves (four fp32 accumulators) stay at 128 columns.
+    `benchmarks/mxfp4_tune.py` on the H200: RESULTS.md."""
+    if assignments <= 16:
+        bn = (64, 32)
+    elif act and block_m > 16:
+        bn = (128, 64, 32)
+    else:
+        bn = (256, 128, 64, 32)
+    return (_pick(n, bn), _pick(k, (64, 32)), 4, 3)
 
 
 # A decode step of a few tokens (<= this many (token, slot) assignments) holds its rows in a few
@@ -316,7 +281,7 @@ def few_rows_tiling(rows: int, k: int, n: int, dtype, act: bool) -> Tiling | Non
 
 
 def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None,
-                gather=None):
+                gather=None, assignments: int | None = None):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
     or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F].
@@ -327,7 +292,8 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
     n = n if act is None else n // 2
     rows = x_pad.shape[0] if gather is None else gather[2] * block_m
     mx = isinstance(rhs_gkn, mxfp4.PackedMXFP4)
-    block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling, mx_rows=block_m if mx else None)
+    mx_case = (rows if assignments is None else assignments, block_m, act is not None) if mx else None
+    block_n, block_k, num_warps, num_stages = _tiling(k, n, tiling, mx=mx_case)
     if act is not None and tiling is None and x_pad.dtype.itemsize > 2:
         # two fp32 weight tiles a stage: half as wide, the shared memory of one unfused tile (Hopper: 227 KiB)
         block_n, num_stages = (block_n // 2, num_stages) if block_n >= 32 else (block_n, 2)
@@ -387,7 +353,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
     x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
         jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
-    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling)
+    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling, assignments=lhs_mk.shape[0])
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
 
 
@@ -470,12 +436,13 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
     if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
         h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
-                        gather=(dest, k, n_tiles))
+                        gather=(dest, k, n_tiles), assignments=n * k)
     else:
         rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
         x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
-        h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act)  # [.., F]
-    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down)
+        h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act,
+                        assignments=n * k)  # [.., F]
+    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

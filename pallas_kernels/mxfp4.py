@@ -90,19 +90,14 @@ _ODD_BITS = "shr.b32 y, a, 6;\nand.b32 y, y, 0x01C001C0;\nlop3.b32 d, a, nz, y, 
 _EVEN_BITS = "shl.b32 t, a, 4;\nshr.b32 y, a, 2;\nand.b32 y, y, 0x01C001C0;\nlop3.b32 d, t, nz, y, 0xEA;\n"
 
 
-def _decode_ptx(bits: str, scaled: bool = True) -> str:
-    """scaled: times the scales in $3 / $4; else the codes' values alone (the last fma writes out)."""
-    def lane(sel, out, s):
-        tail = f"fma.rn.bf16x2 d, d, k, nz;\nfma.rn.bf16x2 {out}, d, {s}, nz;\n" if scaled else \
-            f"fma.rn.bf16x2 {out}, d, k, nz;\n"
-        return f"prmt.b32 a, $2, z, {sel};\n" + bits + tail
-    lanes = "".join(lane(*a) for a in (("0x1404", "$0", "$3"), ("0x3424", "$1", "$4")))
+def _decode_ptx(bits: str) -> str:
+    lanes = "".join(f"prmt.b32 a, $2, z, {sel};\n" + bits + f"fma.rn.bf16x2 d, d, k, nz;\nfma.rn.bf16x2 {out}, d, {s}, nz;\n"
+                    for sel, out, s in (("0x1404", "$0", "$3"), ("0x3424", "$1", "$4")))
     return ("{\n.reg .b32 z, k, nz, a, t, y, d;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
             + lanes + "}")
 
 
 _DECODE_PTX = (_decode_ptx(_EVEN_BITS), _decode_ptx(_ODD_BITS))
-_VALUES_PTX = (_decode_ptx(_EVEN_BITS, scaled=False), _decode_ptx(_ODD_BITS, scaled=False))
 
 
 def decode_tile(packed_rp, s_even_p, s_odd_p, dtype, *, ptx: bool):
@@ -119,14 +114,3 @@ def decode_tile(packed_rp, s_even_p, s_odd_p, dtype, *, ptx: bool):
     return tuple((decode_e2m1((code >> (4 * half)) & 0xF) * pow2_of_e8m0(s)[None, :]).astype(dtype)
                  for half, s in ((0, s_even_p), (1, s_odd_p)))
 
-
-def decode_values(packed_rp, dtype, *, ptx: bool):
-    """Inside a kernel: packed bytes [R, P] uint8 -> (even [R, P], odd [R, P]) e2m1 values in
-    dtype, unscaled (exact: the scale is a power of two applied to the MMA's fp32 partial sums)."""
-    r, p = packed_rp.shape
-    if ptx and dtype == jnp.bfloat16:
-        out = jax.ShapeDtypeStruct((r, p), jnp.bfloat16)
-        return tuple(pltriton.elementwise_inline_asm(asm, args=[packed_rp], constraints="=r,=r,r", pack=4,
-                                                     result_shape_dtypes=[out])[0] for asm in _VALUES_PTX)
-    code = packed_rp.astype(jnp.int32)
-    return tuple(decode_e2m1((code >> (4 * half)) & 0xF).astype(dtype) for half in (0, 1))
