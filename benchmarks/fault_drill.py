@@ -47,7 +47,7 @@ def phase(base: str, state: dict, name: str, prompts: list[str], model: str = "t
         t0 = time.monotonic()
         r = httpx.post(base + "/v1/chat/completions", timeout=300, json={
             "model": f"kimik3-{model}", "messages": [{"role": "user", "content": p}], "max_tokens": 2,
-            "ignore_eos": True})
+            "ignore_eos": True, "temperature": 0})
         times.append(time.monotonic() - t0)
         if r.status_code != 200:
             raise RuntimeError(f"{name}: {r.status_code} {r.text[:200]}")

@@ -1,12 +1,19 @@
 """The OpenAI-compatible request schemas (pydantic), error shape and prompt building.
 
-Sampling: `temperature` (default 0 = greedy, unlike OpenAI's 1, so that an unadorned request
-reproduces the oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves
-every retry and failover of a request, and draws are seeded per position, so a request that
-moves between workers continues the same sample).  Images: `image_url` parts with base64
-`data:` URLs (PNG, JPEG, ...), decoded and resized to the ViT's input here; remote URLs and
-undecodable images are 400s.  `n` must be 1 and `stop` sequences are refused.  Extensions: `ignore_eos` (do not stop at <|eos|>) in requests, `token_ids` on each
-choice (and on each streamed chunk's choice) in responses.
+Sampling: `temperature` (default 1, as OpenAI's and vLLM's; 0 is greedy and reproduces the
+oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves every retry and
+failover of a request, and draws are seeded per position, so a request that moves between
+workers continues the same sample).  `stop` (up to 4 strings; the text ends before the first,
+also while streaming: `serving.stop`) and vLLM's `stop_token_ids`.  Images: `image_url` parts
+with base64 `data:` URLs (PNG, JPEG, ...), decoded and resized to the ViT's input here; remote
+URLs and undecodable images are 400s.  `n` must be 1.
+
+No field is ignored: an unknown field is a 400 naming it (as OpenAI answers), and a field of
+OpenAI's or vLLM's that this server does not implement (`UNSUPPORTED`: logprobs, tools,
+penalties, ...) is a 400 naming it unless it holds its neutral value (what clients send by
+default: `logprobs: false`, `frequency_penalty: 0`, `tools: []`, ...).  Extensions: `ignore_eos`
+(do not stop at <|eos|>) and `cache_salt` in requests, `token_ids` on each choice (and on each
+streamed chunk's choice) in responses.
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ import hashlib
 import io
 import json
 import random
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kimik3 import tokenizer
+from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 
 class APIError(Exception):
@@ -41,12 +49,14 @@ class APIError(Exception):
 def validation_error(err: ValidationError) -> APIError:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc, code="unknown_parameter")
     msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])
     return APIError(400, f"invalid request: {msgs}", param=loc, code="invalid_value")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_Strict):
@@ -93,10 +103,27 @@ class _Common(_Strict):
     seed: StrictInt | None = Field(None, ge=0, lt=2 ** 63)
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's
     ignore_eos: StrictBool = False
     user: StrictStr | None = Field(None, max_length=256)
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
+    # OpenAI's / vLLM's fields this server does not implement: accepted at their neutral values only
+    # (`check_common`), so that no request is answered as if a field it set had been honoured
+    logprobs: Any = None
+    top_logprobs: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
 
 class ChatCompletionRequest(_Common):
@@ -106,12 +133,47 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+
+def _is_number(v, value: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == value
+
+
+# field -> whether a value is its neutral one (what a client sends when it does not use the field)
+UNSUPPORTED = {
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: _is_number(v, 0),
+    "frequency_penalty": lambda v: _is_number(v, 0),
+    "presence_penalty": lambda v: _is_number(v, 0),
+    "repetition_penalty": lambda v: _is_number(v, 1),
+    "logit_bias": lambda v: v == {},
+    "top_k": lambda v: _is_number(v, -1) or _is_number(v, 0),
+    "min_p": lambda v: _is_number(v, 0),
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: _is_number(v, 1),
+}
 
 
 def sampling_options(req: _Common) -> dict:
     """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
     seed = req.seed if req.seed is not None else random.getrandbits(63)
-    return {"temperature": req.temperature or 0.0, "top_p": req.top_p or 1.0, "seed": seed}
+    return {"temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p, "seed": seed}
+
+
+def stop_strings(req: _Common) -> list[str]:
+    """The request's stop sequences as a list (checked by `check_common`)."""
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
 def tenant_salt(req: _Common) -> str | None:
@@ -125,11 +187,24 @@ def tenant_salt(req: _Common) -> str | None:
     return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
-def check_common(req: _Common) -> None:
+def check_common(req: _Common, vocab_size: int | None = None) -> None:
+    """APIError (400) naming the first field this server cannot honour as given."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (got {req.n}): one choice per request", param="n")
-    if req.stop:
-        raise APIError(400, "stop sequences are not supported", param="stop")
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if value is not None and not neutral(value):
+            raise APIError(400, f"'{name}' is not supported by this server (got {json.dumps(value)[:80]}); "
+                                f"leave it out", param=name, code="unsupported_parameter")
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences (got {len(stops)})", param="stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"stop sequences must be 1 to {MAX_STOP_CHARS} characters long", param="stop")
+    bad = [t for t in req.stop_token_ids or [] if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise APIError(400, f"stop_token_ids: {bad[0]} is not a token id (ids lie in [0, {vocab_size}))",
+                       param="stop_token_ids")
 
 
 MAX_IMAGE_BYTES = 16 << 20

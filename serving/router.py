@@ -63,8 +63,9 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from cache.media import build_fetcher
 from serving import internal_auth
+from serving.stop import StopMatcher
 from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
-                                completion_prompt, resolve_max_tokens, sampling_options, tenant_salt,
+                                completion_prompt, resolve_max_tokens, sampling_options, stop_strings, tenant_salt,
                                 validation_error)
 
 log = logging.getLogger(__name__)
@@ -561,6 +562,8 @@ class Router:
             try:
                 async for ev in self._attempt(w, prompt + out, total - len(out), opts, rid, out, adopt):
                     if "token" in ev:
+                        if "cached_tokens" in ev:
+                            yield "info", ev
                         yield "token", ev["token"]
                     else:
                         w.breaker.success()
@@ -648,7 +651,10 @@ class Router:
     async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
                        sampling: dict | None = None, images_b64: list[str] | None = None,
                        cache_salt: str | None = None):
-        """Yields ("token", id) for every output token and a final ("done", summary).
+        """Yields ("token", id) for every output token, ("info", {"cached_tokens", "cached_tokens_host"})
+        once the first stage's prefix-cache share is known (before its first token), and a final
+        ("done", summary)."""
+        """
         `sampling`: {"temperature", "top_p", "seed"} (default greedy); `images_b64`: the
         prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
         and inside a direct handoff's KV); `cache_salt`: the tenant's (`openai_api.tenant_salt`),
@@ -665,8 +671,9 @@ class Router:
         if self.prefill and self.handoff_mode() == "direct":
             token, adopt, first = await self._prefill_direct(prompt, rid, opts)
             out.append(token)
-            yield "token", token
             summary.update(first)
+            yield "info", {k: summary[k] for k in ("cached_tokens", "cached_tokens_host")}
+            yield "token", token
             stages = [(self.decode, max_tokens, False)]
         elif self.prefill:
             stages = [(self.prefill, 1, True), (self.decode, max_tokens, False)]
@@ -682,6 +689,10 @@ class Router:
                 elif first_stage:
                     summary["cached_tokens"] = ev.get("cached_tokens", 0)
                     summary["cached_tokens_host"] = ev.get("cached_tokens_host", 0)
+                    if kind == "info":
+                        yield "info", {k: summary[k] for k in ("cached_tokens", "cached_tokens_host")}
+                elif kind == "info":
+                    pass
                 else:
                     self.metrics.handoff_cached.inc(ev.get("cached_tokens", 0))
         summary["finish_reason"] = "stop" if stopped() else "length"
@@ -707,7 +718,7 @@ class Router:
         if req.model not in self.aliases:
             raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
-        check_common(req)
+        check_common(req, self.model_cfg.vocab_size)
         try:
             if kind == "chat":
                 vit = self.model_cfg.vit
@@ -914,6 +925,10 @@ class _Stream:
         self.times: list[float] = []
         self.summary: dict | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stops = StopMatcher(stop_strings(req))
+        self._stop_ids = frozenset(req.stop_token_ids or ())
+        self._info = {"cached_tokens": 0, "cached_tokens_host": 0}
+        self.text = ""  # what the client has been sent (the completion cut before a stop sequence)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.create_task(self._produce(not req.ignore_eos))
         self._closed = False
@@ -978,24 +993,47 @@ class _Stream:
                 "total_tokens": len(self.prompt) + len(self.tokens), "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _events(self, first):
-        """(text piece, token) per token, then (tail text, None) once done."""
+        """(text piece, token) per token, then (tail text, None) once done.  A stop sequence or a
+        stop token ends the events early (finish_reason "stop") and cancels the generation; text
+        that may begin a stop sequence is held back until the next token settles it."""
         item = first
         while True:
             kind, ev = item
             if kind == "token":
                 self.tokens.append(ev)
                 self.times.append(time.monotonic())
-                yield (self._decoder.decode(bytes([ev])) if ev < 256 else ""), ev
+                if ev in self._stop_ids:  # its text is left out, as vLLM does; held text was no stop string
+                    yield self._emit(self._stops.flush() + self._decoder.decode(b"", final=True)), ev
+                    self._stop_early()
+                    yield "", None
+                    return
+                piece, stopped = self._stops.feed(self._decoder.decode(bytes([ev])) if ev < 256 else "")
+                yield self._emit(piece), ev
+                if stopped:
+                    self._stop_early()
+                    yield "", None
+                    return
+            elif kind == "info":
+                self._info = ev
             else:
                 self.summary = ev
-                yield self._decoder.decode(b"", final=True), None
+                piece, stopped = self._stops.feed(self._decoder.decode(b"", final=True))
+                if stopped:
+                    self.summary = {**ev, "finish_reason": "stop"}
+                yield self._emit(piece + self._stops.flush()), None
                 return
             item = await self.next()
 
+    def _emit(self, piece: str) -> str:
+        self.text += piece
+        return piece
+
+    def _stop_early(self) -> None:
+        self.summary = {**self._info, "finish_reason": "stop"}
+        self._task.cancel()  # closes the worker's stream: the worker cancels the request
+
     async def collect(self, first):
         from fastapi.responses import JSONResponse
-
-        from kimik3 import tokenizer
 
         try:
             async for _ in self._events(first):
@@ -1004,7 +1042,7 @@ class _Stream:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         finally:
             await self.close()
-        text = tokenizer.decode(self.tokens)
+        text = self.text
         choice = {"index": 0, "finish_reason": self.summary["finish_reason"], "token_ids": self.tokens,
                   "logprobs": None}
         if self.kind == "chat":

@@ -228,7 +228,11 @@ class EngineLoop:
         for sub in list(self._subs.values()):
             req = sub.req
             while sub.sent < len(req.output):
-                self._push(sub, {"token": int(req.output[sub.sent]), "index": sub.sent})
+                ev = {"token": int(req.output[sub.sent]), "index": sub.sent}
+                if sub.sent == 0:  # the prefix cache's share is known once the prompt is in: a client
+                    # that stops early (a stop string) still reports it
+                    ev.update(cached_tokens=req.cached_tokens, cached_tokens_host=req.cached_tokens_host)
+                self._push(sub, ev)
                 sub.sent += 1
             if req.done:
                 if req.error:

@@ -106,3 +106,75 @@ def test_an_http_image_url_is_fetched_through_l1_and_gives_the_data_urls_pixels(
             chat_prompt(req(server.url("/p.png")), max_images=2, tokens_per_image=4, image_size=16)
     finally:
         server.close()
+
+
+def _chat(**kw):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logprobs", True), ("top_logprobs", 3), ("frequency_penalty", 0.5), ("presence_penalty", -1),
+    ("repetition_penalty", 1.2), ("logit_bias", {"50": 10}), ("top_k", 40), ("min_p", 0.1),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+])
+def test_a_field_this_server_does_not_implement_is_a_400_naming_it(field, value):
+    from serving.openai_api import check_common
+
+    req = ChatCompletionRequest.model_validate(_chat(**{field: value}))
+    with pytest.raises(APIError, match=f"'{field}' is not supported") as e:
+        check_common(req)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_parameter"
+
+
+def test_neutral_values_of_those_fields_are_what_clients_send_by_default_and_pass():
+    from serving.openai_api import check_common
+
+    check_common(ChatCompletionRequest.model_validate(_chat(
+        logprobs=False, top_logprobs=0, frequency_penalty=0, presence_penalty=0.0, repetition_penalty=1,
+        logit_bias={}, top_k=-1, min_p=0, tools=[], tool_choice="none", parallel_tool_calls=True,
+        response_format={"type": "text"})))
+    from serving.openai_api import CompletionRequest
+
+    check_common(CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": False, "suffix": "",
+                                                   "best_of": 1, "logprobs": None}))
+    with pytest.raises(APIError, match="'echo'"):
+        check_common(CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True}))
+    with pytest.raises(APIError, match="'logprobs'"):  # completions' logprobs=0 still asks for the chosen tokens'
+        check_common(CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0}))
+
+
+@pytest.mark.parametrize("body, where", [
+    (_chat(frobnicate=1), "frobnicate"), (_chat(echo=True), "echo"),  # echo is a completions field
+    ({"model": "m", "messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages.0.tool_call_id"),
+])
+def test_an_unknown_field_is_a_400_naming_it(body, where):
+    from pydantic import ValidationError
+
+    from serving.openai_api import validation_error
+
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error(e.value)
+    assert err.status == 400 and err.param == where and f"Unrecognized request argument supplied: {where}" in err.message
+
+
+def test_stop_sequences_and_stop_token_ids_are_checked():
+    from serving.openai_api import check_common, stop_strings
+
+    ok = ChatCompletionRequest.model_validate(_chat(stop="\n\n", stop_token_ids=[1, 2]))
+    check_common(ok, vocab_size=300)
+    assert stop_strings(ok) == ["\n\n"]
+    for kw, words in (({"stop": ["a", "b", "c", "d", "e"]}, "at most 4"), ({"stop": [""]}, "1 to 256"),
+                      ({"stop": "x" * 257}, "1 to 256"), ({"stop_token_ids": [300]}, "not a token id"),
+                      ({"stop_token_ids": [-1]}, "not a token id")):
+        with pytest.raises(APIError, match=words):
+            check_common(ChatCompletionRequest.model_validate(_chat(**kw)), vocab_size=300)
+
+
+def test_the_default_temperature_is_openais():
+    from serving.openai_api import sampling_options
+
+    assert sampling_options(ChatCompletionRequest.model_validate(_chat()))["temperature"] == 1.0
+    assert sampling_options(ChatCompletionRequest.model_validate(_chat(temperature=0)))["temperature"] == 0.0
+    assert sampling_options(ChatCompletionRequest.model_validate(_chat(top_p=0.5)))["top_p"] == 0.5

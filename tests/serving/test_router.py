@@ -130,7 +130,7 @@ def png_data_url(pixels):
 
 
 def image_chat_body(text, pixels, max_tokens):
-    return {"model": "kimik3-tiny", "max_tokens": max_tokens, "messages": [{"role": "user", "content": [
+    return {"model": "kimik3-tiny", "max_tokens": max_tokens, "temperature": 0, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": png_data_url(pixels)}}, {"type": "text", "text": text}]}]}
 
 
@@ -147,7 +147,9 @@ def sampled(params, prompt, n, sp):
 
 
 def chat_body(text, max_tokens, **kw):
-    return {"model": "kimik3-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, **kw}
+    """A chat request; greedy unless kw says otherwise (OpenAI's default temperature is 1)."""
+    return {"model": "kimik3-tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, **kw}
 
 
 def chat_prompt(text):
@@ -363,11 +365,47 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     assert got[0] == got[1] == sampled(params, prompt, 10, sp) != want
 
     ids = [tokenizer.BOS_ID] + tokenizer.encode("plain completion")
-    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6}, timeout=120)
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0}, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == oracle(params, ids, 6)
     models = httpx.get(base + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["kimik3-tiny"]
     assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
+
+
+def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(cluster, params):
+    """Issue 21: `stop` cuts the completion before the first stop string, streamed or not (the
+    string spans tokens: held back until settled), `stop_token_ids` ends it at that token (its
+    text left out); finish_reason "stop", the usage counts what was generated."""
+    base = cluster.url("router")
+    text = "Where should the text stop? Somewhere in the middle of the answer."
+    prompt = chat_prompt(text)
+    want = oracle(params, prompt, 12)
+    full = tokenizer.decode(want)
+    assert len(want) >= 6 and len(full) >= 6, (want, full)
+    stop = full[len(full) // 2:len(full) // 2 + 2]  # two bytes of the model's own text: two tokens
+    cut = full[:full.find(stop)]
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 12, stop=stop), timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == cut and choice["finish_reason"] == "stop"
+    assert want[:len(choice["token_ids"])] == choice["token_ids"] and len(choice["token_ids"]) < len(want)
+    assert r.json()["usage"]["completion_tokens"] == len(choice["token_ids"])
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=120,
+                      json=chat_body(text, 12, stop=[stop, "never in it \u2603"], stream=True)) as r:
+        events = list(sse_events(r))
+    deltas = [c["delta"].get("content", "") for e in events for c in e["choices"]]
+    assert "".join(deltas) == cut and events[-1]["choices"][0]["finish_reason"] == "stop"
+    # a stop token: generation ends at it, its text left out
+    at = 3
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 12, stop_token_ids=[want[at]]), timeout=120)
+    choice = r.json()["choices"][0]
+    first = want.index(want[at])
+    assert choice["token_ids"] == want[:first + 1] and choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == tokenizer.decode(want[:first])
+    # the defaults clients send for fields we do not implement are accepted (and change nothing)
+    r = httpx.post(base + "/v1/chat/completions", timeout=120, json=chat_body(
+        text, 4, logprobs=False, frequency_penalty=0, presence_penalty=0, tools=[], logit_bias={}))
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want[:4]
 
 
 def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, params):
@@ -420,6 +458,16 @@ BAD = [
      "nested too deeply"),
     ("a lone surrogate", json.dumps(chat_body("hi \ud800", 3)).encode(), 400, "not valid Unicode"),
     ("a body over the cap", json.dumps(chat_body("x" * (1 << 20), 3)).encode(), 413, "larger than"),
+    # issue 21: no field is silently ignored
+    ("an unknown field", json.dumps(chat_body("hi", 3, frobnicate=1)).encode(), 400,
+     "Unrecognized request argument supplied: frobnicate"),
+    ("logprobs", json.dumps(chat_body("hi", 3, logprobs=True)).encode(), 400, "'logprobs' is not supported"),
+    ("tools", json.dumps(chat_body("hi", 3, tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400,
+     "'tools' is not supported"),
+    ("a penalty", json.dumps(chat_body("hi", 3, frequency_penalty=0.5)).encode(), 400, "'frequency_penalty'"),
+    ("five stop sequences", json.dumps(chat_body("hi", 3, stop=list("abcde"))).encode(), 400, "at most 4"),
+    ("a stop token out of the vocabulary", json.dumps(chat_body("hi", 3, stop_token_ids=[10 ** 6])).encode(), 400,
+     "not a token id"),
 ]
 
 
@@ -727,6 +775,7 @@ def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_los
 
 def test_router_and_workers_as_real_processes(cluster, params):
     for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
+                  check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says,
                   check_direct_handoff_through_a_second_router_equals_the_oracle,
                   check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens,
                   check_workers_and_admin_routes_refuse_callers_without_the_internal_token,
