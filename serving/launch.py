@@ -158,6 +158,15 @@ class Deployment:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
         return argv + shlex.split(a.worker_args or "")
 
+    def _router_env(self) -> dict:
+        """Secrets the router reads from its environment (never its command line, which `ps` shows):
+        the shared L1's URL with its password, the clients' API key."""
+        env = {"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {}
+        key = self.args.api_key or os.environ.get("KIMIK3_API_KEY")
+        if key:
+            env["KIMIK3_API_KEY"] = key
+        return env
+
     def start(self) -> "Deployment":
         a = self.args
         if not a.no_store:
@@ -196,7 +205,7 @@ class Deployment:
         self.router = Child("router", argv + shlex.split(a.router_args or ""), a.port,
                             os.path.join(self.log_dir, "router.log"),
                             # the L1's URL holds its password: in the environment, not on the command line
-                            env={"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {})
+                            env=self._router_env())
         self.router.spawn()
         wait_healthy(self.router.url, self.router.proc, a.startup_timeout_s, self.stop_event)
         return self
@@ -272,6 +281,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-mb", type=int, default=256, help="its memory (LRU past it)")
     parser.add_argument("--worker-args", default="", help="extra worker options, e.g. \"--num-pages 128\"")
     parser.add_argument("--router-args", default="", help="extra router options, e.g. \"--max-inflight 8\"")
+    parser.add_argument("--api-key", default=None,
+                        help="clients must send 'Authorization: Bearer KEY' (or set $KIMIK3_API_KEY); handed to the "
+                             "router in its environment, not on its command line")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--max-restarts", type=int, default=5)
     parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")

@@ -49,6 +49,7 @@ import codecs
 import collections
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -183,8 +184,12 @@ class RouterConfig:
     mooncake_metadata: str | None = None
     handoff: str = "auto"  # store | direct | auto (store when the prefill workers have one)
     prefill_timeout_s: float = 30.0  # a direct-handoff prefill answers in one piece: no keepalives
+    # clients of the OpenAI routes (/v1/*) send `Authorization: Bearer <api_key>` (None: open, as on
+    # loopback); /health and /metrics stay open, as vLLM's do
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
 
+API_KEY_ENV = "KIMIK3_API_KEY"  # as vLLM reads VLLM_API_KEY
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 # A worker restart takes 10-20 s (a fresh process compiles its steps): clients retry after that.
@@ -777,9 +782,24 @@ class Router:
 
         decoders = asyncio.Semaphore(self.cfg.image_decoders)
 
+        def unauthorized(request: Request) -> JSONResponse | None:
+            """A 401 in OpenAI's shape unless the request carries the API key (when one is set)."""
+            if self.cfg.api_key is None:
+                return None
+            given = request.headers.get("authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                return None
+            self.metrics.rejected.labels("unauthorized").inc()
+            what = "Incorrect API key provided" if given else "You didn't provide an API key (Authorization: Bearer KEY)"
+            return JSONResponse(APIError(401, what, code="invalid_api_key").body(), status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+
         async def handle(request: Request, kind: str):
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             t0 = time.monotonic()
+            if (refused := unauthorized(request)) is not None:
+                self.metrics.requests.labels(endpoint, "401").inc()
+                return refused
             try:
                 raw = await read_body(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
                 if b"image_url" in raw:  # decoding images costs CPU and memory: off the event loop, bounded
@@ -856,7 +876,9 @@ class Router:
             return await handle(request, "completion")
 
         @app.get("/v1/models")
-        async def models():
+        async def models(request: Request):
+            if (refused := unauthorized(request)) is not None:
+                return refused
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                                 "owned_by": "kimik3", "max_model_len": self.max_context}]}
 
@@ -1132,6 +1154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l2-bytes", type=int, default=None, help=f"decoded-pixel cache (default {d.l2_bytes})")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
     parser.add_argument("--mooncake-metadata", default=None)
+    parser.add_argument("--api-key", default=None,
+                        help=f"clients of /v1/* must send 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, "
+                             f"which keeps the key out of the process list); default: no key (loopback)")
     parser.add_argument("--log-level", default="warning")
 
 
@@ -1149,6 +1174,8 @@ def config_from_args(args) -> RouterConfig:
             values[f.name] = v
     if "l1_redis" not in values and os.environ.get("KIMIK3_L1_REDIS"):  # how `kimik3 launch` passes its password
         values["l1_redis"] = os.environ["KIMIK3_L1_REDIS"]
+    if "api_key" not in values and os.environ.get(API_KEY_ENV):  # a key kept off the command line (ps)
+        values["api_key"] = os.environ[API_KEY_ENV]
     return RouterConfig(**values)
 
 

@@ -97,3 +97,21 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkeypatch):
+    """`kimik3 launch --api-key KEY` (or $KIMIK3_API_KEY) hands the key to the router through its
+    environment: the process list (argv) never shows it."""
+    import argparse
+
+    from serving.launch import Deployment, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.delenv("KIMIK3_API_KEY", raising=False)
+    d = Deployment(parser.parse_args(["--port", "1", "--api-key", "s3cret", "--log-dir", str(tmp_path)]))
+    assert d._router_env() == {"KIMIK3_API_KEY": "s3cret"}
+    monkeypatch.setenv("KIMIK3_API_KEY", "from-env")
+    assert Deployment(parser.parse_args(["--port", "1", "--log-dir", str(tmp_path)]))._router_env() == \
+        {"KIMIK3_API_KEY": "from-env"}
+    assert "s3cret" not in " ".join(d._worker_argv("decode", 0, 2))

@@ -790,3 +790,28 @@ def test_router_and_workers_as_real_processes(cluster, params):
         args = (cluster, params) if "params" in check.__code__.co_varnames[:check.__code__.co_argcount] else (cluster,)
         check(*args)
         print(f"{check.__name__}: {time.monotonic() - t0:.1f} s")
+
+
+def test_the_openai_routes_need_the_api_key_when_one_is_set(monkeypatch):
+    """Issue 21: `--api-key` (or $KIMIK3_API_KEY): /v1/* answers 401 in OpenAI's shape without the
+    bearer key, before reading the body; /health and /metrics stay open, as vLLM's."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+
+    from serving.router import Router, add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("KIMIK3_API_KEY", "s3cret")
+    # a decode URL where nothing listens: the key is checked before any worker is asked
+    cfg = config_from_args(parser.parse_args(["--port", "1", "--l1-bytes", "0", "--decode", "http://127.0.0.1:9"]))
+    assert cfg.api_key == "s3cret" and "s3cret" not in repr(cfg)
+    with TestClient(Router(cfg).create_app()) as c:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            r = c.post("/v1/chat/completions", json=chat_body("hi", 3), headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+            assert c.get("/v1/models", headers=headers).status_code == 401
+        assert c.get("/v1/models", headers={"authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "kimik3-tiny"
+        assert c.get("/health").status_code in (200, 503) and c.get("/metrics").status_code == 200
+        assert 'kimik3_router_rejected_total{reason="unauthorized"} 6.0' in c.get("/metrics").text
