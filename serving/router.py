@@ -232,10 +232,16 @@ class WorkerFailure(Exception):
 
 
 class _Metrics:
-    def __init__(self):
+    """kimik3_router_* and, under vLLM's names with model_name (`serving.vllm_metrics`), the
+    request-level figures: queue, latencies, tokens, finish reasons."""
+
+    def __init__(self, model_name: str):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        from serving.vllm_metrics import VLLMMetrics
+
         r = self.registry = CollectorRegistry()
+        self.vllm = VLLMMetrics(r, model_name)
         self.requests = Counter("kimik3_router_requests", "HTTP API requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.latency = Histogram("kimik3_router_request_seconds", "request wall time", ["endpoint"], registry=r,
@@ -345,7 +351,7 @@ class Router:
         self.prefill = [Worker(u.rstrip("/"), "prefill", mk()) for u in cfg.prefill]
         self.decode = [Worker(u.rstrip("/"), "decode", mk()) for u in cfg.decode]
         self.workers = self.prefill + self.decode
-        self.metrics = _Metrics()
+        self.metrics = _Metrics(self.model_name)
         self.admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s)
         self.affinity: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.store: StoreProbe | None = None
@@ -895,6 +901,7 @@ class Router:
         async def metrics():
             for stat, value in (self.media.stats() if self.media is not None else {}).items():
                 self.metrics.media.labels(stat).set(value)
+            self.metrics.vllm.load(self.admission.running, self.admission.waiting)
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/admin/workers")
@@ -1008,6 +1015,15 @@ class _Stream:
                 m.ttft.observe(self.times[0] - self.t0)
             if len(self.times) > 1:
                 m.tpot.observe((self.times[-1] - self.times[0]) / (len(self.times) - 1))
+        if self.status == "200":  # vLLM counts the requests its engine ran: finished, stopped or aborted
+            done = self.summary is not None
+            m.vllm.finished(prompt_tokens=len(self.prompt), generation_tokens=len(self.tokens),
+                            cached_tokens=self.summary["cached_tokens"] if done else 0,
+                            finished_reason=self.summary["finish_reason"] if done else "abort",
+                            ttft_s=self.times[0] - self.t0 if self.times else None,
+                            tpot_s=(self.times[-1] - self.times[0]) / (len(self.times) - 1)
+                            if len(self.times) > 1 else None,
+                            e2e_s=time.monotonic() - self.t0)
 
     def _usage(self) -> dict:
         cached = self.summary["cached_tokens"] if self.summary else 0

@@ -77,7 +77,7 @@ class EngineLoop:
     """The single thread that owns an `Engine`.  Thread-safe `submit` / `cancel` / `load`."""
 
     def __init__(self, engine, *, max_waiting: int = 32, step_delay_s: float = 0.0, worker_id: str = "worker",
-                 registry=None):
+                 registry=None, model_name: str = "kimik3"):
         self.engine = engine
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
@@ -95,7 +95,7 @@ class EngineLoop:
                          "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "cached_tokens_host": 0}
         self._adopts: list = []  # direct handoffs waiting for a slot and pages (engine thread only)
         self._load = self._snapshot()
-        self._metrics = _WorkerMetrics(registry) if registry is not None else None
+        self._metrics = _WorkerMetrics(registry, model_name) if registry is not None else None
         if engine.role == "prefill":  # a prefill engine stops after the first token; export on request
             engine.on_prefilled = self._on_prefilled
 
@@ -254,7 +254,7 @@ class EngineLoop:
                     self.counters["cached_tokens"] += req.cached_tokens
                     self.counters["cached_tokens_host"] += req.cached_tokens_host
                 if self._metrics is not None:
-                    self._metrics.observe(req)
+                    self._metrics.observe(req, reason)
                 self._finish(sub, "finished")
         self.engine.pop_finished()  # results went out above; do not grow without bound
 
@@ -303,9 +303,14 @@ class EngineLoop:
 
 
 class _WorkerMetrics:
-    def __init__(self, registry):
+    """kimik3_worker_* and, under vLLM's names with model_name (`serving.vllm_metrics`), the same."""
+
+    def __init__(self, registry, model_name: str):
         from prometheus_client import Counter, Gauge, Histogram
 
+        from serving.vllm_metrics import VLLMMetrics
+
+        self.vllm = VLLMMetrics(registry, model_name)
         self.ttft = Histogram("kimik3_worker_ttft_seconds", "arrival to first token", registry=registry,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.tpot = Histogram("kimik3_worker_tpot_seconds", "mean gap between output tokens", registry=registry,
@@ -318,10 +323,14 @@ class _WorkerMetrics:
         self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
         self.kv_use = Gauge("kimik3_worker_kv_use", "fraction of KV pages in use", registry=registry)
 
-    def observe(self, req) -> None:
+    def observe(self, req, reason: str) -> None:
         from serving.metrics import RequestRecord
 
         rec = RequestRecord(req.arrival_s, req.token_times_s, len(req.prompt), 0, 0)
+        self.vllm.finished(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
+                           cached_tokens=req.cached_tokens, finished_reason=reason, ttft_s=rec.ttft_s,
+                           tpot_s=rec.tpot_s,
+                           e2e_s=(req.token_times_s[-1] - req.arrival_s) if req.token_times_s else None)
         if rec.ttft_s is not None:
             self.ttft.observe(rec.ttft_s)
         if rec.tpot_s is not None:
@@ -335,6 +344,7 @@ class _WorkerMetrics:
         self.waiting.set(load["waiting"])
         self.running.set(load["running"])
         self.kv_use.set(load["kv_use"])
+        self.vllm.load(load["running"], load["waiting"], load["kv_use"], load.get("preemptions"))
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------
@@ -701,7 +711,7 @@ def run(args) -> int:
     log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s,
-                      worker_id=info["worker_id"], registry=registry)
+                      worker_id=info["worker_id"], registry=registry, model_name=f"kimik3-{info['config']}")
     app = create_app(loop, info, registry=registry)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

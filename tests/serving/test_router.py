@@ -370,6 +370,14 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     models = httpx.get(base + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["kimik3-tiny"]
     assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
+    # issue 21: vLLM's names with model_name, at the router (requests) and at each worker (engine)
+    assert metric(cluster, "vllm:request_success_total", model_name="kimik3-tiny", finished_reason="length") >= 1
+    assert metric(cluster, "vllm:time_to_first_token_seconds_count", model_name="kimik3-tiny") >= 5
+    assert metric(cluster, "vllm:num_requests_waiting", model_name="kimik3-tiny") == 0
+    worker = httpx.get(cluster.url("decode0") + "/metrics", timeout=10).text
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total"):
+        assert f'{name}{{model_name="kimik3-tiny"}}' in worker, name
 
 
 def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(cluster, params):

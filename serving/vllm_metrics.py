@@ -1,0 +1,95 @@
+"""Prometheus metrics under vLLM's names, beside our `kimik3_*` ones.
+
+Dashboards and KV-aware routers built for vLLM scrape ``vllm:*`` series with a ``model_name``
+label (vLLM V1's names, ``vllm/v1/metrics/loggers.py``).  The same figures kimik3 already keeps are
+exported again under those names, so such a dashboard or router works unchanged against a kimik3
+worker (engine-level: queue, KV use, preemptions, the prefix cache) or router (request-level:
+latencies, tokens, finish reasons).  Units are vLLM's: seconds, and KV use as a fraction in [0, 1].
+"""
+
+from __future__ import annotations
+
+# vLLM's histogram buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+class VLLMMetrics:
+    """The ``vllm:*`` series of one model on `registry`; every series carries model_name."""
+
+    def __init__(self, registry, model_name: str):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.model_name = model_name
+        m = ["model_name"]
+        kw = dict(labelnames=m, registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", **kw)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", **kw)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", **kw)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", **kw)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", **kw)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", **kw)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", **kw)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.", **kw)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               labelnames=m + ["finished_reason"], registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              buckets=TTFT_BUCKETS, **kw)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              buckets=TPOT_BUCKETS, **kw)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             buckets=E2E_BUCKETS, **kw)
+        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                     buckets=_token_buckets(), **kw)
+        self.generation_hist = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                         buckets=_token_buckets(), **kw)
+        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft, self.tpot, self.e2e,
+                       self.prompt_hist, self.generation_hist):  # every series present from the start, as vLLM's
+            metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.success.labels(model_name, reason)
+        self._preemptions_seen = 0
+
+    def load(self, running: int, waiting: int, kv_use: float | None = None, preemptions: int | None = None) -> None:
+        """The engine's (or the router's) current queue; `preemptions`: the engine's running total."""
+        self.running.labels(self.model_name).set(running)
+        self.waiting.labels(self.model_name).set(waiting)
+        if kv_use is not None:
+            self.kv_usage.labels(self.model_name).set(kv_use)
+        if preemptions is not None and preemptions > self._preemptions_seen:
+            self.preemptions.labels(self.model_name).inc(preemptions - self._preemptions_seen)
+            self._preemptions_seen = preemptions
+
+    def finished(self, *, prompt_tokens: int, generation_tokens: int, cached_tokens: int, finished_reason: str,
+                 ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:
+        """One request done (`finished_reason`: stop, length or abort)."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(generation_tokens)
+        self.prefix_queries.labels(name).inc(prompt_tokens)
+        self.prefix_hits.labels(name).inc(cached_tokens)
+        self.prompt_hist.labels(name).observe(prompt_tokens)
+        self.generation_hist.labels(name).observe(generation_tokens)
+        self.success.labels(name, finished_reason if finished_reason in FINISHED_REASONS else "abort").inc()
+        for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s)):
+            if value is not None:
+                hist.labels(name).observe(value)
+
+
+def _token_buckets(limit: int = 1 << 20) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
