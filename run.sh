@@ -2,7 +2,8 @@
 # kimik3's two commands, on a fresh machine:
 #   ./run.sh demo [args]   the main job: `kimik3 demo` (the agent workload end to end, tiny model)
 #   ./run.sh test [args]   the test suite (CPU)
-# Both create .venv with Python >= 3.12 and install the project on first use.
+# Both create .venv with Python >= 3.12 and install the project on first use: its serve and store
+# extras, dev for the tests, and cuda (jax[cuda13]) where nvidia-smi sees a GPU.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,27 +24,44 @@ find_python() {
   return 1
 }
 
+extras_for() {  # serve + store always, dev for the tests, cuda where an NVIDIA GPU answers
+  local extras="serve,store"
+  [ "$1" = test ] && extras="$extras,dev"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    extras="$extras,cuda"
+  fi
+  echo "$extras"
+}
+
 ensure_venv() {
-  local stamp=.venv/.installed
+  local stamp=.venv/.installed want have="" e
+  want=$(extras_for "$1")
   if [ ! -x .venv/bin/python ]; then
     "$(find_python)" -m venv .venv
   fi
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -e ".[dev]"
-    touch "$stamp"
+  if [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ]; then
+    have=$(cat "$stamp")
+    local missing=""
+    for e in ${want//,/ }; do [[ ",$have," == *",$e,"* ]] || missing=1; done
+    [ -z "$missing" ] && return 0
+    want="$have,$want"  # keep what is there (test's dev when the demo runs, and the other way)
   fi
+  want=$(tr ',' '\n' <<<"$want" | sort -u | paste -sd, -)
+  echo "run.sh: installing kimik3[$want] into .venv (the first time: ~1.2 GB of wheels, a few minutes)" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install --progress-bar on -e ".[$want]"
+  echo "$want" > "$stamp"
 }
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   demo)
-    ensure_venv
+    ensure_venv demo
     exec .venv/bin/kimik3 demo "$@"
     ;;
   test)
-    ensure_venv
+    ensure_venv test
     exec .venv/bin/python -m pytest -n 2 --durations=15 "$@"
     ;;
   *)

@@ -298,7 +298,20 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help (unless the help names its default, or there is none
+    to show: None, a switch); descriptions (module docstrings) keep their lines."""
+
+    def _get_help_string(self, action):
+        help_ = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in help_.lower():
+            return help_
+        return super()._get_help_string(action)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `kimik3` parser; `command`: the subcommand being run (its module's arguments are added;
+    the other module-owned subcommands are listed without importing their modules)."""
     parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -306,16 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"persistent XLA compilation cache (default ${compile_cache.ENV} or "
                              f"{compile_cache.DEFAULT_DIR}; 'off' disables)")
     sub = parser.add_subparsers(dest="command", required=True)
+    # every subcommand: -v after it too, defaults shown in --help, its docstring's layout kept
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    add = functools.partial(sub.add_parser, parents=[common], formatter_class=HelpFormatter)
 
-    g = sub.add_parser("generate", help="greedy generation from a config (random weights) or a checkpoint")
+    g = add("generate", help="greedy generation from a config (random weights) or a checkpoint")
     g.add_argument("--config", default="tiny", help="tiny | small | kimi_k3 (default tiny)")
     g.add_argument("--checkpoint", default=None, help="checkpoint directory (overrides --config)")
     g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
                    help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     g.add_argument("--prompt", default="Hello, Kimi!", help="user message")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random weights' seed (without --checkpoint)")
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
     g.add_argument("--draft-checkpoint", default=None, metavar="DIR",
                    help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding (the target on a cache; "
@@ -324,49 +341,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="with a draft: 0 greedy, else rejection sampling")
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
-    d.add_argument("--config", default="tiny")
-    d.add_argument("--sessions", type=int, default=6)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", default="out")
+    d = add("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
+    d.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
+    d.add_argument("--sessions", type=int, default=6, help="concurrent multi-turn agent sessions")
+    d.add_argument("--seed", type=int, default=0, help="weights' and workload's seed")
+    d.add_argument("--out", default="out", help="the report's JSON and plot go here")
     d.add_argument("--checkpoint", default=None, help="serve these weights (overrides --config; default random)")
     d.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
                    help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     d.set_defaults(func=_cmd_demo)
 
-    q = sub.add_parser("quantize", help="one quantized checkpoint for the fp8_attn and mxfp8_attn manifests",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = add("quantize", help="one quantized checkpoint for the fp8_attn and mxfp8_attn manifests")
     q.add_argument("--checkpoint", required=True, help="the bf16 / fp32 checkpoint (`kimik3 train`'s out/checkpoint)")
     q.add_argument("--out", required=True, help="the quantized checkpoint's directory (new)")
     q.add_argument("--keep-bf16-experts", action="store_true",
                    help="also keep the routed experts unquantized: the *_bf16_moe manifests load too")
     q.set_defaults(func=_cmd_quantize)
 
-    c = sub.add_parser("coverage", help="replay the agent workload through the cache tiers")
-    c.add_argument("--config", default="tiny")
-    c.add_argument("--engines", type=int, default=3)
-    c.add_argument("--sessions", type=int, default=12)
-    c.add_argument("--min-turns", type=int, default=20)
-    c.add_argument("--max-turns", type=int, default=30)
+    c = add("coverage", help="replay the agent workload through the cache tiers")
+    c.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
+    c.add_argument("--engines", type=int, default=3, help="engines sharing the store")
+    c.add_argument("--sessions", type=int, default=12, help="agent sessions")
+    c.add_argument("--min-turns", type=int, default=20, help="turns per session, at least")
+    c.add_argument("--max-turns", type=int, default=30, help="turns per session, at most")
     c.add_argument("--scale", type=float, default=8.0, help="divide DESIGN.md's token counts by this")
     c.add_argument("--store-mb", type=int, default=1024, help="Mooncake memory server size")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--out", default="out")
+    c.add_argument("--seed", type=int, default=0, help="workload seed")
+    c.add_argument("--out", default="out", help="the report goes here")
     c.set_defaults(func=_cmd_coverage)
 
-    m = sub.add_parser("media-bench", help="the media cache's ablation: TTFT and hit rates, none .. all four tiers")
-    m.add_argument("--config", default="tiny")
-    m.add_argument("--sessions", type=int, default=4)
-    m.add_argument("--turns", type=int, default=4)
+    m = add("media-bench", help="the media cache's ablation: TTFT and hit rates, none .. all four tiers")
+    m.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
+    m.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
+    m.add_argument("--turns", type=int, default=4, help="turns per session")
     m.add_argument("--fetch-latency-ms", type=float, default=50.0, help="the local image server's answer delay")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="workload seed")
     m.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="the params' dtype (default the config's); tokens must agree across tiers only in exact fp32")
     m.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
     m.set_defaults(func=_cmd_media_bench)
 
-    t = sub.add_parser("train", help="train a config on Debian-shipped text: held-out perplexity, an orbax checkpoint",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = add("train", help="train a config on Debian-shipped text: held-out perplexity, an orbax checkpoint")
     t.add_argument("--config", default="mini", help="tiny | mini | small")
     t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     t.add_argument("--batch", type=int, default=32, help="windows per step")
@@ -385,8 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
 
-    ab = sub.add_parser("eagle-ab", help="the EAGLE-3 tail-block A/B (drop / no-drop / exact) on two-turn MT-Bench",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ab = add("eagle-ab", help="the EAGLE-3 tail-block A/B (drop / no-drop / exact) on two-turn MT-Bench")
     ab.add_argument("--checkpoint", required=True, help="the target (`kimik3 train`'s out/checkpoint)")
     ab.add_argument("--draft-checkpoint", required=True, help="its draft (`kimik3 train-eagle`'s out/draft)")
     ab.add_argument("--quick", action="store_true", help="a CPU run: 4 questions, 24 tokens a turn, 16-token pages")
@@ -397,65 +411,86 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--page-tokens", type=int, default=None, help="default 128; --quick 16")
     ab.add_argument("--num-slots", type=int, default=None, help="conversations at a time (default 8; --quick 4)")
     ab.add_argument("--bootstrap", type=int, default=None, help="paired bootstrap resamples (default 2000)")
-    ab.add_argument("--seed", type=int, default=None)
+    ab.add_argument("--seed", type=int, default=None, help="sampling and bootstrap seed (default 0)")
     ab.add_argument("--dtype", default=None, help="serve the target in this dtype (default: the checkpoint's)")
     ab.add_argument("--json", default=None, metavar="PATH", help="write the arms and the differences here")
     ab.set_defaults(func=_cmd_eagle_ab)
 
-    e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head on a trained target's continuations",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e = add("train-eagle", help="train an EAGLE-3 draft head on a trained target's continuations")
     e.add_argument("--checkpoint", required=True, help="the target (`kimik3 train`'s out/checkpoint)")
-    e.add_argument("--steps", type=int, default=1000)
-    e.add_argument("--batch", type=int, default=16)
+    e.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    e.add_argument("--batch", type=int, default=16, help="sequences per step")
     e.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     e.add_argument("--prompt-len", type=int, default=32, help="corpus tokens before the target's continuation")
     e.add_argument("--pool", type=int, default=512, help="sequences generated once, reshuffled every epoch")
     e.add_argument("--data", default="generated", help="generated (the target's greedy continuations) | text")
     e.add_argument("--ttt-steps", type=int, default=3, help="training-time-test depth")
     e.add_argument("--taps", default=None, help="three target layers, e.g. 2,4,5 (default vLLM's 2, L/2, L-3)")
-    e.add_argument("--lr", type=float, default=3e-3)
+    e.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     e.add_argument("--warmup-steps", type=int, default=None, help="None: steps / 10")
     e.add_argument("--corpus", default="auto", help="as for `kimik3 train`")
-    e.add_argument("--max-corpus-mb", type=float, default=None)
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-corpus-mb", type=float, default=None, help="read at most this much text")
+    e.add_argument("--seed", type=int, default=0, help="init and shuffle seed")
     e.add_argument("--out", default="runs/eagle", help="draft/ and eagle_train.json go here")
     e.set_defaults(func=_cmd_train_eagle)
 
-    i = sub.add_parser("info", help="parameter count and weight bytes of a config")
-    i.add_argument("--config", default="kimi_k3")
+    i = add("info", help="parameter count and weight bytes of a config")
+    i.add_argument("--config", default="kimi_k3", help="tiny | small | kimi_k3 | ... (kimik3.config)")
     i.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(MANIFEST_NAMES),
                    help="the storage format of each weight (kimik3.quantization)")
     i.set_defaults(func=_cmd_info)
 
-    # Subcommands whose modules own their arguments.  The serving ones need the HTTP stack
-    # (fastapi, uvicorn); without it they answer with what is missing, and `demo` still runs.
+    # Subcommands whose modules own their arguments: only the one being run is imported (the
+    # serving ones pull in the HTTP stack and JAX), so `kimik3 --help`, `info`, ... start fast and
+    # run without fastapi; a missing package is named when its command is chosen.
     import importlib
 
-    for name, module_name, help_ in (
-            ("plan", "sharding.plan", "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
-            ("worker", "serving.worker", "one engine in its own process, behind HTTP (health, load, drain)"),
-            ("router", "serving.router", "OpenAI-compatible router over prefill/decode workers"),
-            ("launch", "serving.launch", "a Mooncake store, prefill/decode workers and a router in one command")):
+    for name, (module_name, help_) in MODULE_COMMANDS.items():
+        if name != command:
+            add(name, help=help_)
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            p = sub.add_parser(name, help=f"{help_} (unavailable: needs {e.name})")
+            p = add(name, help=f"{help_} (unavailable: needs {e.name})")
             p.set_defaults(func=functools.partial(_missing, name, e.name))
             continue
-        p = sub.add_parser(name, help=help_)
+        p = add(name, help=help_, description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
     return parser
 
 
+MODULE_COMMANDS = {
+    "plan": ("sharding.plan", "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
+    "worker": ("serving.worker", "one engine in its own process, behind HTTP (health, load, drain)"),
+    "router": ("serving.router", "OpenAI-compatible router over prefill/decode workers"),
+    "launch": ("serving.launch", "a Mooncake store, prefill/decode workers and a router in one command"),
+}
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in argv (the first word that is not an option or an option's value)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--compile-cache":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def _missing(command: str, module: str, args) -> int:
     print(f"kimik3: error: `kimik3 {command}` needs the Python package {module!r}, which is not installed "
-          f"(pip install fastapi uvicorn, or ./run.sh test to set up the full environment)", file=sys.stderr)
+          f"(pip install 'kimik3[serve]', or ./run.sh test to set up the full environment)", file=sys.stderr)
     return 2
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args, extra = parser.parse_known_args(argv)
     if extra and getattr(args.func, "func", None) is not _missing:  # only an unavailable command takes anything
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

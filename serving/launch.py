@@ -268,12 +268,12 @@ class Deployment:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="tiny")
-    parser.add_argument("--port", type=int, required=True, help="the router's port (127.0.0.1)")
+    parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port (127.0.0.1)")
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (without --checkpoint)")
+    parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
     parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
     parser.add_argument("--redis", action="store_true",
@@ -284,11 +284,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="clients must send 'Authorization: Bearer KEY' (or set $KIMIK3_API_KEY); handed to the "
                              "router in its environment, not on its command line")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
-    parser.add_argument("--max-restarts", type=int, default=5)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="wait this long for each child's health")
+    parser.add_argument("--max-restarts", type=int, default=5, help="restarts of a child that exits on its own")
     parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")
     parser.add_argument("--log-dir", default=None, help="children's logs (default: a new temp directory)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
 def run(args) -> int:

@@ -1134,8 +1134,8 @@ class _Stream:
 # ---- command line --------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = RouterConfig()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address")
+    parser.add_argument("--port", type=int, default=8000, help="the port to serve on")
     parser.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
     parser.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode (or both) worker URLs")
     parser.add_argument("--config-file", default=None,
@@ -1169,11 +1169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="redis://:PASSWORD@127.0.0.1:PORT/0: a shared L1 fetch cache (or $KIMIK3_L1_REDIS)")
     parser.add_argument("--l2-bytes", type=int, default=None, help=f"decoded-pixel cache (default {d.l2_bytes})")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
-    parser.add_argument("--mooncake-metadata", default=None)
+    parser.add_argument("--mooncake-metadata", default=None, help="the store's HTTP metadata URL")
     parser.add_argument("--api-key", default=None,
                         help=f"clients of /v1/* must send 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, "
                              f"which keeps the key out of the process list); default: no key (loopback)")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
 def config_from_args(args) -> RouterConfig:

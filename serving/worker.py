@@ -653,10 +653,11 @@ def build_engine(args):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
+                        help="prefill: the first token and the KV; decode: the rest; both: colocated")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--port", type=int, required=True, help="the port to serve on")
+    parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
     parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
@@ -670,28 +671,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle-tail", choices=("drop", "no_drop", "exact"), default="drop",
                         help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot")
     parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
-    parser.add_argument("--num-pages", type=int, default=256)
+    parser.add_argument("--num-pages", type=int, default=256, help="KV pages in the device pool")
     parser.add_argument("--num-slots", type=int, default=8, help="concurrent sessions")
-    parser.add_argument("--num-snapshots", type=int, default=None)
-    parser.add_argument("--page-tokens", type=int, default=None)
-    parser.add_argument("--kda-block-tokens", type=int, default=None)
-    parser.add_argument("--max-pages-per-request", type=int, default=None)
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=64)
-    parser.add_argument("--kernels", default="auto")
+    parser.add_argument("--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)")
+    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per KV page (default: the config's)")
+    parser.add_argument("--kda-block-tokens", type=int, default=None, help="tokens per KDA state snapshot (default: the config's)")
+    parser.add_argument("--max-pages-per-request", type=int, default=None, help="a request's page-table length (default: the pool)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=64, help="prompt tokens per prefill chunk")
+    parser.add_argument("--kernels", default="auto", help="auto | pallas | reference (kimik3.ops)")
     parser.add_argument("--mooncake-master", default=None, help="host:port of a mooncake_master (the shared store)")
     parser.add_argument("--mooncake-metadata", default=None, help="its HTTP metadata URL")
-    parser.add_argument("--staging-mb", type=int, default=16)
+    parser.add_argument("--staging-mb", type=int, default=16, help="the store client's staging buffer")
     parser.add_argument("--store-timeout-s", type=float, default=1.0,
                         help="longest wait for one store call; one overrun opens the store's breaker")
     parser.add_argument("--store-cooldown-s", type=float, default=5.0,
                         help="while the breaker is open, store lookups are misses; then one call probes")
     parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
-    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-PORT)")
     parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")
     parser.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step (testing)")
     parser.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
 def run(args) -> int:

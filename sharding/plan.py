@@ -256,11 +256,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=8192, help="prefill tokens per sequence")
     parser.add_argument("--decode-batch", type=int, default=256, help="decode requests per step (all dp ranks)")
     parser.add_argument("--context", type=int, default=32768, help="KV length per request")
-    parser.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(quantization.MANIFESTS))
-    parser.add_argument("--gpu", default="gb300", choices=sorted(GPUS))
+    parser.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(quantization.MANIFESTS),
+                        help="the storage format of each weight (kimik3.quantization)")
+    parser.add_argument("--gpu", default="gb300", choices=sorted(GPUS),
+                        help="the GPU whose memory and links the plan is sized for")
     parser.add_argument("--dispatch", default="ragged", choices=("ragged", "dense"),
                         help="expert dispatch: ragged (GPU) or dense fixed-capacity (CPU)")
-    parser.add_argument("--act-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--act-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="activations' dtype")
 
 
 def run(args) -> int:

@@ -89,3 +89,49 @@ def test_quantize_then_generate_and_info_by_manifest(tmp_path, capsys):
     # the CLI's manifest names (kept there so --help imports no model) are the library's
     assert cli.SERVING_MANIFESTS == quantization.SERVING_MANIFESTS
     assert set(cli.MANIFEST_NAMES) == set(quantization.MANIFESTS)
+
+
+# In a fresh interpreter the HTTP stack is made unimportable (as on a machine without the `serve`
+# extra), then the command runs; it reports which heavy modules it imported.
+_WITHOUT_HTTP = """
+import sys
+for name in ("fastapi", "uvicorn", "httpx", "starlette"):
+    sys.modules[name] = None  # `import fastapi` now raises ModuleNotFoundError
+from serving import cli
+try:
+    rc = cli.main(sys.argv[1:])
+except SystemExit as e:
+    rc = e.code
+print("IMPORTED", sorted(m for m in ("jax", "serving.router", "serving.worker", "sharding.plan") if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+def _without_http(*argv):
+    return subprocess.run([sys.executable, "-c", _WITHOUT_HTTP, *argv], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+
+
+def test_help_and_info_run_without_the_http_stack_and_import_only_what_they_use():
+    """Issue 21: `kimik3 --help` lists every command without importing one (no JAX, no fastapi);
+    `kimik3 info` runs without fastapi; a serving command names the package it misses."""
+    out = _without_http("--help")
+    assert out.returncode == 0 and "launch" in out.stdout and "IMPORTED []" in out.stdout, out.stdout + out.stderr
+    out = _without_http("info", "--config", "tiny")
+    assert out.returncode == 0 and "params" in out.stdout and "serving.router" not in out.stdout, out.stderr
+    out = _without_http("router", "--port", "1")
+    assert out.returncode == 2 and "needs the Python package" in out.stderr and "[serve]" in out.stderr, out.stderr
+
+
+def test_every_flag_has_help_and_v_works_after_the_command(capsys):
+    """`kimik3 CMD --help` documents every flag; `-v` is accepted after the subcommand too."""
+    import argparse
+
+    for command in ("generate", "demo", "quantize", "coverage", "media-bench", "train", "eagle-ab", "train-eagle",
+                    "info", "plan", "router", "launch", "worker"):
+        parser = cli.build_parser(command)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        undocumented = [a.option_strings for a in sub._actions if a.option_strings and not a.help]
+        assert not undocumented, (command, undocumented)
+    args = cli.build_parser("info").parse_args(["info", "--config", "tiny", "-v"])
+    assert args.verbose and args.config == "tiny"
