@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -156,12 +157,47 @@ class Deployment:
             argv += ["--dtype", a.dtype]
         if self.services is not None:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
+        if a.checkpoint:
+            argv += ["--checkpoint", a.checkpoint] + (["--manifest", a.manifest] if a.manifest else [])
         return argv + shlex.split(a.worker_args or "")
+
+    def worker_env(self, index: int) -> dict:
+        """The devices of worker `index` (in start order: prefill workers, then decode): the GPUs of
+        `--gpus` in turn, one each, `CUDA_VISIBLE_DEVICES` naming it, and its JAX memory cap
+        `--gpu-memory-utilization` split between the workers that share it.  {} without GPUs."""
+        gpus = self.gpus
+        if not gpus:
+            return {}
+        n_workers = self.args.prefill + self.args.decode
+        gpu = gpus[index % len(gpus)]
+        sharing = sum(1 for i in range(n_workers) if gpus[i % len(gpus)] == gpu)
+        return {"CUDA_VISIBLE_DEVICES": gpu,
+                "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{self.args.gpu_memory_utilization / sharing:.4f}"}
+
+    @functools.cached_property
+    def gpus(self) -> list[str]:
+        """`--gpus`: a comma list of device ids, "auto" (every GPU nvidia-smi lists), or "none"."""
+        spec = self.args.gpus
+        if spec == "none":
+            return []
+        if spec != "auto":
+            ids = [g.strip() for g in spec.split(",") if g.strip()]
+            if not ids:
+                raise ValueError(f"--gpus {spec!r}: name device ids, e.g. 0,1, or auto / none")
+            return ids
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] \
+            if out.returncode == 0 else []
 
     def _router_env(self) -> dict:
         """Secrets the router reads from its environment (never its command line, which `ps` shows):
         the shared L1's URL with its password, the clients' API key."""
         env = {"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the router computes nothing on a GPU: it takes none
         key = self.args.api_key or os.environ.get("KIMIK3_API_KEY")
         if key:
             env["KIMIK3_API_KEY"] = key
@@ -186,14 +222,15 @@ class Deployment:
             for i in range(n):
                 port = free_port()
                 self.workers.append(Child(f"{role}-{i}", self._worker_argv(role, i, port), port,
-                                          os.path.join(self.log_dir, f"{role}-{i}.log")))
+                                          os.path.join(self.log_dir, f"{role}-{i}.log"),
+                                          env=self.worker_env(len(self.workers))))
         for w in self.workers:
             w.spawn()
         for w in self.workers:
             wait_healthy(w.url, w.proc, a.startup_timeout_s, self.stop_event)
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.proc.pid)
         argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
-                "--log-level", a.log_level]
+                "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else [])
         pre = [w.url for w in self.workers if w.name.startswith("prefill")]
         dec = [w.url for w in self.workers if w.name.startswith("decode")]
         if pre:
@@ -274,6 +311,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (without --checkpoint)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="serve these weights (`kimik3 train` / `kimik3 quantize`; overrides --config)")
+    parser.add_argument("--manifest", default=None,
+                        choices=("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe"),
+                        help="load --checkpoint's quantized weights as this manifest")
+    parser.add_argument("--gpus", default="auto",
+                        help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi "
+                             "lists) or none")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="the share of each GPU its workers may take (split between workers on one GPU)")
     parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
     parser.add_argument("--redis", action="store_true",
@@ -302,7 +349,7 @@ def run(args) -> int:
         state = dep.state()
         if args.state_file:
             dep.write_state(args.state_file)
-        print(f"kimik3: serving {args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
+        print(f"kimik3: serving {args.checkpoint or args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
               f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
               f"Ctrl-C stops", flush=True)
         while not stop.wait(0.5):

@@ -147,6 +147,7 @@ class RouterConfig:
     prefill: list[str] = dataclasses.field(default_factory=list)
     decode: list[str] = dataclasses.field(default_factory=list)
     config: str = "tiny"
+    checkpoint: str | None = None  # the workers' checkpoint: its config.json names the model
     model_name: str | None = None
     max_inflight: int = 16
     max_queue: int = 32
@@ -344,7 +345,12 @@ class Router:
         if cfg.handoff not in ("auto", "store", "direct"):
             raise ValueError(f"handoff must be auto, store or direct; got {cfg.handoff!r}")
         self.cfg = cfg
-        self.model_cfg = config.get_config(cfg.config)
+        if cfg.checkpoint:  # the served weights' own config (a trained or quantized checkpoint)
+            from kimik3 import checkpoint
+
+            self.model_cfg = checkpoint.load_config(cfg.checkpoint)
+        else:
+            self.model_cfg = config.get_config(cfg.config)
         self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
         self.aliases = {self.model_name, self.model_cfg.name}
         mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s)
@@ -1142,6 +1148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON file with any of these options (prefill, decode, max_inflight, ...); "
                              "command-line values win")
     parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="the workers' checkpoint: the model's config is read from it (overrides --config)")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default kimik3-<config>)")
     for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens",
                  "max_body_bytes", "image_decoders"):

@@ -37,13 +37,26 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
             raise
         pytest.skip(f"Mooncake unavailable: {e}")
+    # issue 21: trained weights (here: tiny at another seed) served from a checkpoint, workers spread
+    # over two (named) GPUs: the environment each is given says which
+    import jax
+
+    from kimik3 import checkpoint, config, model, tokenizer
+    from kimik3.generate import generate
+
+    cfg = config.tiny()
+    checkpoint.save(tmp_path / "ckpt", model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg)
+    params, _ = checkpoint.restore(tmp_path / "ckpt")
+    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "launched")])
+    want = generate(params, cfg, prompt, 4).tokens.tolist()  # what `kimik3 generate --checkpoint` prints
     port, state_file = free_port(), tmp_path / "state.json"
     worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
                    f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}")
     proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
                              "--prefill", "1", "--decode", "1", "--store-mb", "64", "--state-file", str(state_file),
                              *(["--redis"] if shutil.which("redis-server") or os.environ.get("KIMIK3_REQUIRE_MOONCAKE") else []),
-                             "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args],
+                             "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args,
+                             "--checkpoint", str(tmp_path / "ckpt"), "--gpus", "0,1", "--gpu-memory-utilization", "0.8"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
     try:
@@ -59,8 +72,13 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         wait_healthy(base, None, 30)
         r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched"}], "max_tokens": 4,
-            "ignore_eos": True})
+            "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["choices"][0]["token_ids"] == want  # the checkpoint's weights, not random ones
+        env_of = lambda pid: dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+        assert [env_of(state["pids"][n]).get("CUDA_VISIBLE_DEVICES") for n in ("prefill-0", "decode-0", "router")] \
+            == ["0", "1", ""]
+        assert env_of(state["pids"]["decode-0"])["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8000"
         # Issue 17 #3: every listening socket of the deployment is on loopback (the workers' and
         # the router's store clients and the memory server embed Mooncake's transfer engine, which
         # binds every interface unless `cache.loopback`'s shim is preloaded).
@@ -88,7 +106,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
-        assert "kimik3: serving tiny at " + base + "/v1" in out
+        assert f"kimik3: serving {tmp_path / 'ckpt'} at {base}/v1" in out
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in state["pids"].values()) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -97,6 +115,23 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_workers_share_the_gpus_in_turn_and_split_the_memory_of_a_shared_one(tmp_path):
+    import argparse
+
+    from serving.launch import Deployment, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = lambda *a: parser.parse_args(["--log-dir", str(tmp_path), "--prefill", "2", "--decode", "1", *a])
+    d = Deployment(args("--gpus", "3,5"))
+    assert [d.worker_env(i) for i in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4500"},
+        {"CUDA_VISIBLE_DEVICES": "5", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9000"},
+        {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4500"}]
+    assert d._router_env()["CUDA_VISIBLE_DEVICES"] == ""
+    assert Deployment(args("--gpus", "none")).worker_env(0) == {}
 
 
 def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkeypatch):
