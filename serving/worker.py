@@ -615,7 +615,11 @@ def build_engine(args):
     page, block = default_cache_geometry(cfg.name)
     page = args.page_tokens or page
     block = args.kda_block_tokens or block
-    max_pages = min(args.max_pages_per_request or -(-cfg.max_seq_len // page), args.num_pages - 1)
+    max_len = getattr(args, "max_model_len", None) or cfg.max_seq_len
+    if max_len > cfg.max_seq_len:
+        raise ValueError(f"--max-model-len {max_len} is past {cfg.name}'s {cfg.max_seq_len} positions")
+    num_pages = pool_pages(args, cfg, params, page)
+    max_pages = min(args.max_pages_per_request or -(-max_len // page), num_pages - 1)
     # the weights name the cache: random ones by their seed, a checkpoint's by a fingerprint (of its
     # embedding and LM head: `eagle_train.fingerprint`), so workers of other weights never share KV
     weights = f"seed{args.seed}"
@@ -636,20 +640,72 @@ def build_engine(args):
                                  timeout_s=args.store_timeout_s, cooldown_s=args.store_cooldown_s)
     role = args.role
     engine = Engine(params, cfg, EngineConfig(
-        num_pages=args.num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
+        num_pages=num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
         page_tokens=page, kda_block_tokens=block, max_pages_per_request=max_pages,
         prefill_chunk_tokens=args.prefill_chunk_tokens, kernels=args.kernels, namespace=namespace, role=role,
         publish_to_host=host is not None, draft_tokens=args.draft_tokens if draft is not None else 0,
-        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail), host=host, draft=draft)
+        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail), host=host, draft=draft,
+        mesh=meshes(args, cfg))
     info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
             "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
-            "kda_block_tokens": block, "max_context": min(cfg.max_seq_len, max_pages * page),
+            "kda_block_tokens": block, "max_context": min(max_len, max_pages * page),
             "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity(),
             # a KV handoff's layout (/adopt): one page block, and the packed KDA state
             "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size),
             "speculative": None if draft is None else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens,
                                                        "eagle_tail": engine.config.eagle_tail}}
     return engine, host, info
+
+
+def pool_pages(args, cfg, params, page_tokens: int) -> int:
+    """KV pages of the device pool: `--num-pages`, or with `--gpu-memory-utilization F` what F of the
+    device's memory holds once the weights are in (the slots' and snapshots' states first, as
+    `Engine.from_memory_budget` sizes them; vLLM's flag, read the same way)."""
+    util = getattr(args, "gpu_memory_utilization", None)
+    if util is None:
+        return args.num_pages or 256
+    if args.num_pages:
+        raise ValueError("--num-pages and --gpu-memory-utilization both size the KV pool: pass one")
+    if not 0.0 < util <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1]; got {util}")
+    import jax
+
+    from serving import kv_pools
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory ({jax.default_backend()} "
+                         f"does not): pass --num-pages")
+    budget = util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    dtype = params["embed_vd"].dtype
+    slots = args.num_slots
+    fixed = (slots + 1 + (args.num_snapshots or 4 * slots)) * kv_pools.bytes_per_state(cfg, dtype)
+    pages = int((budget - fixed) // kv_pools.bytes_per_page(cfg, page_tokens, dtype))
+    if pages < 2:
+        raise ValueError(f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
+                         f"hold {slots} slots' states and two pages")
+    return pages
+
+
+def meshes(args, cfg, devices=None):
+    """The engine's mesh(es) from vLLM's flags: prefill over `--tensor-parallel-size` devices, decode
+    over `--data-parallel-size`, the experts split over the same devices with
+    `--enable-expert-parallel` (EP = TP for prefill, EP = DP for decode); None on one device."""
+    from sharding import mesh as mesh_lib
+
+    tp, dp = getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1)
+    ep = getattr(args, "enable_expert_parallel", False)
+    if tp < 1 or dp < 1:
+        raise ValueError(f"parallel sizes must be >= 1; got tensor {tp}, data {dp}")
+    if args.role == "decode" and tp > 1:
+        raise ValueError("a decode worker runs data-parallel attention: use --data-parallel-size")
+    if args.role == "prefill" and dp > 1:
+        raise ValueError("a prefill worker runs tensor-parallel attention: use --tensor-parallel-size")
+    pre = mesh_lib.prefill_mesh(tp, tp if ep else 1, devices, cfg) if tp > 1 or (ep and args.role == "prefill") else None
+    dec = mesh_lib.decode_mesh(dp, dp if ep else 1, devices, cfg) if dp > 1 or (ep and args.role == "decode") else None
+    if pre is None and dec is None:
+        return None
+    return {"prefill": pre, "decode": dec, "both": (pre, dec)}[args.role]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -671,7 +727,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle-tail", choices=("drop", "no_drop", "exact"), default="drop",
                         help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot")
     parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
-    parser.add_argument("--num-pages", type=int, default=256, help="KV pages in the device pool")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages in the device pool (default 256)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="size the KV pool to fill this share of the GPU's memory (in place of --num-pages)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion a request may have (default: the config's positions)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="prefill attention tensor-parallel over this many devices")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="decode attention data-parallel over this many devices")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="split the routed experts over the same devices (EP = TP for prefill, DP for decode)")
     parser.add_argument("--num-slots", type=int, default=8, help="concurrent sessions")
     parser.add_argument("--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)")
     parser.add_argument("--page-tokens", type=int, default=None, help="tokens per KV page (default: the config's)")

@@ -204,3 +204,61 @@ def test_a_dead_store_degrades_health_and_costs_requests_nothing(client, tiny_cf
     finally:
         svc.stop()
         tier.close()
+
+
+def _worker_args(*argv):
+    import argparse
+
+    from serving import worker
+
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    return parser.parse_args(["--port", "1", "--kernels", "reference", *argv])
+
+
+def test_vllms_sizing_flags_reach_the_engine():
+    """Issue 21: --max-model-len caps a request's context (what the router enforces, from the
+    worker's info); --gpu-memory-utilization sizes the pool from the device's memory (a clear
+    error where the device reports none, or next to --num-pages)."""
+    from serving import worker
+
+    eng, _, info = worker.build_engine(_worker_args("--num-pages", "40", "--max-model-len", "100"))
+    assert info["max_context"] == 100 and eng.manager.page_pool.num_blocks == 40
+    with pytest.raises(ValueError, match="past tiny's"):
+        worker.build_engine(_worker_args("--max-model-len", str(10 ** 7)))
+    with pytest.raises(ValueError, match="does not\\): pass --num-pages"):
+        worker.build_engine(_worker_args("--gpu-memory-utilization", "0.5"))
+    with pytest.raises(ValueError, match="pass one"):
+        worker.build_engine(_worker_args("--gpu-memory-utilization", "0.5", "--num-pages", "8"))
+
+
+_MESHES = """
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+from kimik3 import config
+from serving import worker
+from tests.serving.test_worker import _worker_args
+cfg = config.tiny()
+both = worker.meshes(_worker_args("--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"), cfg)
+print("both", [dict(m.shape) for m in both])
+print("decode", dict(worker.meshes(_worker_args("--role", "decode", "--data-parallel-size", "2"), cfg).shape))
+print("one", worker.meshes(_worker_args(), cfg))
+try:
+    worker.meshes(_worker_args("--role", "decode", "--tensor-parallel-size", "2"), cfg)
+except ValueError as e:
+    print("refused", e)
+"""
+
+
+def test_vllms_parallel_flags_become_the_engines_meshes():
+    """--tensor-parallel-size (prefill), --data-parallel-size (decode), --enable-expert-parallel
+    (the experts over the same devices), on 4 CPU host devices in a fresh process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MESHES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["both"] == "[{'replica': 1, 'expert': 2}, {'replica': 1, 'expert': 4}]", out.stdout
+    assert lines["decode"] == "{'replica': 2, 'expert': 1}" and lines["one"] == "None"
+    assert "data-parallel" in lines["refused"]
