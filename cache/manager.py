@@ -1,6 +1,6 @@
 """The paged KV manager: hybrid prefix caching for MLA pages + KDA state snapshots.
 
-Granularity (DESIGN.md): one hash block = one MLA page = `page_tokens` (128)
+Granularity (docs/design.md): one hash block = one MLA page = `page_tokens` (128)
 tokens, for every MLA layer at once.  KDA keeps a recurrent state, so a prefix
 can only be resumed where a *snapshot* of every KDA layer's state exists:
 snapshots are taken at KDA-block boundaries (`kda_block_tokens`, 1536) and at

@@ -249,7 +249,7 @@ def _cmd_coverage(args) -> int:
     finally:
         if services is not None:
             services.stop()
-    print(f"workload: {args.sessions} sessions, {rows[0].turns} turns, token counts / {args.scale:g} of DESIGN.md; "
+    print(f"workload: {args.sessions} sessions, {rows[0].turns} turns, token counts / {args.scale:g} of docs/design.md; "
           f"{args.engines} engines; GPU pool = {rows[0].gpu_pages_per_engine} pages of "
           f"128 tokens per engine (about half of its share of the working set)")
     print(coverage.format_table(rows))
@@ -364,7 +364,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--sessions", type=int, default=12, help="agent sessions")
     c.add_argument("--min-turns", type=int, default=20, help="turns per session, at least")
     c.add_argument("--max-turns", type=int, default=30, help="turns per session, at most")
-    c.add_argument("--scale", type=float, default=8.0, help="divide DESIGN.md's token counts by this")
+    c.add_argument("--scale", type=float, default=8.0, help="divide docs/design.md's token counts by this")
     c.add_argument("--store-mb", type=int, default=1024, help="Mooncake memory server size")
     c.add_argument("--seed", type=int, default=0, help="workload seed")
     c.add_argument("--out", default="out", help="the report goes here")

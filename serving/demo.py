@@ -39,7 +39,7 @@ class DemoSpec:
     config: str = "tiny"
     sessions: int = 6
     turns: tuple[int, int] = (3, 4)
-    scale: float = 32.0  # DESIGN.md token counts divided by this
+    scale: float = 32.0  # docs/design.md token counts divided by this
     page_tokens: int = 32
     kda_block_tokens: int = 128
     num_pages: int = 96
@@ -182,7 +182,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
     weights = f"{spec.checkpoint} as {spec.manifest}" if spec.manifest else spec.checkpoint or "random"
     header = (f"config={cfg.name} ({jax.default_backend()}, weights {weights}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
-              f"turns, DESIGN.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
+              f"turns, docs/design.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
               f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
               f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
               f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "

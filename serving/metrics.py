@@ -1,4 +1,4 @@
-"""Serving metrics, defined once (DESIGN.md) and used everywhere.
+"""Serving metrics, defined once (docs/design.md) and used everywhere.
 
 * TTFT: arrival to first output token.
 * TPOT: mean gap between a request's consecutive output tokens; split by the step that produced

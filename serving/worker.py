@@ -573,7 +573,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
 # ---- building the engine --------------------------------------------------------------------------
 def default_cache_geometry(config_name: str) -> tuple[int, int]:
-    """(page_tokens, kda_block_tokens): the demo's small blocks on tiny, DESIGN.md's elsewhere."""
+    """(page_tokens, kda_block_tokens): the demo's small blocks on tiny, docs/design.md's elsewhere."""
     return (32, 128) if config_name == "tiny" else (128, 1536)
 
 
@@ -627,6 +627,8 @@ def build_engine(args):
         from kimik3 import eagle_train
 
         weights = f"ckpt-{eagle_train.fingerprint(params)}"
+        if getattr(args, "manifest", None):  # other projections, other KV: the manifest names it too
+            weights += f"-{args.manifest}"
     namespace = args.namespace or f"{cfg.name}/{dtype}/{weights}"
     host = None
     if args.mooncake_master:

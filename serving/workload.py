@@ -1,4 +1,4 @@
-"""Seeded multi-turn agent workloads (DESIGN.md), scaled to taste.
+"""Seeded multi-turn agent workloads (docs/design.md), scaled to taste.
 
 A session is a conversation of `turns` requests; each turn's prompt is the
 whole history so far (system prompt, every earlier input and output) plus the
@@ -29,7 +29,7 @@ class WorkloadSpec:
 
     @classmethod
     def scaled(cls, factor: float, **overrides) -> "WorkloadSpec":
-        """The DESIGN.md shape with token counts divided by `factor` (for CPU runs)."""
+        """The docs/design.md shape with token counts divided by `factor` (for CPU runs)."""
         base = cls(**overrides)
         div = lambda r: (max(1, int(r[0] / factor)), max(1, int(r[1] / factor)))
         return dataclasses.replace(base, input_tokens=div(base.input_tokens), output_tokens=div(base.output_tokens),

@@ -160,3 +160,22 @@ def test_a_corrupt_scale_tensor_is_refused_at_load(quantized, damage, match):
         ckptr.save(os.path.join(bad, "fp8"), tree)
     with pytest.raises(ValueError, match=f"layer_3/mla/w_kva_dr: .*{match}"):
         store.load(bad, "fp8_attn")
+
+
+def test_each_manifest_caches_under_its_own_namespace(quantized):
+    """Workers serving one checkpoint as different manifests compute different KV (FP8 vs MXFP8
+    projections): their cache namespaces differ, so a prefix from one is never a hit in another."""
+    import argparse
+
+    from serving import worker
+
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    root, _ = quantized
+    spaces = set()
+    for argv in ([], ["--manifest", "fp8_attn"], ["--manifest", "mxfp8_attn"]):
+        path = root / ("ckpt" if not argv else "q")
+        args = parser.parse_args(["--port", "1", "--num-pages", "8", "--kernels", "reference",
+                                  "--checkpoint", str(path), *argv])
+        spaces.add(worker.build_engine(args)[2]["namespace"])
+    assert len(spaces) == 3, spaces
