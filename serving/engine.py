@@ -359,9 +359,9 @@ class Engine:
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         images, mm_items = self._check_images(prompt, images)
-        if self.spec is not None and sampling.top_p < 1.0:
-            raise ValueError("top_p < 1 is not supported with speculative decoding (its acceptance rule keeps "
-                             "the full distribution at the temperature)")
+        if self.spec is not None and (sampling.top_p < 1.0 or sampling.filtered):
+            raise ValueError("top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
+                             "rule keeps the full distribution at the temperature)")
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond the pool's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1

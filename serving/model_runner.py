@@ -16,7 +16,8 @@ that stay put:
        "tables": int32 [B, P]     block tables (null pages for padding rows)
        "slots": int32 [B]         KDA state slots (padding rows share the scratch slot)
        "active": int32 [B]        1 for a request's row, 0 for padding
-       "temperature": f32 [B], "top_p": f32 [B], "seed": uint32 [B, 2]   sampling per row}
+       "temperature": f32 [B], "top_p": f32 [B], "seed": uint32 [B, 2],
+       "top_k": int32 [B], "min_p": f32 [B]                               sampling per row}
 
 The step samples on the device (`serving.sampling.sample_tokens`) and writes the tokens
 into `io["tokens"]` and `lengths + active` into `io["lengths"]`: the next step's inputs,
@@ -44,7 +45,7 @@ from serving.sampling import SamplingParams, sample_tokens, seed_words
 
 log = logging.getLogger(__name__)
 
-IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed")
+IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed", "top_k", "min_p")
 
 
 @dataclasses.dataclass
@@ -59,6 +60,8 @@ class DecodeRows:
     temperature: np.ndarray
     top_p: np.ndarray
     seed: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
 
     @classmethod
     def build(cls, bucket: int, tokens, tables, slots, lengths, sampling: list[SamplingParams], *,
@@ -72,7 +75,9 @@ class DecodeRows:
                    slots=as_i32(slots, scratch_slot), active=as_i32([1] * n, 0),
                    temperature=np.asarray([s.temperature for s in sampling] + [0.0] * pad, np.float32),
                    top_p=np.asarray([s.top_p for s in sampling] + [1.0] * pad, np.float32),
-                   seed=np.asarray([seed_words(s.seed) for s in sampling] + [(0, 0)] * pad, np.uint32))
+                   seed=np.asarray([seed_words(s.seed) for s in sampling] + [(0, 0)] * pad, np.uint32),
+                   top_k=np.asarray([s.top_k for s in sampling] + [0] * pad, np.int32),
+                   min_p=np.asarray([s.min_p for s in sampling] + [0.0] * pad, np.float32))
 
     @property
     def greedy(self) -> bool:
@@ -96,7 +101,8 @@ def _decode_body(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: b
     logits, view = model._forward_impl(params, io["tokens"][:, None], io["lengths"][:, None], view, None, cfg=cfg,
                                        expert_path="grouped", kernels=kernels, logits_tail=1)
     # the chosen token sits at position lengths + 1 (the input token is at lengths)
-    new = sample_tokens(logits[:, -1], io["temperature"], io["top_p"], io["seed"], io["lengths"] + 1, greedy=greedy)
+    new = sample_tokens(logits[:, -1], io["temperature"], io["top_p"], io["seed"], io["lengths"] + 1, greedy=greedy,
+                        top_k_b=io["top_k"], min_p_b=io["min_p"])
     active = io["active"] > 0
     io = dict(io, tokens=jnp.where(active, new, io["tokens"]), lengths=io["lengths"] + io["active"])
     return model.pools_of(view), io

@@ -3,14 +3,14 @@
 Sampling: `temperature` (default 1, as OpenAI's and vLLM's; 0 is greedy and reproduces the
 oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves every retry and
 failover of a request, and draws are seeded per position, so a request that moves between
-workers continues the same sample).  `stop` (up to 4 strings; the text ends before the first,
+workers continues the same sample); vLLM's `top_k` and `min_p`.  `stop` (up to 4 strings; the text ends before the first,
 also while streaming: `serving.stop`) and vLLM's `stop_token_ids`.  Images: `image_url` parts
 with base64 `data:` URLs (PNG, JPEG, ...), decoded and resized to the ViT's input here; remote
 URLs and undecodable images are 400s.  `n` must be 1.
 
 No field is ignored: an unknown field is a 400 naming it (as OpenAI answers), and a field of
 OpenAI's or vLLM's that this server does not implement (`UNSUPPORTED`: logprobs, tools,
-penalties, ...) is a 400 naming it unless it holds its neutral value (what clients send by
+the penalties, ...) is a 400 naming it unless it holds its neutral value (what clients send by
 default: `logprobs: false`, `frequency_penalty: 0`, `tools: []`, ...).  Extensions: `ignore_eos`
 (do not stop at <|eos|>) and `cache_salt` in requests, `token_ids` on each choice (and on each
 streamed chunk's choice) in responses.
@@ -100,6 +100,8 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)  # strict: "0.5" is a 400, as "5" is
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's: 0 or -1 off
+    min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)  # vLLM's: 0 off
     seed: StrictInt | None = Field(None, ge=0, lt=2 ** 63)
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
@@ -116,8 +118,6 @@ class _Common(_Strict):
     presence_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
-    top_k: Any = None
-    min_p: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -150,8 +150,6 @@ UNSUPPORTED = {
     "presence_penalty": lambda v: _is_number(v, 0),
     "repetition_penalty": lambda v: _is_number(v, 1),
     "logit_bias": lambda v: v == {},
-    "top_k": lambda v: _is_number(v, -1) or _is_number(v, 0),
-    "min_p": lambda v: _is_number(v, 0),
     "tools": lambda v: v == [],
     "tool_choice": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),  # meaningless without tools
@@ -168,7 +166,8 @@ def sampling_options(req: _Common) -> dict:
     """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
     seed = req.seed if req.seed is not None else random.getrandbits(63)
     return {"temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "seed": seed}
+            "top_p": 1.0 if req.top_p is None else req.top_p, "seed": seed,
+            "top_k": req.top_k or 0, "min_p": req.min_p or 0.0}
 
 
 def stop_strings(req: _Common) -> list[str]:

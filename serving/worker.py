@@ -382,11 +382,13 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         temperature: float = Field(0.0, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
+        top_k: StrictInt = Field(0, ge=-1)
+        min_p: float = Field(0.0, ge=0.0, le=1.0)
         images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
         cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # the tenant's
 
         def sampling(self) -> SamplingParams:
-            return SamplingParams(self.temperature, self.top_p, self.seed)
+            return SamplingParams(self.temperature, self.top_p, self.seed, self.top_k, self.min_p)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -479,7 +481,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
     @app.post("/adopt")
     async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, cache_salt: str | None = None):
+                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0, min_p: float = 0.0,
+                    cache_salt: str | None = None):
         """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
         (npz: prompt, token, pages, state); streams like /generate from the second token."""
         try:
@@ -499,7 +502,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             # checks a prompt, and that every value is finite (NaN pages would poison every later hit)
             check_handoff(prompt, token, pages, state, vocab_size=info.get("vocab_size", 1 << 31),
                           page_tokens=loop.engine.page_tokens)
-            sampling = SamplingParams(temperature, top_p, seed)
+            sampling = SamplingParams(temperature, top_p, seed, top_k, min_p)
             check_cache_salt(cache_salt)
         except ValueError as err:
             return error(400, str(err))

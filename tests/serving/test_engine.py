@@ -272,6 +272,20 @@ def test_sampled_tokens_survive_preemption_and_pd_handoff_unchanged(tiny_cfg, ti
         plain.submit(prompts[0], 3, sampling={"temperature": 0.5})
 
 
+def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_in_the_decode_step(tiny_cfg, tiny_params):
+    """The filters reach the device step (and the host's first token): at temperature 1 they leave
+    only the top token, so the output is the oracle's."""
+    from serving.sampling import SamplingParams
+
+    eng = _engine(tiny_params, tiny_cfg)
+    prompt = np.random.default_rng(8).integers(0, 256, 40).tolist()
+    reqs = [eng.submit(prompt, 12, sampling=SamplingParams(temperature=1.0, seed=3, **kw))
+            for kw in (dict(top_k=1), dict(min_p=1.0), {})]
+    eng.run(max_steps=200)
+    want = _oracle(tiny_params, tiny_cfg, prompt, 12)
+    assert reqs[0].output == reqs[1].output == want != reqs[2].output
+
+
 def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, tiny_params):
     """Warm-up compiles each prefill length and decode bucket once, on threads; serving afterwards
     compiles nothing and still gives the oracle's tokens.  (num_pages 44 is unique to this test,

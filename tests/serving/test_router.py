@@ -410,6 +410,10 @@ def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(clus
     first = want.index(want[at])
     assert choice["token_ids"] == want[:first + 1] and choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == tokenizer.decode(want[:first])
+    # vLLM's top_k reaches the workers: top_k 1 at temperature 1 is the greedy answer
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 12, temperature=1.0, top_k=1, seed=9),
+                   timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == want
     # the defaults clients send for fields we do not implement are accepted (and change nothing)
     r = httpx.post(base + "/v1/chat/completions", timeout=120, json=chat_body(
         text, 4, logprobs=False, frequency_penalty=0, presence_penalty=0, tools=[], logit_bias={}))
@@ -429,8 +433,12 @@ def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, para
     want = oracle(params, chat_prompt(text), 8)
     r = httpx.post(cluster.url("router_direct") + "/v1/chat/completions", json=chat_body(text, 8), timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+    # the sampling filters travel with the handoff too (/adopt's parameters): min_p 1 keeps the top token
+    r = httpx.post(cluster.url("router_direct") + "/v1/chat/completions", timeout=120,
+                   json=chat_body(text, 8, temperature=1.0, min_p=1.0, seed=4))
+    assert r.json()["choices"][0]["token_ids"] == want
     text = httpx.get(cluster.url("router_direct") + "/metrics", timeout=10).text
-    assert 'kimik3_router_handoffs_total{mode="direct"} 1.0' in text
+    assert 'kimik3_router_handoffs_total{mode="direct"} 2.0' in text
     stop_process(cluster.procs.pop("router_direct"))
 
 
