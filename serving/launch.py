@@ -138,9 +138,12 @@ class Child:
 class Deployment:
     """The store, the workers and the router of one `kimik3 launch`."""
 
-    def __init__(self, args, stop: threading.Event | None = None):
+    def __init__(self, args, stop: threading.Event | None = None, progress=None):
+        """progress(message): called as each piece comes up (the CLI prints them: a worker's
+        warm-up compiles take a while); None: log only."""
         self.args = args
         self.stop_event = stop
+        self.progress = progress or (lambda message: None)
         self.log_dir = args.log_dir or tempfile.mkdtemp(prefix="kimik3-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.services = None
@@ -213,6 +216,7 @@ class Deployment:
             os.makedirs(self.services.log_dir, exist_ok=True)
             self.services.start()
             log.info("mooncake store at %s", self.services.master_addr)
+            self.progress(f"Mooncake store at {self.services.master_addr}")
         if a.redis:
             from cache.media.redis_server import RedisServer
 
@@ -226,9 +230,13 @@ class Deployment:
                                           env=self.worker_env(len(self.workers))))
         for w in self.workers:
             w.spawn()
+        t0 = time.monotonic()
+        self.progress(f"starting {len(self.workers)} worker(s): each loads its weights and compiles its steps "
+                      f"(logs in {self.log_dir})")
         for w in self.workers:
             wait_healthy(w.url, w.proc, a.startup_timeout_s, self.stop_event)
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.proc.pid)
+            self.progress(f"{w.name} ready after {time.monotonic() - t0:.1f} s")
         argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
                 "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else [])
         pre = [w.url for w in self.workers if w.name.startswith("prefill")]
@@ -342,7 +350,7 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    dep = Deployment(args, stop)
+    dep = Deployment(args, stop, progress=lambda message: print(f"kimik3 launch: {message}", flush=True))
     code = 0
     try:
         dep.start()

@@ -107,6 +107,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert f"kimik3: serving {tmp_path / 'ckpt'} at {base}/v1" in out
+        assert "kimik3 launch: starting 2 worker(s)" in out and "kimik3 launch: decode-0 ready after" in out
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in state["pids"].values()) and time.monotonic() < deadline:
             time.sleep(0.1)
