@@ -25,10 +25,19 @@ find_python() {
 }
 
 extras_for() {  # serve + store always, dev for the tests, cuda where an NVIDIA GPU answers
-  local extras="serve,store"
+  local extras="serve,store" driver
   [ "$1" = test ] && extras="$extras,dev"
+  if [ -n "${KIMIK3_EXTRAS:-}" ]; then  # an override: e.g. KIMIK3_EXTRAS=serve,store (no CUDA)
+    echo "$KIMIK3_EXTRAS"; return 0
+  fi
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    extras="$extras,cuda"
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1)
+    if [ "${driver%%.*}" -ge 580 ] 2>/dev/null; then  # jax[cuda13] needs driver 580 or newer
+      extras="$extras,cuda"
+    else
+      echo "run.sh: NVIDIA driver ${driver:-unknown} is older than 580, which CUDA 13 (jax[cuda13]) needs: installing" \
+           "without CUDA (JAX runs on the CPU); update the driver, or set KIMIK3_EXTRAS" >&2
+    fi
   fi
   echo "$extras"
 }
@@ -44,9 +53,9 @@ ensure_venv() {
     local missing=""
     for e in ${want//,/ }; do [[ ",$have," == *",$e,"* ]] || missing=1; done
     [ -z "$missing" ] && return 0
-    want="$have,$want"  # keep what is there (test's dev when the demo runs, and the other way)
+    want="${have:+$have,}$want"  # keep what is there (test's dev when the demo runs, and the other way)
   fi
-  want=$(tr ',' '\n' <<<"$want" | sort -u | paste -sd, -)
+  want=$(tr ',' '\n' <<<"$want" | grep -v '^$' | sort -u | paste -sd, -)
   echo "run.sh: installing kimik3[$want] into .venv (the first time: ~1.2 GB of wheels, a few minutes)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install --progress-bar on -e ".[$want]"

@@ -184,6 +184,8 @@ def _ffn_weights(x_nl, w_gateup_elf, w_out_efl):
     for w, (k, n) in ((w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
                       (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2]))):
         packed = _packed_mxfp4(w, x_nl.dtype)
+        if packed is not None and w is w_gateup_elf and (n // 2) % 32:  # the gate/up kernel tiles F = 2F / 2
+            return None
         if packed is not None:
             out.append(packed)
         elif not isinstance(w, QTensor) and x_nl.dtype == w.dtype and moe_kernels.kernel_dims_ok(k, n):

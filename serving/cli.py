@@ -312,7 +312,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `kimik3` parser; `command`: the subcommand being run (its module's arguments are added;
     the other module-owned subcommands are listed without importing their modules)."""
-    parser = argparse.ArgumentParser(prog="kimik3", description=__doc__,
+    # no abbreviated options: `_command_of` finds the subcommand in argv before parsing
+    parser = argparse.ArgumentParser(prog="kimik3", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",

@@ -359,7 +359,7 @@ class Engine:
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         images, mm_items = self._check_images(prompt, images)
-        if self.spec is not None and (sampling.top_p < 1.0 or sampling.filtered):
+        if self.spec is not None and not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
             raise ValueError("top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
                              "rule keeps the full distribution at the temperature)")
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
@@ -444,12 +444,13 @@ class Engine:
     def _programs(self) -> int:
         return self.runner.programs() + (self.spec.programs() if self.spec is not None else 0)
 
-    def warmup(self, threads: int | None = None) -> int:
+    def warmup(self, threads: int | None = None, sampled: bool = False) -> int:
         """Compile every step shape this engine can use and run each once on scratch rows
-        (`ModelRunner.warmup`).  Returns the number of new programs."""
+        (`ModelRunner.warmup`; `sampled`: the decode steps' sampling variant too).  Returns the
+        number of new programs."""
         self._settle_decode()
         before = self._programs()  # the speculative warm-up's row writes count in the runner's programs
-        self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads)
+        self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads, sampled=sampled)
         if self.spec is not None:
             self.spec.warmup(self)
         return self._programs() - before

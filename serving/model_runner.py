@@ -445,7 +445,7 @@ class ModelRunner:
         kv.pools = model.pools_of(view)
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
-    def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None) -> int:
+    def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None, sampled: bool = False) -> int:
         """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests)
         and run each once on scratch rows (the scratch slot and null pages).
 
@@ -454,8 +454,10 @@ class ModelRunner:
         host's available memory): XLA's compile of a whole-model
         step is mostly single-threaded, so the ~20 shapes of a serving engine take minutes one
         by one.  The runs that follow (one by one: each donates the pools) then find their
-        executables compiled.  The decode program compiles in its greedy variant (a batch with
-        a sampled row compiles the other on first use).  Returns the number of new programs."""
+        executables compiled.  The decode program compiles in its greedy variant, and with
+        `sampled` in its sampling one too (an OpenAI client's default temperature is 1: a server
+        warms both; else a batch with a sampled row compiles it on first use).  Returns the number
+        of new programs."""
         import concurrent.futures
 
         before = self.programs()
@@ -474,9 +476,12 @@ class ModelRunner:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
             return self.prefill_params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
-        def decode_rows(b):  # padding only: writes land in the scratch slot and the null page
-            return DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
+        def decode_rows(b, sampling: bool = False):  # padding only: writes land in the scratch slot and the null page
+            rows = DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
                                     scratch_slot=scratch)
+            return dataclasses.replace(rows, temperature=np.ones(b, np.float32)) if sampling else rows
+
+        variants = (False, True) if sampled else (False,)
 
         for b, t, step in shapes:
             if step is not None:  # writes land in the scratch slot and the null page only
@@ -488,8 +493,8 @@ class ModelRunner:
         static = self.step_static()
         jobs = [functools.partial(lambda s: model.forward_step.lower(*step_args(s), **static).compile(), s)
                 for s in unsharded]
-        jobs += [functools.partial(lambda b: self.decode.compile(self.params, kv.pools, decode_rows(b)), b)
-                 for b in decode]
+        jobs += [functools.partial(lambda b, v: self.decode.compile(self.params, kv.pools, decode_rows(b, v)), b, v)
+                 for b in decode for v in variants]
         workers = threads or compile_threads(len(jobs))
         # Lowering and compiling neither run nor donate anything, so they may overlap.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -499,7 +504,8 @@ class ModelRunner:
             kv.pools = model.pools_of(view)
             jax.block_until_ready(logits)
         for b in decode:
-            kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b))
-            jax.block_until_ready(tokens)
+            for v in variants:
+                kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b, v))
+                jax.block_until_ready(tokens)
             self.decode.warm_overwrites(decode_rows(b))
         return self.programs() - before

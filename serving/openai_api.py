@@ -81,6 +81,14 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None  # a tool message's: its content is rendered as text
+    # what an SDK's assistant message carries when replayed (`message.model_dump()`): accepted
+    # empty (`MESSAGE_UNSUPPORTED`), since this server neither calls tools nor returns audio
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
 
     def text_and_images(self) -> tuple[str, int]:
         if self.content is None or isinstance(self.content, str):
@@ -91,6 +99,7 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's; only its default is served
 
 
 class _Common(_Strict):
@@ -124,6 +133,12 @@ class _Common(_Strict):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
 
 
 class ChatCompletionRequest(_Common):
@@ -156,6 +171,10 @@ UNSUPPORTED = {
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "response_format": lambda v: v == {"type": "text"},
+    "store": lambda v: v is False,  # nothing is stored here
+    "metadata": lambda v: v == {},
+    "service_tier": lambda v: v in ("auto", "default"),
+    "modalities": lambda v: v == ["text"],
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: _is_number(v, 1),
@@ -186,15 +205,29 @@ def tenant_salt(req: _Common) -> str | None:
     return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
+# the same for fields of a chat message (None is neutral for all)
+MESSAGE_UNSUPPORTED = {"tool_calls": lambda v: v == [], "function_call": lambda v: False,
+                       "refusal": lambda v: False, "audio": lambda v: False, "annotations": lambda v: v == []}
+
+
+def _refuse_unsupported(obj, table: dict, where: str = "") -> None:
+    for name, neutral in table.items():
+        value = getattr(obj, name, None)
+        if value is not None and not neutral(value):
+            raise APIError(400, f"'{where}{name}' is not supported by this server (got {json.dumps(value)[:80]}); "
+                                f"leave it out", param=where + name, code="unsupported_parameter")
+
+
 def check_common(req: _Common, vocab_size: int | None = None) -> None:
     """APIError (400) naming the first field this server cannot honour as given."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (got {req.n}): one choice per request", param="n")
-    for name, neutral in UNSUPPORTED.items():
-        value = getattr(req, name, None)
-        if value is not None and not neutral(value):
-            raise APIError(400, f"'{name}' is not supported by this server (got {json.dumps(value)[:80]}); "
-                                f"leave it out", param=name, code="unsupported_parameter")
+    _refuse_unsupported(req, UNSUPPORTED)
+    for i, m in enumerate(getattr(req, "messages", None) or ()):
+        _refuse_unsupported(m, MESSAGE_UNSUPPORTED, f"messages.{i}.")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server; leave it out",
+                       param="stream_options.continuous_usage_stats", code="unsupported_parameter")
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences (got {len(stops)})", param="stop")

@@ -670,9 +670,8 @@ class Router:
                        cache_salt: str | None = None):
         """Yields ("token", id) for every output token, ("info", {"cached_tokens", "cached_tokens_host"})
         once the first stage's prefix-cache share is known (before its first token), and a final
-        ("done", summary)."""
-        """
-        `sampling`: {"temperature", "top_p", "seed"} (default greedy); `images_b64`: the
+        ("done", summary).
+        `sampling`: {"temperature", "top_p", "seed", "top_k", "min_p"} (default greedy); `images_b64`: the
         prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
         and inside a direct handoff's KV); `cache_salt`: the tenant's (`openai_api.tenant_salt`),
         sent to every worker and in the router's own affinity hashes."""

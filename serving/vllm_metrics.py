@@ -3,8 +3,10 @@
 Dashboards and KV-aware routers built for vLLM scrape ``vllm:*`` series with a ``model_name``
 label (vLLM V1's names, ``vllm/v1/metrics/loggers.py``).  The same figures kimik3 already keeps are
 exported again under those names, so such a dashboard or router works unchanged against a kimik3
-worker (engine-level: queue, KV use, preemptions, the prefix cache) or router (request-level:
-latencies, tokens, finish reasons).  Units are vLLM's: seconds, and KV use as a fraction in [0, 1].
+worker (engine-level: queue, KV use, preemptions, the prefix cache: `load`, `prefix_cache`) or
+router (request-level: latencies, tokens, finish reasons: `load`, `finished`).  Each figure comes
+from one place only (a P/D pair sees every request twice; the router once), so sums over every
+scrape target do not double count.  Units are vLLM's: seconds, and KV use as a fraction in [0, 1].
 """
 
 from __future__ import annotations
@@ -70,18 +72,24 @@ class VLLMMetrics:
 
     def finished(self, *, prompt_tokens: int, generation_tokens: int, cached_tokens: int, finished_reason: str,
                  ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:
-        """One request done (`finished_reason`: stop, length or abort)."""
+        """One request done at the API (`finished_reason`: stop, length or abort); `cached_tokens`
+        is the request's (usage) and feeds no engine-level series."""
+        del cached_tokens
         name = self.model_name
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generation_tokens)
-        self.prefix_queries.labels(name).inc(prompt_tokens)
-        self.prefix_hits.labels(name).inc(cached_tokens)
         self.prompt_hist.labels(name).observe(prompt_tokens)
         self.generation_hist.labels(name).observe(generation_tokens)
         self.success.labels(name, finished_reason if finished_reason in FINISHED_REASONS else "abort").inc()
         for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s)):
             if value is not None:
                 hist.labels(name).observe(value)
+
+
+    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """An engine's prefix-cache lookup for one request: prompt tokens asked, tokens found."""
+        self.prefix_queries.labels(self.model_name).inc(queried_tokens)
+        self.prefix_hits.labels(self.model_name).inc(hit_tokens)
 
 
 def _token_buckets(limit: int = 1 << 20) -> tuple[int, ...]:

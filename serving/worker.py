@@ -254,7 +254,7 @@ class EngineLoop:
                     self.counters["cached_tokens"] += req.cached_tokens
                     self.counters["cached_tokens_host"] += req.cached_tokens_host
                 if self._metrics is not None:
-                    self._metrics.observe(req, reason)
+                    self._metrics.observe(req)
                 self._finish(sub, "finished")
         self.engine.pop_finished()  # results went out above; do not grow without bound
 
@@ -323,14 +323,11 @@ class _WorkerMetrics:
         self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
         self.kv_use = Gauge("kimik3_worker_kv_use", "fraction of KV pages in use", registry=registry)
 
-    def observe(self, req, reason: str) -> None:
+    def observe(self, req) -> None:
         from serving.metrics import RequestRecord
 
         rec = RequestRecord(req.arrival_s, req.token_times_s, len(req.prompt), 0, 0)
-        self.vllm.finished(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
-                           cached_tokens=req.cached_tokens, finished_reason=reason, ttft_s=rec.ttft_s,
-                           tpot_s=rec.tpot_s,
-                           e2e_s=(req.token_times_s[-1] - req.arrival_s) if req.token_times_s else None)
+        self.vllm.prefix_cache(len(req.prompt), req.cached_tokens)  # engine-level only: the router counts requests
         if rec.ttft_s is not None:
             self.ttft.observe(rec.ttft_s)
         if rec.tpot_s is not None:
@@ -681,11 +678,14 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
     if "bytes_limit" not in stats:
         raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory ({jax.default_backend()} "
                          f"does not): pass --num-pages")
-    budget = util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    # what the steps' activations and workspaces need is left out of the pool: 10% of the share
+    budget = 0.9 * util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     dtype = params["embed_vd"].dtype
     slots = args.num_slots
-    fixed = (slots + 1 + (args.num_snapshots or 4 * slots)) * kv_pools.bytes_per_state(cfg, dtype)
-    pages = int((budget - fixed) // kv_pools.bytes_per_page(cfg, page_tokens, dtype))
+    k = args.draft_tokens if getattr(args, "speculative", None) else 0  # an EAGLE-3 draft's rows and features
+    fixed = (slots + 1) * (kv_pools.bytes_per_state(cfg, dtype) + kv_pools.bytes_per_draft_slot(cfg, k)) \
+        + (args.num_snapshots or 4 * slots) * kv_pools.bytes_per_state(cfg, dtype)
+    pages = int((budget - fixed) // kv_pools.bytes_per_page(cfg, page_tokens, dtype, draft=k > 0))
     if pages < 2:
         raise ValueError(f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
                          f"hold {slots} slots' states and two pages")
@@ -734,7 +734,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages in the device pool (default 256)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="size the KV pool to fill this share of the GPU's memory (in place of --num-pages)")
+                        help="size the KV pool to fill this share of the memory JAX may use on the GPU (in place "
+                             "of --num-pages; under `kimik3 launch`, whose --gpu-memory-utilization already caps "
+                             "that memory, a share of the cap)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion a request may have (default: the config's positions)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -779,7 +781,7 @@ def run(args) -> int:
     t0 = time.monotonic()
     engine, host, info = build_engine(args)
     if not args.no_warmup:
-        engine.warmup()
+        engine.warmup(sampled=True)  # API clients sample by default (temperature 1)
     log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s,

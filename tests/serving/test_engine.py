@@ -306,6 +306,21 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
         assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
 
 
+def test_a_sampled_warmup_serves_sampled_requests_without_compiling(rng, tiny_cfg, tiny_params):
+    """A server's warm-up (`sampled=True`, as workers warm: API clients sample at temperature 1 by
+    default) compiles the decode step's sampling variant too, so a sampled batch compiles nothing.
+    (num_pages 46: programs of its own.)"""
+    from serving.sampling import SamplingParams
+
+    eng = _engine(tiny_params, tiny_cfg, num_pages=46, num_slots=2, prefill_chunk_tokens=24)
+    eng.warmup(threads=2, sampled=True)
+    reqs = [eng.submit(rng.integers(0, 256, n).tolist(), 5, sampling=SamplingParams(temperature=1.0, seed=n,
+                                                                                   top_k=5))
+            for n in (13, 30)]
+    eng.run(max_steps=200)
+    assert eng.compiles == 0 and all(len(r.output) == 5 for r in reqs)
+
+
 def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng, tiny_cfg, tiny_params):
     """With 256-token chunks the first chunk runs 224 tokens (to the last full page's snapshot)
     and the KDA-block boundaries at 64, 128 and 192 lie inside it: the chunk's one pass exports

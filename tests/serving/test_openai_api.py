@@ -146,7 +146,7 @@ def test_neutral_values_of_those_fields_are_what_clients_send_by_default_and_pas
 
 @pytest.mark.parametrize("body, where", [
     (_chat(frobnicate=1), "frobnicate"), (_chat(echo=True), "echo"),  # echo is a completions field
-    ({"model": "m", "messages": [{"role": "user", "content": "hi", "tool_call_id": "x"}]}, "messages.0.tool_call_id"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi", "tool_result": "x"}]}, "messages.0.tool_result"),
 ])
 def test_an_unknown_field_is_a_400_naming_it(body, where):
     from pydantic import ValidationError
@@ -180,3 +180,26 @@ def test_the_default_temperature_is_openais():
     assert sampling_options(ChatCompletionRequest.model_validate(_chat(top_p=0.5)))["top_p"] == 0.5
     opts = sampling_options(ChatCompletionRequest.model_validate(_chat(top_k=40, min_p=0.05)))
     assert (opts["top_k"], opts["min_p"]) == (40, 0.05)  # vLLM's filters reach the workers
+
+
+def test_what_the_openai_sdk_sends_in_a_multi_turn_conversation_passes():
+    """An assistant message replayed with `message.model_dump()` (null tool_calls, refusal, audio,
+    annotations), a tool message with its tool_call_id, store: false and empty metadata are what
+    ordinary clients send; tool calls themselves are not (a 400 naming them)."""
+    from serving.openai_api import check_common
+
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": "hello", "tool_calls": None, "refusal": None, "function_call": None,
+                "audio": None, "annotations": []},
+               {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+               {"role": "user", "content": "and?"}]
+    check_common(ChatCompletionRequest.model_validate(_chat(messages=history, store=False, metadata={},
+                                                            service_tier="auto", modalities=["text"])))
+    history[1]["tool_calls"] = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(APIError, match="'messages.1.tool_calls' is not supported") as e:
+        check_common(ChatCompletionRequest.model_validate(_chat(messages=history)))
+    assert e.value.param == "messages.1.tool_calls"
+    with pytest.raises(APIError, match="'store'"):
+        check_common(ChatCompletionRequest.model_validate(_chat(store=True)))
+    with pytest.raises(APIError, match="continuous_usage_stats"):
+        check_common(ChatCompletionRequest.model_validate(_chat(stream_options={"continuous_usage_stats": True})))

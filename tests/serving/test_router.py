@@ -376,8 +376,11 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     assert metric(cluster, "vllm:num_requests_waiting", model_name="kimik3-tiny") == 0
     worker = httpx.get(cluster.url("decode0") + "/metrics", timeout=10).text
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:generation_tokens_total"):
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
         assert f'{name}{{model_name="kimik3-tiny"}}' in worker, name
+    # request-level series come from the router alone (a P/D pair would count each request twice)
+    assert 'vllm:request_success_total{finished_reason="length",model_name="kimik3-tiny"} 0.0' in worker or \
+        'vllm:request_success_total{model_name="kimik3-tiny",finished_reason="length"} 0.0' in worker
 
 
 def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(cluster, params):

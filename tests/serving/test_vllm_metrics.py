@@ -22,6 +22,7 @@ def test_vllms_names_carry_model_name_and_follow_the_load_and_the_requests():
     m.finished(prompt_tokens=100, generation_tokens=8, cached_tokens=64, finished_reason="stop", ttft_s=0.05,
                tpot_s=0.01, e2e_s=0.2)
     m.finished(prompt_tokens=10, generation_tokens=4, cached_tokens=0, finished_reason="length")
+    m.prefix_cache(110, 64)  # an engine's lookups (workers); the router's `finished` feeds none
     got = samples(reg)
     assert got[("vllm:num_requests_running", model)] == 1 and got[("vllm:num_requests_waiting", model)] == 0
     assert got[("vllm:kv_cache_usage_perc", model)] == 0.5
