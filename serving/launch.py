@@ -162,6 +162,8 @@ class Deployment:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
         if a.checkpoint:
             argv += ["--checkpoint", a.checkpoint] + (["--manifest", a.manifest] if a.manifest else [])
+        if a.served_model_name:
+            argv += ["--served-model-name", a.served_model_name]
         return argv + shlex.split(a.worker_args or "")
 
     def worker_env(self, index: int) -> dict:
@@ -238,7 +240,8 @@ class Deployment:
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.proc.pid)
             self.progress(f"{w.name} ready after {time.monotonic() - t0:.1f} s")
         argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
-                "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else [])
+                "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else []) \
+            + (["--model-name", a.served_model_name] if a.served_model_name else [])
         pre = [w.url for w in self.workers if w.name.startswith("prefill")]
         dec = [w.url for w in self.workers if w.name.startswith("decode")]
         if pre:
@@ -324,6 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifest", default=None,
                         choices=("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe"),
                         help="load --checkpoint's quantized weights as this manifest")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send, and the model_name of every vllm:* metric "
+                             "(default kimik3-<config>)")
     parser.add_argument("--gpus", default="auto",
                         help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi "
                              "lists) or none")

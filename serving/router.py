@@ -1149,7 +1149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="the workers' checkpoint: the model's config is read from it (overrides --config)")
-    parser.add_argument("--model-name", default=None, help="the model id clients send (default kimik3-<config>)")
+    parser.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                        help="the model id clients send and metrics carry (default kimik3-<config>)")
     for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens",
                  "max_body_bytes", "image_decoders"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,

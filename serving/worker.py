@@ -761,6 +761,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="while the breaker is open, store lookups are misses; then one call probes")
     parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
     parser.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-PORT)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model_name label of its vllm:* metrics, as the router's (default kimik3-<config>)")
     parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")
     parser.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step (testing)")
@@ -785,7 +787,8 @@ def run(args) -> int:
     log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
     registry = CollectorRegistry()
     loop = EngineLoop(engine, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s,
-                      worker_id=info["worker_id"], registry=registry, model_name=f"kimik3-{info['config']}")
+                      worker_id=info["worker_id"], registry=registry,
+                      model_name=args.served_model_name or f"kimik3-{info['config']}")
     app = create_app(loop, info, registry=registry)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

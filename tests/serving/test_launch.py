@@ -151,3 +151,7 @@ def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkey
     assert Deployment(parser.parse_args(["--port", "1", "--log-dir", str(tmp_path)]))._router_env() == \
         {"KIMIK3_API_KEY": "from-env"}
     assert "s3cret" not in " ".join(d._worker_argv("decode", 0, 2))
+    # one served model name for the router and the workers' vllm:* metrics
+    named = Deployment(parser.parse_args(["--log-dir", str(tmp_path), "--served-model-name", "kimi"]))
+    argv = named._worker_argv("decode", 0, 2)
+    assert argv[argv.index("--served-model-name") + 1] == "kimi"

@@ -250,6 +250,20 @@ except ValueError as e:
 """
 
 
+def test_the_served_model_name_labels_the_workers_metrics():
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from serving import worker
+
+    args = _worker_args("--num-pages", "16", "--served-model-name", "kimi", "--no-warmup")
+    engine, _, info = worker.build_engine(args)
+    registry = CollectorRegistry()
+    loop = worker.EngineLoop(engine, registry=registry, model_name=args.served_model_name)
+    with TestClient(worker.create_app(loop, info, registry=registry)) as c:
+        assert 'vllm:num_requests_waiting{model_name="kimi"}' in c.get("/metrics").text
+
+
 def test_vllms_parallel_flags_become_the_engines_meshes():
     """--tensor-parallel-size (prefill), --data-parallel-size (decode), --enable-expert-parallel
     (the experts over the same devices), on 4 CPU host devices in a fresh process."""
