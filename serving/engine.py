@@ -308,14 +308,10 @@ class Engine:
             if "bytes_limit" not in stats:
                 raise ValueError("no device memory statistics here: pass budget_bytes")
             budget_bytes = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-        dtype = params["embed_vd"].dtype
-        state = kv_pools.bytes_per_state(cfg, dtype)
         num_snapshots = num_slots * snapshots_per_slot
-        # an EAGLE-3 draft's rows ride on every page, its pending features on every slot
         k = kw["draft_tokens"] if "draft_tokens" in kw else getattr(kw.get("config"), "draft_tokens", 0)
-        fixed = (num_slots + 1) * (state + kv_pools.bytes_per_draft_slot(cfg, k)) + num_snapshots * state
-        page = kv_pools.bytes_per_page(cfg, page_tokens, dtype, draft=k > 0)
-        num_pages = (budget_bytes - fixed) // page if page else 0
+        num_pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget_bytes, num_slots=num_slots,
+                                             num_snapshots=num_snapshots, page_tokens=page_tokens, draft_tokens=k)
         if num_pages < 2:
             raise ValueError(f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
                              f"{num_snapshots} snapshots and two pages")

@@ -124,6 +124,16 @@ def bytes_per_state(cfg: ModelConfig, dtype) -> int:
     return cfg.mixer_kinds.count("kda") * per_layer
 
 
+def pages_in_budget(cfg: ModelConfig, dtype, budget_bytes: float, *, num_slots: int, num_snapshots: int,
+                    page_tokens: int, draft_tokens: int = 0) -> int:
+    """KV pages a byte budget holds once the slots' states (and an EAGLE-3 draft's pending
+    features) and the snapshots are carved out; a draft's rows ride on every page."""
+    state = bytes_per_state(cfg, dtype)
+    fixed = (num_slots + 1) * (state + bytes_per_draft_slot(cfg, draft_tokens)) + num_snapshots * state
+    page = bytes_per_page(cfg, page_tokens, dtype, draft=draft_tokens > 0)
+    return int((budget_bytes - fixed) // page) if page else 0
+
+
 class MLAPageStore:
     """BlockStore over the MLA page pools: one block = [n_mla_layers, page, D], and with an EAGLE-3
     draft one more layer, the draft's rows of the page (`serving.spec_decode`), so the host tier,

@@ -32,6 +32,7 @@ import threading
 import time
 
 from serving import internal_auth
+from serving.cli import SERVING_MANIFESTS
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="serve these weights (`kimik3 train` / `kimik3 quantize`; overrides --config)")
     parser.add_argument("--manifest", default=None,
-                        choices=("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe"),
+                        choices=SERVING_MANIFESTS,
                         help="load --checkpoint's quantized weights as this manifest")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send, and the model_name of every vllm:* metric "

@@ -225,9 +225,8 @@ def check_common(req: _Common, vocab_size: int | None = None) -> None:
     _refuse_unsupported(req, UNSUPPORTED)
     for i, m in enumerate(getattr(req, "messages", None) or ()):
         _refuse_unsupported(m, MESSAGE_UNSUPPORTED, f"messages.{i}.")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise APIError(400, "'stream_options.continuous_usage_stats' is not supported by this server; leave it out",
-                       param="stream_options.continuous_usage_stats", code="unsupported_parameter")
+    if req.stream_options is not None:
+        _refuse_unsupported(req.stream_options, {"continuous_usage_stats": lambda v: v is False}, "stream_options.")
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_SEQUENCES:
         raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences (got {len(stops)})", param="stop")

@@ -1016,19 +1016,17 @@ class _Stream:
             m.completion_tokens.inc(len(self.tokens))
             m.cached_tokens.labels("gpu").inc(self.summary["cached_tokens"] - self.summary["cached_tokens_host"])
             m.cached_tokens.labels("host").inc(self.summary["cached_tokens_host"])
-            if self.times:
-                m.ttft.observe(self.times[0] - self.t0)
-            if len(self.times) > 1:
-                m.tpot.observe((self.times[-1] - self.times[0]) / (len(self.times) - 1))
+        ttft = self.times[0] - self.t0 if self.times else None
+        tpot = (self.times[-1] - self.times[0]) / (len(self.times) - 1) if len(self.times) > 1 else None
+        if self.summary is not None:
+            if ttft is not None:
+                m.ttft.observe(ttft)
+            if tpot is not None:
+                m.tpot.observe(tpot)
         if self.status == "200":  # vLLM counts the requests its engine ran: finished, stopped or aborted
-            done = self.summary is not None
             m.vllm.finished(prompt_tokens=len(self.prompt), generation_tokens=len(self.tokens),
-                            cached_tokens=self.summary["cached_tokens"] if done else 0,
-                            finished_reason=self.summary["finish_reason"] if done else "abort",
-                            ttft_s=self.times[0] - self.t0 if self.times else None,
-                            tpot_s=(self.times[-1] - self.times[0]) / (len(self.times) - 1)
-                            if len(self.times) > 1 else None,
-                            e2e_s=time.monotonic() - self.t0)
+                            finished_reason=self.summary["finish_reason"] if self.summary else "abort",
+                            ttft_s=ttft, tpot_s=tpot, e2e_s=time.monotonic() - self.t0)
 
     def _usage(self) -> dict:
         cached = self.summary["cached_tokens"] if self.summary else 0

@@ -70,11 +70,10 @@ class VLLMMetrics:
             self.preemptions.labels(self.model_name).inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
 
-    def finished(self, *, prompt_tokens: int, generation_tokens: int, cached_tokens: int, finished_reason: str,
+    def finished(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str,
                  ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:
-        """One request done at the API (`finished_reason`: stop, length or abort); `cached_tokens`
-        is the request's (usage) and feeds no engine-level series."""
-        del cached_tokens
+        """One request done at the API (`finished_reason`: stop, length or abort); the prefix
+        cache's series are the engines' (`prefix_cache`)."""
         name = self.model_name
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(generation_tokens)

@@ -51,6 +51,7 @@ import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from serving import internal_auth
+from serving.cli import SERVING_MANIFESTS
 from serving.http_util import ClosingStreamingResponse
 from serving.engine import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.sampling import GREEDY, SamplingParams
@@ -680,12 +681,10 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
                          f"does not): pass --num-pages")
     # what the steps' activations and workspaces need is left out of the pool: 10% of the share
     budget = 0.9 * util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    dtype = params["embed_vd"].dtype
     slots = args.num_slots
-    k = args.draft_tokens if getattr(args, "speculative", None) else 0  # an EAGLE-3 draft's rows and features
-    fixed = (slots + 1) * (kv_pools.bytes_per_state(cfg, dtype) + kv_pools.bytes_per_draft_slot(cfg, k)) \
-        + (args.num_snapshots or 4 * slots) * kv_pools.bytes_per_state(cfg, dtype)
-    pages = int((budget - fixed) // kv_pools.bytes_per_page(cfg, page_tokens, dtype, draft=k > 0))
+    pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget, num_slots=slots,
+                                     num_snapshots=args.num_snapshots or 4 * slots, page_tokens=page_tokens,
+                                     draft_tokens=args.draft_tokens if getattr(args, "speculative", None) else 0)
     if pages < 2:
         raise ValueError(f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
                          f"hold {slots} slots' states and two pages")
@@ -723,7 +722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
     parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
     parser.add_argument("--manifest", default=None,
-                        choices=("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe"),
+                        choices=SERVING_MANIFESTS,
                         help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     parser.add_argument("--speculative", choices=("eagle3",), default=None,
                         help="speculative decoding with an EAGLE-3 draft (colocated role 'both')")
