@@ -119,7 +119,7 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
                                                           null_page=0, scratch_slot=eng.scratch_slot)}
 
     def engine_step():  # dispatch, read the tokens (the host waits), advance: a synchronous loop
-        held["pools"], tokens, did = runner.dispatch(params, held["pools"], held["rows"])
+        held["pools"], tokens, did, _ = runner.dispatch(params, held["pools"], held["rows"])
         out = np.asarray(tokens)
         runner.settle(held["rows"], out, did)
         held["rows"] = held["rows"].advanced(out)
@@ -134,11 +134,11 @@ def decode_roofline(params, cfg, args, copy_gbs, b):
 
     def async_steps(n=20):  # the engine's decode-only phase: step i+1 goes out before step i is read
         t0 = time.perf_counter()
-        held["pools"], prev, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
+        held["pools"], prev, _, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
         for _ in range(n - 1):
             held["rows"] = advance(held["rows"])
-            held["pools"], tokens, _ = runner.dispatch(params, held["pools"], held["rows"],
-                                                        tokens_on_device=True)
+            held["pools"], tokens, _, _ = runner.dispatch(params, held["pools"], held["rows"],
+                                                          tokens_on_device=True)
             np.asarray(prev)
             prev = tokens
         np.asarray(prev)

@@ -49,7 +49,8 @@ def _decode_step(params, token, cache, *, cfg, kernels):
 
 
 def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, images=None,
-             use_cache: bool = False, *, stop_at_eos: bool = False, kernels: str = "auto") -> GenerateResult:
+             use_cache: bool = False, *, stop_at_eos: bool = False, kernels: str = "auto",
+             choose=None) -> GenerateResult:
     """Greedy decoding of one prompt.
 
     Args:
@@ -58,6 +59,8 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
       images: [N, S, S, C] for the placeholders, or None.
       use_cache: False = the oracle (fp32, full recompute every step, reference kernels).
       kernels: for the cached path, "auto" | "reference" | "pallas" (see `kimik3.ops`).
+      choose: (logits f32 [vocab], output so far: list[int]) -> the next id; default argmax
+        (a reference for a logits processor, e.g. the serving penalties).
     Returns:
       GenerateResult(tokens [n], logits [n, vocab]).
     """
@@ -80,7 +83,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
         for i in range(max_new_tokens):
             cur = prompt.size + i
             logits = np.asarray(_oracle_step(params32, jnp.asarray(buf), imgs, cur, cfg=cfg))
-            tok = int(np.argmax(logits))
+            tok = int(np.argmax(logits)) if choose is None else int(choose(logits, list(out_tokens)))
             out_tokens.append(tok)
             out_logits.append(logits)
             buf[0, cur] = tok
@@ -93,7 +96,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
         logits, cache = forward(params, cfg, prompt[None], images=images, cache=cache, kernels=kernels)
         last = np.asarray(logits[0, -1], np.float32)
         for i in range(max_new_tokens):
-            tok = int(np.argmax(last))
+            tok = int(np.argmax(last)) if choose is None else int(choose(last, list(out_tokens)))
             out_tokens.append(tok)
             out_logits.append(last)
             if (stop_at_eos and tok == tokenizer.EOS_ID) or i == max_new_tokens - 1:

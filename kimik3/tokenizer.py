@@ -70,6 +70,17 @@ def decode(ids: Sequence[int], *, skip_special: bool = True) -> str:
     return "".join(parts)
 
 
+def token_bytes(i: int) -> bytes:
+    """The bytes one id stands for: its byte, or a special token's name (``<|unused_N|>`` beyond the
+    tokenizer's ids), as OpenAI's logprobs report a token's ``bytes``."""
+    i = int(i)
+    if i < 0:
+        raise ValueError(f"negative token id {i}")
+    if i < N_BYTES:
+        return bytes([i])
+    return (SPECIAL_TOKENS[i - N_BYTES] if i < VOCAB_SIZE else f"<|unused_{i}|>").encode()
+
+
 def image_tokens(tokens_per_image: int) -> list[int]:
     return [IMAGE_START_ID] + [IMAGE_ID] * tokens_per_image + [IMAGE_END_ID]
 

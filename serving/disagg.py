@@ -64,7 +64,8 @@ class DisaggregatedServer:
                 new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state[0],
                                         request_id=req.request_id, arrival_s=req.arrival_s,
                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
-                                        cache_salt=req.cache_salt, draft_feature=state[1])
+                                        cache_salt=req.cache_salt, draft_feature=state[1],
+                                        first_logprobs=req.logprobs[0] if req.logprobs else None)
                 if new is None:
                     still.append((req, pages, state))
                     continue

@@ -73,8 +73,8 @@ from kimik3.quant import formats as qformats
 from serving import kv_pools
 from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
-from serving.model_runner import SCAN_CHOICES, DecodeRows, ModelRunner
-from serving.sampling import GREEDY, SamplingParams, choose_token
+from serving.model_runner import SCAN_CHOICES, DecodeRows, ModelRunner, decode_logprobs
+from serving.sampling import GREEDY, SamplingParams, TokenLogprobs, choose_token, logprobs_of
 from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig, StepPlan
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
                stop_at_eos: bool = False, sampling: SamplingParams = GREEDY, images=None,
-               cache_salt: str | None = None) -> Request:
+               cache_salt: str | None = None, prior_output: int = 0) -> Request:
         """Queue a request.  Raises ValueError for a prompt the engine can never serve.
         `sampling`: greedy by default; temperature / top-p draws are seeded per position
         (serving.sampling), so preemption and handoffs do not change them.
@@ -343,7 +343,9 @@ class Engine:
         <|image|> placeholders; their content hashes enter the prefix-cache block hashes, so a
         prefix hit never crosses a different image.
         `cache_salt`: the tenant's salt (`check_cache_salt`): prefix hits only among requests that
-        carry the same salt."""
+        carry the same salt.
+        `prior_output`: the prompt's last tokens are this many of the request's own earlier output
+        (a continuation after a failover): the penalties count them."""
         check_cache_salt(cache_salt)
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
@@ -354,10 +356,11 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        if not (isinstance(prior_output, int) and 0 <= prior_output < len(prompt)):
+            raise ValueError(f"prior_output must lie in [0, {len(prompt)}) (the prompt's own output tail); "
+                             f"got {prior_output!r}")
         images, mm_items = self._check_images(prompt, images)
-        if self.spec is not None and not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
-            raise ValueError("top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
-                             "rule keeps the full distribution at the temperature)")
+        self._check_sampling(sampling)
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond the pool's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
@@ -366,9 +369,20 @@ class Engine:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                              f"context limit of {limit} tokens")
         req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos,
-                      sampling=sampling, images=images, mm_items=mm_items, cache_salt=cache_salt)
+                      sampling=sampling, images=images, mm_items=mm_items, cache_salt=cache_salt,
+                      prior_output=prior_output)
         self.waiting.append(req)
         return req
+
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        if self.spec is None:
+            return
+        if not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
+            raise ValueError("top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
+                             "rule keeps the full distribution at the temperature)")
+        if sampling.penalized or sampling.logprobs is not None:
+            raise ValueError("presence / frequency penalties and logprobs are not supported with speculative "
+                             "decoding (its verify pass scores drafts without them)")
 
     def _check_images(self, prompt: list[int], images) -> tuple[np.ndarray | None, tuple]:
         """(images as an array, one MMItem per image) for a prompt, or ValueError."""
@@ -513,18 +527,20 @@ class Engine:
             self.manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req._cached_len = end
-            token = self._choose(req, logits[0])
+            token, lp = self._choose(req, logits[0])
             if self.role == "prefill" and self.on_prefilled is not None:
                 req.output.append(token)
                 req.token_times_s.append(time.monotonic())
                 req.token_mixed.append(True)
+                if req.sampling.logprobs is not None:
+                    req.logprobs.append(lp)
                 if self.spec is not None:
                     self.spec.write_last_slot(self, req, token)
                 self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
                 self.running.remove(req)
                 self.scheduler.release(req)
             else:
-                self.scheduler.emit(req, token, mixed=True)
+                self.scheduler.emit(req, token, mixed=True, logprobs=lp)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
@@ -544,13 +560,16 @@ class Engine:
             logits, _ = self.runner.forward(self.kv, tokens, tables, slots, lengths, step=self.runner.decode_step)
             for r, row in zip(reqs, logits):
                 r._cached_len += 1
-                self.scheduler.emit(r, self._choose(r, row), mixed)
+                token, lp = self._choose(r, row)
+                self.scheduler.emit(r, token, mixed, logprobs=lp)
             return
         rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
-        self.pools, tokens, did = self.runner.decode.dispatch(self.params, self.pools, rows)
+        # the penalties count the output before the step's input token (output[-1]: the step counts it)
+        self.pools, tokens, did, lp = self.runner.decode.dispatch(self.params, self.pools, rows,
+                                                                  histories=self._histories(reqs, chained=False))
         for r in reqs:
             r._cached_len += 1
-        self._inflight = (reqs, rows, tokens, did, mixed)  # read by the next step (or at this one's end)
+        self._inflight = (reqs, rows, (tokens, lp), did, mixed)  # read by the next step (or at this one's end)
 
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
@@ -587,11 +606,13 @@ class Engine:
             self.manager.extend(r.request_id, r._cached_len + 1)
         rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
         before = self.runner.programs()
-        self.pools, tokens, did = self.runner.decode.dispatch(self.params, self.pools, rows, tokens_on_device=True)
+        # the input token is the in-flight step's: the whole output so far comes before it
+        self.pools, tokens, did, lp = self.runner.decode.dispatch(self.params, self.pools, rows, tokens_on_device=True,
+                                                                  histories=self._histories(reqs, chained=True))
         self.compiles += self.runner.programs() - before
         for r in reqs:
             r._cached_len += 1
-        previous, self._inflight = self._inflight, (reqs, rows, tokens, did, False)
+        previous, self._inflight = self._inflight, (reqs, rows, (tokens, lp), did, False)
         self._resolve_decode(previous)
         self.step_tokens.append(len(reqs))
 
@@ -608,11 +629,20 @@ class Engine:
         if self.spec is not None:  # rows: the round's record
             self.spec.resolve(self, rows, successor, mixed)
             return
+        tokens, lp = tokens
         tokens = np.asarray(tokens)
         self.runner.decode.settle(rows, tokens, did)
-        for r, token in zip(reqs, tokens):
+        lps = decode_logprobs(rows, lp) if lp is not None else [None] * len(reqs)
+        for r, token, entry in zip(reqs, tokens, lps):
             if not r.done and r in self.running:
-                self.scheduler.emit(r, int(token), mixed)
+                self.scheduler.emit(r, int(token), mixed, logprobs=entry)
+
+    @staticmethod
+    def _histories(reqs: list[Request], *, chained: bool):
+        """Per request, (its record, its output before the step's input token) if it has penalties
+        (`DecodeRunner.dispatch`): the whole output when the input is the in-flight step's token."""
+        return [(r, r.generated() if chained else r.generated()[:-1]) if r.sampling.penalized else None
+                for r in reqs]
 
     def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
         return DecodeRows.build(self._decode_bucket(len(reqs)), tokens, [self._table(r) for r in reqs],
@@ -634,12 +664,17 @@ class Engine:
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
               sampling: SamplingParams = GREEDY, images=None, cache_salt: str | None = None,
-              draft_feature: np.ndarray | None = None) -> Request | None:
+              draft_feature: np.ndarray | None = None,
+              first_logprobs: TokenLogprobs | None = None) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt (and, for a speculative engine,
         its draft's rows in the pages and `draft_feature`, the fused target feature of the last
-        prompt slot: `export_draft_feature`).  None if it does not fit now."""
+        prompt slot: `export_draft_feature`; with `sampling.logprobs`, the first token's
+        `first_logprobs` when the caller has them).  None if it does not fit now."""
         check_cache_salt(cache_salt)
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
+        self._check_sampling(sampling)
         if self.spec is None and draft_feature is not None:
             raise ValueError("a speculative handoff (with a draft feature) needs a decode engine with the same draft")
         if self.spec is not None:
@@ -671,7 +706,7 @@ class Engine:
         if self.spec is not None:
             self.spec.adopted(self, req, draft_feature)
         self.running.append(req)
-        self.scheduler.emit(req, first_token)
+        self.scheduler.emit(req, first_token, logprobs=first_logprobs)
         return req
 
     def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
@@ -691,6 +726,10 @@ class Engine:
         return table + [NULL_BLOCK] * (self.max_pages - len(table))
 
     @staticmethod
-    def _choose(req: Request, logits_v: np.ndarray) -> int:
-        """The next token of `req` (its absolute position seeds a sampled draw)."""
-        return choose_token(logits_v, req.sampling, len(req.prompt) + len(req.output))
+    def _choose(req: Request, logits_v: np.ndarray) -> tuple[int, TokenLogprobs | None]:
+        """The next token of `req` (its absolute position seeds a sampled draw; its output so far
+        counts for the penalties), and its logprobs if the request asked for them."""
+        token = choose_token(logits_v, req.sampling, len(req.prompt) + len(req.output),
+                             req.generated() if req.sampling.penalized else ())
+        k = req.sampling.logprobs
+        return token, None if k is None else logprobs_of(logits_v, token, k)

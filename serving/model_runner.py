@@ -17,7 +17,8 @@ that stay put:
        "slots": int32 [B]         KDA state slots (padding rows share the scratch slot)
        "active": int32 [B]        1 for a request's row, 0 for padding
        "temperature": f32 [B], "top_p": f32 [B], "seed": uint32 [B, 2],
-       "top_k": int32 [B], "min_p": f32 [B]                               sampling per row}
+       "top_k": int32 [B], "min_p": f32 [B],
+       "presence": f32 [B], "frequency": f32 [B]                          sampling per row}
 
 The step samples on the device (`serving.sampling.sample_tokens`) and writes the tokens
 into `io["tokens"]` and `lengths + active` into `io["lengths"]`: the next step's inputs,
@@ -26,6 +27,14 @@ with no host round trip.  When the host's rows differ from what the buffers alre
 (or every entry but the tokens, chained on the device's), into the same buffers (donated,
 aliased): two write programs per bucket, compiled at warm-up.  The tokens reach the host through `_read_tokens`,
 a copy in its own small program.
+
+Requests with presence / frequency penalties or logprobs run a variant, `decode_program_ext`:
+it takes the runner's per-slot output counts int32 [num_slots + 1, V] (donated; each step adds
+its input token, always the request's latest output token, to its slot's row, so a row holds
+the request's whole output when the penalties read it) and returns the chosen tokens' logprobs
+and the top `MAX_LOGPROBS` (fresh outputs each step: the variant pays the graph's re-record the
+plain program avoids).  The host writes a slot's row (`DecodeRunner.sync_counts`) when it does
+not hold the request's output so far: a new request in the slot, a resume, a handoff.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ import numpy as np
 from kimik3 import fused, model, stacked
 from kimik3.quant import formats as qformats
 from kimik3.config import ModelConfig
-from serving.sampling import SamplingParams, sample_tokens, seed_words
+from serving.sampling import SamplingParams, TokenLogprobs, output_counts, sample_tokens, seed_words, token_logprobs
 
 log = logging.getLogger(__name__)
 
-IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed", "top_k", "min_p")
+IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed", "top_k", "min_p",
+           "presence", "frequency")
 
 
 @dataclasses.dataclass
@@ -62,6 +72,9 @@ class DecodeRows:
     seed: np.ndarray
     top_k: np.ndarray
     min_p: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    logprobs: tuple = ()  # per request row: how many top logprobs it reports (None: none); host-only
 
     @classmethod
     def build(cls, bucket: int, tokens, tables, slots, lengths, sampling: list[SamplingParams], *,
@@ -77,11 +90,22 @@ class DecodeRows:
                    top_p=np.asarray([s.top_p for s in sampling] + [1.0] * pad, np.float32),
                    seed=np.asarray([seed_words(s.seed) for s in sampling] + [(0, 0)] * pad, np.uint32),
                    top_k=np.asarray([s.top_k for s in sampling] + [0] * pad, np.int32),
-                   min_p=np.asarray([s.min_p for s in sampling] + [0.0] * pad, np.float32))
+                   min_p=np.asarray([s.min_p for s in sampling] + [0.0] * pad, np.float32),
+                   presence=np.asarray([s.presence_penalty for s in sampling] + [0.0] * pad, np.float32),
+                   frequency=np.asarray([s.frequency_penalty for s in sampling] + [0.0] * pad, np.float32),
+                   logprobs=tuple(s.logprobs for s in sampling))
 
     @property
     def greedy(self) -> bool:
         return not bool(np.any(self.temperature > 0))
+
+    @property
+    def penalized(self) -> bool:
+        return bool(np.any(self.presence != 0) or np.any(self.frequency != 0))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(k is not None for k in self.logprobs)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in IO_KEYS}
@@ -95,17 +119,23 @@ class DecodeRows:
                                    lengths=(self.lengths + self.active).astype(np.int32))
 
 
-def _decode_body(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy: bool):
+def _decode_body(params, pools, io, counts=None, *, cfg: ModelConfig, kernels: str, greedy: bool,
+                 logprobs: bool = False):
     # valid = active: an idle row of the bucket writes no state and is routed to no expert
     view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
     logits, view = model._forward_impl(params, io["tokens"][:, None], io["lengths"][:, None], view, None, cfg=cfg,
                                        expert_path="grouped", kernels=kernels, logits_tail=1)
+    pen = {}
+    if counts is not None:  # the input token is the row's latest output token: count it first
+        counts = counts.at[io["slots"], io["tokens"]].add(io["active"])
+        pen = dict(counts_bv=counts[io["slots"]], presence_b=io["presence"], frequency_b=io["frequency"])
     # the chosen token sits at position lengths + 1 (the input token is at lengths)
     new = sample_tokens(logits[:, -1], io["temperature"], io["top_p"], io["seed"], io["lengths"] + 1, greedy=greedy,
-                        top_k_b=io["top_k"], min_p_b=io["min_p"])
+                        top_k_b=io["top_k"], min_p_b=io["min_p"], **pen)
+    lp = token_logprobs(logits[:, -1], new) if logprobs else None
     active = io["active"] > 0
     io = dict(io, tokens=jnp.where(active, new, io["tokens"]), lengths=io["lengths"] + io["active"])
-    return model.pools_of(view), io
+    return model.pools_of(view), io, counts, lp
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy"), donate_argnames=("pools", "io"))
@@ -113,7 +143,16 @@ def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy:
     """One decode token for every row of `io` (`DecodeIO`): the model over the pools, sampling on the
     device.  Returns (pools, io) updated in place: io["tokens"] the sampled tokens, io["lengths"]
     advanced by io["active"]."""
-    return _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)
+    return _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)[:2]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "logprobs"),
+                   donate_argnames=("pools", "io", "counts"))
+def decode_program_ext(params, pools, io, counts, *, cfg: ModelConfig, kernels: str, greedy: bool, logprobs: bool):
+    """`decode_program` with the penalties' per-slot output counts (int32 [slots + 1, V], donated, or
+    None: no penalties) and, with `logprobs`, the chosen tokens' (`serving.sampling.token_logprobs`).
+    Returns (pools, io, counts, None or (chosen f32 [B], top ids int32 [B, K], top logprobs f32 [B, K]))."""
+    return _decode_body(params, pools, io, counts, cfg=cfg, kernels=kernels, greedy=greedy, logprobs=logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "n_steps"),
@@ -131,7 +170,7 @@ def multi_decode_program(params, pools, io, stop_at_eos_b, eos_id, *, cfg: Model
     def step(i, carry):
         pools, io, out = carry
         was_active = io["active"] > 0
-        pools, io = _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)
+        pools, io, _, _ = _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)
         out = out.at[:, i].set(jnp.where(was_active, io["tokens"], -1))
         ended = was_active & stop_at_eos_b & (io["tokens"] == eos_id)
         return pools, dict(io, active=jnp.where(ended, 0, io["active"])), out
@@ -163,17 +202,34 @@ def _read_tokens(io):
     return io["tokens"] + 0  # a copy, so the buffer can be donated to the next step while it is read
 
 
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def _write_counts(counts, slot, row):
+    return counts.at[slot].set(row)
+
+
+def decode_logprobs(rows: "DecodeRows", lp) -> list[TokenLogprobs | None]:
+    """Per request row of `rows`, its tokens' `TokenLogprobs` from a step's device output (None for
+    a row that asked for none)."""
+    chosen, ids, lps = (np.asarray(a) for a in lp)
+    return [None if k is None else TokenLogprobs.from_arrays(chosen[i], ids[i], lps[i], k)
+            for i, k in enumerate(rows.logprobs)]
+
+
 class DecodeRunner:
     """The decode steps of one engine: a `DecodeIO` per bucket, kept on the device between steps.
 
-    ``pools, tokens = runner.dispatch(params, pools, rows)`` enqueues `decode_program` on `rows`
+    ``pools, tokens, id, logprobs = runner.dispatch(params, pools, rows)`` enqueues `decode_program` on `rows`
     (`DecodeRows`), writing into the bucket's buffers, when any entry differs from what they
     hold (the previous step advanced them on the device), the whole group of entries.  ``tokens_on_device=True``
     chains a step on the previous one's sampled tokens before the host has read them (async
     scheduling: `rows.tokens` is ignored); ``settle`` then records them once read."""
 
-    def __init__(self, cfg: ModelConfig, kernels: str):
-        self.cfg, self.kernels = cfg, kernels
+    def __init__(self, cfg: ModelConfig, kernels: str, num_slots: int | None = None):
+        """num_slots: the KDA slots (the penalties' counts have a row per slot and the scratch slot)."""
+        self.cfg, self.kernels, self.num_slots = cfg, kernels, num_slots
+        self._counts = None  # int32 [num_slots + 1, V] on the device, made at the first penalized step
+        self._counted: dict[int, tuple] = {}  # slot -> (owner, output tokens its row counts)
+        self.count_writes = 0  # count rows written from the host (a slot's first penalized step)
         self._io: dict[int, dict] = {}
         # what each bucket's buffers hold, as the host knows it (tokens None: not read yet)
         self._holds: dict[int, DecodeRows | None] = {}
@@ -203,23 +259,63 @@ class DecodeRunner:
         self._holds[bucket] = rows
         jax.block_until_ready(self._io[bucket])
 
-    def dispatch(self, params, pools, rows: DecodeRows, *, tokens_on_device: bool = False):
-        """Enqueue a step; returns (pools, tokens on the device [bucket], dispatch id) without waiting."""
+    def _sync_counts(self, rows: DecodeRows, histories) -> None:
+        """Make the penalties' count row of each request row's slot hold its output before the
+        step's input token: histories[i] = (owner, those tokens), `owner` any object identifying
+        the request (its record), or None for a row without penalties.  A row already holding them
+        (the owner's earlier steps counted them) is left as it is; the rows of other slots of the
+        batch lose their record (the step adds its input token to them too)."""
+        if self.num_slots is None:
+            raise ValueError("penalties need the runner's num_slots")
+        if self._counts is None:
+            self._counts = jnp.zeros((self.num_slots + 1, self.cfg.vocab_size), jnp.int32)
+            self._counted = {}
+        for i, slot in enumerate(rows.slots[:len(rows.logprobs)].tolist()):
+            entry = histories[i] if i < len(histories) else None
+            if entry is None:
+                self._counted.pop(slot, None)
+                continue
+            owner, output = entry
+            held = self._counted.get(slot)
+            if held is None or held[0] is not owner or held[1] != len(output):
+                self._counts = _write_counts(self._counts, jnp.int32(slot), output_counts(output, self.cfg.vocab_size))
+                self.count_writes += 1
+            self._counted[slot] = (owner, len(output) + 1)  # what the row holds after the step
+
+    def dispatch(self, params, pools, rows: DecodeRows, *, tokens_on_device: bool = False, histories=None):
+        """Enqueue a step; returns (pools, tokens on the device [bucket], dispatch id, logprobs or None)
+        without waiting.  Rows with penalties need `histories` (`_sync_counts`); rows with logprobs
+        get them as the device's (chosen, top ids, top logprobs) (`decode_logprobs`)."""
         bucket = len(rows.tokens)
         io = self._buffers(rows, tokens_on_device)
-        pools, io = decode_program(params, pools, io, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy)
+        lp = None
+        if rows.penalized or rows.wants_logprobs:
+            counts = None
+            if rows.penalized:
+                if histories is None:
+                    raise ValueError("rows with penalties need their outputs so far (histories)")
+                self._sync_counts(rows, histories)
+                counts, self._counts = self._counts, None
+            pools, io, counts, lp = decode_program_ext(params, pools, io, counts, cfg=self.cfg, kernels=self.kernels,
+                                                       greedy=rows.greedy, logprobs=rows.wants_logprobs)
+            if rows.penalized:
+                self._counts = counts
+        else:
+            pools, io = decode_program(params, pools, io, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy)
         self._io[bucket] = io
         self._holds[bucket] = dataclasses.replace(rows, tokens=None, lengths=(rows.lengths + rows.active)
                                                   .astype(np.int32))
         self._dispatched += 1
         self._last[bucket] = self._dispatched
-        return pools, _read_tokens(io), self._dispatched
+        return pools, _read_tokens(io), self._dispatched, lp
 
     def dispatch_multi(self, params, pools, rows: DecodeRows, n_steps: int, stop_at_eos, eos_id: int):
         """`multi_decode_program` over `rows` (written into the bucket's buffers as `dispatch` does,
         tokens from the host); returns (pools, tokens on the device [bucket, n_steps]).  The
         buffers' contents are unknown to the host afterwards (rows may have stopped at EOS): the
         next dispatch writes them whole."""
+        if rows.penalized or rows.wants_logprobs:
+            raise ValueError("multi-step decode takes rows without penalties or logprobs")
         bucket = len(rows.tokens)
         io = self._buffers(rows, False)
         pools, io, tokens = multi_decode_program(params, pools, io, jnp.asarray(stop_at_eos, bool),
@@ -239,7 +335,8 @@ class DecodeRunner:
 
     def programs(self) -> int:
         # _overwrite is shared with the speculative rounds' rows (`serving.spec_decode`)
-        return decode_program._cache_size() + multi_decode_program._cache_size() + _overwrite._cache_size()
+        return (decode_program._cache_size() + decode_program_ext._cache_size() + multi_decode_program._cache_size()
+                + _overwrite._cache_size() + _write_counts._cache_size())
 
     def compile(self, params, pools, rows: DecodeRows):
         """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""
@@ -332,7 +429,7 @@ class ModelRunner:
         self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=scan_layers == "all")
         self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
                                else self.params)
-        self.decode = DecodeRunner(cfg, kernels)
+        self.decode = DecodeRunner(cfg, kernels, num_slots)
 
     def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):
         """(prefill step, decode step) from the `mesh` argument; ValueError for one that does not fit."""
@@ -505,7 +602,7 @@ class ModelRunner:
             jax.block_until_ready(logits)
         for b in decode:
             for v in variants:
-                kv.pools, tokens, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b, v))
+                kv.pools, tokens, _, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b, v))
                 jax.block_until_ready(tokens)
             self.decode.warm_overwrites(decode_rows(b))
         return self.programs() - before

@@ -3,14 +3,18 @@
 Sampling: `temperature` (default 1, as OpenAI's and vLLM's; 0 is greedy and reproduces the
 oracle), `top_p`, and `seed` (drawn by the router when absent; one seed serves every retry and
 failover of a request, and draws are seeded per position, so a request that moves between
-workers continues the same sample); vLLM's `top_k` and `min_p`.  `stop` (up to 4 strings; the text ends before the first,
+workers continues the same sample); vLLM's `top_k` and `min_p`; `presence_penalty` and
+`frequency_penalty` (vLLM's definition, over the output: `serving.sampling`); `logprobs` (chat:
+`logprobs: true` with `top_logprobs` <= 20; completions: `logprobs` <= 20 alternatives), the
+model's own distribution before penalties and temperature (vLLM's default), in OpenAI's shapes
+(`chat_logprobs`, `completion_logprobs`).  `stop` (up to 4 strings; the text ends before the first,
 also while streaming: `serving.stop`) and vLLM's `stop_token_ids`.  Images: `image_url` parts
 with base64 `data:` URLs (PNG, JPEG, ...), decoded and resized to the ViT's input here; remote
 URLs and undecodable images are 400s.  `n` must be 1.
 
 No field is ignored: an unknown field is a 400 naming it (as OpenAI answers), and a field of
-OpenAI's or vLLM's that this server does not implement (`UNSUPPORTED`: logprobs, tools,
-the penalties, ...) is a 400 naming it unless it holds its neutral value (what clients send by
+OpenAI's or vLLM's that this server does not implement (`UNSUPPORTED`: tools, logit_bias,
+repetition_penalty, ...) is a 400 naming it unless it holds its neutral value (what clients send by
 default: `logprobs: false`, `frequency_penalty: 0`, `tools: []`, ...).  Extensions: `ignore_eos`
 (do not stop at <|eos|>) and `cache_salt` in requests, `token_ids` on each choice (and on each
 streamed chunk's choice) in responses.
@@ -30,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kimik3 import tokenizer
+from serving.sampling import MAX_LOGPROBS
 from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 
@@ -119,12 +124,10 @@ class _Common(_Strict):
     user: StrictStr | None = Field(None, max_length=256)
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
     # OpenAI's / vLLM's fields this server does not implement: accepted at their neutral values only
     # (`check_common`), so that no request is answered as if a field it set had been honoured
-    logprobs: Any = None
-    top_logprobs: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
     tools: Any = None
@@ -144,10 +147,13 @@ class _Common(_Strict):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives per token
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -159,10 +165,6 @@ def _is_number(v, value: float) -> bool:
 
 # field -> whether a value is its neutral one (what a client sends when it does not use the field)
 UNSUPPORTED = {
-    "logprobs": lambda v: v is False,
-    "top_logprobs": lambda v: _is_number(v, 0),
-    "frequency_penalty": lambda v: _is_number(v, 0),
-    "presence_penalty": lambda v: _is_number(v, 0),
     "repetition_penalty": lambda v: _is_number(v, 1),
     "logit_bias": lambda v: v == {},
     "tools": lambda v: v == [],
@@ -184,9 +186,54 @@ UNSUPPORTED = {
 def sampling_options(req: _Common) -> dict:
     """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
     seed = req.seed if req.seed is not None else random.getrandbits(63)
-    return {"temperature": 1.0 if req.temperature is None else req.temperature,
+    opts = {"temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p, "seed": seed,
             "top_k": req.top_k or 0, "min_p": req.min_p or 0.0}
+    if req.presence_penalty or req.frequency_penalty:
+        opts.update(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0)
+    k = logprobs_count(req)
+    if k is not None:
+        opts["logprobs"] = k
+    return opts
+
+
+def logprobs_count(req: _Common) -> int | None:
+    """How many alternatives per token the response reports (None: no logprobs): a chat request's
+    top_logprobs when logprobs is true, a completion request's logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def token_entry(token: int, logprob: float) -> dict:
+    """{"token", "logprob", "bytes"} as OpenAI's chat logprobs give a token: its text, or
+    "bytes:\\x.." where its bytes are not UTF-8 on their own (a piece of a character)."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def chat_logprobs(tokens: list[int], entries: list) -> dict:
+    """OpenAI's chat `logprobs` object for `tokens` and their `TokenLogprobs` (None: not known)."""
+    content = []
+    for t, e in zip(tokens, entries):
+        if e is None:
+            continue
+        content.append({**token_entry(t, e.logprob), "top_logprobs": [token_entry(i, lp) for i, lp in e.top]})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokens: list[int], entries: list, offsets: list[int]) -> dict:
+    """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs ({text: logprob}
+    per token) and text_offset (each token's start in the completion's text)."""
+    kept = [(t, e, o) for t, e, o in zip(tokens, entries, offsets) if e is not None]
+    return {"tokens": [token_entry(t, 0.0)["token"] for t, _, _ in kept],
+            "token_logprobs": [e.logprob for _, e, _ in kept],
+            "top_logprobs": [{token_entry(i, 0.0)["token"]: lp for i, lp in e.top} for _, e, _ in kept],
+            "text_offset": [o for _, _, o in kept]}
 
 
 def stop_strings(req: _Common) -> list[str]:
@@ -222,6 +269,8 @@ def check_common(req: _Common, vocab_size: int | None = None) -> None:
     """APIError (400) naming the first field this server cannot honour as given."""
     if req.n != 1:
         raise APIError(400, f"n must be 1 (got {req.n}): one choice per request", param="n")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     _refuse_unsupported(req, UNSUPPORTED)
     for i, m in enumerate(getattr(req, "messages", None) or ()):
         _refuse_unsupported(m, MESSAGE_UNSUPPORTED, f"messages.{i}.")

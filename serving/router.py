@@ -64,10 +64,11 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from cache.media import build_fetcher
 from serving import internal_auth
+from serving.sampling import TokenLogprobs
 from serving.stop import StopMatcher
-from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, check_common,
-                                completion_prompt, resolve_max_tokens, sampling_options, stop_strings, tenant_salt,
-                                validation_error)
+from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_prompt,
+                                check_common, completion_logprobs, completion_prompt, logprobs_count,
+                                resolve_max_tokens, sampling_options, stop_strings, tenant_salt, validation_error)
 
 log = logging.getLogger(__name__)
 
@@ -519,7 +520,9 @@ class Router:
             kw = {"content": adopt, "params": {"max_tokens": want + len(out), "request_id": rid,
                                                **{k: v for k, v in opts.items() if k != "images"}}}
         else:
-            kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts}}
+            # out: what earlier workers generated, now the prompt's tail (the penalties count it)
+            kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts,
+                           **({"prior_output": len(out)} if out else {})}}
         try:
             async with self.client.stream("POST", w.url + ("/adopt" if adopt is not None else "/generate"),
                                           **kw) as resp:
@@ -581,6 +584,8 @@ class Router:
                     if "token" in ev:
                         if "cached_tokens" in ev:
                             yield "info", ev
+                        if "logprob" in ev:  # the token's, just before it
+                            yield "logprobs", TokenLogprobs.from_json(ev)
                         yield "token", ev["token"]
                     else:
                         w.breaker.success()
@@ -638,9 +643,11 @@ class Router:
                         self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
                         self._remember(prompt, w.url, opts.get("cache_salt"), opts.get("images"))
                         h = r.headers
-                        return int(h["x-kimik3-token"]), r.content, {
-                            "cached_tokens": int(h["x-kimik3-cached-tokens"]),
-                            "cached_tokens_host": int(h["x-kimik3-cached-tokens-host"])}
+                        info = {"cached_tokens": int(h["x-kimik3-cached-tokens"]),
+                                "cached_tokens_host": int(h["x-kimik3-cached-tokens-host"])}
+                        if "x-kimik3-logprobs" in h:
+                            info["logprobs"] = TokenLogprobs.from_json(json.loads(h["x-kimik3-logprobs"]))
+                        return int(h["x-kimik3-token"]), r.content, info
                     if 400 <= r.status_code < 500 and r.status_code != 429:
                         raise APIError(400, f"the prefill worker refused the request: {r.text[:500]}")
                     err = WorkerFailure(f"{w.url} answered {r.status_code}: {r.text[:200]}",
@@ -668,10 +675,12 @@ class Router:
     async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
                        sampling: dict | None = None, images_b64: list[str] | None = None,
                        cache_salt: str | None = None):
-        """Yields ("token", id) for every output token, ("info", {"cached_tokens", "cached_tokens_host"})
+        """Yields ("token", id) for every output token (after ("logprobs", `TokenLogprobs`) for it when
+        `sampling` asks for logprobs), ("info", {"cached_tokens", "cached_tokens_host"})
         once the first stage's prefix-cache share is known (before its first token), and a final
         ("done", summary).
-        `sampling`: {"temperature", "top_p", "seed", "top_k", "min_p"} (default greedy); `images_b64`: the
+        `sampling`: `openai_api.sampling_options`'s {"temperature", "top_p", "seed", "top_k", "min_p",
+        and where asked "presence_penalty", "frequency_penalty", "logprobs"} (default greedy); `images_b64`: the
         prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
         and inside a direct handoff's KV); `cache_salt`: the tenant's (`openai_api.tenant_salt`),
         sent to every worker and in the router's own affinity hashes."""
@@ -687,8 +696,11 @@ class Router:
         if self.prefill and self.handoff_mode() == "direct":
             token, adopt, first = await self._prefill_direct(prompt, rid, opts)
             out.append(token)
+            lp = first.pop("logprobs", None)
             summary.update(first)
             yield "info", {k: summary[k] for k in ("cached_tokens", "cached_tokens_host")}
+            if lp is not None:
+                yield "logprobs", lp
             yield "token", token
             stages = [(self.decode, max_tokens, False)]
         elif self.prefill:
@@ -700,8 +712,8 @@ class Router:
                 break
             async for kind, ev in self._run_pool(pool, prompt, out, upto, opts, rid, affinity=first_stage,
                                                  adopt=adopt):
-                if kind == "token":
-                    yield "token", ev
+                if kind in ("token", "logprobs"):
+                    yield kind, ev
                 elif first_stage:
                     summary["cached_tokens"] = ev.get("cached_tokens", 0)
                     summary["cached_tokens_host"] = ev.get("cached_tokens_host", 0)
@@ -956,6 +968,9 @@ class _Stream:
         self.rid, self.t0, self.endpoint = rid, t0, endpoint
         self.created = int(time.time())
         self.tokens: list[int] = []
+        self.logprobs: list = []  # per token: its TokenLogprobs (None where not known), if asked for
+        self.offsets: list[int] = []  # per token: where its text starts in `text`
+        self._pending_lp = None
         self.times: list[float] = []
         self.summary: dict | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -1040,8 +1055,13 @@ class _Stream:
         item = first
         while True:
             kind, ev = item
-            if kind == "token":
+            if kind == "logprobs":
+                self._pending_lp = ev
+            elif kind == "token":
                 self.tokens.append(ev)
+                self.logprobs.append(self._pending_lp)
+                self._pending_lp = None
+                self.offsets.append(len(self.text) + len(self._stops.held))
                 self.times.append(time.monotonic())
                 if ev in self._stop_ids:  # its text is left out, as vLLM does; held text was no stop string
                     yield self._emit(self._stops.flush() + self._decoder.decode(b"", final=True)), ev
@@ -1085,7 +1105,7 @@ class _Stream:
             await self.close()
         text = self.text
         choice = {"index": 0, "finish_reason": self.summary["finish_reason"], "token_ids": self.tokens,
-                  "logprobs": None}
+                  "logprobs": self._logprobs(slice(None))}
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
             obj = "chat.completion"
@@ -1100,6 +1120,7 @@ class _Stream:
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
         if token is not None:
             choice["token_ids"] = [token]
+            choice["logprobs"] = self._logprobs(slice(len(self.tokens) - 1, len(self.tokens)))
         if self.kind == "chat":
             choice["delta"] = delta if delta is not None else ({"content": text} if text else {})
             obj = "chat.completion.chunk"
@@ -1108,6 +1129,14 @@ class _Stream:
             obj = "text_completion"
         return "data: " + json.dumps({"id": self.rid, "object": obj, "created": self.created,
                                       "model": self.r.model_name, "choices": [choice]}) + "\n\n"
+
+    def _logprobs(self, tokens: slice) -> dict | None:
+        """OpenAI's logprobs object for self.tokens[tokens], or None when the request asked for none."""
+        if logprobs_count(self.req) is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.tokens[tokens], self.logprobs[tokens])
+        return completion_logprobs(self.tokens[tokens], self.logprobs[tokens], self.offsets[tokens])
 
     async def sse(self, first):
         try:

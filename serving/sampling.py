@@ -14,6 +14,16 @@ The filters apply in vLLM's order on the temperature-scaled distribution: min-p
 every token tied with the k-th kept), then top-p on what is left, renormalized (the
 smallest set reaching top_p of it, every token tied with its edge kept); the draw is
 Gumbel-max over the kept tokens.
+
+OpenAI's presence and frequency penalties (vLLM's definition) come first, on the raw logits, for
+greedy rows too: ``logits - frequency_penalty * count - presence_penalty * (count > 0)``, where
+count is how often the token appears in the request's output so far (the prompt does not count).
+On the device the counts live per KDA slot (`serving.model_runner.DecodeRunner`), updated by each
+step; the host's path (`choose_token`) counts the output it is given.
+
+Logprobs (`token_logprobs`) are the model's own distribution, ``log_softmax(logits)`` before
+penalties, temperature and filters (vLLM's default, "raw_logprobs"): the chosen token's and the
+`MAX_LOGPROBS` most probable ones, of which a request keeps its `logprobs` first.
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import numpy as np
 # JAX is imported where the device functions run: `SamplingParams` is part of the scheduler's
 # request records, and the scheduler imports no JAX.
 
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the device computes this many for every logprobs row
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +46,9 @@ class SamplingParams:
     seed: int = 0
     top_k: int = 0  # the k most probable tokens; 0 (or vLLM's -1): all
     min_p: float = 0.0  # tokens at least min_p times the most probable one's probability; 0: all
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most probable
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 2.0):
@@ -46,11 +61,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off); got {self.top_k!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must lie in [0, 1]; got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must lie in [-2, 2]; got {v!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]; got {self.logprobs!r}")
 
     @property
     def filtered(self) -> bool:
         """Whether top-k or min-p cut the distribution (beyond temperature and top-p)."""
         return self.top_k > 0 or self.min_p > 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether presence or frequency penalties change the logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:
@@ -65,18 +92,42 @@ def seed_words(seed: int) -> tuple[int, int]:
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
+def penalize(logits_bv, counts_bv, presence_b, frequency_b):
+    """Logits f32 [B, V] with OpenAI's penalties: counts_bv int32 [B, V], each token's occurrences in
+    the row's output so far; presence_b, frequency_b f32 [B]."""
+    import jax.numpy as jnp
+
+    counts = counts_bv.astype(jnp.float32)
+    return logits_bv - frequency_b[:, None] * counts - presence_b[:, None] * (counts > 0)
+
+
+def token_logprobs(logits_bv, tokens_b):
+    """The model's logprobs (`log_softmax` of the raw logits f32 [B, V]): (of tokens_b f32 [B],
+    top ids int32 [B, MAX_LOGPROBS], their logprobs f32 [B, MAX_LOGPROBS], most probable first)."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    chosen = jnp.take_along_axis(logp, tokens_b[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return chosen, top_ids.astype(jnp.int32), top_lp
+
+
 def sample_tokens(logits_bv, temperature_b, top_p_b, seed_b2, position_b, *, greedy: bool, top_k_b=None,
-                  min_p_b=None):
+                  min_p_b=None, counts_bv=None, presence_b=None, frequency_b=None):
     """Next tokens int32 [B] from logits [B, V] (fp32), on the device.
 
     temperature_b f32 [B] (0: greedy row), top_p_b f32 [B], seed_b2 uint32 [B, 2] (`seed_words`),
     position_b int32 [B]: the absolute position of the token being chosen; top_k_b int32 [B]
-    (<= 0: off) and min_p_b f32 [B] (0: off), or None: off for every row.  greedy (static):
+    (<= 0: off) and min_p_b f32 [B] (0: off), or None: off for every row; counts_bv int32 [B, V]
+    with presence_b / frequency_b f32 [B] (`penalize`), or None: no penalties.  greedy (static):
     every row is greedy, so the step is one argmax (no sort, no random bits)."""
     import jax
     import jax.numpy as jnp
 
     logits = logits_bv.astype(jnp.float32)
+    if counts_bv is not None:
+        logits = penalize(logits, counts_bv, presence_b, frequency_b)
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy:
         return argmax
@@ -120,13 +171,62 @@ def _sample_one():
     return jax.jit(sample_tokens, static_argnames=("greedy",))
 
 
-def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int) -> int:
-    """The next token from fp32 logits [V] for the token at absolute `position`: `sample_tokens`
-    for one row (what the serving step computes on the device)."""
-    if params.greedy:
+@functools.cache
+def _logprobs_one():
+    import jax
+
+    return jax.jit(token_logprobs)
+
+
+def output_counts(output, vocab_size: int) -> np.ndarray:
+    """int32 [vocab_size]: each token's occurrences in `output` (the penalties' counts)."""
+    return np.bincount(np.asarray(output, np.int64), minlength=vocab_size)[:vocab_size].astype(np.int32)
+
+
+def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int, output=()) -> int:
+    """The next token from fp32 logits [V] for the token at absolute `position`, after the
+    request's `output` so far (its penalties' counts): `sample_tokens` for one row (what the
+    serving step computes on the device)."""
+    logits_v = np.asarray(logits_v, np.float32)
+    if params.greedy and not params.penalized:
         return int(np.argmax(logits_v))
-    out = _sample_one()(np.asarray(logits_v, np.float32)[None], np.asarray([params.temperature], np.float32),
+    pen = {}
+    if params.penalized:
+        pen = dict(counts_bv=output_counts(output, logits_v.shape[-1])[None],
+                   presence_b=np.asarray([params.presence_penalty], np.float32),
+                   frequency_b=np.asarray([params.frequency_penalty], np.float32))
+    out = _sample_one()(logits_v[None], np.asarray([params.temperature], np.float32),
                         np.asarray([params.top_p], np.float32), np.asarray([seed_words(params.seed)], np.uint32),
-                        np.asarray([position], np.int32), greedy=False,
-                        top_k_b=np.asarray([params.top_k], np.int32), min_p_b=np.asarray([params.min_p], np.float32))
+                        np.asarray([position], np.int32), greedy=params.greedy,
+                        top_k_b=np.asarray([params.top_k], np.int32), min_p_b=np.asarray([params.min_p], np.float32),
+                        **pen)
     return int(out[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """The logprob of one chosen token and the `k` most probable ones (id, logprob), most probable first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def from_arrays(cls, chosen: float, top_ids, top_lp, k: int) -> "TokenLogprobs":
+        return cls(float(chosen), tuple((int(i), float(lp)) for i, lp in zip(top_ids[:k], top_lp[:k])))
+
+    def as_json(self) -> dict:
+        return {"logprob": self.logprob, "top_logprobs": [list(t) for t in self.top]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TokenLogprobs":
+        top = d.get("top_logprobs") or []
+        if not isinstance(d.get("logprob"), (int, float)) or not all(
+                isinstance(t, (list, tuple)) and len(t) == 2 for t in top):
+            raise ValueError(f"not a token's logprobs: {str(d)[:120]}")
+        return cls(float(d["logprob"]), tuple((int(i), float(lp)) for i, lp in top))
+
+
+def logprobs_of(logits_v: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    """`token_logprobs` for one row on the host (the prefill's first token, a sharded step's)."""
+    chosen, ids, lps = _logprobs_one()(np.asarray(logits_v, np.float32)[None], np.asarray([token], np.int32))
+    return TokenLogprobs.from_arrays(np.asarray(chosen)[0], np.asarray(ids)[0], np.asarray(lps)[0], k)

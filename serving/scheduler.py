@@ -53,10 +53,14 @@ class Request:
     # The tenant's prefix-cache salt (vLLM's `cache_salt`): it enters block 0's hash, so a request
     # hits only blocks its own tenant stored (and `cached_tokens` never reveals another's prompt).
     cache_salt: str | None = None
+    # the prompt's last tokens that are this request's own earlier output (a failover's or a store
+    # handoff's continuation): the presence / frequency penalties count them with `output`
+    prior_output: int = 0
     # filled by the engine
     output: list[int] = dataclasses.field(default_factory=list)
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     token_mixed: list[bool] = dataclasses.field(default_factory=list)  # its step also ran prefill (metrics)
+    logprobs: list = dataclasses.field(default_factory=list)  # per output token, with sampling.logprobs set
     cached_tokens: int = 0
     cached_tokens_host: int = 0
     admitted_s: float | None = None
@@ -78,6 +82,12 @@ class Request:
     _catch_n: int = 0  # draft slots pending before the next verify (their features in the pools)
     _draft_table: list[int] | None = None  # the draft's block table where it differs from the target's
     _extra_pages: list[int] = dataclasses.field(default_factory=list)  # pages held beside the table, freed at release
+
+
+    def generated(self) -> list[int]:
+        """Every token this request generated so far (what the penalties count): the prompt's
+        `prior_output` tail, then `output`."""
+        return self.prompt[len(self.prompt) - self.prior_output:] + self.output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,10 +392,13 @@ class Scheduler:
                 return end, inside
 
     # ---- updates from the engine -------------------------------------------------------------------
-    def emit(self, req: Request, token: int, mixed: bool = False) -> None:
-        """A new token of a running request (mixed: its step also ran prefill chunks); finishes it
-        at max_new_tokens or EOS."""
+    def emit(self, req: Request, token: int, mixed: bool = False, logprobs=None) -> None:
+        """A new token of a running request (mixed: its step also ran prefill chunks; logprobs: its
+        `serving.sampling.TokenLogprobs` when the request asked for them, None where they are not
+        known here, e.g. a handed-over first token); finishes it at max_new_tokens or EOS."""
         req.output.append(token)
+        if req.sampling.logprobs is not None:
+            req.logprobs.append(logprobs)
         req.token_times_s.append(time.monotonic())
         req.token_mixed.append(mixed)
         if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == tokenizer.EOS_ID):

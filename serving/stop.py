@@ -40,6 +40,11 @@ class StopMatcher:
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], False
 
+    @property
+    def held(self) -> str:
+        """The text held back (it may begin a stop string)."""
+        return self._held
+
     def flush(self) -> str:
         held, self._held = self._held, ""
         return held

@@ -11,10 +11,11 @@ back through per-request asyncio queues.  Endpoints:
   "cache_salt": str}``: NDJSON stream (``cache_salt``, the tenant's: prefix hits only among requests
   with the same salt; `serving.engine.check_cache_salt`).  First line ``{"accepted": true, ...}``
   once the engine took the request, then
-  one ``{"token": id, "index": i}`` line per token, ``{"keepalive": true}`` lines while nothing
-  else happens (a live worker is never silent for more than `keepalive_s`), and a last line
-  ``{"done": true, "finish_reason": ..., "cached_tokens": ..., "cached_tokens_host": ...}`` or
-  ``{"error": msg, "retriable": bool}``.  Closing the connection cancels the request.
+  one ``{"token": id, "index": i}`` line per token (with ``"logprob"`` and ``"top_logprobs":
+  [[id, logprob], ...]`` when the request asked for ``logprobs``: `serving.sampling.TokenLogprobs`),
+  ``{"keepalive": true}`` lines while nothing else happens (a live worker is never silent for
+  more than `keepalive_s`), and a last line ``{"done": true, "finish_reason": ..., "cached_tokens":
+  ..., "cached_tokens_host": ...}`` or ``{"error": msg, "retriable": bool}``.  Closing the connection cancels the request.
 * ``POST /prefill``: the same request with one token, answered as one JSON object.  With a
   shared store (`--mooncake-master`) every finished request's pages and KDA snapshots are
   published there (`Engine(publish_to_host=True)`), so a decode worker (or this worker after a
@@ -54,7 +55,7 @@ from serving import internal_auth
 from serving.cli import SERVING_MANIFESTS
 from serving.http_util import ClosingStreamingResponse
 from serving.engine import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
-from serving.sampling import GREEDY, SamplingParams
+from serving.sampling import GREEDY, MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +127,12 @@ class EngineLoop:
             return None
 
     def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
-               export: bool = False, sampling: SamplingParams = GREEDY, images=None, cache_salt=None) -> _Sub:
+               export: bool = False, sampling: SamplingParams = GREEDY, images=None, cache_salt=None,
+               prior_output: int = 0) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
-        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images, cache_salt)))
+        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images, cache_salt,
+                                   prior_output)))
         return sub
 
     def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
@@ -176,10 +179,10 @@ class EngineLoop:
     def _handle(self, kind: str, payload) -> None:
         e = self.engine
         if kind == "submit":
-            sub, prompt, n, stop_at_eos, sampling, images, cache_salt = payload
+            sub, prompt, n, stop_at_eos, sampling, images, cache_salt, prior_output = payload
             try:
                 sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling,
-                                   images=images, cache_salt=cache_salt)
+                                   images=images, cache_salt=cache_salt, prior_output=prior_output)
             except ValueError as err:
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -230,6 +233,8 @@ class EngineLoop:
             req = sub.req
             while sub.sent < len(req.output):
                 ev = {"token": int(req.output[sub.sent]), "index": sub.sent}
+                if sub.sent < len(req.logprobs) and req.logprobs[sub.sent] is not None:
+                    ev.update(req.logprobs[sub.sent].as_json())
                 if sub.sent == 0:  # the prefix cache's share is known once the prompt is in: a client
                     # that stops early (a stop string) still reports it
                     ev.update(cached_tokens=req.cached_tokens, cached_tokens_host=req.cached_tokens_host)
@@ -382,11 +387,16 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
         top_k: StrictInt = Field(0, ge=-1)
         min_p: float = Field(0.0, ge=0.0, le=1.0)
+        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+        prior_output: StrictInt = Field(0, ge=0)  # the prompt's tail that is the request's own output (penalties)
         images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
         cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # the tenant's
 
         def sampling(self) -> SamplingParams:
-            return SamplingParams(self.temperature, self.top_p, self.seed, self.top_k, self.min_p)
+            return SamplingParams(self.temperature, self.top_p, self.seed, self.top_k, self.min_p,
+                                  self.presence_penalty, self.frequency_penalty, self.logprobs)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -440,6 +450,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
                 return None, error(400, str(err))
             sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
                               sampling=body.sampling(), images=images, cache_salt=body.cache_salt,
+                              prior_output=body.prior_output,
                               export=body.export_kv and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
@@ -480,6 +491,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     @app.post("/adopt")
     async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0, min_p: float = 0.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
                     cache_salt: str | None = None):
         """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
         (npz: prompt, token, pages, state); streams like /generate from the second token."""
@@ -500,7 +512,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             # checks a prompt, and that every value is finite (NaN pages would poison every later hit)
             check_handoff(prompt, token, pages, state, vocab_size=info.get("vocab_size", 1 << 31),
                           page_tokens=loop.engine.page_tokens)
-            sampling = SamplingParams(temperature, top_p, seed, top_k, min_p)
+            sampling = SamplingParams(temperature, top_p, seed, top_k, min_p, presence_penalty, frequency_penalty,
+                                      logprobs)
             check_cache_salt(cache_salt)
         except ValueError as err:
             return error(400, str(err))
@@ -517,17 +530,19 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         sub, first = await start(body)
         if sub is None:
             return first
-        tokens = []
+        tokens, first_lp = [], None
         while True:
             ev = await sub.events.get()
             if "token" in ev:
                 tokens.append(ev["token"])
+                if "logprob" in ev and first_lp is None:
+                    first_lp = {"logprob": ev["logprob"], "top_logprobs": ev["top_logprobs"]}
             elif "error" in ev:
                 return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True))
             elif "done" in ev:
                 kv = ev.pop("kv", None)
                 if not body.export_kv:
-                    return {"token": tokens[0], "tokens": tokens, **ev}
+                    return {"token": tokens[0], "tokens": tokens, **ev, **({"logprobs": first_lp} if first_lp else {})}
                 if kv is None:
                     return error(400, "this worker cannot export KV (only prefill workers do)")
                 buf = io.BytesIO()
@@ -536,6 +551,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
                          state=kv[1], **extra)
                 headers = {"x-kimik3-token": str(tokens[0]), "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
                            "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"])}
+                if first_lp is not None:  # the first token's logprobs: the router sends them (the adopter starts after)
+                    headers["x-kimik3-logprobs"] = json.dumps(first_lp)
                 return Response(buf.getvalue(), media_type="application/octet-stream", headers=headers)
 
     @app.get("/health")

@@ -33,7 +33,7 @@ def prefilled(tiny_cfg, tiny_params):
 def single_steps(eng, rows, n):
     runner, pools, out = DecodeRunner(eng.cfg, "reference"), jax.tree.map(jnp.copy, eng.pools), []
     for _ in range(n):
-        pools, tokens, did = runner.dispatch(eng.params, pools, rows)
+        pools, tokens, did, _ = runner.dispatch(eng.params, pools, rows)
         tokens = np.asarray(tokens)
         runner.settle(rows, tokens, did)
         rows = rows.advanced(tokens)

@@ -113,7 +113,6 @@ def _chat(**kw):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", True), ("top_logprobs", 3), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("repetition_penalty", 1.2), ("logit_bias", {"50": 10}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
@@ -140,8 +139,51 @@ def test_neutral_values_of_those_fields_are_what_clients_send_by_default_and_pas
                                                    "best_of": 1, "logprobs": None}))
     with pytest.raises(APIError, match="'echo'"):
         check_common(CompletionRequest.model_validate({"model": "m", "prompt": "x", "echo": True}))
-    with pytest.raises(APIError, match="'logprobs'"):  # completions' logprobs=0 still asks for the chosen tokens'
-        check_common(CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0}))
+
+
+def test_logprobs_and_penalties_reach_the_workers_as_asked_and_out_of_range_values_are_400s():
+    from pydantic import ValidationError
+
+    from serving.openai_api import CompletionRequest, check_common, logprobs_count, sampling_options
+
+    chat = lambda **kw: ChatCompletionRequest.model_validate(_chat(**kw))
+    assert "logprobs" not in sampling_options(chat(logprobs=False, frequency_penalty=0))  # neutral: the plain step
+    assert "presence_penalty" not in sampling_options(chat(presence_penalty=0.0))
+    opts = sampling_options(chat(logprobs=True, top_logprobs=5, presence_penalty=-1, frequency_penalty=0.5))
+    assert (opts["logprobs"], opts["presence_penalty"], opts["frequency_penalty"]) == (5, -1, 0.5)
+    assert logprobs_count(chat(logprobs=True)) == 0  # the chosen token's only
+    completion = lambda **kw: CompletionRequest.model_validate({"model": "m", "prompt": "x", **kw})
+    assert logprobs_count(completion(logprobs=0)) == 0 and logprobs_count(completion()) is None
+    with pytest.raises(APIError, match="top_logprobs needs logprobs"):
+        check_common(chat(top_logprobs=2))
+    for bad in (dict(top_logprobs=21, logprobs=True), dict(logprobs=1), dict(presence_penalty=2.5),
+                dict(frequency_penalty="1")):
+        with pytest.raises(ValidationError):
+            chat(**bad)
+    with pytest.raises(ValidationError):
+        completion(logprobs=True)
+
+
+def test_logprobs_objects_have_openais_shapes():
+    """Chat: content entries {token, logprob, bytes, top_logprobs}; a byte that is only a piece of a
+    character is "bytes:\\x.." with its bytes.  Completions: parallel lists and text offsets."""
+    from kimik3 import tokenizer
+    from serving.openai_api import chat_logprobs, completion_logprobs
+    from serving.sampling import TokenLogprobs
+
+    tokens = [ord("h"), 0xE2, tokenizer.EOS_ID]
+    entries = [TokenLogprobs(-0.5, ((ord("h"), -0.5), (ord("i"), -1.5))), None, TokenLogprobs(-2.0, ())]
+    chat = chat_logprobs(tokens, entries)
+    assert chat["content"] == [
+        {"token": "h", "logprob": -0.5, "bytes": [104],
+         "top_logprobs": [{"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "i", "logprob": -1.5,
+                                                                            "bytes": [105]}]},
+        {"token": "<|eos|>", "logprob": -2.0, "bytes": list(b"<|eos|>"), "top_logprobs": []}]
+    one = chat_logprobs([0xE2], [TokenLogprobs(-1.0)])["content"][0]
+    assert one["token"] == "bytes:\\xe2" and one["bytes"] == [0xE2]
+    legacy = completion_logprobs(tokens[:1], entries[:1], [7])
+    assert legacy == {"tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "i": -1.5}],
+                      "text_offset": [7]}
 
 
 @pytest.mark.parametrize("body, where", [

@@ -10,6 +10,7 @@ whole for the next.
 import base64
 import io
 import json
+import math
 import os
 import signal
 import subprocess
@@ -419,8 +420,59 @@ def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(clus
     assert r.json()["choices"][0]["token_ids"] == want
     # the defaults clients send for fields we do not implement are accepted (and change nothing)
     r = httpx.post(base + "/v1/chat/completions", timeout=120, json=chat_body(
-        text, 4, logprobs=False, frequency_penalty=0, presence_penalty=0, tools=[], logit_bias={}))
+        text, 4, logprobs=False, frequency_penalty=0, presence_penalty=0, tools=[], logit_bias={}, top_logprobs=0))
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want[:4]
+
+
+def assert_logprobs_are_the_oracles(params, prompt, choice):
+    """A greedy chat choice's logprobs: one entry per token, each the oracle's log-softmax."""
+    tokens = choice["token_ids"]
+    result = generate(params, config.tiny(), prompt, len(tokens), stop_at_eos=True)
+    assert result.tokens.tolist() == tokens
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(tokens)
+    for tok, entry, logits in zip(tokens, content, result.logits):
+        ref = jax.nn.log_softmax(jax.numpy.asarray(logits, "float32"))
+        assert entry["bytes"] == list(tokenizer.token_bytes(tok))
+        assert abs(entry["logprob"] - float(ref[tok])) < 1e-3
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]  # greedy: the chosen token is the top one
+        assert len(entry["top_logprobs"]) == 2 and sum(math.exp(t["logprob"]) for t in entry["top_logprobs"]) <= 1
+
+
+def check_logprobs_and_penalties_reach_the_workers_and_come_back_in_openais_shapes(cluster, params):
+    """Issue 21: chat logprobs (streamed and not) are the oracle's log-softmax, completions give the
+    legacy lists with text offsets, and greedy decoding with penalties gives the oracle's tokens
+    under vLLM's penalty rule (prefill worker's first token, decode worker's others)."""
+    base = cluster.url("router")
+    text = "Tell me which tokens you were sure of."
+    prompt = chat_prompt(text)
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 8, logprobs=True, top_logprobs=2), timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert_logprobs_are_the_oracles(params, prompt, choice)
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=120,
+                      json=chat_body(text, 8, logprobs=True, top_logprobs=2, stream=True)) as s:
+        chunks = [c for e in sse_events(s) for c in e["choices"] if c.get("token_ids")]
+    assert [c["logprobs"]["content"][0] for c in chunks] == choice["logprobs"]["content"]
+    r = httpx.post(base + "/v1/completions", timeout=120, json={"model": "kimik3-tiny", "prompt": text, "max_tokens": 6,
+                                                               "temperature": 0, "logprobs": 1})
+    legacy = r.json()["choices"][0]["logprobs"]
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"]) == 6
+    assert all(len(t) <= 1 for t in legacy["top_logprobs"]) and legacy["text_offset"] == sorted(legacy["text_offset"])
+    result = generate(params, config.tiny(), [tokenizer.BOS_ID] + tokenizer.encode(text), 6, stop_at_eos=True)
+    assert r.json()["choices"][0]["token_ids"] == result.tokens.tolist() and legacy["text_offset"][0] == 0
+    ref = jax.nn.log_softmax(jax.numpy.asarray(result.logits), axis=-1)
+    np.testing.assert_allclose(legacy["token_logprobs"], [float(ref[i, t]) for i, t in enumerate(result.tokens)],
+                               atol=1e-3)
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.5)
+
+    def choose(logits, output):
+        counts = np.bincount(np.asarray(output, np.int64), minlength=len(logits))[:len(logits)]
+        return int(np.argmax(logits - pen["frequency_penalty"] * counts - pen["presence_penalty"] * (counts > 0)))
+
+    want = generate(params, config.tiny(), prompt, 16, stop_at_eos=True, choose=choose).tokens.tolist()
+    r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 16, **pen), timeout=120)
+    assert r.json()["choices"][0]["token_ids"] == want != oracle(params, prompt, 16)
 
 
 def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, params):
@@ -440,8 +492,12 @@ def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, para
     r = httpx.post(cluster.url("router_direct") + "/v1/chat/completions", timeout=120,
                    json=chat_body(text, 8, temperature=1.0, min_p=1.0, seed=4))
     assert r.json()["choices"][0]["token_ids"] == want
+    # the first token's logprobs come from the prefill worker (with the KV), the rest from the decode worker
+    r = httpx.post(cluster.url("router_direct") + "/v1/chat/completions", timeout=120,
+                   json=chat_body(text, 8, logprobs=True, top_logprobs=2))
+    assert_logprobs_are_the_oracles(params, chat_prompt(text), r.json()["choices"][0])
     text = httpx.get(cluster.url("router_direct") + "/metrics", timeout=10).text
-    assert 'kimik3_router_handoffs_total{mode="direct"} 2.0' in text
+    assert 'kimik3_router_handoffs_total{mode="direct"} 3.0' in text
     stop_process(cluster.procs.pop("router_direct"))
 
 
@@ -480,10 +536,17 @@ BAD = [
     # issue 21: no field is silently ignored
     ("an unknown field", json.dumps(chat_body("hi", 3, frobnicate=1)).encode(), 400,
      "Unrecognized request argument supplied: frobnicate"),
-    ("logprobs", json.dumps(chat_body("hi", 3, logprobs=True)).encode(), 400, "'logprobs' is not supported"),
+    ("top_logprobs over 20", json.dumps(chat_body("hi", 3, logprobs=True, top_logprobs=21)).encode(), 400,
+     "top_logprobs"),
+    ("top_logprobs without logprobs", json.dumps(chat_body("hi", 3, top_logprobs=2)).encode(), 400,
+     "top_logprobs needs logprobs"),
+    ("logit_bias", json.dumps(chat_body("hi", 3, logit_bias={"50": 10})).encode(), 400, "'logit_bias' is not supported"),
     ("tools", json.dumps(chat_body("hi", 3, tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400,
      "'tools' is not supported"),
-    ("a penalty", json.dumps(chat_body("hi", 3, frequency_penalty=0.5)).encode(), 400, "'frequency_penalty'"),
+    ("a penalty out of range", json.dumps(chat_body("hi", 3, frequency_penalty=2.5)).encode(), 400,
+     "frequency_penalty"),
+    ("repetition_penalty", json.dumps(chat_body("hi", 3, repetition_penalty=1.2)).encode(), 400,
+     "'repetition_penalty' is not supported"),
     ("five stop sequences", json.dumps(chat_body("hi", 3, stop=list("abcde"))).encode(), 400, "at most 4"),
     ("a stop token out of the vocabulary", json.dumps(chat_body("hi", 3, stop_token_ids=[10 ** 6])).encode(), 400,
      "not a token id"),
@@ -795,6 +858,7 @@ def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_los
 def test_router_and_workers_as_real_processes(cluster, params):
     for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
                   check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says,
+                  check_logprobs_and_penalties_reach_the_workers_and_come_back_in_openais_shapes,
                   check_direct_handoff_through_a_second_router_equals_the_oracle,
                   check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens,
                   check_workers_and_admin_routes_refuse_callers_without_the_internal_token,
