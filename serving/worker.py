@@ -253,8 +253,7 @@ class EngineLoop:
                         "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id}
                 if sub.export:
                     done["kv"] = sub.kv
-                self._push(sub, done)
-                with self._lock:
+                with self._lock:  # counted before the client hears "done" (it may read /load next)
                     self.counters["output_tokens"] += len(req.output)
                     self.counters["prompt_tokens"] += len(req.prompt)
                     self.counters["cached_tokens"] += req.cached_tokens
@@ -262,6 +261,7 @@ class EngineLoop:
                 if self._metrics is not None:
                     self._metrics.observe(req)
                 self._finish(sub, "finished")
+                self._push(sub, done)
         self.engine.pop_finished()  # results went out above; do not grow without bound
 
     def _fail_all(self, why: str) -> None:
