@@ -36,6 +36,21 @@ from kimik3 import compile_cache, config, model
 compile_cache.enable(RUN_CACHE)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes of CPU for what faster tests cover too; runs with KIMIK3_SLOW=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests run with KIMIK3_SLOW=1 (or when chosen by -m slow); the default suite stays
+    within CI's 20 minutes on 2 cores."""
+    if os.environ.get("KIMIK3_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set KIMIK3_SLOW=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_sessionfinish(session):
     """The process that made the run's cache removes it (xdist's workers finish first)."""
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
