@@ -50,7 +50,7 @@ def _decode_step(params, token, cache, *, cfg, kernels):
 
 def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, images=None,
              use_cache: bool = False, *, stop_at_eos: bool = False, kernels: str = "auto",
-             choose=None) -> GenerateResult:
+             choose=None, eos_id: int = tokenizer.EOS_ID) -> GenerateResult:
     """Greedy decoding of one prompt.
 
     Args:
@@ -59,6 +59,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
       images: [N, S, S, C] for the placeholders, or None.
       use_cache: False = the oracle (fp32, full recompute every step, reference kernels).
       kernels: for the cached path, "auto" | "reference" | "pallas" (see `kimik3.ops`).
+      eos_id: the tokenizer's end of sequence (`stop_at_eos`).
       choose: (logits f32 [vocab], output so far: list[int]) -> the next id; default argmax
         (a reference for a logits processor, e.g. the serving penalties).
     Returns:
@@ -87,7 +88,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
             out_tokens.append(tok)
             out_logits.append(logits)
             buf[0, cur] = tok
-            if stop_at_eos and tok == tokenizer.EOS_ID:
+            if stop_at_eos and tok == eos_id:
                 break
     else:
         # Whole 128-token pages, so the paged kernels can view the cache as pages.
@@ -99,7 +100,7 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
             tok = int(np.argmax(last)) if choose is None else int(choose(last, list(out_tokens)))
             out_tokens.append(tok)
             out_logits.append(last)
-            if (stop_at_eos and tok == tokenizer.EOS_ID) or i == max_new_tokens - 1:
+            if (stop_at_eos and tok == eos_id) or i == max_new_tokens - 1:
                 break
             logits, cache = _decode_step(params, jnp.asarray([[tok]], jnp.int32), cache, cfg=cfg, kernels=kernels)
             last = np.asarray(logits[0], np.float32)

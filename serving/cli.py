@@ -4,6 +4,8 @@
     kimik3 info --config kimi_k3                         sizes of a config
     kimik3 train --config mini --steps 3000 --out runs/mini
                                                          train on Debian-shipped text (held-out perplexity)
+    kimik3 train-tokenizer --vocab-size 4096 --out runs/bpe
+                                                         a byte-level BPE (tokenizer.json) on Debian-shipped text
     kimik3 train-eagle --checkpoint runs/mini/checkpoint --out runs/eagle
                                                          an EAGLE-3 draft head for a trained target
     kimik3 generate --checkpoint C --draft-checkpoint D --draft-tokens 3
@@ -43,6 +45,7 @@ def _cmd_generate(args) -> int:
     from kimik3 import config, model, tokenizer
     from kimik3.generate import generate
     from kimik3.quant import store
+    from kimik3.text import load_serving_tokenizer
 
     if args.manifest and not args.checkpoint:
         raise ValueError("--manifest names the quantized weights of a checkpoint: pass --checkpoint DIR")
@@ -59,18 +62,21 @@ def _cmd_generate(args) -> int:
         size = cfg.vit.image_size
         images = np.random.default_rng(args.seed).random((n_images, size, size, cfg.vit.channels), np.float32)
     tpi = cfg.vit.tokens_per_image if cfg.vit else 0
-    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
-                                           tokens_per_image=tpi)
+    tok = load_serving_tokenizer(args.tokenizer, args.checkpoint, cfg.vocab_size)
+    if n_images and tok.image_id != tokenizer.IMAGE_ID:
+        raise ValueError(f"the tokenizer {tok.name} has no image placeholder at the model's id {tokenizer.IMAGE_ID}")
+    prompt = tok.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
+                                     tokens_per_image=tpi)
     if args.draft_checkpoint:
         return _generate_speculative(args, params, cfg, prompt, images)
     t0 = time.perf_counter()
     result = generate(params, cfg, prompt, args.max_new_tokens, images=images, use_cache=not args.oracle,
-                      stop_at_eos=True)
+                      stop_at_eos=True, eos_id=tok.eos_id)
     dt = time.perf_counter() - t0
     print(f"config={cfg.name} prompt_tokens={len(prompt)} images={n_images} "
           f"mode={'oracle (no cache, fp32)' if args.oracle else 'cached'}")
     print(f"tokens: {result.tokens.tolist()}")
-    print(f"text: {tokenizer.decode(result.tokens, skip_special=False)!r}")
+    print(f"text: {tok.decode(result.tokens, skip_special=False)!r}")
     print(f"{len(result.tokens)} tokens in {dt:.2f} s (compile included); weights are "
           f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}"
           f"{' as ' + args.manifest if args.manifest else ''}")
@@ -168,6 +174,28 @@ def _cmd_train(args) -> int:
           f"{result['seconds']:.1f} s on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
           f"{result['held_out_loss']:.3f} nats/byte (perplexity {result['held_out_ppl']:.2f})\n"
           f"checkpoint {result['checkpoint']}; {os.path.join(tc.out, 'train.json')}, {os.path.join(tc.out, 'loss.png')}")
+    return 0
+
+
+def _cmd_train_tokenizer(args) -> int:
+    from kimik3 import corpus
+    from kimik3.text.bpe import train_bpe
+
+    source, files = corpus.find_sources(args.corpus)
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, "tokenizer.json")
+
+    def texts():
+        for path in files:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+
+    tok = train_bpe(texts(), args.vocab_size, out)
+    sample = open(files[0], encoding="utf-8", errors="replace").read()
+    ratio = len(sample.encode()) / max(1, len(tok.encode(sample)))
+    print(f"{out}: a byte-level BPE of {tok.vocab_size} ids on {source} ({len(files)} files); {ratio:.2f} bytes per "
+          f"token on {os.path.basename(files[0])}.  Serve it with --tokenizer {args.out} (ids 0..266 are the byte "
+          f"tokenizer's: a model's vocab_size must cover {tok.vocab_size})")
     return 0
 
 
@@ -331,6 +359,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
                    help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     g.add_argument("--prompt", default="Hello, Kimi!", help="user message")
+    g.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+                        "checkpoint's if it has one, else 'byte')")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed (without --checkpoint)")
@@ -400,6 +431,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="stop the loop after this long (the schedule stays the one for --steps)")
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
+
+    tt = add("train-tokenizer", help="train a byte-level BPE (tokenizer.json) on Debian-shipped text")
+    tt.add_argument("--vocab-size", type=int, default=4096, help="ids in all (bytes, special tokens and merges)")
+    tt.add_argument("--corpus", default="auto",
+                    help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory")
+    tt.add_argument("--out", default="runs/tokenizer", help="tokenizer.json goes here")
+    tt.set_defaults(func=_cmd_train_tokenizer)
 
     ab = add("eagle-ab", help="the EAGLE-3 tail-block A/B (drop / no-drop / exact) on two-turn MT-Bench")
     ab.add_argument("--checkpoint", required=True, help="the target (`kimik3 train`'s out/checkpoint)")

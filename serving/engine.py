@@ -132,7 +132,8 @@ class EngineConfig:
     prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4").
     draft_tokens: k > 0, EAGLE-3 speculative decoding with the `draft` the engine is given (k
     drafted tokens per verify pass, `serving.spec_decode`); eagle_tail: the prefix-hit rule for
-    the draft's rows of the last matched page ("drop", "no_drop", "exact")."""
+    the draft's rows of the last matched page ("drop", "no_drop", "exact").
+    eos_id: the tokenizer's end-of-sequence id (`kimik3.text`): stop_at_eos requests end there."""
 
     num_pages: int
     num_slots: int = 8
@@ -154,6 +155,7 @@ class EngineConfig:
     prefix_caching: bool = True
     draft_tokens: int = 0
     eagle_tail: str = "drop"
+    eos_id: int = tokenizer.EOS_ID
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -255,7 +257,8 @@ class Engine:
             sharded_prefill=None if pre is None else pre.size,
             prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
             prefix_caching=config.prefix_caching, lookahead_tokens=config.draft_tokens,
-            drop_tail=self.spec is not None and config.eagle_tail == "drop", offload_preempted=self.spec is None),
+            drop_tail=self.spec is not None and config.eagle_tail == "drop", offload_preempted=self.spec is None,
+            eos_id=config.eos_id),
             self.manager,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None

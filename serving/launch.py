@@ -165,6 +165,8 @@ class Deployment:
             argv += ["--checkpoint", a.checkpoint] + (["--manifest", a.manifest] if a.manifest else [])
         if a.served_model_name:
             argv += ["--served-model-name", a.served_model_name]
+        if a.tokenizer:
+            argv += ["--tokenizer", a.tokenizer]
         return argv + shlex.split(a.worker_args or "")
 
     def worker_env(self, index: int) -> dict:
@@ -242,7 +244,8 @@ class Deployment:
             self.progress(f"{w.name} ready after {time.monotonic() - t0:.1f} s")
         argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
                 "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else []) \
-            + (["--model-name", a.served_model_name] if a.served_model_name else [])
+            + (["--model-name", a.served_model_name] if a.served_model_name else []) \
+            + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
         pre = [w.url for w in self.workers if w.name.startswith("prefill")]
         dec = [w.url for w in self.workers if w.name.startswith("decode")]
         if pre:
@@ -328,6 +331,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifest", default=None,
                         choices=SERVING_MANIFESTS,
                         help="load --checkpoint's quantized weights as this manifest")
+    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
+                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one, for the router "
+                             "and every worker (default: the checkpoint's if it has one, else 'byte')")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send, and the model_name of every vllm:* metric "
                              "(default kimik3-<config>)")

@@ -205,10 +205,11 @@ def logprobs_count(req: _Common) -> int | None:
     return req.logprobs
 
 
-def token_entry(token: int, logprob: float) -> dict:
-    """{"token", "logprob", "bytes"} as OpenAI's chat logprobs give a token: its text, or
-    "bytes:\\x.." where its bytes are not UTF-8 on their own (a piece of a character)."""
-    raw = tokenizer.token_bytes(token)
+def token_entry(tok, token: int, logprob: float) -> dict:
+    """{"token", "logprob", "bytes"} as OpenAI's chat logprobs give a token of `tok` (a
+    `kimik3.text.Tokenizer`): its text, or "bytes:\\x.." where its bytes are not UTF-8 on their
+    own (a piece of a character)."""
+    raw = tok.token_bytes(token)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -216,23 +217,24 @@ def token_entry(token: int, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
-def chat_logprobs(tokens: list[int], entries: list) -> dict:
+def chat_logprobs(tok, tokens: list[int], entries: list) -> dict:
     """OpenAI's chat `logprobs` object for `tokens` and their `TokenLogprobs` (None: not known)."""
     content = []
     for t, e in zip(tokens, entries):
         if e is None:
             continue
-        content.append({**token_entry(t, e.logprob), "top_logprobs": [token_entry(i, lp) for i, lp in e.top]})
+        content.append({**token_entry(tok, t, e.logprob),
+                        "top_logprobs": [token_entry(tok, i, lp) for i, lp in e.top]})
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(tokens: list[int], entries: list, offsets: list[int]) -> dict:
+def completion_logprobs(tok, tokens: list[int], entries: list, offsets: list[int]) -> dict:
     """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs ({text: logprob}
     per token) and text_offset (each token's start in the completion's text)."""
     kept = [(t, e, o) for t, e, o in zip(tokens, entries, offsets) if e is not None]
-    return {"tokens": [token_entry(t, 0.0)["token"] for t, _, _ in kept],
+    return {"tokens": [token_entry(tok, t, 0.0)["token"] for t, _, _ in kept],
             "token_logprobs": [e.logprob for _, e, _ in kept],
-            "top_logprobs": [{token_entry(i, 0.0)["token"]: lp for i, lp in e.top} for _, e, _ in kept],
+            "top_logprobs": [{token_entry(tok, i, 0.0)["token"]: lp for i, lp in e.top} for _, e, _ in kept],
             "text_offset": [o for _, _, o in kept]}
 
 
@@ -339,10 +341,12 @@ def decode_image_bytes(raw: bytes, size: int) -> np.ndarray:
 
 
 def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int,
-                image_size: int = 0, fetcher=None, tenant: str | None = None) -> tuple[list[int], list[np.ndarray]]:
-    """Token ids of the conversation with the assistant prompt appended, and its images
-    (uint8 [image_size, image_size, 3] each, in placeholder order); http(s) image URLs are
-    fetched through `fetcher` as `tenant` (see `decode_image`)."""
+                image_size: int = 0, fetcher=None, tenant: str | None = None,
+                tok=None) -> tuple[list[int], list[np.ndarray]]:
+    """Token ids of the conversation through `tok`'s chat template (a `kimik3.text.Tokenizer`;
+    None: the byte tokenizer) with the assistant prompt appended, and its images (uint8
+    [image_size, image_size, 3] each, in placeholder order); http(s) image URLs are fetched
+    through `fetcher` as `tenant` (see `decode_image`)."""
     messages, n_images, images = [], 0, []
     for m in req.messages:
         text, n = m.text_and_images()
@@ -354,21 +358,37 @@ def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image
     if n_images and not tokens_per_image:
         raise APIError(400, "this model has no vision encoder: image inputs are not accepted", param="messages",
                        code="unsupported_content")
+    if n_images and tok is not None and tok.image_id != tokenizer.IMAGE_ID:
+        raise APIError(400, f"this server's tokenizer ({tok.name}) has no image placeholder at the model's id "
+                            f"{tokenizer.IMAGE_ID}: image inputs are not accepted", param="messages",
+                       code="unsupported_content")
     for m in req.messages:  # the template places a message's images before its text, in order
         if isinstance(m.content, list):
             images += [decode_image(p.image_url.url, image_size, fetcher, tenant)
                        for p in m.content if isinstance(p, ImagePart)]
-    return tokenizer.apply_chat_template(messages, tokens_per_image=tokens_per_image), images
+    try:
+        ids = (tok or _byte()).apply_chat_template(messages, tokens_per_image=tokens_per_image)
+    except ValueError as e:  # a role the tokenizer's template cannot write
+        raise APIError(400, str(e), param="messages") from None
+    return ids, images
 
 
-def completion_prompt(req: CompletionRequest, *, vocab_size: int) -> list[int]:
+def _byte():
+    from kimik3.text import ByteTokenizer
+
+    return ByteTokenizer()
+
+
+def completion_prompt(req: CompletionRequest, *, vocab_size: int, tok=None) -> list[int]:
+    """The prompt's ids: a string through `tok` (None: the byte tokenizer) after its <|bos|>, or ids as given."""
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], str):
         if len(p) != 1:
             raise APIError(400, "one prompt per request (a list of strings must hold exactly one)", param="prompt")
         p = p[0]
     if isinstance(p, str):
-        return [tokenizer.BOS_ID] + tokenizer.encode(p)
+        tok = tok or _byte()
+        return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(p)
     if not p:
         raise APIError(400, "prompt is empty", param="prompt")
     bad = [t for t in p if t < 0 or t >= vocab_size or t == tokenizer.IMAGE_ID]

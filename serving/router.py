@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import codecs
 import collections
 import contextlib
 import dataclasses
@@ -63,6 +62,7 @@ import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
 from cache.media import build_fetcher
+from kimik3.text import load_serving_tokenizer
 from serving import internal_auth
 from serving.sampling import TokenLogprobs
 from serving.stop import StopMatcher
@@ -149,6 +149,9 @@ class RouterConfig:
     decode: list[str] = dataclasses.field(default_factory=list)
     config: str = "tiny"
     checkpoint: str | None = None  # the workers' checkpoint: its config.json names the model
+    # `kimik3.text.load_tokenizer`'s spec: "byte", a tokenizer.json / tiktoken file or a directory
+    # (None: the checkpoint's, if it holds one, else "byte"); the workers must use the same one
+    tokenizer: str | None = None
     model_name: str | None = None
     max_inflight: int = 16
     max_queue: int = 32
@@ -352,6 +355,7 @@ class Router:
             self.model_cfg = checkpoint.load_config(cfg.checkpoint)
         else:
             self.model_cfg = config.get_config(cfg.config)
+        self.tok = load_serving_tokenizer(cfg.tokenizer, cfg.checkpoint, self.model_cfg.vocab_size)
         self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
         self.aliases = {self.model_name, self.model_cfg.name}
         mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s)
@@ -418,7 +422,13 @@ class Router:
             w.info = {k: v for k, v in body.items() if k != "load"}
             w.load = body.get("load", {})
             w.draining = status == "draining"
-            if r.status_code == 200 or status == "draining":
+            theirs = (body.get("tokenizer") or {}).get("eos_id", self.tok.eos_id)
+            if theirs != self.tok.eos_id:  # its EOS would not end our requests: keep it out of the pools
+                w.healthy = False
+                w.last_error = (f"tokenizer mismatch: the worker's end of sequence is id {theirs}, this router's "
+                                f"({self.tok.name}) {self.tok.eos_id}")
+                log.error("%s: %s", w.url, w.last_error)
+            elif r.status_code == 200 or status == "draining":
                 w.healthy = True
                 w.breaker.success()
             else:
@@ -689,9 +699,7 @@ class Router:
             opts["cache_salt"] = cache_salt
         out: list[int] = []
         summary = {"cached_tokens": 0, "cached_tokens_host": 0, "finish_reason": "length"}
-        from kimik3 import tokenizer
-
-        stopped = lambda: stop_at_eos and out and out[-1] == tokenizer.EOS_ID
+        stopped = lambda: stop_at_eos and out and out[-1] == self.tok.eos_id
         adopt = None
         if self.prefill and self.handoff_mode() == "direct":
             token, adopt, first = await self._prefill_direct(prompt, rid, opts)
@@ -753,10 +761,10 @@ class Router:
                 prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
                                              tokens_per_image=vit.tokens_per_image if vit else 0,
                                              image_size=vit.image_size if vit else 0, fetcher=self.media,
-                                             tenant=tenant_salt(req))
+                                             tenant=tenant_salt(req), tok=self.tok)
                 requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
-                prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size), []
+                prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size, tok=self.tok), []
                 requested = req.max_tokens
         except UnicodeEncodeError as e:  # a lone surrogate (valid JSON, not valid UTF-8)
             raise APIError(400, f"text that is not valid Unicode: {e.reason} at {e.start}",
@@ -973,7 +981,7 @@ class _Stream:
         self._pending_lp = None
         self.times: list[float] = []
         self.summary: dict | None = None
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoder = router.tok.detokenizer()
         self._stops = StopMatcher(stop_strings(req))
         self._stop_ids = frozenset(req.stop_token_ids or ())
         self._info = {"cached_tokens": 0, "cached_tokens_host": 0}
@@ -1064,11 +1072,11 @@ class _Stream:
                 self.offsets.append(len(self.text) + len(self._stops.held))
                 self.times.append(time.monotonic())
                 if ev in self._stop_ids:  # its text is left out, as vLLM does; held text was no stop string
-                    yield self._emit(self._stops.flush() + self._decoder.decode(b"", final=True)), ev
+                    yield self._emit(self._stops.flush() + self._decoder.flush()), ev
                     self._stop_early()
                     yield "", None
                     return
-                piece, stopped = self._stops.feed(self._decoder.decode(bytes([ev])) if ev < 256 else "")
+                piece, stopped = self._stops.feed(self._decoder.feed(ev))
                 yield self._emit(piece), ev
                 if stopped:
                     self._stop_early()
@@ -1078,7 +1086,7 @@ class _Stream:
                 self._info = ev
             else:
                 self.summary = ev
-                piece, stopped = self._stops.feed(self._decoder.decode(b"", final=True))
+                piece, stopped = self._stops.feed(self._decoder.flush())
                 if stopped:
                     self.summary = {**ev, "finish_reason": "stop"}
                 yield self._emit(piece + self._stops.flush()), None
@@ -1135,8 +1143,8 @@ class _Stream:
         if logprobs_count(self.req) is None:
             return None
         if self.kind == "chat":
-            return chat_logprobs(self.tokens[tokens], self.logprobs[tokens])
-        return completion_logprobs(self.tokens[tokens], self.logprobs[tokens], self.offsets[tokens])
+            return chat_logprobs(self.r.tok, self.tokens[tokens], self.logprobs[tokens])
+        return completion_logprobs(self.r.tok, self.tokens[tokens], self.logprobs[tokens], self.offsets[tokens])
 
     async def sse(self, first):
         try:
@@ -1176,6 +1184,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="the workers' checkpoint: the model's config is read from it (overrides --config)")
+    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
+                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+                             "checkpoint's tokenizer if it has one, else 'byte'); the workers' must match")
     parser.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                         help="the model id clients send and metrics carry (default kimik3-<config>)")
     for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens",

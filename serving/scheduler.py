@@ -181,6 +181,7 @@ class SchedulerConfig:
     lookahead_tokens: int = 0
     drop_tail: bool = False
     offload_preempted: bool = True
+    eos_id: int = tokenizer.EOS_ID  # the tokenizer's end of sequence (requests with stop_at_eos end there)
 
 
 class Scheduler:
@@ -401,7 +402,7 @@ class Scheduler:
             req.logprobs.append(logprobs)
         req.token_times_s.append(time.monotonic())
         req.token_mixed.append(mixed)
-        if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == tokenizer.EOS_ID):
+        if len(req.output) >= req.max_new_tokens or (req.stop_at_eos and token == self.config.eos_id):
             self.running.remove(req)
             self.release(req)
 

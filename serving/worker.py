@@ -245,9 +245,8 @@ class EngineLoop:
                     self._push(sub, {"error": req.error, "status": 500, "retriable": True})
                     self._finish(sub, "errors")
                     continue
-                from kimik3 import tokenizer
-
-                reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == tokenizer.EOS_ID else "length"
+                eos = self.engine.config.eos_id
+                reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == eos else "length"
                 done = {"done": True, "finish_reason": reason, "prompt_tokens": len(req.prompt),
                         "completion_tokens": len(req.output), "cached_tokens": req.cached_tokens,
                         "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id}
@@ -659,17 +658,22 @@ def build_engine(args):
                                                     staging_bytes=args.staging_mb << 20),
                                  timeout_s=args.store_timeout_s, cooldown_s=args.store_cooldown_s)
     role = args.role
+    from kimik3.text import load_serving_tokenizer
+
+    tok = load_serving_tokenizer(getattr(args, "tokenizer", None), getattr(args, "checkpoint", None), cfg.vocab_size)
     engine = Engine(params, cfg, EngineConfig(
         num_pages=num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
         page_tokens=page, kda_block_tokens=block, max_pages_per_request=max_pages,
         prefill_chunk_tokens=args.prefill_chunk_tokens, kernels=args.kernels, namespace=namespace, role=role,
         publish_to_host=host is not None, draft_tokens=args.draft_tokens if draft is not None else 0,
-        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail), host=host, draft=draft,
+        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail,
+        eos_id=tok.eos_id), host=host, draft=draft,
         mesh=meshes(args, cfg))
     info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
             "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
             "kda_block_tokens": block, "max_context": min(max_len, max_pages * page),
             "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity(),
+            "tokenizer": tok.describe(),  # the router checks that its tokenizer ends requests at the same id
             # a KV handoff's layout (/adopt): one page block, and the packed KDA state
             "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size),
             "speculative": None if draft is None else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens,
@@ -738,6 +742,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
     parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
+    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
+                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+                             "checkpoint's tokenizer if it has one, else 'byte'): its end-of-sequence id ends requests")
     parser.add_argument("--manifest", default=None,
                         choices=SERVING_MANIFESTS,
                         help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")

@@ -21,7 +21,7 @@ message contents never become special tokens, whatever they spell.
 from kimik3.text.base import BaseTokenizer, IncrementalDetokenizer, Tokenizer
 from kimik3.text.byte import ByteTokenizer
 from kimik3.text.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from kimik3.text.load import load_tokenizer
+from kimik3.text.load import holds_tokenizer, load_serving_tokenizer, load_tokenizer
 
 __all__ = ["BaseTokenizer", "ByteTokenizer", "ChatTemplate", "DEFAULT_TEMPLATE", "IncrementalDetokenizer", "Tokenizer",
-           "load_tokenizer"]
+           "holds_tokenizer", "load_serving_tokenizer", "load_tokenizer"]

@@ -92,12 +92,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     learnt = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
     chars = bytes_to_unicode()
     vocab = {chars[b]: b for b in range(256)}
+    vocab.update(byte_level.SPECIAL_IDS)  # in the model's vocabulary too, or the library renumbers them
     vocab.update((p, n_fixed + k) for k, (p, _) in enumerate(q for q in learnt if q[0] not in vocab))
     spec["model"]["vocab"] = vocab
     spec["added_tokens"] = [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
                              "normalized": False, "special": True} for name, i in byte_level.SPECIAL_IDS.items()]
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False)
-    log.info("trained a byte-level BPE of %d ids (%d merges) into %s", len(vocab) + n_fixed - 256,
+    log.info("trained a byte-level BPE of %d ids (%d merges) into %s", len(vocab),
              len(spec["model"]["merges"]), out_path)
     return BPETokenizer(out_path)

@@ -6,7 +6,9 @@ The template sees ``messages`` (dicts: role, content, n_images), ``add_generatio
 ``eos_token`` and ``image_block`` (one image's placeholders: start, <|image|> x tokens_per_image,
 end).  Rendering puts a private-use sentinel where each content goes; the rendered text is split
 at the sentinels, the template's own text is encoded with its special-token names as ids, and
-each content as plain text (a user who types "<|eos|>" gets the bytes of "<|eos|>").
+each content as plain text (a user who types "<|eos|>" gets the bytes of "<|eos|>").  So a
+template places contents as given: string filters on a content (``| trim``) see the sentinel,
+not the text, and change nothing.
 """
 
 from __future__ import annotations

@@ -56,3 +56,21 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if "added_tokens_decoder" in cfg:
         special = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items() if t.get("special", True)}
     return TiktokenTokenizer(path, pattern=cfg.get("pat_str", DEFAULT_PATTERN), special=special, **kw)
+
+
+def holds_tokenizer(directory: str) -> bool:
+    return os.path.isdir(directory) and any(
+        n in ("tokenizer.json",) + TIKTOKEN_NAMES or n.endswith(".tiktoken") for n in os.listdir(directory))
+
+
+def load_serving_tokenizer(spec: str | None, checkpoint: str | None, model_vocab_size: int) -> BaseTokenizer:
+    """The tokenizer a server uses: `spec` (`load_tokenizer`), or with None the checkpoint
+    directory's own tokenizer when it holds one, else the byte tokenizer.  ValueError when its ids
+    do not fit the model's vocabulary."""
+    if spec is None:
+        spec = checkpoint if checkpoint and holds_tokenizer(checkpoint) else "byte"
+    tok = load_tokenizer(spec)
+    if tok.vocab_size > model_vocab_size:
+        raise ValueError(f"the tokenizer {tok.name} has {tok.vocab_size} ids; the model's vocabulary only "
+                         f"{model_vocab_size}")
+    return tok

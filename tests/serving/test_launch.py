@@ -47,7 +47,16 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
     cfg = config.tiny()
     checkpoint.save(tmp_path / "ckpt", model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg)
     params, _ = checkpoint.restore(tmp_path / "ckpt")
-    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "launched")])
+    # and its own tokenizer: a BPE with the byte layout and 21 merges (tiny's 288 ids), which the
+    # router and the workers pick up from the checkpoint's directory
+    from kimik3 import corpus
+    from kimik3.text.bpe import train_bpe
+
+    _, files = corpus.find_sources("licenses")
+    tok = train_bpe([open(f, encoding="utf-8", errors="replace").read() for f in files], cfg.vocab_size,
+                    str(tmp_path / "ckpt" / "tokenizer.json"))
+    prompt = tok.apply_chat_template([tokenizer.Message("user", "launched the licence")])
+    assert len(prompt) < len(tokenizer.apply_chat_template([tokenizer.Message("user", "launched the licence")]))
     want = generate(params, cfg, prompt, 4).tokens.tolist()  # what `kimik3 generate --checkpoint` prints
     port, state_file = free_port(), tmp_path / "state.json"
     worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
@@ -71,10 +80,14 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         assert {"router", "prefill-0", "decode-0", "mooncake_master", "mooncake_memory_server"} <= set(state["pids"])
         wait_healthy(base, None, 30)
         r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched"}], "max_tokens": 4,
+            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched the licence"}], "max_tokens": 4,
             "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt)  # the BPE encoded the conversation
         assert r.json()["choices"][0]["token_ids"] == want  # the checkpoint's weights, not random ones
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)  # and detokenized the stream
+        assert httpx.get(state["decode"][0] + "/health", timeout=10).json()["tokenizer"]["name"] \
+            .startswith("bpe:")
         env_of = lambda pid: dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
         assert [env_of(state["pids"][n]).get("CUDA_VISIBLE_DEVICES") for n in ("prefill-0", "decode-0", "router")] \
             == ["0", "1", ""]

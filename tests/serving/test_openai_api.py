@@ -173,15 +173,18 @@ def test_logprobs_objects_have_openais_shapes():
 
     tokens = [ord("h"), 0xE2, tokenizer.EOS_ID]
     entries = [TokenLogprobs(-0.5, ((ord("h"), -0.5), (ord("i"), -1.5))), None, TokenLogprobs(-2.0, ())]
-    chat = chat_logprobs(tokens, entries)
+    from kimik3.text import ByteTokenizer
+
+    tok = ByteTokenizer()
+    chat = chat_logprobs(tok, tokens, entries)
     assert chat["content"] == [
         {"token": "h", "logprob": -0.5, "bytes": [104],
          "top_logprobs": [{"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "i", "logprob": -1.5,
                                                                             "bytes": [105]}]},
         {"token": "<|eos|>", "logprob": -2.0, "bytes": list(b"<|eos|>"), "top_logprobs": []}]
-    one = chat_logprobs([0xE2], [TokenLogprobs(-1.0)])["content"][0]
+    one = chat_logprobs(tok, [0xE2], [TokenLogprobs(-1.0)])["content"][0]
     assert one["token"] == "bytes:\\xe2" and one["bytes"] == [0xE2]
-    legacy = completion_logprobs(tokens[:1], entries[:1], [7])
+    legacy = completion_logprobs(tok, tokens[:1], entries[:1], [7])
     assert legacy == {"tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "i": -1.5}],
                       "text_offset": [7]}
 

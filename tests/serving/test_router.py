@@ -320,6 +320,33 @@ def test_router_options_from_a_config_file(tmp_path):
         config_from_args(parser.parse_args(["--port", "1", "--config-file", str(f)]))
 
 
+def test_a_worker_whose_tokenizer_ends_requests_elsewhere_is_kept_out_of_the_pools():
+    """A worker reports its tokenizer on /health: one whose end-of-sequence id is not the router's
+    would never end a request where the router expects, so it is unhealthy, with the reason."""
+    import asyncio
+
+    from serving.router import Router, RouterConfig
+    from tests.cache.test_media_fetch import ImageServer
+
+    server = ImageServer()
+    health = lambda eos: (200, {"Content-Type": "application/json"},
+                          json.dumps({"status": "ok", "tokenizer": {"name": "x", "eos_id": eos}}).encode())
+    router = Router(RouterConfig(decode=[f"http://127.0.0.1:{server.port}"]))
+
+    async def check(eos):
+        server.routes["/health"] = health(eos)
+        async with httpx.AsyncClient() as router.client:
+            await router._check(router.decode[0])
+        return router.decode[0]
+
+    try:
+        w = asyncio.run(check(tokenizer.EOS_ID + 1))
+        assert not w.healthy and "tokenizer mismatch" in w.last_error
+        assert asyncio.run(check(tokenizer.EOS_ID)).healthy
+    finally:
+        server.httpd.shutdown()
+
+
 # ---- tests with processes ----------------------------------------------------------------------------
 def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, params):
     base = cluster.url("router")
