@@ -368,6 +368,8 @@ def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image
                        for p in m.content if isinstance(p, ImagePart)]
     try:
         ids = (tok or _byte()).apply_chat_template(messages, tokens_per_image=tokens_per_image)
+    except UnicodeEncodeError:  # text that is not valid Unicode: the caller names it
+        raise
     except ValueError as e:  # a role the tokenizer's template cannot write
         raise APIError(400, str(e), param="messages") from None
     return ids, images

@@ -12,10 +12,11 @@ bound (`--max-inflight` running, `--max-queue` waiting at most `--queue-timeout-
 2. decode: a decode worker gets prompt + tokens so far, finds the prefix in the store (it
    recomputes at most the last partial page) and streams the remaining tokens.
 
-With `--handoff direct` (the default when the workers have no store) the prefill worker
-answers with the prompt's KV itself (page contents + KDA state, `/prefill` with `export_kv`)
-and the router passes it to the decode worker's `/adopt`, which continues without computing
-the prompt.  With no prefill workers (`both` workers under `--decode`) the whole request goes
+With `--handoff direct` (the default when the workers have no store) the prefill worker keeps
+the prompt's KV (page contents + KDA state, `/prefill` with `hold_kv`) under a one-time handle,
+and the decode worker's `/adopt` pulls it from the prefill worker by that handle and continues
+without computing the prompt: the KV moves worker to worker, the router carries the handle
+(`serving.kv_handoff`).  With no prefill workers (`both` workers under `--decode`) the whole request goes
 to one worker.
 
 Choice of worker: the lowest load score, ``router in-flight + worker queue depth + KV use``,
@@ -272,6 +273,9 @@ class _Metrics:
         self.failovers = Counter("kimik3_router_failovers", "streams continued on another decode worker", registry=r)
         self.handoffs = Counter("kimik3_router_handoffs", "prefill -> decode handoffs by how the KV moved",
                                 ["mode"], registry=r)
+        self.handoff_bytes = Counter("kimik3_router_direct_handoff_bytes",
+                                     "KV bytes direct handoffs moved worker to worker (never through the router)",
+                                     registry=r)
         self.affinity = Counter("kimik3_router_prefill_choice", "how the prefill worker was chosen", ["decision"],
                                 registry=r)
         self.circuit = Gauge("kimik3_router_circuit_open", "1 when the worker's circuit is open", ["worker"],
@@ -519,16 +523,17 @@ class Router:
 
     # ---- one request through the pools ----------------------------------------------------------------
     async def _attempt(self, w: Worker, context: list[int], want: int, opts: dict, rid: str, out: list[int],
-                       adopt: bytes | None = None):
+                       adopt: dict | None = None):
         """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each);
-        with `adopt` (a direct handoff of the first token's KV) the worker takes over the KV instead
-        of computing it.  `opts`: stop_at_eos and the sampling parameters (temperature, top_p, seed:
+        with `adopt` ({"kv_from", "kv_handle"}: a direct handoff's KV, held by the prefill worker)
+        the worker pulls and takes over the KV instead of computing it.  `opts`: stop_at_eos and the sampling parameters (temperature, top_p, seed:
         draws are seeded per position, so a failover continues the same sample).  Ends with the
         worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
         if adopt is not None:
+            # the decode worker pulls the KV from the prefill worker by handle (`serving.kv_handoff`);
             # the images travel inside the handoff's KV file, not in the query string
-            kw = {"content": adopt, "params": {"max_tokens": want + len(out), "request_id": rid,
-                                               **{k: v for k, v in opts.items() if k != "images"}}}
+            kw = {"params": {"max_tokens": want + len(out), "request_id": rid, **adopt,
+                             **{k: v for k, v in opts.items() if k != "images"}}}
         else:
             # out: what earlier workers generated, now the prompt's tail (the penalties count it)
             kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts,
@@ -543,6 +548,8 @@ class Router:
                     if resp.status_code == 503 and "draining" in text:
                         w.draining = True
                         raise WorkerFailure(f"{w.url} is draining", count_failure=False)
+                    if resp.status_code == 502 and adopt is not None:  # the KV's source failed, not this worker
+                        raise WorkerFailure(f"{w.url} could not pull the handoff: {text}", count_failure=False)
                     if resp.status_code >= 500:
                         raise WorkerFailure(f"{w.url} answered {resp.status_code}: {text}")
                     raise APIError(400, f"the worker refused the request: {text}")
@@ -563,7 +570,7 @@ class Router:
             raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
 
     async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, opts: dict,
-                        rid: str, affinity: bool, adopt: bytes | None = None):
+                        rid: str, affinity: bool, adopt: dict | None = None):
         """Generate until `out` holds `total` tokens (or EOS), failing over between workers (the
         first attempt adopts `adopt`'s KV if given; later ones recompute).
         Yields ("token", t) and finally ("done", event)."""
@@ -632,11 +639,12 @@ class Router:
         stores = [w.info.get("store") for w in self.prefill if "store" in w.info]
         return "store" if stores and all(stores) else "direct"
 
-    async def _prefill_direct(self, prompt: list[int], rid: str, opts: dict) -> tuple[int, bytes, dict]:
-        """Direct handoff, prefill side: (first token, the prompt's exported KV, cache counts)."""
+    async def _prefill_direct(self, prompt: list[int], rid: str, opts: dict) -> tuple[int, dict, dict]:
+        """Direct handoff, prefill side: (first token, where a decode worker pulls the prompt's KV
+        from {"kv_from", "kv_handle"}, cache counts and the first token's logprobs)."""
         tried: set[str] = set()
         failures = 0
-        body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "export_kv": True, **opts}
+        body = {"prompt": prompt, "max_tokens": 1, "request_id": rid, "hold_kv": True, **opts}
         while True:
             w = await self.pick(self.prefill, tried, prompt, opts.get("cache_salt"), opts.get("images"))
             err = None
@@ -652,12 +660,12 @@ class Router:
                         w.breaker.success()
                         self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
                         self._remember(prompt, w.url, opts.get("cache_salt"), opts.get("images"))
-                        h = r.headers
-                        info = {"cached_tokens": int(h["x-kimik3-cached-tokens"]),
-                                "cached_tokens_host": int(h["x-kimik3-cached-tokens-host"])}
-                        if "x-kimik3-logprobs" in h:
-                            info["logprobs"] = TokenLogprobs.from_json(json.loads(h["x-kimik3-logprobs"]))
-                        return int(h["x-kimik3-token"]), r.content, info
+                        a = r.json()
+                        info = {"cached_tokens": int(a["cached_tokens"]), "cached_tokens_host": int(a["cached_tokens_host"])}
+                        if "logprobs" in a:
+                            info["logprobs"] = TokenLogprobs.from_json(a["logprobs"])
+                        self.metrics.handoff_bytes.inc(int(a["kv_bytes"]))
+                        return int(a["token"]), {"kv_from": w.url, "kv_handle": a["kv_handle"]}, info
                     if 400 <= r.status_code < 500 and r.status_code != 429:
                         raise APIError(400, f"the prefill worker refused the request: {r.text[:500]}")
                     err = WorkerFailure(f"{w.url} answered {r.status_code}: {r.text[:200]}",

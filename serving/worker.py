@@ -16,7 +16,11 @@ back through per-request asyncio queues.  Endpoints:
   ``{"keepalive": true}`` lines while nothing else happens (a live worker is never silent for
   more than `keepalive_s`), and a last line ``{"done": true, "finish_reason": ..., "cached_tokens":
   ..., "cached_tokens_host": ...}`` or ``{"error": msg, "retriable": bool}``.  Closing the connection cancels the request.
-* ``POST /prefill``: the same request with one token, answered as one JSON object.  With a
+* ``POST /prefill``: the same request with one token, answered as one JSON object; with
+  ``"hold_kv": true`` (a prefill worker) the prompt's KV is kept under a one-time handle for a
+  decode worker to pull (``GET /kv/<handle>``, internal token; `serving.kv_handoff`), and
+  ``POST /adopt?kv_from=URL&kv_handle=H`` makes this worker pull it and decode: direct P/D
+  with the KV moving worker to worker.  With a
   shared store (`--mooncake-master`) every finished request's pages and KDA snapshots are
   published there (`Engine(publish_to_host=True)`), so a decode worker (or this worker after a
   restart) finds the prompt's prefix in the store.
@@ -36,7 +40,6 @@ import asyncio
 import base64
 import binascii
 import dataclasses
-import io
 import itertools
 import json
 import logging
@@ -51,7 +54,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
 
-from serving import internal_auth
+from serving import internal_auth, kv_handoff
 from serving.cli import SERVING_MANIFESTS
 from serving.http_util import ClosingStreamingResponse
 from serving.engine import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
@@ -350,8 +353,11 @@ class _WorkerMetrics:
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------
-def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S, registry=None):
-    """FastAPI app around a started or startable `EngineLoop`.  `info` goes out on /health."""
+def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S, registry=None,
+               held_kv_bytes: int = 1 << 30, held_kv_ttl_s: float = 60.0, pull_timeout_s: float = 30.0):
+    """FastAPI app around a started or startable `EngineLoop`.  `info` goes out on /health.
+    held_kv_bytes / held_kv_ttl_s: the KV a prefill worker keeps for decode workers to pull
+    (`serving.kv_handoff.HeldKV`); pull_timeout_s: a decode worker's pull of one handoff."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -380,7 +386,8 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         max_tokens: StrictInt = Field(ge=1)
         stop_at_eos: StrictBool = False
         request_id: StrictStr = "req"
-        export_kv: StrictBool = False
+        export_kv: StrictBool = False  # answer with the KV itself (npz)
+        hold_kv: StrictBool = False  # keep the KV for a decode worker to pull; answer with its handle
         temperature: float = Field(0.0, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
         seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
@@ -397,11 +404,24 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return SamplingParams(self.temperature, self.top_p, self.seed, self.top_k, self.min_p,
                                   self.presence_penalty, self.frequency_penalty, self.logprobs)
 
+    held = kv_handoff.HeldKV(held_kv_bytes, held_kv_ttl_s)
+    clients = []
+
+    def puller():
+        """The HTTP client a decode worker pulls handoffs with (one per app, made on first use)."""
+        import httpx
+
+        if not clients:
+            clients.append(httpx.AsyncClient(limits=httpx.Limits(max_connections=64)))
+        return clients[0]
+
     @asynccontextmanager
     async def lifespan(app):
         if not loop._thread.is_alive() and not loop._stop.is_set():
             loop.start()
         yield
+        for c in clients:
+            await c.aclose()
         loop.stop()
 
     app = FastAPI(title="kimik3 worker", lifespan=lifespan)
@@ -450,7 +470,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
                               sampling=body.sampling(), images=images, cache_salt=body.cache_salt,
                               prior_output=body.prior_output,
-                              export=body.export_kv and loop.engine.role == "prefill")
+                              export=(body.export_kv or body.hold_kv) and loop.engine.role == "prefill")
         first = await sub.events.get()
         if "error" in first:
             return None, error(first.get("status", 500), first["error"], retriable=first.get("retriable", False))
@@ -491,16 +511,25 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0, min_p: float = 0.0,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
-                    cache_salt: str | None = None):
-        """Direct handoff: the body is a prefill worker's `/prefill` answer with `export_kv`
-        (npz: prompt, token, pages, state); streams like /generate from the second token."""
+                    cache_salt: str | None = None, kv_from: str | None = None, kv_handle: str | None = None):
+        """Direct handoff: the KV of a prefill worker's `/prefill` (npz: prompt, token, pages,
+        state), pulled from `kv_from` by `kv_handle` (`hold_kv`), or the body itself (`export_kv`);
+        streams like /generate from the second token.  A pull that fails is a 502 (retriable: the
+        router recomputes the prompt)."""
+        if (kv_from is None) != (kv_handle is None):
+            return error(400, "kv_from and kv_handle go together")
+        if kv_from is not None:
+            try:
+                raw = await kv_handoff.pull(puller(), kv_from, kv_handle, headers=internal_auth.headers(tok),
+                                            timeout_s=pull_timeout_s, max_bytes=held.max_bytes)
+            except kv_handoff.HandoffError as err:
+                return error(502, f"could not pull the KV: {err}", retriable=True)
+        else:
+            raw = await request.body()
         try:
-            with np.load(io.BytesIO(await request.body())) as z:
-                prompt, token = [int(t) for t in z["prompt"]], int(z["token"])
-                pages, state = list(z["pages"]), z["state"]
-                images = z["images"] if "images" in z.files else None
-        except (ValueError, KeyError, OSError, EOFError) as err:
-            return error(400, f"not a KV handoff: {err}")
+            prompt, token, pages, state, images = kv_handoff.unpack(raw)
+        except ValueError as err:
+            return error(400, str(err))
         limit = info.get("max_context", 1 << 30)
         if not prompt or max_tokens < 2 or len(prompt) + max_tokens > limit:
             return error(400, f"adopt needs a prompt and 2 <= max_tokens with prompt + max_tokens <= {limit}")
@@ -540,19 +569,34 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
                 return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True))
             elif "done" in ev:
                 kv = ev.pop("kv", None)
-                if not body.export_kv:
-                    return {"token": tokens[0], "tokens": tokens, **ev, **({"logprobs": first_lp} if first_lp else {})}
+                answer = {"token": tokens[0], "tokens": tokens, **ev, **({"logprobs": first_lp} if first_lp else {})}
+                if not (body.export_kv or body.hold_kv):
+                    return answer
                 if kv is None:
                     return error(400, "this worker cannot export KV (only prefill workers do)")
-                buf = io.BytesIO()
-                extra = {"images": decode_images(body.images)} if body.images else {}
-                np.savez(buf, prompt=np.asarray(body.prompt, np.int32), token=np.int32(tokens[0]), pages=kv[0],
-                         state=kv[1], **extra)
+                packed = kv_handoff.pack(body.prompt, tokens[0], kv[0], kv[1],
+                                         decode_images(body.images) if body.images else None)
+                if body.hold_kv:  # the decode worker pulls it (GET /kv/<handle>): the router sees the handle
+                    try:
+                        return {**answer, "kv_handle": held.put(packed), "kv_bytes": len(packed)}
+                    except ValueError as err:
+                        return error(503, str(err), retriable=True)
                 headers = {"x-kimik3-token": str(tokens[0]), "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
                            "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"])}
                 if first_lp is not None:  # the first token's logprobs: the router sends them (the adopter starts after)
                     headers["x-kimik3-logprobs"] = json.dumps(first_lp)
-                return Response(buf.getvalue(), media_type="application/octet-stream", headers=headers)
+                return Response(packed, media_type="application/octet-stream", headers=headers)
+
+    @app.get("/kv/{handle}")
+    async def kv(handle: str, request: Request):
+        """A held handoff, once (`hold_kv`): another tenant's prompt, so only the deployment's own
+        processes (the internal token) may read it."""
+        if not internal_auth.authorized(request.headers.get("authorization"), tok):
+            return error(401, "missing or wrong internal token")
+        data = held.take(handle)
+        if data is None:
+            return error(404, "no KV held under this handle (taken, expired or dropped)")
+        return Response(data, media_type="application/octet-stream")
 
     @app.get("/health")
     async def health():
@@ -567,7 +611,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
     @app.get("/load")
     async def load():
-        return loop.load()
+        return {**loop.load(), **held.stats()}
 
     @app.post("/drain")
     async def drain():

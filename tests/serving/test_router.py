@@ -175,6 +175,10 @@ def metric(cluster, name, **labels) -> float:
     return total
 
 
+def metric_value(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def workers(cluster) -> dict:
     return {w["url"]: w for w in httpx.get(cluster.url("router") + "/admin/workers", timeout=10).json()["workers"]}
 
@@ -525,6 +529,10 @@ def check_direct_handoff_through_a_second_router_equals_the_oracle(cluster, para
     assert_logprobs_are_the_oracles(params, chat_prompt(text), r.json()["choices"][0])
     text = httpx.get(cluster.url("router_direct") + "/metrics", timeout=10).text
     assert 'kimik3_router_handoffs_total{mode="direct"} 3.0' in text
+    # the KV went worker to worker: the prefill workers served each handoff once and hold none now
+    loads = [httpx.get(cluster.url(f"prefill{i}") + "/load", timeout=10).json() for i in (0, 1)]
+    assert sum(x["kv_served"] for x in loads) == 3 and sum(x["kv_held"] for x in loads) == 0
+    assert metric_value(text, "kimik3_router_direct_handoff_bytes_total") > 0
     stop_process(cluster.procs.pop("router_direct"))
 
 

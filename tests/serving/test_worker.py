@@ -137,6 +137,16 @@ def test_direct_handoff_moves_the_prompts_kv_from_a_prefill_worker_to_a_decode_w
         assert [want[0]] + [e["token"] for e in events if "token" in e] == want
         assert dec.get("/load").json()["prompt_tokens"] == len(prompt)
         assert dec.post("/adopt", content=b"junk", params={"max_tokens": 6}).status_code == 400
+        # held for a decode worker to pull (`serving.kv_handoff`): the answer carries a handle, not the KV
+        r = pre.post("/prefill", json={"prompt": prompt, "max_tokens": 1, "hold_kv": True}).json()
+        assert r.get("token") == want[0] and r["kv_bytes"] > 0 and pre.get("/load").json()["kv_held"] == 1, r
+        assert len(pre.get(f"/kv/{r['kv_handle']}").content) == r["kv_bytes"]
+        assert pre.get(f"/kv/{r['kv_handle']}").status_code == 404  # once
+        assert pre.get("/load").json()["kv_served"] == 1
+        # a pull that cannot reach its source is a 502 the router retries elsewhere
+        r = dec.post("/adopt", params={"max_tokens": 6, "kv_from": "http://127.0.0.1:9", "kv_handle": "abc"})
+        assert r.status_code == 502 and r.json()["retriable"]
+        assert dec.post("/adopt", params={"max_tokens": 6, "kv_from": "http://127.0.0.1:9"}).status_code == 400
         # a decode (or both) worker has nothing to export
         assert dec.post("/prefill", json={"prompt": prompt, "max_tokens": 1, "export_kv": True}).status_code == 400
 
