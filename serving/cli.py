@@ -292,7 +292,7 @@ def _cmd_demo(args) -> int:
     from serving import demo
 
     spec = demo.DemoSpec(config=args.config, sessions=args.sessions, seed=args.seed, checkpoint=args.checkpoint,
-                         manifest=args.manifest)
+                         manifest=args.manifest, num_pages=args.num_pages)
     print(demo.main(spec, args.out))
     return 0
 
@@ -375,7 +375,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     d = add("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
     d.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
-    d.add_argument("--sessions", type=int, default=6, help="concurrent multi-turn agent sessions")
+    d.add_argument("--sessions", type=int, default=8, help="multi-turn agent sessions (all arrive at once)")
+    d.add_argument("--num-pages", type=int, default=48,
+                   help="GPU pool pages per engine (32 tokens each): below the sessions' histories, so turns are "
+                        "evicted and the host tier's hits show")
     d.add_argument("--seed", type=int, default=0, help="weights' and workload's seed")
     d.add_argument("--out", default="out", help="the report's JSON and plot go here")
     d.add_argument("--checkpoint", default=None, help="serve these weights (overrides --config; default random)")

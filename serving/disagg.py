@@ -97,6 +97,11 @@ class DisaggregatedServer:
                                          p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
         return out
 
+    def done(self, request_id: str) -> bool:
+        """Whether a request has finished end to end: a prefilled request waiting for decode
+        capacity is not (its prefill side is released, and `requests` still shows that side)."""
+        return self.requests[request_id].done and all(p[0].request_id != request_id for p in self._pending)
+
     def has_work(self) -> bool:
         return self.prefill.has_work() or self.decode.has_work() or bool(self._pending)
 
