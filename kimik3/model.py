@@ -536,7 +536,11 @@ def forward_taps(params: Params, cfg: ModelConfig, tokens, layers: tuple[int, ..
 
 
 def _concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    """Whether x's values can be read here: not a tracer, nor a global array of a multi-process
+    group with shards on other processes (`sharding.distributed`)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
 def _as_tokens(tokens, cfg: ModelConfig):

@@ -1,0 +1,96 @@
+"""One model across processes: JAX's multi-controller runtime, brought up on loopback.
+
+Every process of a group runs this same program: `initialize` joins the group
+(`jax.distributed.initialize` with a coordinator, the process count and this process's id, as
+JAX documents), after which `jax.devices()` lists every process's devices, a mesh may span them
+(`sharding.mesh.prefill_mesh(devices=...)`), and each process runs the same jitted steps on its
+own shards.  On CPU the cross-process collectives are gloo's.
+
+Bindings: the coordinator's gRPC service binds where `bind` says, by default the coordinator
+address itself (JAX's default is every interface); gloo's listeners follow the host name the
+coordinator address gives, so a group on 127.0.0.1 listens on loopback only.
+
+Host values leave a global array through `gather` (every process gets the whole array; a
+process may only read its addressable shards otherwise); host inputs go in with
+`jax.device_put(value, NamedSharding)`, each process passing the same value (the steps'
+`place_params` / `place_cache` do).
+
+A process group as a serving engine (the scheduler replicated on every process, pools per rank)
+is issue 23's next step; today the sharded steps (`sharding.prefill.ShardedPrefill`,
+`sharding.decode.ShardedDecode`) run across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+ENV = {"coordinator": "KIMIK3_COORDINATOR", "num_processes": "KIMIK3_NUM_PROCESSES",
+       "process_id": "KIMIK3_PROCESS_ID"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroup:
+    """coordinator: "host:port" of process 0's coordination service; num_processes; process_id
+    in [0, num_processes); cpu_devices: devices per process on CPU (None: JAX's default)."""
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    cpu_devices: int | None = None
+
+    def __post_init__(self):
+        host, _, port = self.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"coordinator must be host:port; got {self.coordinator!r}")
+        if not (isinstance(self.num_processes, int) and self.num_processes >= 1):
+            raise ValueError(f"num_processes must be >= 1; got {self.num_processes!r}")
+        if not (isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes):
+            raise ValueError(f"process_id must lie in [0, {self.num_processes}); got {self.process_id!r}")
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ValueError(f"cpu_devices must be >= 1; got {self.cpu_devices}")
+
+    @classmethod
+    def from_env(cls, env=None, cpu_devices: int | None = None) -> "ProcessGroup | None":
+        """The group $KIMIK3_COORDINATOR, $KIMIK3_NUM_PROCESSES and $KIMIK3_PROCESS_ID name (None
+        when none is set; ValueError when only some are)."""
+        env = os.environ if env is None else env
+        values = {k: env.get(v) for k, v in ENV.items()}
+        if not any(values.values()):
+            return None
+        missing = [ENV[k] for k, v in values.items() if not v]
+        if missing:
+            raise ValueError(f"a process group needs {', '.join(ENV.values())}; missing {', '.join(missing)}")
+        return cls(values["coordinator"], int(values["num_processes"]), int(values["process_id"]), cpu_devices)
+
+
+def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120) -> None:
+    """Join `group` (before any JAX computation in this process).  bind: the coordinator
+    service's listening address (default: `group.coordinator`, so a loopback group stays on
+    loopback)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's, wherever it runs
+    if group.cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", group.cpu_devices)
+    jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
+                               process_id=group.process_id, coordinator_bind_address=bind or group.coordinator,
+                               initialization_timeout=timeout_s)
+    log.info("process %d of %d joined %s: %d devices, %d local", group.process_id, group.num_processes,
+             group.coordinator, len(jax.devices()), len(jax.local_devices()))
+
+
+def gather(x):
+    """A global array (or a pytree of them) whole on this process, as numpy."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(x, tiled=True)
+
+
+def shutdown() -> None:
+    import jax
+
+    jax.distributed.shutdown()
