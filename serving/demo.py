@@ -6,7 +6,9 @@ metrics table, plus a plot of the TTFT / TPOT distributions:
 * colocated: one engine, GPU pool only;
 * colocated + host tier: one engine with the embedded host-memory tier;
 * P/D direct: a prefill engine hands KV to a decode engine directly;
-* P/D via store: the handoff goes through a shared host tier.
+* P/D via store: the handoff goes through a shared host tier;
+* P/D via Mooncake (when Mooncake is installed): the same through a Mooncake store, in a child
+  process under the loopback shim (`serving.demo_store`).
 
 Sessions are closed-loop: a session's next turn (history + new input) is
 submitted when its previous turn finishes; sessions start in bursts.  The
@@ -57,10 +59,15 @@ class DemoSpec:
     manifest: str | None = None  # with a quantized checkpoint (`kimik3 quantize`): the manifest to load
 
 
+def engine_config(spec: DemoSpec, max_pages: int) -> EngineConfig:
+    """Every setup's engine configuration (roles and tiers apart)."""
+    return EngineConfig(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
+                        page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
+                        max_pages_per_request=max_pages, prefill_chunk_tokens=256)
+
+
 def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
-    common = EngineConfig(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
-                          page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
-                          max_pages_per_request=max_pages, prefill_chunk_tokens=256)
+    common = engine_config(spec, max_pages)
     if mode.startswith("colocated"):
         host = EmbeddedHostKVTier(spec.host_bytes) if mode.endswith("host") else None
         return Engine(params, cfg, common, host=host)
@@ -80,13 +87,15 @@ def _max_pages(spec: DemoSpec) -> int:
     return -(-longest // spec.page_tokens) + 1
 
 
-def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None):
+def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None, engines=None):
     """One setup over `spec`'s workload.  max_pages: the engines' block-table width (default:
     what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
     width, so they compile the programs the measurement runs (another width is another shape
-    of every step program: 28 s of compiles on an H200 at `small`)."""
+    of every step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages)
+    -> the server, for setups built elsewhere (`serving.demo_store`)."""
     sessions = _workload(spec)
-    server = _engines(params, cfg, spec, mode, _max_pages(spec) if max_pages is None else max_pages)
+    width = _max_pages(spec) if max_pages is None else max_pages
+    server = engines(spec, width) if engines is not None else _engines(params, cfg, spec, mode, width)
     engines = [server] if isinstance(server, Engine) else [server.prefill, server.decode]
     next_turn = {s: 0 for s in range(len(sessions))}
     live: dict[int, object] = {}
@@ -179,6 +188,14 @@ def main(spec: DemoSpec, out_dir: str) -> str:
             summaries.append(summary)
             all_records[mode] = records
             rss[mode] = _rss_gib()
+    from serving import demo_store
+
+    if demo_store.available():  # the shared tier as production runs it: a Mooncake store (a child process)
+        with tqdm(total=1, desc=demo_store.MODE, unit="run") as bar:
+            records, wall, compiles[demo_store.MODE] = demo_store.run(spec)
+            bar.update(1)
+        summaries.append(metrics.summarize(demo_store.MODE, records, wall))
+        all_records[demo_store.MODE] = records
     for phase, (cur, peak) in rss.items():
         log.info("host RSS after %s: %.2f GiB (peak %.2f)%s", phase, cur, peak,
                  f"; {seconds[phase]:.1f} s" if phase in seconds else "")

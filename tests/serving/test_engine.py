@@ -1,5 +1,7 @@
 """The engine's greedy tokens equal the oracle's: batched, across turns, from prefix hits."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -104,10 +106,17 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     # host tier serves the next turns' prefixes (issue 21: the demo shows the tiers' benefit)
     text = demo.main(demo.DemoSpec(sessions=5, turns=(2, 2), num_pages=20), str(tmp_path))
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
-    for mode in demo.MODES:
+    from serving import demo_store
+
+    if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+        assert demo_store.available()
+    modes = demo.MODES + ((demo_store.MODE,) if demo_store.available() else ())
+    for mode in modes:
         assert f"| {mode} | 10 |" in text  # every turn finished, P/D handoffs that waited for capacity too
     host_share = lambda mode: float(rows[mode].rsplit("+", 1)[1].split("%")[0])
     assert host_share("colocated+host") > 0 and host_share("pd-store") > 0 and host_share("colocated") == 0
+    if demo_store.available():  # P/D through a Mooncake store (a child process on loopback) hits the same
+        assert rows[demo_store.MODE].rsplit("|", 2)[1] == rows["pd-store"].rsplit("|", 2)[1]
     assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()
     # what benchmarks/serving_small_report.py reads from a demo's output
     from benchmarks.serving_small_report import demo_figures
