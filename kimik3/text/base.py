@@ -36,7 +36,8 @@ class Tokenizer(Protocol):
 class IncrementalDetokenizer:
     """Text from a stream of ids, a piece per id: bytes go through an incremental UTF-8 decoder (a
     character split over ids comes out whole with the id that completes it; invalid bytes are
-    U+FFFD), special tokens are left out.  The concatenated pieces plus `flush()` equal
+    U+FFFD), special tokens (and ids past the tokenizer's, which a larger model vocabulary may
+    emit) are left out.  The concatenated pieces plus `flush()` equal
     `decode(ids)`."""
 
     def __init__(self, tok: "BaseTokenizer"):
@@ -44,7 +45,7 @@ class IncrementalDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def feed(self, token_id: int) -> str:
-        if self._tok.is_special(token_id):
+        if self._tok.is_special(token_id) or token_id >= self._tok.vocab_size:  # as `decode` skips them
             return ""
         return self._utf8.decode(self._tok.token_bytes(token_id))
 
