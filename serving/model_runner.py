@@ -33,8 +33,11 @@ it takes the runner's per-slot output counts int32 [num_slots + 1, V] (donated; 
 its input token, always the request's latest output token, to its slot's row, so a row holds
 the request's whole output when the penalties read it) and returns the chosen tokens' logprobs
 and the top `MAX_LOGPROBS` (fresh outputs each step: the variant pays the graph's re-record the
-plain program avoids).  The host writes a slot's row (`DecodeRunner.sync_counts`) when it does
-not hold the request's output so far: a new request in the slot, a resume, a handoff.
+plain program avoids).  The host writes a slot's row (`DecodeRunner._sync_counts`) when it does
+not hold the request's output so far: a new request in the slot, a resume, a handoff.  It is
+one program per bucket and greedy flag whatever the rows ask (rows without penalties have zero
+coefficients, logprobs are computed for every row): a server compiles it at a client's first
+such request.
 """
 
 from __future__ import annotations
@@ -146,13 +149,14 @@ def decode_program(params, pools, io, *, cfg: ModelConfig, kernels: str, greedy:
     return _decode_body(params, pools, io, cfg=cfg, kernels=kernels, greedy=greedy)[:2]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "logprobs"),
-                   donate_argnames=("pools", "io", "counts"))
-def decode_program_ext(params, pools, io, counts, *, cfg: ModelConfig, kernels: str, greedy: bool, logprobs: bool):
-    """`decode_program` with the penalties' per-slot output counts (int32 [slots + 1, V], donated, or
-    None: no penalties) and, with `logprobs`, the chosen tokens' (`serving.sampling.token_logprobs`).
-    Returns (pools, io, counts, None or (chosen f32 [B], top ids int32 [B, K], top logprobs f32 [B, K]))."""
-    return _decode_body(params, pools, io, counts, cfg=cfg, kernels=kernels, greedy=greedy, logprobs=logprobs)
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy"), donate_argnames=("pools", "io", "counts"))
+def decode_program_ext(params, pools, io, counts, *, cfg: ModelConfig, kernels: str, greedy: bool):
+    """`decode_program` with the penalties' per-slot output counts (int32 [slots + 1, V], donated;
+    rows without penalties have zero coefficients) and the chosen tokens' logprobs
+    (`serving.sampling.token_logprobs`): one variant for penalties, logprobs or both, so a
+    server's first such request compiles at most once per bucket and greedy flag.
+    Returns (pools, io, counts, (chosen f32 [B], top ids int32 [B, K], top logprobs f32 [B, K]))."""
+    return _decode_body(params, pools, io, counts, cfg=cfg, kernels=kernels, greedy=greedy, logprobs=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "n_steps"),
@@ -262,11 +266,11 @@ class DecodeRunner:
     def _sync_counts(self, rows: DecodeRows, histories) -> None:
         """Make the penalties' count row of each request row's slot hold its output before the
         step's input token: histories[i] = (owner, those tokens), `owner` any object identifying
-        the request (its record), or None for a row without penalties.  A row already holding them
-        (the owner's earlier steps counted them) is left as it is; the rows of other slots of the
-        batch lose their record (the step adds its input token to them too)."""
+        the request (its record), or None (or missing) for a row without penalties.  A row
+        already holding them (the owner's earlier steps counted them) is left as it is; the rows
+        of other slots of the batch lose their record (the step adds its input token to them too)."""
         if self.num_slots is None:
-            raise ValueError("penalties need the runner's num_slots")
+            raise ValueError("penalties and logprobs need the runner's num_slots")
         if self._counts is None:
             self._counts = jnp.zeros((self.num_slots + 1, self.cfg.vocab_size), jnp.int32)
             self._counted = {}
@@ -290,16 +294,12 @@ class DecodeRunner:
         io = self._buffers(rows, tokens_on_device)
         lp = None
         if rows.penalized or rows.wants_logprobs:
-            counts = None
-            if rows.penalized:
-                if histories is None:
-                    raise ValueError("rows with penalties need their outputs so far (histories)")
-                self._sync_counts(rows, histories)
-                counts, self._counts = self._counts, None
-            pools, io, counts, lp = decode_program_ext(params, pools, io, counts, cfg=self.cfg, kernels=self.kernels,
-                                                       greedy=rows.greedy, logprobs=rows.wants_logprobs)
-            if rows.penalized:
-                self._counts = counts
+            if rows.penalized and histories is None:
+                raise ValueError("rows with penalties need their outputs so far (histories)")
+            self._sync_counts(rows, histories or [])
+            counts, self._counts = self._counts, None
+            pools, io, self._counts, lp = decode_program_ext(params, pools, io, counts, cfg=self.cfg,
+                                                             kernels=self.kernels, greedy=rows.greedy)
         else:
             pools, io = decode_program(params, pools, io, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy)
         self._io[bucket] = io
