@@ -6,9 +6,11 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-# The EAGLE-3 A/B notebook trains a target and a draft first (~100 s on 2 cores): what it runs is the
-# CLI's path (tests/serving/test_eagle_ab.py), so it runs with the slow tests only (KIMIK3_SLOW=1).
-SLOW = {"eagle_ab.ipynb"}
+# The EAGLE-3 A/B notebook trains a target and a draft first (~100 s on 2 cores) and the media
+# cache's runs its ablation (~40 s): each re-runs a CLI's path that a test covers
+# (tests/serving/test_eagle_ab.py, tests/serving/test_media_bench.py), so they run with the slow
+# tests only (KIMIK3_SLOW=1).
+SLOW = {"eagle_ab.ipynb", "media_cache_ablation.ipynb"}
 NOTEBOOKS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
              for p in sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))]
 

@@ -77,9 +77,11 @@ def test_penalties_follow_vllms_formula_through_slot_reuse_preemption_and_handof
     with pytest.raises(ValueError, match="prior_output"):
         eng.submit(prompts[0], 4, prior_output=len(prompts[0]))
     long = [rng.integers(0, 256, 60).tolist() for _ in range(2)]  # 100 tokens each: 7 pages of 9
-    want_long = [generate(tiny_params, tiny_cfg, p, 40, choose=penalized_greedy(s.presence_penalty,
-                                                                                 s.frequency_penalty)).tokens.tolist()
-                 for p, s in zip(long, params)]
+    roomy = _engine(tiny_params, tiny_cfg)  # the oracle's tokens (shown above), without preemption
+    want_long = [roomy.submit(p, 40, sampling=s) for p, s in zip(long, params)]
+    roomy.run(max_steps=400)
+    want_long = [r.output for r in want_long]
+    assert roomy.preemptions == 0
     tight = _engine(tiny_params, tiny_cfg, num_pages=9)
     got = [tight.submit(p, 40, sampling=s) for p, s in zip(long, params)]
     tight.run(max_steps=400)
