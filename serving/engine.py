@@ -642,10 +642,14 @@ class Engine:
 
     @staticmethod
     def _histories(reqs: list[Request], *, chained: bool):
-        """Per request, (its record, its output before the step's input token) if it has penalties
-        (`DecodeRunner.dispatch`): the whole output when the input is the in-flight step's token."""
-        return [(r, r.generated() if chained else r.generated()[:-1]) if r.sampling.penalized else None
-                for r in reqs]
+        """Per request with penalties, (its record, how many tokens it generated before the step's
+        input token, a function giving them) (`DecodeRunner.dispatch`; the list is built only when
+        the slot's counts must be rewritten): all of them when the input is the in-flight step's
+        token, all but the last otherwise."""
+        def entry(r):
+            n = r.prior_output + len(r.output) - (0 if chained else 1)
+            return r, n, lambda: r.generated()[:n]
+        return [entry(r) if r.sampling.penalized else None for r in reqs]
 
     def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
         return DecodeRows.build(self._decode_bucket(len(reqs)), tokens, [self._table(r) for r in reqs],

@@ -265,10 +265,11 @@ class DecodeRunner:
 
     def _sync_counts(self, rows: DecodeRows, histories) -> None:
         """Make the penalties' count row of each request row's slot hold its output before the
-        step's input token: histories[i] = (owner, those tokens), `owner` any object identifying
-        the request (its record), or None (or missing) for a row without penalties.  A row
-        already holding them (the owner's earlier steps counted them) is left as it is; the rows
-        of other slots of the batch lose their record (the step adds its input token to them too)."""
+        step's input token: histories[i] = (owner, how many, a function returning those tokens),
+        `owner` any object identifying the request (its record), or None (or missing) for a row
+        without penalties.  A row already holding them (the owner's earlier steps counted them) is
+        left as it is, and the tokens are not asked for; the rows of other slots of the batch lose
+        their record (the step adds its input token to them too)."""
         if self.num_slots is None:
             raise ValueError("penalties and logprobs need the runner's num_slots")
         if self._counts is None:
@@ -279,12 +280,13 @@ class DecodeRunner:
             if entry is None:
                 self._counted.pop(slot, None)
                 continue
-            owner, output = entry
+            owner, n, tokens = entry
             held = self._counted.get(slot)
-            if held is None or held[0] is not owner or held[1] != len(output):
-                self._counts = _write_counts(self._counts, jnp.int32(slot), output_counts(output, self.cfg.vocab_size))
+            if held is None or held[0] is not owner or held[1] != n:
+                self._counts = _write_counts(self._counts, jnp.int32(slot), output_counts(tokens(),
+                                                                                          self.cfg.vocab_size))
                 self.count_writes += 1
-            self._counted[slot] = (owner, len(output) + 1)  # what the row holds after the step
+            self._counted[slot] = (owner, n + 1)  # what the row holds after the step
 
     def dispatch(self, params, pools, rows: DecodeRows, *, tokens_on_device: bool = False, histories=None):
         """Enqueue a step; returns (pools, tokens on the device [bucket], dispatch id, logprobs or None)
