@@ -73,6 +73,13 @@ def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int =
     loopback)."""
     import jax
 
+    # An executable compiled inside a group must never be read back by a lone process (or by a
+    # group of another size), whose runtime it does not match: the same HLO and options give the
+    # same cache key, so a shared persistent cache would hand one to the other (a lone process
+    # that loaded one crashed later, in XLA).  The group's programs get a directory of their own.
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, f"process-group-{group.num_processes}"))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's, wherever it runs
     if group.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", group.cpu_devices)
