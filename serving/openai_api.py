@@ -210,11 +210,14 @@ def token_entry(tok, token: int, logprob: float) -> dict:
     `kimik3.text.Tokenizer`): its text, or "bytes:\\x.." where its bytes are not UTF-8 on their
     own (a piece of a character)."""
     raw = tok.token_bytes(token)
+    return {"token": _token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+
+def _token_text(raw: bytes) -> str:
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
-        text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def chat_logprobs(tok, tokens: list[int], entries: list) -> dict:
@@ -232,9 +235,9 @@ def completion_logprobs(tok, tokens: list[int], entries: list, offsets: list[int
     """The legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs ({text: logprob}
     per token) and text_offset (each token's start in the completion's text)."""
     kept = [(t, e, o) for t, e, o in zip(tokens, entries, offsets) if e is not None]
-    return {"tokens": [token_entry(tok, t, 0.0)["token"] for t, _, _ in kept],
-            "token_logprobs": [e.logprob for _, e, _ in kept],
-            "top_logprobs": [{token_entry(tok, i, 0.0)["token"]: lp for i, lp in e.top} for _, e, _ in kept],
+    text = lambda t: _token_text(tok.token_bytes(t))
+    return {"tokens": [text(t) for t, _, _ in kept], "token_logprobs": [e.logprob for _, e, _ in kept],
+            "top_logprobs": [{text(i): lp for i, lp in e.top} for _, e, _ in kept],
             "text_offset": [o for _, _, o in kept]}
 
 

@@ -28,10 +28,6 @@ import os
 
 log = logging.getLogger(__name__)
 
-ENV = {"coordinator": "KIMIK3_COORDINATOR", "num_processes": "KIMIK3_NUM_PROCESSES",
-       "process_id": "KIMIK3_PROCESS_ID"}
-
-
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
     """coordinator: "host:port" of process 0's coordination service; num_processes; process_id
@@ -52,19 +48,6 @@ class ProcessGroup:
             raise ValueError(f"process_id must lie in [0, {self.num_processes}); got {self.process_id!r}")
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ValueError(f"cpu_devices must be >= 1; got {self.cpu_devices}")
-
-    @classmethod
-    def from_env(cls, env=None, cpu_devices: int | None = None) -> "ProcessGroup | None":
-        """The group $KIMIK3_COORDINATOR, $KIMIK3_NUM_PROCESSES and $KIMIK3_PROCESS_ID name (None
-        when none is set; ValueError when only some are)."""
-        env = os.environ if env is None else env
-        values = {k: env.get(v) for k, v in ENV.items()}
-        if not any(values.values()):
-            return None
-        missing = [ENV[k] for k, v in values.items() if not v]
-        if missing:
-            raise ValueError(f"a process group needs {', '.join(ENV.values())}; missing {', '.join(missing)}")
-        return cls(values["coordinator"], int(values["num_processes"]), int(values["process_id"]), cpu_devices)
 
 
 def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120) -> None:

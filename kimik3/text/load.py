@@ -33,17 +33,12 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if not os.path.exists(spec):
         raise FileNotFoundError(f"no tokenizer at {spec!r} (give 'byte', a tokenizer.json, a tiktoken file or a "
                                 f"directory holding one)")
-    directory, path = (spec, None) if os.path.isdir(spec) else (os.path.dirname(spec) or ".", spec)
+    if os.path.isdir(spec):
+        directory, path = spec, _tokenizer_file(spec)
+    else:
+        directory, path = os.path.dirname(spec) or ".", spec
     if path is None:
-        for name in ("tokenizer.json",) + TIKTOKEN_NAMES:
-            if os.path.exists(os.path.join(directory, name)):
-                path = os.path.join(directory, name)
-                break
-        else:
-            found = [n for n in os.listdir(directory) if n.endswith(".tiktoken")]
-            if not found:
-                raise FileNotFoundError(f"{directory} holds no tokenizer.json, tiktoken.model or *.tiktoken")
-            path = os.path.join(directory, sorted(found)[0])
+        raise FileNotFoundError(f"{directory} holds no tokenizer.json, tiktoken.model or *.tiktoken")
     cfg = _config(directory)
     kw = {"chat_template": cfg.get("chat_template"), "role_names": cfg.get("roles")}
     if path.endswith(".json"):
@@ -58,9 +53,17 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     return TiktokenTokenizer(path, pattern=cfg.get("pat_str", DEFAULT_PATTERN), special=special, **kw)
 
 
+def _tokenizer_file(directory: str) -> str | None:
+    """The tokenizer file a directory holds: tokenizer.json, tiktoken.model, else the first *.tiktoken."""
+    for name in ("tokenizer.json",) + TIKTOKEN_NAMES:
+        if os.path.exists(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    found = sorted(n for n in os.listdir(directory) if n.endswith(".tiktoken"))
+    return os.path.join(directory, found[0]) if found else None
+
+
 def holds_tokenizer(directory: str) -> bool:
-    return os.path.isdir(directory) and any(
-        n in ("tokenizer.json",) + TIKTOKEN_NAMES or n.endswith(".tiktoken") for n in os.listdir(directory))
+    return os.path.isdir(directory) and _tokenizer_file(directory) is not None
 
 
 def load_serving_tokenizer(spec: str | None, checkpoint: str | None, model_vocab_size: int) -> BaseTokenizer:

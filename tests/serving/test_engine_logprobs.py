@@ -7,16 +7,8 @@ import pytest
 
 from kimik3.generate import generate
 from serving.disagg import DisaggregatedServer
-from serving.engine import Engine
 from serving.sampling import SamplingParams
-
-PAGE = 16
-
-
-def _engine(params, cfg, **kw):
-    kw = dict(dict(num_pages=48, num_slots=4, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                   max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference"), **kw)
-    return Engine(params, cfg, **kw)
+from tests.serving.test_engine import _engine
 
 
 def _log_softmax(x):

@@ -495,13 +495,11 @@ def check_logprobs_and_penalties_reach_the_workers_and_come_back_in_openais_shap
     ref = jax.nn.log_softmax(jax.numpy.asarray(result.logits), axis=-1)
     np.testing.assert_allclose(legacy["token_logprobs"], [float(ref[i, t]) for i, t in enumerate(result.tokens)],
                                atol=1e-3)
+    from tests.serving.test_engine_logprobs import penalized_greedy
+
     pen = dict(presence_penalty=0.5, frequency_penalty=1.5)
-
-    def choose(logits, output):
-        counts = np.bincount(np.asarray(output, np.int64), minlength=len(logits))[:len(logits)]
-        return int(np.argmax(logits - pen["frequency_penalty"] * counts - pen["presence_penalty"] * (counts > 0)))
-
-    want = generate(params, config.tiny(), prompt, 16, stop_at_eos=True, choose=choose).tokens.tolist()
+    want = generate(params, config.tiny(), prompt, 16, stop_at_eos=True,
+                    choose=penalized_greedy(pen["presence_penalty"], pen["frequency_penalty"])).tokens.tolist()
     r = httpx.post(base + "/v1/chat/completions", json=chat_body(text, 16, **pen), timeout=120)
     assert r.json()["choices"][0]["token_ids"] == want != oracle(params, prompt, 16)
 
