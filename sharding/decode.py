@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from kimik3 import model, ops
+from kimik3.caches import LayerCaches, PagedPools
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import rms_norm
 from sharding import layers
@@ -35,20 +36,33 @@ from sharding.rules import ALL, DECODE_RULES, Rules, cache_specs, param_specs, s
 log = logging.getLogger(__name__)
 
 
-def _body(params, x_btd, cache, *, cfg: ModelConfig, ep: int, dispatch: str, kernels: str):
-    """One rank's decode step: x_btd [B/dp, T, D] (its requests) -> logits [B/dp, T, V], its cache rows."""
+def _body(params, x_btd, caches, lengths_b, *, cfg: ModelConfig, ep: int, dispatch: str, kernels: str):
+    """One rank's decode step: x_btd [B/dp, T, D] (its requests), caches over their rows
+    (`kimik3.caches.LayerCaches` of its contiguous cache rows, or `PagedPools` over its own
+    pools) -> (logits [B/dp, T, V], the caches written)."""
     t = x_btd.shape[1]
-    positions = cache["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    new_layers = []
+    positions = lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     for i in range(cfg.n_layers):
         p = params[f"layer_{i}"]
         h = rms_norm(x_btd, p["mixer_norm"]["scale"], cfg.norm_eps)
-        y, c = layers.mixer(cfg, i, p, h, positions, cache["layers"][i], kernels)
-        new_layers.append(c)
+        y, c = layers.mixer(cfg, i, p, h, positions, caches.get(cfg, i, None), kernels)
+        caches, _ = caches.put(cfg, i, None, c)
         x_btd = x_btd + y
         h = rms_norm(x_btd, p["ffn_norm"]["scale"], cfg.norm_eps)
         x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels)
-    return lm_head(params, cfg, x_btd), {"lengths": cache["lengths"] + t, "layers": tuple(new_layers)}
+    return lm_head(params, cfg, x_btd), caches
+
+
+def _contiguous_body(params, x_btd, cache, **kw):
+    logits, caches = _body(params, x_btd, LayerCaches(tuple(cache["layers"])), cache["lengths"], **kw)
+    return logits, {"lengths": cache["lengths"] + x_btd.shape[1], "layers": caches.layers}
+
+
+def _paged_body(params, x_btd, pools, tables, slots, lengths, **kw):
+    """One rank's step over its own pools (`kimik3.model.init_paged_cache` of its pages and
+    slots): tables [B/dp, P] and slots [B/dp] are ids in those pools."""
+    logits, caches = _body(params, x_btd, PagedPools(pools["kda"], pools["mla"], slots, tables), lengths, **kw)
+    return logits, {"kda": caches.kda, "mla": caches.mla}
 
 
 class ShardedDecode:
@@ -82,7 +96,7 @@ class ShardedDecode:
         x = embed_inputs(params, self.cfg, tokens)
         rows = P(ALL, None, None)
         cache_spec = cache_specs(cache, self.rules)
-        body = functools.partial(_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch,
+        body = functools.partial(_contiguous_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch,
                                  kernels=self.kernels)
         fn = jax.shard_map(body, mesh=self.mesh, in_specs=(param_specs(params, self.rules), rows, cache_spec),
                            out_specs=(rows, cache_spec), check_vma=False)
@@ -107,6 +121,57 @@ class ShardedDecode:
         """The compiled step without `__call__`'s value checks (no host sync): for callers that
         guarantee the shapes (B a multiple of dp), e.g. the serving engine."""
         return self._jitted(params, tokens, cache)
+
+
+class PagedDecode:
+    """Decode steps of `cfg` on a `decode_mesh` over pools each rank owns (DP attention as served).
+
+    The pools are the ranks' own `kimik3.model.init_paged_cache` pools of the same size, stacked
+    on axis 0 in the mesh's device order and split over the whole mesh (`sharding.rank_pools`),
+    so rank r's shard is exactly its pool: its pages, its KDA slots, its null page 0 and scratch
+    slot.  ``PagedDecode(cfg, mesh)(params, pools, tokens [dp*b, T], tables [dp*b, max_pages],
+    slots [dp*b], lengths [dp*b])`` -> (logits f32 [dp*b, T, V] split over the ranks, the pools
+    written in place: donated).  Rows r*b .. r*b + b - 1 are rank r's; their tables and slots are
+    ids in rank r's pool.  Each rank reads and writes only its own shard: no collective touches
+    the pools, the only ones are the EP all-to-alls of the MoE layers.
+    """
+
+    rules: Rules = DECODE_RULES
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, *, dispatch: str = "auto", kernels: str = "auto"):
+        self.cfg, self.mesh = cfg, mesh
+        self.shape = mesh_shape(mesh, "decode")
+        check_config(cfg, self.shape)
+        self.dispatch = layers.resolve_dispatch(dispatch)
+        self.kernels = ops.resolve(kernels)
+        self._jitted = jax.jit(self._run, donate_argnums=(1,))
+
+    @property
+    def size(self) -> int:
+        return self.shape.size
+
+    def place_params(self, params):
+        return shard_params(params, self.mesh, self.rules)
+
+    def _run(self, params, pools, tokens, tables, slots, lengths):
+        x = embed_inputs(params, self.cfg, tokens)
+        split = lambda tree: jax.tree_util.tree_map(lambda _: P(ALL), tree)
+        body = functools.partial(_paged_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch,
+                                 kernels=self.kernels)
+        fn = jax.shard_map(body, mesh=self.mesh,
+                           in_specs=(param_specs(params, self.rules), P(ALL), split(pools), P(ALL), P(ALL), P(ALL)),
+                           out_specs=(P(ALL), split(pools)), check_vma=False)
+        return fn(params, x, pools, tables, slots, lengths)
+
+    def lower(self, params, pools, tokens, tables, slots, lengths):
+        return self._jitted.lower(params, pools, tokens, tables, slots, lengths)
+
+    def __call__(self, params, pools, tokens, tables, slots, lengths):
+        tokens = jnp.asarray(tokens, jnp.int32)
+        if tokens.ndim != 2 or tokens.shape[0] % self.size:
+            raise ValueError(f"decode tokens must be [dp * b, T] with dp={self.size}; got {tokens.shape}")
+        return self._jitted(params, pools, tokens, jnp.asarray(tables, jnp.int32), jnp.asarray(slots, jnp.int32),
+                            jnp.asarray(lengths, jnp.int32))
 
 
 def decode(params, cfg: ModelConfig, mesh: Mesh, tokens, cache, *, dispatch: str = "auto", kernels: str = "auto"):
