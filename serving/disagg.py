@@ -54,7 +54,7 @@ class DisaggregatedServer:
             feature = engine.export_draft_feature(req) if engine.spec is not None else None
             self._pending.append((req, pages, (state, feature)))
         else:
-            engine.manager.publish_to_host(req.request_id)
+            engine.manager_of(req).publish_to_host(req.request_id)
             self._pending.append((req, None, None))
 
     def _hand_over(self) -> None:

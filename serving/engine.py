@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache.block_hash import image_items
-from cache.block_pool import NULL_BLOCK, NoFreeBlocks
+from cache.block_pool import NULL_BLOCK
 from cache.host_tier import HostKVTier
 from cache.media.l3 import EncoderCache
 from cache.manager import CacheSpec, PagedKVManager
@@ -239,17 +239,30 @@ class Engine:
         if pre is not None and cap is not None and cap < pre.size:
             raise ValueError(f"prefill_tokens_while_decoding ({cap}) is below tp={pre.size}: sharded "
                              f"prefill chunks could never run beside decode rows")
-        self.kv = KVPools(cfg, num_pages=config.num_pages, num_slots=config.num_slots,
-                          num_snapshots=config.num_snapshots, page_tokens=config.page_tokens, dtype=self.dtype,
-                          commit=bool(pre or self.runner.decode_step), draft_tokens=config.draft_tokens)
+        # Under DP decode each rank owns a share of the pools on its own device, and a manager over
+        # them (`sharding.rank_pools`); without a decode mesh there is one rank.
+        dec = self.runner.decode_step
+        devices = [None] if dec is None else list(dec.mesh.devices.flat)
+        dp = len(devices)
+        for name in ("num_pages", "num_snapshots"):
+            if getattr(config, name) // dp < 2:
+                raise ValueError(f"{name} ({getattr(config, name)}) leaves fewer than 2 per rank over dp={dp}")
+        self.kvs = [KVPools(cfg, num_pages=config.num_pages // dp, num_slots=config.num_slots // dp,
+                            num_snapshots=config.num_snapshots // dp, page_tokens=config.page_tokens, dtype=self.dtype,
+                            commit=bool(pre or dec), draft_tokens=config.draft_tokens, device=device)
+                    for device in devices]
+        self.kv = self.kvs[0]
         # the layout version keeps blocks a store kept for an older packing from ever being read
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
         if qformats.tree_formats(params):  # KV of quantized weights is not the unquantized model's
             ns += "/q-" + "+".join(qformats.tree_formats(params))
         if self.spec is not None:  # its page blocks hold this draft's rows too
             ns += f"/eagle-{self.spec.fingerprint}"
-        self.manager = PagedKVManager(CacheSpec(ns, config.page_tokens, config.kda_block_tokens), self.kv.pages,
-                                      config.num_pages, self.kv.snapshots, config.num_snapshots, host)
+        spec = CacheSpec(ns, config.page_tokens, config.kda_block_tokens)
+        # one host tier for every rank: its entries are content-addressed, any rank may load them
+        self.managers = [PagedKVManager(spec, kv.pages, config.num_pages // dp, kv.snapshots,
+                                        config.num_snapshots // dp, host) for kv in self.kvs]
+        self.manager = self.managers[0]
         self.scheduler = Scheduler(SchedulerConfig(
             num_slots=config.num_slots, page_tokens=config.page_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens, max_step_tokens=self.max_step_tokens,
@@ -259,7 +272,7 @@ class Engine:
             prefix_caching=config.prefix_caching, lookahead_tokens=config.draft_tokens,
             drop_tail=self.spec is not None and config.eagle_tail == "drop", offload_preempted=self.spec is None,
             eos_id=config.eos_id),
-            self.manager,
+            self.managers,
             publish_to_host=config.publish_to_host)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
         self.image_rows = ImageRows(self)
@@ -272,6 +285,8 @@ class Engine:
         self._ids = itertools.count()
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
+    # `kv` and `manager` are rank 0's: the only rank without a decode mesh.  A request's own are
+    # `kv_of(req)` / `manager_of(req)`.
     pools = property(lambda self: self.kv.pools, lambda self, v: setattr(self.kv, "pools", v))
     # What this engine runs: the runner's layout (`kimik3.stacked.serving_layout(scan=False)` unless
     # sharded).  Pass params already in that layout to share one copy between engines.
@@ -289,6 +304,12 @@ class Engine:
     recomputed_tokens = property(lambda self: self.scheduler.recomputed_tokens)
     _prefill_step = property(lambda self: self.runner.prefill_step)
     _decode_step = property(lambda self: self.runner.decode_step)
+
+    def kv_of(self, req: Request) -> KVPools:
+        return self.kvs[req._rank]
+
+    def manager_of(self, req: Request) -> PagedKVManager:
+        return self.managers[req._rank]
 
     def _prefill_lengths(self):
         return self.runner.prefill_lengths()
@@ -327,13 +348,14 @@ class Engine:
         page = self.bytes_per_page(self.cfg, self.page_tokens, self.dtype, draft=self.spec is not None)
         state = self.bytes_per_state(self.cfg, self.dtype)
         slot_extra = kv_pools.bytes_per_draft_slot(self.cfg, self.config.draft_tokens)
-        n_pages = self.manager.page_pool.num_blocks - 1
+        n_pages = sum(m.page_pool.num_blocks - 1 for m in self.managers)  # each rank keeps a null page
+        snaps = sum(m.snap_pool.num_blocks for m in self.managers)
         return {"kv_tokens": n_pages * self.page_tokens, "pages": n_pages,
                 "sessions": len(self.scheduler.free_slots) + len(self.running),
-                "snapshots": self.manager.snap_pool.num_blocks - 1,
+                "snapshots": snaps - len(self.managers), "ranks": len(self.managers),
                 "page_bytes": page, "state_bytes": state, "checkpoint_block_bytes_per_request": state,
-                "pool_bytes": (n_pages + 1) * page + (self.scratch_slot + 1) * (state + slot_extra)
-                + self.manager.snap_pool.num_blocks * state}
+                "pool_bytes": (n_pages + len(self.managers)) * page
+                + len(self.kvs) * (self.scratch_slot + 1) * (state + slot_extra) + snaps * state}
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
@@ -365,7 +387,7 @@ class Engine:
         images, mm_items = self._check_images(prompt, images)
         self._check_sampling(sampling)
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
-        # Beyond the pool's usable pages a request could never be admitted: refuse it now.
+        # Beyond a rank's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
         limit = min(self.cfg.max_seq_len, min(self.max_pages, usable_pages) * self.page_tokens)
         if total > limit:
@@ -420,12 +442,12 @@ class Engine:
 
     def load(self) -> dict:
         """What a router balances on: queue depth, running requests, free slots and pages, KV use."""
-        pool = self.manager.page_pool
-        total = pool.num_blocks - 1
+        total = sum(m.page_pool.num_blocks - 1 for m in self.managers)
+        free = sum(m.page_pool.num_free for m in self.managers)
         free_slots = len(self.scheduler.free_slots)
         return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": free_slots,
-                "sessions": free_slots + len(self.running), "free_pages": pool.num_free,
-                "total_pages": total, "kv_use": (total - pool.num_free) / total if total else 0.0,
+                "sessions": free_slots + len(self.running), "free_pages": free,
+                "total_pages": total, "kv_use": (total - free) / total if total else 0.0,
                 "preemptions": self.preemptions}
 
     def pop_finished(self) -> list[Request]:
@@ -463,7 +485,7 @@ class Engine:
         number of new programs."""
         self._settle_decode()
         before = self._programs()  # the speculative warm-up's row writes count in the runner's programs
-        self.runner.warmup(self.kv, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads, sampled=sampled)
+        self.runner.warmup(self.kvs, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads, sampled=sampled)
         if self.spec is not None:
             self.spec.warmup(self)
         return self._programs() - before
@@ -483,7 +505,7 @@ class Engine:
     def _execute(self, plan: StepPlan) -> None:
         for p in plan.preempted:  # their freed pages still hold their KV until this step runs
             if p.offload_keys is not None:
-                pages, state = self.kv.read_kv(list(p.page_table), p.cached_len, p.slot)
+                pages, state = self.kvs[p.rank].read_kv(list(p.page_table), p.cached_len, p.slot)
                 if all(self.manager.host.batch_put(list(p.offload_keys), pages + [state])):
                     p.request._offload_keys = list(p.offload_keys)
                 else:
@@ -492,8 +514,8 @@ class Engine:
             if a.resume_kv is not None:
                 self._install_kv(a.request, a.blocks, *a.resume_kv)
             else:
-                self.kv.restore_state(a.request._slot, a.blocks.snapshot_block)
-            a.restored(self.manager)
+                self.kv_of(a.request).restore_state(a.request._slot, a.blocks.snapshot_block)
+            a.restored(self.manager_of(a.request))
             if self.spec is not None:
                 self.spec.on_admit(self, a.request, a.blocks)
         if plan.decode:
@@ -515,19 +537,20 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        logits, exports, *tapped = self.runner.forward(self.kv, tokens, [self._table(req)], [req._slot], [start],
+        kv, manager = self.kv_of(req), self.manager_of(req)
+        logits, exports, *tapped = self.runner.forward(kv, tokens, [self._table(req)], [req._slot], [start],
                                                        step=step, images=images,
                                                        export_offsets=[b - start for b in chunk.export])
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])
-        self.manager.commit_pages(req.request_id, end)
-        blocks = self.manager.requests[req.request_id]  # each commit publishes the checkpoint block
+        manager.commit_pages(req.request_id, end)
+        blocks = manager.requests[req.request_id]  # each commit publishes the checkpoint block
         for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it
-            self.kv.save_export(exports, i, blocks.checkpoint_block)
-            self.manager.commit_snapshot(req.request_id, boundary)
+            kv.save_export(exports, i, blocks.checkpoint_block)
+            manager.commit_snapshot(req.request_id, boundary)
         if chunk.snapshot_at_end:
-            self.kv.save_state(req._slot, blocks.checkpoint_block)
-            self.manager.commit_snapshot(req.request_id, end)
+            kv.save_state(req._slot, blocks.checkpoint_block)
+            manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req._cached_len = end
             token, lp = self._choose(req, logits[0])
@@ -553,18 +576,8 @@ class Engine:
             rnd = self.spec.dispatch(self, reqs)
             self._inflight = (reqs, rnd, rnd["out"], rnd["id"], mixed)
             return
-        if self.runner.decode_step is not None:  # a decode mesh: the sharded step, synchronous
-            bucket = self._decode_bucket(len(reqs))
-            pad = bucket - len(reqs)
-            tokens = np.asarray([[r.output[-1]] for r in reqs] + [[0]] * pad, np.int32)
-            tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
-            slots = [r._slot for r in reqs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
-            lengths = [r._cached_len for r in reqs] + [0] * pad
-            logits, _ = self.runner.forward(self.kv, tokens, tables, slots, lengths, step=self.runner.decode_step)
-            for r, row in zip(reqs, logits):
-                r._cached_len += 1
-                token, lp = self._choose(r, row)
-                self.scheduler.emit(r, token, mixed, logprobs=lp)
+        if self.runner.decode_step is not None:  # a decode mesh: every rank on its own pools, synchronous
+            self._decode_ranks(reqs, mixed)
             return
         rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
         # the penalties count the output before the step's input token (output[-1]: the step counts it)
@@ -573,6 +586,26 @@ class Engine:
         for r in reqs:
             r._cached_len += 1
         self._inflight = (reqs, rows, (tokens, lp), did, mixed)  # read by the next step (or at this one's end)
+
+    def _decode_ranks(self, reqs: list[Request], mixed: bool) -> None:
+        """One decode-mesh step: each rank's requests in its block of `rank_rows` rows, padded with
+        rows of its scratch slot and null pages (ids in its own pools)."""
+        per_rank = [[r for r in reqs if r._rank == k] for k in range(len(self.kvs))]
+        b = self.runner.rank_rows(max(map(len, per_rank)))
+        tokens, tables, slots, lengths, where = [], [], [], [], []
+        for k, rs in enumerate(per_rank):
+            pad = b - len(rs)
+            tokens += [[r.output[-1]] for r in rs] + [[0]] * pad
+            tables += [self._table(r) for r in rs] + [[NULL_BLOCK] * self.max_pages] * pad
+            slots += [r._slot for r in rs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
+            lengths += [r._cached_len for r in rs] + [0] * pad
+            where += [(r, k * b + i) for i, r in enumerate(rs)]
+        logits = self.runner.decode_ranks(self.kvs, np.asarray(tokens, np.int32), np.asarray(tables, np.int32),
+                                          np.asarray(slots, np.int32), np.asarray(lengths, np.int32))
+        for r, row in where:
+            r._cached_len += 1
+            token, lp = self._choose(r, logits[row])
+            self.scheduler.emit(r, token, mixed, logprobs=lp)
 
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
@@ -586,7 +619,7 @@ class Engine:
         if any(r.done or len(r.output) + self._flight_tokens >= r.max_new_tokens for r in reqs):
             return False
         extra = self._flight_tokens if self.spec is not None else 0  # plain: _cached_len counts it
-        return self.scheduler.pages_short(reqs, extra) <= self.manager.page_pool.num_free
+        return self.scheduler.fits(reqs, extra)
 
     @property
     def _flight_tokens(self) -> int:
@@ -597,7 +630,7 @@ class Engine:
         reqs = self._inflight[0]
         if self.spec is not None:  # the round in flight may add k + 1 tokens before this one's
             for r in reqs:
-                self.manager.extend(r.request_id, self.scheduler.decode_reach(r, self._flight_tokens))
+                self.manager_of(r).extend(r.request_id, self.scheduler.decode_reach(r, self._flight_tokens))
             before = self._programs()
             rnd = self.spec.dispatch(self, reqs, chained=True)
             self.compiles += self._programs() - before
@@ -606,7 +639,7 @@ class Engine:
             self.step_tokens.append(len(reqs) * self._flight_tokens)  # each row verifies 1 + k tokens
             return
         for r in reqs:
-            self.manager.extend(r.request_id, r._cached_len + 1)
+            self.manager_of(r).extend(r.request_id, r._cached_len + 1)
         rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
         before = self.runner.programs()
         # the input token is the in-flight step's: the whole output so far comes before it
@@ -662,11 +695,12 @@ class Engine:
         its KDA state after `len(req._context)` tokens into the pools and its slot."""
         first_new = blocks.hit.tokens // self.page_tokens  # hit pages are shared: never written
         new_pages = blocks.page_table[first_new:len(pages)]
+        kv = self.kv_of(req)
         if new_pages:
-            self.kv.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
-        self.manager.commit_pages(req.request_id, len(req._context))
-        self.kv.write_snapshot(blocks.checkpoint_block, state)
-        self.kv.restore_state(req._slot, blocks.checkpoint_block)
+            kv.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
+        self.manager_of(req).commit_pages(req.request_id, len(req._context))
+        kv.write_snapshot(blocks.checkpoint_block, state)
+        kv.restore_state(req._slot, blocks.checkpoint_block)
 
     def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
               state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
@@ -695,18 +729,16 @@ class Engine:
         if not self.scheduler.free_slots:
             return None
         images, mm_items = self._check_images(list(prompt), images)
-        try:
-            # the tail rule's drop applies to handoffs too (exact: kept as written, as no_drop)
-            blocks = self.manager.begin(request_id, prompt, mm_items, salt=cache_salt,
-                                        drop_tail=self.scheduler.config.drop_tail)
-        except NoFreeBlocks:
-            return None
         req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling,
                       images=images, mm_items=mm_items, cache_salt=cache_salt)
+        # placed on a rank and given its blocks and slot there; the tail rule's drop applies to
+        # handoffs too (exact: kept as written, as no_drop)
+        blocks = self.scheduler.begin(req, list(prompt))
+        if blocks is None:
+            return None
         req.admitted_s = time.monotonic()
         req.cached_tokens = blocks.hit.tokens
         req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
-        req._slot = self.scheduler.free_slots.pop()
         req._context = list(prompt)
         self._install_kv(req, blocks, pages, state)
         req._computed = req._cached_len = len(prompt)
@@ -718,8 +750,8 @@ class Engine:
 
     def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
         """(prompt page contents, packed KDA state) of a request this engine holds."""
-        table = self.manager.requests[req.request_id].page_table
-        return self.kv.read_kv(table, len(req.prompt), req._slot)
+        table = self.manager_of(req).requests[req.request_id].page_table
+        return self.kv_of(req).read_kv(table, len(req.prompt), req._slot)
 
     def export_draft_feature(self, req: Request) -> np.ndarray:
         """f32 [D]: the fused target feature of a prefilled request's last prompt slot, the draft
@@ -729,7 +761,7 @@ class Engine:
         return np.asarray(self.kv.dpools["pending"][req._slot, 0])
 
     def _table(self, req: Request) -> list[int]:
-        table = self.manager.requests[req.request_id].page_table
+        table = self.manager_of(req).requests[req.request_id].page_table
         return table + [NULL_BLOCK] * (self.max_pages - len(table))
 
     @staticmethod

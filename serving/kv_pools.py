@@ -167,10 +167,12 @@ class MLAPageStore:
 class SnapshotStore:
     """BlockStore of KDA snapshots: every KDA layer's state and conv rows, packed in one vector."""
 
-    def __init__(self, kv: "KVPools", num_blocks: int):
+    def __init__(self, kv: "KVPools", num_blocks: int, device=None):
         self.block_shape = (kv.snapshot_size,)
         self.dtype = np.dtype(np.float32)
         self.data = jnp.zeros((num_blocks, kv.snapshot_size), jnp.float32)
+        if device is not None:  # beside its rank's pools (the moves between them are one program each)
+            self.data = jax.device_put(self.data, device)
 
     def read(self, blocks):
         return list(np.asarray(self.data[jnp.asarray(blocks, jnp.int32)]))
@@ -183,10 +185,11 @@ class KVPools:
     """The paged pools, the snapshot pool and the moves between them (see the module comment)."""
 
     def __init__(self, cfg: ModelConfig, *, num_pages: int, num_slots: int, num_snapshots: int, page_tokens: int,
-                 dtype, commit: bool = False, draft_tokens: int = 0):
+                 dtype, commit: bool = False, draft_tokens: int = 0, device=None):
         """commit: place the pools on the default device explicitly (sharded steps compile their
-        gather / write-back programs per placement).  draft_tokens: k > 0 adds an EAGLE-3
-        draft's pools (`serving.spec_decode.init_draft_pools`) as `dpools`."""
+        gather / write-back programs per placement).  device: place them (and the snapshots) on
+        this device instead: a DP rank's own (`sharding.rank_pools`).  draft_tokens: k > 0 adds
+        an EAGLE-3 draft's pools (`serving.spec_decode.init_draft_pools`) as `dpools`."""
         from serving import spec_decode
 
         self.dpools = (spec_decode.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
@@ -199,10 +202,10 @@ class KVPools:
         self.kda_layers = [i for i, k in enumerate(cfg.mixer_kinds) if k == "kda"]
         self.scratch_slot = num_slots  # the extra slot: padding rows of decode batches
         self.pools = model.init_paged_cache(cfg, num_pages, num_slots + 1, page_tokens, dtype)
-        if commit or self.dpools is not None:
+        if commit or device is not None or self.dpools is not None:
             # committed: a program's executable is per placement, and every later call sees the
             # pools as outputs of earlier programs (committed), so warm-up must see them so too
-            device = next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices()))
+            device = device or next(iter(jax.tree_util.tree_leaves(self.pools)[0].devices()))
             self.pools = jax.device_put(self.pools, device)
             if self.dpools is not None:
                 self.dpools = jax.device_put(self.dpools, device)
@@ -210,7 +213,7 @@ class KVPools:
         self.kda_keys = sorted(self.pools["kda"])
         self.snapshot_size = sum(int(np.prod(v.shape[1:])) for v in self.pools["kda"].values()) * n_kda
         self.pages = MLAPageStore(self)
-        self.snapshots = SnapshotStore(self, num_snapshots)
+        self.snapshots = SnapshotStore(self, num_snapshots, device)
         self._zeros = None  # a fresh request's packed state, made once
 
     # ---- moves (one program each) -------------------------------------------------------------------

@@ -399,10 +399,13 @@ class ModelRunner:
       (`prefill_buckets`), or the prefill mesh's sharded step (`sharding.paged.PagedStep`) at
       tp * 2^k, exact;
     * decode: `decode_program` on persistent buffers (`DecodeRunner`), or the decode mesh's
-      sharded step, at power-of-two buckets of at least `MIN_DECODE_BUCKET` rows (multiples of dp);
+      step over the ranks' own pools (`sharding.decode.PagedDecode`, `decode_ranks`), at
+      power-of-two buckets of at least `MIN_DECODE_BUCKET` rows (per rank on a mesh);
     * `warmup`: compiles all of them ahead of time, concurrently.
 
-    The pools live in a `serving.kv_pools.KVPools`; every call threads `kv.pools` through."""
+    The pools live in a `serving.kv_pools.KVPools` (one per rank on a decode mesh, each on its
+    rank's device); every call threads `kv.pools` through.  Unsharded chunks run where their
+    pools are, on a copy of the params placed there once (`params_on`)."""
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
@@ -432,9 +435,11 @@ class ModelRunner:
         self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
                                else self.params)
         self.decode = DecodeRunner(cfg, kernels, num_slots)
+        self._placed = {}  # device -> the unsharded prefill params there (`params_on`)
 
     def _mesh_steps(self, mesh, dispatch, num_slots, page_tokens, max_step_tokens):
         """(prefill step, decode step) from the `mesh` argument; ValueError for one that does not fit."""
+        from sharding.decode import PagedDecode
         from sharding.paged import PagedStep
 
         if mesh is None:
@@ -449,7 +454,10 @@ class ModelRunner:
         else:
             pm, dm = (mesh, None) if self.role == "prefill" else (None, mesh)
         pre = None if pm is None else PagedStep(self.cfg, pm, "prefill", dispatch=dispatch, kernels=self.kernels)
-        dec = None if dm is None else PagedStep(self.cfg, dm, "decode", dispatch=dispatch, kernels=self.kernels)
+        dec = None if dm is None else PagedDecode(self.cfg, dm, dispatch=dispatch, kernels=self.kernels)
+        if dec is not None and num_slots % dec.size:
+            raise ValueError(f"num_slots ({num_slots}) must split evenly over dp={dec.size} (each rank owns "
+                             f"its requests' slots and pages)")
         if pre is not None:
             tp = pre.size
             if page_tokens % tp:
@@ -502,12 +510,30 @@ class ModelRunner:
 
     def decode_bucket(self, n: int) -> int:
         """Rows of a decode batch of n requests: the next power of two, at least MIN_DECODE_BUCKET
-        (or the slots' power of two), rounded up to a multiple of dp."""
+        (or the slots' power of two).  On a decode mesh n is the most requests one rank holds:
+        every rank runs that many rows (its floor is the slots' floor over dp), so the batch is
+        dp times it (`rank_rows`)."""
         floor = min(self.MIN_DECODE_BUCKET, 1 << (self.num_slots - 1).bit_length())
-        bucket = max(floor, 1 << (n - 1).bit_length())
-        if self.decode_step is not None:
-            bucket = -(-bucket // self.decode_step.size) * self.decode_step.size
-        return bucket
+        if self.decode_step is None:
+            return max(floor, 1 << (n - 1).bit_length())
+        return self.decode_step.size * self.rank_rows(n)
+
+    def rank_rows(self, n: int) -> int:
+        """Rows per rank of a decode-mesh batch whose fullest rank holds n requests."""
+        floor = min(self.MIN_DECODE_BUCKET, 1 << (self.num_slots - 1).bit_length())
+        return max(1, floor // self.decode_step.size, 1 << (n - 1).bit_length())
+
+    def params_on(self, device):
+        """The unsharded prefill params on `device` (placed there at the first chunk a rank on it
+        runs: a DP engine's ranks prefill on their own devices, where their pools are)."""
+        leaf = jax.tree_util.tree_leaves(self.prefill_params)[0]
+        committed = isinstance(leaf, jax.Array) and leaf.committed
+        home = next(iter(leaf.devices())) if committed else jax.devices()[0]  # uncommitted: follows the pools
+        if device == home:
+            return self.prefill_params
+        if device not in self._placed:
+            self._placed[device] = jax.device_put(self.prefill_params, device)
+        return self._placed[device]
 
     def programs(self) -> int:
         """Compiled step programs so far (the unsharded model, the decode program, the sharded steps)."""
@@ -539,14 +565,37 @@ class ModelRunner:
         view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
                                 valid=[n] * b)
         positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
-        logits, view, *tapped = model.forward_step(self.prefill_params, jnp.asarray(tokens), positions, view, images,
+        # uncommitted inputs follow the pools to their device; the params are placed there once
+        device = next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices()))
+        params = self.params_on(device)
+        if images is not None and params is not self.prefill_params:  # a DP rank's chunk: its ViT rows too
+            images = jax.device_put(images, device)
+        logits, view, *tapped = model.forward_step(params, jnp.asarray(tokens), positions, view, images,
                                                    **self.step_static())
         kv.pools = model.pools_of(view)
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
-    def warmup(self, kv, *, max_pages: int, null_page: int, threads: int | None = None, sampled: bool = False) -> int:
-        """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests)
-        and run each once on scratch rows (the scratch slot and null pages).
+    def decode_ranks(self, kvs, tokens, tables, slots, lengths) -> np.ndarray:
+        """One decode-mesh step over the ranks' pools (`kvs` in rank order; rows r*b .. r*b + b - 1
+        are rank r's, with ids in its pools): the last token's logits f32 [dp * b, V] as numpy.
+        The ranks' pools are viewed as one array for the step and handed back written in place
+        (`sharding.rank_pools`: nothing moves between devices)."""
+        from sharding import rank_pools
+
+        step = self.decode_step
+        pools = rank_pools.assemble([kv.pools for kv in kvs], step.mesh)
+        for kv in kvs:
+            kv.pools = None  # donated to the step
+        logits, pools = step(self.mesh_params["decode"], pools, tokens, tables, slots, lengths)
+        for kv, own in zip(kvs, rank_pools.split(pools, step.mesh)):
+            kv.pools = own
+        return np.asarray(logits[:, -1], np.float32)
+
+    def warmup(self, kvs, *, max_pages: int, null_page: int, threads: int | None = None, sampled: bool = False) -> int:
+        """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests,
+        per rank on a decode mesh) and run each once on scratch rows (the scratch slot and null
+        pages).  kvs: the pools (a `KVPools`, or one per rank: each rank's prefill shapes compile
+        for its device).
 
         threads: unsharded shapes compile ahead of time concurrently on this many threads
         (default `compile_threads`: one per shape, at most half the CPU cores, bounded by the
@@ -560,20 +609,21 @@ class ModelRunner:
         import concurrent.futures
 
         before = self.programs()
+        kvs = list(kvs) if isinstance(kvs, (list, tuple)) else [kvs]
+        kv = kvs[0]
         scratch = kv.scratch_slot
         shapes = [(1, t, step) for t, step in self.prefill_lengths()]
         buckets = sorted({self.decode_bucket(n) for n in range(1, scratch + 1)})
-        if self.decode_step is not None:
-            shapes += [(b, 1, self.decode_step) for b in buckets]
 
         def rows(b):
             return [[null_page] * max_pages] * b, [scratch] * b, [0] * b
 
-        def step_args(shape):
+        def step_args(kv, shape):
             b, t = shape
             view = model.paged_view(kv.pools, *rows(b), self.export_at(t), valid=[t] * b)
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-            return self.prefill_params, jnp.zeros((b, t), jnp.int32), positions, view, None
+            params = self.params_on(next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices())))
+            return params, jnp.zeros((b, t), jnp.int32), positions, view, None
 
         def decode_rows(b, sampling: bool = False):  # padding only: writes land in the scratch slot and the null page
             rows = DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
@@ -583,25 +633,29 @@ class ModelRunner:
         variants = (False, True) if sampled else (False,)
 
         for b, t, step in shapes:
-            if step is not None:  # writes land in the scratch slot and the null page only
-                logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, jnp.zeros((b, t), jnp.int32),
-                                        *rows(b))
+            for one in kvs if step is not None else ():  # writes land in the scratch slot and the null page only
+                logits, one.pools = step(self.mesh_params[step.mode], one.pools, jnp.zeros((b, t), jnp.int32),
+                                         *rows(b))
                 jax.block_until_ready(logits)
+        if self.decode_step is not None:  # every rank runs b / dp padding rows
+            for b in buckets:
+                jax.block_until_ready(self.decode_ranks(kvs, np.zeros((b, 1), np.int32), *rows(b)))
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
         decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
         static = self.step_static()
-        jobs = [functools.partial(lambda s: model.forward_step.lower(*step_args(s), **static).compile(), s)
-                for s in unsharded]
+        jobs = [functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static).compile(),
+                                  one, s) for one in kvs for s in unsharded]
         jobs += [functools.partial(lambda b, v: self.decode.compile(self.params, kv.pools, decode_rows(b, v)), b, v)
                  for b in decode for v in variants]
         workers = threads or compile_threads(len(jobs))
         # Lowering and compiling neither run nor donate anything, so they may overlap.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(lambda job: job(), jobs))
-        for shape in unsharded:
-            logits, view, *_ = model.forward_step(*step_args(shape), **static)
-            kv.pools = model.pools_of(view)
-            jax.block_until_ready(logits)
+        for one in kvs:
+            for shape in unsharded:
+                logits, view, *_ = model.forward_step(*step_args(one, shape), **static)
+                one.pools = model.pools_of(view)
+                jax.block_until_ready(logits)
         for b in decode:
             for v in variants:
                 kv.pools, tokens, _, _ = self.decode.dispatch(self.params, kv.pools, decode_rows(b, v))

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -66,7 +67,8 @@ class Request:
     admitted_s: float | None = None
     done: bool = False
     error: str | None = None
-    _slot: int = -1
+    _slot: int = -1  # its KDA slot in its rank's pools
+    _rank: int = 0  # the rank whose pools hold its KV (DP decode: `Scheduler` over one manager per rank)
     _context: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill (prompt, + output on resume)
     _computed: int = 0  # tokens of _context whose KV is in the cache (or planned into it)
     _cached_len: int = 0  # tokens in the cache once prefilled (decode writes at this position)
@@ -115,6 +117,7 @@ class Preemption:
     slot: int
     cached_len: int
     offload_keys: tuple[str, ...] | None
+    rank: int = 0  # whose pools the pages and slot are in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +188,24 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Queues, slots and the plan of each step over a `PagedKVManager` (see the module comment)."""
+    """Queues, slots and the plan of each step over a `PagedKVManager` (see the module comment).
 
-    def __init__(self, config: SchedulerConfig, manager: PagedKVManager, *, publish_to_host: bool = False):
-        self.config, self.manager, self.publish_to_host = config, manager, publish_to_host
+    Under DP decode each rank owns its pools (`sharding.rank_pools`), so the scheduler is given
+    one manager per rank (their host tier shared) and `num_slots` splits evenly over them.  A
+    request is placed on a rank at admission (`placements`: the rank whose pool already holds
+    the longest run of its prefix, then the one with the most free pages) and stays there;
+    every page, slot and snapshot it takes is its rank's, and preemption frees room within a
+    rank.  `free_slots` lists the free slots of all ranks as ``rank * slots_per_rank + slot``."""
+
+    def __init__(self, config: SchedulerConfig, manager: PagedKVManager | Sequence[PagedKVManager], *,
+                 publish_to_host: bool = False):
+        self.managers = list(manager) if isinstance(manager, (list, tuple)) else [manager]
+        if not self.managers or config.num_slots % len(self.managers):
+            raise ValueError(f"num_slots ({config.num_slots}) must split evenly over the {len(self.managers)} "
+                             f"ranks' pools")
+        self.config, self.publish_to_host = config, publish_to_host
+        self.manager = self.managers[0]  # rank 0's (the only one without DP); per request: `manager_of`
+        self.slots_per_rank = config.num_slots // len(self.managers)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self.finished: list[Request] = []
@@ -196,6 +213,56 @@ class Scheduler:
         self.preemptions = 0
         self.offloaded_resumes = 0  # preempted requests resumed from their offloaded KV (no recompute)
         self.recomputed_tokens = 0  # tokens re-prefilled after a preemption (offload missing or no host tier)
+
+    # ---- ranks -------------------------------------------------------------------------------------
+    @property
+    def ranks(self) -> int:
+        return len(self.managers)
+
+    def manager_of(self, req: Request) -> PagedKVManager:
+        return self.managers[req._rank]
+
+    def placements(self, token_ids, mm_items=(), salt: str | None = None) -> list[int]:
+        """Ranks with a free slot, best first for a request of these tokens: the most leading pages
+        already in the rank's pool (a prefix hit there), then the most free pages."""
+        free = sorted({g // self.slots_per_rank for g in self.free_slots})
+        if len(free) <= 1:
+            return free
+        hashes = self.manager.hashes(token_ids, mm_items, salt)  # every rank hashes alike (one namespace)
+        max_pages = min(len(hashes), (len(token_ids) - 1) // self.config.page_tokens)
+
+        def on_rank(rank):
+            pool, n = self.managers[rank].page_pool, 0
+            while n < max_pages and pool.lookup(hashes[n]) is not None:
+                n += 1
+            return n, pool.num_free
+        return sorted(free, key=on_rank, reverse=True)
+
+    def begin(self, req: Request, token_ids) -> RequestBlocks | None:
+        """Place `req` on the best rank that can hold it and take its blocks there (setting its
+        rank and slot); None (nothing taken) when no rank with a free slot can."""
+        salt = self._salt(req)
+        for rank in self.placements(token_ids, req.mm_items, salt):
+            try:
+                blocks = self.managers[rank].begin(req.request_id, token_ids, req.mm_items, salt=salt,
+                                                   drop_tail=self.config.drop_tail)
+            except NoFreeBlocks:
+                continue
+            slot = [g for g in self.free_slots if g // self.slots_per_rank == rank][-1]
+            self.free_slots.remove(slot)
+            req._rank, req._slot = rank, slot % self.slots_per_rank
+            return blocks
+        return None
+
+    def _free_slot(self, req: Request) -> None:
+        if req._slot >= 0:
+            self.free_slots.append(req._rank * self.slots_per_rank + req._slot)
+            req._slot = -1
+
+    def fits(self, reqs: list[Request], extra: int = 0) -> bool:
+        """Whether every rank's free pages cover its requests' next decode step (`pages_short`)."""
+        return all(self.pages_short([r for r in reqs if r._rank == rank], extra) <= m.page_pool.num_free
+                   for rank, m in enumerate(self.managers))
 
     def _salt(self, req: Request) -> str | None:
         if self.config.prefix_caching:
@@ -232,13 +299,10 @@ class Scheduler:
             if req._offload_keys is not None:
                 self._fetch_offloaded(req)
             req._context = req._context or list(req.prompt)
-            try:
-                blocks = self.manager.begin(req.request_id, req._context, req.mm_items, salt=self._salt(req),
-                                            drop_tail=self.config.drop_tail)
-            except NoFreeBlocks:
+            blocks = self.begin(req, req._context)
+            if blocks is None:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
-            req._slot = self.free_slots.pop()
             if req.admitted_s is None:  # a resumed request keeps its first admission's numbers
                 req.admitted_s = time.monotonic()
                 req.cached_tokens = blocks.hit.tokens
@@ -255,7 +319,8 @@ class Scheduler:
                 req._computed = blocks.hit.tokens
                 if req.output:
                     self.recomputed_tokens += len(req._context) - req._computed
-            req._boundaries = [b for b in self.manager.snapshot_boundaries(req.request_id) if b > req._computed]
+            req._boundaries = [b for b in self.manager_of(req).snapshot_boundaries(req.request_id)
+                               if b > req._computed]
             self.running.append(req)
             plan.admitted.append(Admission(req, blocks, resume))
 
@@ -276,29 +341,36 @@ class Scheduler:
 
     def _make_room(self, reqs: list[Request], plan: StepPlan) -> list[Request]:
         """Pages for the token each request is about to write, preempting the most recently
-        admitted requests when the pool is short.  Returns the requests that decode this step."""
+        admitted requests of a rank when its pool is short.  Returns the requests that decode this
+        step (grouped by rank)."""
+        out = []
+        for rank in range(self.ranks):
+            out += self._make_room_on(self.managers[rank], [r for r in reqs if r._rank == rank], plan)
+        return out
+
+    def _make_room_on(self, manager: PagedKVManager, reqs: list[Request], plan: StepPlan) -> list[Request]:
         reqs = list(reqs)
         need = self.pages_short
         # A request admitted in this plan has no KV in the pools until the plan runs (a resumed
         # one's is installed then): it is never a victim now; short of pages, it decodes next step.
         fresh = {id(a.request) for a in plan.admitted}
         newest = lambda rs: max(rs, key=lambda r: r.admitted_s or 0.0)
-        while reqs and need(reqs) > self.manager.page_pool.num_free:
+        while reqs and need(reqs) > manager.page_pool.num_free:
             movable = [r for r in reqs if id(r) not in fresh]
             if not movable:
                 reqs.remove(newest(reqs))
                 continue
             victim = newest(movable)
             reqs.remove(victim)
-            if not reqs and need([victim]) > self.manager.page_pool.num_free + len(
-                    self.manager.requests[victim.request_id].page_table):
+            if not reqs and need([victim]) > manager.page_pool.num_free + len(
+                    manager.requests[victim.request_id].page_table):
                 self.running.remove(victim)
                 self.release(victim, error="out of KV capacity")
                 plan.failed.append((victim, "out of KV capacity"))
                 return []
             plan.preempted.append(self._preempt(victim))
         for r in reqs:
-            self.manager.extend(r.request_id, self.decode_reach(r))
+            manager.extend(r.request_id, self.decode_reach(r))
         return reqs
 
     def decode_reach(self, req: Request, extra: int = 0) -> int:
@@ -309,8 +381,8 @@ class Scheduler:
 
     def pages_short(self, reqs: list[Request], extra: int = 0) -> int:
         """New pages `reqs` need for their next decode step (`decode_reach`)."""
-        return sum(max(0, self.manager.pages_needed(self.decode_reach(r, extra))
-                       - len(self.manager.requests[r.request_id].page_table)) for r in reqs)
+        return sum(max(0, self.manager_of(r).pages_needed(self.decode_reach(r, extra))
+                       - len(self.manager_of(r).requests[r.request_id].page_table)) for r in reqs)
 
     def _preempt(self, req: Request) -> Preemption:
         """Free a running request's pages and slot and queue it first to resume.  With a host
@@ -319,22 +391,22 @@ class Scheduler:
         self.preemptions += 1
         self.running.remove(req)
         req._context = list(req.prompt) + list(req.output)
-        keys = None
-        if (self.manager.host is not None and self.config.offload_preempted
+        keys, manager = None, self.manager_of(req)
+        if (manager.host is not None and self.config.offload_preempted
                 and req._cached_len == len(req._context) - 1):
             tag = f"{req.request_id}/{self.preemptions}"
             n_pages = -(-req._cached_len // self.config.page_tokens)
-            keys = tuple(make_key(self.manager.spec.namespace, "preempt",
+            keys = tuple(make_key(manager.spec.namespace, "preempt",
                                   hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest())
                          for i in range(n_pages + 1))
-        table = tuple(self.manager.requests[req.request_id].page_table)
-        out = Preemption(req, table, req._slot, req._cached_len, keys)
-        self.manager.finish(req.request_id)
+        table = tuple(manager.requests[req.request_id].page_table)
+        out = Preemption(req, table, req._slot, req._cached_len, keys, req._rank)
+        manager.finish(req.request_id)
         if req._extra_pages:
-            self.manager.page_pool.free(req._extra_pages)
+            manager.page_pool.free(req._extra_pages)
         req._extra_pages, req._draft_table, req._catch_n = [], None, 0
-        self.free_slots.append(req._slot)
-        req._slot, req._computed, req._cached_len = -1, 0, 0
+        self._free_slot(req)
+        req._computed, req._cached_len = 0, 0
         self.waiting.insert(0, req)
         return out
 
@@ -412,16 +484,15 @@ class Scheduler:
         if req._offload_keys is not None:  # cancelled while preempted: drop its offloaded KV
             self.manager.host.remove(req._offload_keys)
             req._offload_keys = None
-        if req.request_id in self.manager.requests:
+        manager = self.manager_of(req)
+        if req.request_id in manager.requests:
             if self.publish_to_host and error is None:
-                self.manager.publish_to_host(req.request_id)
-            self.manager.finish(req.request_id)
+                manager.publish_to_host(req.request_id)
+            manager.finish(req.request_id)
         if req._extra_pages:
-            self.manager.page_pool.free(req._extra_pages)
+            manager.page_pool.free(req._extra_pages)
             req._extra_pages = []
-        if req._slot >= 0:
-            self.free_slots.append(req._slot)
-            req._slot = -1
+        self._free_slot(req)
         req.done, req.error = True, error
         self.finished.append(req)
 

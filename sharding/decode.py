@@ -137,14 +137,24 @@ class PagedDecode:
     """
 
     rules: Rules = DECODE_RULES
+    mode = "decode"
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, dispatch: str = "auto", kernels: str = "auto"):
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"decode mesh must be a jax.sharding.Mesh (sharding.mesh.decode_mesh); "
+                            f"got {type(mesh).__name__}")
         self.cfg, self.mesh = cfg, mesh
         self.shape = mesh_shape(mesh, "decode")
         check_config(cfg, self.shape)
         self.dispatch = layers.resolve_dispatch(dispatch)
         self.kernels = ops.resolve(kernels)
         self._jitted = jax.jit(self._run, donate_argnums=(1,))
+        log.info("decode over the ranks' own pools on dp=%d ep=%d (%s dispatch, %s kernels)", self.shape.size,
+                 self.shape.ep, self.dispatch, self.kernels)
+
+    def programs(self) -> int:
+        """Compiled programs so far (one per batch bucket)."""
+        return self._jitted._cache_size()
 
     @property
     def size(self) -> int:
