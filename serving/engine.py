@@ -20,33 +20,32 @@ The pieces, as in vLLM V1:
 Configuration is one frozen `EngineConfig`; the host tier, the meshes and the P/D hook
 (`on_prefilled`) are constructor arguments.
 
-On a device mesh (issue 8)
---------------------------
-``Engine(..., mesh=...)`` runs the model steps sharded (`sharding.paged.PagedStep`):
+On device meshes (issues 8 and 23)
+----------------------------------
+``Engine(..., mesh=...)``:
 
 * role "prefill": ``mesh=sharding.mesh.prefill_mesh(tp, ep, devices)``; prefill chunks run
-  through `ShardedPrefill` (TP/SP attention, EP MoE);
+  through `ShardedPrefill` (TP/SP attention, EP MoE; `sharding.paged.PagedStep`);
 * role "decode": ``mesh=sharding.mesh.decode_mesh(dp, ep, devices)``; decode batches run
-  through `ShardedDecode` (DP attention, EP MoE);
-* role "both": ``mesh=(prefill_mesh, decode_mesh)``; either may be None (that phase then
-  runs on the default device).
+  through `sharding.decode.PagedDecode` (DP attention, EP MoE) over pools owned per rank;
+* role "both": ``mesh=(prefill_mesh, decode_mesh)``; either may be None.
 
-A phase without a mesh runs as before (`kimik3.model` on the default device; a decode
-engine's short tail prefills after a store handoff or a preemption, for instance).  The
-pools, the `PagedKVManager`, snapshots, prefix hits and the host tier are unchanged: each
-sharded step gathers its rows from the pools into the contiguous `init_cache` layout, runs
-on the mesh, and writes the new latent rows and KDA rows back (`sharding.paged`).
-Shapes: sharded prefill chunks are ``tp * 2**k`` tokens (prefix hits and snapshot
-boundaries are page multiples, so ``tp`` must divide ``page_tokens``); a prompt's last
-``< tp`` tokens run unsharded on the default device, padded as every unsharded chunk is
-(pad tokens leave the KDA state, conv rows and pages as they were).  Decode batches are padded (scratch
-slot, null pages) to a power of two rounded up to a multiple of dp.  A mesh that does not
-fit the config or these sizes raises ValueError at construction.
+With a decode mesh each of its dp ranks owns a 1/dp share of ``num_pages``, ``num_slots``
+and ``num_snapshots`` as pools of its own on its own device (`KVPools`, each with its null
+page and scratch slot), and a `PagedKVManager` over them; the host tier is shared.  The
+scheduler places a request on the rank already holding the longest run of its prefix (then
+the one with the most free pages) and it stays there: its prefix hits, host-tier loads,
+offloads, handoffs and prefill chunks touch only its rank's pools.  A decode step gives each
+rank ``rank_rows`` rows (its requests, then padding rows of its scratch slot and null pages)
+and runs every rank on its own pool in place; no step moves pool rows between devices.
+A TP prefill chunk moves its request's rows from its rank's pools to the prefill mesh and
+the new rows back (device to device); sharded chunks are ``tp * 2**k`` tokens (``tp`` must
+divide ``page_tokens``), and the rest of a prompt, or every chunk without a prefill mesh,
+runs unsharded on the rank's device, on a copy of the params placed there once.  A mesh that
+does not fit the config or these sizes raises ValueError at construction.
 
-Not yet production-like: the pools are not split per rank; they stay on the default
-device, so every sharded step moves its requests' rows (the full ``max_pages * page``
-latent width) onto the mesh and the new rows back; the engine also keeps an unsharded copy
-of the params there for the unsharded pieces; and a prefill chunk is one request (B = 1).
+Not yet production-like: a rank's unsharded chunks need the whole params on its device;
+a prefill chunk is one request (B = 1); one process drives every device.
 """
 
 from __future__ import annotations
@@ -241,8 +240,20 @@ class Engine:
                              f"prefill chunks could never run beside decode rows")
         # Under DP decode each rank owns a share of the pools on its own device, and a manager over
         # them (`sharding.rank_pools`); without a decode mesh there is one rank.
+        # In a process group whose decode mesh spans every process (`sharding.distributed`), this
+        # engine owns its own devices' ranks and serves its own requests; the group's engines step
+        # together (`group`: each decode step is one program over the whole mesh).
         dec = self.runner.decode_step
-        devices = [None] if dec is None else list(dec.mesh.devices.flat)
+        devices = [None]
+        self.group = False
+        if dec is not None:
+            from sharding import rank_pools
+
+            every = rank_pools.rank_devices(dec.mesh)
+            devices = [every[r] for r in rank_pools.local_ranks(dec.mesh)]
+            self.group = len(devices) < len(every)
+            if not devices:
+                raise ValueError("the decode mesh holds none of this process's devices")
         dp = len(devices)
         for name in ("num_pages", "num_snapshots"):
             if getattr(config, name) // dp < 2:
@@ -468,9 +479,20 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def group_has_work(self) -> bool:
+        """`has_work` of any engine of the process group (a collective there: every engine of the
+        group calls it together); this engine's own without a group."""
+        if not self.group:
+            return self.has_work()
+        from sharding.distributed import agree_max
+
+        return bool(agree_max([int(self.has_work())])[0])
+
     def run(self, max_steps: int = 1_000_000) -> list[Request]:
+        """Step until no request is left (in a process group: until no engine of the group has
+        one, every engine stepping with the others)."""
         for _ in range(max_steps):
-            if not self.has_work():
+            if not self.group_has_work():
                 break
             self.step()
         self._settle_decode()  # the last step's tokens, if it left them in flight
@@ -518,7 +540,7 @@ class Engine:
             a.restored(self.manager_of(a.request))
             if self.spec is not None:
                 self.spec.on_admit(self, a.request, a.blocks)
-        if plan.decode:
+        if plan.decode or self.group:  # a group's engines decode together, with padding rows if idle
             self._decode(plan.decode, mixed=bool(plan.prefill))
         for chunk in plan.prefill:
             self._run_chunk(chunk)
@@ -591,7 +613,14 @@ class Engine:
         """One decode-mesh step: each rank's requests in its block of `rank_rows` rows, padded with
         rows of its scratch slot and null pages (ids in its own pools)."""
         per_rank = [[r for r in reqs if r._rank == k] for k in range(len(self.kvs))]
-        b = self.runner.rank_rows(max(map(len, per_rank)))
+        n = max(map(len, per_rank))
+        if self.group:  # every rank of the group runs the fullest rank's rows
+            from sharding.distributed import agree_max
+
+            (n,) = agree_max([n])
+        if n == 0:
+            return
+        b = self.runner.rank_rows(n)
         tokens, tables, slots, lengths, where = [], [], [], [], []
         for k, rs in enumerate(per_rank):
             pad = b - len(rs)

@@ -576,20 +576,22 @@ class ModelRunner:
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
     def decode_ranks(self, kvs, tokens, tables, slots, lengths) -> np.ndarray:
-        """One decode-mesh step over the ranks' pools (`kvs` in rank order; rows r*b .. r*b + b - 1
-        are rank r's, with ids in its pools): the last token's logits f32 [dp * b, V] as numpy.
-        The ranks' pools are viewed as one array for the step and handed back written in place
-        (`sharding.rank_pools`: nothing moves between devices)."""
+        """One decode-mesh step over this process's ranks' pools (`kvs` in rank order; rows
+        r*b .. r*b + b - 1 of the arrays are its r-th rank's, with ids in that rank's pools): the
+        last token's logits f32 [len(kvs) * b, V] of those rows, as numpy.  The ranks' pools are
+        viewed as one array for the step and handed back written in place (`sharding.rank_pools`:
+        nothing moves between devices).  In a process group every process calls this at once."""
         from sharding import rank_pools
 
-        step = self.decode_step
-        pools = rank_pools.assemble([kv.pools for kv in kvs], step.mesh)
+        step, mesh = self.decode_step, self.decode_step.mesh
+        pools = rank_pools.assemble([kv.pools for kv in kvs], mesh)
         for kv in kvs:
             kv.pools = None  # donated to the step
-        logits, pools = step(self.mesh_params["decode"], pools, tokens, tables, slots, lengths)
-        for kv, own in zip(kvs, rank_pools.split(pools, step.mesh)):
+        rows = [rank_pools.rows_in(np.asarray(x, np.int32), mesh) for x in (tokens, tables, slots, lengths)]
+        logits, pools = step.run(self.mesh_params["decode"], pools, *rows)
+        for kv, own in zip(kvs, rank_pools.split(pools, mesh)):
             kv.pools = own
-        return np.asarray(logits[:, -1], np.float32)
+        return rank_pools.rows_out(logits, mesh)[:, -1].astype(np.float32)
 
     def warmup(self, kvs, *, max_pages: int, null_page: int, threads: int | None = None, sampled: bool = False) -> int:
         """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests,

@@ -728,7 +728,10 @@ def build_engine(args):
 def pool_pages(args, cfg, params, page_tokens: int) -> int:
     """KV pages of the device pool: `--num-pages`, or with `--gpu-memory-utilization F` what F of the
     device's memory holds once the weights are in (the slots' and snapshots' states first, as
-    `Engine.from_memory_budget` sizes them; vLLM's flag, read the same way)."""
+    `Engine.from_memory_budget` sizes them; vLLM's flag, read the same way).  With
+    `--data-parallel-size` D on a decode worker every rank's device holds its own 1/D share of the
+    slots and snapshots and what is left in pages (sized on device 0, which holds the most
+    weights): D times that in all."""
     util = getattr(args, "gpu_memory_utilization", None)
     if util is None:
         return args.num_pages or 256
@@ -746,14 +749,16 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
                          f"does not): pass --num-pages")
     # what the steps' activations and workspaces need is left out of the pool: 10% of the share
     budget = 0.9 * util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    slots = args.num_slots
+    dp = max(1, getattr(args, "data_parallel_size", 1)) if args.role != "prefill" else 1
+    slots = args.num_slots // dp
     pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget, num_slots=slots,
-                                     num_snapshots=args.num_snapshots or 4 * slots, page_tokens=page_tokens,
+                                     num_snapshots=(args.num_snapshots or 4 * args.num_slots) // dp,
+                                     page_tokens=page_tokens,
                                      draft_tokens=args.draft_tokens if getattr(args, "speculative", None) else 0)
     if pages < 2:
         raise ValueError(f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
                          f"hold {slots} slots' states and two pages")
-    return pages
+    return pages * dp
 
 
 def meshes(args, cfg, devices=None):

@@ -31,11 +31,15 @@ expert-parallel MoE.
   (`ragged_all_to_all`, GPU) or "dense" (fixed-capacity `all_to_all` of
   ``[ep, tokens * top_k, L]`` buffers, nothing dropped; CPU, where XLA has no
   ragged all-to-all); "auto" picks by backend.
-* `sharding.paged.PagedStep`: a sharded prefill or decode step over the serving
-  engine's paged pools (`serving.Engine(mesh=...)`): gather the rows' latent pages and
-  KDA slots into the contiguous cache, run on the mesh, write the new latent rows into
-  their pages and the KDA rows into their slots.  The pools stay on one device (not yet
-  split per rank), so each step moves its rows onto the mesh and back.
+* `sharding.decode.PagedDecode` with `sharding.rank_pools`: DP decode as the serving
+  engine runs it (`serving.Engine(mesh=(prefill_mesh | None, decode_mesh))`): each rank
+  owns its requests' pages, KDA slots and snapshots on its own device; the ranks' pools
+  are viewed as one array split over the mesh (no copy) and each rank's step reads and
+  writes its own shard in place.  No collective but the MoE all-to-alls.
+* `sharding.paged.PagedStep`: a sharded prefill step over one rank's paged pools: gather
+  the request's latent pages and KDA slot into the contiguous cache, run on the prefill
+  mesh, write the new latent rows into its pages and the KDA rows into its slot (device
+  to device: the KV lands on the rank that decodes it).
 * `sharding.plan`: ``kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode
   dp16,ep16``: weights per rank by quantization format, KV / KDA state per
   request, buffers, and every collective per layer with its bytes (the same

@@ -176,6 +176,11 @@ class PagedDecode:
     def lower(self, params, pools, tokens, tables, slots, lengths):
         return self._jitted.lower(params, pools, tokens, tables, slots, lengths)
 
+    def run(self, params, pools, tokens, tables, slots, lengths):
+        """The compiled step without `__call__`'s checks and conversions: for callers that pass
+        int32 global arrays of the right shapes (`sharding.rank_pools.rows_in`), e.g. the engine."""
+        return self._jitted(params, pools, tokens, tables, slots, lengths)
+
     def __call__(self, params, pools, tokens, tables, slots, lengths):
         tokens = jnp.asarray(tokens, jnp.int32)
         if tokens.ndim != 2 or tokens.shape[0] % self.size:

@@ -15,9 +15,12 @@ process may only read its addressable shards otherwise); host inputs go in with
 `jax.device_put(value, NamedSharding)`, each process passing the same value (the steps'
 `place_params` / `place_cache` do).
 
-A process group as a serving engine (the scheduler replicated on every process, pools per rank)
-is issue 23's next step; today the sharded steps (`sharding.prefill.ShardedPrefill`,
-`sharding.decode.ShardedDecode`) run across processes.
+A process group serves as one DP engine (`serving.engine.Engine` with a decode mesh over every
+process's devices): each process runs an engine of its own requests over its own devices'
+ranks, and the engines step together; their decode steps are one program over the whole mesh
+(the MoE's all-to-alls cross processes), agreed step by step with `agree_max`.  The sharded
+steps (`sharding.prefill.ShardedPrefill`, `sharding.decode.ShardedDecode`) also run across
+processes.
 """
 
 from __future__ import annotations
@@ -71,6 +74,20 @@ def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int =
                                initialization_timeout=timeout_s)
     log.info("process %d of %d joined %s: %d devices, %d local", group.process_id, group.num_processes,
              group.coordinator, len(jax.devices()), len(jax.local_devices()))
+
+
+def agree_max(values) -> list[int]:
+    """Elementwise max of `values` (ints) over every process of the group: each passes its own,
+    all call together (a collective); with one process, the values themselves."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [int(v) for v in values]
+    from jax.experimental import multihost_utils
+
+    every = multihost_utils.process_allgather(np.asarray(values, np.int32))  # [processes, n]
+    return [int(v) for v in np.asarray(every).reshape(jax.process_count(), -1).max(0)]
 
 
 def gather(x):

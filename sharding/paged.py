@@ -1,4 +1,4 @@
-"""Sharded steps over paged pools: the serving engine's bridge to `ShardedPrefill` / `ShardedDecode`.
+"""Sharded prefill over paged pools: the serving engine's bridge to `ShardedPrefill`.
 
 The serving engine keeps its KV in pools shared by all its requests
 (`kimik3.model.init_paged_cache`): MLA latent *pages* ``[num_pages, page, R]``
@@ -23,12 +23,13 @@ Rows whose slot is the engine's scratch slot and whose table is all null pages
 (the padding rows of a decode batch) read and write only those, exactly as in
 the unsharded paged path.
 
-Not yet production-like: the pools are not split per rank.  They live on one
-device, so every step gathers its requests' rows there and moves them onto the
-mesh (and the new rows back), and the latent rows moved are the whole
-``max_pages * page`` width of the tables, not just the filled part.  A
-production decode pool keeps each rank's requests' pages and slots on that rank
-and runs the paged kernels there, with no gather.
+The pools are those of the request's rank (one device): a TP prefill chunk
+moves its request's rows from there onto the prefill mesh and its new rows back,
+device to device, so the KV lands where the decode side reads it.  The rows moved
+are the whole ``max_pages * page`` width of the tables, not just the filled part.
+
+Decode does not come here: under DP each rank owns its pools and the decode step
+runs on them in place (`sharding.decode.PagedDecode`, `sharding.rank_pools`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from sharding.prefill import ShardedPrefill
 
 log = logging.getLogger(__name__)
 
-MODES = ("prefill", "decode")
+MODES = ("prefill",)  # decode over paged pools: sharding.decode.PagedDecode, on the ranks' own pools
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -107,7 +108,8 @@ def sharded_step(cfg: ModelConfig, mesh: Mesh, mode: str, dispatch: str = "auto"
     """The `ShardedPrefill` (mode 'prefill') or `ShardedDecode` ('decode') of `cfg` on `mesh`, one
     per (cfg, mesh, mode, dispatch, kernels): engines on the same mesh share its compiled programs."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r} (decode over paged pools runs on the "
+                         f"ranks' own pools: sharding.decode.PagedDecode)")
     cls = ShardedPrefill if mode == "prefill" else ShardedDecode
     return cls(cfg, mesh, dispatch=dispatch, kernels=kernels)
 
