@@ -272,6 +272,16 @@ class EngineLoop:
             self._finish(sub, "errors")
         self._adopts = []
 
+    def _group_fault(self, err: Exception) -> None:
+        """A process group's step failed (a member died, or this engine faulted): the group cannot
+        step without every member, so its requests here fail (retriable: a router fails them over)
+        and the process exits for `kimik3 launch` to restart the group."""
+        log.error("process group step failed (%r): failing this worker's requests and exiting", err)
+        self.failed = f"process group fault: {err!r}"
+        self._fail_all(self.failed)
+        time.sleep(0.5)  # let the HTTP loop send the errors
+        os._exit(1)
+
     def _run(self) -> None:
         e = self.engine
         while not self._stop.is_set():
@@ -290,13 +300,19 @@ class EngineLoop:
                     log.exception("adopt failed")
                     self.failed = f"engine fault: {err!r}"
                     self._fail_all(self.failed)
-            if self.failed or not e.has_work():
+            try:
+                idle = self.failed or not (e.group_has_work() if e.group else e.has_work())
+            except Exception as err:  # noqa: BLE001 - only a group's collective can fail here
+                self._group_fault(err)
+            if idle:
                 with self._lock:
                     self._load = self._snapshot()
                 continue
             try:
                 e.step()
             except Exception as err:  # noqa: BLE001 - an engine fault fails its requests, not the process
+                if e.group:
+                    self._group_fault(err)
                 log.exception("engine step failed; the worker reports itself unhealthy")
                 self.failed = f"engine fault: {err!r}"
                 self._fail_all(self.failed)
@@ -750,6 +766,7 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
     # what the steps' activations and workspaces need is left out of the pool: 10% of the share
     budget = 0.9 * util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     dp = max(1, getattr(args, "data_parallel_size", 1)) if args.role != "prefill" else 1
+    dp //= max(1, getattr(args, "num_processes", None) or 1)  # in a process group: this process's ranks
     slots = args.num_slots // dp
     pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget, num_slots=slots,
                                      num_snapshots=(args.num_snapshots or 4 * args.num_slots) // dp,
@@ -771,6 +788,18 @@ def meshes(args, cfg, devices=None):
     ep = getattr(args, "enable_expert_parallel", False)
     if tp < 1 or dp < 1:
         raise ValueError(f"parallel sizes must be >= 1; got tensor {tp}, data {dp}")
+    if getattr(args, "coordinator", None):
+        # A process group serves as one DP engine: its decode mesh spans every process's devices,
+        # each process's ranks together (`Engine.group`).
+        import jax
+
+        if args.role == "prefill" or tp > 1:
+            raise ValueError("a process group serves DP decode (--role decode or both, --data-parallel-size); "
+                             "tensor-parallel prefill runs within one process")
+        if dp != len(jax.devices()):
+            raise ValueError(f"a process group's decode mesh spans all its {len(jax.devices())} devices: pass "
+                             f"--data-parallel-size {len(jax.devices())}")
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if args.role == "decode" and tp > 1:
         raise ValueError("a decode worker runs data-parallel attention: use --data-parallel-size")
     if args.role == "prefill" and dp > 1:
@@ -817,7 +846,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode attention data-parallel over this many devices")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split the routed experts over the same devices (EP = TP for prefill, DP for decode)")
-    parser.add_argument("--num-slots", type=int, default=8, help="concurrent sessions")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="join a process group (JAX's multi-controller runtime) whose process 0 serves the "
+                             "coordination service here; with --num-processes and --process-id.  The group serves "
+                             "as one DP engine: the decode mesh spans every process's devices, each process serves "
+                             "its own requests on its own devices' ranks, and all step together")
+    parser.add_argument("--num-processes", type=int, default=None, help="processes in the group")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's id in [0, num-processes)")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU (a group on CPU)")
+    parser.add_argument("--group-heartbeat-s", type=int, default=10,
+                        help="a group process silent this long is dead: the others stop too (their requests fail "
+                             "over at the router) and `kimik3 launch` restarts them")
+    parser.add_argument("--num-slots", type=int, default=8,
+                        help="concurrent sessions (split evenly over the data-parallel ranks this process owns)")
     parser.add_argument("--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)")
     parser.add_argument("--page-tokens", type=int, default=None, help="tokens per KV page (default: the config's)")
     parser.add_argument("--kda-block-tokens", type=int, default=None, help="tokens per KDA state snapshot (default: the config's)")
@@ -853,6 +894,15 @@ def run(args) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     t0 = time.monotonic()
+    if args.coordinator:
+        from sharding import distributed
+
+        if args.num_processes is None or args.process_id is None:
+            raise ValueError("--coordinator needs --num-processes and --process-id")
+        distributed.initialize(distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id,
+                                                        args.cpu_devices), heartbeat_timeout_s=args.group_heartbeat_s)
+    elif args.num_processes or args.process_id is not None:
+        raise ValueError("--num-processes and --process-id join a group: pass its --coordinator too")
     engine, host, info = build_engine(args)
     if not args.no_warmup:
         engine.warmup(sampled=True)  # API clients sample by default (temperature 1)

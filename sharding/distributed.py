@@ -53,10 +53,12 @@ class ProcessGroup:
             raise ValueError(f"cpu_devices must be >= 1; got {self.cpu_devices}")
 
 
-def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120) -> None:
+def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120,
+               heartbeat_timeout_s: int | None = None) -> None:
     """Join `group` (before any JAX computation in this process).  bind: the coordinator
     service's listening address (default: `group.coordinator`, so a loopback group stays on
-    loopback)."""
+    loopback).  heartbeat_timeout_s: a process silent this long counts as dead and the
+    coordination service stops the others (JAX's default: 100 s)."""
     import jax
 
     # An executable compiled inside a group must never be read back by a lone process (or by a
@@ -71,7 +73,8 @@ def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int =
         jax.config.update("jax_num_cpu_devices", group.cpu_devices)
     jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
                                process_id=group.process_id, coordinator_bind_address=bind or group.coordinator,
-                               initialization_timeout=timeout_s)
+                               initialization_timeout=timeout_s,
+                               **({} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}))
     log.info("process %d of %d joined %s: %d devices, %d local", group.process_id, group.num_processes,
              group.coordinator, len(jax.devices()), len(jax.local_devices()))
 

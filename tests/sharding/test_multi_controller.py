@@ -1,7 +1,11 @@
-"""One model across processes (issue 23): a group of 2 processes x 4 CPU devices on JAX's
-multi-controller runtime runs TP2/EP2 prefill over a rank in each process and DP8/EP8 decode
-over all eight devices, and gives the logits, caches and greedy tokens of one process alone
-(and the oracle's); every listener of the group is on loopback."""
+"""One model across processes (issue 23), on JAX's multi-controller runtime with 2 processes x 4
+CPU devices, every listener of the group on loopback:
+
+* the sharded steps: TP2/EP2 prefill over a rank in each process and DP8/EP8 decode over all
+  eight devices give the logits, caches and greedy tokens of one process alone (and the oracle's);
+* the serving engine as a process group: each process owns its devices' ranks (pools per rank)
+  and serves requests of its own, the engines decode together over the whole mesh, and every
+  request, through prefix hits, preemption and host-tier hits, gets the oracle's tokens."""
 
 import json
 import subprocess
@@ -17,13 +21,14 @@ def _loopback(addr) -> bool:
     return addr.ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
-def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path):
+def _run_group(module: str, out, *extra: str) -> list[dict]:
+    """Run `python -m module` as a 2-process group of 4 CPU devices each; (the listeners it opened,
+    each process's JSON result)."""
     port = free_port()
     env = dict(child_env(), JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "-m", "sharding.multiprocess_check", "--coordinator",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--cpu-devices",
-                               "4", "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", module, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                               "2", "--process-id", str(i), "--cpu-devices", "4", "--out", str(out), *extra],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     listeners = set()
     deadline = time.monotonic() + 300
     try:
@@ -43,7 +48,11 @@ def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path
     for p in procs:
         assert p.wait() == 0, p.stdout.read()[-3000:]
     assert listeners and all(_loopback(a) for a in listeners), listeners  # the coordinator, gloo
-    results = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
+    return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
+
+
+def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path):
+    results = _run_group("sharding.multiprocess_check", tmp_path)
     for i, r in enumerate(results):
         assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
         assert r["prefill_ranks"] == [0, 1]  # the prefill mesh spans the two processes
@@ -53,3 +62,23 @@ def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path
     assert results[0]["tokens"] == results[1]["tokens"]
     # each process holds its own devices' decode rows (DP attention: the cache lives with its requests)
     assert results[0]["decode_rows_held"] == [0, 1, 2, 3] and results[1]["decode_rows_held"] == [4, 5, 6, 7]
+
+
+def test_a_two_process_engine_group_serves_the_oracles_tokens_from_pools_per_rank(tmp_path):
+    results = _run_group("sharding.multiprocess_engine_check", tmp_path, "--ep", "2")
+    for i, r in enumerate(results):
+        assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
+        assert r["ranks"] == list(range(4 * i, 4 * i + 4))  # its own devices' ranks
+        assert r["pools_on_own_devices"] and r["released"]
+        for req in r["requests"]:
+            assert req["error"] is None and req["equal"], (i, req)  # the oracle's tokens
+            assert req["rank"] in r["ranks"]
+        assert all(r["sessions_kept_their_rank"])
+        assert all(q["cached"] >= 32 for q in r["requests"] if q["kind"] in ("second", "third"))  # prefix hits
+    busy, idle = results
+    # process 0's ranks each preempted within their own pools and resumed from the host tier; its
+    # evicted session came back from the host tier.  Process 1 decoded padding rows meanwhile.
+    assert busy["preemptions"] >= 4 and busy["offloaded_resumes"] == busy["preemptions"]
+    assert {q["rank"] for q in busy["requests"] if q["kind"] == "grown"} == {0, 1, 2, 3}
+    assert [q["cached_host"] > 0 for q in busy["requests"] if q["kind"] == "third"] == [True]
+    assert idle["preemptions"] == 0 and len(idle["requests"]) == 3
