@@ -132,7 +132,10 @@ class EngineConfig:
     draft_tokens: k > 0, EAGLE-3 speculative decoding with the `draft` the engine is given (k
     drafted tokens per verify pass, `serving.spec_decode`); eagle_tail: the prefix-hit rule for
     the draft's rows of the last matched page ("drop", "no_drop", "exact").
-    eos_id: the tokenizer's end-of-sequence id (`kimik3.text`): stop_at_eos requests end there."""
+    eos_id: the tokenizer's end-of-sequence id (`kimik3.text`): stop_at_eos requests end there.
+    prefill_batch: with a prefill mesh, a step's sharded chunks of one rank and one length run as
+    one batch of up to this many requests (padded to a power of two with rows of the scratch slot
+    and null pages), so a prefill pool fills its TP ranks; warm-up compiles every batch size."""
 
     num_pages: int
     num_slots: int = 8
@@ -155,6 +158,7 @@ class EngineConfig:
     draft_tokens: int = 0
     eagle_tail: str = "drop"
     eos_id: int = tokenizer.EOS_ID
+    prefill_batch: int = 1
 
     def __post_init__(self):
         if self.role not in ("both", "prefill", "decode"):
@@ -169,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1 (or None)")
+        if self.prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1; got {self.prefill_batch}")
         from kimik3.speculative import MAX_DRAFT_TOKENS
         from serving.spec_decode import TAIL_MODES
 
@@ -232,7 +238,8 @@ class Engine:
                                   dispatch=config.dispatch, num_slots=config.num_slots,
                                   page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
                                   max_step_tokens=self.max_step_tokens, export_slots=export_slots,
-                                  scan_layers=config.scan_layers, taps=self.spec.taps if self.spec else ())
+                                  scan_layers=config.scan_layers, taps=self.spec.taps if self.spec else (),
+                                  prefill_batch=config.prefill_batch)
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:
@@ -290,6 +297,8 @@ class Engine:
         self.compiles = 0
         # tokens each recent step ran (decode rows + prefill tokens); bounded for long-running servers
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
+        # sharded prefill calls by the requests they ran (`prefill_batch`)
+        self.prefill_batches: collections.Counter[int] = collections.Counter()
         # (requests, DecodeRows or a speculative round's record (`SpecDecoder.dispatch`), device
         # tokens, dispatch id, mixed) of a decode step not yet read
         self._inflight = None
@@ -542,8 +551,15 @@ class Engine:
                 self.spec.on_admit(self, a.request, a.blocks)
         if plan.decode or self.group:  # a group's engines decode together, with padding rows if idle
             self._decode(plan.decode, mixed=bool(plan.prefill))
+        batches: dict[tuple[int, int], list[PrefillChunk]] = {}
         for chunk in plan.prefill:
-            self._run_chunk(chunk)
+            if chunk.sharded and self.config.prefill_batch > 1:  # run below, with the rank's others of its length
+                batches.setdefault((chunk.request._rank, chunk.tokens), []).append(chunk)
+            else:
+                self._run_chunk(chunk)
+        for chunks in batches.values():
+            for i in range(0, len(chunks), self.config.prefill_batch):
+                self._run_sharded_batch(chunks[i:i + self.config.prefill_batch])
         if not plan.decode_only:  # read this step's decode tokens now (no step is chained on them)
             self._settle_decode()
 
@@ -559,12 +575,34 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        kv, manager = self.kv_of(req), self.manager_of(req)
-        logits, exports, *tapped = self.runner.forward(kv, tokens, [self._table(req)], [req._slot], [start],
-                                                       step=step, images=images,
+        logits, exports, *tapped = self.runner.forward(self.kv_of(req), tokens, [self._table(req)], [req._slot],
+                                                       [start], step=step, images=images,
                                                        export_offsets=[b - start for b in chunk.export])
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])
+        self._chunk_done(chunk, logits[0], exports)
+
+    def _run_sharded_batch(self, chunks: list[PrefillChunk]) -> None:
+        """Sharded chunks of one rank and one length as one call on the prefill mesh, padded to a
+        power of two with rows of the scratch slot and null pages (which write only those)."""
+        pad = (1 << (len(chunks) - 1).bit_length()) - len(chunks)
+        reqs = [c.request for c in chunks]
+        tokens = np.asarray([r._context[c.start:c.end] for r, c in zip(reqs, chunks)]
+                            + [[0] * chunks[0].tokens] * pad, np.int32)
+        tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
+        slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
+        starts = [c.start for c in chunks] + [0] * pad
+        logits, _ = self.runner.forward(self.kv_of(reqs[0]), tokens, tables, slots, starts,
+                                        step=self.runner.prefill_step)
+        self.prefill_batches[len(chunks)] += 1
+        for chunk, row in zip(chunks, logits):
+            self._chunk_done(chunk, row, None)
+
+    def _chunk_done(self, chunk: PrefillChunk, logits_v, exports) -> None:
+        """A chunk's KV is in the pools: publish its pages and snapshots, and with the last chunk
+        choose the request's first token (logits_v f32 [V]: its last position's)."""
+        req, end = chunk.request, chunk.end
+        kv, manager = self.kv_of(req), self.manager_of(req)
         manager.commit_pages(req.request_id, end)
         blocks = manager.requests[req.request_id]  # each commit publishes the checkpoint block
         for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it
@@ -575,7 +613,7 @@ class Engine:
             manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req._cached_len = end
-            token, lp = self._choose(req, logits[0])
+            token, lp = self._choose(req, logits_v)
             if self.role == "prefill" and self.on_prefilled is not None:
                 req.output.append(token)
                 req.token_times_s.append(time.monotonic())

@@ -409,11 +409,12 @@ class ModelRunner:
 
     def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
                  page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
-                 scan_layers: str = "prefill", taps: tuple[int, ...] = ()):
+                 scan_layers: str = "prefill", taps: tuple[int, ...] = (), prefill_batch: int = 1):
         """taps: layers whose residual stream the unsharded prefill chunks return too (an EAGLE-3
         draft's input, `serving.spec_decode`, whose rounds then replace the decode program)."""
         self.cfg, self.kernels, self.role, self.num_slots, self.taps = cfg, kernels, role, num_slots, tuple(taps)
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
+        self.prefill_batch = prefill_batch  # requests per sharded prefill call, at most (powers of two)
         if mesh is not None and qformats.tree_formats(params):
             raise ValueError(f"sharded steps take unquantized params; these hold {qformats.tree_formats(params)} "
                              f"weights (a quantized manifest serves unsharded engines)")
@@ -614,7 +615,10 @@ class ModelRunner:
         kvs = list(kvs) if isinstance(kvs, (list, tuple)) else [kvs]
         kv = kvs[0]
         scratch = kv.scratch_slot
-        shapes = [(1, t, step) for t, step in self.prefill_lengths()]
+        batches = [1 << i for i in range(self.prefill_batch.bit_length()) if 1 << i <= self.prefill_batch]
+        if self.prefill_batch & (self.prefill_batch - 1):  # a partial batch pads to the next power of two
+            batches.append(1 << self.prefill_batch.bit_length())
+        shapes = [(b, t, step) for t, step in self.prefill_lengths() for b in (batches if step is not None else [1])]
         buckets = sorted({self.decode_bucket(n) for n in range(1, scratch + 1)})
 
         def rows(b):

@@ -100,7 +100,7 @@ def test_pd_disaggregation_across_two_meshes_equals_the_oracle(tiny_cfg, params,
     for r, p in zip(reqs, prompts):
         assert done[r.request_id].output == oracle(p, NEW), len(p)
     assert decode._decode_step.size == 4
-    assert not prefill.manager.requests and not decode.manager.requests
+    assert not prefill.manager.requests and not any(m.requests for m in decode.managers)
 
 
 def test_warmup_compiles_every_sharded_shape(tiny_cfg, params, prompts, oracle, meshes):
@@ -113,6 +113,21 @@ def test_warmup_compiles_every_sharded_shape(tiny_cfg, params, prompts, oracle, 
     eng.run(max_steps=100)
     assert eng.compiles == 0
     assert req.output == oracle(prompts[1], NEW)
+
+
+def test_sharded_prefill_chunks_of_several_requests_run_as_one_batch(tiny_cfg, params, prompts, oracle, meshes):
+    """prefill_batch=2: the sharded chunks of one length of two requests on one rank run as one tp2
+    call (warm-up compiled it), and every request still gets the oracle's tokens."""
+    eng = _engine(params, tiny_cfg, mesh=meshes, prefill_chunk_tokens=2, prefill_batch=2)
+    eng.warmup()
+    ps = [prompts[0][:21], prompts[1][:21], prompts[2][:21], prompts[2][-21:]]
+    reqs = [eng.submit(p, NEW) for p in ps]  # two per rank
+    eng.run(max_steps=100)
+    assert eng.compiles == 0
+    assert sorted(r._rank for r in reqs) == [0, 0, 1, 1]
+    assert eng.prefill_batches[2] >= 20 and not eng.prefill_batches[1]  # 10 chunks of 2 tokens per rank
+    for r, p in zip(reqs, ps):
+        assert r.output == oracle(p, NEW)
 
 
 def test_a_bad_mesh_is_refused_at_construction(tiny_cfg, params, meshes, devices):
