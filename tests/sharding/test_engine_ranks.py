@@ -104,3 +104,13 @@ def test_no_step_gathers_pool_rows_and_every_pool_stays_on_its_rank(served):
             assert leaf.devices() == {device}
     assert not any(m.requests for m in eng.managers)  # all KV released
     assert eng.load()["free_slots"] == 2 * served["dp"]
+
+
+def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_requests_per_device(devices):
+    from sharding.bench import engine_scaling
+
+    out = engine_scaling(2, "tiny", 2, 20, 3, "reference", page_tokens=PAGE, dtype="float32", devices=devices[:2])
+    assert out["1gpu"]["requests"] == 2 and out["2gpu"]["requests"] == 4
+    assert out["1gpu"]["tokens"] == 2 * 3 and out["2gpu"]["tokens"] == 4 * 3  # one token per request per step
+    assert out["tok_s_per_gpu_2gpu"] == out["2gpu"]["tok_s"] / 2
+    assert out["scaling_efficiency"] == out["speedup"] / 2 > 0
