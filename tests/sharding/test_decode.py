@@ -11,7 +11,9 @@ from sharding import plan
 from sharding.decode import ShardedDecode
 from sharding.mesh import MeshShape, decode_mesh, prefill_mesh
 from sharding.prefill import ShardedPrefill
-from tests.sharding.conftest import hlo_bytes, hlo_collectives
+from tests.sharding.conftest import XLA_CPU_CRASH_RERUN, hlo_bytes, hlo_collectives
+
+pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
 
 BATCH, PROMPT, MAX_LEN, STEPS = 8, 8, 32, 3
 

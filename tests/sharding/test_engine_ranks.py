@@ -16,7 +16,9 @@ from kimik3.generate import generate
 from serving.engine import Engine
 from sharding import paged, rank_pools
 from sharding.mesh import decode_mesh
-from tests.sharding.conftest import host_init
+from tests.sharding.conftest import XLA_CPU_CRASH_RERUN, host_init
+
+pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
 
 PAGE = 16
 _ORACLE = {}
