@@ -12,6 +12,12 @@ A store service that exits (the master, the memory server, the metadata server) 
 the same way; until it is back, workers answer store lookups with misses (their tier's circuit
 breaker, cache/guarded_tier.py) and report "degraded" on /health.  `--state-file` always
 holds the live pids.
+
+With `--decode-group` the decode workers form one process group on JAX's multi-controller
+runtime (issue 23): one DP engine over all their devices (`--group-devices` each), each worker
+serving its own requests on its own devices' ranks while all decode together.  A member that
+exits takes the others down (they cannot step without it), so the launcher restarts the whole
+group, on the same ports, around a fresh coordinator.
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     env: dict = dataclasses.field(default_factory=dict)  # added to child_env()
+    group: str | None = None  # a process group's name: its members restart together
 
     @property
     def url(self) -> str:
@@ -168,6 +175,21 @@ class Deployment:
         if a.tokenizer:
             argv += ["--tokenizer", a.tokenizer]
         return argv + shlex.split(a.worker_args or "")
+
+    def _join_groups(self) -> None:
+        """Give each process group's members a fresh coordinator (on member 0) and their ids: the
+        decode mesh spans every member's devices (`--group-devices` each; one GPU each on GPUs)."""
+        for group in sorted({w.group for w in self.workers if w.group}):
+            members = [w for w in self.workers if w.group == group]
+            coordinator = f"127.0.0.1:{free_port()}"
+            per = 1 if self.gpus else self.args.group_devices
+            for i, w in enumerate(members):
+                if "--coordinator" in w.argv:
+                    del w.argv[w.argv.index("--coordinator"):]  # the group options come last
+                w.argv += ["--coordinator", coordinator, "--num-processes", str(len(members)), "--process-id", str(i),
+                           "--data-parallel-size", str(per * len(members)), "--enable-expert-parallel"]
+                if not self.gpus:
+                    w.argv += ["--cpu-devices", str(per)]
 
     def worker_env(self, index: int) -> dict:
         """The devices of worker `index` (in start order: prefill workers, then decode): the GPUs of
@@ -227,12 +249,18 @@ class Deployment:
 
             self.redis = RedisServer(max_memory_mb=a.redis_mb, log_dir=os.path.join(self.log_dir, "redis")).start()
             log.info("L1 fetch cache (redis) at %s", self.redis.url)
+        if a.decode_group and a.decode < 2:
+            raise ValueError("--decode-group makes the decode workers one process group: pass --decode 2 or more")
+        if a.decode_group and self.gpus and a.group_devices != 1:
+            raise ValueError("on GPUs each group member takes one GPU: --group-devices 1")
         for role, n in (("prefill", a.prefill), ("decode", a.decode)):
             for i in range(n):
                 port = free_port()
+                grouped = role == "decode" and a.decode_group
                 self.workers.append(Child(f"{role}-{i}", self._worker_argv(role, i, port), port,
                                           os.path.join(self.log_dir, f"{role}-{i}.log"),
-                                          env=self.worker_env(len(self.workers))))
+                                          env=self.worker_env(len(self.workers)), group="decode" if grouped else None))
+        self._join_groups()
         for w in self.workers:
             w.spawn()
         t0 = time.monotonic()
@@ -281,7 +309,27 @@ class Deployment:
         server) that exited on their own, on their own ports, each at most `--max-restarts` times.
         Returns whether anything was restarted (its pid changed)."""
         changed = False
-        for w in self.workers + [self.router]:
+        for group in sorted({w.group for w in self.workers if w.group}):
+            members = [w for w in self.workers if w.group == group]
+            gone = [w for w in members if w.proc.poll() is not None]
+            if not gone:
+                continue
+            if max(w.restarts for w in members) >= self.args.max_restarts:
+                raise RuntimeError(f"process group {group!r} lost {gone[0].name} (code {gone[0].proc.returncode}) "
+                                   f"after {members[0].restarts} restarts")
+            log.warning("%s of process group %r exited with code %s; restarting the group", gone[0].name, group,
+                        gone[0].proc.returncode)
+            for w in members:  # the others cannot step without it (and stop on the group's heartbeat anyway)
+                if w.proc.poll() is None:
+                    with _suppress():
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                stop_process(w.proc, timeout_s=5)
+            self._join_groups()
+            for w in members:
+                w.restarts += 1
+                w.spawn()
+            changed = True
+        for w in [w for w in self.workers if not w.group] + [self.router]:
             if w.proc.poll() is not None:
                 if w.restarts >= self.args.max_restarts:
                     raise RuntimeError(f"{w.name} exited (code {w.proc.returncode}) {w.restarts + 1} times")
@@ -342,6 +390,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "lists) or none")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="the share of each GPU its workers may take (split between workers on one GPU)")
+    parser.add_argument("--decode-group", action="store_true",
+                        help="the decode workers form one process group: one DP / EP engine over all their devices "
+                             "(JAX's multi-controller runtime), each serving its own requests, all decoding together")
+    parser.add_argument("--group-devices", type=int, default=1,
+                        help="devices per group member on CPU (--decode-group without GPUs); one GPU each on GPUs")
     parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
     parser.add_argument("--redis", action="store_true",

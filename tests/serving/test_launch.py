@@ -168,3 +168,89 @@ def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkey
     named = Deployment(parser.parse_args(["--log-dir", str(tmp_path), "--served-model-name", "kimi"]))
     argv = named._worker_argv("decode", 0, 2)
     assert argv[argv.index("--served-model-name") + 1] == "kimi"
+
+
+def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tmp_path):
+    """`--decode-group`: two decode workers of 2 CPU devices each are one DP4/EP4 engine (issue 23).
+    Requests through the router get the oracle's tokens; when one member is killed mid-request,
+    the other fails its requests (retriable) and stops, and the launcher restarts the whole group,
+    which then serves again."""
+    import threading
+
+    import jax
+
+    from kimik3 import config, model
+    from kimik3.generate import generate
+    from serving import internal_auth
+
+    port, state_file = free_port(), tmp_path / "state.json"
+    worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
+                   f"--num-pages 32 --num-slots 4 --kernels reference --no-warmup --group-heartbeat-s 5")
+    proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
+                             "--prefill", "0", "--decode", "2", "--decode-group", "--group-devices", "2", "--no-store",
+                             "--gpus", "none", "--state-file", str(state_file), "--log-dir", str(tmp_path / "logs"),
+                             "--worker-args", worker_args, "--max-restarts", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
+    params = model.init_params(config.tiny(), jax.random.PRNGKey(0), "float32")  # the workers' weights (seed 0)
+    base = f"http://127.0.0.1:{port}"
+
+    def complete(ids, n):
+        r = httpx.post(base + "/v1/completions", timeout=300, json={
+            "model": "kimik3-tiny", "prompt": ids, "max_tokens": n, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    try:
+        deadline = time.monotonic() + 400
+        while not state_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "launch did not come up"
+            time.sleep(0.25)
+        state = json.loads(state_file.read_text())
+        assert len(state["decode"]) == 2
+        health = httpx.get(state["decode"][1] + "/health", timeout=10).json()
+        assert health["capacity"]["ranks"] == 2  # its own two devices' ranks of the group's four
+        prompts = [list(range(3 + i, 40 + 5 * i)) for i in range(4)]
+        got = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, complete(prompts[i], 5))) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, p in enumerate(prompts):
+            assert got[i] == generate(params, config.tiny(), p, 5).tokens.tolist(), i
+        # decode-1 dies while decode-0 serves a long request: decode-0 fails it (retriable) and stops too
+        auth = internal_auth.headers(child_env()[internal_auth.ENV])
+        events = []
+
+        def long_request():
+            with httpx.Client(timeout=300) as c, c.stream("POST", state["decode"][0] + "/generate", headers=auth,
+                                                          json={"prompt": prompts[0], "max_tokens": 150}) as r:
+                events.extend(json.loads(line) for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        while httpx.get(state["decode"][0] + "/load", timeout=10).json().get("running", 0) < 1:
+            assert time.monotonic() < deadline + 300
+            time.sleep(0.1)
+        old = {n: state["pids"][n] for n in ("decode-0", "decode-1")}
+        os.killpg(old["decode-1"], signal.SIGKILL)
+        t.join(120)
+        assert events and events[-1].get("error") and events[-1]["retriable"], events[-2:]
+        # the launcher restarts both members (new pids), and the group serves again
+        deadline = time.monotonic() + 120
+        while any(json.loads(state_file.read_text())["pids"][n] == old[n] for n in old):
+            assert time.monotonic() < deadline, "the launcher did not restart the group"
+            time.sleep(0.25)
+        state = json.loads(state_file.read_text())
+        for url in state["decode"]:
+            wait_healthy(url, None, 300)
+        assert complete(prompts[2], 4) == generate(params, config.tiny(), prompts[2], 4).tokens.tolist()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
