@@ -213,3 +213,78 @@ def test_eos_and_max_tokens_end_requests(n):
         plan = s.schedule()
         play(s, plan, token=tokenizer.EOS_ID)
     assert all(r.done for r in reqs) and len(reqs[0].output) == n and len(reqs[1].output) == 1
+
+
+def make_ranked(ranks=2, num_pages=9, num_slots=4, num_snaps=8, host=None):
+    """One manager per rank (DP decode: each rank owns its pools), their host tier shared."""
+    spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
+    mgrs = [PagedKVManager(spec, ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32), num_pages,
+                           ArrayBlockStore(num_snaps, (8,), np.float32), num_snaps, host) for _ in range(ranks)]
+    cfg = dict(num_slots=num_slots, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=CHUNK + num_slots,
+               export_slots=CHUNK // KDA_BLOCK + 2, kda_chunk_tokens=16)
+    return Scheduler(SchedulerConfig(**cfg), mgrs)
+
+
+def play_ranked(s, plan, token=7):
+    """`play` with each request's own rank's manager."""
+    for a in plan.admitted:
+        a.restored(s.manager_of(a.request))
+    for chunk in plan.prefill:
+        req, m = chunk.request, s.manager_of(chunk.request)
+        m.commit_pages(req.request_id, chunk.end)
+        for b in chunk.export:
+            m.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
+        if chunk.snapshot_at_end:
+            m.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
+        if chunk.last:
+            req._cached_len = chunk.end
+            s.emit(req, token)
+    for req in plan.decode:
+        req._cached_len += 1
+        s.emit(req, token)
+
+
+def test_ranks_split_the_slots_and_a_request_goes_where_its_prefix_is():
+    s = make_ranked()
+    assert s.ranks == 2 and s.slots_per_rank == 2 and sorted(s.free_slots) == [0, 1, 2, 3]
+    a, b = request("a", 40, seed=1), request("b", 40, seed=2)
+    s.waiting += [a, b]
+    while a.done is False or b.done is False:
+        play_ranked(s, s.schedule())
+    assert {a._rank, b._rank} == {0, 1}  # the emptier rank each time: one each
+    assert sorted(s.free_slots) == [0, 1, 2, 3]
+    # b's continuation goes back to b's rank, for its prefix there, though a's rank is as free
+    again = Request("b2", b.prompt + [5] * 10, 2)
+    s.waiting.append(again)
+    play_ranked(s, s.schedule())
+    assert again._rank == b._rank and again.cached_tokens == 32
+    assert s.manager_of(again).requests and not s.managers[a._rank].requests
+
+
+def test_preemption_frees_room_within_the_short_rank_only():
+    """8 usable pages per rank: two 60-token requests on one rank outgrow it; preemption picks the
+    newest request of that rank, never one of the other rank."""
+    s = make_ranked(num_slots=6)
+    reqs = [Request(f"r{i}", np.random.default_rng(i).integers(0, 200, 60).tolist(), 12) for i in range(3)]
+    s.waiting += reqs
+    # admitted in turn: r0 and r2 share a rank (equal free pages go to the lower rank), r1 is alone
+    preempted = []
+    for _ in range(200):
+        if all(r.done for r in reqs):
+            break
+        plan = s.schedule()
+        preempted += [(p.request.request_id, p.rank) for p in plan.preempted]
+        play_ranked(s, plan)
+    assert all(r.done and r.error is None for r in reqs)
+    # each time the newest request of the short rank: r2 (first beside r0 on rank 0, then, resumed
+    # on the emptier rank 1, beside r1); r0 and r1, each older than it on its rank, never
+    assert preempted[0] == ("r2", 0) and {rid for rid, _ in preempted} == {"r2"}
+
+
+def test_slots_must_split_evenly_over_the_ranks():
+    spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
+    mgrs = [PagedKVManager(spec, ArrayBlockStore(9, (1, PAGE, 4), np.float32), 9,
+                           ArrayBlockStore(8, (8,), np.float32), 8) for _ in range(2)]
+    with pytest.raises(ValueError, match="split evenly over the 2 ranks"):
+        Scheduler(SchedulerConfig(num_slots=3, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=80,
+                                  export_slots=3, kda_chunk_tokens=16), mgrs)
