@@ -667,11 +667,15 @@ class Engine:
             slots += [r._slot for r in rs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
             lengths += [r._cached_len for r in rs] + [0] * pad
             where += [(r, k * b + i) for i, r in enumerate(rs)]
-        logits = self.runner.decode_ranks(self.kvs, np.asarray(tokens, np.int32), np.asarray(tables, np.int32),
-                                          np.asarray(slots, np.int32), np.asarray(lengths, np.int32))
+        # greedy rows without penalties or logprobs need only the argmax the devices took
+        plain = lambda r: r.sampling.greedy and not r.sampling.penalized and r.sampling.logprobs is None
+        greedy, logits = self.runner.decode_ranks(self.kvs, np.asarray(tokens, np.int32),
+                                                  np.asarray(tables, np.int32), np.asarray(slots, np.int32),
+                                                  np.asarray(lengths, np.int32),
+                                                  logits=not all(plain(r) for r, _ in where))
         for r, row in where:
             r._cached_len += 1
-            token, lp = self._choose(r, logits[row])
+            token, lp = (int(greedy[row]), None) if plain(r) else self._choose(r, logits[row])
             self.scheduler.emit(r, token, mixed, logprobs=lp)
 
     def _chainable(self) -> bool:

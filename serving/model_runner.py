@@ -392,6 +392,10 @@ def compile_threads(jobs: int, *, cpu_count: int | None = None, available_bytes:
 SCAN_CHOICES = ("prefill", "all", "none")  # which unsharded programs scan the periods (`kimik3.stacked`)
 
 
+# each row's argmax at its last position, where the rows are (a decode mesh's step: split over ranks)
+_greedy_last = jax.jit(lambda logits_btv: jnp.argmax(logits_btv[:, -1], axis=-1).astype(jnp.int32))
+
+
 class ModelRunner:
     """Every jitted program one engine runs, and the shapes it runs them at.
 
@@ -576,12 +580,15 @@ class ModelRunner:
         kv.pools = model.pools_of(view)
         return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
 
-    def decode_ranks(self, kvs, tokens, tables, slots, lengths) -> np.ndarray:
+    def decode_ranks(self, kvs, tokens, tables, slots, lengths, *, logits: bool = True):
         """One decode-mesh step over this process's ranks' pools (`kvs` in rank order; rows
-        r*b .. r*b + b - 1 of the arrays are its r-th rank's, with ids in that rank's pools): the
-        last token's logits f32 [len(kvs) * b, V] of those rows, as numpy.  The ranks' pools are
-        viewed as one array for the step and handed back written in place (`sharding.rank_pools`:
-        nothing moves between devices).  In a process group every process calls this at once."""
+        r*b .. r*b + b - 1 of the arrays are its r-th rank's, with ids in that rank's pools):
+        (each of those rows' greedy token int32 [len(kvs) * b], taken on the devices; with
+        `logits`, their last token's logits f32 [len(kvs) * b, V], else None), as numpy.  Only
+        the tokens leave the devices unless a row needs its logits (sampling, penalties,
+        logprobs).  The ranks' pools are viewed as one array for the step and handed back written
+        in place (`sharding.rank_pools`: nothing moves between devices).  In a process group
+        every process calls this at once."""
         from sharding import rank_pools
 
         step, mesh = self.decode_step, self.decode_step.mesh
@@ -589,10 +596,11 @@ class ModelRunner:
         for kv in kvs:
             kv.pools = None  # donated to the step
         rows = [rank_pools.rows_in(np.asarray(x, np.int32), mesh) for x in (tokens, tables, slots, lengths)]
-        logits, pools = step.run(self.mesh_params["decode"], pools, *rows)
+        out, pools = step.run(self.mesh_params["decode"], pools, *rows)
         for kv, own in zip(kvs, rank_pools.split(pools, mesh)):
             kv.pools = own
-        return rank_pools.rows_out(logits, mesh)[:, -1].astype(np.float32)
+        greedy = rank_pools.rows_out(_greedy_last(out), mesh)
+        return greedy, rank_pools.rows_out(out, mesh)[:, -1].astype(np.float32) if logits else None
 
     def warmup(self, kvs, *, max_pages: int, null_page: int, threads: int | None = None, sampled: bool = False) -> int:
         """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests,
@@ -645,7 +653,8 @@ class ModelRunner:
                 jax.block_until_ready(logits)
         if self.decode_step is not None:  # every rank runs b / dp padding rows
             for b in buckets:
-                jax.block_until_ready(self.decode_ranks(kvs, np.zeros((b, 1), np.int32), *rows(b)))
+                for want in (False, True):  # the greedy fast path, and the logits for rows that sample
+                    self.decode_ranks(kvs, np.zeros((b, 1), np.int32), *rows(b), logits=want)
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
         decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
         static = self.step_static()

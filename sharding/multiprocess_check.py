@@ -9,7 +9,8 @@ Each process joins the group (`sharding.distributed`), prefills a batch of promp
 mesh whose two ranks are the first device of process 0 and of the last process, hands the cache
 to a DP/EP decode mesh over every device of every process (through the host: the P/D handoff
 across processes), decodes greedy tokens there, and compares logits, caches and tokens with
-the model on this process alone and with the no-cache oracle.  It writes DIR/process-I.json.
+the model on this process alone and with the no-cache oracle.  With --engine it then serves
+requests as one DP engine (`sharding.multiprocess_engine_check`).  It writes DIR/process-I.json.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def run(args) -> dict:
            "local_devices": len(jax.local_devices()), "prefill_ranks": [d.process_index for d in firsts],
            "logit_errors": errors, "cache_error": cache_err, "tokens": tokens, "ref_tokens": ref_tokens,
            "oracle_row0": oracle, "decode_rows_held": held}
+    if args.engine:  # and the serving engine as the same group (`sharding.multiprocess_engine_check`)
+        from sharding import multiprocess_engine_check
+
+        out["engine"] = multiprocess_engine_check.serve(args)
     distributed.shutdown()
     return out
 
@@ -88,6 +93,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
     parser.add_argument("--config", default="tiny", help="model config")
     parser.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
+    parser.add_argument("--engine", action="store_true",
+                        help="then serve requests with the engine as the same group (multiprocess_engine_check)")
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the engine's decode mesh")
     parser.add_argument("--out", required=True, help="process-I.json goes here")
     args = parser.parse_args(argv)
     result = run(args)

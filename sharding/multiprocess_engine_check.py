@@ -42,6 +42,13 @@ def run(args) -> dict:
 
     group = distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
     distributed.initialize(group)
+    out = serve(args)
+    distributed.shutdown()
+    return out
+
+
+def serve(args) -> dict:
+    """The engine's part, in a process that has joined its group."""
     import jax
 
     from cache.host_tier import EmbeddedHostKVTier
@@ -87,7 +94,6 @@ def run(args) -> dict:
            "pools_on_own_devices": all(leaf.devices() <= set(jax.local_devices())
                                        for kv in eng.kvs for leaf in jax.tree_util.tree_leaves(kv.pools)),
            "released": not any(m.requests for m in eng.managers)}
-    distributed.shutdown()
     return out
 
 

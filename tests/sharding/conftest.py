@@ -11,14 +11,6 @@ from kimik3 import model
 
 N_DEVICES = 8
 
-# XLA's CPU compiler has crashed (SIGSEGV in `executable.serialize()`, SIGABRT in the compile
-# itself) while compiling these modules' 8-device programs inside a long-lived xdist worker: 4 of
-# ~8 full runs since 2026-12-04, never alone or in a fresh process (compiling and serializing all
-# of them with the cache's thresholds at 0 passes).  Each module that compiles mesh programs in
-# process carries this marker: a crashed test runs once more in a fresh worker
-# (pytest-rerunfailures recovers xdist crashes), where a real failure fails again.
-XLA_CPU_CRASH_RERUN = pytest.mark.flaky(reruns=1)
-
 
 @pytest.fixture(scope="session")
 def devices():

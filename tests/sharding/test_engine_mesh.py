@@ -12,9 +12,7 @@ import pytest
 from kimik3.generate import generate
 from serving.engine import Engine
 from sharding.mesh import decode_mesh, prefill_mesh
-from tests.sharding.conftest import XLA_CPU_CRASH_RERUN, host_init
-
-pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
+from tests.sharding.conftest import host_init
 
 PAGE = 16
 PROMPT_LENS = (37, 21, 53)  # not multiples of tp or of the page

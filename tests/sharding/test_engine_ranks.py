@@ -16,9 +16,7 @@ from kimik3.generate import generate
 from serving.engine import Engine
 from sharding import paged, rank_pools
 from sharding.mesh import decode_mesh
-from tests.sharding.conftest import XLA_CPU_CRASH_RERUN, host_init
-
-pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
+from tests.sharding.conftest import host_init
 
 PAGE = 16
 _ORACLE = {}
@@ -108,6 +106,7 @@ def test_no_step_gathers_pool_rows_and_every_pool_stays_on_its_rank(served):
     assert eng.load()["free_slots"] == 2 * served["dp"]
 
 
+@pytest.mark.slow  # the GPU benchmark's driver (`python -m sharding.bench --engine`); the engines it builds are tested above
 def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_requests_per_device(devices):
     from sharding.bench import engine_scaling
 
@@ -116,3 +115,25 @@ def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_reque
     assert out["1gpu"]["tokens"] == 2 * 3 and out["2gpu"]["tokens"] == 4 * 3  # one token per request per step
     assert out["tok_s_per_gpu_2gpu"] == out["2gpu"]["tok_s"] / 2
     assert out["scaling_efficiency"] == out["speedup"] / 2 > 0
+
+
+def test_rows_that_need_their_logits_beside_greedy_rows_on_the_mesh(tiny_cfg, params, devices):
+    """Greedy rows take the devices' argmax; a penalized row and a logprobs row in the same steps
+    get their logits and the oracle's numbers."""
+    from serving.sampling import SamplingParams
+    from tests.serving.test_engine_logprobs import _log_softmax, penalized_greedy
+
+    mesh = decode_mesh(2, 2, devices=devices[:2], cfg=tiny_cfg)
+    eng = Engine(params, tiny_cfg, mesh=(None, mesh), num_slots=4, num_pages=18, num_snapshots=12, page_tokens=PAGE,
+                 kda_block_tokens=4 * PAGE, max_pages_per_request=8, prefill_chunk_tokens=32, max_step_tokens=40,
+                 kernels="reference", dispatch="dense")
+    prompts = [_prompt("s", i, 30) for i in range(3)]
+    sps = [SamplingParams(), SamplingParams(frequency_penalty=1.5), SamplingParams(logprobs=2)]
+    reqs = [eng.submit(p, 8, sampling=sp) for p, sp in zip(prompts, sps)]
+    eng.run(max_steps=100)
+    assert reqs[0].output == _oracle(params, tiny_cfg, prompts[0], 8)
+    assert reqs[1].output == generate(params, tiny_cfg, prompts[1], 8, choose=penalized_greedy(0.0, 1.5)).tokens.tolist()
+    want = generate(params, tiny_cfg, prompts[2], 8)
+    assert reqs[2].output == want.tokens.tolist()
+    for tok, entry, logits in zip(reqs[2].output, reqs[2].logprobs, want.logits):
+        assert entry.logprob == pytest.approx(_log_softmax(logits)[tok], abs=1e-4)

@@ -51,8 +51,9 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
 
 
-def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path):
-    results = _run_group("sharding.multiprocess_check", tmp_path)
+def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp_path):
+    results = _run_group("sharding.multiprocess_check", tmp_path, "--engine", "--ep", "2")
+    # the sharded steps
     for i, r in enumerate(results):
         assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
         assert r["prefill_ranks"] == [0, 1]  # the prefill mesh spans the two processes
@@ -62,12 +63,9 @@ def test_a_two_process_group_runs_the_sharded_steps_as_one_process_does(tmp_path
     assert results[0]["tokens"] == results[1]["tokens"]
     # each process holds its own devices' decode rows (DP attention: the cache lives with its requests)
     assert results[0]["decode_rows_held"] == [0, 1, 2, 3] and results[1]["decode_rows_held"] == [4, 5, 6, 7]
-
-
-def test_a_two_process_engine_group_serves_the_oracles_tokens_from_pools_per_rank(tmp_path):
-    results = _run_group("sharding.multiprocess_engine_check", tmp_path, "--ep", "2")
-    for i, r in enumerate(results):
-        assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
+    # the engine as the same group: pools per rank, each process its own requests
+    engines = [r["engine"] for r in results]
+    for i, r in enumerate(engines):
         assert r["ranks"] == list(range(4 * i, 4 * i + 4))  # its own devices' ranks
         assert r["pools_on_own_devices"] and r["released"]
         for req in r["requests"]:
@@ -75,7 +73,7 @@ def test_a_two_process_engine_group_serves_the_oracles_tokens_from_pools_per_ran
             assert req["rank"] in r["ranks"]
         assert all(r["sessions_kept_their_rank"])
         assert all(q["cached"] >= 32 for q in r["requests"] if q["kind"] in ("second", "third"))  # prefix hits
-    busy, idle = results
+    busy, idle = engines
     # process 0's ranks each preempted within their own pools and resumed from the host tier; its
     # evicted session came back from the host tier.  Process 1 decoded padding rows meanwhile.
     assert busy["preemptions"] >= 4 and busy["offloaded_resumes"] == busy["preemptions"]

@@ -14,9 +14,7 @@ from kimik3 import model
 from sharding import plan, rank_pools
 from sharding.decode import PagedDecode
 from sharding.mesh import MeshShape, decode_mesh
-from tests.sharding.conftest import XLA_CPU_CRASH_RERUN, hlo_bytes, hlo_collectives
-
-pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
+from tests.sharding.conftest import hlo_bytes, hlo_collectives
 
 PAGE, PAGES, SLOTS, MAX_PAGES, ROWS = 4, 9, 3, 3, 2  # per rank: 8 pages + null, 2 slots + scratch
 

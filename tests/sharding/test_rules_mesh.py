@@ -9,9 +9,6 @@ from kimik3 import config, model
 from sharding import plan
 from sharding.mesh import decode_mesh, parse_spec, prefill_mesh
 from sharding.rules import DECODE_RULES, PREFILL_RULES, param_logical_axes, param_specs, shard_params
-from tests.sharding.conftest import XLA_CPU_CRASH_RERUN
-
-pytestmark = XLA_CPU_CRASH_RERUN  # see tests/sharding/conftest.py
 
 
 def test_every_param_has_logical_axes():
