@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", action="store_true",
                         help="then serve requests with the engine as the same group (multiprocess_engine_check)")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the engine's decode mesh")
+    parser.add_argument("--engine-devices", type=int, default=None,
+                        help="devices of each process in the engine's decode mesh (default: all)")
     parser.add_argument("--out", required=True, help="process-I.json goes here")
     args = parser.parse_args(argv)
     result = run(args)

@@ -60,9 +60,11 @@ def serve(args) -> dict:
 
     cfg = config.get_config(args.config)
     params = model.init_params(cfg, jax.random.PRNGKey(args.seed), "float32")  # the same on every process
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # each process's ranks together
+    # the first `engine_devices` devices of each process, each process's ranks together
+    local = getattr(args, "engine_devices", None) or len(jax.local_devices())
+    devices = [d for p in range(jax.process_count())
+               for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]]
     mesh = decode_mesh(len(devices), args.ep, devices=devices, cfg=cfg)
-    local = len(jax.local_devices())
     eng = Engine(params, cfg, mesh=(None, mesh), num_slots=2 * local, num_pages=9 * local,
                  num_snapshots=6 * local, page_tokens=PAGE, kda_block_tokens=4 * PAGE, max_pages_per_request=8,
                  prefill_chunk_tokens=32, max_step_tokens=32 + 2 * local, kernels="reference", dispatch="dense",
@@ -106,6 +108,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
     parser.add_argument("--config", default="tiny", help="model config")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the decode mesh")
+    parser.add_argument("--engine-devices", type=int, default=None,
+                        help="devices of each process in the engine's decode mesh (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="weights' seed")
     parser.add_argument("--out", required=True, help="process-I.json goes here")
     args = parser.parse_args(argv)

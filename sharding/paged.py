@@ -34,6 +34,7 @@ runs on them in place (`sharding.decode.PagedDecode`, `sharding.rank_pools`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 
@@ -131,6 +132,7 @@ class PagedStep:
         self.sharded = sharded_step(cfg, mesh, mode, dispatch, kernels)
         self.shape = self.sharded.shape
         self.size = self.shape.size  # tp (prefill) or dp (decode)
+        self.calls: collections.Counter[tuple[int, int]] = collections.Counter()  # this step's runs by (B, T)
 
     def place_params(self, params):
         return self.sharded.place_params(params)
@@ -153,6 +155,7 @@ class PagedStep:
         tokens = jnp.asarray(tokens, jnp.int32)
         b, t = tokens.shape
         self.check(b, t)
+        self.calls[b, t] += 1
         view = model.paged_view(pools, tables, slots, lengths)
         cache = self.sharded.place_cache(contiguous_cache(view, cfg=self.cfg))
         logits, cache = self.sharded.run(params, tokens, cache)

@@ -2,7 +2,8 @@
 requests' pages, KDA slots and snapshots on its own device (`sharding.rank_pools`), prefills
 them there, and the decode mesh's step runs each rank on its own pool (`sharding.decode.PagedDecode`).
 Multi-turn sessions with prefix hits, preemption with host-tier offload, and host-tier hits
-after eviction give the no-cache fp32 oracle's greedy tokens on dp/ep = (2, 2), (4, 2), (8, 8).
+after eviction give the no-cache fp32 oracle's greedy tokens on dp/ep = (2, 2), (4, 2), (8, 8)
+(and its penalized tokens and logprobs for the rows that ask for them).
 
 Each rank has 8 usable pages of 16 tokens and 2 slots: two 60-token prompts fill a rank, and
 growing past 64 tokens preempts one of them."""
@@ -14,12 +15,16 @@ import pytest
 from cache.host_tier import EmbeddedHostKVTier
 from kimik3.generate import generate
 from serving.engine import Engine
+from serving.sampling import GREEDY, SamplingParams
 from sharding import paged, rank_pools
 from sharding.mesh import decode_mesh
+from tests.serving.test_engine_logprobs import _log_softmax, penalized_greedy
 from tests.sharding.conftest import host_init
 
 PAGE = 16
 _ORACLE = {}
+# negative penalties: the output repeats itself (a random model rarely repeats within 5 tokens)
+PENALIZED, LOGPROBS = SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.5), SamplingParams(logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +54,12 @@ def served(request, tiny_cfg, params, devices):
                  max_step_tokens=32 + 2 * dp, kernels="reference", dispatch="dense",
                  host=EmbeddedHostKVTier(1 << 26))
     log = {"dp": dp, "mesh": mesh}
-    # A: one session per rank; its second turn returns to its rank, for the prefix hit there
-    first = [eng.submit(_prompt("a", i, 37), 5) for i in range(dp)]
+    # A: one session per rank; its second turn returns to its rank, for the prefix hit there.  Some
+    # rows need their logits (a frequency penalty, logprobs) beside rows the devices' argmax serves.
+    first = [eng.submit(_prompt("a", i, 37), 5, sampling=PENALIZED if i % 2 else GREEDY) for i in range(dp)]
     eng.run(max_steps=200)
-    second = [eng.submit(r.prompt + r.output + _prompt("b", i, 8), 5) for i, r in enumerate(first)]
+    second = [eng.submit(r.prompt + r.output + _prompt("b", i, 8), 5, sampling=LOGPROBS if i == 0 else GREEDY)
+              for i, r in enumerate(first)]
     eng.run(max_steps=200)
     log["sessions"] = list(zip(first, second))
     # B: two 60-token prompts per rank, each growing past its 4 pages: preemption, offload, resume
@@ -69,8 +76,21 @@ def served(request, tiny_cfg, params, devices):
 
 
 def _check(req, params, cfg):
+    """The request's tokens are the oracle's under its own rule (a penalty: vLLM's, written out on
+    the host), and its logprobs, if it asked, the oracle's log-softmax."""
     assert req.done and req.error is None, (req.request_id, req.error)
+    sp = req.sampling
+    if sp.penalized:
+        want = generate(params, cfg, req.prompt, req.max_new_tokens,
+                        choose=penalized_greedy(sp.presence_penalty, sp.frequency_penalty)).tokens.tolist()
+        assert want != _oracle(params, cfg, req.prompt, req.max_new_tokens)  # the penalty changed them
+        assert req.output == want, req.request_id
+        return
     assert req.output == _oracle(params, cfg, req.prompt, req.max_new_tokens), req.request_id
+    if sp.logprobs is not None:
+        logits = generate(params, cfg, req.prompt, req.max_new_tokens).logits
+        for tok, entry, row in zip(req.output, req.logprobs, logits):
+            assert entry.logprob == pytest.approx(_log_softmax(row)[tok], abs=1e-4)
 
 
 def test_sessions_spread_over_the_ranks_and_return_to_them_for_their_prefix(served, params, tiny_cfg):
@@ -115,25 +135,3 @@ def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_reque
     assert out["1gpu"]["tokens"] == 2 * 3 and out["2gpu"]["tokens"] == 4 * 3  # one token per request per step
     assert out["tok_s_per_gpu_2gpu"] == out["2gpu"]["tok_s"] / 2
     assert out["scaling_efficiency"] == out["speedup"] / 2 > 0
-
-
-def test_rows_that_need_their_logits_beside_greedy_rows_on_the_mesh(tiny_cfg, params, devices):
-    """Greedy rows take the devices' argmax; a penalized row and a logprobs row in the same steps
-    get their logits and the oracle's numbers."""
-    from serving.sampling import SamplingParams
-    from tests.serving.test_engine_logprobs import _log_softmax, penalized_greedy
-
-    mesh = decode_mesh(2, 2, devices=devices[:2], cfg=tiny_cfg)
-    eng = Engine(params, tiny_cfg, mesh=(None, mesh), num_slots=4, num_pages=18, num_snapshots=12, page_tokens=PAGE,
-                 kda_block_tokens=4 * PAGE, max_pages_per_request=8, prefill_chunk_tokens=32, max_step_tokens=40,
-                 kernels="reference", dispatch="dense")
-    prompts = [_prompt("s", i, 30) for i in range(3)]
-    sps = [SamplingParams(), SamplingParams(frequency_penalty=1.5), SamplingParams(logprobs=2)]
-    reqs = [eng.submit(p, 8, sampling=sp) for p, sp in zip(prompts, sps)]
-    eng.run(max_steps=100)
-    assert reqs[0].output == _oracle(params, tiny_cfg, prompts[0], 8)
-    assert reqs[1].output == generate(params, tiny_cfg, prompts[1], 8, choose=penalized_greedy(0.0, 1.5)).tokens.tolist()
-    want = generate(params, tiny_cfg, prompts[2], 8)
-    assert reqs[2].output == want.tokens.tolist()
-    for tok, entry, logits in zip(reqs[2].output, reqs[2].logprobs, want.logits):
-        assert entry.logprob == pytest.approx(_log_softmax(logits)[tok], abs=1e-4)

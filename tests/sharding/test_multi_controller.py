@@ -52,7 +52,7 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
 
 
 def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp_path):
-    results = _run_group("sharding.multiprocess_check", tmp_path, "--engine", "--ep", "2")
+    results = _run_group("sharding.multiprocess_check", tmp_path, "--engine", "--ep", "2", "--engine-devices", "2")
     # the sharded steps
     for i, r in enumerate(results):
         assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)
@@ -63,10 +63,11 @@ def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp
     assert results[0]["tokens"] == results[1]["tokens"]
     # each process holds its own devices' decode rows (DP attention: the cache lives with its requests)
     assert results[0]["decode_rows_held"] == [0, 1, 2, 3] and results[1]["decode_rows_held"] == [4, 5, 6, 7]
-    # the engine as the same group: pools per rank, each process its own requests
+    # the engine as the same group, on DP4/EP2 over two devices of each process: pools per rank,
+    # each process its own requests
     engines = [r["engine"] for r in results]
     for i, r in enumerate(engines):
-        assert r["ranks"] == list(range(4 * i, 4 * i + 4))  # its own devices' ranks
+        assert r["ranks"] == list(range(2 * i, 2 * i + 2))  # its own devices' ranks
         assert r["pools_on_own_devices"] and r["released"]
         for req in r["requests"]:
             assert req["error"] is None and req["equal"], (i, req)  # the oracle's tokens
@@ -76,7 +77,7 @@ def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp
     busy, idle = engines
     # process 0's ranks each preempted within their own pools and resumed from the host tier; its
     # evicted session came back from the host tier.  Process 1 decoded padding rows meanwhile.
-    assert busy["preemptions"] >= 4 and busy["offloaded_resumes"] == busy["preemptions"]
-    assert {q["rank"] for q in busy["requests"] if q["kind"] == "grown"} == {0, 1, 2, 3}
+    assert busy["preemptions"] >= 2 and busy["offloaded_resumes"] == busy["preemptions"]
+    assert {q["rank"] for q in busy["requests"] if q["kind"] == "grown"} == {0, 1}
     assert [q["cached_host"] > 0 for q in busy["requests"] if q["kind"] == "third"] == [True]
     assert idle["preemptions"] == 0 and len(idle["requests"]) == 3
