@@ -51,6 +51,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Every compiled XLA:CPU program keeps ~3 memory mappings (its JIT code) for as long as a jit cache
+# holds it, and an xdist worker compiles thousands over the suite: it used to reach the kernel's
+# vm.max_map_count (65530), after which XLA's next mmap failed inside a compile or a
+# compile-cache write (SIGSEGV / SIGABRT, a different test each run).  Past MAX_MAPS the caches
+# are cleared between tests; programs a later test needs again recompile, or load from the
+# run's persistent cache.
+MAX_MAPS = 30000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_mappings():
+    yield
+    if _mappings() > MAX_MAPS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_sessionfinish(session):
     """The process that made the run's cache removes it (xdist's workers finish first)."""
     if _OWN_CACHE and not hasattr(session.config, "workerinput"):
