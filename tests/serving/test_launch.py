@@ -170,6 +170,7 @@ def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkey
     assert argv[argv.index("--served-model-name") + 1] == "kimi"
 
 
+@pytest.mark.slow  # ~60-80 s of the 2-core suite; the group's engine is checked in tests/sharding/test_multi_controller.py
 def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tmp_path):
     """`--decode-group`: two decode workers of one CPU device each are one DP2/EP2 engine (issue 23).
     Requests through the router get the oracle's tokens; when one member is killed mid-request,
