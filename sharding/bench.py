@@ -148,6 +148,14 @@ def engine_scaling(n: int, cfg_name: str, per_gpu_batch: int, context: int, step
     return out
 
 
+def _report(result: dict, out: str | None) -> int:
+    print(json.dumps(result, indent=1), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m sharding.bench", description=__doc__)
     p.add_argument("--n", type=int, default=len(jax.devices()))
@@ -168,21 +176,13 @@ def main(argv=None) -> int:
     if args.engine:
         result["engine_scaling"] = engine_scaling(args.n, args.config, args.per_gpu_batch, args.context, args.steps,
                                                   args.kernels)
-        print(json.dumps(result, indent=1), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return 0
+        return _report(result, args.out)
     if not args.skip_exact:
         result["exact"] = check_exact(args.n, args.kernels)
         print(json.dumps(result["exact"], indent=1), flush=True)
     result["throughput"] = throughput(args.n, args.config, args.seq, args.decode_batch, args.context, args.reps,
                                       args.kernels)
-    print(json.dumps(result, indent=1), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return _report(result, args.out)
 
 
 if __name__ == "__main__":

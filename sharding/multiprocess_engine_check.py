@@ -1,11 +1,7 @@
-"""`python -m sharding.multiprocess_engine_check`: the serving engine as a process group, against the oracle.
+"""The serving engine as a process group, against the oracle: `serve`, run by each process of
+`python -m sharding.multiprocess_check --engine` once it has joined the group.
 
-Run once per process (same arguments but --process-id)::
-
-    python -m sharding.multiprocess_engine_check --coordinator 127.0.0.1:PORT --num-processes 2 \\
-        --process-id I --cpu-devices 4 --out DIR
-
-Each process joins the group (`sharding.distributed`) and builds an `Engine` whose decode mesh
+Each process builds an `Engine` whose decode mesh
 (DP attention, EP MoE) spans every device of every process; it owns the ranks of its own
 devices (pools per rank) and serves requests of its own, and the group's engines step together
 (`Engine.group`).  The workloads differ in size, so an engine also runs decode steps with
@@ -17,16 +13,11 @@ padding rows only while the other still decodes.  Process I serves, on its own r
   offload to the host tier and resume;
 * session 0's third turn after that pressure evicted it: a host-tier hit.
 
-Every request's tokens are compared with the no-cache fp32 oracle's; DIR/process-I.json holds
-what each request got and where it ran.
+Every request's tokens are compared with the no-cache fp32 oracle's; `serve` returns what each
+request got and where it ran.
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import os
-import sys
 
 PAGE = 16
 
@@ -35,16 +26,6 @@ def _prompt(kind: str, i: int, n: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng([*map(ord, kind), i]).integers(0, 256, n).tolist()
-
-
-def run(args) -> dict:
-    from sharding import distributed
-
-    group = distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
-    distributed.initialize(group)
-    out = serve(args)
-    distributed.shutdown()
-    return out
 
 
 def serve(args) -> dict:
@@ -61,7 +42,7 @@ def serve(args) -> dict:
     cfg = config.get_config(args.config)
     params = model.init_params(cfg, jax.random.PRNGKey(args.seed), "float32")  # the same on every process
     # the first `engine_devices` devices of each process, each process's ranks together
-    local = getattr(args, "engine_devices", None) or len(jax.local_devices())
+    local = args.engine_devices or len(jax.local_devices())
     devices = [d for p in range(jax.process_count())
                for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]]
     mesh = decode_mesh(len(devices), args.ep, devices=devices, cfg=cfg)
@@ -97,28 +78,3 @@ def serve(args) -> dict:
                                        for kv in eng.kvs for leaf in jax.tree_util.tree_leaves(kv.pools)),
            "released": not any(m.requests for m in eng.managers)}
     return out
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sharding.multiprocess_engine_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
-    parser.add_argument("--num-processes", type=int, required=True, help="processes in the group")
-    parser.add_argument("--process-id", type=int, required=True, help="this process's id in [0, num-processes)")
-    parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
-    parser.add_argument("--config", default="tiny", help="model config")
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the decode mesh")
-    parser.add_argument("--engine-devices", type=int, default=None,
-                        help="devices of each process in the engine's decode mesh (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="weights' seed")
-    parser.add_argument("--out", required=True, help="process-I.json goes here")
-    args = parser.parse_args(argv)
-    result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"process-{args.process_id}.json"), "w") as f:
-        json.dump(result, f)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

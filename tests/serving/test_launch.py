@@ -28,6 +28,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_for_state(proc, state_file, timeout_s: float = 400) -> dict:
+    """The state file a launch writes once it serves (failing if it exits or takes too long)."""
+    deadline = time.monotonic() + timeout_s
+    while not state_file.exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "launch did not come up"
+        time.sleep(0.25)
+    return json.loads(state_file.read_text())
+
+
 def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
     from cache.mooncake_tier import TierError, _binary
 
@@ -69,12 +79,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
     try:
-        deadline = time.monotonic() + 400
-        while not state_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "launch did not come up"
-            time.sleep(0.25)
-        state = json.loads(state_file.read_text())
+        state = _wait_for_state(proc, state_file)
         base = f"http://127.0.0.1:{port}"
         assert state["router"] == base + "/v1" and len(state["prefill"]) == len(state["decode"]) == 1
         assert {"router", "prefill-0", "decode-0", "mooncake_master", "mooncake_memory_server"} <= set(state["pids"])
@@ -203,12 +208,7 @@ def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tm
         return r.json()["choices"][0]["token_ids"]
 
     try:
-        deadline = time.monotonic() + 400
-        while not state_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "launch did not come up"
-            time.sleep(0.25)
-        state = json.loads(state_file.read_text())
+        state = _wait_for_state(proc, state_file)
         assert len(state["decode"]) == 2
         health = httpx.get(state["decode"][1] + "/health", timeout=10).json()
         assert health["capacity"]["ranks"] == 1  # its own device's rank of the group's two
@@ -232,8 +232,9 @@ def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tm
 
         t = threading.Thread(target=long_request)
         t.start()
+        deadline = time.monotonic() + 300
         while httpx.get(state["decode"][0] + "/load", timeout=10).json().get("running", 0) < 1:
-            assert time.monotonic() < deadline + 300
+            assert time.monotonic() < deadline
             time.sleep(0.1)
         old = {n: state["pids"][n] for n in ("decode-0", "decode-1")}
         os.killpg(old["decode-1"], signal.SIGKILL)

@@ -34,16 +34,17 @@ def request(rid, n_prompt, n_new=4, seed=0):
 
 
 def play(s, plan, token=7):
-    """Report back what running `plan` would: pages committed, snapshots taken, tokens emitted."""
+    """Report back what running `plan` would: pages committed, snapshots taken, tokens emitted
+    (each request's own rank's manager)."""
     for a in plan.admitted:
-        a.restored(s.manager)
+        a.restored(s.manager_of(a.request))
     for chunk in plan.prefill:
-        req = chunk.request
-        s.manager.commit_pages(req.request_id, chunk.end)
+        req, m = chunk.request, s.manager_of(chunk.request)
+        m.commit_pages(req.request_id, chunk.end)
         for b in chunk.export:
-            s.manager.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
+            m.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
         if chunk.snapshot_at_end:
-            s.manager.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
+            m.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
         if chunk.last:
             req._cached_len = chunk.end
             s.emit(req, token)
@@ -225,38 +226,19 @@ def make_ranked(ranks=2, num_pages=9, num_slots=4, num_snaps=8, host=None):
     return Scheduler(SchedulerConfig(**cfg), mgrs)
 
 
-def play_ranked(s, plan, token=7):
-    """`play` with each request's own rank's manager."""
-    for a in plan.admitted:
-        a.restored(s.manager_of(a.request))
-    for chunk in plan.prefill:
-        req, m = chunk.request, s.manager_of(chunk.request)
-        m.commit_pages(req.request_id, chunk.end)
-        for b in chunk.export:
-            m.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
-        if chunk.snapshot_at_end:
-            m.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
-        if chunk.last:
-            req._cached_len = chunk.end
-            s.emit(req, token)
-    for req in plan.decode:
-        req._cached_len += 1
-        s.emit(req, token)
-
-
 def test_ranks_split_the_slots_and_a_request_goes_where_its_prefix_is():
     s = make_ranked()
     assert s.ranks == 2 and s.slots_per_rank == 2 and sorted(s.free_slots) == [0, 1, 2, 3]
     a, b = request("a", 40, seed=1), request("b", 40, seed=2)
     s.waiting += [a, b]
     while a.done is False or b.done is False:
-        play_ranked(s, s.schedule())
+        play(s, s.schedule())
     assert {a._rank, b._rank} == {0, 1}  # the emptier rank each time: one each
     assert sorted(s.free_slots) == [0, 1, 2, 3]
     # b's continuation goes back to b's rank, for its prefix there, though a's rank is as free
     again = Request("b2", b.prompt + [5] * 10, 2)
     s.waiting.append(again)
-    play_ranked(s, s.schedule())
+    play(s, s.schedule())
     assert again._rank == b._rank and again.cached_tokens == 32
     assert s.manager_of(again).requests and not s.managers[a._rank].requests
 
@@ -274,7 +256,7 @@ def test_preemption_frees_room_within_the_short_rank_only():
             break
         plan = s.schedule()
         preempted += [(p.request.request_id, p.rank) for p in plan.preempted]
-        play_ranked(s, plan)
+        play(s, plan)
     assert all(r.done and r.error is None for r in reqs)
     # each time the newest request of the short rank: r2 (first beside r0 on rank 0, then, resumed
     # on the emptier rank 1, beside r1); r0 and r1, each older than it on its rank, never
