@@ -4,6 +4,10 @@
 #   ./run.sh test [args]   the test suite (CPU)
 # Both create .venv with Python >= 3.12 and install the project on first use: its serve and store
 # extras, dev for the tests, and cuda (jax[cuda13]) where nvidia-smi sees a GPU.
+# On a machine without a package registry whose Python already holds CUDA jax (a GPU image):
+#   KIMIK3_INHERIT_SITE=1  the venv also sees the packages of the Python that made it
+#   KIMIK3_CUDA=local      jax[cuda13-local]: the machine's CUDA 13, not pip's CUDA wheels
+#   PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR   (pip's own) the missing wheels from DIR
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -33,7 +37,7 @@ extras_for() {  # serve + store always, dev for the tests, cuda where an NVIDIA 
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1)
     if [ "${driver%%.*}" -ge 580 ] 2>/dev/null; then  # jax[cuda13] needs driver 580 or newer
-      extras="$extras,cuda"
+      if [ "${KIMIK3_CUDA:-pip}" = local ]; then extras="$extras,cuda-local"; else extras="$extras,cuda"; fi
     else
       echo "run.sh: NVIDIA driver ${driver:-unknown} is older than 580, which CUDA 13 (jax[cuda13]) needs: installing" \
            "without CUDA (JAX runs on the CPU); update the driver, or set KIMIK3_EXTRAS" >&2
@@ -46,7 +50,14 @@ ensure_venv() {
   local stamp=.venv/.installed want have="" e
   want=$(extras_for "$1")
   if [ ! -x .venv/bin/python ]; then
-    "$(find_python)" -m venv .venv
+    local py; py=$(find_python)
+    "$py" -m venv .venv
+    if [ -n "${KIMIK3_INHERIT_SITE:-}" ]; then  # a .pth: the creator's site-packages, after the venv's own
+      local own; own=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      "$py" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        > "$own/_kimik3_inherited_site.pth"
+      echo "run.sh: .venv also sees $(paste -sd' ' "$own/_kimik3_inherited_site.pth")" >&2
+    fi
   fi
   if [ -f "$stamp" ] && [ ! pyproject.toml -nt "$stamp" ]; then
     have=$(cat "$stamp")

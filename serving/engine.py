@@ -404,7 +404,9 @@ class Engine:
         if not (isinstance(prior_output, int) and 0 <= prior_output < len(prompt)):
             raise ValueError(f"prior_output must lie in [0, {len(prompt)}) (the prompt's own output tail); "
                              f"got {prior_output!r}")
-        images, mm_items = self._check_images(prompt, images)
+        # an <|image|> in the request's own output tail is one the model generated: a text token
+        # (`model.splice_image_embeddings`), not a slot missing its image
+        images, mm_items = self._check_images(prompt[:len(prompt) - prior_output], images)
         self._check_sampling(sampling)
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond a rank's usable pages a request could never be admitted: refuse it now.

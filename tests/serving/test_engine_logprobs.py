@@ -107,3 +107,22 @@ def test_sampled_rows_with_penalties_draw_from_the_penalized_distribution(tiny_c
 def test_out_of_range_penalties_and_logprobs_are_refused(kw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**kw)
+
+
+def test_a_continuation_whose_output_holds_a_generated_image_token_is_text(rng, tiny_cfg, tiny_params):
+    """A model may sample <|image|> (temperature 1 over the whole vocabulary).  Continued
+    elsewhere (a failover, a P/D handoff through the store), that token is in the prompt's output
+    tail: it is text, as the oracle embedded it, not an image slot without its image (which was a
+    400 for the client)."""
+    from kimik3 import tokenizer
+
+    prompt = rng.integers(0, 256, 21).tolist()
+    forced = lambda logits, out: tokenizer.IMAGE_ID if len(out) == 2 else int(np.argmax(logits))
+    want = generate(tiny_params, tiny_cfg, prompt, 10, choose=forced).tokens.tolist()
+    assert want[2] == tokenizer.IMAGE_ID
+    eng = _engine(tiny_params, tiny_cfg)
+    rest = eng.submit(prompt + want[:5], 5, prior_output=5)
+    eng.run(max_steps=100)
+    assert rest.output == want[5:]
+    with pytest.raises(ValueError, match="placeholders but no images"):  # in the prompt itself it is a slot
+        eng.submit(prompt + want[:5], 5, prior_output=2)

@@ -87,7 +87,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched the licence"}], "max_tokens": 4,
             "ignore_eos": True, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(prompt)  # the BPE encoded the conversation
         assert r.json()["choices"][0]["token_ids"] == want  # the checkpoint's weights, not random ones
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)  # and detokenized the stream
@@ -120,7 +120,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": "kimik3-tiny", "messages": [{"role": "user", "content": "after the store restarted"}],
             "max_tokens": 3, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

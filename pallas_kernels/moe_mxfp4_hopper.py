@@ -1,0 +1,173 @@
+"""The MXFP4 grouped expert GEMM as a Hopper kernel (Mosaic GPU): weights decoded in registers
+as the wgmma's A operand, never through shared memory.
+
+The Triton kernel (`moe._gmm_kernel` with `mxfp4.PackedMXFP4`) decodes each packed tile in
+registers and then hands it to the MMA through shared memory; measured on the H200 that frame
+tops out near half of the copy rate even with no decode at all (RESULTS.md, issue 20).  Here
+the product is computed transposed, ``out^T [N, rows] = W^T [N, K] @ x^T [K, rows]``, so the
+weights are wgmma's A operand, which Hopper reads from registers: each warpgroup loads its
+codes from shared memory (where TMA put them) straight into the A fragment's layout, decodes
+and scales them there, and issues the wgmma with the rows' activations (B, [rows, K] in shared
+memory, read transposed).  One program: one row tile of the group-aligned layout (one group)
+times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA.
+
+Layout (`to_hopper`, done once when the weights load):
+  codes  [G, N, K] int4: e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code & 7)``
+         (two's complement, two per byte along K: what TMA and the int4 -> bf16 upcast take);
+  scales [G, K / 32, N] uint8: the e8m0 exponents as they are (4.25 bits a weight in all).
+Decode: ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order, which are
+``max(|i| / 2, |i| - 2, 2 |i| - 8)``, all exact in bf16; times the block's power-of-two scale
+(exact too), so the decoded tile equals `mxfp4.dequantize` bit for bit and the kernel differs
+from the reference only in fp32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import mxfp4
+
+MX_BLOCK = mxfp4.MX_BLOCK
+
+
+class HopperMXFP4(NamedTuple):
+    """Expert weights [G, K, N] in the Hopper kernel's layout (the module comment): codes
+    [G, N, K] int4, scales [G, K / 32, N] uint8 (e8m0 exponents)."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        g, n, k = self.codes.shape
+        return g, k, n
+
+
+def to_hopper(w: mxfp4.PackedMXFP4) -> HopperMXFP4:
+    """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment).
+    Pure data movement: no value changes."""
+    mxfp4.check(w)
+    v = w.values
+    codes = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[:-1] + (-1,)).astype(jnp.int8)  # [G, K, N]
+    signed = jnp.where(codes >= 8, 8 - codes, codes)  # sign-magnitude -> two's complement (-0 -> 0)
+    return HopperMXFP4(jnp.swapaxes(signed, 1, 2).astype(jnp.int4),
+                       lax.bitcast_convert_type(w.scales, jnp.uint8))
+
+
+def dequantize(w: HopperMXFP4):
+    """float32 [G, K, N] of the Hopper layout (the reference's decode, plain jnp)."""
+    i = w.codes.astype(jnp.float32)
+    a = jnp.abs(i)
+    mag = jnp.maximum(jnp.maximum(a * 0.5, a - 2.0), a * 2.0 - 8.0)
+    vals = jnp.swapaxes(jnp.where(i < 0, -mag, mag), 1, 2)
+    return vals * jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)
+
+
+def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
+    """ValueError naming the mismatch, before any launch."""
+    g, n, k2 = w.codes.shape
+    if w.codes.dtype != jnp.int4 or k2 != k:
+        raise ValueError(f"{what}: codes must be int4 [G, N, K={k}]; got {w.codes.dtype} {w.codes.shape}")
+    if w.scales.dtype != jnp.uint8 or w.scales.shape != (g, k // MX_BLOCK, n) or k % MX_BLOCK:
+        raise ValueError(f"{what}: scales must be uint8 [G, K / 32, N] = {(g, k // MX_BLOCK, n)}; "
+                         f"got {w.scales.dtype} {w.scales.shape}")
+
+
+def _decode(i, scale_u8):
+    """Codes [bn, 32] (int4 values as bf16) and the block's e8m0 exponents [bn] -> bf16 [bn, 32]
+    weights."""
+    a = jnp.abs(i)
+    mag = jnp.maximum(jnp.maximum(a * 0.5, a - 2.0), a * 2.0 - 8.0)
+    e = scale_u8.astype(jnp.int32)
+    scale = lax.bitcast_convert_type(jnp.where(e == 0, 0x00400000, lax.shift_left(e, 23)), jnp.float32)
+    scale = scale.astype(jnp.bfloat16)
+    return jnp.where(i < 0, -mag, mag) * lax.broadcast_in_dim(scale, mag.shape, (0,))
+
+
+def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
+            n_k, steps, code_tile):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    group = tile_group_gmem[mi]
+
+    @pl.when(group >= 0)  # tiles past the last group hold no row anyone reads
+    def _():
+        def acc_scope(acc_ref):
+            def step(_, x_smem, codes_smem, scales_smem):
+                for c in range(block_k // code_tile):
+                    i = codes_smem[:, pl.ds(c * code_tile, code_tile)].astype(jnp.bfloat16)
+                    for h in range(code_tile // MX_BLOCK):
+                        j = c * (code_tile // MX_BLOCK) + h
+                        w = _decode(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], scales_smem[j])
+                        plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(j * MX_BLOCK, MX_BLOCK)].T)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step, grid=(n_k,), max_concurrent_steps=steps,
+                in_specs=[
+                    plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k),
+                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))),
+                    plgpu.BlockSpec((block_n, block_k), lambda k: (ni, k),
+                                    transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2))),
+                    plgpu.BlockSpec((block_k // MX_BLOCK, block_n), lambda k: (k, ni)),
+                ],
+            )(x_gmem, codes_gmem.at[group], scales_gmem.at[group])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, block_m), jnp.float32))
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(ni * block_n, block_n), pl.ds(mi * block_m, block_m)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
+               steps: int = 4, code_tile: int = 64):
+    """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
+    block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
+    N] bf16 (rows of tiles past the groups are not written: callers gather only their rows)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rows, k = x_pad.shape
+    g, n, _ = w.codes.shape
+    check(w, k)
+    if x_pad.dtype != jnp.bfloat16:
+        raise ValueError(f"MXFP4 grouped GEMM (Hopper) multiplies bf16 rows; got {x_pad.dtype}")
+    if (block_m % 8 or rows % block_m or n % block_n or block_n % 64 or k % block_k or block_k % code_tile
+            or code_tile not in (64, 128, 256)):
+        raise ValueError(f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
+                         f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
+                         f"64, 128 or 256) must divide")
+    out_t = plgpu.kernel(
+        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps,
+                          code_tile=code_tile),
+        out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+        grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
+        scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype)),
+    )(tile_group, x_pad, w.codes, w.scales)
+    return out_t.T
+
+
+def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **tiling):
+    """`moe.grouped_matmul`'s contract on Hopper-layout MXFP4 weights: lhs [M, K] bf16 rows
+    sorted by group, group_sizes [G] -> [M, N] bf16 (rows past the groups' sum give 0).
+    tiling: `gmm_padded`'s block_n / block_k / steps / code_tile."""
+    from pallas_kernels import moe
+
+    m, k = lhs_mk.shape
+    g = w.codes.shape[0]
+    check(w, k)
+    block_m = block_m or moe.layout_block_m(m)
+    n_tiles = moe._n_tiles(m, g, block_m)
+    dest, tile_group = moe._padded_layout(group_sizes_g, m, block_m, n_tiles)
+    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[
+        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
+    out = gmm_padded(tile_group, x_pad, w, block_m, **tiling)
+    return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)

@@ -1,0 +1,54 @@
+"""The Hopper MXFP4 grouped GEMM's layout and lowering (its arithmetic runs only on the GPU:
+tests/gpu/test_quant_kernels.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe_mxfp4_hopper as hopper
+from pallas_kernels import mxfp4
+
+S = jax.ShapeDtypeStruct
+
+
+def _packed(rng, g, k, n):
+    values = jnp.asarray(rng.integers(0, 256, (g, k, n // 2), dtype=np.uint8))
+    bits = rng.integers(100, 134, (g, k // 32, n)).astype(np.uint8)
+    bits[0, 0, :4] = (0, 1, 126, 254)  # 2^-127 (subnormal in bf16 and fp32) .. 2^127
+    return mxfp4.PackedMXFP4(values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
+
+
+def test_the_hopper_layout_holds_the_same_weights():
+    """Codes as signed magnitudes along K and the untouched exponents decode (by the kernel's
+    formula, max(|i|/2, |i|-2, 2|i|-8)) to the format's values, every code and both signs."""
+    w = _packed(np.random.default_rng(0), 3, 128, 96)
+    h = hopper.to_hopper(w)
+    assert h.codes.dtype == jnp.int4 and h.codes.shape == (3, 96, 128) and h.shape == (3, 128, 96)
+    assert h.scales.dtype == jnp.uint8 and h.scales.shape == (3, 4, 96)
+    np.testing.assert_array_equal(np.asarray(hopper.dequantize(h)), np.asarray(mxfp4.dequantize(w.values, w.scales)))
+
+
+def test_bad_operands_are_named_before_any_launch():
+    h = hopper.to_hopper(_packed(np.random.default_rng(1), 2, 128, 128))
+    x = jnp.zeros((32, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="codes must be int4"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), jnp.zeros((32, 256), jnp.bfloat16), h, 16)
+    with pytest.raises(ValueError, match="bf16 rows"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x.astype(jnp.float32), h, 16)
+    with pytest.raises(ValueError, match="must divide"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_n=96)
+    with pytest.raises(ValueError, match="scales must be uint8"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
+
+
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile",
+                         [(16, 128, 128, 4, 64), (8, 64, 256, 4, 256), (16, 256, 128, 3, 128), (64, 128, 128, 4, 128)])
+def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile):
+    """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the operands'
+    swizzles and tilings) run on this CPU machine."""
+    g, k, n, m = 8, 1024, 512, 40
+    fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
+                                                   block_k=block_k, steps=steps, code_tile=code_tile)
+    jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
+                      S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
