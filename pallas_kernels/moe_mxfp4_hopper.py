@@ -15,10 +15,11 @@ Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4: e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code & 7)``
          (two's complement, two per byte along K: what TMA and the int4 -> bf16 upcast take);
   scales [G, K / 32, N] uint8: the e8m0 exponents as they are (4.25 bits a weight in all).
-Decode: ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order, which are
-``max(|i| / 2, |i| - 2, 2 |i| - 8)``, all exact in bf16; times the block's power-of-two scale
-(exact too), so the decoded tile equals `mxfp4.dequantize` bit for bit and the kernel differs
-from the reference only in fp32 accumulation order.
+Decode (`decode`): ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order,
+which are ``2|i| - min(|i|, 6) - min(|i|, 4) / 2``: an odd function of i, so two clips, a few
+multiply-adds and the block's power-of-two scale last, every step exact in bf16; the decoded tile
+equals `mxfp4.dequantize` bit for bit and the kernel differs from the reference only in fp32
+accumulation order.
 """
 
 from __future__ import annotations
@@ -60,13 +61,20 @@ def to_hopper(w: mxfp4.PackedMXFP4) -> HopperMXFP4:
                        lax.bitcast_convert_type(w.scales, jnp.uint8))
 
 
+def decode(i, scale):
+    """The kernel's decode, written once: codes i as signed magnitudes (any float dtype holding
+    -7..7 exactly) and their block's scale, broadcast to i's shape -> i's e2m1 value times the
+    scale.  The magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 of |i| = 0..7 are 2|i| - min(|i|, 6) -
+    min(|i|, 4) / 2, an odd function of i: no sign handling, every step exact in bf16, and the
+    scale multiplies the value last, as `mxfp4.dequantize` does (so a value overflows, or
+    underflows, exactly where the format's does)."""
+    return (jnp.clip(i, -4, 4) * -0.5 + (i * 2.0 - jnp.clip(i, -6, 6))) * scale
+
+
 def dequantize(w: HopperMXFP4):
-    """float32 [G, K, N] of the Hopper layout (the reference's decode, plain jnp)."""
-    i = w.codes.astype(jnp.float32)
-    a = jnp.abs(i)
-    mag = jnp.maximum(jnp.maximum(a * 0.5, a - 2.0), a * 2.0 - 8.0)
-    vals = jnp.swapaxes(jnp.where(i < 0, -mag, mag), 1, 2)
-    return vals * jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)
+    """float32 [G, K, N] of the Hopper layout (the kernel's `decode`, in plain jnp)."""
+    scale = jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)  # [G, K, N]
+    return decode(jnp.swapaxes(w.codes, 1, 2).astype(jnp.float32), scale)
 
 
 def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
@@ -79,15 +87,12 @@ def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
                          f"got {w.scales.dtype} {w.scales.shape}")
 
 
-def _decode(i, scale_u8):
+def _decode_tile(i, scale_u8):
     """Codes [bn, 32] (int4 values as bf16) and the block's e8m0 exponents [bn] -> bf16 [bn, 32]
-    weights."""
-    a = jnp.abs(i)
-    mag = jnp.maximum(jnp.maximum(a * 0.5, a - 2.0), a * 2.0 - 8.0)
+    weights (`decode`)."""
     e = scale_u8.astype(jnp.int32)
     scale = lax.bitcast_convert_type(jnp.where(e == 0, 0x00400000, lax.shift_left(e, 23)), jnp.float32)
-    scale = scale.astype(jnp.bfloat16)
-    return jnp.where(i < 0, -mag, mag) * lax.broadcast_in_dim(scale, mag.shape, (0,))
+    return decode(i, lax.broadcast_in_dim(scale.astype(jnp.bfloat16), i.shape, (0,)))
 
 
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
@@ -105,7 +110,7 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
                     i = codes_smem[:, pl.ds(c * code_tile, code_tile)].astype(jnp.bfloat16)
                     for h in range(code_tile // MX_BLOCK):
                         j = c * (code_tile // MX_BLOCK) + h
-                        w = _decode(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], scales_smem[j])
+                        w = _decode_tile(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], scales_smem[j])
                         plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(j * MX_BLOCK, MX_BLOCK)].T)
                 plgpu.wgmma_wait(0)
 

@@ -15,18 +15,30 @@ S = jax.ShapeDtypeStruct
 def _packed(rng, g, k, n):
     values = jnp.asarray(rng.integers(0, 256, (g, k, n // 2), dtype=np.uint8))
     bits = rng.integers(100, 134, (g, k // 32, n)).astype(np.uint8)
-    bits[0, 0, :4] = (0, 1, 126, 254)  # 2^-127 (subnormal in bf16 and fp32) .. 2^127
+    bits[0, 0, :4] = (1, 2, 126, 254)  # 2^-126 .. 2^127 (2^-127, a subnormal, on the GPU: XLA:CPU flushes it)
     return mxfp4.PackedMXFP4(values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
 
 
 def test_the_hopper_layout_holds_the_same_weights():
     """Codes as signed magnitudes along K and the untouched exponents decode (by the kernel's
-    formula, max(|i|/2, |i|-2, 2|i|-8)) to the format's values, every code and both signs."""
+    formula, `hopper.decode`) to the format's values, every code and both signs."""
     w = _packed(np.random.default_rng(0), 3, 128, 96)
     h = hopper.to_hopper(w)
     assert h.codes.dtype == jnp.int4 and h.codes.shape == (3, 96, 128) and h.shape == (3, 128, 96)
     assert h.scales.dtype == jnp.uint8 and h.scales.shape == (3, 4, 96)
     np.testing.assert_array_equal(np.asarray(hopper.dequantize(h)), np.asarray(mxfp4.dequantize(w.values, w.scales)))
+
+
+def test_the_decode_is_exact_in_bf16():
+    """Every code times scales from 2^-126 to 2^127, computed in bf16 as the kernel computes it,
+    is the format's value exactly (past the range, the same inf).  (XLA:CPU flushes subnormals,
+    so the scale 2^-127 is checked on the GPU: tests/gpu/test_quant_kernels.py.)"""
+    i = jnp.arange(-7, 8, dtype=jnp.float32)[:, None]
+    scale = jnp.ldexp(1.0, jnp.asarray([-126, -125, -60, -1, 0, 1, 60, 125, 126, 127]))[None, :]
+    got = hopper.decode(i.astype(jnp.bfloat16), scale.astype(jnp.bfloat16))
+    mags = jnp.asarray([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    want = jnp.sign(i) * mags[jnp.abs(i).astype(jnp.int32)] * scale
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
 
 
 def test_bad_operands_are_named_before_any_launch():
