@@ -33,7 +33,7 @@ def tilings(spec: str, quick: bool):
         return [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t]
     if quick:
         return [(16, 128, 128, 4, 64), (16, 128, 256, 4, 128)]
-    return [t for t in itertools.product((16,), (64, 128, 256), (128, 256), (4,), (64, 128)) if t[2] % t[4] == 0]
+    return [t for t in itertools.product((16,), (128, 256), (128, 256), (4,), (64, 128)) if t[2] % t[4] == 0]
 
 
 def main():
@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="4,32,128,256,1024")
     ap.add_argument("--cases", default="full EP16 rank gate+up,small gate+up")
+    ap.add_argument("--decodes", default=",".join(moe_mxfp4_hopper.DECODES))
     ap.add_argument("--tilings", default="", help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile;...'")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -53,7 +54,7 @@ def main():
         g, k, n = EXPERTS[name]
         q = random_mxfp4(rng, g, k, n)
         packed = mxfp4.PackedMXFP4(q.values, q.scales)
-        hop = jax.jit(moe_mxfp4_hopper.to_hopper)(packed)
+        hop = {d: jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, d) for d in moe_mxfp4_hopper.DECODES}
         w16 = mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
@@ -66,14 +67,14 @@ def main():
                        bf16_ms=common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0],
                        triton_mxfp4_ms=common.time_pipelined(triton, x, packed, sizes)[0])
             by_tiling, errors = {}, {}
-            for bm, bn, bk, st, ct in tilings(args.tilings, args.quick):
+            for (bm, bn, bk, st, ct), dec in itertools.product(tilings(args.tilings, args.quick), args.decodes.split(",")):
                 if n % bn or k % bk:
                     continue
                 fn = jax.jit(functools.partial(moe_mxfp4_hopper.grouped_matmul, block_m=bm, block_n=bn, block_k=bk,
-                                               steps=st, code_tile=ct))
-                key = f"{bm},{bn},{bk},{st},{ct}"
+                                               steps=st, code_tile=ct, decode=dec))
+                key = f"{dec}:{bm},{bn},{bk},{st},{ct}"
                 try:
-                    got = np.asarray(fn(x, hop, sizes), np.float32)
+                    got = np.asarray(fn(x, hop[dec], sizes), np.float32)
                 except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped
                     errors[key] = f"{type(e).__name__}: {str(e)[:120]}"
                     continue
@@ -81,7 +82,7 @@ def main():
                 if not err < 2e-2:  # bf16 outputs, fp32 accumulation in another order: ~1e-2 of the max at most
                     errors[key] = f"wrong: max error {err:.3g} of the output's max"
                     continue
-                by_tiling[key] = common.time_pipelined(fn, x, hop, sizes)[0]
+                by_tiling[key] = common.time_pipelined(fn, x, hop[dec], sizes)[0]
             best = min(by_tiling, key=by_tiling.get) if by_tiling else None
             bytes16 = used * k * n * 2 + 2 * rows * (k + n)
             bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)

@@ -50,15 +50,25 @@ class HopperMXFP4(NamedTuple):
         return g, k, n
 
 
-def to_hopper(w: mxfp4.PackedMXFP4) -> HopperMXFP4:
-    """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment).
-    Pure data movement: no value changes."""
+# How the kernel turns codes into bf16: "arith", codes as two's complement integers through the
+# int4 -> bf16 upcast and `decode`; "bits", the e2m1 bits as they are, moved into a bf16's bit
+# pattern with integer ops (`_e2m1_bits`).  Each needs its own code layout (`to_hopper`).
+DECODES = ("arith", "bits")
+
+
+def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "arith") -> HopperMXFP4:
+    """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
+    for the kernel's `decode` (DECODES).  Pure data movement: no value changes."""
     mxfp4.check(w)
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}; got {decode!r}")
     v = w.values
     codes = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[:-1] + (-1,)).astype(jnp.int8)  # [G, K, N]
-    signed = jnp.where(codes >= 8, 8 - codes, codes)  # sign-magnitude -> two's complement (-0 -> 0)
-    return HopperMXFP4(jnp.swapaxes(signed, 1, 2).astype(jnp.int4),
-                       lax.bitcast_convert_type(w.scales, jnp.uint8))
+    if decode == "arith":
+        codes = jnp.where(codes >= 8, 8 - codes, codes)  # sign-magnitude -> two's complement (-0 -> 0)
+    else:
+        codes = jnp.where(codes >= 8, codes - 16, codes)  # the same 4 bits, read as an int4
+    return HopperMXFP4(jnp.swapaxes(codes, 1, 2).astype(jnp.int4), lax.bitcast_convert_type(w.scales, jnp.uint8))
 
 
 def decode(i, scale):
@@ -71,10 +81,14 @@ def decode(i, scale):
     return (jnp.clip(i, -4, 4) * -0.5 + (i * 2.0 - jnp.clip(i, -6, 6))) * scale
 
 
-def dequantize(w: HopperMXFP4):
-    """float32 [G, K, N] of the Hopper layout (the kernel's `decode`, in plain jnp)."""
+def dequantize(w: HopperMXFP4, decode_: str = "arith"):
+    """float32 [G, K, N] of weights in the Hopper layout for `decode_` (the "arith" kernel's
+    `decode` in plain jnp; "bits" codes through the format's own decode)."""
     scale = jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)  # [G, K, N]
-    return decode(jnp.swapaxes(w.codes, 1, 2).astype(jnp.float32), scale)
+    codes = jnp.swapaxes(w.codes, 1, 2)
+    if decode_ == "bits":
+        return mxfp4.decode_e2m1(codes.astype(jnp.int32) & 0xF) * scale
+    return decode(codes.astype(jnp.float32), scale)
 
 
 def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
@@ -87,16 +101,37 @@ def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
                          f"got {w.scales.dtype} {w.scales.shape}")
 
 
-def _decode_tile(i, scale_u8):
-    """Codes [bn, 32] (int4 values as bf16) and the block's e8m0 exponents [bn] -> bf16 [bn, 32]
-    weights (`decode`)."""
+def _scale_bf16(scale_u8, shape):
+    """e8m0 exponents [bn] uint8 -> their powers of two in bf16 (2^-127: a subnormal), broadcast
+    along the columns of `shape` [bn, 32]."""
     e = scale_u8.astype(jnp.int32)
     scale = lax.bitcast_convert_type(jnp.where(e == 0, 0x00400000, lax.shift_left(e, 23)), jnp.float32)
-    return decode(i, lax.broadcast_in_dim(scale.astype(jnp.bfloat16), i.shape, (0,)))
+    return lax.broadcast_in_dim(scale.astype(jnp.bfloat16), shape, (0,))
+
+
+def _e2m1_bits(codes):
+    """int4 e2m1 bits [bn, c] -> bf16 values [bn, c]: the sign to bit 15 and the exponent and
+    mantissa bits to bits 6-8 make the bf16 of the value times 2^-126 (a subnormal for the codes
+    0 and 1, as in `mxfp4.decode_tile`'s PTX); one multiply by 2^126 restores it."""
+    c = codes.astype(jnp.int16)
+    bits = lax.shift_left(c & 8, jnp.int16(12)) | lax.shift_left(c & 7, jnp.int16(6))
+    return lax.bitcast_convert_type(bits, jnp.bfloat16) * jnp.bfloat16(2.0 ** 126)
+
+
+def _decode_tiles(codes_i4, scales_u8, decode_: str):
+    """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
+    of [bn]) -> each block's bf16 [bn, 32] weights."""
+    if decode_ == "bits":
+        vals = _e2m1_bits(codes_i4)
+        return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
+                for h, s in enumerate(scales_u8)]
+    i = codes_i4.astype(jnp.bfloat16)
+    return [decode(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], _scale_bf16(s, (i.shape[0], MX_BLOCK)))
+            for h, s in enumerate(scales_u8)]
 
 
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
-            n_k, steps, code_tile):
+            n_k, steps, code_tile, decode_):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -106,12 +141,12 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
     def _():
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
+                per = code_tile // MX_BLOCK
                 for c in range(block_k // code_tile):
-                    i = codes_smem[:, pl.ds(c * code_tile, code_tile)].astype(jnp.bfloat16)
-                    for h in range(code_tile // MX_BLOCK):
-                        j = c * (code_tile // MX_BLOCK) + h
-                        w = _decode_tile(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], scales_smem[j])
-                        plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(j * MX_BLOCK, MX_BLOCK)].T)
+                    tiles = _decode_tiles(codes_smem[:, pl.ds(c * code_tile, code_tile)],
+                                          [scales_smem[c * per + h] for h in range(per)], decode_)
+                    for h, w in enumerate(tiles):
+                        plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T)
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(
@@ -134,10 +169,11 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
 
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
-               steps: int = 4, code_tile: int = 64):
+               steps: int = 4, code_tile: int = 64, decode: str = "arith"):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
-    N] bf16 (rows of tiles past the groups are not written: callers gather only their rows)."""
+    N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
+    decode: the codes' encoding (DECODES; `to_hopper` with the same)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows, k = x_pad.shape
@@ -152,7 +188,7 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
                          f"64, 128 or 256) must divide")
     out_t = plgpu.kernel(
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps,
-                          code_tile=code_tile),
+                          code_tile=code_tile, decode_=decode),
         out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
         grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
         scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype)),

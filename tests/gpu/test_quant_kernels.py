@@ -103,10 +103,11 @@ hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 
 
 @hopper
+@pytest.mark.parametrize("decode", moe_mxfp4_hopper.DECODES)
 @pytest.mark.parametrize("tiling", [dict(block_m=16, block_n=128, block_k=128, code_tile=64),
                                     dict(block_m=8, block_n=64, block_k=256, code_tile=128),
                                     dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3)])
-def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling):
+def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
     """Identity rows read the weights back through the Hopper kernel's register decode: every
     code, both signs, scales 2^-127 (a bf16 subnormal) to 2^6, equal to the dequantized weights."""
     rng = np.random.default_rng(3)
@@ -115,23 +116,25 @@ def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling):
     bits = rng.integers(100, 134, (2, k // 32, n)).astype(np.uint8)
     bits[0, 0, :4] = (0, 1, 126, 133)
     scales = jnp.asarray(bits).view(jnp.float8_e8m0fnu)
-    w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(values, scales))
+    w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(values, scales), decode)
     eye = jnp.eye(k, dtype=jnp.bfloat16)
-    got = moe_mxfp4_hopper.grouped_matmul(jnp.concatenate([eye, eye]), w, jnp.asarray([k, k], jnp.int32), **tiling)
+    got = moe_mxfp4_hopper.grouped_matmul(jnp.concatenate([eye, eye]), w, jnp.asarray([k, k], jnp.int32), **tiling,
+                                          decode=decode)
     want = mxfp4.dequantize(values, scales).astype(jnp.bfloat16).reshape(2 * k, n)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @hopper
+@pytest.mark.parametrize("decode", moe_mxfp4_hopper.DECODES)
 @pytest.mark.parametrize("rows", [1, 8, 32, 256, 4096])
 @pytest.mark.parametrize("k, n", [(768, 1536), (768, 768)])  # small's gate ++ up, down
-def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n):
+def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n, decode):
     rng = np.random.default_rng(rows)
     g = SMALL.n_routed_experts
     q = formats.quantize(rng.standard_normal((g, k, n)).astype(np.float32) * 0.03, "mxfp4")
     sizes = jnp.asarray(np.bincount(rng.integers(0, g, rows), minlength=g).astype(np.int32))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(q.values, q.scales))
-    got = np.asarray(moe_mxfp4_hopper.grouped_matmul(x, w, sizes), np.float32)
+    w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(q.values, q.scales), decode)
+    got = np.asarray(moe_mxfp4_hopper.grouped_matmul(x, w, sizes, decode=decode), np.float32)
     ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, sizes), np.float32)
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))

@@ -19,14 +19,19 @@ def _packed(rng, g, k, n):
     return mxfp4.PackedMXFP4(values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
 
 
-def test_the_hopper_layout_holds_the_same_weights():
-    """Codes as signed magnitudes along K and the untouched exponents decode (by the kernel's
-    formula, `hopper.decode`) to the format's values, every code and both signs."""
+@pytest.mark.parametrize("decode", hopper.DECODES)
+def test_the_hopper_layout_holds_the_same_weights(decode):
+    """Codes along K (two's complement integers for "arith", the e2m1 bits for "bits") and the
+    untouched exponents decode to the format's values, every code and both signs ("arith" by
+    the kernel's own formula, `hopper.decode`)."""
     w = _packed(np.random.default_rng(0), 3, 128, 96)
-    h = hopper.to_hopper(w)
+    h = hopper.to_hopper(w, decode)
     assert h.codes.dtype == jnp.int4 and h.codes.shape == (3, 96, 128) and h.shape == (3, 128, 96)
     assert h.scales.dtype == jnp.uint8 and h.scales.shape == (3, 4, 96)
-    np.testing.assert_array_equal(np.asarray(hopper.dequantize(h)), np.asarray(mxfp4.dequantize(w.values, w.scales)))
+    np.testing.assert_array_equal(np.asarray(hopper.dequantize(h, decode)),
+                                  np.asarray(mxfp4.dequantize(w.values, w.scales)))
+    with pytest.raises(ValueError, match="decode must be one of"):
+        hopper.to_hopper(w, "lut")
 
 
 def test_the_decode_is_exact_in_bf16():
@@ -54,13 +59,14 @@ def test_bad_operands_are_named_before_any_launch():
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
 
 
+@pytest.mark.parametrize("decode", hopper.DECODES)
 @pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile",
                          [(16, 128, 128, 4, 64), (8, 64, 256, 4, 256), (16, 256, 128, 3, 128), (64, 128, 128, 4, 128)])
-def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile):
+def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the operands'
     swizzles and tilings) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
     fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
-                                                   block_k=block_k, steps=steps, code_tile=code_tile)
+                                                   block_k=block_k, steps=steps, code_tile=code_tile, decode=decode)
     jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
                       S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
