@@ -236,7 +236,15 @@ def kimi_k3() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3}
+def k3_slice() -> ModelConfig:
+    """Kimi-K3's layer shapes (every width, head count, KDA / MLA dim, expert width and top-k of
+    `kimi_k3`) with 16 layers and 384 routed experts: ~300B parameters, 601 GB of bf16 weights
+    (4.3 H200s) or 175 GB with MXFP4 experts, so it fits no single GPU and needs the production
+    layouts (TP8/EP8 prefill, DP8/EP8 decode) to run at all."""
+    return kimi_k3().replace(name="k3_slice", n_layers=16, n_routed_experts=384)
+
+
+PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3, "k3_slice": k3_slice}
 
 
 def get_config(name: str) -> ModelConfig:

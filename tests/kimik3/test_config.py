@@ -23,6 +23,16 @@ def test_kimi_k3_matches_the_stated_size():
     assert sizing.weight_bytes(cfg, quantization.BF16) > 3 * sizing.weight_bytes(cfg)
 
 
+def test_k3_slice_keeps_k3s_layers_and_needs_several_h200s():
+    k3, cut = config.kimi_k3(), config.k3_slice()
+    same = {f for f in k3.to_dict() if f not in ("name", "n_layers", "n_routed_experts")}
+    assert {f: getattr(cut, f) for f in same} == {f: getattr(k3, f) for f in same}
+    h200 = 141e9
+    assert 4 * h200 < sizing.weight_bytes(cut, quantization.BF16) < 6 * h200
+    assert sizing.weight_bytes(cut, quantization.KIMI_K3_MXFP4) > h200  # MXFP4 experts still need more than one
+    assert cut.n_routed_experts % 16 == 0 and cut.n_layers % 4 == 0  # EP8 / EP16; whole [KDA x3, MLA] periods
+
+
 def test_tiny_is_tiny_and_small_is_about_1b():
     assert sizing.param_count(config.tiny()) < 1_000_000
     assert 0.7e9 < sizing.param_count(config.small()) < 1.5e9
