@@ -354,7 +354,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add = functools.partial(sub.add_parser, parents=[common], formatter_class=HelpFormatter)
 
     g = add("generate", help="greedy generation from a config (random weights) or a checkpoint")
-    g.add_argument("--config", default="tiny", help="tiny | small | kimi_k3 (default tiny)")
+    g.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
     g.add_argument("--checkpoint", default=None, help="checkpoint directory (overrides --config)")
     g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
                    help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")

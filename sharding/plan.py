@@ -249,7 +249,7 @@ def manifest_capacity(cfg: ModelConfig, shape: MeshShape, batch: int, context: i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kimik3 plan` options (for serving/cli.py's subparser)."""
-    parser.add_argument("--config", default="kimi_k3", help="tiny | small | kimi_k3 (default kimi_k3)")
+    parser.add_argument("--config", default="kimi_k3", help="a preset of kimik3.config: tiny, small, kimi_k3, k3_slice, ...")
     parser.add_argument("--prefill", default="tp8,ep8", help="prefill mesh, e.g. tp8,ep8 ('' to skip)")
     parser.add_argument("--decode", default="dp16,ep16", help="decode mesh, e.g. dp16,ep16 ('' to skip)")
     parser.add_argument("--batch", type=int, default=1, help="prefill sequences per step")
