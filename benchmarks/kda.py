@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -54,18 +53,10 @@ def inputs(key, b, t, h, d, dtype):
 
 
 def time_torch(fn, iters=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """fla's ms per call by the same rule as ours (`common.time_torch_pipelined`: calls back to
+    back, one sync; ours: a jitted device-side loop or `time_jax`'s synced calls of ms-long
+    programs).  Session 9's per-call CUDA events counted fla's Python launch cost against it."""
+    return common.time_torch_pipelined(fn, iters=iters, warmup=warmup)
 
 
 def to_torch(x):
@@ -223,8 +214,9 @@ def main():
     sections = args.sections.split(",")
     rows = []
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    copy_gbs = common.copy_gbs()
-    rows.append(dict(section="roofline", case="XLA copy 1 GiB (read+write)", copy_gbs=copy_gbs))
+    ceil = common.ceilings()
+    copy_gbs = ceil["copy_gbs"]
+    rows.append(dict(section="roofline", case=f"copy 1 GiB (read+write): {ceil['copy_source']}", **ceil))
     if "correctness" in sections:
         section_correctness(rows, impls=args.prepare_impl.split(","))
         print("correctness done", flush=True)

@@ -54,28 +54,8 @@ EXPERTS = {
 
 
 def bf16_matmul_tflops() -> float:
-    """The best bf16 matmul rate of XLA and torch on 8192^3, TFLOP/s."""
-    n = 8192
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    xla = 2 * n ** 3 / (common.time_pipelined(jax.jit(lambda x: x @ x), a)[0] * 1e-3) / 1e12
-    best = xla
-    try:
-        import torch
-
-        t = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-        for _ in range(3):
-            t @ t
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            t @ t
-        stop.record()
-        torch.cuda.synchronize()
-        best = max(best, 2 * n ** 3 / (start.elapsed_time(stop) / 20 * 1e-3) / 1e12)
-    except Exception:  # noqa: BLE001 - no torch / CUDA: XLA's figure alone
-        pass
-    return best
+    """The best bf16 matmul rate of XLA and torch on 8192^3, TFLOP/s (`common.matmul_tflops`)."""
+    return common.matmul_tflops()["matmul_tflops"]
 
 
 def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
