@@ -167,7 +167,7 @@ def section_modes(rows, t=16384, h=32, d=128):
                      vs_align=ms["checkpoint"] / ms["align"], vs_partial=ms["checkpoint"] / ms["partial"]))
 
 
-def section_decode(rows, copy_gbs, batches=(64, 256), h=32, d=128, reps=50):
+def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, reps=50):
     for b in batches:
         q, k, v, g, beta = inputs(jax.random.PRNGKey(3), b, 1, h, d, jnp.bfloat16)
         n_slots = b * 2
