@@ -69,19 +69,25 @@ def test_mxfp4_grouped_gemm_against_the_bf16_path(rows, k, n):
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))
 
 
-def test_mxfp4_decode_in_ptx_is_the_formats_bit_for_bit():
-    """Identity rows read the weights back through the kernel's inline-PTX decode: every code,
-    both nibbles, scales 2^-127 (a bf16 subnormal) to 2^6, equal to the dequantized weights."""
+def _read_back_through(gemm):
+    """Identity rows [2K, K] times two random MXFP4 experts [2, K, N] (every code, both nibbles,
+    scales 2^-127 (a bf16 subnormal) to 2^6) through `gemm(rows, weights, group_sizes)` must give
+    the dequantized weights bit for bit."""
     rng = np.random.default_rng(3)
     k, n = 256, 512
     values = jnp.asarray(rng.integers(0, 256, (2, k, n // 2), dtype=np.uint8))
     bits = rng.integers(100, 134, (2, k // 32, n)).astype(np.uint8)
     bits[0, 0, :4] = (0, 1, 126, 133)
-    scales = jnp.asarray(bits).view(jnp.float8_e8m0fnu)
+    w = mxfp4.PackedMXFP4(values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
     eye = jnp.eye(k, dtype=jnp.bfloat16)
-    got = moe_mxfp4.grouped_matmul_mxfp4(jnp.concatenate([eye, eye]), values, scales, jnp.asarray([k, k], jnp.int32))
-    want = mxfp4.dequantize(values, scales).astype(jnp.bfloat16).reshape(2 * k, n)
+    got = gemm(jnp.concatenate([eye, eye]), w, jnp.asarray([k, k], jnp.int32))
+    want = mxfp4.dequantize(w.values, w.scales).astype(jnp.bfloat16).reshape(2 * k, n)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_mxfp4_decode_in_ptx_is_the_formats_bit_for_bit():
+    """The Triton kernel's inline-PTX decode, read back through identity rows."""
+    _read_back_through(lambda x, w, sizes: moe_mxfp4.grouped_matmul_mxfp4(x, w.values, w.scales, sizes))
 
 
 @pytest.mark.parametrize("tokens", [1, 32, 512])  # gathered decode rows, the padded copy
@@ -108,20 +114,9 @@ hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
                                     dict(block_m=8, block_n=64, block_k=256, code_tile=128),
                                     dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3)])
 def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
-    """Identity rows read the weights back through the Hopper kernel's register decode: every
-    code, both signs, scales 2^-127 (a bf16 subnormal) to 2^6, equal to the dequantized weights."""
-    rng = np.random.default_rng(3)
-    k, n = 256, 512
-    values = jnp.asarray(rng.integers(0, 256, (2, k, n // 2), dtype=np.uint8))
-    bits = rng.integers(100, 134, (2, k // 32, n)).astype(np.uint8)
-    bits[0, 0, :4] = (0, 1, 126, 133)
-    scales = jnp.asarray(bits).view(jnp.float8_e8m0fnu)
-    w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(values, scales), decode)
-    eye = jnp.eye(k, dtype=jnp.bfloat16)
-    got = moe_mxfp4_hopper.grouped_matmul(jnp.concatenate([eye, eye]), w, jnp.asarray([k, k], jnp.int32), **tiling,
-                                          decode=decode)
-    want = mxfp4.dequantize(values, scales).astype(jnp.bfloat16).reshape(2 * k, n)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    """The Hopper kernel's register decode, read back through identity rows."""
+    _read_back_through(lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(
+        x, moe_mxfp4_hopper.to_hopper(w, decode), sizes, **tiling, decode=decode))
 
 
 @hopper
