@@ -28,12 +28,13 @@ from pallas_kernels import moe, moe_mxfp4_hopper, mxfp4
 
 
 def tilings(spec: str, quick: bool):
-    """(block_m, block_n, block_k, steps, code_tile) to try: spec 'bm,bn,bk,st,ct;...', or a sweep."""
+    """(block_m, block_n, block_k, steps, code_tile, warp_specialized) to try: spec
+    'bm,bn,bk,st,ct,ws;...', or a sweep (block_n: each consumer warpgroup's columns)."""
     if spec:
         return [tuple(int(v) for v in t.split(",")) for t in spec.split(";") if t]
     if quick:
-        return [(16, 128, 128, 4, 64), (16, 128, 256, 4, 128)]
-    return [t for t in itertools.product((16,), (128, 256), (128, 256), (4,), (64, 128)) if t[2] % t[4] == 0]
+        return [(16, 128, 128, 4, 64, 0), (16, 64, 128, 4, 64, 1)]
+    return [t for t in itertools.product((16,), (64, 128), (128, 256), (4,), (64, 128), (0, 1)) if t[2] % t[4] == 0]
 
 
 def main():
@@ -43,7 +44,8 @@ def main():
     ap.add_argument("--rows", default="4,32,128,256,1024")
     ap.add_argument("--cases", default="full EP16 rank gate+up,small gate+up")
     ap.add_argument("--decodes", default=",".join(moe_mxfp4_hopper.DECODES))
-    ap.add_argument("--tilings", default="", help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile;...'")
+    ap.add_argument("--tilings", default="",
+                    help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile,warp_specialized;...'")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     copy_torch = common.torch_copy_gbs()
@@ -67,12 +69,13 @@ def main():
                        bf16_ms=common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0],
                        triton_mxfp4_ms=common.time_pipelined(triton, x, packed, sizes)[0])
             by_tiling, errors = {}, {}
-            for (bm, bn, bk, st, ct), dec in itertools.product(tilings(args.tilings, args.quick), args.decodes.split(",")):
-                if n % bn or k % bk:
+            for (bm, bn, bk, st, ct, ws), dec in itertools.product(tilings(args.tilings, args.quick),
+                                                                     args.decodes.split(",")):
+                if n % (bn * (1 + ws)) or k % bk:
                     continue
                 fn = jax.jit(functools.partial(moe_mxfp4_hopper.grouped_matmul, block_m=bm, block_n=bn, block_k=bk,
-                                               steps=st, code_tile=ct, decode=dec))
-                key = f"{dec}:{bm},{bn},{bk},{st},{ct}"
+                                               steps=st, code_tile=ct, decode=dec, warp_specialized=bool(ws)))
+                key = f"{dec}:{bm},{bn},{bk},{st},{ct},{ws}"
                 try:
                     got = np.asarray(fn(x, hop[dec], sizes), np.float32)
                 except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped

@@ -130,6 +130,22 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
             for h, s in enumerate(scales_u8)]
 
 
+def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None):
+    """One pipeline step of a warpgroup: its codes' rows (`rows`: a slice of the block's, or all)
+    decoded 32 K at a time into wgmma's A operand, times the step's activations (B, transposed),
+    accumulated into acc_ref; waits for its MMAs before the step's buffers are released."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    per = code_tile // MX_BLOCK
+    codes = codes_smem if rows is None else codes_smem.at[rows]
+    for c in range(block_k // code_tile):
+        scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
+        tiles = _decode_tiles(codes[:, pl.ds(c * code_tile, code_tile)], scale_rows, decode_)
+        for h, w in enumerate(tiles):
+            plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T)
+    plgpu.wgmma_wait(0)
+
+
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
             n_k, steps, code_tile, decode_):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -141,13 +157,8 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
     def _():
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
-                per = code_tile // MX_BLOCK
-                for c in range(block_k // code_tile):
-                    tiles = _decode_tiles(codes_smem[:, pl.ds(c * code_tile, code_tile)],
-                                          [scales_smem[c * per + h] for h in range(per)], decode_)
-                    for h, w in enumerate(tiles):
-                        plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T)
-                plgpu.wgmma_wait(0)
+                _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
+                          decode_=decode_)
 
             plgpu.emit_pipeline(
                 step, grid=(n_k,), max_concurrent_steps=steps,
@@ -168,12 +179,64 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
+               n_k, steps, code_tile, decode_):
+    """`_kernel` warp-specialized: a producer warpgroup issues the TMA copies and two consumer
+    warpgroups each take half of the program's 2 * block_n columns, so one decodes while the
+    other's MMAs run (JAX's own Hopper mixed-type matmul is built so)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    group = tile_group_gmem[mi]
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(n_k,), memory_registers=40, max_concurrent_steps=steps, wg_axis="wg", num_compute_wgs=2,
+            compute_context=context,
+            in_specs=[
+                plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k),
+                                transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))),
+                plgpu.BlockSpec((2 * block_n, block_k), lambda k: (ni, k),
+                                transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2))),
+                plgpu.BlockSpec((block_k // MX_BLOCK, 2 * block_n), lambda k: (k, ni)),
+            ])
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(
+        x_gmem, codes_gmem.at[0], scales_gmem.at[0]), collective_axes="wg")
+    def _(allocs):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * block_n, block_n)
+
+        def context(eval_pipeline):
+            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_n, block_m), jnp.float32))
+            def _(acc_ref):
+                eval_pipeline(acc_ref)
+                o_smem[wg] = acc_ref[...].astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[pl.ds((2 * ni + wg) * block_n, block_n),
+                                                                   pl.ds(mi * block_m, block_m)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def body(_, x_smem, codes_smem, scales_smem, acc_ref):
+            _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
+                      decode_=decode_, rows=rows)
+            return acc_ref
+
+        @pl.when(group >= 0)  # tiles past the last group hold no row anyone reads
+        def _():
+            pipeline(body, context)(x_gmem, codes_gmem.at[group], scales_gmem.at[group], allocations=allocs)
+
+
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
-               steps: int = 4, code_tile: int = 64, decode: str = "arith"):
+               steps: int = 4, code_tile: int = 64, decode: str = "arith", warp_specialized: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
-    decode: the codes' encoding (DECODES; `to_hopper` with the same)."""
+    decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
+    producer warpgroup and two consumers, each taking block_n of the program's 2 * block_n
+    columns (`_kernel_ws`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows, k = x_pad.shape
@@ -186,13 +249,23 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         raise ValueError(f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
-    out_t = plgpu.kernel(
-        functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps,
-                          code_tile=code_tile, decode_=decode),
-        out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
-        grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
-        scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype)),
-    )(tile_group, x_pad, w.codes, w.scales)
+    kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
+              decode_=decode)
+    if warp_specialized:
+        if n % (2 * block_n):
+            raise ValueError(f"MXFP4 grouped GEMM (Hopper, warp-specialized): N {n} must divide by 2 x block_n")
+        out_t = plgpu.kernel(
+            functools.partial(_kernel_ws, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+            grid=(rows // block_m, n // (2 * block_n)), grid_names=("m", "n"), num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+            scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)),
+        )(tile_group, x_pad, w.codes, w.scales)
+    else:
+        out_t = plgpu.kernel(
+            functools.partial(_kernel, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+            grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
+            scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype)),
+        )(tile_group, x_pad, w.codes, w.scales)
     return out_t.T
 
 

@@ -112,7 +112,8 @@ hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 @pytest.mark.parametrize("decode", moe_mxfp4_hopper.DECODES)
 @pytest.mark.parametrize("tiling", [dict(block_m=16, block_n=128, block_k=128, code_tile=64),
                                     dict(block_m=8, block_n=64, block_k=256, code_tile=128),
-                                    dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3)])
+                                    dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3),
+                                    dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True)])
 def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
     """The Hopper kernel's register decode, read back through identity rows."""
     _read_back_through(lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(
@@ -120,16 +121,18 @@ def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
 
 
 @hopper
+@pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("decode", moe_mxfp4_hopper.DECODES)
 @pytest.mark.parametrize("rows", [1, 8, 32, 256, 4096])
 @pytest.mark.parametrize("k, n", [(768, 1536), (768, 768)])  # small's gate ++ up, down
-def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n, decode):
+def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n, decode, warp_specialized):
     rng = np.random.default_rng(rows)
     g = SMALL.n_routed_experts
     q = formats.quantize(rng.standard_normal((g, k, n)).astype(np.float32) * 0.03, "mxfp4")
     sizes = jnp.asarray(np.bincount(rng.integers(0, g, rows), minlength=g).astype(np.int32))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(q.values, q.scales), decode)
-    got = np.asarray(moe_mxfp4_hopper.grouped_matmul(x, w, sizes, decode=decode), np.float32)
+    got = np.asarray(moe_mxfp4_hopper.grouped_matmul(x, w, sizes, decode=decode, block_n=64 if warp_specialized else 128,
+                                                     warp_specialized=warp_specialized), np.float32)
     ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, sizes), np.float32)
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))

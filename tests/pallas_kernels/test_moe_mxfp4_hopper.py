@@ -55,18 +55,22 @@ def test_bad_operands_are_named_before_any_launch():
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x.astype(jnp.float32), h, 16)
     with pytest.raises(ValueError, match="must divide"):
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_n=96)
+    with pytest.raises(ValueError, match="2 x block_n"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_n=128, block_k=64, warp_specialized=True)
     with pytest.raises(ValueError, match="scales must be uint8"):
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
 
 
 @pytest.mark.parametrize("decode", hopper.DECODES)
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile",
-                         [(16, 128, 128, 4, 64), (8, 64, 256, 4, 256), (16, 256, 128, 3, 128), (64, 128, 128, 4, 128)])
-def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, decode):
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized",
+                         [(16, 128, 128, 4, 64, False), (8, 64, 256, 4, 256, False), (16, 256, 128, 3, 128, False),
+                          (64, 128, 128, 4, 128, False), (16, 128, 128, 4, 64, True), (8, 64, 256, 3, 128, True)])
+def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the operands'
     swizzles and tilings) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
     fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
-                                                   block_k=block_k, steps=steps, code_tile=code_tile, decode=decode)
+                                                   block_k=block_k, steps=steps, code_tile=code_tile, decode=decode,
+                                                   warp_specialized=warp_specialized)
     jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
                       S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
