@@ -785,10 +785,10 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     pool_out_ref[slot, h, :, vs] = kept
 
 
-@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states"),
+@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps"),
                     donate_argnames=("state_pool",))
 def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret,
-                          export_states=False):
+                          export_states=False, num_warps=4):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     states = [jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32)] if export_states else []
@@ -799,13 +799,13 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
         + states,
         input_output_aliases={7: 1},
         interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         name="kda_fused_recurrent",
     )(slots, n_acc, q, k, v, g, beta, state_pool)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
-                        interpret=None, block_v=None, export_states=False):
+                        interpret=None, block_v=None, export_states=False, num_warps=4):
     """Decode / speculative verify on pooled states, updated in place.
 
     Args:
@@ -820,6 +820,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
         accepted prefix is committed by a second call over those tokens.
       export_states: also return the state after every token (a verify pass that
         commits the accepted prefix's state itself, in one call).
+      block_v / num_warps: each program's V columns (default min(V, 64)) and warps (fla's
+        `fused_recurrent_kda` runs 8 columns on one warp: many small programs).
     Returns:
       (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
       a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.
@@ -852,8 +854,10 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or min(dv, 64)
     scale = float(dk ** -0.5 if scale is None else scale)
+    if dv % block_v:
+        raise ValueError(f"block_v {block_v} must divide V={dv}")
     return tuple(_fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
-                                       interpret=interpret, export_states=export_states))
+                                       interpret=interpret, export_states=export_states, num_warps=num_warps))
 
 
 # ---- replay baselines (for comparison only) ---------------------------------------------------

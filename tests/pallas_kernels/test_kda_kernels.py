@@ -125,12 +125,14 @@ def test_replay_baselines_produce_the_same_states_as_export(rng):
 
 
 class TestFusedRecurrent:
-    def test_decode_over_non_contiguous_slots_updates_only_those(self, rng):
+    @pytest.mark.parametrize("block_v, num_warps", [(None, 4), (8, 1)])  # the default; fla's tiling
+    def test_decode_over_non_contiguous_slots_updates_only_those(self, rng, block_v, num_warps):
         q, k, v, g, beta = kda_inputs(rng, 3, 1, 2, 16, 32)
         pool = jnp.asarray(rng.standard_normal((9, 2, 16, 32)), jnp.float32)
         before = np.asarray(pool).copy()
         slots = np.array([7, 0, 4])
-        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots)
+        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, block_v=block_v,
+                                      num_warps=num_warps)
         o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(pool)[slots], s_ref, atol=1e-5, rtol=1e-5)

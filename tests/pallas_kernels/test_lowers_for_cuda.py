@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import kda_decode, mla, moe, moe_combine, moe_mxfp4, moe_route, mxfp4, qgemm
+from pallas_kernels import kda, kda_decode, mla, moe, moe_combine, moe_mxfp4, moe_route, mxfp4, qgemm
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -45,6 +45,17 @@ def test_kda_decode_at_small_dims(rows):
         fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, 2 * h * k), BF16),
         S((n_slots, 3, 3, h * k), BF16), S((n_slots, h, k, k), F32), S((rows,), I32), S((rows,), I32),
         *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
+
+
+@pytest.mark.parametrize("block_v, num_warps", [(64, 4), (8, 1), (16, 2)])
+def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps):
+    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (8 columns on one
+    warp is fla's)."""
+    b, h, d = 64, 32, 128
+    fn = lambda q, k, v, g, beta, pool, slots, n_acc: kda._fused_recurrent_core(
+        q, k, v, g, beta, pool, slots, n_acc, scale=d ** -0.5, block_v=block_v, interpret=False, num_warps=num_warps)
+    assert lowered_triton_calls(fn, *[S((b, 1, h, d), BF16)] * 4, S((b, 1, h), BF16), S((2 * b, h, d, d), F32),
+                                S((b,), I32), S((b,), I32)) == 1
 
 
 @pytest.mark.parametrize("rows", [8, 32])
