@@ -9,13 +9,17 @@ weights are wgmma's A operand, which Hopper reads from registers: each warpgroup
 codes from shared memory (where TMA put them) straight into the A fragment's layout, decodes
 and scales them there, and issues the wgmma with the rows' activations (B, [rows, K] in shared
 memory, read transposed).  One program: one row tile of the group-aligned layout (one group)
-times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA.
+times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA; or, warp-
+specialized, a producer warpgroup issuing the copies and two consumers on ``block_n`` columns
+each.  Not yet chosen by `kimik3.ops`: on the H200 it is exact but no faster than the Triton
+kernel (RESULTS.md, issue 20).
 
 Layout (`to_hopper`, done once when the weights load):
-  codes  [G, N, K] int4: e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code & 7)``
-         (two's complement, two per byte along K: what TMA and the int4 -> bf16 upcast take);
+  codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
+         the "arith" decode the e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code &
+         7)`` in two's complement; for "bits" the e2m1 bits as they are;
   scales [G, K / 32, N] uint8: the e8m0 exponents as they are (4.25 bits a weight in all).
-Decode (`decode`): ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order,
+Decode "arith" (`decode`): ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order,
 which are ``2|i| - min(|i|, 6) - min(|i|, 4) / 2``: an odd function of i, so two clips, a few
 multiply-adds and the block's power-of-two scale last, every step exact in bf16; the decoded tile
 equals `mxfp4.dequantize` bit for bit and the kernel differs from the reference only in fp32
