@@ -108,9 +108,7 @@ def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
 def _scale_bf16(scale_u8, shape):
     """e8m0 exponents [bn] uint8 -> their powers of two in bf16 (2^-127: a subnormal), broadcast
     along the columns of `shape` [bn, 32]."""
-    e = scale_u8.astype(jnp.int32)
-    scale = lax.bitcast_convert_type(jnp.where(e == 0, 0x00400000, lax.shift_left(e, 23)), jnp.float32)
-    return lax.broadcast_in_dim(scale.astype(jnp.bfloat16), shape, (0,))
+    return lax.broadcast_in_dim(mxfp4._bf16_of_e8m0(scale_u8.astype(jnp.int32)), shape, (0,))
 
 
 def _e2m1_bits(codes):
