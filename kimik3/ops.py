@@ -21,7 +21,7 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_route, qgemm
+from pallas_kernels import moe_combine, moe_hopper, moe_route, qgemm
 from pallas_kernels import mxfp4 as mxfp4_kernels
 from kimik3.quant import formats as qformats
 from kimik3.quant.formats import QTensor
@@ -203,8 +203,41 @@ def grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels="auto") -> bool:
 
 def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     """Every routed expert FFN in one group-aligned layout (`pallas_kernels.moe.grouped_ffn`):
-    rows [N, L], ids [N, k] -> unweighted outputs [N, k, L].  Callers check `grouped_ffn_fits`."""
-    return moe_kernels.grouped_ffn(x_nl, ids_nk, *_ffn_weights(x_nl, w_gateup_elf, w_out_efl), act=act)
+    rows [N, L], ids [N, k] -> unweighted outputs [N, k, L], on the kernels `moe_gmm_impl`
+    names.  Callers check `grouped_ffn_fits`."""
+    weights = _ffn_weights(x_nl, w_gateup_elf, w_out_efl)
+    impl = moe_gmm_impl(x_nl.dtype, weights, ids_nk.size, _compute_capability())
+    return moe_kernels.grouped_ffn(x_nl, ids_nk, *weights, act=act, impl=impl)
+
+
+MOE_GMM_CHOICES = ("triton", "hopper", "auto")
+# Under KIMIK3_MOE_GMM=auto, the fewest (token, slot) assignments the Hopper kernels take: a
+# prefill chunk's GEMMs are compute-bound, where wgmma + TMA count; a decode step's few rows per
+# expert stay on the Triton kernels (and their one-kernel routing, `routed_ffn`).
+HOPPER_MOE_MIN_ASSIGNMENTS = 1024
+
+
+def moe_gmm_impl(dtype, weights, assignments: int, compute_capability: str | None) -> str:
+    """Which grouped-FFN kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
+    TMA, persistent, warp-specialized) or "triton" (`pallas_kernels.moe`: any GPU, MXFP4 too).
+    ``KIMIK3_MOE_GMM`` chooses: "triton" (the default until the Hopper kernels' first GPU run
+    is recorded in RESULTS.md), "hopper" wherever they fit, or "auto": "hopper" on a compute
+    capability 9.x GPU for 16-bit weights that `moe_hopper.fits` and at least
+    HOPPER_MOE_MIN_ASSIGNMENTS assignments.  weights: `_ffn_weights`' (gate/up, down)."""
+    choice = os.environ.get("KIMIK3_MOE_GMM", "triton")
+    if choice not in MOE_GMM_CHOICES:
+        raise ValueError(f"KIMIK3_MOE_GMM must be one of {MOE_GMM_CHOICES}; got {choice!r}")
+    w_gu, w_down = weights
+    fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and not isinstance(w_gu, mxfp4_kernels.PackedMXFP4) and not isinstance(w_down, mxfp4_kernels.PackedMXFP4)
+            and moe_hopper.fits(w_gu.shape[1], w_gu.shape[2], act=True)
+            and moe_hopper.fits(w_down.shape[1], w_down.shape[2], act=False))
+    if choice == "triton" or not fits:
+        return "triton"
+    if choice == "hopper":
+        return "hopper"
+    hopper = compute_capability is not None and str(compute_capability).startswith("9")
+    return "hopper" if hopper and assignments >= HOPPER_MOE_MIN_ASSIGNMENTS else "triton"
 
 
 def moe_route_kernel() -> bool:

@@ -392,9 +392,10 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
     return jnp.where(named, dest, n_tiles * block_m).astype(jnp.int32), tile_group, n_tiles
 
 
-@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling", "gather"))
+@functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling", "gather", "impl"))
 def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None,
-                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None, gather: bool = True):
+                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None, gather: bool = True,
+                impl: str = "triton"):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
@@ -415,7 +416,17 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     projection and gather once more, this places each (row, slot) straight into the layout
     (`assignment_layout`: no sort for a decode step's few rows), runs both GEMMs there (the
     activation in the gate/up kernel's epilogue: a program holds a gate and an up tile of the
-    same columns), and gathers once."""
+    same columns), and gathers once.
+
+    impl: "triton" (these kernels, any GPU; interpret mode on the CPU) or "hopper"
+    (`pallas_kernels.moe_hopper`: wgmma + TMA, bf16 / fp16 weights, dims `moe_hopper.fits`;
+    block_m defaults to its 128-row tiles; tiling: its `HopperTiling`s; Mosaic GPU's interpret
+    mode on the CPU)."""
+    if impl == "hopper":
+        return _grouped_ffn_hopper(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act, block_m=block_m or 128,
+                                   interpret=_interpret(interpret), tiling=tiling, layout=layout, gather=gather)
+    if impl != "triton":
+        raise ValueError(f"grouped_ffn: impl must be 'triton' or 'hopper'; got {impl!r}")
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
     _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
@@ -443,6 +454,36 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act,
                         assignments=n * k)  # [.., F]
     y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
+    if not gather:
+        return y, dest.reshape(n, k)
+    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)
+
+
+def _grouped_ffn_hopper(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m, interpret, tiling, layout, gather):
+    """`grouped_ffn` on the Hopper kernels (`moe_hopper.gmm_padded`): the rows scattered into the
+    group-aligned layout once, gate/up with the activation in its epilogue, down, gathered once."""
+    from pallas_kernels import moe_hopper
+
+    e, l, f2 = w_gateup_elf.shape
+    if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
+        raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
+    if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
+        raise ValueError(f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 "
+                         "(`moe_hopper.fits`)")
+    if w_out_efl.shape != (e, f2 // 2, l):
+        raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
+                         f"{w_gateup_elf.shape}")
+    n, k = (ids_nk if layout is None else layout[0]).shape
+    if layout is None:
+        dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
+    else:
+        dest, n_tiles = layout[0].reshape(-1), _n_tiles(n * k, e, block_m)
+        tile_group = layout[1][:n_tiles]
+    rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
+    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
+    t_gu, t_down = tiling
+    h = moe_hopper.gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, act=act, tiling=t_gu, interpret=interpret)
+    y = moe_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, tiling=t_down, interpret=interpret)
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

@@ -113,3 +113,15 @@ def test_the_fault_drill_runs_its_three_phases(tmp_path):
     assert [r["phase"] for r in rows] == ["normal", "master killed (breaker open)", "after restart + cooldown"]
     # (whether a phase saw "degraded" depends on the launcher's restart racing the request: the
     # breaker's behaviour is checked deterministically in tests/cache/test_guarded_tier.py)
+
+
+@pytest.mark.slow  # KIMIK3_SLOW=1: interpret mode of the Hopper kernels (the suite must stay under 20 min on 2 cores)
+def test_the_moe_bench_runs_both_sections_on_every_kernel_of_ours(tmp_path):
+    out = tmp_path / "moe"
+    _run(["benchmarks/moe.py", "--quick", "--out", str(out)], tmp_path)
+    rows = json.load(open(out / "moe_bench.json"))
+    gemm = [r for r in rows if r["section"] == "grouped GEMM"]
+    ffn = [r for r in rows if r["section"] == "grouped FFN"]
+    assert gemm and all(k in gemm[0] for k in ("triton_ms", "hopper_ms", "hopper_kernel_ms"))
+    assert ffn and all(k in ffn[0] for k in ("triton_ms", "hopper_ms"))
+    assert not [k for r in rows for k in r if k.endswith("_failed")]

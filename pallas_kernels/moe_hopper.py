@@ -1,0 +1,237 @@
+"""The bf16 grouped expert GEMM as a Hopper kernel (Mosaic GPU): TMA, wgmma, a producer
+warpgroup, persistent over the SMs, the gate/up activation in the epilogue.
+
+The Triton kernel (`moe._gmm_kernel`) is the portable one and the decode step's: a handful of
+rows per expert, where reading the weights once is all that counts.  At prefill sizes the GEMMs
+are compute-bound and Triton's MMA pipeline on Hopper (no wgmma from shared memory fed by TMA,
+no warp specialization) ran 2.5-4x slower than JAX's own `ragged_dot_mgpu` (RESULTS.md, "MoE
+grouped expert GEMM").  This kernel is built the way JAX's Hopper matmul is
+(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, learned from, not copied):
+
+* one CTA per SM, looping over (row tile, column tile) work items in a planar snake so that
+  consecutive SMs share weight tiles in L2;
+* three warpgroups: a producer issuing TMA copies `steps` K-blocks ahead, and two consumers, each
+  owning ``tile_n`` of the CTA's ``2 * tile_n`` columns with its own fp32 wgmma accumulator;
+* the epilogue rounds to bf16 and stores through shared memory in 64-row tiles, double-buffered,
+  so a tile's stores overlap the next tile's main loop.
+
+It runs on rows in the group-aligned layout `moe._padded_layout` builds (every group starts on a
+``block_m`` boundary; ``tile_m`` divides ``block_m``), so a row tile belongs to one group and
+reads that group's weights; tiles past the groups (``tile_group`` -1) are skipped and their rows
+left unwritten (no caller reads them).  With ``act`` the weights are gate ++ up [G, K, 2F]: each
+consumer holds a gate and an up accumulator for the same F columns and writes act(gate, up) [.., F]
+(each rounded to bf16 first, as an unfused activation would read them), so the [rows, 2F]
+intermediate never reaches HBM.
+
+Its arithmetic is checked on the CPU in Mosaic GPU's interpret mode (`interpret=True`,
+tests/pallas_kernels/test_moe_hopper.py) and on the GPU against the reference
+(tests/gpu/test_moe_hopper.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiling:
+    """A program's shape.  tile_m: rows of a work item (divides the layout's block_m; a multiple
+    of 64, wgmma's M); tile_n: columns per consumer warpgroup (the CTA's work item is 2 * tile_n
+    wide; with act, F columns of gate and of up each); tile_k: K per pipeline step; steps: K
+    blocks in flight; grid_width: the planar snake's band width (work items along the minor axis
+    before it turns); m_minor: walk row tiles fastest (consecutive SMs read the same weight
+    columns of one group) or column tiles fastest (the same rows)."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    steps: int = 4
+    grid_width: int = 8
+    m_minor: bool = True
+
+    @property
+    def label(self) -> str:
+        """Short name: m128 n128 k64 s4 w8 (M: row tiles fastest, N: column tiles fastest)."""
+        return (f"m{self.tile_m} n{self.tile_n} k{self.tile_k} s{self.steps} w{self.grid_width} "
+                f"{'M' if self.m_minor else 'N'}")
+
+    @property
+    def epi_m(self) -> int:
+        return min(64, self.tile_m)
+
+    @property
+    def epi_n(self) -> int:
+        return min(64, self.tile_n)
+
+
+def default_tiling(n: int, act: bool) -> HopperTiling:
+    """The default work item for N output columns (F with act): 128 x 256 (two consumers of 128
+    columns) where 256 divides N, else 128 x 128; with act two fp32 accumulators per consumer, so
+    64 columns each (128 x 64 x 2 fp32 = 128 registers a thread)."""
+    return HopperTiling(tile_n=128 if n % 256 == 0 and not act else 64)
+
+
+def fits(k: int, n: int, act: bool) -> bool:
+    """Whether the default tiling takes [.., K] rows times [G, K, N] weights (N = 2F with act)."""
+    n_out = n // 2 if act else n
+    return k % 64 == 0 and n_out % 128 == 0 and (not act or n % 2 == 0)
+
+
+def _check(x_pad, w_gkn, block_m: int, t: HopperTiling, act) -> int:
+    """ValueError naming the mismatch, before any launch; returns the output columns."""
+    rows, k = x_pad.shape
+    if w_gkn.ndim != 3 or w_gkn.shape[1] != k:
+        raise ValueError(f"grouped GEMM (Hopper): weights must be [G, K={k}, N]; got {w_gkn.shape}")
+    if x_pad.dtype not in (jnp.bfloat16, jnp.float16) or w_gkn.dtype != x_pad.dtype:
+        raise ValueError(f"grouped GEMM (Hopper) multiplies 16-bit rows by weights of their dtype; got "
+                         f"{x_pad.dtype} x {w_gkn.dtype}")
+    n = w_gkn.shape[2]
+    if act is not None:
+        if n % 2:
+            raise ValueError(f"grouped GEMM (Hopper) with act: weights must be gate ++ up [G, K, 2F]; N={n} is odd")
+        n //= 2
+    if (t.tile_m % 64 or block_m % t.tile_m or rows % block_m or n % (2 * t.tile_n) or t.tile_n % 64
+            or k % t.tile_k or t.tile_k % 64):
+        raise ValueError(f"grouped GEMM (Hopper): tile_m {t.tile_m} (a multiple of 64) must divide block_m "
+                         f"{block_m}, which divides rows {rows}; 2 x tile_n {t.tile_n} (tile_n a multiple of 64) "
+                         f"must divide N {n}; tile_k {t.tile_k} (a multiple of 64) must divide K {k}")
+    return n
+
+
+def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: int, n_out: int, act,
+            m_iters: int, n_iters: int):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    dtype = x_gmem.dtype
+    halves = 1 if act is None else 2
+    cta_n = 2 * t.tile_n
+    swizzle = plgpu.find_swizzle(t.tile_k * jnp.dtype(dtype).itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(t.epi_n * jnp.dtype(dtype).itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(dtype).itemsize)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    epi_tiles = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
+
+    def pipeline(body, context):
+        spec = lambda shape, index: plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(w_gmem.shape[1] // t.tile_k,), memory_registers=40, max_concurrent_steps=t.steps,
+            wg_axis="wg", num_compute_wgs=2, compute_context=context,
+            in_specs=[spec((t.tile_m, t.tile_k), lambda k: (0, k))]
+            + [spec((t.tile_k, cta_n), lambda k: (k, 0))] * halves)
+
+    ignore = lambda *_, **__: None
+    w0 = w_gmem.at[0]
+    reps = [x_gmem.at[pl.ds(0, t.tile_m)]] + [w0.at[:, pl.ds(0, cta_n)]] * halves
+
+    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*reps),
+                       out_smem=plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms),
+                       collective_axes="wg")
+    def _(allocs, out_smem):
+        wg = lax.axis_index("wg")
+        wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
+            group = tile_group_gmem[(mi * t.tile_m) // block_m]
+            rows = pl.ds(mi * t.tile_m, t.tile_m)
+
+            def context(eval_pipeline):
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.tile_m, t.tile_n), jnp.float32)] * halves)
+                def _(accs):
+                    eval_pipeline(tuple(accs))
+                    if act is None:
+                        h = accs[0][...]
+                    else:  # each half rounded to the rows' dtype, as an unfused act would read it
+                        rounded = lambda a: a[...].astype(dtype).astype(jnp.float32)
+                        h = act(rounded(accs[0]), rounded(accs[1]))
+                    h = h.astype(dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last work item's stores left out_smem
+                    for e, (ei, ej) in enumerate(epi_tiles):
+                        slot = e % 2
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
+                        plgpu.commit_smem()
+                        dst = out_gmem.at[pl.ds(mi * t.tile_m + ei * t.epi_m, t.epi_m),
+                                          pl.ds(ni * cta_n + wg * t.tile_n + ej * t.epi_n, t.epi_n)]
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
+
+            def body(_, x_smem, *refs):
+                *w_smems, accs = refs
+                for acc, w_smem in zip(accs, w_smems):
+                    plgpu.wgmma(acc, x_smem, w_smem.at[:, wg_cols])
+                plgpu.wgmma_wait(0)
+                return accs
+
+            @pl.when(group >= 0)  # row tiles past the groups hold no row anyone reads
+            def _():
+                w_g = w_gmem.at[group]
+                srcs = [w_g.at[:, pl.ds(h * n_out + ni * cta_n, cta_n)] for h in range(halves)]
+                pipeline(body, context)(x_gmem.at[rows], *srcs, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100 / H200 SXM: the count the
+    kernel is lowered for off the GPU)."""
+    device = jax.devices()[0]
+    return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
+
+
+def gmm_padded(tile_group, x_pad, w_gkn, block_m: int, *, act=None, tiling: HopperTiling | None = None,
+               sms: int | None = None, interpret: bool = False):
+    """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles * block_m,
+    K], tile_group [n_tiles] int32 (-1: past the groups), w [G, K, N] of x's 16-bit dtype ->
+    [n_tiles * block_m, N]; with act (w gate ++ up, [G, K, 2F]) act(gate, up) [.., F], act taking
+    and returning fp32 values elementwise.  Rows of tiles past the groups are not written.
+    sms: CTAs at most (default `num_sms()`; never more than work items); interpret: run in Mosaic GPU's interpret mode (CPU)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t = tiling or default_tiling(w_gkn.shape[2] // (1 if act is None else 2), act is not None)
+    n_out = _check(x_pad, w_gkn, block_m, t, act)
+    rows = x_pad.shape[0]
+    if tile_group.shape != (rows // block_m,):
+        raise ValueError(f"grouped GEMM (Hopper): tile_group {tile_group.shape} must be [{rows // block_m}] "
+                         f"(rows {rows} / block_m {block_m})")
+    m_iters, n_iters = rows // t.tile_m, n_out // (2 * t.tile_n)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, t=t, block_m=block_m, n_out=n_out, act=act, m_iters=m_iters, n_iters=n_iters),
+        out_type=jax.ShapeDtypeStruct((rows, n_out), x_pad.dtype),
+        grid=(min(sms or num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+
+        with force_gpu_interpret_mode(InterpretGPUParams()):
+            return kernel(tile_group.astype(jnp.int32), x_pad, w_gkn)
+    return kernel(tile_group.astype(jnp.int32), x_pad, w_gkn)
+
+
+def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m: int = 128, tiling: HopperTiling | None = None,
+                   sms: int | None = None, interpret: bool = False):
+    """`moe.grouped_matmul`'s contract: lhs [M, K] rows sorted by group, rhs [G, K, N] of lhs's
+    16-bit dtype, group_sizes [G] -> [M, N] (rows past the groups' sum give 0), through the
+    group-aligned layout (a scatter of the rows in, a gather of the outputs back)."""
+    from pallas_kernels import moe
+
+    m, k = lhs_mk.shape
+    g = rhs_gkn.shape[0]
+    if group_sizes_g.shape != (g,):
+        raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
+                         f"do not match ([G], [G, K, N])")
+    n_tiles = moe._n_tiles(m, g, block_m)
+    dest, tile_group = moe._padded_layout(group_sizes_g, m, block_m, n_tiles)
+    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[
+        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
+    out = gmm_padded(tile_group, x_pad, rhs_gkn, block_m, tiling=tiling, sms=sms, interpret=interpret)
+    return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)

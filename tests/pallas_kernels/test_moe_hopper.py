@@ -1,0 +1,169 @@
+"""The Hopper grouped expert GEMM (`pallas_kernels.moe_hopper`): its arithmetic in Mosaic GPU's
+interpret mode on this CPU (TMA copies, the warp-specialized pipeline, wgmma and the persistent
+loop simulated), its CUDA lowering at the model's shapes, and the choice `kimik3.ops` makes.
+The compiled body runs on the GPU: tests/gpu/test_moe_hopper.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kimik3 import ops
+from kimik3.layers.moe import _SituGLU, _experts_sorted
+from pallas_kernels import moe, moe_hopper, mxfp4
+
+S = jax.ShapeDtypeStruct
+ACT = _SituGLU((8.0, 8.0))
+BF16_ULP = 2.0 ** -8  # a bf16's rounding, relative
+
+
+def _operands(seed, m, k, n, g, empty=(1,)):
+    """bf16 rows and weights of O(1) outputs, and group sizes summing to at most m (groups in
+    `empty` get no rows; the last rows belong to no group)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    cuts = np.sort(np.asarray(jax.random.randint(keys[2], (g,), 0, m - m // 8)))
+    sizes = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+    for e in empty:
+        sizes[e] = 0
+    return x, w, jnp.asarray(sizes)
+
+
+def _f32(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _layout(x, sizes, g, block_m):
+    m = x.shape[0]
+    n_tiles = moe._n_tiles(m, g, block_m)
+    dest, tile_group = moe._padded_layout(sizes, m, block_m, n_tiles)
+    x_pad = jnp.zeros((n_tiles * block_m, x.shape[1]), x.dtype).at[
+        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(x, mode="drop")
+    return dest, tile_group, x_pad
+
+
+@pytest.mark.parametrize("tiling", [
+    moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2),
+    moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False),
+    moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4),
+])
+def test_grouped_matmul_equals_the_reference(tiling):
+    """Fresh random rows over 4 groups (one empty, some rows in none): every row is its group's
+    product rounded once to bf16 (fp32 accumulation in another order: at most one bf16 rounding
+    apart), rows past the groups are 0; a few CTAs loop over many work items."""
+    x, w, sizes = _operands(0, 300, 256, 256, 4)
+    block_m = 128
+    got = moe_hopper.grouped_matmul(x, w, sizes, block_m=block_m, tiling=tiling, sms=3, interpret=True)
+    ref = np.asarray(moe.grouped_matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
+    np.testing.assert_allclose(_f32(got), ref, rtol=2 * BF16_ULP, atol=1e-6)
+    assert np.mean(_f32(got) == _f32(jnp.asarray(ref).astype(jnp.bfloat16))) > 0.99
+    used = int(np.sum(np.asarray(sizes)))
+    assert used < 300 and not np.any(_f32(got)[used:])
+
+
+def test_the_activation_runs_in_the_gate_up_epilogue():
+    """With act, weights gate ++ up [G, K, 2F] give act(gate, up) [.., F]: each half rounded to
+    bf16 before the activation (what the unfused path reads), the result rounded once more."""
+    x, w, sizes = _operands(1, 200, 128, 256, 3)
+    block_m = 128
+    dest, tile_group, x_pad = _layout(x, sizes, 3, block_m)
+    out = moe_hopper.gmm_padded(tile_group, x_pad, w, block_m, act=ACT,
+                                tiling=moe_hopper.HopperTiling(tile_n=64, steps=2), sms=2, interpret=True)
+    assert out.shape == (x_pad.shape[0], 128)
+    h = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    ref = _f32(ACT(h[:, :128].astype(jnp.float32), h[:, 128:].astype(jnp.float32)).astype(jnp.bfloat16))
+    used = int(np.sum(np.asarray(sizes)))
+    got = _f32(out)[np.asarray(dest)[:used]]
+    # a gate or up value rounding the other way moves act by about one of its ulps
+    np.testing.assert_allclose(got, ref[:used], rtol=4 * BF16_ULP, atol=1e-3)
+    assert np.mean(got == ref[:used]) > 0.99
+
+
+def test_grouped_ffn_on_the_hopper_kernels_equals_the_triton_path_and_the_sorted_reference():
+    """`moe.grouped_ffn(impl="hopper")`: both GEMMs on the Hopper kernels, tokens routed to two
+    experts each, some to none (id E): the same outputs as the Triton kernels and as rows sorted
+    by expert through one grouped GEMM per projection, within bf16 roundings."""
+    n, top_k, l, f, e = 96, 2, 128, 128, 4
+    keys = jax.random.split(jax.random.key(2), 4)
+    x = jax.random.normal(keys[0], (n, l), jnp.float32).astype(jnp.bfloat16)
+    w_gu = (jax.random.normal(keys[1], (e, l, 2 * f), jnp.float32) / np.sqrt(l)).astype(jnp.bfloat16)
+    w_out = (jax.random.normal(keys[2], (e, f, l), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
+    ids = jax.random.randint(keys[3], (n, top_k), 0, e + 1).astype(jnp.int32)
+    hopper = _f32(moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, impl="hopper", interpret=True))
+    triton = _f32(moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, interpret=True))
+    ref = _f32(_experts_sorted(x, ids, w_gu, None, w_out, ACT.caps, kernels="reference"))
+    scale = np.max(np.abs(ref))
+    for got in (hopper, triton):
+        np.testing.assert_allclose(got, ref, rtol=4 * BF16_ULP, atol=4 * BF16_ULP * scale)
+    assert np.mean(hopper == triton) > 0.99
+    assert not np.any(hopper[np.asarray(ids) == e])
+    with pytest.raises(ValueError, match="impl must be"):
+        moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, impl="cutlass")
+
+
+def test_bad_operands_are_named_before_any_launch():
+    x, w, sizes = _operands(3, 128, 128, 256, 2, empty=())
+    tg = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="16-bit rows"):
+        moe_hopper.gmm_padded(tg, x.astype(jnp.float32), w, 128)
+    with pytest.raises(ValueError, match=r"\[G, K=128, N\]"):
+        moe_hopper.gmm_padded(tg, x, w[:, :64], 128)
+    with pytest.raises(ValueError, match="must divide"):
+        moe_hopper.gmm_padded(tg, x, w[..., :192], 128)
+    with pytest.raises(ValueError, match="must divide"):
+        moe_hopper.gmm_padded(tg, x, w, 128, tiling=moe_hopper.HopperTiling(tile_m=256))
+    with pytest.raises(ValueError, match="tile_group"):
+        moe_hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, w, 128)
+    with pytest.raises(ValueError, match="odd"):
+        moe_hopper.gmm_padded(tg, x, jnp.zeros((2, 128, 257), jnp.bfloat16), 128, act=ACT)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe.grouped_ffn(x, jnp.zeros((128, 1), jnp.int32), jnp.zeros((2, 128, 192), jnp.bfloat16),
+                        jnp.zeros((2, 96, 128), jnp.bfloat16), act=ACT, impl="hopper")
+
+
+# (L, F, experts, assignments): `small`'s prefill chunk of 2048 tokens x 4, a full-scale EP rank's
+# 16384 assignments over 24 experts (the issue's K1024 N2048 shape: latent 1024, F 1024)
+SHAPES = [(768, 768, 32, 8192), (1024, 1024, 24, 16384)]
+
+
+@pytest.mark.parametrize("l, f, e, assignments", SHAPES)
+def test_lowers_for_hopper_at_the_model_shapes(l, f, e, assignments):
+    """Mosaic GPU's own checks run here, on the CPU: layouts, swizzles, and shared memory (the
+    default tilings' pipelines and epilogue buffers fit 227 KiB; a deeper one is refused by name)."""
+    block_m = 128
+    rows = moe._n_tiles(assignments, e, block_m) * block_m
+    for w_shape, act in (((e, l, 2 * f), ACT), ((e, f, l), None)):
+        fn = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, act=act)
+        jax.jit(fn).trace(S((rows // block_m,), jnp.int32), S((rows, w_shape[1]), jnp.bfloat16),
+                          S(w_shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    deep = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, tiling=moe_hopper.HopperTiling(steps=8))
+    with pytest.raises(ValueError, match="shared memory"):
+        jax.jit(deep).trace(S((rows // block_m,), jnp.int32), S((rows, f), jnp.bfloat16),
+                            S((e, f, l), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+
+
+def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monkeypatch):
+    """`KIMIK3_MOE_GMM`: "triton" (default) always; "hopper" wherever the dims and dtype fit;
+    "auto" on compute capability 9.x from HOPPER_MOE_MIN_ASSIGNMENTS assignments; MXFP4 experts
+    and dims the Hopper tiles do not divide stay on Triton."""
+    bf = jnp.bfloat16
+    dense = (jnp.zeros((32, 768, 1536), bf), jnp.zeros((32, 768, 768), bf))
+    many, few = ops.HOPPER_MOE_MIN_ASSIGNMENTS, ops.HOPPER_MOE_MIN_ASSIGNMENTS - 1
+    monkeypatch.delenv("KIMIK3_MOE_GMM", raising=False)
+    assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "auto")
+    assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "hopper"
+    assert ops.moe_gmm_impl(bf, dense, few, "9.0") == "triton"
+    assert ops.moe_gmm_impl(bf, dense, many, "8.0") == "triton"
+    assert ops.moe_gmm_impl(bf, dense, many, None) == "triton"
+    assert ops.moe_gmm_impl(jnp.float32, dense, many, "9.0") == "triton"
+    odd = (jnp.zeros((8, 96, 192), bf), jnp.zeros((8, 96, 96), bf))
+    assert ops.moe_gmm_impl(bf, odd, many, "9.0") == "triton"
+    packed = mxfp4.PackedMXFP4(jnp.zeros((32, 768, 768), jnp.uint8), jnp.zeros((32, 24, 1536), jnp.float8_e8m0fnu))
+    assert ops.moe_gmm_impl(bf, (packed, dense[1]), many, "9.0") == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "hopper")
+    assert ops.moe_gmm_impl(bf, dense, few, None) == "hopper"
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "cutlass")
+    with pytest.raises(ValueError, match="KIMIK3_MOE_GMM"):
+        ops.moe_gmm_impl(bf, dense, many, "9.0")
