@@ -125,3 +125,12 @@ def test_the_moe_bench_runs_both_sections_on_every_kernel_of_ours(tmp_path):
     assert gemm and all(k in gemm[0] for k in ("triton_ms", "hopper_ms", "hopper_kernel_ms"))
     assert ffn and all(k in ffn[0] for k in ("triton_ms", "hopper_ms"))
     assert not [k for r in rows for k in r if k.endswith("_failed")]
+
+
+@pytest.mark.slow  # KIMIK3_SLOW=1: every MLA code path in interpret mode (the suite must stay under 20 min on 2 cores)
+def test_the_mla_bench_runs_every_section_at_toy_sizes(tmp_path):
+    out = tmp_path / "mla"
+    _run(["benchmarks/mla.py", "--tiny", "--out", str(out)], tmp_path)
+    rows = json.load(open(out / "mla_bench.json"))
+    assert {r["section"] for r in rows} >= {"roofline", "decode", "prefill", "chunk"}
+    assert all(r["ours_ms"] > 0 for r in rows if r["section"] == "prefill")
