@@ -16,6 +16,10 @@ Prefix handling without per-key masks: a sequence's keys are [lp + lq] = its pre
 `supports` says when this kernel applies) and then the new-token blocks up to the
 diagonal, masking only blocks that reach it.
 
+Each compute warpgroup's query and output tiles share one shared-memory buffer (a `RefUnion`
+per warpgroup: the output is written after the queries' last read), which is what lets 128-key
+blocks with two ring slots fit 227 KiB at the model's qk 192 / v 128.
+
 Interpret mode (CPU tests) runs the same kernel body, except that the P @ V matmul takes
 P from shared memory instead of registers (the interpreter's wgmma reads shared memory
 only) and accumulates into a fresh accumulator (`_mma_into`).
@@ -96,7 +100,7 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     Prefix lengths come as static whole-block counts (`prefix_blocks`, page-granular cache
     hits) or, when `prefix_blocks` is None, from `plen_ref` (int32 [N] in GMEM, any length,
     traced): then a partly filled last prefix block is one more step, masked by length."""
-    q_smem2, o_smem2, k_smem, v_smem, lse_smem2, p_smem2 = smem
+    qo_unions, k_smem, v_smem, lse_smem2, p_smem2 = smem
     k_bars, v_bars, q_bars = bars
     k_used, v_used = used
     seq, head, q_tile = lax.axis_index("seq"), lax.axis_index("heads"), lax.axis_index("q_tile")
@@ -123,10 +127,11 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    @pl.when(wg < _COMPUTE_WGS)
-    def _compute():
+    def _compute(wg: int):
+        """Compute warpgroup `wg` (static: its query and output tiles are its own union's members)."""
         _set_registers(232, interpret)
-        q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
+        q_smem, o_smem = qo_unions[wg]  # one buffer: the output is written after the queries' last read
+        lse_smem = lse_smem2.at[wg]
         row0 = q_tile * (_COMPUTE_WGS * block_q) + wg * block_q  # first new-token row of this warpgroup
         my_steps = n_prefix + pl.cdiv(row0 + block_q, jnp.int32(block_kv))
         clear_steps = n_prefix + lax.div(row0, jnp.int32(block_kv))  # blocks wholly before row0: no mask
@@ -136,7 +141,8 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(k_bars.at[0])  # my_steps >= 1: the diagonal block always exists
-        pl.when(wg == 1)(schedule_barrier)
+        if wg == 1:
+            schedule_barrier()
 
         def step(kv_step, carry, masked):
             acc, m_i, l_i = carry
@@ -208,15 +214,20 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked="diagonal"), carry)
         lax.fori_loop(my_steps, cta_steps, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
+        if wg == 0:
+            schedule_barrier()
 
         acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+        # the queries' last reader, the last step's Q K^T wgmma, has completed (its scores were read)
         o_smem[...] = acc.astype(dtype)
         lse_smem[...] = m_i + jnp.log2(l_i)  # every row sees at least its own key: l > 0
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, pl.ds(row0, block_q), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, head, pl.ds(row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
+
+    for w in range(_COMPUTE_WGS):
+        pl.when(wg == w)(functools.partial(_compute, w))
 
     @pl.when(wg == _COMPUTE_WGS)
     def _memory():
@@ -239,7 +250,9 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     dv = v.shape[-1]
     tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
     tiled = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=(tiling, swizzle))
-    smem = (tiled((_COMPUTE_WGS, block_q, dqk)), tiled((_COMPUTE_WGS, block_q, dv)),
+    # each compute warpgroup's query and output tiles share one buffer (their lifetimes do not
+    # overlap): 2 x block_q x dv of shared memory freed, what 128-key blocks with two slots need
+    smem = ([plgpu.RefUnion(tiled((block_q, dqk)), tiled((block_q, dv))) for _ in range(_COMPUTE_WGS)],
             tiled((steps, block_kv, dqk)), tiled((steps, block_kv, dv)),
             plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
             tiled((_COMPUTE_WGS, block_q, block_kv)) if interpret else None)

@@ -47,6 +47,15 @@ def test_several_query_tiles_heads_and_a_deeper_ring(rng):
     _check(o, lse, q, k, v, cu, 128 ** -0.5)
 
 
+def test_the_model_head_dims_with_128_key_blocks(rng):
+    """qk 192 / v 128 (the model's), 128-key blocks in two slots: each warpgroup's output is
+    written into the buffer its queries were read from, after its last Q K^T; the warpgroups
+    finish at different steps, so one writes its output while the other still reads queries."""
+    q, k, v, cu = _inputs(rng, [150, 40], 1, 192, 128)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_kv=128, steps=2)
+    _check(o, lse, q, k, v, cu, 192 ** -0.5)
+
+
 @pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps, p_slots", [
     (2, 2, 3, [200, 70], 4, 32, 2, 2),  # speculative rows; a split of the short sequence holds no keys
     (2, 2, 3, [200, 70], 4, 32, 2, 1),  # the same with one P slot (warpgroup 0 waits for its release)
@@ -128,15 +137,22 @@ def _lowers_for_cuda(fn, *shapes):
     jax.jit(fn).trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes)).lower(lowering_platforms=("cuda",))
 
 
-def test_prefill_lowers_for_hopper_at_the_model_dims():
+@pytest.mark.parametrize("block_kv, steps", [(64, 2), (64, 3), (128, 2)])
+def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
+    """qk 192, v 128.  128-key blocks with two slots fit 227 KiB because each compute
+    warpgroup's output tile shares its query tile's buffer; three such slots do not."""
     from pallas_kernels import mla_hopper
-    n, lq, h, lp = 2, 256, 2, 64
+    n, lq, h, lp = 2, 256, 2, block_kv
+    shapes = (((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16),
+              ((n, lp + lq, h, 128), jnp.bfloat16), ((n,), jnp.int32))
+    core = lambda prefix_blocks, steps: lambda q, k, v, n_p: mla_hopper._hopper_core(
+        q, k, v, n_p, block_q=64, block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=1,
+        scale_log2=0.1, interpret=False)
     for prefix_blocks in ((1, 0), None):  # static whole blocks; lengths read by the kernel
-        _lowers_for_cuda(lambda q, k, v, n_p: mla_hopper._hopper_core(
-            q, k, v, n_p, block_q=64, block_kv=64, steps=2, prefix_blocks=prefix_blocks, lp_blocks=1, scale_log2=0.1,
-            interpret=False),
-            ((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 128), jnp.bfloat16),
-            ((n,), jnp.int32))
+        _lowers_for_cuda(core(prefix_blocks, steps), *shapes)
+    if block_kv == 128:
+        with pytest.raises(ValueError, match="shared memory"):
+            _lowers_for_cuda(core(None, 3), *shapes)
 
 
 @pytest.mark.parametrize("block_kv, steps, stall_ns", [(32, 2, 0), (32, 3, 0), (64, 2, 0), (64, 3, 0), (64, 2, 2000)])
