@@ -11,7 +11,8 @@ and scales them there, and issues the wgmma with the rows' activations (B, [rows
 memory, read transposed).  One program: one row tile of the group-aligned layout (one group)
 times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA; or, warp-
 specialized, a producer warpgroup issuing the copies and two consumers on ``block_n`` columns
-each.  Not yet chosen by `kimik3.ops`: on the H200 it is exact but no faster than the Triton
+each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each decoded tile
+staged through shared memory, the interpreter's only A operand).  Not yet chosen by `kimik3.ops`: on the H200 it is exact but no faster than the Triton
 kernel (RESULTS.md, issue 20).
 
 Layout (`to_hopper`, done once when the weights load):
@@ -132,10 +133,12 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
             for h, s in enumerate(scales_u8)]
 
 
-def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None):
+def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None, stage=None):
     """One pipeline step of a warpgroup: its codes' rows (`rows`: a slice of the block's, or all)
     decoded 32 K at a time into wgmma's A operand, times the step's activations (B, transposed),
-    accumulated into acc_ref; waits for its MMAs before the step's buffers are released."""
+    accumulated into acc_ref; waits for its MMAs before the step's buffers are released.
+    stage: None on the GPU (A from registers); under Mosaic GPU's interpreter, which reads A from
+    shared memory only, a [rows, 32] shared buffer each decoded tile passes through."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     per = code_tile // MX_BLOCK
@@ -144,12 +147,19 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
         tiles = _decode_tiles(codes[:, pl.ds(c * code_tile, code_tile)], scale_rows, decode_)
         for h, w in enumerate(tiles):
-            plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T)
+            x_t = x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T
+            if stage is not None:
+                stage[...] = w
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, stage, x_t)
+                plgpu.wgmma_wait(0)
+            else:
+                plgpu.wgmma(acc_ref, w, x_t)
     plgpu.wgmma_wait(0)
 
 
-def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
-            n_k, steps, code_tile, decode_):
+def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, stage=None, *, block_m, block_n,
+            block_k, n_k, steps, code_tile, decode_, interpret=False):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -160,7 +170,7 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
                 _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                          decode_=decode_)
+                          decode_=decode_, stage=stage)
 
             plgpu.emit_pipeline(
                 step, grid=(n_k,), max_concurrent_steps=steps,
@@ -182,7 +192,7 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
 
 
 def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
-               n_k, steps, code_tile, decode_):
+               n_k, steps, code_tile, decode_, interpret=False):
     """`_kernel` warp-specialized: a producer warpgroup issues the TMA copies and two consumer
     warpgroups each take half of the program's 2 * block_n columns, so one decodes while the
     other's MMAs run (JAX's own Hopper mixed-type matmul is built so)."""
@@ -206,8 +216,9 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
     ignore = lambda *_, **__: None
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(
-        x_gmem, codes_gmem.at[0], scales_gmem.at[0]), collective_axes="wg")
-    def _(allocs):
+        x_gmem, codes_gmem.at[0], scales_gmem.at[0]),
+        stages=plgpu.SMEM((2, block_n, MX_BLOCK), x_gmem.dtype) if interpret else None, collective_axes="wg")
+    def _(allocs, stages):
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * block_n, block_n)
 
@@ -223,7 +234,7 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
         def body(_, x_smem, codes_smem, scales_smem, acc_ref):
             _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                      decode_=decode_, rows=rows)
+                      decode_=decode_, rows=rows, stage=None if stages is None else stages.at[wg])
             return acc_ref
 
         @pl.when(group >= 0)  # tiles past the last group hold no row anyone reads
@@ -232,13 +243,15 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
-               steps: int = 4, code_tile: int = 64, decode: str = "arith", warp_specialized: bool = False):
+               steps: int = 4, code_tile: int = 64, decode: str = "arith", warp_specialized: bool = False,
+               interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
     decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
     producer warpgroup and two consumers, each taking block_n of the program's 2 * block_n
-    columns (`_kernel_ws`)."""
+    columns (`_kernel_ws`).  interpret: Mosaic GPU's interpreter (CPU), the decoded tiles staged
+    through shared memory."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows, k = x_pad.shape
@@ -252,7 +265,8 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
     kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
-              decode_=decode)
+              decode_=decode, interpret=interpret)
+    mode = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     if warp_specialized:
         if n % (2 * block_n):
             raise ValueError(f"MXFP4 grouped GEMM (Hopper, warp-specialized): N {n} must divide by 2 x block_n")
@@ -260,13 +274,15 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
             functools.partial(_kernel_ws, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
             grid=(rows // block_m, n // (2 * block_n)), grid_names=("m", "n"), num_threads=3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)),
+            scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)), **mode,
         )(tile_group, x_pad, w.codes, w.scales)
     else:
         out_t = plgpu.kernel(
             functools.partial(_kernel, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
             grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
-            scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype)),
+            scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype),
+                               **(dict(stage=plgpu.SMEM((block_n, MX_BLOCK), x_pad.dtype)) if interpret else {})),
+            **mode,
         )(tile_group, x_pad, w.codes, w.scales)
     return out_t.T
 
@@ -274,7 +290,8 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
 def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **tiling):
     """`moe.grouped_matmul`'s contract on Hopper-layout MXFP4 weights: lhs [M, K] bf16 rows
     sorted by group, group_sizes [G] -> [M, N] bf16 (rows past the groups' sum give 0).
-    tiling: `gmm_padded`'s block_n / block_k / steps / code_tile."""
+    tiling: `gmm_padded`'s block_n / block_k / steps / code_tile / decode / warp_specialized /
+    interpret."""
     from pallas_kernels import moe
 
     m, k = lhs_mk.shape

@@ -1,5 +1,6 @@
-"""The Hopper MXFP4 grouped GEMM's layout and lowering (its arithmetic runs only on the GPU:
-tests/gpu/test_quant_kernels.py)."""
+"""The Hopper MXFP4 grouped GEMM's layout, its lowering, and its arithmetic in Mosaic GPU's
+interpreter (decoded tiles staged through shared memory there; the register-operand body runs
+on the GPU: tests/gpu/test_quant_kernels.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -74,3 +75,39 @@ def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_spe
                                                    warp_specialized=warp_specialized)
     jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
                       S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("decode", hopper.DECODES)
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized",
+                         [(16, 64, 128, 2, 64, False), (16, 64, 256, 2, 128, True), (8, 64, 128, 3, 64, True)])
+def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
+                                                   decode):
+    """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
+    one: producer, two consumers on their own column halves) with each decoded tile staged through
+    shared memory, its only A operand.  Rows over 4 groups (one empty, the last rows in none)
+    equal the product with the dequantized weights, each output rounded once to bf16.  XLA:CPU
+    flushes bf16 subnormals, which the "bits" decode passes through for the codes +-1 (0.5 x
+    2^-126 before its final multiply): those codes are left out of its weights here; the GPU
+    checks every code (tests/gpu/test_quant_kernels.py)."""
+    rng = np.random.default_rng(7)
+    g, k, n, m = 4, 256, 256, 40
+    w = _packed(rng, g, k, n)
+    if decode == "bits":  # no code 1 or 9 (+-0.5) in either nibble
+        v = np.asarray(w.values)
+        lo, hi = v & 0xF, v >> 4
+        lo = np.where((lo & 7) == 1, lo + 1, lo)
+        hi = np.where((hi & 7) == 1, hi + 1, hi)
+        w = mxfp4.PackedMXFP4(jnp.asarray((hi << 4 | lo).astype(np.uint8)), w.scales)
+    bits = np.asarray(w.scales).view(np.uint8).copy()
+    bits[:] = np.clip(bits, 118, 134)  # O(1) weights: products and sums far from bf16's range ends
+    w = mxfp4.PackedMXFP4(w.values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    sizes = jnp.asarray([10, 0, 20, 7], jnp.int32)
+    got = np.asarray(hopper.grouped_matmul(
+        x, hopper.to_hopper(w, decode), sizes, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps,
+        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, interpret=True).astype(jnp.float32))
+    wd = mxfp4.dequantize(w.values, w.scales).astype(jnp.float32)
+    ref = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), wd, sizes, precision=jax.lax.Precision.HIGHEST))
+    np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=1e-4 * np.max(np.abs(ref)))
+    assert np.mean(got == np.asarray(jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))) > 0.97
+    assert not np.any(got[37:])
