@@ -768,7 +768,7 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched.
     states_ref (optional): [B, T, H, K, V] the state after each token."""
     f32 = jnp.float32
-    b, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # V blocks fastest: see the grid
     vs = pl.ds(vb * block_v, block_v)
     slot, n_acc = slots_ref[b], n_acc_ref[b]
     s = pool_in_ref[slot, h, :, vs]  # [K, BV] fp32
@@ -792,9 +792,11 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     states = [jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32)] if export_states else []
+    # V blocks vary fastest, then heads, then sequences (fla's order): CTAs launched together read
+    # the neighbouring column blocks of one state's K rows, not the same columns of B states
     return pl.pallas_call(
         _functools.partial(_recurrent_kernel, n_tokens=t, block_v=block_v, scale=scale),
-        grid=(b, h, dv // block_v),
+        grid=(dv // block_v, h, b),
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
         + states,
         input_output_aliases={7: 1},
@@ -820,8 +822,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
         accepted prefix is committed by a second call over those tokens.
       export_states: also return the state after every token (a verify pass that
         commits the accepted prefix's state itself, in one call).
-      block_v / num_warps: each program's V columns (default min(V, 64)) and warps (fla's
-        `fused_recurrent_kda` runs 8 columns on one warp: many small programs).
+      block_v / num_warps: each program's V columns (default min(V, 64)) and warps (fla 0.6's
+        `fused_recurrent_kda` runs 32 columns on 4 warps).
     Returns:
       (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
       a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.
