@@ -163,7 +163,8 @@ def _packed_mxfp4(w, dtype):
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     """Routed-expert GEMM: rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N].
 
-    Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
+    The Hopper kernel on the rows as they are where `moe_gmm_impl` names it
+    (`moe_hopper.grouped_matmul`); else Pallas `grouped_matmul` where its tiling fits (K, N multiples of 16, one dtype),
     else `lax.ragged_dot` (the reference).  MXFP4 weights (`QTensor`): on the Pallas path with
     16-bit rows, decoded inside the kernel (`pallas_kernels.moe_mxfp4`: read at 4.25 bits);
     elsewhere dequantized first (exact in the rows' dtype)."""
@@ -171,6 +172,9 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     if packed is not None and resolve(kernels) == "pallas":
         return moe_kernels.grouped_matmul(lhs_mk, packed, group_sizes_g)
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
+    if (resolve(kernels) == "pallas"
+            and moe_gmm_impl(lhs_mk.dtype, ((rhs_gkn, False),), lhs_mk.shape[0], _compute_capability()) == "hopper"):
+        return moe_hopper.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, interpret=jax.default_backend() != "gpu")
     if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
             and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
         return moe_kernels.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g)
@@ -206,7 +210,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     rows [N, L], ids [N, k] -> unweighted outputs [N, k, L], on the kernels `moe_gmm_impl`
     names.  Callers check `grouped_ffn_fits`."""
     weights = _ffn_weights(x_nl, w_gateup_elf, w_out_efl)
-    impl = moe_gmm_impl(x_nl.dtype, weights, ids_nk.size, _compute_capability())
+    impl = moe_gmm_impl(x_nl.dtype, ((weights[0], True), (weights[1], False)), ids_nk.size, _compute_capability())
     return moe_kernels.grouped_ffn(x_nl, ids_nk, *weights, act=act, impl=impl)
 
 
@@ -217,21 +221,20 @@ MOE_GMM_CHOICES = ("triton", "hopper", "auto")
 HOPPER_MOE_MIN_ASSIGNMENTS = 1024
 
 
-def moe_gmm_impl(dtype, weights, assignments: int, compute_capability: str | None) -> str:
+def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None) -> str:
     """Which grouped-FFN kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
     TMA, persistent, warp-specialized) or "triton" (`pallas_kernels.moe`: any GPU, MXFP4 too).
     ``KIMIK3_MOE_GMM`` chooses: "triton" (the default until the Hopper kernels' first GPU run
     is recorded in RESULTS.md), "hopper" wherever they fit, or "auto": "hopper" on a compute
     capability 9.x GPU for 16-bit weights that `moe_hopper.fits` and at least
-    HOPPER_MOE_MIN_ASSIGNMENTS assignments.  weights: `_ffn_weights`' (gate/up, down)."""
+    HOPPER_MOE_MIN_ASSIGNMENTS assignments.  gemms: the (weights [G, K, N], act?) the kernels
+    would run (the FFN's gate/up with its activation and down; or one GEMM)."""
     choice = os.environ.get("KIMIK3_MOE_GMM", "triton")
     if choice not in MOE_GMM_CHOICES:
         raise ValueError(f"KIMIK3_MOE_GMM must be one of {MOE_GMM_CHOICES}; got {choice!r}")
-    w_gu, w_down = weights
     fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and not isinstance(w_gu, mxfp4_kernels.PackedMXFP4) and not isinstance(w_down, mxfp4_kernels.PackedMXFP4)
-            and moe_hopper.fits(w_gu.shape[1], w_gu.shape[2], act=True)
-            and moe_hopper.fits(w_down.shape[1], w_down.shape[2], act=False))
+            and all(not isinstance(w, (mxfp4_kernels.PackedMXFP4, QTensor)) and jnp.dtype(w.dtype) == jnp.dtype(dtype)
+                    and moe_hopper.fits(w.shape[1], w.shape[2], act=act) for w, act in gemms))
     if choice == "triton" or not fits:
         return "triton"
     if choice == "hopper":

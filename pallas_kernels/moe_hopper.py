@@ -15,10 +15,13 @@ grouped expert GEMM").  This kernel is built the way JAX's Hopper matmul is
 * the epilogue rounds to bf16 and stores through shared memory in 64-row tiles, double-buffered,
   so a tile's stores overlap the next tile's main loop.
 
-It runs on rows in the group-aligned layout `moe._padded_layout` builds (every group starts on a
-``block_m`` boundary; ``tile_m`` divides ``block_m``), so a row tile belongs to one group and
-reads that group's weights; tiles past the groups (``tile_group`` -1) are skipped and their rows
-left unwritten (no caller reads them).  With ``act`` the weights are gate ++ up [G, K, 2F]: each
+Two row layouts.  `gmm_padded`: the group-aligned layout `moe._padded_layout` builds (every
+group starts on a ``block_m`` boundary; ``tile_m`` divides ``block_m``), so a row tile belongs to
+one group and reads that group's weights; tiles past the groups (``tile_group`` -1) are skipped
+and their rows left unwritten (no caller reads them).  `gmm_ragged`: rows sorted by group as
+they are (no padded copy): a work item is (group, row block, row range), a block two groups
+share is computed once for each, and each stores only its rows (TMA stores in power-of-two runs,
+`ragged_work` builds the table).  With ``act`` the weights are gate ++ up [G, K, 2F]: each
 consumer holds a gate and an up accumulator for the same F columns and writes act(gate, up) [.., F]
 (each rounded to bf16 first, as an unfused activation would read them), so the [rows, 2F]
 intermediate never reaches HBM.
@@ -83,8 +86,9 @@ def fits(k: int, n: int, act: bool) -> bool:
     return k % 64 == 0 and n_out % 128 == 0 and (not act or n % 2 == 0)
 
 
-def _check(x_pad, w_gkn, block_m: int, t: HopperTiling, act) -> int:
-    """ValueError naming the mismatch, before any launch; returns the output columns."""
+def _check(x_pad, w_gkn, block_m: int | None, t: HopperTiling, act) -> int:
+    """ValueError naming the mismatch, before any launch; returns the output columns.  block_m
+    None: ragged rows (any count)."""
     rows, k = x_pad.shape
     if w_gkn.ndim != 3 or w_gkn.shape[1] != k:
         raise ValueError(f"grouped GEMM (Hopper): weights must be [G, K={k}, N]; got {w_gkn.shape}")
@@ -96,19 +100,25 @@ def _check(x_pad, w_gkn, block_m: int, t: HopperTiling, act) -> int:
         if n % 2:
             raise ValueError(f"grouped GEMM (Hopper) with act: weights must be gate ++ up [G, K, 2F]; N={n} is odd")
         n //= 2
-    if (t.tile_m % 64 or block_m % t.tile_m or rows % block_m or n % (2 * t.tile_n) or t.tile_n % 64
-            or k % t.tile_k or t.tile_k % 64):
+    block = t.tile_m if block_m is None else block_m
+    if (t.tile_m % 64 or block % t.tile_m or (block_m is not None and rows % block_m) or n % (2 * t.tile_n)
+            or t.tile_n % 64 or k % t.tile_k or t.tile_k % 64):
         raise ValueError(f"grouped GEMM (Hopper): tile_m {t.tile_m} (a multiple of 64) must divide block_m "
                          f"{block_m}, which divides rows {rows}; 2 x tile_n {t.tile_n} (tile_n a multiple of 64) "
                          f"must divide N {n}; tile_k {t.tile_k} (a multiple of 64) must divide K {k}")
     return n
 
 
-def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: int, n_out: int, act,
+def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: int | None, n_out: int, act,
             m_iters: int, n_iters: int):
+    """One CTA's loop over work items.  block_m an int: the group-aligned layout, work_gmem its
+    tile_group (a work item is the row tile mi, whole); None: rows sorted by group, work_gmem
+    `ragged_work`'s [4, n] table (group, row block, first row, end row) and each item stores
+    only its rows [lo, hi) of the block (a block two groups share is computed once for each)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype = x_gmem.dtype
+    ragged = block_m is None
     halves = 1 if act is None else 2
     cta_n = 2 * t.tile_n
     swizzle = plgpu.find_swizzle(t.tile_k * jnp.dtype(dtype).itemsize * 8)
@@ -129,10 +139,13 @@ def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block
     ignore = lambda *_, **__: None
     w0 = w_gmem.at[0]
     reps = [x_gmem.at[pl.ds(0, t.tile_m)]] + [w0.at[:, pl.ds(0, cta_n)]] * halves
+    # padded: 64-row epilogue tiles, swizzled, double-buffered; ragged: each consumer's whole
+    # row block of epi_n columns, unswizzled so that any row range of it can be stored
+    out_smem_type = (plgpu.SMEM((2, t.tile_m, t.epi_n), dtype) if ragged
+                     else plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms))
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*reps),
-                       out_smem=plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms),
-                       collective_axes="wg")
+                       out_smem=out_smem_type, collective_axes="wg")
     def _(allocs, out_smem):
         wg = lax.axis_index("wg")
         wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
@@ -141,8 +154,41 @@ def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block
         def _(loop_info):
             (lin,) = loop_info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
-            group = tile_group_gmem[(mi * t.tile_m) // block_m]
-            rows = pl.ds(mi * t.tile_m, t.tile_m)
+            if ragged:
+                group, block, lo, hi = (work_gmem[r, mi] for r in range(4))
+            else:
+                group, block = work_gmem[(mi * t.tile_m) // block_m], mi
+            rows = pl.ds(block * t.tile_m, t.tile_m)
+            col0 = ni * cta_n + wg * t.tile_n  # this consumer's first output column
+
+            def store_padded(h):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last work item's stores left out_smem
+                for e, (ei, ej) in enumerate(epi_tiles):
+                    slot = e % 2
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    plgpu.commit_smem()
+                    dst = out_gmem.at[pl.ds(block * t.tile_m + ei * t.epi_m, t.epi_m),
+                                      pl.ds(col0 + ej * t.epi_n, t.epi_n)]
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
+
+            def store_rows(h):
+                # TMA stores take static sizes: rows [lo, hi) go out as a ladder of power-of-two
+                # runs (tile_m, tile_m / 2, .., 1 rows), each issued where hi - lo has that bit
+                for ej in range(t.tile_n // t.epi_n):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[wg] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    plgpu.commit_smem()
+                    start, size = lo, t.tile_m
+                    while size >= 1:
+                        def put(start=start, size=size):
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, pl.ds(start, size)],
+                                out_gmem.at[pl.ds(block * t.tile_m + start, size), pl.ds(col0 + ej * t.epi_n, t.epi_n)])
+
+                        pl.when((hi - lo) & size != 0)(put)
+                        start = start + ((hi - lo) & size)
+                        size //= 2
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.tile_m, t.tile_n), jnp.float32)] * halves)
@@ -153,16 +199,7 @@ def _kernel(tile_group_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block
                     else:  # each half rounded to the rows' dtype, as an unfused act would read it
                         rounded = lambda a: a[...].astype(dtype).astype(jnp.float32)
                         h = act(rounded(accs[0]), rounded(accs[1]))
-                    h = h.astype(dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last work item's stores left out_smem
-                    for e, (ei, ej) in enumerate(epi_tiles):
-                        slot = e % 2
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
-                        plgpu.commit_smem()
-                        dst = out_gmem.at[pl.ds(mi * t.tile_m + ei * t.epi_m, t.epi_m),
-                                          pl.ds(ni * cta_n + wg * t.tile_n + ej * t.epi_n, t.epi_n)]
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
+                    (store_rows if ragged else store_padded)(h.astype(dtype))
 
             def body(_, x_smem, *refs):
                 *w_smems, accs = refs
@@ -202,10 +239,17 @@ def gmm_padded(tile_group, x_pad, w_gkn, block_m: int, *, act=None, tiling: Hopp
     if tile_group.shape != (rows // block_m,):
         raise ValueError(f"grouped GEMM (Hopper): tile_group {tile_group.shape} must be [{rows // block_m}] "
                          f"(rows {rows} / block_m {block_m})")
-    m_iters, n_iters = rows // t.tile_m, n_out // (2 * t.tile_n)
+    return _launch(tile_group.astype(jnp.int32), x_pad, w_gkn, t=t, block_m=block_m, n_out=n_out, act=act,
+                   m_iters=rows // t.tile_m, sms=sms, interpret=interpret)
+
+
+def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    n_iters = n_out // (2 * t.tile_n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, t=t, block_m=block_m, n_out=n_out, act=act, m_iters=m_iters, n_iters=n_iters),
-        out_type=jax.ShapeDtypeStruct((rows, n_out), x_pad.dtype),
+        out_type=jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),
         grid=(min(sms or num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
@@ -213,15 +257,56 @@ def gmm_padded(tile_group, x_pad, w_gkn, block_m: int, *, act=None, tiling: Hopp
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 
         with force_gpu_interpret_mode(InterpretGPUParams()):
-            return kernel(tile_group.astype(jnp.int32), x_pad, w_gkn)
-    return kernel(tile_group.astype(jnp.int32), x_pad, w_gkn)
+            return kernel(work, x, w_gkn)
+    return kernel(work, x, w_gkn)
 
 
-def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m: int = 128, tiling: HopperTiling | None = None,
-                   sms: int | None = None, interpret: bool = False):
+def ragged_work(group_sizes_g, m: int, tile_m: int):
+    """The work table of rows sorted by group: int32 [4, cdiv(m, tile_m) + G - 1], per work item
+    (group, row block, first row, end row within the block); -1 groups past the last item.  A
+    group owns the blocks its rows touch, so a block two groups share is two items, each storing
+    its own rows; rows past the groups' sum belong to no item."""
+    g = group_sizes_g.shape[0]
+    sizes = group_sizes_g.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile_m
+    count = jnp.where(sizes > 0, (ends - 1) // tile_m - first + 1, 0)
+    c_end = jnp.cumsum(count)
+    c_start = c_end - count
+    n_work = -(-m // tile_m) + g - 1
+    item = jnp.arange(n_work, dtype=jnp.int32)
+    grp = jnp.sum(item[:, None] >= c_end[None, :], axis=1).astype(jnp.int32)  # the group whose items hold it
+    gc = jnp.minimum(grp, g - 1)
+    block = first[gc] + item - c_start[gc]
+    lo = jnp.maximum(starts[gc], block * tile_m) - block * tile_m
+    hi = jnp.minimum(ends[gc], (block + 1) * tile_m) - block * tile_m
+    return jnp.stack([jnp.where(grp < g, gc, -1), block, lo, hi]).astype(jnp.int32)
+
+
+def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling | None = None, sms: int | None = None,
+               interpret: bool = False):
+    """Rows sorted by group, as they are (no padded copy): lhs [M, K] of a 16-bit dtype, w [G, K,
+    N] of its dtype, group_sizes [G] -> [M, N] (act: as `gmm_padded`); rows past the groups' sum
+    are not written.  The work items are `ragged_work`'s; loads of a partial last block read
+    past M (TMA fills zeros), stores write only each item's rows."""
+    t = tiling or default_tiling(w_gkn.shape[2] // (1 if act is None else 2), act is not None)
+    n_out = _check(lhs_mk, w_gkn, None, t, act)
+    g = w_gkn.shape[0]
+    if group_sizes_g.shape != (g,):
+        raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
+                         f"do not match ([G], [G, K, N])")
+    work = ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m)
+    return _launch(work, lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act, m_iters=work.shape[1], sms=sms,
+                   interpret=interpret)
+
+
+def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", block_m: int = 128,
+                   tiling: HopperTiling | None = None, sms: int | None = None, interpret: bool = False):
     """`moe.grouped_matmul`'s contract: lhs [M, K] rows sorted by group, rhs [G, K, N] of lhs's
-    16-bit dtype, group_sizes [G] -> [M, N] (rows past the groups' sum give 0), through the
-    group-aligned layout (a scatter of the rows in, a gather of the outputs back)."""
+    16-bit dtype, group_sizes [G] -> [M, N] (rows past the groups' sum give 0).  layout "ragged":
+    the rows as they are (`gmm_ragged`); "padded": through the group-aligned layout (a scatter
+    of the rows in, a gather of the outputs back: `gmm_padded`)."""
     from pallas_kernels import moe
 
     m, k = lhs_mk.shape
@@ -229,6 +314,11 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m: int = 128, tiling
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
                          f"do not match ([G], [G, K, N])")
+    if layout == "ragged":
+        out = gmm_ragged(lhs_mk, rhs_gkn, group_sizes_g, tiling=tiling, sms=sms, interpret=interpret)
+        return jnp.where((jnp.arange(m) < jnp.sum(group_sizes_g))[:, None], out, 0).astype(lhs_mk.dtype)
+    if layout != "padded":
+        raise ValueError(f"grouped GEMM (Hopper): layout must be 'ragged' or 'padded'; got {layout!r}")
     n_tiles = moe._n_tiles(m, g, block_m)
     dest, tile_group = moe._padded_layout(group_sizes_g, m, block_m, n_tiles)
     x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[

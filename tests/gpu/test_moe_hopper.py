@@ -27,13 +27,14 @@ def _case(seed, m, k, n, g):
     return x, w, jnp.asarray(sizes)
 
 
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
 @pytest.mark.parametrize("m, k, n, g", [(8192, 768, 768, 32), (16384, 1024, 2048, 24), (1000, 768, 1536, 32)])
-def test_grouped_matmul_at_prefill_shapes(m, k, n, g):
+def test_grouped_matmul_at_prefill_shapes(m, k, n, g, layout):
     x, w, sizes = _case(m, m, k, n, g)
     ref = np.asarray(jax.jit(moe.grouped_matmul_ref)(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
     for t in hopper_tilings(m, n, False, quick=False):
-        got = np.asarray(jax.jit(lambda a, b, s: moe_hopper.grouped_matmul(a, b, s, block_m=t.tile_m, tiling=t))(
-            x, w, sizes).astype(jnp.float32))
+        got = np.asarray(jax.jit(lambda a, b, s: moe_hopper.grouped_matmul(a, b, s, layout=layout, block_m=t.tile_m,
+                                                                           tiling=t))(x, w, sizes).astype(jnp.float32))
         np.testing.assert_allclose(got, ref, rtol=2 * BF16_ULP, atol=1e-5, err_msg=t.label)
         assert np.mean(got == np.asarray(jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))) > 0.98, t.label
         assert not np.any(got[int(np.sum(np.asarray(sizes))):]), t.label

@@ -43,23 +43,67 @@ def _layout(x, sizes, g, block_m):
     return dest, tile_group, x_pad
 
 
+@pytest.mark.parametrize("layout", ["ragged", "padded"])
 @pytest.mark.parametrize("tiling", [
     moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2),
     moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False),
     moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4),
 ])
-def test_grouped_matmul_equals_the_reference(tiling):
-    """Fresh random rows over 4 groups (one empty, some rows in none): every row is its group's
-    product rounded once to bf16 (fp32 accumulation in another order: at most one bf16 rounding
-    apart), rows past the groups are 0; a few CTAs loop over many work items."""
+def test_grouped_matmul_equals_the_reference(tiling, layout):
+    """Fresh random rows over 4 groups (one empty, some rows in none), M not a multiple of the
+    row tile: every row is its group's product rounded once to bf16 (fp32 accumulation in
+    another order: at most one bf16 rounding apart), rows past the groups are 0; a few CTAs
+    loop over many work items.  Ragged: blocks two groups share are stored row-exactly by each."""
     x, w, sizes = _operands(0, 300, 256, 256, 4)
     block_m = 128
-    got = moe_hopper.grouped_matmul(x, w, sizes, block_m=block_m, tiling=tiling, sms=3, interpret=True)
+    got = moe_hopper.grouped_matmul(x, w, sizes, layout=layout, block_m=block_m, tiling=tiling, sms=3,
+                                    interpret=True)
     ref = np.asarray(moe.grouped_matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
     np.testing.assert_allclose(_f32(got), ref, rtol=2 * BF16_ULP, atol=1e-6)
     assert np.mean(_f32(got) == _f32(jnp.asarray(ref).astype(jnp.bfloat16))) > 0.99
     used = int(np.sum(np.asarray(sizes)))
     assert used < 300 and not np.any(_f32(got)[used:])
+
+
+def test_the_ragged_work_table_covers_every_row_once():
+    """`ragged_work`: items (group, block, lo, hi) cover each group's rows exactly once, in
+    blocks of the row tile, within the static count cdiv(M, tile) + G - 1, whatever the sizes
+    (empty groups, groups inside one block, rows past the groups)."""
+    rng = np.random.default_rng(5)
+    for m, tile, sizes in [(300, 64, [0, 100, 0, 70, 96]), (128, 64, [128, 0]), (64, 64, [0, 0, 0, 1]),
+                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24)))]:
+        work = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile))
+        assert work.shape == (4, -(-m // tile) + len(sizes) - 1)
+        owner = np.full(m, -1)
+        for group, block, lo, hi in work.T:
+            if group < 0:
+                continue
+            assert 0 <= lo < hi <= tile
+            rows = np.arange(block * tile + lo, block * tile + hi)
+            assert np.all(owner[rows] == -1)
+            owner[rows] = group
+        assert np.array_equal(owner[:sum(sizes)], np.repeat(np.arange(len(sizes)), sizes))
+        assert np.all(owner[sum(sizes):] == -1)
+
+
+def test_ops_grouped_matmul_takes_the_hopper_kernel_where_asked(monkeypatch):
+    """`KIMIK3_MOE_GMM=hopper` with the Pallas kernels: rows sorted by expert through one grouped
+    GEMM per projection (`_experts_sorted`, a checkpoint without fused gate/up) run on the ragged
+    Hopper kernel (the interpreter here) and equal the reference path."""
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "hopper")
+    n, top_k, l, f, e = 48, 2, 128, 128, 4
+    keys = jax.random.split(jax.random.key(6), 5)
+    x = jax.random.normal(keys[0], (n, l), jnp.float32).astype(jnp.bfloat16)
+    w_g, w_u = ((jax.random.normal(kk, (e, l, f), jnp.float32) / np.sqrt(l)).astype(jnp.bfloat16) for kk in keys[1:3])
+    w_out = (jax.random.normal(keys[3], (e, f, l), jnp.float32) / np.sqrt(f)).astype(jnp.bfloat16)
+    ids = jax.random.randint(keys[4], (n, top_k), 0, e + 1).astype(jnp.int32)
+    calls = []
+    real = moe_hopper.grouped_matmul
+    monkeypatch.setattr(moe_hopper, "grouped_matmul", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    got = _f32(_experts_sorted(x, ids, w_g, w_u, w_out, ACT.caps, kernels="pallas"))
+    ref = _f32(_experts_sorted(x, ids, w_g, w_u, w_out, ACT.caps, kernels="reference"))
+    assert len(calls) == 3  # gate, up, down
+    np.testing.assert_allclose(got, ref, rtol=4 * BF16_ULP, atol=4 * BF16_ULP * np.max(np.abs(ref)))
 
 
 def test_the_activation_runs_in_the_gate_up_epilogue():
@@ -137,6 +181,10 @@ def test_lowers_for_hopper_at_the_model_shapes(l, f, e, assignments):
         fn = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, act=act)
         jax.jit(fn).trace(S((rows // block_m,), jnp.int32), S((rows, w_shape[1]), jnp.bfloat16),
                           S(w_shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    for w_shape, act in (((e, l, 2 * f), ACT), ((e, f, l), None)):  # rows sorted by expert, as they are
+        fn = lambda x, w, sizes: moe_hopper.gmm_ragged(x, w, sizes, act=act)
+        jax.jit(fn).trace(S((assignments, w_shape[1]), jnp.bfloat16), S(w_shape, jnp.bfloat16),
+                          S((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
     deep = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, tiling=moe_hopper.HopperTiling(steps=8))
     with pytest.raises(ValueError, match="shared memory"):
         jax.jit(deep).trace(S((rows // block_m,), jnp.int32), S((rows, f), jnp.bfloat16),
@@ -148,7 +196,8 @@ def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monk
     "auto" on compute capability 9.x from HOPPER_MOE_MIN_ASSIGNMENTS assignments; MXFP4 experts
     and dims the Hopper tiles do not divide stay on Triton."""
     bf = jnp.bfloat16
-    dense = (jnp.zeros((32, 768, 1536), bf), jnp.zeros((32, 768, 768), bf))
+    w_gu, w_down = jnp.zeros((32, 768, 1536), bf), jnp.zeros((32, 768, 768), bf)
+    dense = ((w_gu, True), (w_down, False))
     many, few = ops.HOPPER_MOE_MIN_ASSIGNMENTS, ops.HOPPER_MOE_MIN_ASSIGNMENTS - 1
     monkeypatch.delenv("KIMIK3_MOE_GMM", raising=False)
     assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "triton"
@@ -158,10 +207,12 @@ def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monk
     assert ops.moe_gmm_impl(bf, dense, many, "8.0") == "triton"
     assert ops.moe_gmm_impl(bf, dense, many, None) == "triton"
     assert ops.moe_gmm_impl(jnp.float32, dense, many, "9.0") == "triton"
-    odd = (jnp.zeros((8, 96, 192), bf), jnp.zeros((8, 96, 96), bf))
+    odd = ((jnp.zeros((8, 96, 192), bf), True), (jnp.zeros((8, 96, 96), bf), False))
     assert ops.moe_gmm_impl(bf, odd, many, "9.0") == "triton"
+    assert ops.moe_gmm_impl(bf, ((w_down, False),), many, "9.0") == "hopper"  # one GEMM, no activation
+    assert ops.moe_gmm_impl(bf, ((jnp.zeros((32, 768, 1400), bf), False),), many, "9.0") == "triton"  # N % 128
     packed = mxfp4.PackedMXFP4(jnp.zeros((32, 768, 768), jnp.uint8), jnp.zeros((32, 24, 1536), jnp.float8_e8m0fnu))
-    assert ops.moe_gmm_impl(bf, (packed, dense[1]), many, "9.0") == "triton"
+    assert ops.moe_gmm_impl(bf, ((packed, True), (w_down, False)), many, "9.0") == "triton"
     monkeypatch.setenv("KIMIK3_MOE_GMM", "hopper")
     assert ops.moe_gmm_impl(bf, dense, few, None) == "hopper"
     monkeypatch.setenv("KIMIK3_MOE_GMM", "cutlass")
