@@ -43,11 +43,10 @@ def _layout(x, sizes, g, block_m):
     return dest, tile_group, x_pad
 
 
-@pytest.mark.parametrize("layout", ["ragged", "padded"])
-@pytest.mark.parametrize("tiling", [
-    moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2),
-    moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False),
-    moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4),
+@pytest.mark.parametrize("tiling, layout", [
+    (moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2), "ragged"),
+    (moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False), "ragged"),
+    (moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4), "padded"),
 ])
 def test_grouped_matmul_equals_the_reference(tiling, layout):
     """Fresh random rows over 4 groups (one empty, some rows in none), M not a multiple of the
