@@ -434,17 +434,28 @@ def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, inte
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
-                        o_ref, ht_ref, ckpt_ref, *, block_v, scale, low_precision, interpret):
-    """One (sequence, head, V block): the sequential pass over the sequence's chunks."""
+                        *out_refs, block_v, scale, low_precision, interpret, split_o=False):
+    """One (sequence, head, V block): the sequential pass over the sequence's chunks.
+    out_refs: (o, ht, ckpt); split_o: (hs, v_new, ht, ckpt) instead, each chunk's state before
+    it and its v_new (the dot operands' dtype) for `_chunk_o_kernel` to turn into o in parallel,
+    leaving this pass two dots a chunk instead of four."""
     dot = _fast_dot(low_precision, interpret)
     seq, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * block_v, block_v)
     c0, c1 = chunk_start_ref[seq], chunk_start_ref[seq + 1]
+    if split_o:
+        hs_ref, vnew_ref, ht_ref, ckpt_ref = out_refs
+    else:
+        o_ref, ht_ref, ckpt_ref = out_refs
 
     def body(n, s):
         v_new = u_ref[n, h, :, vs].astype(jnp.float32) - dot(w_ref[n, h], s)
-        o = scale * (dot(qd_ref[n, h], s) + dot(aqk_ref[n, h], v_new))
-        o_ref[n, :, h, vs] = o.astype(o_ref.dtype)
+        if split_o:
+            hs_ref[n, h, :, vs] = s.astype(hs_ref.dtype)
+            vnew_ref[n, h, :, vs] = v_new.astype(vnew_ref.dtype)
+        else:
+            o = scale * (dot(qd_ref[n, h], s) + dot(aqk_ref[n, h], v_new))
+            o_ref[n, :, h, vs] = o.astype(o_ref.dtype)
         s = de_ref[n, h][:, None] * s + dot(ke_ref[n, h].T, v_new)
         slot = ckpt_slot_ref[n]
 
@@ -456,6 +467,14 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 
     s = jax.lax.fori_loop(c0, c1, body, h0_ref[seq, h, :, vs].astype(jnp.float32))
     ht_ref[seq, h, :, vs] = s
+
+
+def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_precision, interpret):
+    """One (chunk, head, V block), in parallel over chunks: o = scale (q_decayed @ S_before +
+    A_qk @ v_new), what the fused state pass computes in its loop, from its split outputs."""
+    dot = _fast_dot(low_precision, interpret)
+    o = scale * (dot(qd_ref[...], hs_ref[...].astype(jnp.float32)) + dot(aqk_ref[...], vnew_ref[...].astype(jnp.float32)))
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 # (num_warps, num_stages) of the prepare and state kernels, and the prepare
@@ -474,8 +493,14 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # tokens ~0.2 vs ~0.4 ms more; B8 T4096 H32 3.03 at 64 vs 3.51; B4 T8192 H12 1.32 vs 1.54.
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
+# "state_o": "fused" (the state pass computes o in its loop: four dots a chunk) or "split"
+# (the pass writes each chunk's state and v_new, two dots a chunk, and `_chunk_o_kernel`
+# computes o in parallel over chunks, with "o" warps / stages: fla's structure; more HBM
+# traffic, a shorter serial loop; not yet measured, so not the default).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
-          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto"}
+          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "state_o": "fused",
+          "o": (4, 2)}
+STATE_O_IMPLS = ("fused", "split")
 PREPARE_IMPLS = ("fused", "split")
 
 
@@ -601,22 +626,49 @@ def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
 
 def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret,
                       tuning=None):
-    """The sequential pass.  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints [max(n_ckpt, 1), H, K, V]."""
+    """The sequential pass (and, with TUNING["state_o"] "split", the parallel output kernel after
+    it).  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints [max(n_ckpt, 1), H, K, V]."""
     w, u, qd, ke, aqk, de = prep
     nt, h, _, dk = w.shape
     dv = u.shape[-1]
     n_seq = h0.shape[0]
     sds = jax.ShapeDtypeStruct
-    return pl.pallas_call(
-        _functools.partial(_chunk_state_kernel, block_v=block_v, scale=scale,
-                           low_precision=bool(w.dtype != jnp.float32), interpret=interpret),
+    split_o = _tuned(tuning)["state_o"]
+    if split_o not in STATE_O_IMPLS:
+        raise ValueError(f"state_o must be one of {STATE_O_IMPLS}; got {split_o!r}")
+    split_o = split_o == "split"
+    low_precision = bool(w.dtype != jnp.float32)
+    # the split pass's per-chunk outputs, in what the dots read: bf16 for 16-bit inputs (the fused
+    # pass casts s and v_new to it for its dots too), fp32 for fp32 inputs
+    inter = jnp.bfloat16 if low_precision else jnp.float32
+    outs = ([sds((nt, h, dk, dv), inter), sds((nt, h, CHUNK, dv), inter)] if split_o
+            else [sds((nt, CHUNK, h, dv), out_dtype)])
+    res = pl.pallas_call(
+        _functools.partial(_chunk_state_kernel, block_v=block_v, scale=scale, low_precision=low_precision,
+                           interpret=interpret, split_o=split_o),
         grid=(n_seq, h, dv // block_v),
-        out_shape=[sds((nt, CHUNK, h, dv), out_dtype), sds((n_seq, h, dk, dv), jnp.float32),
-                   sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
+        out_shape=outs + [sds((n_seq, h, dk, dv), jnp.float32), sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
         interpret=interpret,
         compiler_params=_params("state_fp32" if w.dtype == jnp.float32 else "state", tuning),
         name="kda_chunk_state",
     )(chunk_start, ckpt_slot, h0, w, u, qd, ke, aqk, de)
+    if not split_o:
+        return res
+    hs, v_new, ht, ckpt = res
+    o = pl.pallas_call(
+        _functools.partial(_chunk_o_kernel, scale=scale, low_precision=low_precision, interpret=interpret),
+        grid=(nt, h, dv // block_v),
+        in_specs=[pl.BlockSpec((None, None, CHUNK, dk), lambda n, hh, vb: (n, hh, 0, 0)),
+                  pl.BlockSpec((None, None, CHUNK, CHUNK), lambda n, hh, vb: (n, hh, 0, 0)),
+                  pl.BlockSpec((None, None, dk, block_v), lambda n, hh, vb: (n, hh, 0, vb)),
+                  pl.BlockSpec((None, None, CHUNK, block_v), lambda n, hh, vb: (n, hh, 0, vb))],
+        out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda n, hh, vb: (n, 0, hh, vb)),
+        out_shape=sds((nt, CHUNK, h, dv), out_dtype),
+        interpret=interpret,
+        compiler_params=_params("o", tuning),
+        name="kda_chunk_o",
+    )(qd, aqk, hs, v_new)
+    return o, ht, ckpt
 
 
 @_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning"))

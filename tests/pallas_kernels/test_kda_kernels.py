@@ -241,3 +241,33 @@ def test_state_pass_splits_v_finer_only_when_programs_are_scarce():
     assert kda_mod._state_block_v(4, 12, 128, None) == 64
     assert kda_mod._state_block_v(1, 2, 16, None) == 16  # never wider than V
     assert kda_mod._state_block_v(8, 32, 128, (("state_block_v", 16),)) == 16
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_output_pass_gives_the_fused_pass_results(rng, dtype):
+    """TUNING["state_o"] = "split": the state pass writes each chunk's state and v_new and a
+    parallel kernel computes o from them.  Varlen sequences with their own initial states and
+    exports: outputs, final states and exported states equal the fused pass's (the same dots on
+    the same operands: fp32 to summation order, bf16 inputs to one bf16 rounding of o), and the
+    recurrence's."""
+    lens = [70, 200, 64]
+    q, k, v, g, beta = kda_inputs(rng, 1, sum(lens), 2, 16, 32)
+    q, k, v, beta = (x.astype(dtype) for x in (q, k, v, beta))
+    s0 = jnp.asarray(rng.standard_normal((3, 2, 16, 32)), jnp.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    kw = dict(initial_state=s0, output_final_state=True, checkpoint_positions=[[64], [128, 192], []], cu_seqlens=cu)
+    o_f, s_f, ck_f = chunk_kda(q, k, v, g, beta, **kw)
+    o_s, s_s, ck_s = chunk_kda(q, k, v, g, beta, tuning={"state_o": "split"}, **kw)
+    assert o_s.dtype == dtype and np.isfinite(np.asarray(o_s, np.float32)).all()
+    np.testing.assert_array_equal(s_s, s_f)  # the state recurrence is the same loop either way
+    np.testing.assert_array_equal(ck_s, ck_f)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(o_s, o_f, atol=1e-5, rtol=1e-5)
+        o_ref, _ = kda_recurrent_ref(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], initial_state=s0[:1])
+        np.testing.assert_allclose(o_s[:, :70], o_ref, atol=ATOL, rtol=RTOL)
+    else:
+        of, os_ = np.asarray(o_f, np.float32), np.asarray(o_s, np.float32)
+        np.testing.assert_allclose(os_, of, rtol=2 ** -7, atol=2 ** -7 * np.max(np.abs(of)))
+        assert np.mean(os_ == of) > 0.99
+    with pytest.raises(ValueError, match="state_o"):
+        chunk_kda(q, k, v, g, beta, tuning={"state_o": "nope"}, **kw)

@@ -47,10 +47,10 @@ def test_kda_decode_at_small_dims(rows):
         *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
 
 
-@pytest.mark.parametrize("block_v, num_warps", [(64, 4), (8, 1), (16, 2)])
+@pytest.mark.parametrize("block_v, num_warps", [(64, 4), (32, 4), (16, 1), (16, 2)])
 def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps):
-    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (8 columns on one
-    warp is fla's)."""
+    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (32 columns on 4
+    warps is fla 0.6's)."""
     b, h, d = 64, 32, 128
     fn = lambda q, k, v, g, beta, pool, slots, n_acc: kda._fused_recurrent_core(
         q, k, v, g, beta, pool, slots, n_acc, scale=d ** -0.5, block_v=block_v, interpret=False, num_warps=num_warps)
@@ -116,3 +116,17 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
     e8 = jnp.float8_e8m0fnu
     assert lowered_triton_calls(fn, S((tokens, 768), BF16), S((tokens, 8), I32), S((32, 768, 768), jnp.uint8),
                                 S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
+
+
+@pytest.mark.parametrize("state_o", ["fused", "split"])
+def test_chunk_kda_prefill_with_either_output_pass(state_o):
+    """The prefill's kernels at the model's head dims, bf16, a state exported every 128 tokens:
+    the split prepare (two kernels) and the state pass, with o in its loop ("fused", one call)
+    or from a parallel kernel after it ("split", two)."""
+    t, h, d = 1024, 4, 128
+    fn = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, output_final_state=True,
+                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False,
+                                                tuning={"state_o": state_o})
+    calls = lowered_triton_calls(fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32),
+                                 S((1, t, h), BF16))
+    assert calls == (4 if state_o == "split" else 3)
