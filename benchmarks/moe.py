@@ -66,23 +66,27 @@ def _case(rng, m, k, n, g):
     return lhs, rhs, jnp.asarray(sizes), int((sizes > 0).sum())
 
 
+# Our Hopper tilings the bench sweeps (and tests/gpu checks): (tile_m, tile_n, steps, grid_width,
+# m_minor); the first is `moe_hopper.default_tiling`'s where N allows.  Kept short: each is a compile.
+HOPPER_SWEEP = [(128, 128, 4, 8, True), (128, 128, 4, 8, False), (128, 64, 4, 8, True), (64, 128, 4, 8, True),
+                (128, 128, 3, 4, True), (64, 64, 4, 8, True)]
+
+
 def hopper_tilings(m: int, n: int, act: bool, quick: bool) -> list[moe_hopper.HopperTiling]:
-    """Our Hopper tilings to try for M rows and N output columns (F with act)."""
+    """Our Hopper tilings to try for M rows and N output columns (F with act); a decode step's
+    few rows (M <= 512, which stay on the Triton kernels) get the default only."""
     if quick:
         return [moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2)]
-    out = []
-    for tm, tn, steps, width, m_minor in itertools.product((128, 64), (128, 64), (4, 3), (8, 4), (True, False)):
-        if (act and tn > 64) or n % (2 * tn):
-            continue
-        out.append(moe_hopper.HopperTiling(tile_m=tm, tile_n=tn, steps=steps, grid_width=width, m_minor=m_minor))
-    return out
+    out = [moe_hopper.HopperTiling(tile_m=tm, tile_n=tn, steps=st, grid_width=w, m_minor=mm)
+           for tm, tn, st, w, mm in HOPPER_SWEEP if not (act and tn > 64) and n % (2 * tn) == 0]
+    return out[:1] if m <= 512 else out
 
 
 def mgpu_configs(m: int, n: int):
     """The peer's tilings to try (its own sweep's ranges, cut to a few): (block_m, block_n,
     block_k, max_concurrent_steps, grid_block_n)."""
     return [c for c in itertools.product((64, 128), (128, 256), (64,), (4,), (1, 4))
-            if n % (c[1] * c[4]) == 0 and not (m <= 512 and c[0] == 128 and c[1] == 256)]
+            if n % (c[1] * c[4]) == 0 and not (m <= 512 and c[0] == 128)]
 
 
 def _mgpu(cfg):

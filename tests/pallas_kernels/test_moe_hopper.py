@@ -135,6 +135,11 @@ def test_grouped_ffn_on_the_hopper_kernels_equals_the_triton_path_and_the_sorted
     ids = jax.random.randint(keys[3], (n, top_k), 0, e + 1).astype(jnp.int32)
     hopper = _f32(moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, impl="hopper", interpret=True))
     triton = _f32(moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, interpret=True))
+    with pytest.MonkeyPatch.context() as mp:  # the model's entry: `kimik3.ops` picks the kernels
+        mp.setenv("KIMIK3_MOE_GMM", "hopper")
+        mp.setenv("KIMIK3_KERNELS", "pallas")
+        assert ops.grouped_ffn_fits(x, w_gu, w_out)
+        np.testing.assert_array_equal(_f32(ops.grouped_ffn(x, ids, w_gu, w_out, ACT)), hopper)
     ref = _f32(_experts_sorted(x, ids, w_gu, None, w_out, ACT.caps, kernels="reference"))
     scale = np.max(np.abs(ref))
     for got in (hopper, triton):
