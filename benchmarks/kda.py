@@ -227,7 +227,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="correctness,prefill,modes,decode")
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
-    ap.add_argument("--tunings", default='[{}, {"state_o": "split"}]',
+    ap.add_argument("--tunings", default='[{}, {"state_o": "split"}, {"prepare_impl": "split_rows"}, '
+                    '{"prepare_impl": "split_rows", "intra_rows": [8, 1]}, '
+                    '{"prepare_impl": "split_rows", "state_o": "split"}]',
                     help='JSON list of kda.TUNING overrides to time in the prefill section, e.g. '
                          '\'[{}, {"gcum": "xla"}, {"prepare_impl": "fused"}]\' ({} = the defaults)')
     ap.add_argument("--prepare-impl", default="split",

@@ -418,6 +418,49 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
+def _split_intra_rows_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
+                             interpret, algorithm):
+    """`_split_intra_kernel`'s outputs for one 16-row block i of one (chunk, head): a program per
+    row block (grid (C / 16, chunks, heads), the blocks of one chunk adjacent), so each holds a
+    quarter of the rows and does one pair of [16, K] x [K, C] dots instead of four pairs of
+    [C, K] x [K, C] ones (the whole-chunk kernel keeps ~ten [C, K] fp32 arrays live: 8 warps
+    at ~320 registers a thread).  In: the chunk's q, k, g [C, K] and beta [C]; out: rows of
+    block i of q exp(G), k exp(G_C - G), beta exp(G) k [16, K], A_qk and A_kk [16, C];
+    exp(G_C) [K] from block 0.  The same decay references as the whole-chunk kernel: row block
+    i decayed relative to R_i (G before the block), columns from R_i, masked past block i."""
+    f32 = jnp.float32
+    dot = _precise_dot(interpret, algorithm)
+    i = pl.program_id(0)
+    rows_i = pl.ds(i * SUB, SUB)
+    g = g_ref[...].astype(f32)
+    g_all = jnp.cumsum(g, axis=0)  # G, [C, K]
+    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
+    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
+    r_i = jnp.sum(jnp.where(row < i * SUB, g, 0.0), axis=0)  # R_i: G just before block i, [K]
+    g_in = jnp.cumsum(g_ref[rows_i, :].astype(f32), axis=0)  # G_t - R_i over the block's rows, <= 0
+    q_i, k_i = q_ref[rows_i, :].astype(f32), k_ref[rows_i, :].astype(f32)
+    beta_i = beta_ref[rows_i].astype(f32)
+    g_i = r_i[None, :] + g_in  # G on the block's rows
+    exp_g = jnp.exp(g_i)
+    qd_ref[...] = (q_i * exp_g).astype(qd_ref.dtype)
+    ke_ref[...] = (k_i * jnp.exp(g_end[None, :] - g_i)).astype(ke_ref.dtype)
+    kbg_ref[...] = (beta_i[:, None] * exp_g * k_i).astype(kbg_ref.dtype)
+
+    @pl.when(i == 0)
+    def _():
+        de_ref[...] = jnp.exp(g_end)
+
+    row_decay = jnp.exp(g_in)  # exp(G_t - R_i) <= 1
+    kd, qd = k_i * row_decay, q_i * row_decay
+    # columns decayed from R_i: exp(R_i - G_s) <= 1 before block i, <= exp(SUB * max|g|) inside
+    # it; masked to -inf past it, where R_i - G_s could overflow
+    kr = k_ref[...].astype(f32) * jnp.exp(jnp.where(row < (i + 1) * SUB, r_i[None, :] - g_all, -jnp.inf))
+    t = i * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
+    akk_ref[...] = (jnp.where(s < t, dot(kd, kr.T), 0.0) * beta_i[:, None]).astype(akk_ref.dtype)
+    aqk_ref[...] = jnp.where(s <= t, dot(qd, kr.T), 0.0).astype(aqk_ref.dtype)
+
+
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
     """One (chunk, head): A_kk [C, C], beta exp(G) k [C, K], v [C, V], beta [C] in;
     W = (I + A_kk)^-1 beta exp(G) k [C, K] and U = (I + A_kk)^-1 beta v [C, V] out."""
@@ -482,6 +525,8 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
+# prepare_impl "split_rows": "split" with `_split_intra_rows_kernel` (a program per 16-row
+# block, "intra_rows" warps / stages) in place of the whole-chunk intra kernel; not yet measured.
 # prepare_impl: "split" (`_split_intra_kernel` with the "intra" warps / stages, then
 # `_split_solve_kernel` with the "solve" ones) or "fused" (`_chunk_prepare_kernel`, one
 # kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
@@ -499,9 +544,9 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
 # traffic, a shorter serial loop; not yet measured, so not the default).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
           "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "state_o": "fused",
-          "o": (4, 2)}
+          "o": (4, 2), "intra_rows": (4, 1)}
 STATE_O_IMPLS = ("fused", "split")
-PREPARE_IMPLS = ("fused", "split")
+PREPARE_IMPLS = ("fused", "split", "split_rows")
 
 
 def _tuned(tuning):
@@ -545,7 +590,7 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     (w [NT, H, C, K], u [NT, H, C, V], q_decayed [NT, H, C, K], k_to_end [NT, H, C, K],
     a_qk [NT, H, C, C] in the inputs' dtype (fp32 for fp32), decay_end [NT, H, K] fp32)."""
     impl = _tuned(tuning)["prepare_impl"]
-    if impl == "split":
+    if impl in ("split", "split_rows"):
         return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
     if impl != "fused":
         raise ValueError(f"prepare_impl must be one of {PREPARE_IMPLS}; got {impl!r}")
@@ -580,15 +625,29 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
     algorithm = _prepare_algorithm(q.dtype, tuning)
     solve_in = jnp.bfloat16 if algorithm == "bf16" else jnp.float32
     sds = jax.ShapeDtypeStruct
+    out_shape = [sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
+                 sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in), sds((nt, h, CHUNK, dk), solve_in)]
+    if _tuned(tuning)["prepare_impl"] == "split_rows":  # a program per 16-row block, the blocks of a chunk adjacent
+        whole = lambda d: pl.BlockSpec((CHUNK, None, d), lambda i, n, hh: (n, hh, 0))
+        rows = lambda d: pl.BlockSpec((None, None, SUB, d), lambda i, n, hh: (n, hh, i, 0))
+        return pl.pallas_call(
+            _functools.partial(_split_intra_rows_kernel, interpret=interpret, algorithm=algorithm),
+            grid=(CHUNK // SUB, nt, h),
+            in_specs=[whole(dk), whole(dk), whole(dk), pl.BlockSpec((CHUNK, None), lambda i, n, hh: (n, hh))],
+            out_specs=[rows(dk), rows(dk), rows(CHUNK), pl.BlockSpec((None, None, dk), lambda i, n, hh: (n, hh, 0)),
+                       rows(CHUNK), rows(dk)],
+            out_shape=out_shape,
+            interpret=interpret,
+            compiler_params=_params("intra_rows", tuning),
+            name="kda_split_intra_rows",
+        )(q, k, g, beta)
     return pl.pallas_call(
         _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm),
         grid=(nt, h),
         in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dk), _BETA_BLK],
         out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
                    _out_blk(CHUNK, CHUNK), _out_blk(CHUNK, dk)],
-        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
-                   sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in),
-                   sds((nt, h, CHUNK, dk), solve_in)],
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=_params("intra", tuning),
         name="kda_split_intra",

@@ -26,7 +26,7 @@ def replay_state(q, k, v, g, beta, n, initial_state=None):
 # A_kk matters, not only the ones near the diagonal.
 @pytest.mark.parametrize("b, t, h, dk, dv, impl, gate_scale", [
     (2, 150, 2, 16, 32, "fused", 1.0), (1, 64, 3, 32, 16, "fused", 1.0), (3, 37, 1, 16, 16, "fused", 1.0),
-    (2, 150, 2, 16, 32, "split", 0.05)])
+    (2, 150, 2, 16, 32, "split", 0.05), (2, 150, 2, 16, 32, "split_rows", 0.05), (1, 64, 3, 32, 16, "split_rows", 1.0)])
 def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
     g = g * gate_scale
@@ -76,7 +76,8 @@ def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng, i
 
 
 @pytest.mark.parametrize("prepare_dot, impl, gate_scale", [("tf32x3", "fused", 1.0), ("bf16", "fused", 1.0),
-                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05)])
+                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05),
+                                                           ("auto", "split_rows", 1.0)])
 def test_bf16_inputs_keep_fp32_state(rng, prepare_dot, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
     g = g * gate_scale
@@ -99,13 +100,14 @@ def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 192, 2, 32, 16)
     args = [x[0] for x in (q, k, v, g * gate_scale, beta)]  # [T, H, ...], T a multiple of 64
     fused = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "fused"),))
-    split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "split"),))
-    for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert np.isfinite(b).all(), name
-        # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
-        # exponents carry ~1e-5 absolute rounding).
-        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
+    for impl in ("split", "split_rows"):  # split_rows: the intra kernel a program per 16-row block
+        split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", impl),))
+        for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
+            assert a.shape == b.shape and a.dtype == b.dtype, (impl, name)
+            assert np.isfinite(b).all(), (impl, name)
+            # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
+            # exponents carry ~1e-5 absolute rounding).
+            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=f"{impl} {name}")
 
 
 def test_unknown_prepare_impl_is_refused(rng):
