@@ -225,7 +225,8 @@ def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None)
     """Which grouped-FFN kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
     TMA, persistent, warp-specialized) or "triton" (`pallas_kernels.moe`: any GPU, MXFP4 too).
     ``KIMIK3_MOE_GMM`` chooses: "triton" (the default until the Hopper kernels' first GPU run
-    is recorded in RESULTS.md), "hopper" wherever they fit, or "auto": "hopper" on a compute
+    is recorded in RESULTS.md), "hopper" wherever they fit (a 9.x GPU, or the interpreter off
+    the GPU), or "auto": "hopper" on a compute
     capability 9.x GPU for 16-bit weights that `moe_hopper.fits` and at least
     HOPPER_MOE_MIN_ASSIGNMENTS assignments.  gemms: the (weights [G, K, N], act?) the kernels
     would run (the FFN's gate/up with its activation and down; or one GEMM)."""
@@ -235,11 +236,11 @@ def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None)
     fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and all(not isinstance(w, (mxfp4_kernels.PackedMXFP4, QTensor)) and jnp.dtype(w.dtype) == jnp.dtype(dtype)
                     and moe_hopper.fits(w.shape[1], w.shape[2], act=act) for w, act in gemms))
+    hopper = compute_capability is not None and str(compute_capability).startswith("9")
     if choice == "triton" or not fits:
         return "triton"
-    if choice == "hopper":
-        return "hopper"
-    hopper = compute_capability is not None and str(compute_capability).startswith("9")
+    if choice == "hopper":  # off a GPU (compute capability None) in Mosaic GPU's interpreter
+        return "hopper" if hopper or compute_capability is None else "triton"
     return "hopper" if hopper and assignments >= HOPPER_MOE_MIN_ASSIGNMENTS else "triton"
 
 

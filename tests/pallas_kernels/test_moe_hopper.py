@@ -218,7 +218,8 @@ def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monk
     packed = mxfp4.PackedMXFP4(jnp.zeros((32, 768, 768), jnp.uint8), jnp.zeros((32, 24, 1536), jnp.float8_e8m0fnu))
     assert ops.moe_gmm_impl(bf, ((packed, True), (w_down, False)), many, "9.0") == "triton"
     monkeypatch.setenv("KIMIK3_MOE_GMM", "hopper")
-    assert ops.moe_gmm_impl(bf, dense, few, None) == "hopper"
+    assert ops.moe_gmm_impl(bf, dense, few, None) == "hopper"  # the interpreter, off the GPU
+    assert ops.moe_gmm_impl(bf, dense, many, "8.0") == "triton"  # no wgmma before Hopper
     monkeypatch.setenv("KIMIK3_MOE_GMM", "cutlass")
     with pytest.raises(ValueError, match="KIMIK3_MOE_GMM"):
         ops.moe_gmm_impl(bf, dense, many, "9.0")
