@@ -223,6 +223,36 @@ def ffn_rows(rng, quick: bool, ceil: dict):
     return rows
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Each implementation's time per case relative to the peer (`ragged_dot_mgpu`, or the
+    Triton kernel where the peer did not run), one panel per section: bars above 1 are faster
+    than the peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = [sec for sec in ("grouped GEMM", "grouped FFN") if any(r["section"] == sec for r in rows)]
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 3.8), squeeze=False)
+    for ax, sec in zip(axes[0], sections):
+        cases = [r for r in rows if r["section"] == sec]
+        keys = [k[:-3] for k in cases[0] if k.endswith("_ms")]
+        base = "mgpu" if all("mgpu_ms" in r for r in cases) else "triton"
+        width = 0.8 / max(len(keys), 1)
+        for j, key in enumerate(keys):
+            ys = [r[f"{base}_ms"] / r[f"{key}_ms"] if f"{key}_ms" in r else 0.0 for r in cases]
+            ax.bar(np.arange(len(cases)) + j * width, ys, width, label=key)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2)
+        ax.set_xticklabels([r["case"].split(":")[0] for r in cases], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(f"speed vs {base} (x)")
+        ax.set_title(sec)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -241,6 +271,7 @@ def main():
     if "ffn" in sections:
         rows += ffn_rows(rng, args.quick, ceil)
         common.write_results(args.out, "moe_bench", rows)
+    plot(rows, os.path.join(args.out, "moe_bench.png"))
 
 
 if __name__ == "__main__":

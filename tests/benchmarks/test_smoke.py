@@ -125,6 +125,7 @@ def test_the_moe_bench_runs_both_sections_on_every_kernel_of_ours(tmp_path):
     assert gemm and all(k in gemm[0] for k in ("triton_ms", "hopper_ms", "hopper_padded_ms", "hopper_kernel_ms"))
     assert ffn and all(k in ffn[0] for k in ("triton_ms", "hopper_ms"))
     assert not [k for r in rows for k in r if k.endswith("_failed")]
+    assert (out / "moe_bench.png").stat().st_size > 0
 
 
 @pytest.mark.slow  # KIMIK3_SLOW=1: every MLA code path in interpret mode (the suite must stay under 20 min on 2 cores)
