@@ -14,6 +14,7 @@ read per step over the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import time
@@ -46,17 +47,46 @@ def make(params, cfg, mode, args):
                       prefill_tokens_while_decoding=args.prefill_while_decoding, scan_layers=args.scan)
     if mode == "colocated":
         return Engine(params, cfg, ec)
-    return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
-                               Engine(params, cfg, ec.replace(role="decode")))
+    devices = pd_devices(args)
+    engines = []
+    for role, device in zip(("prefill", "decode"), devices):
+        with jax.default_device(device) if device is not None else contextlib.nullcontext():
+            # params committed to the engine's device, its pools made there: its steps run there
+            p = jax.device_put(params, device) if device is not None else params
+            engines.append(Engine(p, cfg, ec.replace(role=role)))
+    return DisaggregatedServer(*engines, concurrent=args.pd_stepping == "concurrent", devices=devices)
+
+
+def pd_devices(args):
+    """(prefill device, decode device) from --pd-devices "i,j" (None, None: the default device)."""
+    if not args.pd_devices:
+        return (None, None)
+    ids = [int(x) for x in args.pd_devices.split(",")]
+    if len(ids) != 2 or max(ids) >= len(jax.devices()):
+        raise SystemExit(f"--pd-devices wants two of the {len(jax.devices())} devices' indices; got {args.pd_devices}")
+    return tuple(jax.devices()[i] for i in ids)
 
 
 def run_load(server, n, args, seed, output=None):
+    """n requests of --prompt tokens, all at once, or one every --arrival-ms (long prompts
+    arriving while the earlier ones decode: the interference P/D is meant to remove)."""
     rng = np.random.default_rng(seed)
-    for i in range(n):
-        server.submit(rng.integers(0, 256, args.prompt).tolist(), output or args.output, request_id=f"r{seed}-{i}")
+    prompts = [rng.integers(0, 256, args.prompt).tolist() for _ in range(n)]
+    interval_s = getattr(args, "arrival_ms", 0) / 1e3
     t0 = time.monotonic()
-    while server.has_work():
-        server.step()
+    next_s, i = t0, 0
+    try:
+        while i < n or server.has_work():
+            while i < n and time.monotonic() >= next_s:
+                server.submit(prompts[i], output or args.output, request_id=f"r{seed}-{i}")
+                i, next_s = i + 1, next_s + interval_s
+            if server.has_work():
+                server.step()
+            elif i < n:
+                time.sleep(max(0.0, min(0.001, next_s - time.monotonic())))
+    finally:
+        if isinstance(server, DisaggregatedServer):
+            server.close()
     return metrics.summarize(f"N={n}", server.records()[-n:], time.monotonic() - t0)
 
 
@@ -195,6 +225,13 @@ def main():
     ap.add_argument("--kernels", default="auto", help="auto | reference | pallas (kimik3.ops)")
     ap.add_argument("--manifest", default=None, help="serve the random weights quantized as this manifest (fp8_attn, ...)")
     ap.add_argument("--modes", default="colocated,pd", help="serving modes to sweep (colocated, pd)")
+    ap.add_argument("--pd-stepping", default="concurrent", choices=("concurrent", "serial"),
+                    help="P/D: each engine in its own thread (as separate instances run), or one loop stepping "
+                         "both (a decode step then waits for every prefill step)")
+    ap.add_argument("--arrival-ms", type=float, default=0.0,
+                    help="submit a load's requests one every this many ms (0: all at once)")
+    ap.add_argument("--pd-devices", default=None,
+                    help='P/D: the prefill and decode engines\' devices, e.g. "0,1" (two GPUs; default: one device)')
     ap.add_argument("--profile-step", action="store_true",
                     help="trace the timed decode step with jax.profiler and tabulate its busiest device ops")
     ap.add_argument("--dump-step-hlo", action="store_true",
@@ -238,8 +275,10 @@ def main():
         # outputs then warms the handoff's bookkeeping ops, so the sweep measures serving only.
         t0 = time.monotonic()
         server = make(params, cfg, mode, args)
-        for eng in ([server] if mode == "colocated" else [server.prefill, server.decode]):
-            eng.warmup(threads=os.cpu_count())  # every chunk length and decode bucket, compiled concurrently
+        devices = (None,) if mode == "colocated" else pd_devices(args)
+        for eng, device in zip([server] if mode == "colocated" else [server.prefill, server.decode], devices):
+            with jax.default_device(device) if device is not None else contextlib.nullcontext():
+                eng.warmup(threads=os.cpu_count())  # every chunk length and decode bucket, compiled concurrently
         print(f"warm-up {mode} compiles: {time.monotonic() - t0:.1f} s, {programs()} programs",
               flush=True)
         for n in loads:

@@ -14,15 +14,29 @@ chunks on a `sharding.mesh.prefill_mesh` (TP/SP attention, EP MoE), the decode e
 batches on a `sharding.mesh.decode_mesh` (DP attention, EP MoE).  The handoff moves pool
 contents (pages and the packed KDA state), never mesh-sharded arrays, so the two meshes
 need not match in size or devices.
+
+Stepping: serial (``concurrent=False``: `step` runs a prefill step, the handoffs, then a decode
+step, so a decode step waits for every prefill step before it) or concurrent (each engine
+steps in its own thread, as separate prefill and decode instances do: the decode engine's
+token rate is then protected from the prefill engine's work, which is disaggregation's point).
+Concurrent, each engine is touched under its own lock only (its thread's steps, the client's
+`submit` and reads), the handoff list under a third; `devices` runs each engine's thread under
+`jax.default_device` of its device (engines built with their params on it: one engine a GPU).
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
 
 from serving.engine import Engine, Request
 
 
 class DisaggregatedServer:
-    def __init__(self, prefill: Engine, decode: Engine, handoff: str = "direct"):
+    def __init__(self, prefill: Engine, decode: Engine, handoff: str = "direct", *, concurrent: bool = False,
+                 devices=(None, None)):
         if handoff not in ("direct", "store"):
             raise ValueError(f"handoff must be 'direct' or 'store'; got {handoff!r}")
         if handoff == "store" and (prefill.manager.host is None or prefill.manager.host is not decode.manager.host):
@@ -38,11 +52,26 @@ class DisaggregatedServer:
         self._pending: list[tuple] = []  # handoffs waiting for decode capacity
         self._prefilled: dict[str, Request] = {}  # the prefill side of each handed-over request
         prefill.on_prefilled = self._on_prefilled
+        self.concurrent = concurrent
+        self.devices = tuple(devices)
+        self._locks = {"prefill": threading.Lock(), "decode": threading.Lock()}
+        self._pending_lock = threading.Lock()
+        self._wake = {"prefill": threading.Event(), "decode": threading.Event()}
+        self._progress = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+
+    def _engine_lock(self, name: str):
+        return self._locks[name] if self.concurrent else contextlib.nullcontext()
 
     def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None, **kw) -> Request:
         """Queue a request on the prefill engine (`kw`: `Engine.submit`'s stop_at_eos, sampling)."""
-        req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id, **kw)
-        self.requests[req.request_id] = req
+        with self._engine_lock("prefill"):
+            req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id, **kw)
+        with self._pending_lock:
+            self.requests[req.request_id] = req
+        self._wake["prefill"].set()
         return req
 
     def _on_prefilled(self, engine: Engine, req: Request) -> None:
@@ -52,14 +81,22 @@ class DisaggregatedServer:
             pages, state = engine.export_kv(req)
             # a speculative decode engine also takes the draft's feature of the last prompt slot
             feature = engine.export_draft_feature(req) if engine.spec is not None else None
-            self._pending.append((req, pages, (state, feature)))
+            handoff = (req, pages, (state, feature))
         else:
             engine.manager_of(req).publish_to_host(req.request_id)
-            self._pending.append((req, None, None))
+            handoff = (req, None, None)
+        with self._pending_lock:
+            self._pending.append(handoff)
+        self._wake["decode"].set()
 
     def _hand_over(self) -> None:
-        still = []
-        for req, pages, state in self._pending:
+        """Admit the waiting handoffs the decode engine has room for (the decode engine's lock
+        held).  A handoff leaves the waiting list in the same locked moment its request's
+        client view becomes the decode side, so `done` never sees it in neither place."""
+        with self._pending_lock:
+            waiting = list(self._pending)
+        for item in waiting:
+            req, pages, state = item
             if pages is not None:
                 new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state[0],
                                         request_id=req.request_id, arrival_s=req.arrival_s,
@@ -67,16 +104,16 @@ class DisaggregatedServer:
                                         cache_salt=req.cache_salt, draft_feature=state[1],
                                         first_logprobs=req.logprobs[0] if req.logprobs else None)
                 if new is None:
-                    still.append((req, pages, state))
-                    continue
+                    continue  # no room yet: it waits
             else:
                 new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id,
                                          stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
                                          cache_salt=req.cache_salt)
                 new.arrival_s = req.arrival_s
-            self._prefilled[req.request_id] = req
-            self.requests[req.request_id] = new
-        self._pending = still
+            with self._pending_lock:
+                self._prefilled[req.request_id] = req
+                self.requests[req.request_id] = new
+                self._pending = [p for p in self._pending if p is not item]
 
     def records(self):
         """One metrics record per finished request: the prompt's cache hits and the first
@@ -84,14 +121,18 @@ class DisaggregatedServer:
         from serving.metrics import RequestRecord
 
         out = []
-        for r in self.decode.finished:
+        with self._engine_lock("decode"):
+            decode_finished = list(self.decode.finished)
+        with self._engine_lock("prefill"):
+            prefill_finished = list(self.prefill.finished)
+        for r in decode_finished:
             p = self._prefilled.get(r.request_id)
             if r.error is not None or p is None:
                 continue
             out.append(RequestRecord(p.arrival_s, p.token_times_s[:1] + r.token_times_s[1:], len(p.prompt),
                                      p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s,
                                      p.token_mixed[:1] + r.token_mixed[1:]))
-        for p in self.prefill.finished:  # single-token requests never reach the decode engine
+        for p in prefill_finished:  # single-token requests never reach the decode engine
             if p.error is None and p.max_new_tokens == 1:
                 out.append(RequestRecord(p.arrival_s, p.token_times_s, len(p.prompt),
                                          p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
@@ -100,19 +141,99 @@ class DisaggregatedServer:
     def done(self, request_id: str) -> bool:
         """Whether a request has finished end to end: a prefilled request waiting for decode
         capacity is not (its prefill side is released, and `requests` still shows that side)."""
-        return self.requests[request_id].done and all(p[0].request_id != request_id for p in self._pending)
+        self._raise()
+        with self._pending_lock:  # the client view and the waiting list change together (`_hand_over`)
+            waiting = any(p[0].request_id == request_id for p in self._pending)
+            req = self.requests[request_id]
+        return req.done and not waiting
 
     def has_work(self) -> bool:
-        return self.prefill.has_work() or self.decode.has_work() or bool(self._pending)
+        self._raise()
+        with self._pending_lock:
+            if self._pending:
+                return True
+        with self._engine_lock("prefill"):
+            if self.prefill.has_work():
+                return True
+        with self._engine_lock("decode"):
+            return self.decode.has_work()
 
     def step(self) -> None:
-        self.prefill.step()
-        self._hand_over()
-        self.decode.step()
+        """Serial: a prefill step, the handoffs, a decode step.  Concurrent: start the engines'
+        threads on the first call; then wait until either engine has stepped (at most 10 ms)."""
+        if not self.concurrent:
+            self.prefill.step()
+            self._hand_over()
+            self.decode.step()
+            return
+        self._raise()
+        if not self._threads:
+            self._start()
+        with self._progress:
+            self._progress.wait(timeout=0.01)
+        self._raise()
 
     def run(self, max_steps: int = 1_000_000):
-        for _ in range(max_steps):
-            if not self.has_work():
-                break
-            self.step()
+        try:
+            for _ in range(max_steps):
+                if not self.has_work():
+                    break
+                self.step()
+        finally:
+            if self.concurrent:
+                self.close()
         return self.requests
+
+    # ---- concurrent stepping ----------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._stop.clear()
+        self._threads = [threading.Thread(target=self._loop, args=(name, device), name=f"pd-{name}", daemon=True)
+                         for name, device in zip(("prefill", "decode"), self.devices)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, name: str, device) -> None:
+        engine = self.prefill if name == "prefill" else self.decode
+        try:
+            with jax.default_device(device) if device is not None else contextlib.nullcontext():
+                while not self._stop.is_set():
+                    with self._locks[name]:
+                        if name == "decode":
+                            self._hand_over()
+                        busy = engine.has_work()
+                        if busy:
+                            engine.step()
+                    if busy:
+                        with self._progress:
+                            self._progress.notify_all()
+                    else:  # idle until a submission or a handoff (or 1 ms: handoffs that waited for room)
+                        self._wake[name].wait(0.001)
+                        self._wake[name].clear()
+        except BaseException as e:  # noqa: BLE001 - handed to the client's thread by `_raise`
+            self._error = e
+            self._stop.set()
+            with self._progress:
+                self._progress.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.close()
+            raise RuntimeError(f"P/D engine thread failed: {error!r}") from error
+
+    def close(self) -> None:
+        """Stop the engines' threads (concurrent stepping); a later `step` starts them again."""
+        self._stop.set()
+        for name in self._wake:
+            self._wake[name].set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+        self._threads = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

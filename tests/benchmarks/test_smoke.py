@@ -14,10 +14,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(args, tmp_path, timeout=600):
+def _run(args, tmp_path, timeout=600, **env_extra):
     # the run's compilation cache (tests/conftest.py) comes with os.environ; scripts that time
     # compiles (compile_time.py, init_time.py) turn it off themselves
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", **env_extra)
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -135,3 +135,16 @@ def test_the_mla_bench_runs_every_section_at_toy_sizes(tmp_path):
     rows = json.load(open(out / "mla_bench.json"))
     assert {r["section"] for r in rows} >= {"roofline", "decode", "prefill", "chunk"}
     assert all(r["ours_ms"] > 0 for r in rows if r["section"] == "prefill")
+
+
+@pytest.mark.slow  # KIMIK3_SLOW=1: two engines' compiles (the suite must stay under 20 min on 2 cores)
+def test_serving_bench_runs_pd_with_an_engine_on_each_device(tmp_path):
+    """Issue 23's P/D on two GPUs, rehearsed on two CPU devices: the prefill engine on device 0,
+    the decode engine on device 1, each stepping in its own thread."""
+    out = tmp_path / "pd"
+    _run(["benchmarks/serving_bench.py", "--config", "tiny", "--quick", "--modes", "pd", "--pd-devices", "0,1",
+          "--decode-batches", "2", "--compile-cache", "off", "--out", str(out)], tmp_path,
+         XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    rows = json.load(open(out / "serving_bench.json"))
+    loads = [r for r in rows if r["section"] == "load sweep"]
+    assert [r["load"] for r in loads] == [1, 2] and all(r["mode"] == "pd" for r in loads)

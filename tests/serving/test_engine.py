@@ -81,17 +81,20 @@ def test_bad_requests_are_refused_and_cancellation_frees_kv(tiny_cfg, tiny_param
     assert other.output == _oracle(tiny_params, tiny_cfg, list(range(30)), 3)
 
 
-@pytest.mark.parametrize("handoff", ["direct", "store"])
-def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_params, handoff):
+@pytest.mark.parametrize("handoff, concurrent", [("direct", False), ("store", False), ("direct", True),
+                                                 ("store", True)])
+def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_params, handoff, concurrent):
+    """Serial stepping, and concurrent (each engine in its own thread, as separate instances)."""
     from serving.disagg import DisaggregatedServer
 
     host = EmbeddedHostKVTier(1 << 24) if handoff == "store" else None
     prefill = _engine(tiny_params, tiny_cfg, role="prefill", host=host)
     decode = _engine(tiny_params, tiny_cfg, role="decode", host=host)
-    server = DisaggregatedServer(prefill, decode, handoff)
+    server = DisaggregatedServer(prefill, decode, handoff, concurrent=concurrent)
     prompts = [rng.integers(0, 256, n).tolist() for n in (70, 33)]
     reqs = [server.submit(p, 5) for p in prompts]
-    done = server.run(max_steps=300)
+    done = server.run(max_steps=300 if not concurrent else 100_000)
+    assert not server._threads  # run() stops them
     for r, p in zip(reqs, prompts):
         assert done[r.request_id].output == _oracle(tiny_params, tiny_cfg, p, 5)
     if handoff == "store":
@@ -490,3 +493,54 @@ def test_tenants_hit_only_their_own_prefix_cache(rng, tiny_cfg, tiny_params):
     for bad in ("", "x" * 300, 7):
         with pytest.raises(ValueError, match="cache_salt"):
             eng.submit(prompt, 3, cache_salt=bad)
+
+
+def test_concurrent_pd_serves_late_arrivals_and_surfaces_an_engine_failure(rng, tiny_cfg, tiny_params):
+    """Concurrent P/D: requests submitted while both engines' threads run (the client submits
+    between `step` calls, as the demo does) equal the oracle; an exception in an engine's thread
+    reaches the client's next call, names the engine thread, and stops both threads."""
+    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
+                                 _engine(tiny_params, tiny_cfg, role="decode"), concurrent=True)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 20, 37)]
+    reqs = [server.submit(prompts[0], 6)]
+    with server:
+        server.step()  # threads running from here
+        reqs += [server.submit(p, 6) for p in prompts[1:]]
+        for _ in range(100_000):
+            if all(server.done(r.request_id) for r in reqs):
+                break
+            server.step()
+    assert not server._threads
+    for r, p in zip(reqs, prompts):
+        assert server.requests[r.request_id].output == _oracle(tiny_params, tiny_cfg, p, 6)
+
+    def broken():
+        raise OSError("device lost")
+
+    server.decode.step = broken
+    server.submit(prompts[1], 3)
+    with pytest.raises(RuntimeError, match="P/D engine thread failed.*device lost"):
+        for _ in range(100_000):
+            server.step()
+    assert not server._threads
+
+
+def test_concurrent_pd_with_each_engine_on_its_own_device(rng, tiny_cfg, tiny_params):
+    """Issue 23's P/D on two devices in one process: each engine built with its params on its
+    device and stepping under it; the handoff crosses devices through host memory; tokens equal
+    the oracle's, and each engine's pools stay on its device."""
+    import jax
+
+    devices = jax.devices()[:2]
+    engines = []
+    for role, device in zip(("prefill", "decode"), devices):
+        with jax.default_device(device):
+            engines.append(_engine(jax.device_put(tiny_params, device), tiny_cfg, role=role))
+    server = DisaggregatedServer(*engines, concurrent=True, devices=devices)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (45, 70)]
+    reqs = [server.submit(p, 5) for p in prompts]
+    done = server.run(max_steps=100_000)
+    for r, p in zip(reqs, prompts):
+        assert done[r.request_id].output == _oracle(tiny_params, tiny_cfg, p, 5)
+    for engine, device in zip(engines, devices):
+        assert {d for leaf in jax.tree.leaves(engine.kv.pools) for d in leaf.devices()} == {device}
