@@ -67,10 +67,10 @@ class DisaggregatedServer:
 
     def submit(self, prompt, max_new_tokens: int, *, request_id: str | None = None, **kw) -> Request:
         """Queue a request on the prefill engine (`kw`: `Engine.submit`'s stop_at_eos, sampling)."""
-        with self._engine_lock("prefill"):
+        with self._engine_lock("prefill"):  # held until the client view exists: no step can hand it over first
             req = self.prefill.submit(prompt, max_new_tokens, request_id=request_id, **kw)
-        with self._pending_lock:
-            self.requests[req.request_id] = req
+            with self._pending_lock:
+                self.requests[req.request_id] = req
         self._wake["prefill"].set()
         return req
 
