@@ -148,3 +148,13 @@ def test_serving_bench_runs_pd_with_an_engine_on_each_device(tmp_path):
     rows = json.load(open(out / "serving_bench.json"))
     loads = [r for r in rows if r["section"] == "load sweep"]
     assert [r["load"] for r in loads] == [1, 2] and all(r["mode"] == "pd" for r in loads)
+
+
+@pytest.mark.slow  # KIMIK3_SLOW=1: every prefill tuning's interpret-mode kernels (the suite must stay under 20 min)
+def test_the_kda_bench_times_every_prefill_tuning(tmp_path):
+    out = tmp_path / "kda"
+    _run(["benchmarks/kda.py", "--sections", "prefill", "--shapes", "1x256x2x32", "--out", str(out)], tmp_path)
+    rows = json.load(open(out / "kda_bench.json"))
+    tuned = [r for r in rows if r["section"] == "prefill tuning"]
+    assert len(tuned) == 5 and not [r for r in tuned if "failed" in r]
+    assert [r for r in rows if r["section"] == "prefill"]
