@@ -262,6 +262,11 @@ def time_pipelined(fn, *args, iters=20, warmup=3):
     return (time.perf_counter() - t0) / iters * 1e3, host / iters * 1e3
 
 
+def pipelined_ms(fn, *args, iters=20, warmup=3) -> float:
+    """`time_pipelined`'s ms per call alone: the rule every side of a comparison is timed by."""
+    return time_pipelined(fn, *args, iters=iters, warmup=warmup)[0]
+
+
 def time_torch_pipelined(fn, iters=20, warmup=3) -> float:
     """ms per call of a torch callable with `iters` calls back to back and one sync (CUDA events
     around the whole batch): `time_pipelined`'s rule for a torch peer, so neither side is timed

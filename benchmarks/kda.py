@@ -52,15 +52,9 @@ def inputs(key, b, t, h, d, dtype):
     return q, k, v, g, beta
 
 
-def time_ours(fn, *args, iters=20):
-    """Our ms per call by issue 22's rule: `iters` calls back to back, then one sync (the
-    rule fla's calls get in `time_torch`)."""
-    return common.time_pipelined(fn, *args, iters=iters)[0]
-
-
 def time_torch(fn, iters=20, warmup=3):
     """fla's ms per call by the same rule as ours (`common.time_torch_pipelined`: calls back to
-    back, one sync; ours: a jitted device-side loop or `time_ours`).  Session 9's per-call CUDA
+    back, one sync; ours: a jitted device-side loop or `common.pipelined_ms`).  Session 9's per-call CUDA
     events counted fla's Python launch cost against it."""
     return common.time_torch_pipelined(fn, iters=iters, warmup=warmup)
 
@@ -128,7 +122,7 @@ def section_prefill(rows, shapes, tunings, copy_gbs):
         for tuning in tunings:
             plain = jax.jit(lambda *a, tu=tuning: kda.chunk_kda(*a, output_final_state=True, tuning=tu)[:2])
             try:
-                ms = time_ours(plain, q, k, v, g, beta, iters=10)
+                ms = common.pipelined_ms(plain, q, k, v, g, beta, iters=10)
             except Exception as e:  # noqa: BLE001 - a variant that does not compile must not end the run
                 rows.append(dict(section="prefill tuning", case=f"B{b} T{t} H{h} D{d}", tuning=str(tuning),
                                  failed=repr(e)[:300]))
@@ -142,7 +136,7 @@ def section_prefill(rows, shapes, tunings, copy_gbs):
         ms_plain, tuning = best
         export = jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions,
                                                   tuning=tuning))
-        ms_export = time_ours(export, q, k, v, g, beta, iters=10)
+        ms_export = common.pipelined_ms(export, q, k, v, g, beta, iters=10)
         ms_fla = vs_fla = None
         if torch is not None:
             tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
@@ -166,7 +160,7 @@ def section_modes(rows, t=16384, h=32, d=128):
     ckpt = jax.jit(lambda *a: kda.chunk_kda(*a, checkpoint_positions=positions))
     align = jax.jit(lambda *a: kda.chunk_kda_replay(*a, mode="align"))
     partial = jax.jit(lambda *a: kda.chunk_kda_replay(*a, mode="partial"))
-    ms = {name: time_ours(f, q, k, v, g, beta, iters=10) for name, f in
+    ms = {name: common.pipelined_ms(f, q, k, v, g, beta, iters=10) for name, f in
           (("checkpoint", ckpt), ("align", align), ("partial", partial))}
     rows.append(dict(section="modes", case=f"B1 T{t} H{h} D{d} bf16, states at 1536/128 multiples",
                      checkpoint_ms=ms["checkpoint"], align_ms=ms["align"], partial_ms=ms["partial"],

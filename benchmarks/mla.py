@@ -117,11 +117,6 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
     return rows
 
 
-def time_pipelined(fn, *args, iters=20):
-    """ms per call, `iters` calls back to back then one sync (issue 22's rule for every side)."""
-    return common.time_pipelined(fn, *args, iters=iters)[0]
-
-
 def cudnn_peers(q, k, v, b: int, t: int, h: int) -> dict:
     """cuDNN flash attention on the same causal MLA prefill, timed by the same rule as ours.
     Fair peers do our work exactly (q/k 192, v 128): JAX's cuDNN call with unequal head dims
@@ -137,7 +132,7 @@ def cudnn_peers(q, k, v, b: int, t: int, h: int) -> dict:
 
         mla_cudnn = jax.jit(lambda q, k, v: fa.dot_product_attention(q, k, v, scale=192 ** -0.5,
                                                                      mask_type=fa.MaskType.CAUSAL))
-        out["jax_cudnn_v128_ms"] = time_pipelined(mla_cudnn, qb, kb, vb)
+        out["jax_cudnn_v128_ms"] = common.pipelined_ms(mla_cudnn, qb, kb, vb)
     except Exception as e:  # noqa: BLE001 - report, keep going
         out["jax_cudnn_v128_failed"] = repr(e)[:200]
     try:
@@ -155,7 +150,7 @@ def cudnn_peers(q, k, v, b: int, t: int, h: int) -> dict:
         padded = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=192 ** -0.5,
                                                                        implementation="cudnn"))
         v_pad = jnp.pad(vb, ((0, 0), (0, 0), (0, 0), (0, 64)))  # padded once, outside the timing
-        out["jax_cudnn_v192_padded_ms"] = time_pipelined(padded, qb, kb, v_pad)
+        out["jax_cudnn_v192_padded_ms"] = common.pipelined_ms(padded, qb, kb, v_pad)
         out["padded_flop_ratio"] = (192 + 192) / (192 + 128)
     except Exception as e:  # noqa: BLE001
         out["jax_cudnn_v192_padded_failed"] = repr(e)[:200]
@@ -185,7 +180,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
             ours = jax.jit(lambda q, k, v: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64,
                                                            block=bq, block_k=bk, num_warps=nw, num_stages=ns,
                                                            interpret=interpret)[0])
-            return time_pipelined(ours, q, k, v, iters=5 if interpret else 20)
+            return common.pipelined_ms(ours, q, k, v, iters=5 if interpret else 20)
 
         ms, cfg = _best(run, list(configs))
         if ms is None:
@@ -199,7 +194,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
                 fn = jax.jit(lambda q, k, v: mla_hopper.mla_prefill_hopper(
                     q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq, block_kv=bkv, steps=st,
                     interpret=interpret)[0])
-                return time_pipelined(fn, q, k, v, iters=5 if interpret else 20)
+                return common.pipelined_ms(fn, q, k, v, iters=5 if interpret else 20)
 
             hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs))
             if hop_ms is not None:  # agreement with the Triton kernel on the same inputs

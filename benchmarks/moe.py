@@ -100,7 +100,7 @@ _ITERS = [20]  # calls per timing; --quick: 2 (interpret mode's numbers mean not
 
 
 def _time(fn, *args) -> float:
-    return common.time_pipelined(fn, *args, iters=_ITERS[0], warmup=min(3, _ITERS[0]))[0]
+    return common.pipelined_ms(fn, *args, iters=_ITERS[0], warmup=min(3, _ITERS[0]))
 
 
 def _best(candidates, args, ref, tol):

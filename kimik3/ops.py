@@ -222,14 +222,13 @@ HOPPER_MOE_MIN_ASSIGNMENTS = 1024
 
 
 def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None) -> str:
-    """Which grouped-FFN kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
+    """Which grouped-GEMM kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
     TMA, persistent, warp-specialized) or "triton" (`pallas_kernels.moe`: any GPU, MXFP4 too).
+    Only 16-bit weights of the rows' dtype that `moe_hopper.fits` can go to "hopper".
     ``KIMIK3_MOE_GMM`` chooses: "triton" (the default until the Hopper kernels' first GPU run
-    is recorded in RESULTS.md), "hopper" wherever they fit (a 9.x GPU, or the interpreter off
-    the GPU), or "auto": "hopper" on a compute
-    capability 9.x GPU for 16-bit weights that `moe_hopper.fits` and at least
-    HOPPER_MOE_MIN_ASSIGNMENTS assignments.  gemms: the (weights [G, K, N], act?) the kernels
-    would run (the FFN's gate/up with its activation and down; or one GEMM)."""
+    is recorded in RESULTS.md); "hopper" on a 9.x GPU (off the GPU, in the interpreter); "auto":
+    "hopper" on a 9.x GPU from HOPPER_MOE_MIN_ASSIGNMENTS assignments.  gemms: the (weights [G,
+    K, N], act?) the kernels would run (the FFN's gate/up with its activation and down; or one GEMM)."""
     choice = os.environ.get("KIMIK3_MOE_GMM", "triton")
     if choice not in MOE_GMM_CHOICES:
         raise ValueError(f"KIMIK3_MOE_GMM must be one of {MOE_GMM_CHOICES}; got {choice!r}")

@@ -287,6 +287,18 @@ def _a_tiles(kd, qd, kr, beta_rows, row0, col0, dot):
     return akk, aqk
 
 
+def _column_operand(k, gcum, ref, row, end_row):
+    """k [C, K] decayed from the reference ref [K] (G just before a row block): exp(R - G_s) <= 1
+    before the block, <= exp(SUB * max|g|) inside it; rows from end_row on (past the block, where
+    R - G_s could overflow) masked to 0 by an exponent of -inf.  row: the rows' index [C, K]."""
+    return k * jnp.exp(jnp.where(row < end_row, ref[None, :] - gcum, -jnp.inf))
+
+
+def _chunk_output(qd, aqk, s, v_new, scale, dot):
+    """A chunk's output: scale (q_decayed S_before + A_qk v_new)."""
+    return scale * (dot(qd, s) + dot(aqk, v_new))
+
+
 def _w_rhs(k, gcum, beta):
     """beta exp(G) k [R, K]: what (I + A)^-1 maps to W."""
     return beta[:, None] * jnp.exp(gcum) * k
@@ -408,9 +420,7 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     akk = jnp.zeros((CHUNK, CHUNK), f32)
     aqk = jnp.zeros((CHUNK, CHUNK), f32)
     for i, r in enumerate(refs):
-        # Columns decayed from R_i: exp(R_i - G_s) <= 1 before block i, <= exp(SUB * max|g|)
-        # inside it; masked to -inf past it, where R_i - G_s could overflow.
-        kr = k * jnp.exp(jnp.where(row < (i + 1) * SUB, r[None, :] - g_all, -jnp.inf))
+        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
         mine = t_block == i
         akk = akk + jnp.where(mine & (s < t), dot(kd, kr.T), 0.0)
         aqk = aqk + jnp.where(mine & (s <= t), dot(qd, kr.T), 0.0)
@@ -441,24 +451,20 @@ def _split_intra_rows_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_
     q_i, k_i = q_ref[rows_i, :].astype(f32), k_ref[rows_i, :].astype(f32)
     beta_i = beta_ref[rows_i].astype(f32)
     g_i = r_i[None, :] + g_in  # G on the block's rows
-    exp_g = jnp.exp(g_i)
-    qd_ref[...] = (q_i * exp_g).astype(qd_ref.dtype)
-    ke_ref[...] = (k_i * jnp.exp(g_end[None, :] - g_i)).astype(ke_ref.dtype)
-    kbg_ref[...] = (beta_i[:, None] * exp_g * k_i).astype(kbg_ref.dtype)
+    qd_i, ke_i = _decayed_q_k(q_i, k_i, g_i, g_end)
+    qd_ref[...] = qd_i.astype(qd_ref.dtype)
+    ke_ref[...] = ke_i.astype(ke_ref.dtype)
+    kbg_ref[...] = _w_rhs(k_i, g_i, beta_i).astype(kbg_ref.dtype)
 
     @pl.when(i == 0)
     def _():
         de_ref[...] = jnp.exp(g_end)
 
     row_decay = jnp.exp(g_in)  # exp(G_t - R_i) <= 1
-    kd, qd = k_i * row_decay, q_i * row_decay
-    # columns decayed from R_i: exp(R_i - G_s) <= 1 before block i, <= exp(SUB * max|g|) inside
-    # it; masked to -inf past it, where R_i - G_s could overflow
-    kr = k_ref[...].astype(f32) * jnp.exp(jnp.where(row < (i + 1) * SUB, r_i[None, :] - g_all, -jnp.inf))
-    t = i * SUB + jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (SUB, CHUNK), 1)
-    akk_ref[...] = (jnp.where(s < t, dot(kd, kr.T), 0.0) * beta_i[:, None]).astype(akk_ref.dtype)
-    aqk_ref[...] = jnp.where(s <= t, dot(qd, kr.T), 0.0).astype(aqk_ref.dtype)
+    kr = _column_operand(k_ref[...].astype(f32), g_all, r_i, row, (i + 1) * SUB)
+    akk, aqk = _a_tiles(k_i * row_decay, q_i * row_decay, kr, beta_i, i * SUB, 0, dot)
+    akk_ref[...] = akk.astype(akk_ref.dtype)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
@@ -497,8 +503,7 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
             hs_ref[n, h, :, vs] = s.astype(hs_ref.dtype)
             vnew_ref[n, h, :, vs] = v_new.astype(vnew_ref.dtype)
         else:
-            o = scale * (dot(qd_ref[n, h], s) + dot(aqk_ref[n, h], v_new))
-            o_ref[n, :, h, vs] = o.astype(o_ref.dtype)
+            o_ref[n, :, h, vs] = _chunk_output(qd_ref[n, h], aqk_ref[n, h], s, v_new, scale, dot).astype(o_ref.dtype)
         s = de_ref[n, h][:, None] * s + dot(ke_ref[n, h].T, v_new)
         slot = ckpt_slot_ref[n]
 
@@ -516,7 +521,8 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
     """One (chunk, head, V block), in parallel over chunks: o = scale (q_decayed @ S_before +
     A_qk @ v_new), what the fused state pass computes in its loop, from its split outputs."""
     dot = _fast_dot(low_precision, interpret)
-    o = scale * (dot(qd_ref[...], hs_ref[...].astype(jnp.float32)) + dot(aqk_ref[...], vnew_ref[...].astype(jnp.float32)))
+    o = _chunk_output(qd_ref[...], aqk_ref[...], hs_ref[...].astype(jnp.float32), vnew_ref[...].astype(jnp.float32),
+                      scale, dot)
     o_ref[...] = o.astype(o_ref.dtype)
 
 

@@ -348,12 +348,22 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
         raise ValueError(f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match "
                          f"([G], [G, K, N])")
     block_m = block_m or layout_block_m(m)
-    n_tiles = _n_tiles(m, g, block_m)
+    return through_padded_layout(lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: _gmm_padded(
+        tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling, assignments=m))
+
+
+def through_padded_layout(lhs_mk, group_sizes_g, block_m: int, run):
+    """A grouped GEMM's contract by a kernel on the group-aligned layout: lhs [M, K] rows sorted
+    by group, group_sizes [G] -> run(tile_group [n_tiles], x_pad [n_tiles * block_m, K]) ->
+    [n_tiles * block_m, N] -> [M, N] in lhs's dtype (rows past the groups' sum give 0): the
+    rows scattered in, the outputs gathered back."""
+    m = lhs_mk.shape[0]
+    n_tiles = _n_tiles(m, group_sizes_g.shape[0], block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
     # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
     x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
         jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
-    out = _gmm_padded(tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling, assignments=lhs_mk.shape[0])
+    out = run(tile_group, x_pad)
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
 
 
@@ -422,19 +432,27 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     (`pallas_kernels.moe_hopper`: wgmma + TMA, bf16 / fp16 weights, dims `moe_hopper.fits`;
     block_m defaults to its 128-row tiles; tiling: its `HopperTiling`s; Mosaic GPU's interpret
     mode on the CPU)."""
-    if impl == "hopper":
-        return _grouped_ffn_hopper(x_nl, ids_nk, w_gateup_elf, w_out_efl, act=act, block_m=block_m or 128,
-                                   interpret=_interpret(interpret), tiling=tiling, layout=layout, gather=gather)
-    if impl != "triton":
+    if impl not in ("triton", "hopper"):
         raise ValueError(f"grouped_ffn: impl must be 'triton' or 'hopper'; got {impl!r}")
+    hopper = impl == "hopper"
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
-    _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
+    if hopper:
+        from pallas_kernels import moe_hopper
+
+        if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
+            raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
+        if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
+            raise ValueError(f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 "
+                             "(`moe_hopper.fits`)")
+    else:
+        _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
     if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
         raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
                          f"{w_gateup_elf.shape}")
-    _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
-    block_m = block_m or layout_block_m(n * k)
+    if not hopper:
+        _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
+    block_m = block_m or (128 if hopper else layout_block_m(n * k))
     interpret = _interpret(interpret)
     if layout is None:
         dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
@@ -442,48 +460,26 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
-    dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
-    t_gu = tiling[0] or (few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
-    t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
-    if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
-        h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
-                        gather=(dest, k, n_tiles), assignments=n * k)
+    scattered = lambda: jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(  # assignment a is row a // k
+        x_nl[jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)], mode="drop")
+    if hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
+        t_gu, t_down = tiling
+        tile_group = tile_group[:n_tiles]
+        h = moe_hopper.gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, act=act, tiling=t_gu,
+                                  interpret=interpret)
+        y = moe_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, tiling=t_down, interpret=interpret)
     else:
-        rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
-        x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
-        h = _gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, interpret, t_gu, act=act,
-                        assignments=n * k)  # [.., F]
-    y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
+        dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
+        t_gu = tiling[0] or (few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
+        t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
+        if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
+            h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
+                            gather=(dest, k, n_tiles), assignments=n * k)
+        else:
+            h = _gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, interpret, t_gu, act=act,
+                            assignments=n * k)  # [.., F]
+        y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)
 
-
-def _grouped_ffn_hopper(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m, interpret, tiling, layout, gather):
-    """`grouped_ffn` on the Hopper kernels (`moe_hopper.gmm_padded`): the rows scattered into the
-    group-aligned layout once, gate/up with the activation in its epilogue, down, gathered once."""
-    from pallas_kernels import moe_hopper
-
-    e, l, f2 = w_gateup_elf.shape
-    if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
-        raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
-    if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
-        raise ValueError(f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 "
-                         "(`moe_hopper.fits`)")
-    if w_out_efl.shape != (e, f2 // 2, l):
-        raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
-                         f"{w_gateup_elf.shape}")
-    n, k = (ids_nk if layout is None else layout[0]).shape
-    if layout is None:
-        dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
-    else:
-        dest, n_tiles = layout[0].reshape(-1), _n_tiles(n * k, e, block_m)
-        tile_group = layout[1][:n_tiles]
-    rows = jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)  # assignment a belongs to row a // k
-    x_pad = jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(x_nl[rows], mode="drop")
-    t_gu, t_down = tiling
-    h = moe_hopper.gmm_padded(tile_group, x_pad, w_gateup_elf, block_m, act=act, tiling=t_gu, interpret=interpret)
-    y = moe_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, tiling=t_down, interpret=interpret)
-    if not gather:
-        return y, dest.reshape(n, k)
-    return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

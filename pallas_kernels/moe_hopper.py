@@ -309,7 +309,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", bl
     of the rows in, a gather of the outputs back: `gmm_padded`)."""
     from pallas_kernels import moe
 
-    m, k = lhs_mk.shape
+    m = lhs_mk.shape[0]
     g = rhs_gkn.shape[0]
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
@@ -319,9 +319,5 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", bl
         return jnp.where((jnp.arange(m) < jnp.sum(group_sizes_g))[:, None], out, 0).astype(lhs_mk.dtype)
     if layout != "padded":
         raise ValueError(f"grouped GEMM (Hopper): layout must be 'ragged' or 'padded'; got {layout!r}")
-    n_tiles = moe._n_tiles(m, g, block_m)
-    dest, tile_group = moe._padded_layout(group_sizes_g, m, block_m, n_tiles)
-    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[
-        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
-    out = gmm_padded(tile_group, x_pad, rhs_gkn, block_m, tiling=tiling, sms=sms, interpret=interpret)
-    return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
+    return moe.through_padded_layout(lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: gmm_padded(
+        tile_group, x_pad, rhs_gkn, block_m, tiling=tiling, sms=sms, interpret=interpret))

@@ -12,8 +12,8 @@ memory, read transposed).  One program: one row tile of the group-aligned layout
 times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA; or, warp-
 specialized, a producer warpgroup issuing the copies and two consumers on ``block_n`` columns
 each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each decoded tile
-staged through shared memory, the interpreter's only A operand).  Not yet chosen by `kimik3.ops`: on the H200 it is exact but no faster than the Triton
-kernel (RESULTS.md, issue 20).
+staged through shared memory, the interpreter's only A operand).  Not yet chosen by
+`kimik3.ops`: on the H200 it is exact but no faster than the Triton kernel (RESULTS.md, issue 20).
 
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
@@ -159,7 +159,9 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
 
 
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, stage=None, *, block_m, block_n,
-            block_k, n_k, steps, code_tile, decode_, interpret=False):
+            block_k, n_k, steps, code_tile, decode_):
+    """One program: a row tile of one group times block_n columns.  stage: `_mma_step`'s (the
+    interpreter's staging buffer, a scratch ref), or None on the GPU."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -265,13 +267,14 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
     kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
-              decode_=decode, interpret=interpret)
+              decode_=decode)
     mode = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     if warp_specialized:
         if n % (2 * block_n):
             raise ValueError(f"MXFP4 grouped GEMM (Hopper, warp-specialized): N {n} must divide by 2 x block_n")
         out_t = plgpu.kernel(
-            functools.partial(_kernel_ws, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+            functools.partial(_kernel_ws, interpret=interpret, **kw),
+            out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
             grid=(rows // block_m, n // (2 * block_n)), grid_names=("m", "n"), num_threads=3, thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
             scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)), **mode,
@@ -294,13 +297,7 @@ def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **til
     interpret."""
     from pallas_kernels import moe
 
-    m, k = lhs_mk.shape
-    g = w.codes.shape[0]
-    check(w, k)
-    block_m = block_m or moe.layout_block_m(m)
-    n_tiles = moe._n_tiles(m, g, block_m)
-    dest, tile_group = moe._padded_layout(group_sizes_g, m, block_m, n_tiles)
-    x_pad = jnp.zeros((n_tiles * block_m, k), lhs_mk.dtype).at[
-        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
-    out = gmm_padded(tile_group, x_pad, w, block_m, **tiling)
-    return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
+    check(w, lhs_mk.shape[1])
+    block_m = block_m or moe.layout_block_m(lhs_mk.shape[0])
+    return moe.through_padded_layout(lhs_mk, group_sizes_g, block_m,
+                                     lambda tile_group, x_pad: gmm_padded(tile_group, x_pad, w, block_m, **tiling))
