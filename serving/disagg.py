@@ -148,12 +148,16 @@ class DisaggregatedServer:
         return req.done and not waiting
 
     def has_work(self) -> bool:
+        # In the order a request moves (concurrent: each side may move it between two looks):
+        # a prefill step hands it to the waiting list before the step ends, and a handoff leaves
+        # the list only once the decode engine holds it, so looked at in this order no request
+        # is missed in between.
         self._raise()
-        with self._pending_lock:
-            if self._pending:
-                return True
         with self._engine_lock("prefill"):
             if self.prefill.has_work():
+                return True
+        with self._pending_lock:
+            if self._pending:
                 return True
         with self._engine_lock("decode"):
             return self.decode.has_work()
