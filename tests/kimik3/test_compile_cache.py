@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kimik3 import compile_cache
 
 ARGS = [sys.executable, "-m", "serving.cli", "generate", "--config", "tiny", "--prompt", "Hi", "--max-new-tokens", "3"]
@@ -18,6 +20,7 @@ def _run(cache: str):
     return [line for line in out.stdout.splitlines() if line.startswith("tokens:")]
 
 
+@pytest.mark.slow  # KIMIK3_SLOW=1: three CLI processes, 36-64 s (the suite must stay under 20 min on 2 cores)
 def test_a_second_run_reads_the_cache_and_an_unusable_directory_compiles_as_usual(tmp_path):
     """One test, three CLI runs (each compiles or loads tiny's programs: the suite's time)."""
     cache = tmp_path / "xla"
