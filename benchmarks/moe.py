@@ -122,9 +122,14 @@ def _best(candidates, args, ref, tol):
     return best, failed
 
 
-def gemm_rows(rng, quick: bool, ceil: dict):
+def _chosen(cases, pick: str | None):
+    """The cases whose name contains one of pick's comma-separated parts (all without pick)."""
+    return [c for c in cases if not pick or any(p in c[0] for p in pick.split(","))]
+
+
+def gemm_rows(rng, quick: bool, ceil: dict, pick: str | None = None):
     rows = []
-    for name, m, k, n, g in (QUICK_GEMMS if quick else GEMMS):
+    for name, m, k, n, g in _chosen(QUICK_GEMMS if quick else GEMMS, pick):
         lhs, rhs, sizes, active = _case(rng, m, k, n, g)
         ref = jax.jit(moe.grouped_matmul_ref)(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
         tol = 2.0 ** -6 * float(jnp.max(jnp.abs(ref))) + 1e-3  # bf16 output rounding, with margin
@@ -189,9 +194,9 @@ def _peer_ffn(x, ids, w_gu, w_out, cfg_gu, cfg_down):
     return jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)
 
 
-def ffn_rows(rng, quick: bool, ceil: dict):
+def ffn_rows(rng, quick: bool, ceil: dict, pick: str | None = None):
     rows = []
-    for name, t, l, f, e, top_k in (QUICK_FFNS if quick else FFNS):
+    for name, t, l, f, e, top_k in _chosen(QUICK_FFNS if quick else FFNS, pick):
         x = jnp.asarray(rng.standard_normal((t, l)), jnp.bfloat16)
         w_gu = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.bfloat16)
         w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.bfloat16)
@@ -258,6 +263,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="gemm,ffn")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (the CPU smoke test)")
+    ap.add_argument("--cases", default=None, help="only the cases whose name contains one of these (comma-separated)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     _ITERS[0] = 2 if args.quick else 20
@@ -266,10 +272,10 @@ def main():
     common.write_results(args.out, "moe_bench", rows)
     sections = args.sections.split(",")
     if "gemm" in sections:
-        rows += gemm_rows(rng, args.quick, ceil)
+        rows += gemm_rows(rng, args.quick, ceil, args.cases)
         common.write_results(args.out, "moe_bench", rows)
     if "ffn" in sections:
-        rows += ffn_rows(rng, args.quick, ceil)
+        rows += ffn_rows(rng, args.quick, ceil, args.cases)
         common.write_results(args.out, "moe_bench", rows)
     plot(rows, os.path.join(args.out, "moe_bench.png"))
 

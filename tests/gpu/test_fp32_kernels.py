@@ -27,13 +27,15 @@ def _close(got, want, what):
                                err_msg=what)
 
 
-def test_kda_chunk_prefill_with_state_and_exports():
+@pytest.mark.parametrize("tuning", [{}, {"state_o": "split"}, {"prepare_impl": "split_rows"}],
+                         ids=["default", "state_o=split", "prepare=split_rows"])
+def test_kda_chunk_prefill_with_state_and_exports(tuning):
     rng = np.random.default_rng(0)
     h, d = CFG.kda_heads, CFG.kda_head_dim
     q, k, v, g, beta = kda_inputs(rng, 1, T, h, d, d)
     s0 = jnp.asarray(rng.standard_normal((1, h, d, d)) * 0.1, jnp.float32)
     o, s, ckpt = kda.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                               checkpoint_positions=[128, 256])
+                               checkpoint_positions=[128, 256], tuning=tuning)
     o_ref, s_ref = kda.kda_chunked_ref(q, k, v, g, beta, initial_state=s0)
     _close(o, o_ref, "output")
     _close(s, s_ref, "final state")
