@@ -57,7 +57,10 @@ def main():
         q = random_mxfp4(rng, g, k, n)
         packed = mxfp4.PackedMXFP4(q.values, q.scales)
         hop = {d: jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, d) for d in moe_mxfp4_hopper.DECODES}
-        w16 = mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
+        # one fused program: the fp32 weights (7 GiB at the full-scale rank) never exist, which on
+        # an 80 GB H100 beside the torch ceiling's buffers ran out of memory (session 30)
+        w16 = jax.jit(lambda v, s: mxfp4.dequantize(v, s).astype(jnp.bfloat16))(q.values, q.scales)
+        del q
         for rows in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
             sizes = _uniform_sizes(rng, rows, g)

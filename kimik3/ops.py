@@ -225,11 +225,12 @@ def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None)
     """Which grouped-GEMM kernels run: "hopper" (`pallas_kernels.moe_hopper`: Mosaic GPU, wgmma +
     TMA, persistent, warp-specialized) or "triton" (`pallas_kernels.moe`: any GPU, MXFP4 too).
     Only 16-bit weights of the rows' dtype that `moe_hopper.fits` can go to "hopper".
-    ``KIMIK3_MOE_GMM`` chooses: "triton" (the default until the Hopper kernels' first GPU run
-    is recorded in RESULTS.md); "hopper" on a 9.x GPU (off the GPU, in the interpreter); "auto":
-    "hopper" on a 9.x GPU from HOPPER_MOE_MIN_ASSIGNMENTS assignments.  gemms: the (weights [G,
-    K, N], act?) the kernels would run (the FFN's gate/up with its activation and down; or one GEMM)."""
-    choice = os.environ.get("KIMIK3_MOE_GMM", "triton")
+    ``KIMIK3_MOE_GMM`` chooses.  "auto" (the default) takes "hopper" on a 9.x GPU from
+    HOPPER_MOE_MIN_ASSIGNMENTS assignments: there its grouped FFN took 0.70-0.90x the Triton
+    one's time (prefill sizes, H100, RESULTS.md).  "hopper" takes it on a 9.x GPU whatever the
+    rows (off the GPU, in the interpreter); "triton" never does.  gemms: the (weights [G, K, N],
+    act?) the kernels would run (the FFN's gate/up with its activation and down; or one GEMM)."""
+    choice = os.environ.get("KIMIK3_MOE_GMM", "auto")
     if choice not in MOE_GMM_CHOICES:
         raise ValueError(f"KIMIK3_MOE_GMM must be one of {MOE_GMM_CHOICES}; got {choice!r}")
     fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -337,7 +338,8 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
             args = (pack(q_bthd.astype(k.dtype)), pack(k), pack(v))
             cu = [i * t for i in range(b + 1)]
             if mla_prefill_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
-                o, _ = mla_hopper.mla_prefill_hopper(*args, cu_seqlens=cu, scale=scale)
+                o, _ = mla_hopper.mla_prefill_hopper(*args, cu_seqlens=cu, scale=scale,
+                                                     block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]))
             else:
                 o, _ = mla_kernels.mla_prefill(*args, cu_seqlens=cu, scale=scale, rope_dim=rope)
             return o.reshape(b, t, h, -1)

@@ -48,6 +48,20 @@ def supports(dqk: int, dv: int, prefix_lens=None, *, block_kv: int = 64) -> bool
     return dqk % 64 == 0 and dv % 64 == 0 and whole
 
 
+# The shared memory a Hopper CTA may take (sm_90: 227 KB), less what barriers and the
+# lse tiles take beside the data tiles.
+_SMEM_BYTES = 232448 - 4096
+
+
+def prefill_block_kv(dqk: int, dv: int, *, block_q: int = 64, steps: int = 2, itemsize: int = 2) -> int:
+    """The key block `mla_prefill_hopper` runs best with, for a fresh prefill (no prefix): 128
+    where its tiles fit shared memory (each compute warpgroup's query / output union, `steps`
+    slots of keys and values), else 64.  At qk 192 / v 128, 128-key blocks took 2.39 ms
+    against 2.70 at 64 (B1 T16384 H16, RESULTS.md, session 30)."""
+    tiles = _COMPUTE_WGS * block_q * max(dqk, dv) * itemsize + steps * 128 * (dqk + dv) * itemsize
+    return 128 if tiles <= _SMEM_BYTES else 64
+
+
 def _set_registers(count: int, interpret: bool):
     """Rebalance the register file between warpgroups (232 for each compute, 40 for the
     producer: FlashAttention-3's split); the interpreter has no register file."""
@@ -103,7 +117,10 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     qo_unions, k_smem, v_smem, lse_smem2, p_smem2 = smem
     k_bars, v_bars, q_bars = bars
     k_used, v_used = used
-    seq, head, q_tile = lax.axis_index("seq"), lax.axis_index("heads"), lax.axis_index("q_tile")
+    seq, head = lax.axis_index("seq"), lax.axis_index("heads")
+    # the longest causal rows first (FlashAttention's order): CTAs launch in grid order, so the
+    # last wave holds the shortest tiles rather than the longest
+    q_tile = o_ref.shape[1] // (_COMPUTE_WGS * block_q) - 1 - lax.axis_index("q_tile")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     dv = v_smem.shape[-1]

@@ -208,6 +208,25 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     return jnp.where(valid, dest, -1), tile_group
 
 
+def _padded_sources(group_sizes, m: int, block_m: int, n_tiles: int):
+    """int32 [n_tiles * block_m]: the sorted row each row of the group-aligned layout takes, or m
+    where it takes none (a group's last tile's empty rows, the tiles past the last group).
+
+    The layout is filled by gathering through this map rather than by scattering rows to
+    `_padded_layout`'s dest: XLA:GPU scatters 16-bit rows element by element with atomic
+    compare-and-swap loops where it cannot prove the indices unique (the rows past the groups
+    all go to one dropped index), and the scatter in took longer than the Hopper kernel itself
+    (RESULTS.md, session 30)."""
+    sizes = group_sizes.astype(jnp.int32)
+    starts, tile_group = _group_tiles(sizes, block_m, n_tiles)
+    first = _running_sum(sizes) - sizes
+    rows = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
+    group = tile_group[rows // block_m]
+    clipped = jnp.clip(group, 0, sizes.shape[0] - 1)
+    offset = rows - starts[clipped]
+    return jnp.where((group >= 0) & (offset < sizes[clipped]), first[clipped] + offset, m)
+
+
 def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
     """ValueError before any launch unless rows [.., K] of lhs_dtype meet weights [G, K, N] (an
     array of lhs_dtype, or `mxfp4.PackedMXFP4` with 16-bit rows) the kernel tiles."""
@@ -360,9 +379,8 @@ def through_padded_layout(lhs_mk, group_sizes_g, block_m: int, run):
     m = lhs_mk.shape[0]
     n_tiles = _n_tiles(m, group_sizes_g.shape[0], block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
-    # rows past the groups (dest -1) go out of range and are dropped (a -1 would wrap to the last row)
-    x_pad = jnp.zeros((n_tiles * block_m, lhs_mk.shape[1]), lhs_mk.dtype).at[
-        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(lhs_mk, mode="drop")
+    x_pad = jnp.take(lhs_mk, _padded_sources(group_sizes_g, m, block_m, n_tiles), axis=0, mode="fill",
+                     fill_value=0)
     out = run(tile_group, x_pad)
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
 
@@ -460,8 +478,14 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
-    scattered = lambda: jnp.zeros((n_tiles * block_m, l), x_nl.dtype).at[dest].set(  # assignment a is row a // k
-        x_nl[jnp.repeat(jnp.arange(n, dtype=jnp.int32), k)], mode="drop")
+    def scattered():
+        """x's rows in the layout: each layout row's assignment (n * k where none) by a scatter of
+        int32 indices, then a gather of rows (`_padded_sources` says why not a scatter of rows);
+        assignment a is row a // k."""
+        source = jnp.full((n_tiles * block_m,), n * k, jnp.int32).at[dest].set(
+            jnp.arange(n * k, dtype=jnp.int32), mode="drop")
+        return jnp.take(x_nl, source // k, axis=0, mode="fill", fill_value=0)
+
     if hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
         t_gu, t_down = tiling
         tile_group = tile_group[:n_tiles]

@@ -54,3 +54,32 @@ def test_grouped_ffn_hopper_against_triton(t, l, f, e):
     np.testing.assert_allclose(got, want, rtol=4 * BF16_ULP, atol=4 * BF16_ULP * scale)
     assert np.mean(got == want) > 0.95
     assert not np.any(got[:7, 0])
+
+
+def test_smalls_bf16_prefill_takes_the_hopper_experts_by_default_and_agrees_with_triton(monkeypatch):
+    """`KIMIK3_MOE_GMM` unset ("auto"): a 512-token prefill of `small` in bf16 (2048 expert
+    assignments) runs the routed experts on the Hopper kernels inside the jitted model, and its
+    last-position logits agree with the Triton kernels' to bf16 accuracy through every layer."""
+    from kimik3 import config, model, ops
+
+    cfg = config.small()  # bf16 serving dtype
+    w_gu = jnp.zeros((cfg.n_routed_experts, cfg.moe_latent_dim, 2 * cfg.moe_expert_dim), jnp.bfloat16)
+    assert ops.moe_gmm_impl(jnp.bfloat16, ((w_gu, True),), 512 * cfg.n_active_experts,
+                            ops._compute_capability()) == "hopper"
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 512)), jnp.int32)
+    positions = jnp.arange(512, dtype=jnp.int32)[None]
+
+    def logits():
+        module = model.KimiK3(cfg, "grouped", ops.resolve("auto"))
+        fn = jax.jit(lambda p, t, pos: module.apply({"params": p}, t, pos, logits_tail=8)[0])
+        return np.asarray(fn(params, tokens, positions))
+
+    monkeypatch.delenv("KIMIK3_MOE_GMM", raising=False)
+    hopper = logits()
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "triton")
+    triton = logits()
+    assert np.all(np.isfinite(hopper))
+    rel = np.linalg.norm(hopper - triton) / np.linalg.norm(triton)
+    assert rel < 0.05, rel  # bf16 rounding through every layer, not a wrong expert
+    assert np.mean(hopper.argmax(-1) == triton.argmax(-1)) >= 0.75

@@ -127,7 +127,7 @@ def test_replay_baselines_produce_the_same_states_as_export(rng):
 
 
 class TestFusedRecurrent:
-    @pytest.mark.parametrize("block_v, num_warps", [(None, 4), (8, 1)])  # the default; fla's tiling
+    @pytest.mark.parametrize("block_v, num_warps", [(None, 4), (8, 1)])  # the default (fla's); a narrow one
     def test_decode_over_non_contiguous_slots_updates_only_those(self, rng, block_v, num_warps):
         q, k, v, g, beta = kda_inputs(rng, 3, 1, 2, 16, 32)
         pool = jnp.asarray(rng.standard_normal((9, 2, 16, 32)), jnp.float32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper, supports
+from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper, prefill_block_kv, supports
 
 O_ATOL = 2e-2  # outputs of O(1) stored in bf16, P rounded to bf16 before P @ V
 LSE_ATOL = 1e-4
@@ -54,6 +54,16 @@ def test_the_model_head_dims_with_128_key_blocks(rng):
     q, k, v, cu = _inputs(rng, [150, 40], 1, 192, 128)
     o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_kv=128, steps=2)
     _check(o, lse, q, k, v, cu, 192 ** -0.5)
+
+
+def test_fresh_prefills_take_128_key_blocks_where_their_tiles_fit_shared_memory():
+    """`kimik3.ops` runs fresh prefills with `prefill_block_kv`'s block: 128 at the model's qk 192
+    / v 128 (213 KB, lowered for CUDA in test_mosaic_lowering), 64 where two slots of 128-key
+    blocks would pass sm_90's 227 KB."""
+    assert prefill_block_kv(192, 128) == 128
+    assert prefill_block_kv(128, 64) == 128
+    assert prefill_block_kv(256, 256) == 64
+    assert prefill_block_kv(192, 128, steps=3) == 64
 
 
 @pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps, p_slots", [

@@ -196,14 +196,18 @@ def test_lowers_for_hopper_at_the_model_shapes(l, f, e, assignments):
 
 
 def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monkeypatch):
-    """`KIMIK3_MOE_GMM`: "triton" (default) always; "hopper" wherever the dims and dtype fit;
-    "auto" on compute capability 9.x from HOPPER_MOE_MIN_ASSIGNMENTS assignments; MXFP4 experts
+    """`KIMIK3_MOE_GMM`: "auto" (the default) on compute capability 9.x from
+    HOPPER_MOE_MIN_ASSIGNMENTS assignments; "triton" always; "hopper" wherever the dims and dtype
+    fit; MXFP4 experts
     and dims the Hopper tiles do not divide stay on Triton."""
     bf = jnp.bfloat16
     w_gu, w_down = jnp.zeros((32, 768, 1536), bf), jnp.zeros((32, 768, 768), bf)
     dense = ((w_gu, True), (w_down, False))
     many, few = ops.HOPPER_MOE_MIN_ASSIGNMENTS, ops.HOPPER_MOE_MIN_ASSIGNMENTS - 1
     monkeypatch.delenv("KIMIK3_MOE_GMM", raising=False)
+    assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "hopper"
+    assert ops.moe_gmm_impl(bf, dense, few, "9.0") == "triton"
+    monkeypatch.setenv("KIMIK3_MOE_GMM", "triton")
     assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "triton"
     monkeypatch.setenv("KIMIK3_MOE_GMM", "auto")
     assert ops.moe_gmm_impl(bf, dense, many, "9.0") == "hopper"
