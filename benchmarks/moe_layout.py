@@ -1,10 +1,11 @@
 """Where the grouped GEMM's group-aligned layout spends its time on the GPU (issue 22): the
 Hopper kernel alone beat `ragged_dot_mgpu` (1.08-1.35x) while the same kernel with the layout's
-row scatter in and gather out around it ran at 0.42-0.47x.  Times each piece and the
-alternatives for moving rows in: XLA's scatter (today's), the scatter told its indices are
-unique, and a gather from a source map (each padded row's source row, or none).
+row scatter in and gather out around it ran at 0.42-0.47x (session 30).  Times each piece and
+the ways of moving rows in: XLA's scatter of rows (session 30's), the same told its indices are
+unique, and the gather through a source map that `moe` now uses (`moe._padded_sources`; for the
+FFN an int32 scatter of assignment ids, then a gather of rows).
 
-    PYTHONPATH=$PWD python3 benchmarks/moe_layout.py [--out DIR]
+    PYTHONPATH=$PWD python3 benchmarks/moe_layout.py [--out DIR] [--quick]
 
 Every variant's padded rows are checked equal to the scatter's before it is timed."""
 
@@ -22,6 +23,7 @@ from pallas_kernels import moe
 
 CASES = [("small prefill T2048 (GEMM)", 8192, 768, 32), ("k3 rank prefill (GEMM)", 16384, 1024, 24)]
 FFN_CASES = [("small prefill T8192 (FFN)", 8192, 768, 32, 4)]
+QUICK = ([("quick", 300, 64, 4)], [("quick", 64, 64, 4, 2)])  # the CPU smoke test's shapes
 
 
 def _sorted_variants(m, k, g, block_m):
@@ -36,15 +38,8 @@ def _sorted_variants(m, k, g, block_m):
         return jnp.zeros((p, k), x.dtype).at[jnp.where(dest >= 0, dest, p)].set(x, mode="drop",
                                                                                  unique_indices=unique)
 
-    def source(sizes):
-        s = sizes.astype(jnp.int32)
-        starts, tile_group = moe._group_tiles(s, block_m, n_tiles)
-        first = moe._running_sum(s) - s
-        rows = jnp.arange(p, dtype=jnp.int32)
-        grp = tile_group[rows // block_m]
-        gc = jnp.clip(grp, 0, g - 1)
-        off = rows - starts[gc]
-        return jnp.where((grp >= 0) & (off < s[gc]), first[gc] + off, m)
+    def source(sizes):  # what `moe.through_padded_layout` gathers through
+        return moe._padded_sources(sizes, m, block_m, n_tiles)
 
     def gather(x, sizes):
         return jnp.take(x, source(sizes), axis=0, mode="fill", fill_value=0)
@@ -61,10 +56,13 @@ def _sorted_variants(m, k, g, block_m):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="toy shapes (a smoke test of the script)")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    cases, ffn_cases = QUICK if args.quick else (CASES, FFN_CASES)
+    iters = 2 if args.quick else 50
     rows = []
-    for name, m, k, g in CASES:
+    for name, m, k, g in cases:
         sizes = jnp.asarray(rng.multinomial(m, np.ones(g) / g).astype(np.int32))
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         variants, gather_out, p = _sorted_variants(m, k, g, 128)
@@ -74,13 +72,13 @@ def main():
             fn = jax.jit(fn)
             if key.endswith("_in"):
                 assert np.array_equal(np.asarray(fn(x, sizes)), want), key
-            row[f"{key}_us"] = 1e3 * common.pipelined_ms(fn, x, sizes, iters=50)
+            row[f"{key}_us"] = 1e3 * common.pipelined_ms(fn, x, sizes, iters=iters)
         y_pad = jnp.asarray(rng.standard_normal((p, k)), jnp.bfloat16)
-        row["gather_out_us"] = 1e3 * common.pipelined_ms(jax.jit(gather_out), y_pad, sizes, iters=50)
+        row["gather_out_us"] = 1e3 * common.pipelined_ms(jax.jit(gather_out), y_pad, sizes, iters=iters)
         rows.append(row)
         print(row, flush=True)
         common.write_results(args.out, "moe_layout", rows)
-    for name, t, l, e, top_k in FFN_CASES:
+    for name, t, l, e, top_k in ffn_cases:
         ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :top_k], jnp.int32)
         x = jnp.asarray(rng.standard_normal((t, l)), jnp.bfloat16)
         block_m = 128
@@ -105,7 +103,7 @@ def main():
             fn = jax.jit(fn)
             if key.endswith("_in"):
                 assert np.array_equal(np.asarray(fn(x, ids)), want), key
-            row[f"{key}_us"] = 1e3 * common.pipelined_ms(fn, x, ids, iters=50)
+            row[f"{key}_us"] = 1e3 * common.pipelined_ms(fn, x, ids, iters=iters)
         rows.append(row)
         print(row, flush=True)
         common.write_results(args.out, "moe_layout", rows)

@@ -128,6 +128,15 @@ def test_the_moe_bench_runs_both_sections_on_every_kernel_of_ours(tmp_path):
     assert (out / "moe_bench.png").stat().st_size > 0
 
 
+def test_the_moe_layout_bench_checks_every_way_of_filling_the_layout(tmp_path):
+    out = tmp_path / "moe_layout"
+    _run(["benchmarks/moe_layout.py", "--quick", "--out", str(out)], tmp_path)
+    rows = json.load(open(out / "moe_layout.json"))
+    assert len(rows) == 2  # the script asserts each variant's layout equal to the scatter's
+    assert all(rows[0][f"{k}_us"] > 0 for k in ("scatter_in", "scatter_in_unique", "gather_in", "gather_out"))
+    assert all(rows[1][f"{k}_us"] > 0 for k in ("scatter_in", "gather_in"))
+
+
 @pytest.mark.slow  # KIMIK3_SLOW=1: every MLA code path in interpret mode (the suite must stay under 20 min on 2 cores)
 def test_the_mla_bench_runs_every_section_at_toy_sizes(tmp_path):
     out = tmp_path / "mla"
