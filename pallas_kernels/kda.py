@@ -889,7 +889,6 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     vs = pl.ds(vb * block_v, block_v)
     slot, n_acc = slots_ref[b], n_acc_ref[b]
     s = pool_in_ref[slot, h, :, vs]  # [K, BV] fp32
-    kept = s
     for t in range(n_tokens):  # T is small (decode / speculative verify): unrolled
         k_t = k_ref[b, t, h, :].astype(f32)
         s = s * jnp.exp(g_ref[b, t, h, :].astype(f32))[:, None]
@@ -898,8 +897,14 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
         o_ref[b, t, h, vs] = (scale * jnp.sum(q_ref[b, t, h, :].astype(f32)[:, None] * s, axis=0)).astype(o_ref.dtype)
         if states_ref:
             states_ref[0][b, t, h, :, vs] = s
-        kept = jnp.where(t < n_acc, s, kept)
-    pool_out_ref[slot, h, :, vs] = kept
+
+        # the state after the last accepted token lands in place; with none accepted nothing is
+        # written and the aliased pool keeps the old state.  A select against the old state
+        # instead would hold a second [K, BV] tile in registers for the whole pass (fewer
+        # programs per SM for a kernel whose speed is bytes in flight).
+        @pl.when(n_acc == t + 1)
+        def _(s=s):
+            pool_out_ref[slot, h, :, vs] = s
 
 
 @_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps"),

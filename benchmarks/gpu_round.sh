@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One device call's worth of the kernel work still to measure (issues 20 and 22), in the order it
+# matters, each step under its own time limit, results written under $OUT as they come (a step
+# cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
+#
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: tests | kernels | serving)
+#
+# fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
+# Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
+set -uo pipefail
+round=${1:?round: tests, kernels or serving}
+export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+[ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
+t0=$(date +%s)
+step() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/steps.txt"; }
+run() {  # run NAME SECONDS CMD...: CMD's output in $OUT/NAME.txt, its tail printed
+  local name=$1 limit=$2; shift 2
+  step "$name"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"
+  grep -v -i "warning" "$OUT/$name.txt" | tail -12 | cut -c1-900
+}
+nvidia-smi -L | tee "$OUT/gpu.txt"
+case $round in
+  tests)  # every kernel changed since its last GPU run, against its reference
+    run gpu_moe 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
+    run gpu_kernels 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_fp32_kernels.py tests/gpu/test_hopper_kernels.py -k "kda or prefill or moe"
+    run gpu_quant 140 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py
+    ;;
+  kernels)  # the must-shows' numbers, peers in the same process
+    mkdir -p "$OUT"/{layout,kda,mla,moe,mx}
+    run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
+    run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
+    run mla_prefill 150 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
+      --hopper-configs 64x128x2 --out "$OUT/mla"
+    run moe_gemm 150 python3 benchmarks/moe.py --sections gemm,ffn --cases "small prefill T2048,k3 rank prefill" \
+      --out "$OUT/moe"
+    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    ;;
+  serving)  # what users feel: the demo on `small` with this tree's defaults
+    run demo 540 env KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 \
+      PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
+    ;;
+  *) echo "unknown round $round" >&2; exit 2 ;;
+esac
+step done
