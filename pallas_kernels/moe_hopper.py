@@ -19,9 +19,12 @@ Two row layouts.  `gmm_padded`: the group-aligned layout `moe._padded_layout` bu
 group starts on a ``block_m`` boundary; ``tile_m`` divides ``block_m``), so a row tile belongs to
 one group and reads that group's weights; tiles past the groups (``tile_group`` -1) are skipped
 and their rows left unwritten (no caller reads them).  `gmm_ragged`: rows sorted by group as
-they are (no padded copy): a work item is (group, row block, row range), a block two groups
-share is computed once for each, and each stores only its rows (TMA stores in power-of-two runs,
-`ragged_work` builds the table).  With ``act`` the weights are gate ++ up [G, K, 2F]: each
+they are (no padded copy): a group's work items start at its first row rounded down to a
+multiple of 8 (the row tiling of the shared-memory tiles TMA fills) and step by ``tile_m``, so
+each group computes the tiles the padded layout would give it, plus at most 7 rows of the group
+before, and no block is computed once for each of two groups; a full item stores through the
+padded path's swizzled epilogue, a group's partial first or last item only its rows (TMA stores
+in power-of-two runs).  `ragged_work` builds the table.  With ``act`` the weights are gate ++ up [G, K, 2F]: each
 consumer holds a gate and an up accumulator for the same F columns and writes act(gate, up) [.., F]
 (each rounded to bf16 first, as an unfused activation would read them), so the [rows, 2F]
 intermediate never reaches HBM.
@@ -113,8 +116,9 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
             m_iters: int, n_iters: int):
     """One CTA's loop over work items.  block_m an int: the group-aligned layout, work_gmem its
     tile_group (a work item is the row tile mi, whole); None: rows sorted by group, work_gmem
-    `ragged_work`'s [4, n] table (group, row block, first row, end row) and each item stores
-    only its rows [lo, hi) of the block (a block two groups share is computed once for each)."""
+    `ragged_work`'s [4, n] table (group, first row, lo, hi): an item computes tile_m rows from
+    its first and stores its own, [lo, hi) of them (all: the padded path's epilogue; fewer:
+    row-exactly)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype = x_gmem.dtype
@@ -139,14 +143,17 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
     ignore = lambda *_, **__: None
     w0 = w_gmem.at[0]
     reps = [x_gmem.at[pl.ds(0, t.tile_m)]] + [w0.at[:, pl.ds(0, cta_n)]] * halves
-    # padded: 64-row epilogue tiles, swizzled, double-buffered; ragged: each consumer's whole
-    # row block of epi_n columns, unswizzled so that any row range of it can be stored
-    out_smem_type = (plgpu.SMEM((2, t.tile_m, t.epi_n), dtype) if ragged
-                     else plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms))
+    # 64-row epilogue tiles, swizzled, double-buffered; ragged items of fewer rows use the same
+    # bytes as each consumer's whole row block of epi_n columns, unswizzled so that any row range
+    # of it can be stored (the two are never live at once: each path first waits for the
+    # stores reading it)
+    tiles_smem = plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms)
+    out_smem_type = plgpu.RefUnion(tiles_smem, plgpu.SMEM((2, t.tile_m, t.epi_n), dtype)) if ragged else tiles_smem
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*reps),
                        out_smem=out_smem_type, collective_axes="wg")
     def _(allocs, out_smem):
+        tiles_out, rows_out = out_smem if ragged else (out_smem, None)
         wg = lax.axis_index("wg")
         wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
 
@@ -155,40 +162,48 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
             (lin,) = loop_info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
             if ragged:
-                group, block, lo, hi = (work_gmem[r, mi] for r in range(4))
+                group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
+                row0 = pl.multiple_of(row0, 8)  # `ragged_work`: what the tiled TMA copies need
             else:
-                group, block = work_gmem[(mi * t.tile_m) // block_m], mi
-            rows = pl.ds(block * t.tile_m, t.tile_m)
+                group, row0 = work_gmem[(mi * t.tile_m) // block_m], mi * t.tile_m
+            rows = pl.ds(row0, t.tile_m)
             col0 = ni * cta_n + wg * t.tile_n  # this consumer's first output column
 
-            def store_padded(h):
+            def store_tiles(h):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last work item's stores left out_smem
                 for e, (ei, ej) in enumerate(epi_tiles):
                     slot = e % 2
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    out_smem[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    tiles_out[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
                     plgpu.commit_smem()
-                    dst = out_gmem.at[pl.ds(block * t.tile_m + ei * t.epi_m, t.epi_m),
-                                      pl.ds(col0 + ej * t.epi_n, t.epi_n)]
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
+                    dst = out_gmem.at[pl.ds(row0 + ei * t.epi_m, t.epi_m), pl.ds(col0 + ej * t.epi_n, t.epi_n)]
+                    plgpu.copy_smem_to_gmem(tiles_out.at[wg, slot], dst)
 
             def store_rows(h):
                 # TMA stores take static sizes: rows [lo, hi) go out as a ladder of power-of-two
-                # runs (tile_m, tile_m / 2, .., 1 rows), each issued where hi - lo has that bit
+                # runs (tile_m / 2, .., 1 rows: a full item takes `store_tiles`), each issued
+                # where hi - lo has that bit
                 for ej in range(t.tile_n // t.epi_n):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    rows_out[wg] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
                     plgpu.commit_smem()
-                    start, size = lo, t.tile_m
+                    start, size = lo, t.tile_m // 2
                     while size >= 1:
                         def put(start=start, size=size):
                             plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, pl.ds(start, size)],
-                                out_gmem.at[pl.ds(block * t.tile_m + start, size), pl.ds(col0 + ej * t.epi_n, t.epi_n)])
+                                rows_out.at[wg, pl.ds(start, size)],
+                                out_gmem.at[pl.ds(row0 + start, size), pl.ds(col0 + ej * t.epi_n, t.epi_n)])
 
                         pl.when((hi - lo) & size != 0)(put)
                         start = start + ((hi - lo) & size)
                         size //= 2
+
+            def store(h):
+                if not ragged:
+                    return store_tiles(h)
+                full = hi - lo == t.tile_m
+                pl.when(full)(lambda: store_tiles(h))
+                pl.when(~full)(lambda: store_rows(h))
 
             def context(eval_pipeline):
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((t.tile_m, t.tile_n), jnp.float32)] * halves)
@@ -199,7 +214,7 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                     else:  # each half rounded to the rows' dtype, as an unfused act would read it
                         rounded = lambda a: a[...].astype(dtype).astype(jnp.float32)
                         h = act(rounded(accs[0]), rounded(accs[1]))
-                    (store_rows if ragged else store_padded)(h.astype(dtype))
+                    store(h.astype(dtype))
 
             def body(_, x_smem, *refs):
                 *w_smems, accs = refs
@@ -262,26 +277,28 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
 
 
 def ragged_work(group_sizes_g, m: int, tile_m: int):
-    """The work table of rows sorted by group: int32 [4, cdiv(m, tile_m) + G - 1], per work item
-    (group, row block, first row, end row within the block); -1 groups past the last item.  A
-    group owns the blocks its rows touch, so a block two groups share is two items, each storing
-    its own rows; rows past the groups' sum belong to no item."""
+    """The work table of rows sorted by group: int32 [4, cdiv(m + 7 G, tile_m) + G], per work item
+    (group, first row, lo, hi): the item computes rows [first, first + tile_m) and stores
+    [first + lo, first + hi).  A group's items start at its first row rounded down to a multiple
+    of 8 (the tiled TMA copies' row granularity) and step by tile_m: the row tiles the
+    group-aligned layout would give it, without the padded copy, each block computed for one
+    group only.  -1 groups past the last item; rows past the groups' sum belong to no item."""
     g = group_sizes_g.shape[0]
     sizes = group_sizes_g.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    first = starts // tile_m
-    count = jnp.where(sizes > 0, (ends - 1) // tile_m - first + 1, 0)
+    first = starts // 8 * 8
+    count = jnp.where(sizes > 0, (ends - first + tile_m - 1) // tile_m, 0)
     c_end = jnp.cumsum(count)
     c_start = c_end - count
-    n_work = -(-m // tile_m) + g - 1
+    n_work = -(-(m + 7 * g) // tile_m) + g
     item = jnp.arange(n_work, dtype=jnp.int32)
     grp = jnp.sum(item[:, None] >= c_end[None, :], axis=1).astype(jnp.int32)  # the group whose items hold it
     gc = jnp.minimum(grp, g - 1)
-    block = first[gc] + item - c_start[gc]
-    lo = jnp.maximum(starts[gc], block * tile_m) - block * tile_m
-    hi = jnp.minimum(ends[gc], (block + 1) * tile_m) - block * tile_m
-    return jnp.stack([jnp.where(grp < g, gc, -1), block, lo, hi]).astype(jnp.int32)
+    row0 = first[gc] + (item - c_start[gc]) * tile_m
+    lo = jnp.maximum(starts[gc] - row0, 0)
+    hi = jnp.minimum(ends[gc] - row0, tile_m)
+    return jnp.stack([jnp.where(grp < g, gc, -1), row0, lo, hi]).astype(jnp.int32)
 
 
 def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling | None = None, sms: int | None = None,

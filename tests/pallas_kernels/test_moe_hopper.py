@@ -64,23 +64,48 @@ def test_grouped_matmul_equals_the_reference(tiling, layout):
     assert used < 300 and not np.any(_f32(got)[used:])
 
 
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_ragged_items_of_whole_tiles_and_of_a_few_rows_each_store_exactly_their_rows(tile_m):
+    """Groups whose items are whole tiles (stored through the swizzled 64-row epilogue), start
+    off a multiple of 8 (the first item computes up to 7 rows of the group before and stores
+    from lo), and end mid-tile (the power-of-two ladder): every row its group's product, each
+    written once by its own group, the rows past the groups left 0."""
+    x, w, _ = _operands(3, 640, 128, 256, 4)
+    sizes = jnp.asarray([200, 0, 133, 260], jnp.int32)
+    work = np.asarray(moe_hopper.ragged_work(sizes, 640, tile_m))
+    items = work[:, work[0] >= 0]
+    assert np.any(items[3] - items[2] == tile_m) and np.any(items[2] > 0) and np.any(items[3] - items[2] < tile_m)
+    tiling = moe_hopper.HopperTiling(tile_m=tile_m, tile_n=64, steps=2, grid_width=2)
+    got = moe_hopper.grouped_matmul(x, w, sizes, tiling=tiling, sms=4, interpret=True)
+    ref = np.asarray(moe.grouped_matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
+    np.testing.assert_allclose(_f32(got), ref, rtol=2 * BF16_ULP, atol=1e-6)
+    assert np.mean(_f32(got) == _f32(jnp.asarray(ref).astype(jnp.bfloat16))) > 0.99
+    assert not np.any(_f32(got)[593:])
+
+
 def test_the_ragged_work_table_covers_every_row_once():
-    """`ragged_work`: items (group, block, lo, hi) cover each group's rows exactly once, in
-    blocks of the row tile, within the static count cdiv(M, tile) + G - 1, whatever the sizes
-    (empty groups, groups inside one block, rows past the groups)."""
+    """`ragged_work`: items (group, first row, lo, hi) cover each group's rows exactly once; a
+    group's items start at its first row rounded down to 8 and step by the row tile (the tiles
+    the padded layout would give it: no block computed for two groups), within the static count
+    cdiv(M + 7 G, tile) + G, whatever the sizes (empty groups, groups inside one tile, rows past
+    the groups)."""
     rng = np.random.default_rng(5)
     for m, tile, sizes in [(300, 64, [0, 100, 0, 70, 96]), (128, 64, [128, 0]), (64, 64, [0, 0, 0, 1]),
-                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24)))]:
+                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24))), (256, 64, [256]),
+                           (4000, 64, [1] * 60 + [3000])]:
         work = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile))
-        assert work.shape == (4, -(-m // tile) + len(sizes) - 1)
+        assert work.shape == (4, -(-(m + 7 * len(sizes)) // tile) + len(sizes))
         owner = np.full(m, -1)
-        for group, block, lo, hi in work.T:
-            if group < 0:
-                continue
+        items = work[:, work[0] >= 0]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        assert items.shape[1] == sum(-(-(starts[i + 1] - starts[i] // 8 * 8) // tile)
+                                     for i, s in enumerate(sizes) if s)
+        for group, row0, lo, hi in items.T:
+            assert row0 % 8 == 0 and (row0 - starts[group] // 8 * 8) % tile == 0
             assert 0 <= lo < hi <= tile
-            rows = np.arange(block * tile + lo, block * tile + hi)
-            assert np.all(owner[rows] == -1)
-            owner[rows] = group
+            span = np.arange(row0 + lo, row0 + hi)
+            assert np.all(owner[span] == -1)
+            owner[span] = group
         assert np.array_equal(owner[:sum(sizes)], np.repeat(np.arange(len(sizes)), sizes))
         assert np.all(owner[sum(sizes):] == -1)
 
