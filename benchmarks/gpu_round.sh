@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: tests | kernels | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: tests, kernels or serving}
+round=${1:?round: tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -35,7 +35,13 @@ case $round in
       --hopper-configs 64x128x2 --out "$OUT/mla"
     run moe_gemm 150 python3 benchmarks/moe.py --sections gemm,ffn --cases "small prefill T2048,k3 rank prefill" \
       --out "$OUT/moe"
-    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    ;;
+  attention)  # MLA decode (issue 22's matmul / copy fractions), the chunk-over-a-cache kernels, MXFP4
+    mkdir -p "$OUT"/{dec,chunk,mx}
+    run mla_decode 170 python3 benchmarks/mla.py --sections decode --decode-heads 16,128 --decode-batches 64 \
+      --skip-xla-ref --budget-s 140 --out "$OUT/dec"
+    run mla_chunk 150 python3 benchmarks/mla.py --sections chunk --budget-s 120 --out "$OUT/chunk"
+    run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults
     run demo 540 env KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 \
