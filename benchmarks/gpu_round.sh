@@ -32,7 +32,7 @@ case $round in
     run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
     run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
     run mla_prefill 150 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
-      --hopper-configs 64x128x2 --out "$OUT/mla"
+      --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
     run moe_gemm 150 python3 benchmarks/moe.py --sections gemm,ffn --cases "small prefill T2048,k3 rank prefill" \
       --out "$OUT/moe"
     ;;

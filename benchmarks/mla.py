@@ -190,17 +190,18 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
         hop_ms = hop_cfg = hop_err = None
         if hopper_configs:
             def run_hopper(cfg):
-                bq, bkv, st = cfg
+                bq, bkv, st, persistent = (tuple(cfg) + (0,))[:4]
                 fn = jax.jit(lambda q, k, v: mla_hopper.mla_prefill_hopper(
                     q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq, block_kv=bkv, steps=st,
-                    interpret=interpret)[0])
+                    persistent=bool(persistent), interpret=interpret)[0])
                 return common.pipelined_ms(fn, q, k, v, iters=5 if interpret else 20)
 
             hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs))
             if hop_ms is not None:  # agreement with the Triton kernel on the same inputs
-                bq, bkv, st = hop_cfg
+                bq, bkv, st, persistent = (tuple(hop_cfg) + (0,))[:4]
                 o_h = mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq,
-                                                    block_kv=bkv, steps=st, interpret=interpret)[0]
+                                                    block_kv=bkv, steps=st, persistent=bool(persistent),
+                                                    interpret=interpret)[0]
                 o_t = mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64, interpret=interpret)[0]
                 hop_err = float(jnp.max(jnp.abs(o_h.astype(jnp.float32) - o_t.astype(jnp.float32))))
         flops = b * h * t * t * (192 + 128)  # causal: half of 2 * t^2 * (dqk + dv)
@@ -305,8 +306,8 @@ def main():
                     help="do not time the XLA reference (its compiles dominate the H96 sweep's time)")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
-    ap.add_argument("--hopper-configs", default="64x64x2,64x128x2,64x64x3",
-                    help="Mosaic GPU prefill (block_q)x(block_kv)x(steps) to try ('' to skip)")
+    ap.add_argument("--hopper-configs", default="64x128x2,64x128x2x1,64x64x2",
+                    help="Mosaic GPU prefill (block_q)x(block_kv)x(steps)[x1: persistent] to try ('' to skip)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
@@ -321,7 +322,7 @@ def main():
         rows += decode_rows(bw, tf, [1], [256], [2], r=32, p=16, page=64, sq=2, interpret=True)
         rows += decode_rows(bw, tf, [1], [128], [2], r=128, p=64, page=64, interpret=True,
                             configs=(("hopper", 32, 2),))
-        rows += prefill_rows([(1, 128, 1)], interpret=True, hopper_configs=((64, 64, 2),))
+        rows += prefill_rows([(1, 128, 1)], interpret=True, hopper_configs=((64, 64, 2), (64, 64, 2, 1)))
         rows += chunk_rows([(1, 24, 40, 2)], r=32, p=16, nope=16, dv=16, page=16, interpret=True)
     else:
         dec = dict(configs=[parse_decode_config(c) for c in args.decode_configs.split(",")], deadline=deadline)

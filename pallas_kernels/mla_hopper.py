@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe_hopper import num_sms
 from pallas_kernels.mla import (_LOG2E, ChunkLayout, LatentPrefix, PrefillLayout, check_decode_inputs, fold_rows,
                                 merge_splits, visible_keys)
 
@@ -82,34 +83,39 @@ def _mma_into(acc, mma, interpret: bool):
     return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
-def _stream(n_steps, steps: int, load, released):
-    """The producer warpgroup's ring: `load(step, slot)` for steps 0 .. n_steps - 1 into slot
-    step % steps, each once the consumers have arrived on every barrier in `released` for the
-    step that held the slot before.  The last releases are waited for too: nothing needs them,
-    but every waiter then sees every phase, and no use of shared memory outlives the CTA."""
-    for j in range(steps):
-        @pl.when(j < n_steps)
+def _stream(n_steps, steps: int, load, released, base=0):
+    """The producer warpgroup's ring for one tile: `load(i, slot)` for its steps i = 0 ..
+    n_steps - 1, global step base + i going into slot (base + i) % steps once the consumers have
+    arrived on every barrier in `released` for the global step that held the slot before (a
+    persistent CTA's tiles continue one ring: base counts the steps of its earlier tiles)."""
+    @pl.loop(0, n_steps)
+    def _(i):
+        g = base + i
+        slot = lax.rem(g, jnp.int32(steps))
+
+        @pl.when(g >= steps)
         def _():
-            load(jnp.int32(j), j)
+            for bars in released:
+                plgpu.barrier_wait(bars.at[slot])
 
-    def wait_released(i):
-        slot = lax.rem(i, jnp.int32(steps))
+        load(i, slot)
+
+
+def _wait_last_releases(total, steps: int, released):
+    """The releases of the ring's last `steps` global steps (of `total`): nothing needs them, but
+    every waiter then sees every phase, and no use of shared memory outlives the CTA."""
+    @pl.loop(jnp.maximum(total - steps, 0), total)
+    def _(g):
         for bars in released:
-            plgpu.barrier_wait(bars.at[slot])
-        return slot
-
-    @pl.loop(steps, jnp.maximum(n_steps, steps))
-    def _(i):
-        load(i, wait_released(i))
-
-    @pl.loop(jnp.maximum(n_steps - steps, 0), n_steps)
-    def _(i):
-        wait_released(i)
+            plgpu.barrier_wait(bars.at[lax.rem(g, jnp.int32(steps))])
 
 
 def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
-            prefix_blocks, lp_blocks, scale_log2, interpret):
-    """One CTA: sequence `seq`, head `heads`, new-token rows [q_tile * 2 block_q, + 2 block_q).
+            prefix_blocks, lp_blocks, scale_log2, interpret, n_ctas):
+    """One CTA: with n_ctas 0 (a CTA per tile) the tile (sequence `seq`, head `heads`, new-token
+    rows [q_tile * 2 block_q, + 2 block_q)) of its grid index; else (persistent, n_ctas CTAs)
+    every n_ctas-th tile of the list `_tile_of` orders, its K / V ring running on from one tile
+    to the next, so a tile's loads overlap the one before's last steps and epilogue.
 
     Prefix lengths come as static whole-block counts (`prefix_blocks`, page-granular cache
     hits) or, when `prefix_blocks` is None, from `plen_ref` (int32 [N] in GMEM, any length,
@@ -117,28 +123,54 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     qo_unions, k_smem, v_smem, lse_smem2, p_smem2 = smem
     k_bars, v_bars, q_bars = bars
     k_used, v_used = used
-    seq, head = lax.axis_index("seq"), lax.axis_index("heads")
-    # the longest causal rows first (FlashAttention's order): CTAs launch in grid order, so the
-    # last wave holds the shortest tiles rather than the longest
-    q_tile = o_ref.shape[1] // (_COMPUTE_WGS * block_q) - 1 - lax.axis_index("q_tile")
     wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     dv = v_smem.shape[-1]
+    n_seq, lq, n_heads = o_ref.shape[:3]
+    n_qt = lq // (_COMPUTE_WGS * block_q)
 
-    if prefix_blocks is None:  # traced lengths: whole blocks, then the partly filled one if any
-        plen = plen_ref[seq]
-        n_full = lax.div(plen, jnp.int32(block_kv))
-        n_prefix = pl.cdiv(plen, jnp.int32(block_kv))
-    else:  # whole prefix blocks of this sequence: the static per-sequence counts, selected by index
-        n_prefix = jnp.int32(0)
-        for i, nb in enumerate(prefix_blocks):
-            n_prefix = jnp.where(seq == i, jnp.int32(nb), n_prefix)
+    class Tile:
+        """A work item: (seq, head, q_tile) and its step counts; base: the ring's global steps
+        before its first (0 for a CTA per tile)."""
 
-    def key_block(step):  # the key block (of the [lp + lq] key rows) a pipeline step loads
-        return jnp.where(step < n_prefix, step, lp_blocks + step - n_prefix)
+        def __init__(self, seq, head, q_tile, base):
+            self.seq, self.head, self.q_tile, self.base = seq, head, q_tile, base
+            if prefix_blocks is None:  # traced lengths: whole blocks, then the partly filled one if any
+                self.plen = plen_ref[seq]
+                self.n_full = lax.div(self.plen, jnp.int32(block_kv))
+                self.n_prefix = pl.cdiv(self.plen, jnp.int32(block_kv))
+            else:  # whole prefix blocks of this sequence: the static per-sequence counts, selected by index
+                self.n_prefix = jnp.int32(0)
+                for i, nb in enumerate(prefix_blocks):
+                    self.n_prefix = jnp.where(seq == i, jnp.int32(nb), self.n_prefix)
+            self.cta_steps = self.n_prefix + pl.cdiv((q_tile + 1) * (_COMPUTE_WGS * block_q), jnp.int32(block_kv))
 
-    cta_rows_end = (q_tile + 1) * (_COMPUTE_WGS * block_q)
-    cta_steps = n_prefix + pl.cdiv(cta_rows_end, jnp.int32(block_kv))
+        def key_block(self, step):  # the key block (of the [lp + lq] key rows) a pipeline step loads
+            return jnp.where(step < self.n_prefix, step, lp_blocks + step - self.n_prefix)
+
+        def slot(self, step):
+            if isinstance(self.base, int) and isinstance(step, int):
+                return (self.base + step) % steps
+            return lax.rem(self.base + step, jnp.int32(steps))
+
+    def tile_of(item, base):
+        """Work item `item` of the persistent list: the longest causal rows first (q tiles from
+        the last), then heads, then sequences: a CTA's tiles shrink as it goes, so the last ones
+        to finish are short (the longest-processing-time-first order)."""
+        per_tile_row = n_heads * n_seq
+        rest = lax.rem(item, jnp.int32(per_tile_row))
+        return Tile(lax.div(rest, jnp.int32(n_heads)), lax.rem(rest, jnp.int32(n_heads)),
+                    n_qt - 1 - lax.div(item, jnp.int32(per_tile_row)), base)
+
+    def for_each_tile(body):
+        """body(tile) -> its steps, for this CTA's tiles; the steps of all of them."""
+        if not n_ctas:
+            # the longest causal rows first (FlashAttention's order): CTAs launch in grid order, so
+            # the last wave holds the shortest tiles rather than the longest
+            # base a Python 0: a constant array closed over by `run_state` does not lower
+            return body(Tile(lax.axis_index("seq"), lax.axis_index("heads"), n_qt - 1 - lax.axis_index("q_tile"), 0))
+        return pl.loop(lax.axis_index("sm"), n_seq * n_heads * n_qt, step=n_ctas, init_carry=jnp.int32(0))(
+            lambda item, base: base + body(tile_of(item, base)))
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -147,6 +179,11 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     def _compute(wg: int):
         """Compute warpgroup `wg` (static: its query and output tiles are its own union's members)."""
         _set_registers(232, interpret)
+        for_each_tile(functools.partial(_compute_tile, wg))
+
+    def _compute_tile(wg: int, tile: Tile):
+        """Compute warpgroup `wg`'s rows of one tile; returns the tile's steps."""
+        seq, head, q_tile, n_prefix = tile.seq, tile.head, tile.q_tile, tile.n_prefix
         q_smem, o_smem = qo_unions[wg]  # one buffer: the output is written after the queries' last read
         lse_smem = lse_smem2.at[wg]
         row0 = q_tile * (_COMPUTE_WGS * block_q) + wg * block_q  # first new-token row of this warpgroup
@@ -157,13 +194,13 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
-        plgpu.barrier_wait(k_bars.at[0])  # my_steps >= 1: the diagonal block always exists
+        plgpu.barrier_wait(k_bars.at[tile.slot(0)])  # my_steps >= 1: the diagonal block always exists
         if wg == 1:
             schedule_barrier()
 
         def step(kv_step, carry, masked):
             acc, m_i, l_i = carry
-            slot = lax.rem(kv_step, jnp.int32(steps))
+            slot = tile.slot(kv_step)
 
             def qk_scoped(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -177,7 +214,7 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
                 rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
                 if masked == "prefix":  # the partly filled prefix block: keys before the prefix's end
-                    s = jnp.where(cols + kv_step * block_kv < plen, s, -jnp.inf)
+                    s = jnp.where(cols + kv_step * block_kv < tile.plen, s, -jnp.inf)
                 else:  # new-token block reaching the diagonal: key index <= query index
                     s = jnp.where(rows + row0 >= cols + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -195,7 +232,7 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
 
                 @pl.when(nxt < my_steps)
                 def _():
-                    plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.int32(steps))])
+                    plgpu.barrier_wait(k_bars.at[tile.slot(nxt)])
 
             p_operand = p16
             if interpret:  # the interpreter's wgmma reads A from shared memory only
@@ -214,7 +251,7 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         def drain(kv_step, _):
             # Steps the other warpgroup still needs: release their slots, keep the turn order.
             # Their arrivals are waited for too (already due), so every waiter sees every phase.
-            slot = lax.rem(kv_step, jnp.int32(steps))
+            slot = tile.slot(kv_step)
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_wait(v_bars.at[slot])
             plgpu.barrier_arrive(k_used.at[slot])
@@ -224,13 +261,13 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
 
         carry = (acc, m_i, l_i)
         if prefix_blocks is None:  # whole prefix blocks, then the partly filled one (a row sees key 0)
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(n_full, n_prefix, functools.partial(step, masked="prefix"), carry)
+            carry = lax.fori_loop(0, tile.n_full, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(tile.n_full, n_prefix, functools.partial(step, masked="prefix"), carry)
             carry = lax.fori_loop(n_prefix, clear_steps, functools.partial(step, masked=False), carry)
         else:
             carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked="diagonal"), carry)
-        lax.fori_loop(my_steps, cta_steps, drain, None)
+        lax.fori_loop(my_steps, tile.cta_steps, drain, None)
         if wg == 0:
             schedule_barrier()
 
@@ -241,7 +278,8 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, pl.ds(row0, block_q), head])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[seq, head, pl.ds(row0, block_q)])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0)  # the next tile's queries land in the same buffer
+        return tile.cta_steps
 
     for w in range(_COMPUTE_WGS):
         pl.when(wg == w)(functools.partial(_compute, w))
@@ -250,20 +288,27 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     def _memory():
         _set_registers(40, interpret)
 
-        def load(step, slot):
-            rows = (seq, pl.ds(key_block(step) * block_kv, block_kv), head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bars.at[slot])
+        def stream_tile(tile: Tile):
+            def load(step, slot):
+                rows = (tile.seq, pl.ds(tile.key_block(step) * block_kv, block_kv), tile.head)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bars.at[slot])
 
-        _stream(cta_steps, steps, load, (k_used, v_used))
+            _stream(tile.cta_steps, steps, load, (k_used, v_used), base=tile.base)
+            return tile.cta_steps
+
+        _wait_last_releases(for_each_tile(stream_tile), steps, (k_used, v_used))
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
-                                             "scale_log2", "interpret"))
-def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret):
+                                             "scale_log2", "interpret", "n_ctas"))
+def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret,
+                 n_ctas=0):
     """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv], p_lens int32 [N] (read
-    only when prefix_blocks is None) -> o [N, lq, H, Dv], lse base 2 [N, H, lq]."""
+    only when prefix_blocks is None) -> o [N, lq, H, Dv], lse base 2 [N, H, lq].  n_ctas: 0, a
+    CTA per tile; else that many persistent CTAs (at most the tiles)."""
     n, lq, h, dqk = q.shape
+    n_ctas = min(n_ctas, n * h * (lq // (_COMPUTE_WGS * block_q)))
     dv = v.shape[-1]
     tiling, swizzle = plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
     tiled = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=(tiling, swizzle))
@@ -279,7 +324,7 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
             lambda smem, bars, used, schedule: _kernel(
                 q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
                 block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=lp_blocks,
-                scale_log2=scale_log2, interpret=interpret),
+                scale_log2=scale_log2, interpret=interpret, n_ctas=n_ctas),
             smem,
             (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
              plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
@@ -291,8 +336,8 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((n, lq, h, dv), q.dtype), jax.ShapeDtypeStruct((n, h, lq), jnp.float32)),
-        grid=(h, lq // (_COMPUTE_WGS * block_q), n),
-        grid_names=("heads", "q_tile", "seq"),
+        grid=(n_ctas,) if n_ctas else (h, lq // (_COMPUTE_WGS * block_q), n),
+        grid_names=("sm",) if n_ctas else ("heads", "q_tile", "seq"),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
@@ -307,11 +352,14 @@ def _check_16bit(*xs):
 
 
 def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
-                       block_kv=64, steps=2, interpret=None):
+                       block_kv=64, steps=2, persistent=False, sms=None, interpret=None):
     """`mla_prefill` (same arguments and results, no `rope_dim` needed: q / k keep nope and rope
     together) as a Hopper kernel.  bf16 / fp16 inputs; qk and v head dims multiples of 64 and
     prefix lengths multiples of `block_kv` (`supports`).  Raises ValueError otherwise, before
-    any launch."""
+    any launch.  persistent: one CTA per SM walking the tiles longest first, its K / V ring
+    running on across tiles (a CTA fills an SM's shared memory, so with a CTA per tile every
+    tile's first loads and last stores stand alone); a candidate until measured.  sms: its CTAs
+    (default `num_sms()`; never more than tiles)."""
     _check_16bit(q, k, v)
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, "
@@ -327,7 +375,8 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
     o, lse2 = _hopper_core(lay.gather(q), keys, vals, jnp.asarray(lay.p_lens, jnp.int32), block_q=block_q,
                            block_kv=block_kv, steps=steps,
                            prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
-                           scale_log2=float(scale) * _LOG2E, interpret=interpret)
+                           scale_log2=float(scale) * _LOG2E, interpret=interpret,
+                           n_ctas=(sms or num_sms()) if persistent else 0)
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
 
 
@@ -521,6 +570,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
                                         k_bars.at[part * steps + slot])
 
         _stream(n_steps, steps, load, (k_used,))
+        _wait_last_releases(n_steps, steps, (k_used,))
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",

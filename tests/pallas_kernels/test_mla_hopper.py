@@ -56,6 +56,25 @@ def test_the_model_head_dims_with_128_key_blocks(rng):
     _check(o, lse, q, k, v, cu, 192 ** -0.5)
 
 
+@pytest.mark.parametrize("block_kv, steps, sms", [(64, 2, 2), (128, 3, 3), (64, 3, 1)])
+def test_persistent_ctas_walk_many_tiles_on_one_ring(rng, block_kv, steps, sms):
+    """Persistent: a few CTAs take every tile (three sequences, two heads, query tiles of
+    different causal lengths, page-granular prefixes), the K / V ring's slots and phases running
+    on from one tile to the next, each warpgroup's queries reloaded into the buffer its last
+    output left; every output and LSE as the reference's."""
+    h, r, rope, nope, dv, page = 2, 32, 16, 112, 64, 64
+    q, k, v, cu = _inputs(rng, [300, 70, 140], h, nope + rope, dv)
+    prefix = None
+    if block_kv == 64:  # cached prefixes of 1, 0 and 2 pages, from pages out of order
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        prefix = LatentPrefix(f(5, page, r + rope).astype(jnp.bfloat16),
+                              jnp.asarray([[4, 0], [1, 0], [2, 3]], jnp.int32), jnp.asarray([64, 0, 128]),
+                              f(r, h, nope) * 0.2, f(r, h, dv) * 0.2)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.125, prefix=prefix, block_kv=block_kv, steps=steps,
+                                persistent=True, sms=sms)
+    _check(o, lse, q, k, v, cu, 0.125, prefix)
+
+
 def test_fresh_prefills_take_128_key_blocks_where_their_tiles_fit_shared_memory():
     """`kimik3.ops` runs fresh prefills with `prefill_block_kv`'s block: 128 at the model's qk 192
     / v 128 (213 KB, lowered for CUDA in test_mosaic_lowering), 64 where two slots of 128-key
@@ -149,17 +168,19 @@ def _lowers_for_cuda(fn, *shapes):
 
 @pytest.mark.parametrize("block_kv, steps", [(64, 2), (64, 3), (128, 2)])
 def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
-    """qk 192, v 128.  128-key blocks with two slots fit 227 KiB because each compute
-    warpgroup's output tile shares its query tile's buffer; three such slots do not."""
+    """qk 192, v 128, a CTA per tile and persistent.  128-key blocks with two slots fit 227 KiB
+    because each compute warpgroup's output tile shares its query tile's buffer; three such
+    slots do not."""
     from pallas_kernels import mla_hopper
     n, lq, h, lp = 2, 256, 2, block_kv
     shapes = (((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16),
               ((n, lp + lq, h, 128), jnp.bfloat16), ((n,), jnp.int32))
-    core = lambda prefix_blocks, steps: lambda q, k, v, n_p: mla_hopper._hopper_core(
+    core = lambda prefix_blocks, steps, n_ctas=0: lambda q, k, v, n_p: mla_hopper._hopper_core(
         q, k, v, n_p, block_q=64, block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=1,
-        scale_log2=0.1, interpret=False)
+        scale_log2=0.1, interpret=False, n_ctas=n_ctas)
     for prefix_blocks in ((1, 0), None):  # static whole blocks; lengths read by the kernel
         _lowers_for_cuda(core(prefix_blocks, steps), *shapes)
+        _lowers_for_cuda(core(prefix_blocks, steps, n_ctas=3), *shapes)  # persistent: 3 CTAs, 8 tiles
     if block_kv == 128:
         with pytest.raises(ValueError, match="shared memory"):
             _lowers_for_cuda(core(None, 3), *shapes)
