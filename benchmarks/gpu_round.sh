@@ -22,10 +22,10 @@ run() {  # run NAME SECONDS CMD...: CMD's output in $OUT/NAME.txt, its tail prin
 nvidia-smi -L | tee "$OUT/gpu.txt"
 case $round in
   tests)  # every kernel changed since its last GPU run, against its reference
-    run gpu_moe 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
-    run gpu_kernels 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+    run gpu_moe 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
+    run gpu_kernels 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       tests/gpu/test_fp32_kernels.py tests/gpu/test_hopper_kernels.py -k "kda or prefill or moe"
-    run gpu_quant 140 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py
+    run gpu_quant 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py
     ;;
   kernels)  # the must-shows' numbers, peers in the same process
     mkdir -p "$OUT"/{layout,kda,mla,moe,mx}
