@@ -245,8 +245,9 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
         def expanded(*args):
             return mla.mla_prefill_chunk(*chunk_operands(*args), scale=scale, rope_dim=p, interpret=interpret)[0]
 
-        def expanded_hopper(*args):
-            return mla_hopper.mla_prefill_chunk_hopper(*chunk_operands(*args), scale=scale, interpret=interpret)[0]
+        def expanded_hopper(*args, **kw):
+            return mla_hopper.mla_prefill_chunk_hopper(*chunk_operands(*args), scale=scale, interpret=interpret,
+                                                       **kw)[0]
 
         def absorbed(q, pages, table, lens):
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_kb)
@@ -262,7 +263,10 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
 
         args = (q, pages, table, lens)
         times, outs = {}, {}
-        kernels = (("expanded", expanded),) + (() if interpret else (("expanded_hopper", expanded_hopper),))
+        hopper_128 = functools.partial(expanded_hopper, block_kv=128)
+        kernels = (("expanded", expanded),) + (() if interpret else (
+            ("expanded_hopper", expanded_hopper), ("expanded_hopper_128", hopper_128),
+            ("expanded_hopper_128_persistent", functools.partial(hopper_128, persistent=True))))
         for name, fn in kernels + (("absorbed", absorbed), ("xla", xla)):
             try:
                 jitted = jax.jit(fn)
@@ -275,6 +279,8 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
         flops = 2 * b * h * t * (prefix_len + (t + 1) / 2) * (nope + p + dv)
         rows.append(dict(section="chunk", case=f"B{b} T{t} P{prefix_len} H{h}",
                          expanded_ms=times.get("expanded"), expanded_hopper_ms=times.get("expanded_hopper"),
+                         expanded_hopper_128_ms=times.get("expanded_hopper_128"),
+                         expanded_hopper_128_persistent_ms=times.get("expanded_hopper_128_persistent"),
                          absorbed_ms=times.get("absorbed"), xla_ms=times.get("xla"),
                          expanded_tflops=flops / (times["expanded"] * 1e-3) / 1e12 if "expanded" in times else None,
                          expanded_err=err.get("expanded"), expanded_hopper_err=err.get("expanded_hopper"),

@@ -381,11 +381,11 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
 
 
 def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64, block_kv=64, steps=2,
-                             interpret=None):
+                             persistent=False, sms=None, interpret=None):
     """`pallas_kernels.mla.mla_prefill_chunk` (same arguments and results, no `rope_dim`) as the
     Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
-    fp16; head dims multiples of 64.
+    fp16; head dims multiples of 64.  persistent / sms: as `mla_prefill_hopper`'s.
 
     Not yet run on a GPU (written after the session's device time was spent; the interpreter
     and the CUDA lowering test it): `kimik3.ops` runs the Triton `mla_prefill_chunk` until
@@ -400,7 +400,7 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     o, lse2 = _hopper_core(lay.q, lay.keys, lay.vals, lay.p_lens, block_q=block_q, block_kv=block_kv, steps=steps,
                            prefix_blocks=None, lp_blocks=lay.lp // block_kv, scale_log2=float(scale) * _LOG2E,
-                           interpret=interpret)
+                           interpret=interpret, n_ctas=(sms or num_sms()) if persistent else 0)
     t = q.shape[1]
     return o[:, :t], jnp.swapaxes(lse2, 1, 2)[:, :t] / _LOG2E
 

@@ -107,9 +107,11 @@ def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_sp
     np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
 
 
-def test_chunk_with_traced_prefix_lengths_of_any_value(rng):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_chunk_with_traced_prefix_lengths_of_any_value(rng, persistent):
     """A batch of chunks after prefixes of 37 (not a whole key block), 0 and 100 cached tokens,
-    the lengths traced (a jitted serving step) == the packed reference."""
+    the lengths traced (a jitted serving step) == the packed reference; persistent: two CTAs
+    over the three chunks' tiles, one ring."""
     import jax
     b, t, h, r, rope, nope, dv, page = 3, 20, 1, 32, 64, 64, 64, 32
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -119,7 +121,7 @@ def test_chunk_with_traced_prefix_lengths_of_any_value(rng):
     w_kb, w_vb = f(r, h, nope) * 0.2, f(r, h, dv) * 0.2
     p_lens = jnp.asarray([37, 0, 100], jnp.int32)
     chunk = jax.jit(lambda lens: mla_prefill_chunk_hopper(q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb),
-                                                          scale=0.125))
+                                                          scale=0.125, persistent=persistent, sms=2))
     o, lse = chunk(p_lens)
     assert o.shape == (b, t, h, dv) and lse.shape == (b, t, h)
     pack = lambda x: x.reshape((b * t,) + x.shape[2:])
