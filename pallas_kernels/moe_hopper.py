@@ -145,10 +145,15 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
     reps = [x_gmem.at[pl.ds(0, t.tile_m)]] + [w0.at[:, pl.ds(0, cta_n)]] * halves
     # 64-row epilogue tiles, swizzled, double-buffered; ragged items of fewer rows use the same
     # bytes as each consumer's whole row block of epi_n columns, unswizzled so that any row range
-    # of it can be stored (the two are never live at once: each path first waits for the
-    # stores reading it)
-    tiles_smem = plgpu.SMEM((2, 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms)
-    out_smem_type = plgpu.RefUnion(tiles_smem, plgpu.SMEM((2, t.tile_m, t.epi_n), dtype)) if ragged else tiles_smem
+    # of it can be stored.  A consumer's two views are never live at once (each path first waits
+    # for its own stores reading them), and both views give each consumer the same bytes
+    # (rows_per_wg x epi_n, consumer-major): the consumers may be an item apart in their
+    # epilogues, and a store of one may not read what the other writes.
+    rows_per_wg = max(t.tile_m, 2 * t.epi_m)
+    tiles_smem = plgpu.SMEM((2, rows_per_wg // t.epi_m if ragged else 2, t.epi_m, t.epi_n), dtype,
+                            transforms=out_transforms)
+    out_smem_type = (plgpu.RefUnion(tiles_smem, plgpu.SMEM((2, rows_per_wg, t.epi_n), dtype)) if ragged
+                     else tiles_smem)
 
     @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*reps),
                        out_smem=out_smem_type, collective_axes="wg")
@@ -185,7 +190,7 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 # where hi - lo has that bit
                 for ej in range(t.tile_n // t.epi_n):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    rows_out[wg] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    rows_out[wg, pl.ds(0, t.tile_m)] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
                     plgpu.commit_smem()
                     start, size = lo, t.tile_m // 2
                     while size >= 1:
