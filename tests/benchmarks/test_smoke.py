@@ -24,6 +24,7 @@ def _run(args, tmp_path, timeout=600, **env_extra):
     return proc.stdout
 
 
+@pytest.mark.slow  # KIMIK3_SLOW=1: 21-24 s, one of the suite's slowest (the suite must stay under 20 min on 2 cores)
 def test_serving_bench_writes_its_sections_and_the_step_hlo(tmp_path):
     out = tmp_path / "bench"  # does not exist yet: the script makes it
     _run(["benchmarks/serving_bench.py", "--config", "tiny", "--quick", "--modes", "", "--loads", "2",
