@@ -189,19 +189,18 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
         ms_cudnn = peers.get("fair_ms")
         hop_ms = hop_cfg = hop_err = None
         if hopper_configs:
-            def run_hopper(cfg):
+            def hopper_kw(cfg):  # (block_q, block_kv, steps[, persistent])
                 bq, bkv, st, persistent = (tuple(cfg) + (0,))[:4]
+                return dict(block_q=bq, block_kv=bkv, steps=st, persistent=bool(persistent), interpret=interpret)
+
+            def run_hopper(cfg):
                 fn = jax.jit(lambda q, k, v: mla_hopper.mla_prefill_hopper(
-                    q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq, block_kv=bkv, steps=st,
-                    persistent=bool(persistent), interpret=interpret)[0])
+                    q, k, v, cu_seqlens=cu, scale=192 ** -0.5, **hopper_kw(cfg))[0])
                 return common.pipelined_ms(fn, q, k, v, iters=5 if interpret else 20)
 
             hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs))
             if hop_ms is not None:  # agreement with the Triton kernel on the same inputs
-                bq, bkv, st, persistent = (tuple(hop_cfg) + (0,))[:4]
-                o_h = mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_q=bq,
-                                                    block_kv=bkv, steps=st, persistent=bool(persistent),
-                                                    interpret=interpret)[0]
+                o_h = mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, **hopper_kw(hop_cfg))[0]
                 o_t = mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64, interpret=interpret)[0]
                 hop_err = float(jnp.max(jnp.abs(o_h.astype(jnp.float32) - o_t.astype(jnp.float32))))
         flops = b * h * t * t * (192 + 128)  # causal: half of 2 * t^2 * (dqk + dv)

@@ -148,8 +148,7 @@ def gemm_rows(rng, quick: bool, ceil: dict, pick: str | None = None):
             bm = block_m if quick else t.tile_m
             n_tiles = moe._n_tiles(m, g, bm)
             dest, tile_group = moe._padded_layout(sizes, m, bm, n_tiles)
-            x_pad = jnp.zeros((n_tiles * bm, k), lhs.dtype).at[jnp.where(dest >= 0, dest, n_tiles * bm)].set(
-                lhs, mode="drop")
+            x_pad = jnp.take(lhs, moe._layout_sources(dest, n_tiles * bm), axis=0, mode="fill", fill_value=0)
             kern = jax.jit(functools.partial(moe_hopper.gmm_padded, block_m=bm, tiling=t, interpret=quick))
             timed["hopper_kernel"] = (_time(kern, tile_group, x_pad, rhs), t.label), {}
         if not quick:

@@ -2,8 +2,8 @@
 Hopper kernel alone beat `ragged_dot_mgpu` (1.08-1.35x) while the same kernel with the layout's
 row scatter in and gather out around it ran at 0.42-0.47x (session 30).  Times each piece and
 the ways of moving rows in: XLA's scatter of rows (session 30's), the same told its indices are
-unique, and the gather through a source map that `moe` now uses (`moe._padded_sources`; for the
-FFN an int32 scatter of assignment ids, then a gather of rows).
+unique, and what `moe` now does (`moe._layout_sources`: an int32 scatter of the entries'
+indices, then a gather of rows).
 
     PYTHONPATH=$PWD python3 benchmarks/moe_layout.py [--out DIR] [--quick]
 
@@ -39,7 +39,7 @@ def _sorted_variants(m, k, g, block_m):
                                                                                  unique_indices=unique)
 
     def source(sizes):  # what `moe.through_padded_layout` gathers through
-        return moe._padded_sources(sizes, m, block_m, n_tiles)
+        return moe._layout_sources(layout(sizes)[0], p)
 
     def gather(x, sizes):
         return jnp.take(x, source(sizes), axis=0, mode="fill", fill_value=0)
@@ -91,10 +91,9 @@ def main():
             return jnp.zeros((n_tiles * block_m, l), x.dtype).at[dest].set(
                 x[jnp.repeat(jnp.arange(t, dtype=jnp.int32), top_k)], mode="drop")
 
-        def gather(x, ids):
+        def gather(x, ids):  # what `moe.grouped_ffn` does
             dest, _, n_tiles = lay(ids)
-            src = jnp.full((n_tiles * block_m,), t * top_k, jnp.int32).at[dest].set(
-                jnp.arange(t * top_k, dtype=jnp.int32), mode="drop", unique_indices=True)
+            src = moe._layout_sources(dest, n_tiles * block_m)
             return jnp.take(x, src // top_k, axis=0, mode="fill", fill_value=0)
 
         want = np.asarray(jax.jit(scatter)(x, ids))

@@ -49,9 +49,8 @@ def supports(dqk: int, dv: int, prefix_lens=None, *, block_kv: int = 64) -> bool
     return dqk % 64 == 0 and dv % 64 == 0 and whole
 
 
-# The shared memory a Hopper CTA may take (sm_90: 227 KB), less what barriers and the
-# lse tiles take beside the data tiles.
-_SMEM_BYTES = 232448 - 4096
+# What barriers and the lse tiles take beside a prefill CTA's data tiles (of `_SMEM_BYTES`).
+_PREFILL_SMEM_RESERVE = 4096
 
 
 def prefill_block_kv(dqk: int, dv: int, *, block_q: int = 64, steps: int = 2, itemsize: int = 2) -> int:
@@ -60,7 +59,7 @@ def prefill_block_kv(dqk: int, dv: int, *, block_q: int = 64, steps: int = 2, it
     slots of keys and values), else 64.  At qk 192 / v 128, 128-key blocks took 2.39 ms
     against 2.70 at 64 (B1 T16384 H16, RESULTS.md, session 30)."""
     tiles = _COMPUTE_WGS * block_q * max(dqk, dv) * itemsize + steps * 128 * (dqk + dv) * itemsize
-    return 128 if tiles <= _SMEM_BYTES else 64
+    return 128 if tiles + _PREFILL_SMEM_RESERVE <= _SMEM_BYTES else 64
 
 
 def _set_registers(count: int, interpret: bool):
@@ -114,7 +113,7 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             prefix_blocks, lp_blocks, scale_log2, interpret, n_ctas):
     """One CTA: with n_ctas 0 (a CTA per tile) the tile (sequence `seq`, head `heads`, new-token
     rows [q_tile * 2 block_q, + 2 block_q)) of its grid index; else (persistent, n_ctas CTAs)
-    every n_ctas-th tile of the list `_tile_of` orders, its K / V ring running on from one tile
+    every n_ctas-th tile of the list `tile_of` orders, its K / V ring running on from one tile
     to the next, so a tile's loads overlap the one before's last steps and epilogue.
 
     Prefix lengths come as static whole-block counts (`prefix_blocks`, page-granular cache
@@ -345,6 +344,11 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     )(q, k, v, p_lens)
 
 
+def _persistent_ctas(persistent: bool, sms: int | None) -> int:
+    """`_hopper_core`'s n_ctas: 0 (a CTA per tile), or `sms` (default `num_sms()`) persistent CTAs."""
+    return (sms or num_sms()) if persistent else 0
+
+
 def _check_16bit(*xs):
     """wgmma here takes bf16 / fp16 operands, one dtype for all."""
     if xs[0].dtype not in (jnp.bfloat16, jnp.float16) or any(x.dtype != xs[0].dtype for x in xs):
@@ -376,7 +380,7 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
                            block_kv=block_kv, steps=steps,
                            prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
                            scale_log2=float(scale) * _LOG2E, interpret=interpret,
-                           n_ctas=(sms or num_sms()) if persistent else 0)
+                           n_ctas=_persistent_ctas(persistent, sms))
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
 
 
@@ -400,7 +404,7 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     o, lse2 = _hopper_core(lay.q, lay.keys, lay.vals, lay.p_lens, block_q=block_q, block_kv=block_kv, steps=steps,
                            prefix_blocks=None, lp_blocks=lay.lp // block_kv, scale_log2=float(scale) * _LOG2E,
-                           interpret=interpret, n_ctas=(sms or num_sms()) if persistent else 0)
+                           interpret=interpret, n_ctas=_persistent_ctas(persistent, sms))
     t = q.shape[1]
     return o[:, :t], jnp.swapaxes(lse2, 1, 2)[:, :t] / _LOG2E
 

@@ -208,23 +208,16 @@ def _padded_layout(group_sizes, m: int, block_m: int, n_tiles: int):
     return jnp.where(valid, dest, -1), tile_group
 
 
-def _padded_sources(group_sizes, m: int, block_m: int, n_tiles: int):
-    """int32 [n_tiles * block_m]: the sorted row each row of the group-aligned layout takes, or m
-    where it takes none (a group's last tile's empty rows, the tiles past the last group).
-
-    The layout is filled by gathering through this map rather than by scattering rows to
-    `_padded_layout`'s dest: XLA:GPU scatters 16-bit rows element by element with atomic
-    compare-and-swap loops where it cannot prove the indices unique (the rows past the groups
-    all go to one dropped index), and the scatter in took longer than the Hopper kernel itself
-    (RESULTS.md, session 30)."""
-    sizes = group_sizes.astype(jnp.int32)
-    starts, tile_group = _group_tiles(sizes, block_m, n_tiles)
-    first = _running_sum(sizes) - sizes
-    rows = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
-    group = tile_group[rows // block_m]
-    clipped = jnp.clip(group, 0, sizes.shape[0] - 1)
-    offset = rows - starts[clipped]
-    return jnp.where((group >= 0) & (offset < sizes[clipped]), first[clipped] + offset, m)
+def _layout_sources(dest_a, n_rows: int):
+    """int32 [n_rows]: the entry a whose dest_a[a] each row of a layout is, or len(dest_a) where
+    none is (an entry whose dest lies outside [0, n_rows) goes nowhere).  Rows are moved into a
+    layout by a gather through this map (`jnp.take(..., mode="fill")`), not by scattering them to
+    dest: XLA:GPU scatters 16-bit rows element by element with atomic compare-and-swap loops
+    where it cannot prove the indices unique, and the scatter in took longer than the Hopper
+    kernel itself (RESULTS.md, session 30); this scatters one int32 per entry."""
+    a = dest_a.shape[0]
+    dest = jnp.where((dest_a >= 0) & (dest_a < n_rows), dest_a, n_rows)  # a -1 would wrap to the last row
+    return jnp.full((n_rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32), mode="drop")
 
 
 def _check_gmm(what: str, k: int, lhs_dtype, rhs_gkn):
@@ -375,12 +368,11 @@ def through_padded_layout(lhs_mk, group_sizes_g, block_m: int, run):
     """A grouped GEMM's contract by a kernel on the group-aligned layout: lhs [M, K] rows sorted
     by group, group_sizes [G] -> run(tile_group [n_tiles], x_pad [n_tiles * block_m, K]) ->
     [n_tiles * block_m, N] -> [M, N] in lhs's dtype (rows past the groups' sum give 0): the
-    rows scattered in, the outputs gathered back."""
+    rows gathered in (`_layout_sources`), the outputs gathered back."""
     m = lhs_mk.shape[0]
     n_tiles = _n_tiles(m, group_sizes_g.shape[0], block_m)
     dest, tile_group = _padded_layout(group_sizes_g, m, block_m, n_tiles)
-    x_pad = jnp.take(lhs_mk, _padded_sources(group_sizes_g, m, block_m, n_tiles), axis=0, mode="fill",
-                     fill_value=0)
+    x_pad = jnp.take(lhs_mk, _layout_sources(dest, n_tiles * block_m), axis=0, mode="fill", fill_value=0)
     out = run(tile_group, x_pad)
     return jnp.where((dest >= 0)[:, None], out[jnp.maximum(dest, 0)], 0).astype(lhs_mk.dtype)
 
@@ -478,13 +470,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
-    def scattered():
-        """x's rows in the layout: each layout row's assignment (n * k where none) by a scatter of
-        int32 indices, then a gather of rows (`_padded_sources` says why not a scatter of rows);
-        assignment a is row a // k."""
-        source = jnp.full((n_tiles * block_m,), n * k, jnp.int32).at[dest].set(
-            jnp.arange(n * k, dtype=jnp.int32), mode="drop")
-        return jnp.take(x_nl, source // k, axis=0, mode="fill", fill_value=0)
+    def scattered():  # x's rows in the layout: assignment a is row a // k
+        return jnp.take(x_nl, _layout_sources(dest, n_tiles * block_m) // k, axis=0, mode="fill", fill_value=0)
 
     if hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
         t_gu, t_down = tiling

@@ -154,13 +154,14 @@ def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rn
 
 @pytest.mark.parametrize("m, g, block_m, short", [(300, 8, 64, 0), (37, 5, 16, 9), (200, 4, 128, 200)])
 def test_the_layouts_source_map_is_the_inverse_of_its_dest(rng, m, g, block_m, short):
-    """The layout is filled by gathering through `_padded_sources`: each layout row takes the
+    """The layout is filled by gathering through `_layout_sources`: each layout row takes the
     sorted row whose dest it is, and rows no sorted row goes to (empty experts, a last tile's
-    tail, rows past the groups' sum: `short` of them, all when short = m) take none."""
+    tail, rows past the groups' sum: `short` of them with dest -1, all when short = m) take
+    none."""
     sizes = np.asarray(_groups(rng, m - short, g, empty=(1, 2))) if short < m else np.zeros(g, np.int32)
     n_tiles = moe_module._n_tiles(m, g, block_m)
     dest, _ = moe_module._padded_layout(jnp.asarray(sizes), m, block_m, n_tiles)
-    src = np.asarray(moe_module._padded_sources(jnp.asarray(sizes), m, block_m, n_tiles))
+    src = np.asarray(moe_module._layout_sources(dest, n_tiles * block_m))
     want = np.full(n_tiles * block_m, m)
     dest = np.asarray(dest)
     want[dest[dest >= 0]] = np.arange(m)[dest >= 0]
