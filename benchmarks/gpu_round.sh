@@ -3,7 +3,7 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
@@ -21,6 +21,23 @@ run() {  # run NAME SECONDS CMD...: CMD's output in $OUT/NAME.txt, its tail prin
 }
 nvidia-smi -L | tee "$OUT/gpu.txt"
 case $round in
+  first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
+    mkdir -p "$OUT"/{kda,moe}
+    run gpu_changed 250 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py \
+      tests/gpu/test_fp32_kernels.py tests/gpu/test_hopper_kernels.py -k "moe_hopper or fused_recurrent or prefill_at"
+    run moe_gemm 170 python3 benchmarks/moe.py --sections gemm,ffn --cases "small prefill T2048,k3 rank prefill" \
+      --out "$OUT/moe"
+    run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
+    ;;
+  second)  # the rest of `kernels` and `attention` that matters most
+    mkdir -p "$OUT"/{layout,mla,mx}
+    run mla_prefill 170 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
+      --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
+    run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
+    run gpu_rest 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
+      -k "kda_chunk or mla_prefill"
+    ;;
   tests)  # every kernel changed since its last GPU run, against its reference
     run gpu_moe 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
     run gpu_kernels 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
