@@ -35,6 +35,9 @@ case $round in
       --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
     run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
     run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
+    run ncu 150 ncu --clock-control none --kernel-name regex:'kda|recurrent|mxfp4|moe_grouped|kernel|mosaic' \
+      --launch-count 14 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy --section LaunchStats python3 benchmarks/ncu_probe.py
     run gpu_rest 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
       -k "kda_chunk or mla_prefill"
     ;;

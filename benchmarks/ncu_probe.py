@@ -1,0 +1,96 @@
+"""A few launches of the kernels whose gap to their ceiling is not yet explained, for Nsight
+Compute to read their hardware counters (achieved DRAM throughput, stall reasons, occupancy,
+registers).  Issue 22's KDA decode (ours vs fla at B256) and issue 20's MXFP4 expert GEMM (the
+Hopper kernels vs the bf16 Pallas grouped GEMM at the full-scale rank, 32 rows).
+
+Inputs are built on the host and put on the device, so the first kernels launched are the ones
+probed.  On the GPU machine (Firecracker runtime; ncu leaves the clocks alone)::
+
+    ncu --clock-control none --kernel-name regex:'kda|recurrent|mxfp4|moe_grouped|_kernel' \
+        --launch-count 12 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python3 benchmarks/ncu_probe.py --what kda,mxfp4
+
+With --time (not under ncu) it prints each side's time (back to back, one sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import common
+
+
+def probe_kda(timed: bool, b: int = 256, h: int = 32, d: int = 128, reps: int = 3):
+    from pallas_kernels import kda
+
+    rng = np.random.default_rng(0)
+    put = lambda a, dt: jax.device_put(np.asarray(a, np.float32)).astype(dt)
+    q, k = (put(rng.standard_normal((b, 1, h, d)) / np.sqrt(d), jnp.bfloat16) for _ in range(2))
+    v = put(rng.standard_normal((b, 1, h, d)), jnp.bfloat16)
+    g = put(-np.abs(rng.standard_normal((b, 1, h, d))) * 0.1, jnp.bfloat16)
+    beta = put(rng.uniform(0, 1, (b, 1, h)), jnp.bfloat16)
+    pool = put(rng.standard_normal((2 * b, h, d, d)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(2 * b)[:b], jnp.int32)
+    n_acc = jnp.ones((b,), jnp.int32)
+    step = jax.jit(functools.partial(kda._fused_recurrent_core, scale=d ** -0.5, block_v=32, interpret=False,
+                                     num_warps=4), donate_argnums=5)
+    for _ in range(reps):
+        _, pool = step(q, k, v, g, beta, pool, slots, n_acc)
+    if timed:
+        ms = common.time_pipelined(lambda p: step(q, k, v, g, beta, p, slots, n_acc)[1], pool)[0]
+        print(f"kda decode B{b} H{h} D{d}: ours {ms:.4f} ms", flush=True)
+    try:
+        import torch
+        from fla.ops.kda import fused_recurrent_kda
+    except ImportError:
+        return
+    tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(
+        torch.float32 if x.dtype == jnp.float32 else torch.bfloat16)
+    tq, tk, tv, tg, tb = (tt(x) for x in (q, k, v, g, beta))
+    h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
+    for _ in range(reps):
+        fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=h0, output_final_state=True)
+    torch.cuda.synchronize()
+
+
+def probe_mxfp4(timed: bool, rows: int = 32, reps: int = 2):
+    from benchmarks.quant_gemm import EXPERTS, _uniform_sizes, random_mxfp4
+    from pallas_kernels import moe, moe_mxfp4_hopper, mxfp4
+
+    rng = np.random.default_rng(0)
+    g, k, n = EXPERTS["full EP16 rank gate+up"]
+    q = random_mxfp4(rng, g, k, n)
+    packed = mxfp4.PackedMXFP4(q.values, q.scales)
+    w16 = jax.jit(lambda v, s: mxfp4.dequantize(v, s).astype(jnp.bfloat16))(q.values, q.scales)
+    hop = jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, "bits")
+    x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+    sizes = _uniform_sizes(rng, rows, g)
+    sides = {"bf16": (jax.jit(moe.grouped_matmul), w16), "triton_mxfp4": (jax.jit(moe.grouped_matmul), packed)}
+    for ws, bn in ((0, 128), (1, 64)):
+        sides[f"hopper_ws{ws}"] = (jax.jit(functools.partial(
+            moe_mxfp4_hopper.grouped_matmul, block_m=16, block_n=bn, block_k=128, steps=4, code_tile=64,
+            decode="bits", warp_specialized=bool(ws))), hop)
+    for name, (fn, w) in sides.items():
+        for _ in range(reps):
+            jax.block_until_ready(fn(x, w, sizes))
+        if timed:
+            print(f"mxfp4 rows {rows}: {name} {common.time_pipelined(fn, x, w, sizes)[0]:.4f} ms", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--what", default="kda,mxfp4")
+    ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
+    args = ap.parse_args()
+    for what in args.what.split(","):
+        {"kda": probe_kda, "mxfp4": probe_mxfp4}[what](args.time)
+
+
+if __name__ == "__main__":
+    main()
