@@ -3,7 +3,7 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
@@ -29,16 +29,21 @@ case $round in
       --out "$OUT/moe"
     run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
     ;;
-  second)  # the rest of `kernels` and `attention` that matters most
-    mkdir -p "$OUT"/{layout,mla,mx}
-    run mla_prefill 170 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
+  second)  # the persistent MLA prefill's verdict, Nsight Compute on the unexplained gaps, MXFP4's target
+    mkdir -p "$OUT"/{mla,mx}
+    run mla_prefill 150 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
       --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
-    run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    for what in kda mxfp4 kda_prefill; do  # hardware counters: KDA decode vs fla, MXFP4 vs bf16, KDA prefill vs fla
+      run ncu_$what 80 ncu --clock-control none --kernel-name regex:'kda|recurrent|mxfp4|moe_grouped|kernel|mosaic|chunk' \
+        --launch-count 24 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats python3 benchmarks/ncu_probe.py --what $what
+    done
+    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    ;;
+  third)  # what the first two leave
+    mkdir -p "$OUT"/layout
     run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
-    run ncu 150 ncu --clock-control none --kernel-name regex:'kda|recurrent|mxfp4|moe_grouped|kernel|mosaic' \
-      --launch-count 14 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section Occupancy --section LaunchStats python3 benchmarks/ncu_probe.py
-    run gpu_rest 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
+    run gpu_rest 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
       -k "kda_chunk or mla_prefill"
     ;;
   tests)  # every kernel changed since its last GPU run, against its reference

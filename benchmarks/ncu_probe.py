@@ -1,7 +1,8 @@
 """A few launches of the kernels whose gap to their ceiling is not yet explained, for Nsight
 Compute to read their hardware counters (achieved DRAM throughput, stall reasons, occupancy,
 registers).  Issue 22's KDA decode (ours vs fla at B256) and issue 20's MXFP4 expert GEMM (the
-Hopper kernels vs the bf16 Pallas grouped GEMM at the full-scale rank, 32 rows).
+Hopper kernels vs the bf16 Pallas grouped GEMM at the full-scale rank, 32 rows); KDA prefill
+(ours with a state every 128 tokens vs fla's `chunk_kda`, B1 T8192 H32).
 
 Inputs are built on the host and put on the device, so the first kernels launched are the ones
 probed.  On the GPU machine (Firecracker runtime; ncu leaves the clocks alone)::
@@ -83,13 +84,35 @@ def probe_mxfp4(timed: bool, rows: int = 32, reps: int = 2):
             print(f"mxfp4 rows {rows}: {name} {common.time_pipelined(fn, x, w, sizes)[0]:.4f} ms", flush=True)
 
 
+def probe_kda_prefill(timed: bool, b: int = 1, t: int = 8192, h: int = 32, d: int = 128):
+    """One call of ours (a state every 128 tokens) and one of fla's `chunk_kda`: each kernel of
+    both (ours: prepare / intra, solve, state passes) once."""
+    from benchmarks.kda import inputs
+    from pallas_kernels import kda
+
+    q, k, v, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
+    ours = jax.jit(functools.partial(kda.chunk_kda, checkpoint_positions=list(range(128, t + 1, 128))))
+    jax.block_until_ready(ours(q, k, v, g, beta))
+    if timed:
+        print(f"kda prefill B{b} T{t} H{h}: ours {common.time_pipelined(ours, q, k, v, g, beta)[0]:.4f} ms")
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return
+    tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()
+    tq, tk, tv, tb = (tt(x).to(torch.bfloat16) for x in (q, k, v, beta))
+    chunk_kda(tq, tk, tv, tt(g), tb, output_final_state=True)
+    torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", default="kda,mxfp4")
     ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
     args = ap.parse_args()
     for what in args.what.split(","):
-        {"kda": probe_kda, "mxfp4": probe_mxfp4}[what](args.time)
+        {"kda": probe_kda, "mxfp4": probe_mxfp4, "kda_prefill": probe_kda_prefill}[what](args.time)
 
 
 if __name__ == "__main__":
