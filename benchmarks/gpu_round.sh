@@ -22,29 +22,32 @@ run() {  # run NAME SECONDS CMD...: CMD's output in $OUT/NAME.txt, its tail prin
 nvidia-smi -L | tee "$OUT/gpu.txt"
 case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
-    mkdir -p "$OUT"/{kda,moe}
-    run gpu_changed 250 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py \
-      tests/gpu/test_fp32_kernels.py tests/gpu/test_hopper_kernels.py -k "moe_hopper or fused_recurrent or prefill_at"
-    run moe_gemm 170 python3 benchmarks/moe.py --sections gemm,ffn --cases "small prefill T2048,k3 rank prefill" \
-      --out "$OUT/moe"
+    mkdir -p "$OUT"/{kda,kdap}
+    run gpu_changed 270 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
+      tests/gpu/test_hopper_kernels.py -k "kda_chunk or fused_recurrent or prefill_at"
+    run kda_prefill 180 python3 benchmarks/kda.py --sections prefill --budget-s 150 --out "$OUT/kdap"
     run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
     ;;
-  second)  # the persistent MLA prefill's verdict, Nsight Compute on the unexplained gaps, MXFP4's target
+  second)  # Nsight Compute on the gaps still unexplained (each probe a few launches), then MoE's k3 FFN
+    mkdir -p "$OUT"/{moe,layout}
+    ncu_run() {  # ncu_run NAME REGEX PROBE-ARGS...: the matching kernels' counters
+      local name=$1 regex=$2; shift 2
+      run "ncu_$name" 90 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name "regex:$regex" \
+        --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis python3 benchmarks/ncu_probe.py "$@"
+    }
+    ncu_run kda '^(kda_fused_recurrent|fused_recurrent_kda_fwd_kernel)$' --what kda
+    ncu_run kda_prefill '^kda_' --what kda_prefill --tuning '{"intra_k_parts": 2}'
+    ncu_run mxfp4 'mxfp4|_kernel$' --what mxfp4
+    run moe_ffn 150 python3 benchmarks/moe.py --sections ffn --cases "k3 rank prefill" --out "$OUT/moe"
+    run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
+    ;;
+  third)  # the MLA and MXFP4 rows still open
     mkdir -p "$OUT"/{mla,mx}
     run mla_prefill 150 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
       --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
-    for what in kda mxfp4 kda_prefill; do  # hardware counters: KDA decode vs fla, MXFP4 vs bf16, KDA prefill vs fla
-      run ncu_$what 80 ncu --clock-control none --kernel-name regex:'kda|recurrent|mxfp4|moe_grouped|kernel|mosaic|chunk' \
-        --launch-count 24 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section LaunchStats python3 benchmarks/ncu_probe.py --what $what
-    done
-    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
-    ;;
-  third)  # what the first two leave
-    mkdir -p "$OUT"/layout
-    run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
-    run gpu_rest 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
-      -k "kda_chunk or mla_prefill"
+    run mxfp4 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+      --tilings "16,128,128,4,128,0;16,128,256,4,128,0;16,64,256,4,128,0" --out "$OUT/mx"
     ;;
   tests)  # every kernel changed since its last GPU run, against its reference
     run gpu_moe 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py

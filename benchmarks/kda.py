@@ -36,6 +36,7 @@ try:
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
     from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fused_recurrent_kda_fwd
 except Exception as e:  # noqa: BLE001 - the peer is optional
     print(f"fla unavailable ({e!r}); peer columns stay empty", file=sys.stderr)
     torch = None
@@ -168,10 +169,11 @@ def section_modes(rows, t=16384, h=32, d=128):
 
 
 def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, reps=50,
-                   tilings=((64, 4), (32, 4), (32, 2), (16, 1), (32, 1), (16, 2))):
+                   tilings=((32, 4), (64, 4), (32, 2), (32, 1), (64, 8))):
     """Ours at each (block_v, num_warps) (the first is the default; each checked against it) vs
     fla's `fused_recurrent_kda` (fla 0.6: 32 columns a program on 4 warps, 2 stages), same inputs
-    and state."""
+    and state, and vs fla's kernel as vLLM calls it for decode (`fused_recurrent_kda_fwd` on a
+    state pool by slot, in place: our exact work; its outputs checked against ours)."""
     for b in batches:
         q, k, v, g, beta = inputs(jax.random.PRNGKey(3), b, 1, h, d, jnp.bfloat16)
         n_slots = b * 2
@@ -205,8 +207,28 @@ def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, rep
             h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
             ms_fla = time_torch(lambda: fla_fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=h0,
                                                                 output_final_state=True), iters=50)
+        # fla as vLLM's decode calls it: states in a pool by slot, updated in place (our work exactly;
+        # `out` given, so no memset), checked against ours on the same pool first
+        ms_fla_pool = fla_pool_err = None
+        if torch is not None:
+            pool_t = to_torch(jnp.copy(pool))
+            slots_t = to_torch(slots)
+            out_t = torch.empty_like(tv)
+            fla_pool = lambda: fla_fused_recurrent_kda_fwd(tq, tk, tv, tg, tb, initial_state=pool_t, scale=d ** -0.5,
+                                                           inplace_final_state=True, ssm_state_indices=slots_t,
+                                                           out=out_t)
+            fla_pool()
+            torch.cuda.synchronize()
+            o_ours, pool_ours = kda._fused_recurrent_core(q, k, v, g, beta, jnp.copy(pool), slots,
+                                                           jnp.ones((b,), jnp.int32), scale=d ** -0.5, block_v=32,
+                                                           interpret=False)
+            fla_pool_err = max(rel_err(np.asarray(out_t.float().cpu()), np.asarray(o_ours, np.float32)),
+                               rel_err(np.asarray(pool_t.cpu())[np.asarray(slots)], np.asarray(pool_ours[slots])))
+            ms_fla_pool = time_torch(fla_pool, iters=50)
         rows.append(dict(section="decode", case=f"B{b} T1 H{h} D{d} bf16", ours_ms=ms, best_tiling=best,
                          ours_default_ms=ms_by.get(f"{tilings[0][0]},{tilings[0][1]}"), fla_ms=ms_fla,
+                         fla_pool_ms=ms_fla_pool, fla_pool_rel_err_vs_ours=fla_pool_err,
+                         ours_vs_fla_pool=(ms / ms_fla_pool) if ms_fla_pool else None,
                          ours_vs_fla=(ms / ms_fla) if ms_fla else None,
                          ours_gbs=state_bytes / (ms * 1e-3) / 1e9,
                          fla_gbs=(state_bytes / (ms_fla * 1e-3) / 1e9) if ms_fla else None,
@@ -221,9 +243,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="correctness,prefill,modes,decode")
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
-    ap.add_argument("--tunings", default='[{}, {"state_o": "split"}, {"prepare_impl": "split_rows"}, '
-                    '{"prepare_impl": "split_rows", "intra_rows": [8, 1]}, '
-                    '{"prepare_impl": "split_rows", "state_o": "split"}]',
+    ap.add_argument("--tunings", default='[{}, {"intra_k_parts": 2}, {"intra_k_parts": 4}, '
+                    '{"intra_k_parts": 2, "intra": [4, 1]}, {"intra_k_parts": 4, "intra": [4, 1]}]',
                     help='JSON list of kda.TUNING overrides to time in the prefill section, e.g. '
                          '\'[{}, {"gcum": "xla"}, {"prepare_impl": "fused"}]\' ({} = the defaults)')
     ap.add_argument("--prepare-impl", default="split",

@@ -19,6 +19,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+
+# ncu saves and restores every device allocation around each replayed kernel: without this, JAX's
+# 75% preallocation made each kernel's replay take most of a minute (session 31)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
@@ -84,14 +90,15 @@ def probe_mxfp4(timed: bool, rows: int = 32, reps: int = 2):
             print(f"mxfp4 rows {rows}: {name} {common.time_pipelined(fn, x, w, sizes)[0]:.4f} ms", flush=True)
 
 
-def probe_kda_prefill(timed: bool, b: int = 1, t: int = 8192, h: int = 32, d: int = 128):
+def probe_kda_prefill(timed: bool, tuning=None, b: int = 1, t: int = 8192, h: int = 32, d: int = 128):
     """One call of ours (a state every 128 tokens) and one of fla's `chunk_kda`: each kernel of
     both (ours: prepare / intra, solve, state passes) once."""
     from benchmarks.kda import inputs
     from pallas_kernels import kda
 
     q, k, v, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16)
-    ours = jax.jit(functools.partial(kda.chunk_kda, checkpoint_positions=list(range(128, t + 1, 128))))
+    ours = jax.jit(functools.partial(kda.chunk_kda, checkpoint_positions=list(range(128, t + 1, 128)),
+                                     tuning=tuning))
     jax.block_until_ready(ours(q, k, v, g, beta))
     if timed:
         print(f"kda prefill B{b} T{t} H{h}: ours {common.time_pipelined(ours, q, k, v, g, beta)[0]:.4f} ms")
@@ -110,9 +117,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", default="kda,mxfp4")
     ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
+    ap.add_argument("--tuning", default="", help='kda.TUNING overrides for kda_prefill, JSON: {"intra_k_parts": 2}')
     args = ap.parse_args()
     for what in args.what.split(","):
-        {"kda": probe_kda, "mxfp4": probe_mxfp4, "kda_prefill": probe_kda_prefill}[what](args.time)
+        if what == "kda_prefill":
+            probe_kda_prefill(args.time, tuple(json.loads(args.tuning).items()) if args.tuning else None)
+        else:
+            {"kda": probe_kda, "mxfp4": probe_mxfp4}[what](args.time)
 
 
 if __name__ == "__main__":

@@ -384,7 +384,7 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 
 
 def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
-                        interpret, algorithm):
+                        interpret, algorithm, k_parts=1):
     """One (chunk, head): q, k, g [C, K], beta [C] in; q exp(G), k exp(G_C - G)
     [C, K], A_qk [C, C], exp(G_C) [K] out, plus A_kk [C, C] (times beta, strictly
     lower) and beta exp(G) k [C, K] for `_split_solve_kernel`.
@@ -395,35 +395,52 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     kept by a row-block mask.  The four full dots cost 4x the FLOPs of the
     causal tiles, but tensor cores have them to spare, while per-sub-block
     scans and ref re-reads made the earlier version latency-bound.
+
+    k_parts (TUNING["intra_k_parts"]): K taken in that many column slices, one after another.
+    Everything but the two [C, C] accumulators is per column of K (the scan, the decays, the
+    outputs), and A is a sum over K, so a slice's arrays die before the next is loaded: the
+    whole-K kernel holds ~ten [C, K] fp32 arrays and spills at 8 warps (255 registers, 1.6 M
+    local-memory requests at B1 T8192 H32 on an H100, RESULTS.md session 31).
     """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
-    g_all = jnp.cumsum(g_ref[...].astype(f32), axis=0)  # G, [C, K]
-    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
-    block = jax.lax.div(row, SUB)
-    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
-    de_ref[...] = jnp.exp(g_end)
-    q, k, beta = q_ref[...].astype(f32), k_ref[...].astype(f32), beta_ref[...].astype(f32)
-    exp_g = jnp.exp(g_all)
-    qd_ref[...] = (q * exp_g).astype(qd_ref.dtype)
-    ke_ref[...] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
-    kbg_ref[...] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
-    # R_i = G just before row block i (0 for i = 0), and each row's own R.
-    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
-                                      for i in range(1, CHUNK // SUB)]
-    ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
-    row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
-    kd, qd = k * row_decay, q * row_decay
+    dk = q_ref.shape[-1]
+    kp = dk // k_parts
+    beta = beta_ref[...].astype(f32)
     t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     t_block = jax.lax.div(t, SUB)
-    akk = jnp.zeros((CHUNK, CHUNK), f32)
-    aqk = jnp.zeros((CHUNK, CHUNK), f32)
-    for i, r in enumerate(refs):
-        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
-        mine = t_block == i
-        akk = akk + jnp.where(mine & (s < t), dot(kd, kr.T), 0.0)
-        aqk = aqk + jnp.where(mine & (s <= t), dot(qd, kr.T), 0.0)
+
+    def part(cols, akk, aqk):
+        g_all = jnp.cumsum(g_ref[:, cols].astype(f32), axis=0)  # G, [C, Kp]
+        row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
+        block = jax.lax.div(row, SUB)
+        g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [Kp]
+        de_ref[cols] = jnp.exp(g_end)
+        q, k = q_ref[:, cols].astype(f32), k_ref[:, cols].astype(f32)
+        exp_g = jnp.exp(g_all)
+        qd_ref[:, cols] = (q * exp_g).astype(qd_ref.dtype)
+        ke_ref[:, cols] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
+        kbg_ref[:, cols] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
+        # R_i = G just before row block i (0 for i = 0), and each row's own R.
+        refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
+                                          for i in range(1, CHUNK // SUB)]
+        ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
+        row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
+        kd, qd = k * row_decay, q * row_decay
+        for i, r in enumerate(refs):
+            kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
+            mine = t_block == i
+            akk = akk + jnp.where(mine & (s < t), dot(kd, kr.T), 0.0)
+            aqk = aqk + jnp.where(mine & (s <= t), dot(qd, kr.T), 0.0)
+        return akk, aqk
+
+    zeros = jnp.zeros((CHUNK, CHUNK), f32)
+    if k_parts == 1:
+        akk, aqk = part(slice(None), zeros, zeros)
+    else:  # a loop, not unrolled: each slice's arrays are dead before the next slice's loads
+        akk, aqk = jax.lax.fori_loop(0, k_parts, lambda j, acc: part(pl.ds(pl.multiple_of(j * kp, kp), kp), *acc),
+                                     (zeros, zeros))
     akk_ref[...] = (akk * beta[:, None]).astype(akk_ref.dtype)
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
@@ -542,6 +559,9 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
 # fewer than 96 programs (sequences x heads x V / 64) for 132 SMs.  H200, B1 T32768 H32
 # (64 programs at 64): 3.34 ms at 32 vs 3.43 at 64, with a state exported every 128
 # tokens ~0.2 vs ~0.4 ms more; B8 T4096 H32 3.03 at 64 vs 3.51; B4 T8192 H12 1.32 vs 1.54.
+# "intra_k_parts": the whole-chunk intra kernel takes K in that many column slices one after
+# another (1, 2 or 4 at K 128), so fewer arrays are live; a candidate until measured (the
+# kernel spills at 1: RESULTS.md, session 31).
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
 # "state_o": "fused" (the state pass computes o in its loop: four dots a chunk) or "split"
@@ -550,7 +570,7 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
 # traffic, a shorter serial loop; not yet measured, so not the default).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
           "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "state_o": "fused",
-          "o": (4, 2), "intra_rows": (4, 1)}
+          "o": (4, 2), "intra_rows": (4, 1), "intra_k_parts": 1}
 STATE_O_IMPLS = ("fused", "split")
 PREPARE_IMPLS = ("fused", "split", "split_rows")
 
@@ -647,8 +667,11 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
             compiler_params=_params("intra_rows", tuning),
             name="kda_split_intra_rows",
         )(q, k, g, beta)
+    k_parts = int(_tuned(tuning)["intra_k_parts"])
+    if k_parts < 1 or dk % k_parts or (dk // k_parts) % 16:
+        raise ValueError(f"intra_k_parts must split K={dk} into slices of a multiple of 16 columns; got {k_parts}")
     return pl.pallas_call(
-        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm),
+        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm, k_parts=k_parts),
         grid=(nt, h),
         in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dk), _BETA_BLK],
         out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),

@@ -100,20 +100,25 @@ def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 192, 2, 32, 16)
     args = [x[0] for x in (q, k, v, g * gate_scale, beta)]  # [T, H, ...], T a multiple of 64
     fused = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "fused"),))
-    for impl in ("split", "split_rows"):  # split_rows: the intra kernel a program per 16-row block
-        split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", impl),))
+    # split_rows: the intra kernel a program per 16-row block; k_parts 2: the whole-chunk one
+    # taking K in two 16-column slices, one after the other
+    for impl, k_parts in (("split", 1), ("split_rows", 1), ("split", 2)):
+        split = kda_mod._chunk_prepare_call(*args, interpret=True,
+                                            tuning=(("prepare_impl", impl), ("intra_k_parts", k_parts)))
         for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
-            assert a.shape == b.shape and a.dtype == b.dtype, (impl, name)
-            assert np.isfinite(b).all(), (impl, name)
+            assert a.shape == b.shape and a.dtype == b.dtype, (impl, k_parts, name)
+            assert np.isfinite(b).all(), (impl, k_parts, name)
             # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
             # exponents carry ~1e-5 absolute rounding).
-            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=f"{impl} {name}")
+            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=f"{impl} k_parts {k_parts} {name}")
 
 
 def test_unknown_prepare_impl_is_refused(rng):
     q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
     with pytest.raises(ValueError, match="prepare_impl"):
         chunk_kda(q, k, v, g, beta, tuning={"prepare_impl": "nope"})
+    with pytest.raises(ValueError, match="intra_k_parts"):  # 16 columns cannot be cut in two 16-column slices
+        chunk_kda(q, k, v, g, beta, tuning={"intra_k_parts": 2})
 
 
 def test_replay_baselines_produce_the_same_states_as_export(rng):

@@ -118,16 +118,19 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
                                 S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
 
 
-@pytest.mark.parametrize("state_o, prepare_impl", [("fused", "split"), ("split", "split"), ("fused", "split_rows")])
-def test_chunk_kda_prefill_with_either_output_pass(state_o, prepare_impl):
+@pytest.mark.parametrize("state_o, prepare_impl, k_parts", [("fused", "split", 1), ("split", "split", 1),
+                                                             ("fused", "split_rows", 1), ("fused", "split", 4)])
+def test_chunk_kda_prefill_with_either_output_pass(state_o, prepare_impl, k_parts):
     """The prefill's kernels at the model's head dims, bf16, a state exported every 128 tokens:
-    the split prepare (two kernels; its intra kernel whole-chunk or a program per 16-row block)
+    the split prepare (two kernels; its intra kernel whole-chunk, whole-chunk over K in four
+    slices, or a program per 16-row block)
     and the state pass, with o in its loop ("fused", one call) or from a parallel kernel after
     it ("split", two)."""
     t, h, d = 1024, 4, 128
     fn = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, output_final_state=True,
                                                 checkpoint_positions=list(range(128, t + 1, 128)), interpret=False,
-                                                tuning={"state_o": state_o, "prepare_impl": prepare_impl})
+                                                tuning={"state_o": state_o, "prepare_impl": prepare_impl,
+                                                        "intra_k_parts": k_parts})
     calls = lowered_triton_calls(fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32),
                                  S((1, t, h), BF16))
     assert calls == (4 if state_o == "split" else 3)
