@@ -428,11 +428,11 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
         ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
         row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
         kd, qd = k * row_decay, q * row_decay
-        for i, r in enumerate(refs):
+        for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
             kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
             mine = t_block == i
-            akk = akk + jnp.where(mine & (s < t), dot(kd, kr.T), 0.0)
-            aqk = aqk + jnp.where(mine & (s <= t), dot(qd, kr.T), 0.0)
+            akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
+            aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
         return akk, aqk
 
     zeros = jnp.zeros((CHUNK, CHUNK), f32)
@@ -441,8 +441,8 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     else:  # a loop, not unrolled: each slice's arrays are dead before the next slice's loads
         akk, aqk = jax.lax.fori_loop(0, k_parts, lambda j, acc: part(pl.ds(pl.multiple_of(j * kp, kp), kp), *acc),
                                      (zeros, zeros))
-    akk_ref[...] = (akk * beta[:, None]).astype(akk_ref.dtype)
-    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    akk_ref[...] = (jnp.where(s < t, akk, 0.0) * beta[:, None]).astype(akk_ref.dtype)
+    aqk_ref[...] = jnp.where(s <= t, aqk, 0.0).astype(aqk_ref.dtype)
 
 
 def _split_intra_rows_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
