@@ -33,7 +33,7 @@ import numpy as np
 from benchmarks import common
 
 
-def probe_kda(timed: bool, b: int = 256, h: int = 32, d: int = 128, reps: int = 3):
+def probe_kda(timed: bool, b: int = 256, h: int = 32, d: int = 128, reps: int = 2):
     from pallas_kernels import kda
 
     rng = np.random.default_rng(0)
@@ -55,14 +55,20 @@ def probe_kda(timed: bool, b: int = 256, h: int = 32, d: int = 128, reps: int = 
     try:
         import torch
         from fla.ops.kda import fused_recurrent_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except ImportError:
         return
     tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(
         torch.float32 if x.dtype == jnp.float32 else torch.bfloat16)
     tq, tk, tv, tg, tb = (tt(x) for x in (q, k, v, g, beta))
     h0 = torch.randn(b, h, d, d, device="cuda", dtype=torch.float32)
-    for _ in range(reps):
+    for _ in range(reps):  # fla's own call: a fresh final state
         fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=h0, output_final_state=True)
+    pool_t = torch.randn(2 * b, h, d, d, device="cuda", dtype=torch.float32)
+    slots_t, out = tt(slots.astype(jnp.float32)).to(torch.int32), torch.empty_like(tv)
+    for _ in range(reps):  # as vLLM calls it: the pool by slot, in place (our work)
+        fused_recurrent_kda_fwd(tq, tk, tv, tg, tb, initial_state=pool_t, inplace_final_state=True,
+                                ssm_state_indices=slots_t, out=out)
     torch.cuda.synchronize()
 
 
