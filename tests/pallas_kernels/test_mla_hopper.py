@@ -56,6 +56,14 @@ def test_the_model_head_dims_with_128_key_blocks(rng):
     _check(o, lse, q, k, v, cu, 192 ** -0.5)
 
 
+def test_one_prompt_of_whole_tiles_takes_the_reshaped_layout(rng):
+    """A prompt of exactly two query tiles (2 x 2 x 64 rows): no padding, the layout is a reshape
+    in and out (`PrefillLayout.dense`), and the output rows land where the packed rows were."""
+    q, k, v, cu = _inputs(rng, [256], 2, 128, 64)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=128 ** -0.5, block_kv=64, steps=2)
+    _check(o, lse, q, k, v, cu, 128 ** -0.5)
+
+
 @pytest.mark.parametrize("block_kv, steps, sms", [(64, 2, 2), (128, 3, 3), (64, 3, 1)])
 def test_persistent_ctas_walk_many_tiles_on_one_ring(rng, block_kv, steps, sms):
     """Persistent: a few CTAs take every tile (three sequences, two heads, query tiles of

@@ -109,6 +109,31 @@ def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix, block, bl
     np.testing.assert_allclose(lse, lse_ref, atol=ATOL, rtol=RTOL)
 
 
+def test_sequences_of_whole_query_tiles_are_laid_out_by_a_reshape_and_give_the_reference(rng):
+    """Every sequence exactly lq tokens (here two of 32, query tiles of 16): the packed rows are
+    already [N, lq] row-major, so the layout around the kernel is a reshape (no gather in the
+    program), the padded path's values, and the prefill still equals the reference, with a
+    cached prefix as well."""
+    from pallas_kernels.mla import PrefillLayout
+
+    h, r, p, nope, dv, page = 2, 32, 8, 16, 16, 32
+    lens, cu = [32, 32], np.array([0, 32, 64])
+    q, k, v = _rand(rng, 64, h, nope + p), _rand(rng, 64, h, nope + p), _rand(rng, 64, h, dv)
+    lay = PrefillLayout(q, k, v, cu, None, q_multiple=16, k_multiple=16)
+    assert lay.dense and not PrefillLayout(q, k, v, np.array([0, 30, 64]), None, q_multiple=16, k_multiple=16).dense
+    slow = jnp.where(jnp.asarray(lay.valid)[..., None, None], q[jnp.asarray(np.maximum(lay.src, 0))], 0)
+    np.testing.assert_array_equal(lay.gather(q), slow)
+    assert "gather" not in str(jax.make_jaxpr(lay.gather)(q))
+    pages, table = _paged(rng, 2, 8, page, r + p, 4)
+    for prefix in (None, LatentPrefix(pages, table, jnp.asarray([40, 0]), _rand(rng, r, h, nope) * 0.2,
+                                      _rand(rng, r, h, dv) * 0.2)):
+        o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=16, block_k=16)
+        o_ref, lse_ref = mla_prefill_ref(q, k, v, cu_seqlens=cu, scale=0.2, prefix=prefix)
+        assert o.shape == (64, h, dv)
+        np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(lse, lse_ref, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("t", [20, 3])
 def test_prefill_chunk_with_traced_prefix_lengths_equals_reference(rng, t):
     """A batch of chunks of T new tokens after prefixes of 37, 0 and 100 cached tokens, the
