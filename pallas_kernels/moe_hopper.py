@@ -228,7 +228,14 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 plgpu.wgmma_wait(0)
                 return accs
 
-            @pl.when(group >= 0)  # row tiles past the groups hold no row anyone reads
+            if ragged:  # `ragged_work(zero_tail=True)`'s group G: rows past the groups' sum get zeros
+                n_groups = w_gmem.shape[0]
+
+                @pl.when((group == n_groups) & (wg < 2))  # the two consumers, each its columns
+                def _():
+                    store(jnp.zeros((t.tile_m, t.tile_n), dtype))
+
+            @pl.when((group >= 0) & (group < w_gmem.shape[0]))  # row tiles past the groups: no row anyone reads
             def _():
                 w_g = w_gmem.at[group]
                 srcs = [w_g.at[:, pl.ds(h * n_out + ni * cta_n, cta_n)] for h in range(halves)]
@@ -281,15 +288,20 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
     return kernel(work, x, w_gkn)
 
 
-def ragged_work(group_sizes_g, m: int, tile_m: int):
+def ragged_work(group_sizes_g, m: int, tile_m: int, zero_tail: bool = False):
     """The work table of rows sorted by group: int32 [4, cdiv(m + 7 G, tile_m) + G], per work item
     (group, first row, lo, hi): the item computes rows [first, first + tile_m) and stores
     [first + lo, first + hi).  A group's items start at its first row rounded down to a multiple
     of 8 (the tiled TMA copies' row granularity) and step by tile_m: the row tiles the
     group-aligned layout would give it, without the padded copy, each block computed for one
-    group only.  -1 groups past the last item; rows past the groups' sum belong to no item."""
+    group only.  -1 groups past the last item; rows past the groups' sum belong to no item, or
+    with zero_tail to items of group G (the table then as for G + 1 groups), which store zeros:
+    `lax.ragged_dot`'s contract without a pass over the output."""
     g = group_sizes_g.shape[0]
     sizes = group_sizes_g.astype(jnp.int32)
+    if zero_tail:  # the rows past the groups' sum as one more group, G: its items store zeros
+        sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])
+        g += 1
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     first = starts // 8 * 8
@@ -310,15 +322,16 @@ def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling |
                interpret: bool = False):
     """Rows sorted by group, as they are (no padded copy): lhs [M, K] of a 16-bit dtype, w [G, K,
     N] of its dtype, group_sizes [G] -> [M, N] (act: as `gmm_padded`); rows past the groups' sum
-    are not written.  The work items are `ragged_work`'s; loads of a partial last block read
-    past M (TMA fills zeros), stores write only each item's rows."""
+    are zeros, stored by the kernel's own items (`ragged_work(zero_tail=True)`), not by a pass
+    over the output.  Loads of a partial last block read past M (TMA fills zeros), stores write
+    only each item's rows."""
     t = tiling or default_tiling(w_gkn.shape[2] // (1 if act is None else 2), act is not None)
     n_out = _check(lhs_mk, w_gkn, None, t, act)
     g = w_gkn.shape[0]
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
                          f"do not match ([G], [G, K, N])")
-    work = ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m)
+    work = ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m, zero_tail=True)
     return _launch(work, lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act, m_iters=work.shape[1], sms=sms,
                    interpret=interpret)
 
@@ -331,14 +344,12 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", bl
     of the rows in, a gather of the outputs back: `gmm_padded`)."""
     from pallas_kernels import moe
 
-    m = lhs_mk.shape[0]
     g = rhs_gkn.shape[0]
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
                          f"do not match ([G], [G, K, N])")
-    if layout == "ragged":
-        out = gmm_ragged(lhs_mk, rhs_gkn, group_sizes_g, tiling=tiling, sms=sms, interpret=interpret)
-        return jnp.where((jnp.arange(m) < jnp.sum(group_sizes_g))[:, None], out, 0).astype(lhs_mk.dtype)
+    if layout == "ragged":  # rows past the groups' sum: zeros from the kernel itself
+        return gmm_ragged(lhs_mk, rhs_gkn, group_sizes_g, tiling=tiling, sms=sms, interpret=interpret)
     if layout != "padded":
         raise ValueError(f"grouped GEMM (Hopper): layout must be 'ragged' or 'padded'; got {layout!r}")
     return moe.through_padded_layout(lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: gmm_padded(

@@ -108,6 +108,14 @@ def test_the_ragged_work_table_covers_every_row_once():
             owner[span] = group
         assert np.array_equal(owner[:sum(sizes)], np.repeat(np.arange(len(sizes)), sizes))
         assert np.all(owner[sum(sizes):] == -1)
+        # zero_tail: the rows past the groups become group G's, stored (as zeros) exactly once
+        tail = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile, zero_tail=True))
+        assert tail.shape == (4, -(-(m + 7 * (len(sizes) + 1)) // tile) + len(sizes) + 1)
+        owner = np.full(m, -1)
+        for group, row0, lo, hi in tail[:, tail[0] >= 0].T:
+            assert row0 % 8 == 0 and 0 <= lo < hi <= tile and np.all(owner[row0 + lo:row0 + hi] == -1)
+            owner[row0 + lo:row0 + hi] = group
+        assert np.array_equal(owner, np.repeat(np.arange(len(sizes) + 1), list(sizes) + [m - sum(sizes)]))
 
 
 def test_ops_grouped_matmul_takes_the_hopper_kernel_where_asked(monkeypatch):
