@@ -42,10 +42,10 @@ case $round in
     run moe_ffn 150 python3 benchmarks/moe.py --sections ffn --cases "k3 rank prefill" --out "$OUT/moe"
     run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
     ;;
-  third)  # the MLA and MXFP4 rows still open
+  third)  # the MLA and MXFP4 rows still open (MLA: the dense layout; the q-tiles-first launch order, x0x1)
     mkdir -p "$OUT"/{mla,mx}
-    run mla_prefill 150 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
-      --hopper-configs 64x128x2,64x128x2x1 --out "$OUT/mla"
+    run mla_prefill 170 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
+      --hopper-configs 64x128x2,64x128x2x0x1,64x128x2x1x1 --out "$OUT/mla"
     run mxfp4 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
       --tilings "16,128,128,4,128,0;16,128,256,4,128,0;16,64,256,4,128,0" --out "$OUT/mx"
     ;;

@@ -189,9 +189,10 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
         ms_cudnn = peers.get("fair_ms")
         hop_ms = hop_cfg = hop_err = None
         if hopper_configs:
-            def hopper_kw(cfg):  # (block_q, block_kv, steps[, persistent])
-                bq, bkv, st, persistent = (tuple(cfg) + (0,))[:4]
-                return dict(block_q=bq, block_kv=bkv, steps=st, persistent=bool(persistent), interpret=interpret)
+            def hopper_kw(cfg):  # (block_q, block_kv, steps[, persistent[, q tiles first]])
+                bq, bkv, st, persistent, q_first = (tuple(cfg) + (0, 0))[:5]
+                return dict(block_q=bq, block_kv=bkv, steps=st, persistent=bool(persistent),
+                            tile_order="q_tiles" if q_first else "heads", interpret=interpret)
 
             def run_hopper(cfg):
                 fn = jax.jit(lambda q, k, v: mla_hopper.mla_prefill_hopper(
@@ -311,8 +312,9 @@ def main():
                     help="do not time the XLA reference (its compiles dominate the H96 sweep's time)")
     ap.add_argument("--prefill-configs", default="64x64x4x2,128x64x8x2,128x64x8x3,128x128x8x2,128x32x4x3",
                     help="prefill (block_q)x(block_k)x(num_warps)x(num_stages) to try; the best is reported")
-    ap.add_argument("--hopper-configs", default="64x128x2,64x128x2x1,64x64x2",
-                    help="Mosaic GPU prefill (block_q)x(block_kv)x(steps)[x1: persistent] to try ('' to skip)")
+    ap.add_argument("--hopper-configs", default="64x128x2,64x128x2x0x1,64x128x2x1,64x64x2",
+                    help="Mosaic GPU prefill (block_q)x(block_kv)x(steps)[x(1: persistent)[x(1: q tiles "
+                         "first)]] to try ('' to skip)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s

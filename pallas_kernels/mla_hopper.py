@@ -110,7 +110,7 @@ def _wait_last_releases(total, steps: int, released):
 
 
 def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
-            prefix_blocks, lp_blocks, scale_log2, interpret, n_ctas):
+            prefix_blocks, lp_blocks, scale_log2, interpret, n_ctas, q_tiles_first=False):
     """One CTA: with n_ctas 0 (a CTA per tile) the tile (sequence `seq`, head `heads`, new-token
     rows [q_tile * 2 block_q, + 2 block_q)) of its grid index; else (persistent, n_ctas CTAs)
     every n_ctas-th tile of the list `tile_of` orders, its K / V ring running on from one tile
@@ -155,7 +155,13 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
     def tile_of(item, base):
         """Work item `item` of the persistent list: the longest causal rows first (q tiles from
         the last), then heads, then sequences: a CTA's tiles shrink as it goes, so the last ones
-        to finish are short (the longest-processing-time-first order)."""
+        to finish are short (the longest-processing-time-first order).  q_tiles_first: a (seq,
+        head)'s q tiles (longest first) are adjacent instead, so the CTAs working at one time
+        share K / V blocks (`tile_order`)."""
+        if q_tiles_first:
+            rest = lax.div(item, jnp.int32(n_qt))
+            return Tile(lax.div(rest, jnp.int32(n_heads)), lax.rem(rest, jnp.int32(n_heads)),
+                        n_qt - 1 - lax.rem(item, jnp.int32(n_qt)), base)
         per_tile_row = n_heads * n_seq
         rest = lax.rem(item, jnp.int32(per_tile_row))
         return Tile(lax.div(rest, jnp.int32(n_heads)), lax.rem(rest, jnp.int32(n_heads)),
@@ -300,9 +306,9 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
-                                             "scale_log2", "interpret", "n_ctas"))
+                                             "scale_log2", "interpret", "n_ctas", "q_tiles_first"))
 def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret,
-                 n_ctas=0):
+                 n_ctas=0, q_tiles_first=False):
     """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv], p_lens int32 [N] (read
     only when prefix_blocks is None) -> o [N, lq, H, Dv], lse base 2 [N, H, lq].  n_ctas: 0, a
     CTA per tile; else that many persistent CTAs (at most the tiles)."""
@@ -323,7 +329,7 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
             lambda smem, bars, used, schedule: _kernel(
                 q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
                 block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=lp_blocks,
-                scale_log2=scale_log2, interpret=interpret, n_ctas=n_ctas),
+                scale_log2=scale_log2, interpret=interpret, n_ctas=n_ctas, q_tiles_first=q_tiles_first),
             smem,
             (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
              plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
@@ -335,8 +341,11 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((n, lq, h, dv), q.dtype), jax.ShapeDtypeStruct((n, h, lq), jnp.float32)),
-        grid=(n_ctas,) if n_ctas else (h, lq // (_COMPUTE_WGS * block_q), n),
-        grid_names=("sm",) if n_ctas else ("heads", "q_tile", "seq"),
+        # CTAs launch in grid order, the first axis fastest; q_tiles_first: a (seq, head)'s q tiles
+        # together, so the CTAs resident at one time read the same K / V blocks (L2 hits)
+        grid=(n_ctas,) if n_ctas else ((lq // (_COMPUTE_WGS * block_q), h, n) if q_tiles_first
+                                       else (h, lq // (_COMPUTE_WGS * block_q), n)),
+        grid_names=("sm",) if n_ctas else (("q_tile", "heads", "seq") if q_tiles_first else ("heads", "q_tile", "seq")),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
@@ -355,16 +364,30 @@ def _check_16bit(*xs):
         raise ValueError(f"q, k, v must share a 16-bit float dtype; got {', '.join(str(x.dtype) for x in xs)}")
 
 
+TILE_ORDERS = ("heads", "q_tiles")
+
+
+def _q_tiles_first(tile_order: str) -> bool:
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"tile_order must be one of {TILE_ORDERS}; got {tile_order!r}")
+    return tile_order == "q_tiles"
+
+
 def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
-                       block_kv=64, steps=2, persistent=False, sms=None, interpret=None):
+                       block_kv=64, steps=2, persistent=False, sms=None, tile_order="heads", interpret=None):
     """`mla_prefill` (same arguments and results, no `rope_dim` needed: q / k keep nope and rope
     together) as a Hopper kernel.  bf16 / fp16 inputs; qk and v head dims multiples of 64 and
     prefix lengths multiples of `block_kv` (`supports`).  Raises ValueError otherwise, before
     any launch.  persistent: one CTA per SM walking the tiles longest first, its K / V ring
     running on across tiles (a CTA fills an SM's shared memory, so with a CTA per tile every
     tile's first loads and last stores stand alone); a candidate until measured.  sms: its CTAs
-    (default `num_sms()`; never more than tiles)."""
+    (default `num_sms()`; never more than tiles).  tile_order: which tiles run at one time:
+    "heads" (the heads of one q tile, the measured default) or "q_tiles" (the q tiles of one
+    (sequence, head), longest first: up to lq / 128 resident CTAs read the same K / V blocks, so
+    most reads hit L2; a step's 128 FLOP a byte is under the H100's ~270 ridge without that
+    reuse); a candidate until measured."""
     _check_16bit(q, k, v)
+    q_tiles_first = _q_tiles_first(tile_order)
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, "
                          f"{block_kv}, {steps}")
@@ -380,16 +403,16 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
                            block_kv=block_kv, steps=steps,
                            prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
                            scale_log2=float(scale) * _LOG2E, interpret=interpret,
-                           n_ctas=_persistent_ctas(persistent, sms))
+                           n_ctas=_persistent_ctas(persistent, sms), q_tiles_first=q_tiles_first)
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
 
 
 def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64, block_kv=64, steps=2,
-                             persistent=False, sms=None, interpret=None):
+                             persistent=False, sms=None, tile_order="heads", interpret=None):
     """`pallas_kernels.mla.mla_prefill_chunk` (same arguments and results, no `rope_dim`) as the
     Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
-    fp16; head dims multiples of 64.  persistent / sms: as `mla_prefill_hopper`'s.
+    fp16; head dims multiples of 64.  persistent / sms / tile_order: as `mla_prefill_hopper`'s.
 
     Not yet run on a GPU (written after the session's device time was spent; the interpreter
     and the CUDA lowering test it): `kimik3.ops` runs the Triton `mla_prefill_chunk` until
@@ -404,7 +427,8 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     o, lse2 = _hopper_core(lay.q, lay.keys, lay.vals, lay.p_lens, block_q=block_q, block_kv=block_kv, steps=steps,
                            prefix_blocks=None, lp_blocks=lay.lp // block_kv, scale_log2=float(scale) * _LOG2E,
-                           interpret=interpret, n_ctas=_persistent_ctas(persistent, sms))
+                           interpret=interpret, n_ctas=_persistent_ctas(persistent, sms),
+                           q_tiles_first=_q_tiles_first(tile_order))
     t = q.shape[1]
     return o[:, :t], jnp.swapaxes(lse2, 1, 2)[:, :t] / _LOG2E
 

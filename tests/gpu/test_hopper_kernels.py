@@ -64,9 +64,10 @@ def test_decode_at_the_models_latent_dims_every_repeat(heads, long, p_slots, sta
         assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
 
 
-@pytest.mark.parametrize("heads, block_kv, persistent", [(16, 64, False), (96, 64, False), (16, 128, False),
-                                                       (16, 128, True), (96, 128, True)])
-def test_prefill_at_the_models_head_dims_every_repeat(heads, block_kv, persistent):
+@pytest.mark.parametrize("heads, block_kv, persistent, tile_order", [
+    (16, 64, False, "heads"), (96, 64, False, "heads"), (16, 128, False, "heads"), (16, 128, True, "heads"),
+    (96, 128, True, "heads"), (96, 128, False, "q_tiles"), (16, 128, True, "q_tiles")])
+def test_prefill_at_the_models_head_dims_every_repeat(heads, block_kv, persistent, tile_order):
     """qk 192 (nope 128 + rope 64), v 128, two ragged sequences; 128-key blocks put each
     warpgroup's output in its query tile's buffer; persistent CTAs (one per SM) walk many tiles
     on one K / V ring."""
@@ -78,7 +79,7 @@ def test_prefill_at_the_models_head_dims_every_repeat(heads, block_kv, persisten
         q, k, v = f(t, heads, 192), f(t, heads, 192), f(t, heads, 128)
         cu = np.concatenate([[0], np.cumsum(lens)])
         o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, block_kv=block_kv,
-                                    persistent=persistent, sms=8 if persistent else None)
+                                    persistent=persistent, sms=8 if persistent else None, tile_order=tile_order)
         up = lambda x: x.astype(jnp.float32)
         o_ref, lse_ref = mla_prefill_ref(up(q), up(k), up(v), cu_seqlens=cu, scale=192 ** -0.5)
         np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0, err_msg=f"repeat {seed}")

@@ -39,11 +39,15 @@ def test_varlen_with_page_granular_prefixes(rng):
     _check(o, lse, q, k, v, cu, 0.125, prefix)
 
 
-def test_several_query_tiles_heads_and_a_deeper_ring(rng):
+@pytest.mark.parametrize("tile_order", ["heads", "q_tiles"])
+def test_several_query_tiles_heads_and_a_deeper_ring(rng, tile_order):
     """Rows past 2 x block_q (a second CTA per sequence), two heads, 128-key blocks, 3 slots:
-    the warpgroups' causal ends differ, so one drains steps only the other computes."""
-    q, k, v, cu = _inputs(rng, [200, 60], 2, 128, 64)
-    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=128 ** -0.5, block_kv=128, steps=3)
+    the warpgroups' causal ends differ, so one drains steps only the other computes.  Either
+    launch order (a q tile's heads together, or a head's q tiles) gives every tile its rows."""
+    heads = 2 if tile_order == "heads" else 3  # 3 heads, 2 q tiles: a grid axis taken for another fails
+    q, k, v, cu = _inputs(rng, [200, 60], heads, 128, 64)
+    o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=128 ** -0.5, block_kv=128, steps=3,
+                                tile_order=tile_order)
     _check(o, lse, q, k, v, cu, 128 ** -0.5)
 
 
@@ -64,8 +68,9 @@ def test_one_prompt_of_whole_tiles_takes_the_reshaped_layout(rng):
     _check(o, lse, q, k, v, cu, 128 ** -0.5)
 
 
-@pytest.mark.parametrize("block_kv, steps, sms", [(64, 2, 2), (128, 3, 3), (64, 3, 1)])
-def test_persistent_ctas_walk_many_tiles_on_one_ring(rng, block_kv, steps, sms):
+@pytest.mark.parametrize("block_kv, steps, sms, tile_order", [(64, 2, 2, "heads"), (128, 3, 3, "heads"),
+                                                              (64, 3, 1, "heads"), (64, 2, 3, "q_tiles")])
+def test_persistent_ctas_walk_many_tiles_on_one_ring(rng, block_kv, steps, sms, tile_order):
     """Persistent: a few CTAs take every tile (three sequences, two heads, query tiles of
     different causal lengths, page-granular prefixes), the K / V ring's slots and phases running
     on from one tile to the next, each warpgroup's queries reloaded into the buffer its last
@@ -79,7 +84,7 @@ def test_persistent_ctas_walk_many_tiles_on_one_ring(rng, block_kv, steps, sms):
                               jnp.asarray([[4, 0], [1, 0], [2, 3]], jnp.int32), jnp.asarray([64, 0, 128]),
                               f(r, h, nope) * 0.2, f(r, h, dv) * 0.2)
     o, lse = mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.125, prefix=prefix, block_kv=block_kv, steps=steps,
-                                persistent=True, sms=sms)
+                                persistent=True, sms=sms, tile_order=tile_order)
     _check(o, lse, q, k, v, cu, 0.125, prefix)
 
 
@@ -160,6 +165,11 @@ class TestRefused:
         with pytest.raises(ValueError, match="shared memory"):
             mla_decode_hopper(*args, scale=0.1, block_kv=64, steps=3)
 
+    def test_unknown_tile_order(self, rng):
+        q, k, v, cu = _inputs(rng, [64], 1, 64, 64)
+        with pytest.raises(ValueError, match="tile_order"):
+            mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=0.1, tile_order="seqs")
+
     def test_head_dims_and_dtypes(self, rng):
         q, k, v, cu = _inputs(rng, [10], 1, 96, 64)
         with pytest.raises(ValueError, match="multiples of 64"):
@@ -185,12 +195,14 @@ def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
     n, lq, h, lp = 2, 256, 2, block_kv
     shapes = (((n, lq, h, 192), jnp.bfloat16), ((n, lp + lq, h, 192), jnp.bfloat16),
               ((n, lp + lq, h, 128), jnp.bfloat16), ((n,), jnp.int32))
-    core = lambda prefix_blocks, steps, n_ctas=0: lambda q, k, v, n_p: mla_hopper._hopper_core(
+    core = lambda prefix_blocks, steps, n_ctas=0, q_first=False: lambda q, k, v, n_p: mla_hopper._hopper_core(
         q, k, v, n_p, block_q=64, block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=1,
-        scale_log2=0.1, interpret=False, n_ctas=n_ctas)
+        scale_log2=0.1, interpret=False, n_ctas=n_ctas, q_tiles_first=q_first)
     for prefix_blocks in ((1, 0), None):  # static whole blocks; lengths read by the kernel
         _lowers_for_cuda(core(prefix_blocks, steps), *shapes)
         _lowers_for_cuda(core(prefix_blocks, steps, n_ctas=3), *shapes)  # persistent: 3 CTAs, 8 tiles
+    _lowers_for_cuda(core(None, steps, q_first=True), *shapes)  # a head's q tiles launched together
+    _lowers_for_cuda(core(None, steps, n_ctas=3, q_first=True), *shapes)
     if block_kv == 128:
         with pytest.raises(ValueError, match="shared memory"):
             _lowers_for_cuda(core(None, 3), *shapes)
