@@ -23,9 +23,9 @@ nvidia-smi -L | tee "$OUT/gpu.txt"
 case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
     mkdir -p "$OUT"/{kda,kdap}
-    run gpu_changed 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
+    run gpu_changed 270 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
       tests/gpu/test_hopper_kernels.py -k "kda_chunk or fused_recurrent or prefill_at"
-    run kda_prefill 170 python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap"
+    run kda_prefill 160 python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap"
     run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
     ;;
   second)  # Nsight Compute on the gaps still unexplained (each probe a few launches), then MoE's k3 FFN
