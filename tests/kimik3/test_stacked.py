@@ -60,7 +60,9 @@ def test_contiguous_cache_scanned_equals_unrolled(rng, deep_cfg, deep_params):
     jax.tree.map(np.testing.assert_array_equal, caches[1], caches[0])
 
 
-@pytest.mark.parametrize("kernels", ["reference", "pallas"])
+# The Pallas case (~30 s of the 2-core suite: every kernel interpreted over a deep model) runs with
+# the slow tests; the kernels' own interpreter tests and tests/gpu check them on every run.
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, deep_params, kernels):
     """A padded prefill chunk exporting KDA states, then a decode step (the in-place kernel on the
     Pallas path, slots offset per layer): logits, every pool row and every export agree."""
