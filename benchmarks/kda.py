@@ -220,8 +220,9 @@ def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, rep
             fla_pool()
             torch.cuda.synchronize()
             o_ours, pool_ours = kda._fused_recurrent_core(q, k, v, g, beta, jnp.copy(pool), slots,
-                                                           jnp.ones((b,), jnp.int32), scale=d ** -0.5, block_v=32,
-                                                           interpret=False)
+                                                           jnp.ones((b,), jnp.int32), scale=d ** -0.5,
+                                                           block_v=tilings[0][0], interpret=False,
+                                                           num_warps=tilings[0][1])
             fla_pool_err = max(rel_err(np.asarray(out_t.float().cpu()), np.asarray(o_ours, np.float32)),
                                rel_err(np.asarray(pool_t.cpu())[np.asarray(slots)], np.asarray(pool_ours[slots])))
             ms_fla_pool = time_torch(fla_pool, iters=50)

@@ -165,11 +165,10 @@ def intra_rows(t=1024, h=4, d=128, parts=(1, 2, 4), warps=(4, 8, 16)):
         names = [re.search(r"tt\.func (?:public )?@(\w+)", ir)[1] for ir in irs]
         for name, ir in zip(names, irs):
             if "intra" in name or (k_parts, w) == (parts[0], warps[0]):  # the other kernels once
-                stage_warps = w if "intra" in name else kda._tuned(None)[
-                    "solve" if "solve" in name else "state"][0]
-                stages = 1 if "intra" in name or "solve" in name else kda._tuned(None)["state"][1]
+                warps_stages = tuning["intra"] if "intra" in name else kda._tuned(None)[
+                    "solve" if "solve" in name else "state"]
                 rows.append(dict(kernel=name, tiling=f"k_parts {k_parts}, {w} warps" if "intra" in name else "default",
-                                 **compile_ir(ir, stage_warps, stages)))
+                                 **compile_ir(ir, *warps_stages)))
     return rows
 
 

@@ -338,14 +338,15 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
             collective_axes="wg",
         )
 
+    # CTAs launch in grid order, the first axis fastest; q_tiles_first: a (seq, head)'s q tiles
+    # together, so the CTAs resident at one time read the same K / V blocks (L2 hits)
+    axes = dict(sm=n_ctas, heads=h, q_tile=lq // (_COMPUTE_WGS * block_q), seq=n)
+    order = ("sm",) if n_ctas else ("q_tile", "heads", "seq") if q_tiles_first else ("heads", "q_tile", "seq")
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((n, lq, h, dv), q.dtype), jax.ShapeDtypeStruct((n, h, lq), jnp.float32)),
-        # CTAs launch in grid order, the first axis fastest; q_tiles_first: a (seq, head)'s q tiles
-        # together, so the CTAs resident at one time read the same K / V blocks (L2 hits)
-        grid=(n_ctas,) if n_ctas else ((lq // (_COMPUTE_WGS * block_q), h, n) if q_tiles_first
-                                       else (h, lq // (_COMPUTE_WGS * block_q), n)),
-        grid_names=("sm",) if n_ctas else (("q_tile", "heads", "seq") if q_tiles_first else ("heads", "q_tile", "seq")),
+        grid=tuple(axes[a] for a in order),
+        grid_names=order,
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),

@@ -228,14 +228,13 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 plgpu.wgmma_wait(0)
                 return accs
 
+            n_groups = w_gmem.shape[0]
             if ragged:  # `ragged_work(zero_tail=True)`'s group G: rows past the groups' sum get zeros
-                n_groups = w_gmem.shape[0]
-
                 @pl.when((group == n_groups) & (wg < 2))  # the two consumers, each its columns
                 def _():
                     store(jnp.zeros((t.tile_m, t.tile_n), dtype))
 
-            @pl.when((group >= 0) & (group < w_gmem.shape[0]))  # row tiles past the groups: no row anyone reads
+            @pl.when((group >= 0) & (group < n_groups))  # row tiles past the groups: no row anyone reads
             def _():
                 w_g = w_gmem.at[group]
                 srcs = [w_g.at[:, pl.ds(h * n_out + ni * cta_n, cta_n)] for h in range(halves)]
