@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: tests, kernels, attention or serving}
+round=${1:?round: first, second, third, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -49,6 +49,14 @@ case $round in
     run mxfp4 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
       --tilings "16,128,128,4,128,0;16,128,256,4,128,0;16,64,256,4,128,0" --out "$OUT/mx"
     ;;
+  must)  # the must-shows the CPU-side changes serve: MLA prefill (dense layout, q-tiles order), MoE k3
+    mkdir -p "$OUT"/{mla,moe,layout}
+    run mla_prefill 170 python3 benchmarks/mla.py --sections prefill --prefill-configs 128x64x8x3 \
+      --hopper-configs 64x128x2,64x128x2x0x1,64x128x2x1x1 --out "$OUT/mla"
+    run moe_gemm 170 python3 benchmarks/moe.py --sections gemm,ffn --cases "k3 rank prefill,small prefill T2048" \
+      --out "$OUT/moe"
+    run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"
+    ;;
   tests)  # every kernel changed since its last GPU run, against its reference
     run gpu_moe 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
     run gpu_kernels 220 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
@@ -71,7 +79,11 @@ case $round in
     run mla_chunk 150 python3 benchmarks/mla.py --sections chunk --budget-s 120 --out "$OUT/chunk"
     run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
     ;;
-  serving)  # what users feel: the demo on `small` with this tree's defaults
+  serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
+    # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
+    # Mooncake's wheel (45 MB) does not fit the 64 MiB carry beside them, so without it the store
+    # extra is left out and the demo skips its Mooncake mode (session 32)
+    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
     run demo 540 env KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 \
       PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
     ;;

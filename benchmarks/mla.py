@@ -41,8 +41,9 @@ def matmul_tflops(n=8192):
     return 2 * n ** 3 / (time_jax(jax.jit(lambda x: x @ x), a) * 1e-3) / 1e12
 
 
-def _best(fn_of_cfg, cfgs):
-    """(ms, cfg) of the fastest config that runs; failures are reported, not fatal."""
+def _best(fn_of_cfg, cfgs, record=None):
+    """(ms, cfg) of the fastest config that runs; failures are reported, not fatal.  record: a dict
+    that gets every config's ms (keyed by the config joined with "x", as --hopper-configs takes it)."""
     best = (None, None)
     for cfg in cfgs:
         try:
@@ -51,6 +52,8 @@ def _best(fn_of_cfg, cfgs):
             print(f"config {cfg} failed: {type(e).__name__}: {str(e)[:300]}")
             continue
         print(f"config {cfg}: {ms:.3f} ms", flush=True)
+        if record is not None:
+            record["x".join(map(str, cfg))] = ms
         if best[0] is None or ms < best[0]:
             best = (ms, cfg)
     return best
@@ -188,6 +191,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
         peers = {} if interpret else cudnn_peers(q, k, v, b, t, h)
         ms_cudnn = peers.get("fair_ms")
         hop_ms = hop_cfg = hop_err = None
+        hop_by_cfg = {}
         if hopper_configs:
             def hopper_kw(cfg):  # (block_q, block_kv, steps[, persistent[, q tiles first]])
                 bq, bkv, st, persistent, q_first = (tuple(cfg) + (0, 0))[:5]
@@ -199,7 +203,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
                     q, k, v, cu_seqlens=cu, scale=192 ** -0.5, **hopper_kw(cfg))[0])
                 return common.pipelined_ms(fn, q, k, v, iters=5 if interpret else 20)
 
-            hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs))
+            hop_ms, hop_cfg = _best(run_hopper, list(hopper_configs), hop_by_cfg)
             if hop_ms is not None:  # agreement with the Triton kernel on the same inputs
                 o_h = mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, **hopper_kw(hop_cfg))[0]
                 o_t = mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=192 ** -0.5, rope_dim=64, interpret=interpret)[0]
@@ -213,7 +217,7 @@ def prefill_rows(shapes, interpret=False, configs=((64, 64, 4, 2),), hopper_conf
                          hopper_cfg=hop_cfg, hopper_ms=hop_ms,
                          hopper_tflops=flops / (hop_ms * 1e-3) / 1e12 if hop_ms else None,
                          hopper_vs_cudnn=(ms_cudnn / hop_ms) if (ms_cudnn and hop_ms) else None,
-                         hopper_max_diff_vs_triton=hop_err))
+                         hopper_max_diff_vs_triton=hop_err, hopper_ms_by_cfg=hop_by_cfg))
     return rows
 
 

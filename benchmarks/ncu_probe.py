@@ -45,8 +45,8 @@ def probe_kda(timed: bool, b: int = 256, h: int = 32, d: int = 128, reps: int = 
     pool = put(rng.standard_normal((2 * b, h, d, d)), jnp.float32)
     slots = jnp.asarray(rng.permutation(2 * b)[:b], jnp.int32)
     n_acc = jnp.ones((b,), jnp.int32)
-    step = jax.jit(functools.partial(kda._fused_recurrent_core, scale=d ** -0.5, block_v=32, interpret=False,
-                                     num_warps=4), donate_argnums=5)
+    step = jax.jit(functools.partial(kda._fused_recurrent_core, scale=d ** -0.5, block_v=64, interpret=False,
+                                     num_warps=8), donate_argnums=5)  # the default tiling
     for _ in range(reps):
         _, pool = step(q, k, v, g, beta, pool, slots, n_acc)
     if timed:

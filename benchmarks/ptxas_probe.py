@@ -89,7 +89,7 @@ def blocks_per_sm(registers: int, num_warps: int, regs_per_sm: int = 65536) -> i
     return regs_per_sm // (per_warp * num_warps)
 
 
-def decode_rows(b=256, h=32, d=128, tilings=((32, 4), (64, 4), (32, 2), (32, 1), (64, 8))):
+def decode_rows(b=256, h=32, d=128, tilings=((64, 8), (32, 4), (64, 4), (32, 2), (32, 1))):
     from pallas_kernels import kda
 
     rows = []

@@ -952,7 +952,7 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
-                        interpret=None, block_v=None, export_states=False, num_warps=4):
+                        interpret=None, block_v=None, export_states=False, num_warps=8):
     """Decode / speculative verify on pooled states, updated in place.
 
     Args:
@@ -967,8 +967,9 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
         accepted prefix is committed by a second call over those tokens.
       export_states: also return the state after every token (a verify pass that
         commits the accepted prefix's state itself, in one call).
-      block_v / num_warps: each program's V columns (default min(V, 32)) and warps: fla 0.6's
-        tiling, 5-6% faster than 64 columns at B 64-512 on an H100 (RESULTS.md, session 30).
+      block_v / num_warps: each program's V columns (default min(V, 64)) and warps (default 8):
+        the fastest of six tilings at B 128-512 since the state lands by a conditional store
+        (fla 0.6's 32 columns on 4 warps was, before it; RESULTS.md, sessions 30 and 32).
     Returns:
       (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
       a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.
@@ -999,7 +1000,7 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
         if a_np.min() < 0 or a_np.max() > t:
             raise ValueError(f"num_accepted must lie in [0, T={t}]; got {a_np.tolist()}")
     interpret = _default_interpret() if interpret is None else interpret
-    block_v = block_v or min(dv, 32)
+    block_v = block_v or min(dv, 64)
     scale = float(dk ** -0.5 if scale is None else scale)
     if dv % block_v:
         raise ValueError(f"block_v {block_v} must divide V={dv}")

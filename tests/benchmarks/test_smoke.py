@@ -168,3 +168,15 @@ def test_the_kda_bench_times_every_prefill_tuning(tmp_path):
     tuned = [r for r in rows if r["section"] == "prefill tuning"]
     assert len(tuned) == 5 and not [r for r in tuned if "failed" in r]
     assert [r for r in rows if r["section"] == "prefill"]
+
+
+@pytest.mark.slow  # KIMIK3_SLOW=1: interpret-mode KDA prefills (the suite must stay under 20 min on 2 cores)
+def test_the_kda_export_probe_times_each_export_case_and_the_core_alone(tmp_path):
+    out = tmp_path / "export"
+    _run(["benchmarks/kda_export_probe.py", "--shapes", "1x256x2", "--head-dim", "16", "--iters", "1",
+          "--out", str(out)], tmp_path)
+    rows = json.load(open(out / "kda_export_probe.json"))
+    assert [r["export"] for r in rows] == ["no export", "every 128", "every 128, V block 64", "every 128, V block 32",
+                                           "every 1536"]
+    assert [r["n_states"] for r in rows] == [0, 2, 2, 2, 0]
+    assert all(r["ms"] > 0 and r["core_ms"] > 0 for r in rows)
