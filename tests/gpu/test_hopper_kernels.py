@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla import mla_decode_ref, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_hopper
+from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
+from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper
 from tests.gpu.conftest import sm90
 
 O_ATOL = 2e-2  # bf16 outputs of O(1), P rounded to bf16 before P @ V
@@ -84,6 +84,36 @@ def test_prefill_at_the_models_head_dims_every_repeat(heads, block_kv, persisten
         o_ref, lse_ref = mla_prefill_ref(up(q), up(k), up(v), cu_seqlens=cu, scale=192 ** -0.5)
         np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0, err_msg=f"repeat {seed}")
         np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0, err_msg=f"repeat {seed}")
+
+
+@pytest.mark.parametrize("heads, block_kv, persistent", [(16, 64, False), (16, 128, False), (96, 128, False),
+                                                      (16, 128, True)])
+def test_chunk_over_a_cache_at_the_models_dims_every_repeat(heads, block_kv, persistent):
+    """A jitted serving step's chunk: 3 sequences x 200 new tokens after cached prefixes of
+    odd lengths (a partial last key block, none, several pages), the lengths traced, the prefix
+    from non-contiguous pages of latent rows (kv_lora 512 + rope 64) == the packed reference.
+    `kimik3.ops` runs the Triton chunk kernel until this passes on a GPU (RESULTS.md, session 32:
+    the Hopper one is 1.05-1.28x faster at 128-key blocks)."""
+    import jax
+
+    b, t, r, rope, nope, dv, page = 3, 200, 512, 64, 128, 128, 64
+    chunk = jax.jit(lambda q, k, v, pages, table, lens, w_kb, w_vb: mla_prefill_chunk_hopper(
+        q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb), scale=192 ** -0.5, block_kv=block_kv,
+        persistent=persistent, sms=8 if persistent else None))
+    for seed in range(REPEATS):
+        rng = np.random.default_rng(300 + seed)
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+        q, k, v = f(b, t, heads, nope + rope), f(b, t, heads, nope + rope), f(b, t, heads, dv)
+        pages = f(3 * 8 + 4, page, r + rope)
+        table = jnp.asarray(rng.permutation(3 * 8 + 4)[:3 * 8].reshape(b, 8), jnp.int32)
+        w_kb, w_vb = f(r, heads, nope) * r ** -0.5, f(r, heads, dv) * r ** -0.5
+        lens = jnp.asarray([37 + seed, 0, 300], jnp.int32)
+        o, lse = chunk(q, k, v, pages, table, lens, w_kb, w_vb)
+        pack = lambda x: x.reshape((b * t,) + x.shape[2:]).astype(jnp.float32)
+        o_ref, lse_ref = mla_prefill_ref(pack(q), pack(k), pack(v), cu_seqlens=np.arange(b + 1) * t,
+                                         scale=192 ** -0.5, prefix=LatentPrefix(pages, table, lens, w_kb, w_vb))
+        np.testing.assert_allclose(pack(o), o_ref, atol=O_ATOL, rtol=0, err_msg=f"repeat {seed}")
+        np.testing.assert_allclose(pack(lse), lse_ref, atol=LSE_ATOL, rtol=0, err_msg=f"repeat {seed}")
 
 
 # ---- a mutant the suite must catch (issue 16) ----------------------------------------------------
