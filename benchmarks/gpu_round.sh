@@ -24,7 +24,7 @@ case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
     mkdir -p "$OUT"/{kda,kdap}
     run gpu_changed 270 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp32_kernels.py \
-      tests/gpu/test_hopper_kernels.py -k "kda_chunk or fused_recurrent or prefill_at"
+      tests/gpu/test_hopper_kernels.py -k "kda_chunk or fused_recurrent or prefill_at or chunk_over_a_cache"
     run kda_prefill 160 python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap"
     run kda_decode 120 python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
     ;;
