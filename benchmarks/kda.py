@@ -171,7 +171,7 @@ def section_modes(rows, t=16384, h=32, d=128):
 
 
 def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, reps=50,
-                   tilings=((64, 8), (32, 4), (64, 4), (32, 2), (32, 1), (128, 8))):
+                   tilings=((64, 8), (64, 8, True), (32, 4), (64, 4), (32, 2), (128, 8))):
     """Ours at each (block_v, num_warps) (the first is the default; each checked against it) vs
     fla's `fused_recurrent_kda` (fla 0.6: 32 columns a program on 4 warps, 2 stages), same inputs
     and state, and vs fla's kernel as vLLM calls it for decode (`fused_recurrent_kda_fwd` on a
@@ -182,16 +182,19 @@ def section_decode(rows, copy_gbs, batches=(64, 128, 256, 512), h=32, d=128, rep
         pool = jax.random.normal(jax.random.PRNGKey(4), (n_slots, h, d, d), jnp.float32)
         slots = jax.random.permutation(jax.random.PRNGKey(5), n_slots)[:b].astype(jnp.int32)
         ms_by, err_by, want = {}, {}, None
-        for bv, warps in tilings:
+        for bv, warps, *hints in tilings:  # (block_v, num_warps[, cache_hints])
+            hints = bool(hints and hints[0])
+
             @jax.jit
-            def loop(pool, bv=bv, warps=warps):
+            def loop(pool, bv=bv, warps=warps, hints=hints):
                 def body(_, p):
                     _, p = kda._fused_recurrent_core(q, k, v, g, beta, p, slots, jnp.ones((b,), jnp.int32),
-                                                     scale=d ** -0.5, block_v=bv, interpret=False, num_warps=warps)
+                                                     scale=d ** -0.5, block_v=bv, interpret=False, num_warps=warps,
+                                                     cache_hints=hints)
                     return p
                 return jax.lax.fori_loop(0, reps, body, pool)
 
-            key = f"{bv},{warps}"
+            key = f"{bv},{warps}" + (",hints" if hints else "")
             try:
                 got = np.asarray(loop(jnp.copy(pool))[slots[:4]])
             except Exception as e:  # noqa: BLE001 - a tiling Triton refuses is reported, not fatal

@@ -903,21 +903,36 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 
 def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
-                      o_ref, pool_out_ref, *states_ref, n_tokens, block_v, scale):
+                      o_ref, pool_out_ref, *states_ref, n_tokens, block_v, scale, cache_hints=False):
     """One (sequence, head, V block): T tokens of the recurrence on the pooled state.
     pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched.
-    states_ref (optional): [B, T, H, K, V] the state after each token."""
+    states_ref (optional): [B, T, H, K, V] the state after each token.
+    cache_hints: fla's L2 eviction hints: q, k and g, which every V block of a head reads, stay
+    (evict_last); v and o, read or written once, go first (evict_first)."""
     f32 = jnp.float32
     vb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # V blocks fastest: see the grid
     vs = pl.ds(vb * block_v, block_v)
     slot, n_acc = slots_ref[b], n_acc_ref[b]
+
+    def load(ref, idx, policy):
+        if not cache_hints:
+            return ref[idx]
+        idx = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)  # a Python int: the interpreter's
+        return pltriton.load(ref.at[idx], eviction_policy=policy)
+
     s = pool_in_ref[slot, h, :, vs]  # [K, BV] fp32
     for t in range(n_tokens):  # T is small (decode / speculative verify): unrolled
-        k_t = k_ref[b, t, h, :].astype(f32)
-        s = s * jnp.exp(g_ref[b, t, h, :].astype(f32))[:, None]
+        k_t = load(k_ref, (b, t, h, slice(None)), "evict_last").astype(f32)
+        s = s * jnp.exp(load(g_ref, (b, t, h, slice(None)), "evict_last").astype(f32))[:, None]
         pred = jnp.sum(k_t[:, None] * s, axis=0)
-        s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_ref[b, t, h, vs].astype(f32) - pred)[None, :]
-        o_ref[b, t, h, vs] = (scale * jnp.sum(q_ref[b, t, h, :].astype(f32)[:, None] * s, axis=0)).astype(o_ref.dtype)
+        v_t = load(v_ref, (b, t, h, vs), "evict_first").astype(f32)
+        s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_t - pred)[None, :]
+        o_t = (scale * jnp.sum(load(q_ref, (b, t, h, slice(None)), "evict_last").astype(f32)[:, None] * s,
+                               axis=0)).astype(o_ref.dtype)
+        if cache_hints:
+            pltriton.store(o_ref.at[b, jnp.int32(t), h, vs], o_t, eviction_policy="evict_first")
+        else:
+            o_ref[b, t, h, vs] = o_t
         if states_ref:
             states_ref[0][b, t, h, :, vs] = s
 
@@ -930,17 +945,18 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
             pool_out_ref[slot, h, :, vs] = s
 
 
-@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps"),
+@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps",
+                                             "cache_hints"),
                     donate_argnames=("state_pool",))
 def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret,
-                          export_states=False, num_warps=4):
+                          export_states=False, num_warps=4, cache_hints=False):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     states = [jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32)] if export_states else []
     # V blocks vary fastest, then heads, then sequences (fla's order): CTAs launched together read
     # the neighbouring column blocks of one state's K rows, not the same columns of B states
     return pl.pallas_call(
-        _functools.partial(_recurrent_kernel, n_tokens=t, block_v=block_v, scale=scale),
+        _functools.partial(_recurrent_kernel, n_tokens=t, block_v=block_v, scale=scale, cache_hints=cache_hints),
         grid=(dv // block_v, h, b),
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)]
         + states,
@@ -952,7 +968,7 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
 
 
 def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
-                        interpret=None, block_v=None, export_states=False, num_warps=8):
+                        interpret=None, block_v=None, export_states=False, num_warps=8, cache_hints=False):
     """Decode / speculative verify on pooled states, updated in place.
 
     Args:
@@ -970,6 +986,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
       block_v / num_warps: each program's V columns (default min(V, 64)) and warps (default 8):
         the fastest of six tilings at B 128-512 since the state lands by a conditional store
         (fla 0.6's 32 columns on 4 warps was, before it; RESULTS.md, sessions 30 and 32).
+      cache_hints: fla's L2 eviction hints on q / k / g (kept) and v / o (first out); a
+        candidate until `benchmarks/kda.py --sections decode` has timed it (same results).
     Returns:
       (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
       a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.
@@ -1005,7 +1023,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
     if dv % block_v:
         raise ValueError(f"block_v {block_v} must divide V={dv}")
     return tuple(_fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
-                                       interpret=interpret, export_states=export_states, num_warps=num_warps))
+                                       interpret=interpret, export_states=export_states, num_warps=num_warps,
+                                       cache_hints=bool(cache_hints)))
 
 
 # ---- replay baselines (for comparison only) ---------------------------------------------------

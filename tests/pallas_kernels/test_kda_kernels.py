@@ -132,27 +132,30 @@ def test_replay_baselines_produce_the_same_states_as_export(rng):
 
 
 class TestFusedRecurrent:
-    @pytest.mark.parametrize("block_v, num_warps", [(None, 4), (8, 1)])  # the default (fla's); a narrow one
-    def test_decode_over_non_contiguous_slots_updates_only_those(self, rng, block_v, num_warps):
+    @pytest.mark.parametrize("block_v, num_warps, cache_hints", [(None, 8, False), (8, 1, False), (None, 8, True)])
+    def test_decode_over_non_contiguous_slots_updates_only_those(self, rng, block_v, num_warps, cache_hints):
+        """The default tiling, a narrow one, and the default with fla's eviction hints."""
         q, k, v, g, beta = kda_inputs(rng, 3, 1, 2, 16, 32)
         pool = jnp.asarray(rng.standard_normal((9, 2, 16, 32)), jnp.float32)
         before = np.asarray(pool).copy()
         slots = np.array([7, 0, 4])
         o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, block_v=block_v,
-                                      num_warps=num_warps)
+                                      num_warps=num_warps, cache_hints=cache_hints)
         o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(pool)[slots], s_ref, atol=1e-5, rtol=1e-5)
         untouched = [i for i in range(9) if i not in slots]
         np.testing.assert_array_equal(np.asarray(pool)[untouched], before[untouched])
 
-    def test_speculative_verify_then_commit_the_accepted_prefix(self, rng):
+    @pytest.mark.parametrize("cache_hints", [False, True])
+    def test_speculative_verify_then_commit_the_accepted_prefix(self, rng, cache_hints):
         q, k, v, g, beta = kda_inputs(rng, 2, 4, 1, 16, 16)
         pool = jnp.asarray(rng.standard_normal((4, 1, 16, 16)), jnp.float32)
         before = np.asarray(pool).copy()
         slots = np.array([3, 1])
         accepted = np.array([2, 4])
-        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, num_accepted=accepted)
+        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, num_accepted=accepted,
+                                      cache_hints=cache_hints)
         o_ref, _ = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)  # outputs for every drafted token
         for i, n in enumerate(accepted):

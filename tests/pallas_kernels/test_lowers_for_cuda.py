@@ -47,13 +47,15 @@ def test_kda_decode_at_small_dims(rows):
         *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
 
 
-@pytest.mark.parametrize("block_v, num_warps", [(64, 4), (32, 4), (16, 1), (16, 2)])
-def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps):
-    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (32 columns on 4
-    warps is fla 0.6's)."""
+@pytest.mark.parametrize("block_v, num_warps, cache_hints", [(64, 8, False), (64, 8, True), (32, 4, False),
+                                                         (64, 4, False), (16, 1, False), (128, 8, False)])
+def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps, cache_hints):
+    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (64 columns on 8
+    warps is the default, 32 on 4 fla 0.6's), and the default with fla's eviction hints."""
     b, h, d = 64, 32, 128
     fn = lambda q, k, v, g, beta, pool, slots, n_acc: kda._fused_recurrent_core(
-        q, k, v, g, beta, pool, slots, n_acc, scale=d ** -0.5, block_v=block_v, interpret=False, num_warps=num_warps)
+        q, k, v, g, beta, pool, slots, n_acc, scale=d ** -0.5, block_v=block_v, interpret=False, num_warps=num_warps,
+        cache_hints=cache_hints)
     assert lowered_triton_calls(fn, *[S((b, 1, h, d), BF16)] * 4, S((b, 1, h), BF16), S((2 * b, h, d, d), F32),
                                 S((b,), I32), S((b,), I32)) == 1
 
