@@ -355,10 +355,10 @@ def _compute_capability() -> str | None:
 
 
 def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> str:
-    """Which Pallas prefill kernel runs: "hopper" (Mosaic GPU, wgmma + TMA: 0.78-0.94x cuDNN on
-    H200 vs the Triton kernel's 0.60-0.72x, RESULTS.md) for 16-bit inputs with head dims that
-    are multiples of 64 on a compute capability 9.x GPU, else "triton" (any dims and dtypes,
-    any GPU; interpret mode on CPU)."""
+    """Which Pallas prefill kernel runs: "hopper" (Mosaic GPU, wgmma + TMA: faster than cuDNN
+    doing the same work, and about twice the Triton kernel's speed on Hopper: RESULTS.md, MLA
+    kernels) for 16-bit inputs with head dims that are multiples of 64 on a compute capability
+    9.x GPU, else "triton" (any dims and dtypes, any GPU; interpret mode on CPU)."""
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     hopper = compute_capability is not None and str(compute_capability).startswith("9")
     return "hopper" if hopper and sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
@@ -367,8 +367,8 @@ def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -
 def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, max_keys: int,
                     compute_capability: str | None) -> str:
     """Which Pallas absorbed decode runs: "hopper" (Mosaic GPU, FlashMLA's layout on wgmma:
-    2.8x the Triton kernel at 96 heads and 70% of the matmul rate at 128; at 16 heads
-    1.1-1.2x once contexts reach 8k, RESULTS.md) for 16-bit inputs with kv_lora % 128 == 0,
+    several times the Triton kernel's speed at 96-128 heads, and faster at 16 heads once
+    contexts reach 8k: RESULTS.md, MLA kernels) for 16-bit inputs with kv_lora % 128 == 0,
     rope % 64 == 0 and 32-token-aligned pages on a compute capability 9.x GPU, when heads x
     query tokens (`rows`) fill a 64-row wgmma tile or the block table spans >= 16k keys
     (`max_keys`); else "triton" (16-row blocks: faster for few rows over short contexts,
