@@ -320,7 +320,13 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1, mode="clip")
                 k, v = mla_kernels.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
-                o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope)
+                if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
+                    o, _ = mla_hopper.mla_prefill_chunk_hopper(
+                        q_bthd.astype(k.dtype), k, v, prefix, scale=scale,
+                        block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]))
+                else:
+                    o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale,
+                                                         rope_dim=rope)
                 return o
             # the queries take the pages' dtype, never the pages the queries': an fp32 draft
             # head on a bf16 pool would otherwise convert the whole pool at every call
@@ -362,6 +368,27 @@ def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     hopper = compute_capability is not None and str(compute_capability).startswith("9")
     return "hopper" if hopper and sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
+
+
+MLA_CHUNK_CHOICES = ("triton", "hopper", "auto")
+
+
+def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> str:
+    """Which kernel runs a prefill chunk continuing a cache (the expanded form): "hopper"
+    (`mla_hopper.mla_prefill_chunk_hopper`, 128-key blocks where they fit) or "triton"
+    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "triton" (the default, until the
+    Hopper kernel's `tests/gpu` row has passed on a GPU: it was faster at every chunk measured,
+    RESULTS.md, MLA kernels, session 32), "auto" ("hopper" where `mla_prefill_impl` picks it)
+    and "hopper" (as "auto", and off the GPU in Mosaic GPU's interpreter)."""
+    choice = os.environ.get("KIMIK3_MLA_CHUNK", "triton")
+    if choice not in MLA_CHUNK_CHOICES:
+        raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    if choice == "hopper" and compute_capability is None:  # the interpreter, off the GPU
+        sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        return "hopper" if sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
+    return mla_prefill_impl(dtype, dqk, dv, compute_capability)
 
 
 def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, max_keys: int,

@@ -43,6 +43,51 @@ def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, 
     assert ops.mla_prefill_impl(dtype, dqk, dv, cc) == want
 
 
+def test_a_chunk_over_a_cache_takes_the_hopper_kernel_only_where_asked(monkeypatch):
+    """`KIMIK3_MLA_CHUNK`: "triton" (the default until the Hopper chunk kernel's GPU row has run)
+    always; "auto" where the Hopper prefill runs; "hopper" also off the GPU (the interpreter) where
+    the dims fit; anything else refused."""
+    bf = jnp.bfloat16
+    monkeypatch.delenv("KIMIK3_MLA_CHUNK", raising=False)
+    assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "triton"
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "auto")
+    assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "hopper"
+    assert [ops.mla_chunk_impl(*a) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None), (jnp.float32, 192, 128, "9.0"),
+                                              (bf, 24, 16, "9.0")]] == ["triton"] * 4
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "hopper")
+    assert ops.mla_chunk_impl(bf, 192, 128, None) == "hopper"
+    assert ops.mla_chunk_impl(bf, 24, 16, None) == "triton"
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "cutlass")
+    with pytest.raises(ValueError, match="KIMIK3_MLA_CHUNK"):
+        ops.mla_chunk_impl(bf, 192, 128, "9.0")
+
+
+def test_the_hopper_chunk_kernel_serves_mla_attention_as_the_triton_one_does(monkeypatch, rng):
+    """A chunk of 16 new tokens after cached prefixes of 37 and 0 tokens, through
+    `ops.mla_attention` on the Pallas path: with `KIMIK3_MLA_CHUNK=hopper` the Hopper chunk kernel
+    runs (Mosaic GPU's interpreter here) and gives the Triton kernel's outputs within bf16."""
+    from pallas_kernels import mla_hopper
+
+    b, t, h, r, rope, nope, dv, s = 2, 16, 2, 32, 64, 64, 64, 128
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    q, latent = f(b, t, h, nope + rope), f(b, s, r + rope)
+    w_kb, w_vb = f(r, h, nope) * 0.2, f(r, h, dv) * 0.2
+    q_pos = jnp.asarray([37, 0], jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+    run = lambda: ops.mla_attention(q, latent, w_kb, w_vb, kv_lora=r, scale=(nope + rope) ** -0.5, q_pos_bt=q_pos,
+                                    k_pos_bs=k_pos, absorbed=False, contiguous_cache=True, kernels="pallas")
+    monkeypatch.delenv("KIMIK3_MLA_CHUNK", raising=False)
+    triton = np.asarray(run(), np.float32)
+    calls = []
+    real = mla_hopper.mla_prefill_chunk_hopper
+    monkeypatch.setattr(mla_hopper, "mla_prefill_chunk_hopper", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "hopper")
+    hopper = np.asarray(run(), np.float32)
+    assert len(calls) == 1 and calls[0]["block_kv"] == 128
+    assert hopper.shape == (b, t, h, dv)
+    np.testing.assert_allclose(hopper, triton, atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("dtype, kv_lora, rope, page, rows, max_keys, cc, want", [
     (jnp.bfloat16, 512, 64, 128, 96, 2048, "9.0", "hopper"),    # 96 heads, one query: two 64-row tiles
     (jnp.bfloat16, 512, 64, 128, 64, 2048, "9.0", "hopper"),    # 16 heads x 4 speculative tokens
