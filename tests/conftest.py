@@ -96,37 +96,74 @@ def pytest_sessionfinish(session):
         shutil.rmtree(RUN_CACHE, ignore_errors=True)
 
 
+def _once_per_run(tmp_path_factory, name: str, build, load):
+    """build(dir) where the run's first process asks for `name`, load(dir) in every later ask:
+    under xdist the workers share the run's base temp directory, and a lock there makes one
+    worker build while another waits and then loads (same bytes: a checkpoint round trip), so
+    the suite trains once instead of once per worker."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "done").exists():
+            return load(str(out))
+        value = build(str(out))
+        (out / "done").write_text("")
+        return value
+
+
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
     """(TrainConfig, result, params): `tiny` trained for 60 steps on the Debian licence texts, once
-    per worker process (tests/kimik3/test_train.py and test_eagle.py share it).  xdist's
-    ``--dist loadgroup`` would put its users on one worker, but here (pytest 9.2, xdist 3.8)
-    grouped tests still spread over the workers (checked), so each worker that runs one of
-    them trains."""
-    from kimik3 import corpus, train
+    a run (tests/kimik3/test_train.py, test_eagle.py and the speculative serving tests share it;
+    xdist's ``--dist loadgroup`` would put its users on one worker, but here (pytest 9.2, xdist
+    3.8) grouped tests still spread over the workers (checked), so the workers share it on disk:
+    `_once_per_run`)."""
+    import json
+
+    from kimik3 import checkpoint, corpus, train
 
     try:
         corpus.find_sources("licenses")
     except FileNotFoundError:
         pytest.skip("no /usr/share/common-licenses (not a Debian system)")
-    out = str(tmp_path_factory.mktemp("train"))
-    tc = train.TrainConfig(config="tiny", steps=60, batch=8, seq_len=64, lr=3e-3, warmup_steps=6, eval_every=30,
-                           eval_batches=4, corpus="licenses", out=out, progress=False)
-    return tc, *train.train(tc)
+    tc_at = lambda out: train.TrainConfig(config="tiny", steps=60, batch=8, seq_len=64, lr=3e-3, warmup_steps=6,
+                                          eval_every=30, eval_batches=4, corpus="licenses", out=out, progress=False)
+
+    def load(out):
+        with open(os.path.join(out, "train.json")) as f:
+            result = json.load(f)
+        return tc_at(out), result, checkpoint.restore(os.path.join(out, "checkpoint"))[0]
+
+    return _once_per_run(tmp_path_factory, "trained_tiny", lambda out: (tc_at(out), *train.train(tc_at(out))), load)
 
 
 @pytest.fixture(scope="session")  # not module: xdist may interleave other modules' tests and rebuild it
 def trained_draft(trained_tiny, tmp_path_factory):
     """(params, train-eagle result, draft, out dir): an EAGLE-3 draft for `trained_tiny`, 60 steps on
-    its continuations of the licence texts (out/draft loads with `eagle_train.load_draft`)."""
+    its continuations of the licence texts (out/draft loads with `eagle_train.load_draft`); once a
+    run, as `trained_tiny`."""
+    import json
+
     from kimik3 import eagle_train
 
     _, _, params = trained_tiny
-    out = str(tmp_path_factory.mktemp("eagle"))
-    dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
-                                      out=out, progress=False)
-    result, draft = eagle_train.train_draft(params, config.tiny(), dc)
-    return params, result, draft, out
+
+    def build(out):
+        dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
+                                          out=out, progress=False)
+        result, draft = eagle_train.train_draft(params, config.tiny(), dc)
+        return params, result, draft, out
+
+    def load(out):
+        with open(os.path.join(out, "eagle_train.json")) as f:
+            result = json.load(f)
+        return params, result, eagle_train.load_draft(os.path.join(out, "draft"), config.tiny(), params)[0], out
+
+    return _once_per_run(tmp_path_factory, "trained_draft", build, load)
 
 
 @pytest.fixture(scope="session")

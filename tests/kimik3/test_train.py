@@ -50,7 +50,7 @@ def test_windows_come_in_full_batches_of_seq_len_plus_one():
         train.batches(tokens, 64, 31, seed=0)
 
 
-# `trained_tiny` (tests/conftest.py): one run per worker, shared with tests/kimik3/test_eagle.py
+# `trained_tiny` (tests/conftest.py): trained once a run, shared with tests/kimik3/test_eagle.py
 @pytest.fixture
 def trained(trained_tiny):
     return trained_tiny
