@@ -67,7 +67,22 @@ class Cluster:
         self.ports.setdefault(name, free_port())
         self.spawn(name, self.worker_argv(name))
         if wait:
-            wait_healthy(self.url(name), self.procs[name], STARTUP_S)
+            self.wait_worker(name)
+
+    def wait_worker(self, name: str, attempts: int = 3) -> None:
+        """Wait until the worker answers; a worker that exited because its port was taken between
+        `free_port` and its bind (another process's ephemeral port: seen once in a full run) starts
+        again on a fresh port, at most `attempts` times in all."""
+        for attempt in range(attempts):
+            try:
+                return wait_healthy(self.url(name), self.procs[name], STARTUP_S)
+            except RuntimeError:
+                with open(os.path.join(self.log_dir, f"{name}.log")) as f:
+                    taken = f"127.0.0.1', {self.ports[name]}): address already in use" in f.read()
+                if not taken or attempt == attempts - 1:
+                    raise
+                self.ports[name] = free_port()
+                self.spawn(name, self.worker_argv(name))
 
     def start(self) -> "Cluster":
         names = ["prefill0", "prefill1", "decode0", "decode1"]
@@ -77,7 +92,7 @@ class Cluster:
         for n in names[cold:]:
             self.start_worker(n, wait=False)
         for n in names:
-            wait_healthy(self.url(n), self.procs[n], STARTUP_S)
+            self.wait_worker(n)
         self.ports["router"] = free_port()
         self.spawn("router", [
             sys.executable, "-m", "serving.router", "--port", str(self.ports["router"]), "--config", "tiny",
