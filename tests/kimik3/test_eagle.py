@@ -207,6 +207,8 @@ def test_bad_draft_requests_get_clear_errors(tiny_cfg, tiny_params, tmp_path):
         eagle_train.DraftTrainConfig(data="web")
 
 
+@pytest.mark.slow  # KIMIK3_SLOW=1: 30 s (the suite must stay under 20 min on 2 cores); the draft's training
+# and speculative decoding run in the fast tests above, this adds the CLI's wiring
 def test_the_cli_trains_a_draft_and_decodes_with_it(trained_tiny, trained_draft, tmp_path, capsys):
     from serving import cli
 
