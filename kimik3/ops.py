@@ -385,9 +385,8 @@ def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> 
         raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")
     if choice == "triton":
         return "triton"
-    if choice == "hopper" and compute_capability is None:  # the interpreter, off the GPU
-        sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        return "hopper" if sixteen_bit and mla_hopper.supports(dqk, dv) else "triton"
+    if choice == "hopper" and compute_capability is None:  # the interpreter, off the GPU: Hopper's rules
+        compute_capability = "9.0"
     return mla_prefill_impl(dtype, dqk, dv, compute_capability)
 
 

@@ -914,11 +914,17 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
     vs = pl.ds(vb * block_v, block_v)
     slot, n_acc = slots_ref[b], n_acc_ref[b]
 
+    def hinted(idx):  # a Python int index fails the interpreter's hinted load / store
+        return tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)
+
     def load(ref, idx, policy):
-        if not cache_hints:
-            return ref[idx]
-        idx = tuple(jnp.int32(i) if isinstance(i, int) else i for i in idx)  # a Python int: the interpreter's
-        return pltriton.load(ref.at[idx], eviction_policy=policy)
+        return pltriton.load(ref.at[hinted(idx)], eviction_policy=policy) if cache_hints else ref[idx]
+
+    def store(ref, idx, val, policy):
+        if cache_hints:
+            pltriton.store(ref.at[hinted(idx)], val, eviction_policy=policy)
+        else:
+            ref[idx] = val
 
     s = pool_in_ref[slot, h, :, vs]  # [K, BV] fp32
     for t in range(n_tokens):  # T is small (decode / speculative verify): unrolled
@@ -929,10 +935,7 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
         s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_t - pred)[None, :]
         o_t = (scale * jnp.sum(load(q_ref, (b, t, h, slice(None)), "evict_last").astype(f32)[:, None] * s,
                                axis=0)).astype(o_ref.dtype)
-        if cache_hints:
-            pltriton.store(o_ref.at[b, jnp.int32(t), h, vs], o_t, eviction_policy="evict_first")
-        else:
-            o_ref[b, t, h, vs] = o_t
+        store(o_ref, (b, t, h, vs), o_t, "evict_first")
         if states_ref:
             states_ref[0][b, t, h, :, vs] = s
 
