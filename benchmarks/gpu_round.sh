@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -78,6 +78,14 @@ case $round in
       --skip-xla-ref --budget-s 140 --out "$OUT/dec"
     run mla_chunk 150 python3 benchmarks/mla.py --sections chunk --budget-s 120 --out "$OUT/chunk"
     run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    ;;
+  fourth)  # the ragged GEMM deriving its items in the kernel (no table before it): its GPU rows and the
+    # must-show at both sizes; the H96 chunk rows
+    mkdir -p "$OUT"/{moe,chunk}
+    run gpu_moe 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py -k ragged
+    run moe_gemm 200 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048,k3 rank prefill" --out "$OUT/moe"
+    run mla_chunk 200 python3 benchmarks/mla.py --sections chunk --chunk-cases 1x2048x8192x96,1x2048x2048x96 \
+      --out "$OUT/chunk"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

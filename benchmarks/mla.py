@@ -319,6 +319,8 @@ def main():
     ap.add_argument("--hopper-configs", default="64x128x2,64x128x2x0x1,64x128x2x1,64x64x2",
                     help="Mosaic GPU prefill (block_q)x(block_kv)x(steps)[x(1: persistent)[x(1: q tiles "
                          "first)]] to try ('' to skip)")
+    ap.add_argument("--chunk-cases", default="1x2048x0x16,1x2048x2048x16,1x2048x8192x16,1x2048x8192x96",
+                    help="chunk cases (B)x(T new)x(P cached)x(H) to time")
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip cases that start after this many seconds")
     args = ap.parse_args()
     deadline = time.monotonic() + args.budget_s
@@ -343,7 +345,7 @@ def main():
             rows += prefill_rows([(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)], configs=configs,
                                  hopper_configs=hopper, deadline=deadline)
         if "chunk" in args.sections:
-            rows += chunk_rows([(1, 2048, 0, 16), (1, 2048, 2048, 16), (1, 2048, 8192, 16), (1, 2048, 8192, 96)],
+            rows += chunk_rows([tuple(int(v) for v in c.split("x")) for c in args.chunk_cases.split(",")],
                                deadline=deadline)
         if "decode" in args.sections:
             heads = [int(h) for h in args.decode_heads.split(",")]

@@ -24,7 +24,8 @@ multiple of 8 (the row tiling of the shared-memory tiles TMA fills) and step by 
 each group computes the tiles the padded layout would give it, plus at most 7 rows of the group
 before, and no block is computed once for each of two groups; a full item stores through the
 padded path's swizzled epilogue, a group's partial first or last item only its rows (TMA stores
-in power-of-two runs).  `ragged_work` builds the table.  With ``act`` the weights are gate ++ up [G, K, 2F]: each
+in power-of-two runs).  Each CTA derives its items from the group sizes (`ragged_item`; `ragged_work` lists
+them as a table, the reference), as `ragged_dot_mgpu` does: no XLA ops before the kernel.  With ``act`` the weights are gate ++ up [G, K, 2F]: each
 consumer holds a gate and an up accumulator for the same F columns and writes act(gate, up) [.., F]
 (each rounded to bf16 first, as an unfused activation would read them), so the [rows, 2F]
 intermediate never reaches HBM.
@@ -116,9 +117,9 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
             m_iters: int, n_iters: int):
     """One CTA's loop over work items.  block_m an int: the group-aligned layout, work_gmem its
     tile_group (a work item is the row tile mi, whole); None: rows sorted by group, work_gmem
-    `ragged_work`'s [4, n] table (group, first row, lo, hi): an item computes tile_m rows from
-    its first and stores its own, [lo, hi) of them (all: the padded path's epilogue; fewer:
-    row-exactly)."""
+    the group sizes [G], from which `ragged_item` gives item mi (group, first row, lo, hi): an
+    item computes tile_m rows from its first and stores its own, [lo, hi) of them (all: the
+    padded path's epilogue; fewer: row-exactly)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype = x_gmem.dtype
@@ -166,9 +167,10 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
         def _(loop_info):
             (lin,) = loop_info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
-            if ragged:
-                group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
-                row0 = pl.multiple_of(row0, 8)  # `ragged_work`: what the tiled TMA copies need
+            if ragged:  # work_gmem: the group sizes; the item from them (`ragged_item`), no table
+                group, row0, lo, hi = ragged_item(lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0], t.tile_m,
+                                                  mi, zero_tail=True)
+                row0 = pl.multiple_of(row0, 8)  # `ragged_item`: what the tiled TMA copies need
             else:
                 group, row0 = work_gmem[(mi * t.tile_m) // block_m], mi * t.tile_m
             rows = pl.ds(row0, t.tile_m)
@@ -229,7 +231,7 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 return accs
 
             n_groups = w_gmem.shape[0]
-            if ragged:  # `ragged_work(zero_tail=True)`'s group G: rows past the groups' sum get zeros
+            if ragged:  # `ragged_item(zero_tail=True)`'s group G: rows past the groups' sum get zeros
                 @pl.when((group == n_groups) & (wg < 2))  # the two consumers, each its columns
                 def _():
                     store(jnp.zeros((t.tile_m, t.tile_n), dtype))
@@ -287,41 +289,57 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
     return kernel(work, x, w_gkn)
 
 
-def ragged_work(group_sizes_g, m: int, tile_m: int, zero_tail: bool = False):
-    """The work table of rows sorted by group: int32 [4, cdiv(m + 7 G, tile_m) + G], per work item
-    (group, first row, lo, hi): the item computes rows [first, first + tile_m) and stores
-    [first + lo, first + hi).  A group's items start at its first row rounded down to a multiple
-    of 8 (the tiled TMA copies' row granularity) and step by tile_m: the row tiles the
+def ragged_item(size_of, n_groups: int, m: int, tile_m: int, item, zero_tail: bool = False):
+    """Work item `item` of rows sorted by group (the table `ragged_work` lists; written once for
+    it and for the kernel, which derives its items from the group sizes as it goes, with no table
+    built before it): (group, first row, lo, hi), the item computing rows [first, first + tile_m)
+    and storing [first + lo, first + hi).  A group's items start at its first row rounded down to
+    a multiple of 8 (the tiled TMA copies' row granularity) and step by tile_m: the row tiles the
     group-aligned layout would give it, without the padded copy, each block computed for one
-    group only.  -1 groups past the last item; rows past the groups' sum belong to no item, or
-    with zero_tail to items of group G (the table then as for G + 1 groups), which store zeros:
-    `lax.ragged_dot`'s contract without a pass over the output."""
+    group only.  Group -1 past the last item; with zero_tail the rows past the groups' sum are
+    one more group, G, whose items store zeros.  size_of(i): group i's size (an int32 scalar;
+    a scalar load in the kernel); item: int32, a scalar or an array (the result then its shape).
+    The groups are few, so the loop over them is unrolled: selects, no early exit (as
+    `ragged_dot_mgpu`'s group bookkeeping)."""
+    zero = jnp.zeros_like(item)
+    group, row0, g_start, g_end = zero - 1, zero, zero, zero
+    end = c_end = jnp.int32(0)
+    for i in range(n_groups + int(zero_tail)):
+        size = size_of(i) if i < n_groups else jnp.maximum(m - end, 0)
+        start, end = end, end + size
+        first = start & -8
+        count = lax.select(size > 0, lax.div(end - first + tile_m - 1, jnp.int32(tile_m)), jnp.int32(0))
+        c_start, c_end = c_end, c_end + count
+        here = (c_start <= item) & (item < c_end)
+        group = jnp.where(here, i, group)
+        row0 = jnp.where(here, first + (item - c_start) * tile_m, row0)
+        g_start, g_end = jnp.where(here, start, g_start), jnp.where(here, end, g_end)
+    return group, row0, jnp.maximum(g_start - row0, 0), jnp.minimum(g_end - row0, tile_m)
+
+
+def ragged_items(n_groups: int, m: int, tile_m: int, zero_tail: bool = False) -> int:
+    """The static count of work items `ragged_item` can give: cdiv(M + 7 G, tile_m) + G (G + 1
+    groups with zero_tail): each group adds at most one partial tile and 7 rows before it."""
+    g = n_groups + int(zero_tail)
+    return -(-(m + 7 * g) // tile_m) + g
+
+
+def ragged_work(group_sizes_g, m: int, tile_m: int, zero_tail: bool = False):
+    """Every work item of rows sorted by group (`ragged_item`) as a table: int32 [4, n] (group,
+    first row, lo, hi), n = `ragged_items`; -1 groups past the last item.  zero_tail: the rows
+    past the groups' sum as group G (`lax.ragged_dot`'s contract without a pass over the
+    output).  The kernel computes its items itself; this is their reference."""
     g = group_sizes_g.shape[0]
     sizes = group_sizes_g.astype(jnp.int32)
-    if zero_tail:  # the rows past the groups' sum as one more group, G: its items store zeros
-        sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])
-        g += 1
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // 8 * 8
-    count = jnp.where(sizes > 0, (ends - first + tile_m - 1) // tile_m, 0)
-    c_end = jnp.cumsum(count)
-    c_start = c_end - count
-    n_work = -(-(m + 7 * g) // tile_m) + g
-    item = jnp.arange(n_work, dtype=jnp.int32)
-    grp = jnp.sum(item[:, None] >= c_end[None, :], axis=1).astype(jnp.int32)  # the group whose items hold it
-    gc = jnp.minimum(grp, g - 1)
-    row0 = first[gc] + (item - c_start[gc]) * tile_m
-    lo = jnp.maximum(starts[gc] - row0, 0)
-    hi = jnp.minimum(ends[gc] - row0, tile_m)
-    return jnp.stack([jnp.where(grp < g, gc, -1), row0, lo, hi]).astype(jnp.int32)
+    item = jnp.arange(ragged_items(g, m, tile_m, zero_tail), dtype=jnp.int32)
+    return jnp.stack(ragged_item(lambda i: sizes[i], g, m, tile_m, item, zero_tail)).astype(jnp.int32)
 
 
 def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling | None = None, sms: int | None = None,
                interpret: bool = False):
     """Rows sorted by group, as they are (no padded copy): lhs [M, K] of a 16-bit dtype, w [G, K,
     N] of its dtype, group_sizes [G] -> [M, N] (act: as `gmm_padded`); rows past the groups' sum
-    are zeros, stored by the kernel's own items (`ragged_work(zero_tail=True)`), not by a pass
+    are zeros, stored by the kernel's own items (`ragged_item(zero_tail=True)`), not by a pass
     over the output.  Loads of a partial last block read past M (TMA fills zeros), stores write
     only each item's rows."""
     t = tiling or default_tiling(w_gkn.shape[2] // (1 if act is None else 2), act is not None)
@@ -330,9 +348,8 @@ def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling |
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
                          f"do not match ([G], [G, K, N])")
-    work = ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m, zero_tail=True)
-    return _launch(work, lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act, m_iters=work.shape[1], sms=sms,
-                   interpret=interpret)
+    return _launch(group_sizes_g.astype(jnp.int32), lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act,
+                   m_iters=ragged_items(g, lhs_mk.shape[0], t.tile_m, zero_tail=True), sms=sms, interpret=interpret)
 
 
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", block_m: int = 128,
