@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -86,6 +86,16 @@ case $round in
     run moe_gemm 200 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048,k3 rank prefill" --out "$OUT/moe"
     run mla_chunk 200 python3 benchmarks/mla.py --sections chunk --chunk-cases 1x2048x8192x96,1x2048x2048x96 \
       --out "$OUT/chunk"
+    ;;
+  fifth)  # where the MXFP4 kernels' time goes (they are not bound by bytes): the frame with the
+    # cheapest decode (the codes' integers), then the counters (issue slots, stalls)
+    mkdir -p "$OUT"/mx
+    run mxfp4_probe 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+      --tilings "16,128,128,4,64,0;16,128,128,4,128,0;16,128,256,4,128,0" --decodes bits,arith --probe-upcast --out "$OUT/mx"
+    run ncu_mxfp4 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name 'regex:_kernel$' \
+      --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
+      python3 benchmarks/ncu_probe.py --what mxfp4
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

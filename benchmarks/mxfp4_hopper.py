@@ -44,6 +44,9 @@ def main():
     ap.add_argument("--rows", default="4,32,128,256,1024")
     ap.add_argument("--cases", default="full EP16 rank gate+up,small gate+up")
     ap.add_argument("--decodes", default=",".join(moe_mxfp4_hopper.DECODES))
+    ap.add_argument("--probe-upcast", action="store_true",
+                    help="also time the best tiling with the codes' integers as the decode (not MXFP4: the "
+                         "kernel's frame without the e2m1 decode; `moe_mxfp4_hopper.PROBE_DECODE`)")
     ap.add_argument("--tilings", default="",
                     help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile,warp_specialized;...'")
     args = ap.parse_args()
@@ -90,6 +93,12 @@ def main():
                     continue
                 by_tiling[key] = common.time_pipelined(fn, x, hop[dec], sizes)[0]
             best = min(by_tiling, key=by_tiling.get) if by_tiling else None
+            if best and args.probe_upcast:  # unchecked: its values are not MXFP4's
+                bm, bn, bk, st, ct, ws = (int(v) for v in best.split(":")[1].split(","))
+                probe = jax.jit(functools.partial(
+                    moe_mxfp4_hopper.grouped_matmul, block_m=bm, block_n=bn, block_k=bk, steps=st, code_tile=ct,
+                    decode=moe_mxfp4_hopper.PROBE_DECODE, warp_specialized=bool(ws)))
+                row["upcast_probe_ms"] = common.time_pipelined(probe, x, hop["arith"], sizes)[0]
             bytes16 = used * k * n * 2 + 2 * rows * (k + n)
             bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)
             row.update(hopper_ms=by_tiling.get(best), hopper_tiling=best,

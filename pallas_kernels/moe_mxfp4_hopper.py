@@ -59,6 +59,10 @@ class HopperMXFP4(NamedTuple):
 # int4 -> bf16 upcast and `decode`; "bits", the e2m1 bits as they are, moved into a bf16's bit
 # pattern with integer ops (`_e2m1_bits`).  Each needs its own code layout (`to_hopper`).
 DECODES = ("arith", "bits")
+# Not MXFP4: the codes' integers (the int4 -> bf16 upcast alone) times the block scale, the
+# cheapest decode there is.  A timing probe of the kernel's frame (`benchmarks/mxfp4_hopper.py
+# --probe-upcast`): how fast the kernel would be if decoding cost nothing beyond the upcast.
+PROBE_DECODE = "upcast_probe"
 
 
 def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "arith") -> HopperMXFP4:
@@ -124,6 +128,10 @@ def _e2m1_bits(codes):
 def _decode_tiles(codes_i4, scales_u8, decode_: str):
     """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
     of [bn]) -> each block's bf16 [bn, 32] weights."""
+    if decode_ == PROBE_DECODE:
+        i = codes_i4.astype(jnp.bfloat16)
+        return [i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (i.shape[0], MX_BLOCK))
+                for h, s in enumerate(scales_u8)]
     if decode_ == "bits":
         vals = _e2m1_bits(codes_i4)
         return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
@@ -259,6 +267,8 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
     rows, k = x_pad.shape
     g, n, _ = w.codes.shape
     check(w, k)
+    if decode not in DECODES + (PROBE_DECODE,):
+        raise ValueError(f"MXFP4 grouped GEMM (Hopper): decode must be one of {DECODES}; got {decode!r}")
     if x_pad.dtype != jnp.bfloat16:
         raise ValueError(f"MXFP4 grouped GEMM (Hopper) multiplies bf16 rows; got {x_pad.dtype}")
     if (block_m % 8 or rows % block_m or n % block_n or block_n % 64 or k % block_k or block_k % code_tile
