@@ -90,8 +90,11 @@ case $round in
   fifth)  # where the MXFP4 kernels' time goes (they are not bound by bytes): the frame with the
     # cheapest decode (the codes' integers), then the counters (issue slots, stalls)
     mkdir -p "$OUT"/mx
+    run gpu_mx 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py \
+      -k "bit_for_bit"
     run mxfp4_probe 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
-      --tilings "16,128,128,4,64,0;16,128,128,4,128,0;16,128,256,4,128,0" --decodes bits,arith --probe-upcast --out "$OUT/mx"
+      --tilings "16,128,128,4,64,0,0;16,128,128,4,128,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1;16,128,256,4,128,0,1;16,64,128,4,128,1,1" \
+      --decodes bits,arith --probe-upcast --out "$OUT/mx"
     run ncu_mxfp4 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name 'regex:_kernel$' \
       --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \

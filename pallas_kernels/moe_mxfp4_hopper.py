@@ -141,7 +141,20 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
             for h, s in enumerate(scales_u8)]
 
 
-def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None, stage=None):
+def _load_codes(codes_ref, load4x: bool):
+    """A [bn, c] int4 tile of codes from shared memory into wgmma's A layout.  load4x: 32-bit
+    loads, each thread 8 codes of a row at once (Mosaic GPU's WGMMA_UPCAST_4X layout, as JAX's
+    mixed-type matmul reads its int4 operand), then shuffled among the threads into the A layout;
+    else loaded in the A layout directly (2 codes, 8 bits, a load)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not load4x:
+        return codes_ref[...]
+    return plgpu.layout_cast(plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
+
+
+def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None, stage=None,
+              load4x=False):
     """One pipeline step of a warpgroup: its codes' rows (`rows`: a slice of the block's, or all)
     decoded 32 K at a time into wgmma's A operand, times the step's activations (B, transposed),
     accumulated into acc_ref; waits for its MMAs before the step's buffers are released.
@@ -153,7 +166,8 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
     codes = codes_smem if rows is None else codes_smem.at[rows]
     for c in range(block_k // code_tile):
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
-        tiles = _decode_tiles(codes[:, pl.ds(c * code_tile, code_tile)], scale_rows, decode_)
+        tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x),
+                              scale_rows, decode_)
         for h, w in enumerate(tiles):
             x_t = x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T
             if stage is not None:
@@ -167,7 +181,7 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
 
 
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, stage=None, *, block_m, block_n,
-            block_k, n_k, steps, code_tile, decode_):
+            block_k, n_k, steps, code_tile, decode_, load4x=False):
     """One program: a row tile of one group times block_n columns.  stage: `_mma_step`'s (the
     interpreter's staging buffer, a scratch ref), or None on the GPU."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -180,7 +194,7 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
                 _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                          decode_=decode_, stage=stage)
+                          decode_=decode_, stage=stage, load4x=load4x)
 
             plgpu.emit_pipeline(
                 step, grid=(n_k,), max_concurrent_steps=steps,
@@ -202,7 +216,7 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
 
 
 def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
-               n_k, steps, code_tile, decode_, interpret=False):
+               n_k, steps, code_tile, decode_, interpret=False, load4x=False):
     """`_kernel` warp-specialized: a producer warpgroup issues the TMA copies and two consumer
     warpgroups each take half of the program's 2 * block_n columns, so one decodes while the
     other's MMAs run (JAX's own Hopper mixed-type matmul is built so)."""
@@ -244,7 +258,7 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
         def body(_, x_smem, codes_smem, scales_smem, acc_ref):
             _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                      decode_=decode_, rows=rows, stage=None if stages is None else stages.at[wg])
+                      decode_=decode_, rows=rows, stage=None if stages is None else stages.at[wg], load4x=load4x)
             return acc_ref
 
         @pl.when(group >= 0)  # tiles past the last group hold no row anyone reads
@@ -254,14 +268,15 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
                steps: int = 4, code_tile: int = 64, decode: str = "arith", warp_specialized: bool = False,
-               interpret: bool = False):
+               load4x: bool = False, interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
     decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
     producer warpgroup and two consumers, each taking block_n of the program's 2 * block_n
-    columns (`_kernel_ws`).  interpret: Mosaic GPU's interpreter (CPU), the decoded tiles staged
-    through shared memory."""
+    columns (`_kernel_ws`).  load4x: the codes read from shared memory 8 at a time and shuffled
+    into the A layout (`_load_codes`).  interpret: Mosaic GPU's interpreter (CPU), the decoded
+    tiles staged through shared memory."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows, k = x_pad.shape
@@ -277,7 +292,7 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
     kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
-              decode_=decode)
+              decode_=decode, load4x=load4x)
     mode = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     if warp_specialized:
         if n % (2 * block_n):
@@ -303,7 +318,7 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
 def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **tiling):
     """`moe.grouped_matmul`'s contract on Hopper-layout MXFP4 weights: lhs [M, K] bf16 rows
     sorted by group, group_sizes [G] -> [M, N] bf16 (rows past the groups' sum give 0).
-    tiling: `gmm_padded`'s block_n / block_k / steps / code_tile / decode / warp_specialized /
+    tiling: `gmm_padded`'s block_n / block_k / steps / code_tile / decode / warp_specialized / load4x /
     interpret."""
     from pallas_kernels import moe
 

@@ -113,7 +113,10 @@ hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 @pytest.mark.parametrize("tiling", [dict(block_m=16, block_n=128, block_k=128, code_tile=64),
                                     dict(block_m=8, block_n=64, block_k=256, code_tile=128),
                                     dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3),
-                                    dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True)])
+                                    dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True),
+                                    dict(block_m=16, block_n=128, block_k=128, code_tile=128, load4x=True),
+                                    dict(block_m=16, block_n=64, block_k=128, code_tile=64, warp_specialized=True,
+                                         load4x=True)])
 def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
     """The Hopper kernel's register decode, read back through identity rows."""
     _read_back_through(lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(

@@ -63,25 +63,27 @@ def test_bad_operands_are_named_before_any_launch():
 
 
 @pytest.mark.parametrize("decode", hopper.DECODES)
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized",
-                         [(16, 128, 128, 4, 64, False), (8, 64, 256, 4, 256, False), (16, 256, 128, 3, 128, False),
-                          (64, 128, 128, 4, 128, False), (16, 128, 128, 4, 64, True), (8, 64, 256, 3, 128, True)])
-def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, decode):
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x",
+                         [(16, 128, 128, 4, 64, False, False), (8, 64, 256, 4, 256, False, False),
+                          (16, 256, 128, 3, 128, False, False), (64, 128, 128, 4, 128, False, False),
+                          (16, 128, 128, 4, 64, True, False), (8, 64, 256, 3, 128, True, False),
+                          (16, 128, 128, 4, 128, False, True), (16, 64, 128, 4, 64, True, True)])
+def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the operands'
     swizzles and tilings) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
     fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
                                                    block_k=block_k, steps=steps, code_tile=code_tile, decode=decode,
-                                                   warp_specialized=warp_specialized)
+                                                   warp_specialized=warp_specialized, load4x=load4x)
     jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
                       S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode",
-                         [(16, 64, 128, 2, 64, False, "arith"), (16, 64, 256, 2, 128, True, "arith"),
-                          (8, 64, 128, 3, 64, True, "bits")])
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x",
+                         [(16, 64, 128, 2, 64, False, "arith", False), (16, 64, 256, 2, 128, True, "arith", True),
+                          (8, 64, 128, 3, 64, True, "bits", False), (16, 64, 128, 2, 128, False, "bits", True)])
 def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
-                                                   decode):
+                                                   decode, load4x):
     """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
     one: producer, two consumers on their own column halves) with each decoded tile staged through
     shared memory, its only A operand.  Rows over 4 groups (one empty, the last rows in none)
@@ -105,7 +107,8 @@ def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, st
     sizes = jnp.asarray([10, 0, 20, 7], jnp.int32)
     got = np.asarray(hopper.grouped_matmul(
         x, hopper.to_hopper(w, decode), sizes, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps,
-        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, interpret=True).astype(jnp.float32))
+        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, load4x=load4x,
+        interpret=True).astype(jnp.float32))
     wd = mxfp4.dequantize(w.values, w.scales).astype(jnp.float32)
     ref = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), wd, sizes, precision=jax.lax.Precision.HIGHEST))
     np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=1e-4 * np.max(np.abs(ref)))
