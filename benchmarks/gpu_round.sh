@@ -94,7 +94,7 @@ case $round in
       -k "bit_for_bit"
     run mxfp4_probe 200 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
       --tilings "16,128,128,4,64,0,0;16,128,128,4,128,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1;16,128,256,4,128,0,1;16,64,128,4,128,1,1" \
-      --decodes bits,arith --probe-upcast --out "$OUT/mx"
+      --decodes bits,lut --probe-upcast --out "$OUT/mx"
     run ncu_mxfp4 200 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name 'regex:_kernel$' \
       --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \

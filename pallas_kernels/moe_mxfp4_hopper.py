@@ -18,7 +18,7 @@ staged through shared memory, the interpreter's only A operand).  Not yet chosen
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
          the "arith" decode the e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code &
-         7)`` in two's complement; for "bits" the e2m1 bits as they are;
+         7)`` in two's complement; for "bits" and "lut" the e2m1 bits as they are;
   scales [G, K / 32, N] uint8: the e8m0 exponents as they are (4.25 bits a weight in all).
 Decode "arith" (`decode`): ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order,
 which are ``2|i| - min(|i|, 6) - min(|i|, 4) / 2``: an odd function of i, so two clips, a few
@@ -57,8 +57,10 @@ class HopperMXFP4(NamedTuple):
 
 # How the kernel turns codes into bf16: "arith", codes as two's complement integers through the
 # int4 -> bf16 upcast and `decode`; "bits", the e2m1 bits as they are, moved into a bf16's bit
-# pattern with integer ops (`_e2m1_bits`).  Each needs its own code layout (`to_hopper`).
-DECODES = ("arith", "bits")
+# pattern with integer ops (`_e2m1_bits`); "lut", the same bits and the same bf16s, eight codes
+# at a time through byte-permute table lookups (`_e2m1_lut`).  Each needs its own code layout
+# (`to_hopper`: "lut" takes the "bits" one).
+DECODES = ("arith", "bits", "lut")
 # Not MXFP4: the codes' integers (the int4 -> bf16 upcast alone) times the block scale, the
 # cheapest decode there is.  A timing probe of the kernel's frame (`benchmarks/mxfp4_hopper.py
 # --probe-upcast`): how fast the kernel would be if decoding cost nothing beyond the upcast.
@@ -92,10 +94,10 @@ def decode(i, scale):
 
 def dequantize(w: HopperMXFP4, decode_: str = "arith"):
     """float32 [G, K, N] of weights in the Hopper layout for `decode_` (the "arith" kernel's
-    `decode` in plain jnp; "bits" codes through the format's own decode)."""
+    `decode` in plain jnp; "bits" and "lut" codes through the format's own decode)."""
     scale = jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)  # [G, K, N]
     codes = jnp.swapaxes(w.codes, 1, 2)
-    if decode_ == "bits":
+    if decode_ in ("bits", "lut"):
         return mxfp4.decode_e2m1(codes.astype(jnp.int32) & 0xF) * scale
     return decode(codes.astype(jnp.float32), scale)
 
@@ -116,18 +118,85 @@ def _scale_bf16(scale_u8, shape):
     return lax.broadcast_in_dim(mxfp4._bf16_of_e8m0(scale_u8.astype(jnp.int32)), shape, (0,))
 
 
-def _e2m1_bits(codes):
+def _e2m1_bits(codes, scaled: bool = True):
     """int4 e2m1 bits [bn, c] -> bf16 values [bn, c]: the sign to bit 15 and the exponent and
     mantissa bits to bits 6-8 make the bf16 of the value times 2^-126 (a subnormal for the codes
-    0 and 1, as in `mxfp4.decode_tile`'s PTX); one multiply by 2^126 restores it."""
+    0 and 1, as in `mxfp4.decode_tile`'s PTX); one multiply by 2^126 restores it (scaled=False:
+    left out)."""
     c = codes.astype(jnp.int16)
     bits = lax.shift_left(c & 8, jnp.int16(12)) | lax.shift_left(c & 7, jnp.int16(6))
-    return lax.bitcast_convert_type(bits, jnp.bfloat16) * jnp.bfloat16(2.0 ** 126)
+    vals = lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return vals * jnp.bfloat16(2.0 ** 126) if scaled else vals
+
+
+# e2m1 magnitude bits -> the bytes of the bf16 of the value times 2^-126 (`_e2m1_bits`' numbers):
+# s<<15 | mag<<6, whose low byte is (m1 m0)<<6 and high byte s<<7 | m2, so each byte is a lookup
+# of two of the code's bits: table entry i is the byte for index i
+_LUT_LO = 0xC0804000  # index (m1, m0): 0x00, 0x40, 0x80, 0xC0
+_LUT_HI = 0x81800100  # index (s, m2): 0x00, 0x01, 0x80, 0x81
+_LUT_PTX = f"""{{
+.reg .b32 sl, sh, sl1, sh1, lo, hi, lo1, hi1;
+and.b32 sl, $4, 0x33333333;
+shr.u32 sh, $4, 2;
+and.b32 sh, sh, 0x33333333;
+shr.u32 sl1, sl, 16;
+shr.u32 sh1, sh, 16;
+prmt.b32 lo, {_LUT_LO}, 0, sl;
+prmt.b32 hi, {_LUT_HI}, 0, sh;
+prmt.b32 lo1, {_LUT_LO}, 0, sl1;
+prmt.b32 hi1, {_LUT_HI}, 0, sh1;
+prmt.b32 $0, lo, hi, 0x5140;
+prmt.b32 $1, lo, hi, 0x7362;
+prmt.b32 $2, lo1, hi1, 0x5140;
+prmt.b32 $3, lo1, hi1, 0x7362;
+}}"""
+
+
+def _e2m1_lut(codes):
+    """int4 e2m1 bits [bn, c] (wgmma's A layout) -> bf16 [bn, c], each the code's value times
+    2^-126 (`_e2m1_bits`' numbers, bit for bit), eight codes (one 32-bit word) at a time: the
+    two bytes of each bf16 looked up with `prmt` in 4-entry tables (`_LUT_LO`, `_LUT_HI`) and
+    interleaved, 13 instructions for 8 codes (the integer path spends several per code).  GPU
+    only (inline PTX); the interpreter takes `_e2m1_bits`."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def lut(_, arr):
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+        from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
+
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        flat = list(np.ndenumerate(arr.registers))
+        width = ir.VectorType(flat[0][1].type).shape[0]  # codes a register
+        per = 8 // width
+        if len(flat) % per:
+            raise ValueError(f"e2m1 table decode: {len(flat)} registers of {width} codes do not make 32-bit words")
+        out = np.empty_like(arr.registers)
+        for start in range(0, len(flat), per):
+            group = flat[start:start + per]
+            word = utils.bitcast(utils.vector_concat([r for _, r in group]), i32)
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [word], _LUT_PTX, "=r,=r,=r,=r,r")
+            vals = utils.vector_concat([utils.bitcast(llvm.extractvalue(i32, res, (q,)), pair) for q in range(4)])
+            for j, (idx, _) in enumerate(group):
+                out[idx] = utils.vector_slice(vals, slice(j * width, (j + 1) * width))
+        return fa.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+
+    return lut(codes)
 
 
 def _decode_tiles(codes_i4, scales_u8, decode_: str):
     """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
-    of [bn]) -> each block's bf16 [bn, 32] weights."""
+    of [bn]) -> each block's bf16 [bn, 32] weights.  decode_ "lut_interpret": "lut"'s codes
+    through `_e2m1_bits` (the interpreter runs no PTX)."""
+    if decode_ in ("lut", "lut_interpret"):
+        vals = (_e2m1_lut(codes_i4) if decode_ == "lut" else _e2m1_bits(codes_i4, scaled=False)) \
+            * jnp.bfloat16(2.0 ** 126)
+        return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
+                for h, s in enumerate(scales_u8)]
     if decode_ == PROBE_DECODE:
         i = codes_i4.astype(jnp.bfloat16)
         return [i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (i.shape[0], MX_BLOCK))
@@ -164,6 +233,8 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
 
     per = code_tile // MX_BLOCK
     codes = codes_smem if rows is None else codes_smem.at[rows]
+    if decode_ == "lut" and stage is not None:  # the interpreter runs no PTX
+        decode_ = "lut_interpret"
     for c in range(block_k // code_tile):
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
         tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x),

@@ -22,7 +22,7 @@ def _packed(rng, g, k, n):
 
 @pytest.mark.parametrize("decode", hopper.DECODES)
 def test_the_hopper_layout_holds_the_same_weights(decode):
-    """Codes along K (two's complement integers for "arith", the e2m1 bits for "bits") and the
+    """Codes along K (two's complement integers for "arith", the e2m1 bits for "bits" and "lut") and the
     untouched exponents decode to the format's values, every code and both signs ("arith" by
     the kernel's own formula, `hopper.decode`)."""
     w = _packed(np.random.default_rng(0), 3, 128, 96)
@@ -32,7 +32,7 @@ def test_the_hopper_layout_holds_the_same_weights(decode):
     np.testing.assert_array_equal(np.asarray(hopper.dequantize(h, decode)),
                                   np.asarray(mxfp4.dequantize(w.values, w.scales)))
     with pytest.raises(ValueError, match="decode must be one of"):
-        hopper.to_hopper(w, "lut")
+        hopper.to_hopper(w, "table")
 
 
 def test_the_decode_is_exact_in_bf16():
@@ -81,7 +81,8 @@ def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_spe
 
 @pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x",
                          [(16, 64, 128, 2, 64, False, "arith", False), (16, 64, 256, 2, 128, True, "arith", True),
-                          (8, 64, 128, 3, 64, True, "bits", False), (16, 64, 128, 2, 128, False, "bits", True)])
+                          (8, 64, 128, 3, 64, True, "bits", False), (16, 64, 128, 2, 128, False, "bits", True),
+                          (16, 64, 128, 2, 64, False, "lut", True)])
 def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
                                                    decode, load4x):
     """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
@@ -94,7 +95,7 @@ def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, st
     rng = np.random.default_rng(7)
     g, k, n, m = 4, 256, 256, 40
     w = _packed(rng, g, k, n)
-    if decode == "bits":  # no code 1 or 9 (+-0.5) in either nibble
+    if decode in ("bits", "lut"):  # no code 1 or 9 (+-0.5) in either nibble ("lut": `_e2m1_bits` here)
         v = np.asarray(w.values)
         lo, hi = v & 0xF, v >> 4
         lo = np.where((lo & 7) == 1, lo + 1, lo)
@@ -114,3 +115,42 @@ def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, st
     np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=1e-4 * np.max(np.abs(ref)))
     assert np.mean(got == np.asarray(jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))) > 0.97
     assert not np.any(got[37:])
+
+
+def _run_ptx(text: str, word: int) -> list[int]:
+    """A reader of the few PTX instructions `_LUT_PTX` uses (and, shr, prmt in its default mode),
+    run on one 32-bit input ($4) -> its four outputs ($0..$3)."""
+    regs = {"$4": word}
+    val = lambda t: regs[t] if t in regs else int(t, 0)
+    for line in text.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        if op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "shr.u32":
+            regs[dst] = val(src[0]) >> val(src[1])
+        elif op == "prmt.b32":
+            pool = [(val(src[0]) >> 8 * i) & 0xFF for i in range(4)] + [(val(src[1]) >> 8 * i) & 0xFF for i in range(4)]
+            sel = val(src[2])
+            assert all(not (sel >> 4 * j) & 8 for j in range(4)), "sign-replicate selectors are not modelled"
+            regs[dst] = sum(pool[(sel >> 4 * j) & 7] << 8 * j for j in range(4))
+        else:
+            raise AssertionError(f"unmodelled PTX {op}")
+    return [regs[f"${q}"] for q in range(4)]
+
+
+def test_the_table_decodes_ptx_gives_the_bits_decodes_numbers_for_every_code():
+    """`_e2m1_lut`'s PTX (read here instruction by instruction) turns a word of eight codes into
+    the bf16s `_e2m1_bits` gives, code i of the word in half i % 2 of output word i // 2: every
+    code in every position."""
+    rng = np.random.default_rng(3)
+    words = [sum(int(c) << 4 * i for i, c in enumerate(codes))
+             for codes in [np.arange(8), np.arange(8, 16)] + [rng.integers(0, 16, 8) for _ in range(64)]]
+    for word in words:
+        codes = [(word >> 4 * i) & 0xF for i in range(8)]
+        want = np.asarray(hopper._e2m1_bits(jnp.asarray(codes, jnp.int8).astype(jnp.int4)[None], scaled=False))[0]
+        got = [(w >> 16 * h) & 0xFFFF for w in _run_ptx(hopper._LUT_PTX, word) for h in range(2)]
+        assert got == [int(v) for v in want.view(np.uint16)], (codes, got)
