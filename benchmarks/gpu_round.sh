@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -99,6 +99,17 @@ case $round in
       --launch-count 8 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
       python3 benchmarks/ncu_probe.py --what mxfp4
+    ;;
+  sixth)  # the new MXFP4 decode ("lut", PTX table lookups) and code loads (load4x) on the GPU, then the
+    # ragged GEMM's in-kernel work items: each's GPU rows, then its numbers
+    mkdir -p "$OUT"/{mx,moe}
+    run gpu_mx 110 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py \
+      -k "bit_for_bit and lut"
+    run mxfp4_probe 170 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+      --tilings "16,128,128,4,64,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1" --decodes bits,lut --probe-upcast \
+      --out "$OUT/mx"
+    run gpu_moe 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py -k ragged
+    run moe_gemm 150 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048,k3 rank prefill" --out "$OUT/moe"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
