@@ -117,9 +117,10 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
             m_iters: int, n_iters: int):
     """One CTA's loop over work items.  block_m an int: the group-aligned layout, work_gmem its
     tile_group (a work item is the row tile mi, whole); None: rows sorted by group, work_gmem
-    the group sizes [G], from which `ragged_item` gives item mi (group, first row, lo, hi): an
-    item computes tile_m rows from its first and stores its own, [lo, hi) of them (all: the
-    padded path's epilogue; fewer: row-exactly)."""
+    the group sizes [G], from which `ragged_item` gives item mi (group, first row, lo, hi), or
+    (many groups) `ragged_work`'s [4, n] table of them: an item computes tile_m rows from its
+    first and stores its own, [lo, hi) of them (all: the padded path's epilogue; fewer:
+    row-exactly)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     dtype = x_gmem.dtype
@@ -167,10 +168,13 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
         def _(loop_info):
             (lin,) = loop_info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
-            if ragged:  # work_gmem: the group sizes; the item from them (`ragged_item`), no table
+            if ragged and work_gmem.ndim == 1:  # the group sizes: the item from them (`ragged_item`)
                 group, row0, lo, hi = ragged_item(lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0], t.tile_m,
                                                   mi, zero_tail=True)
                 row0 = pl.multiple_of(row0, 8)  # `ragged_item`: what the tiled TMA copies need
+            elif ragged:  # many groups: `ragged_work`'s table, built before the kernel
+                group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
+                row0 = pl.multiple_of(row0, 8)
             else:
                 group, row0 = work_gmem[(mi * t.tile_m) // block_m], mi * t.tile_m
             rows = pl.ds(row0, t.tile_m)
@@ -289,6 +293,9 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
     return kernel(work, x, w_gkn)
 
 
+INKERNEL_GROUPS = 64  # `gmm_ragged`: groups up to which the kernel derives its work items itself
+
+
 def ragged_item(size_of, n_groups: int, m: int, tile_m: int, item, zero_tail: bool = False):
     """Work item `item` of rows sorted by group (the table `ragged_work` lists; written once for
     it and for the kernel, which derives its items from the group sizes as it goes, with no table
@@ -348,7 +355,11 @@ def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling |
     if group_sizes_g.shape != (g,):
         raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
                          f"do not match ([G], [G, K, N])")
-    return _launch(group_sizes_g.astype(jnp.int32), lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act,
+    # up to INKERNEL_GROUPS groups each CTA finds its items itself (a loop over the groups,
+    # unrolled, per item); past that the table is built once before the kernel
+    work = (group_sizes_g.astype(jnp.int32) if g <= INKERNEL_GROUPS
+            else ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m, zero_tail=True))
+    return _launch(work, lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act,
                    m_iters=ragged_items(g, lhs_mk.shape[0], t.tile_m, zero_tail=True), sms=sms, interpret=interpret)
 
 

@@ -64,12 +64,16 @@ def test_grouped_matmul_equals_the_reference(tiling, layout):
     assert used < 300 and not np.any(_f32(got)[used:])
 
 
-@pytest.mark.parametrize("tile_m", [64, 128])
-def test_ragged_items_of_whole_tiles_and_of_a_few_rows_each_store_exactly_their_rows(tile_m):
+@pytest.mark.parametrize("tile_m, items_from", [(64, "kernel"), (128, "kernel"), (64, "table")])
+def test_ragged_items_of_whole_tiles_and_of_a_few_rows_each_store_exactly_their_rows(tile_m, items_from, monkeypatch):
     """Groups whose items are whole tiles (stored through the swizzled 64-row epilogue), start
     off a multiple of 8 (the first item computes up to 7 rows of the group before and stores
     from lo), and end mid-tile (the power-of-two ladder): every row its group's product, each
-    written once by its own group, the rows past the groups left 0."""
+    written once by its own group, the rows past the groups left 0.  The items found by the
+    kernel from the group sizes, or (past `INKERNEL_GROUPS` groups) read from `ragged_work`'s
+    table."""
+    if items_from == "table":
+        monkeypatch.setattr(moe_hopper, "INKERNEL_GROUPS", 2)
     x, w, _ = _operands(3, 640, 128, 256, 4)
     sizes = jnp.asarray([200, 0, 133, 260], jnp.int32)
     work = np.asarray(moe_hopper.ragged_work(sizes, 640, tile_m))
