@@ -100,16 +100,17 @@ case $round in
       --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
       python3 benchmarks/ncu_probe.py --what mxfp4
     ;;
-  sixth)  # the new MXFP4 decode ("lut", PTX table lookups) and code loads (load4x) on the GPU, then the
-    # ragged GEMM's in-kernel work items: each's GPU rows, then its numbers
+  sixth)  # the new MXFP4 decode ("lut", PTX table lookups) and code loads (load4x), the ragged GEMM's
+    # in-kernel work items: each's GPU rows first, then their numbers (sized for a short budget)
     mkdir -p "$OUT"/{mx,moe}
-    run gpu_mx 110 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_kernels.py \
+    run gpu_mx 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_quant_kernels.py \
       -k "bit_for_bit and lut"
-    run mxfp4_probe 170 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+    run gpu_moe 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py \
+      -k "ragged and 8192"
+    run mxfp4_probe 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32 \
       --tilings "16,128,128,4,64,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1" --decodes bits,lut --probe-upcast \
       --out "$OUT/mx"
-    run gpu_moe 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py -k ragged
-    run moe_gemm 150 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048,k3 rank prefill" --out "$OUT/moe"
+    run moe_gemm 110 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048" --out "$OUT/moe"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
