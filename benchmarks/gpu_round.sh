@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -107,6 +107,14 @@ case $round in
       -k "bit_for_bit and lut"
     run gpu_moe 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py \
       -k "ragged and 8192"
+    run mxfp4_probe 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32 \
+      --tilings "16,128,128,4,64,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1" --decodes bits,lut --probe-upcast \
+      --out "$OUT/mx"
+    run moe_gemm 110 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048" --out "$OUT/moe"
+    ;;
+  seventh)  # `sixth` without its test rows, for a budget of ~5 minutes: each bench checks every
+    # candidate's output against its reference before timing it
+    mkdir -p "$OUT"/{mx,moe}
     run mxfp4_probe 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32 \
       --tilings "16,128,128,4,64,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1" --decodes bits,lut --probe-upcast \
       --out "$OUT/mx"
