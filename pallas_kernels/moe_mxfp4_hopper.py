@@ -12,8 +12,11 @@ memory, read transposed).  One program: one row tile of the group-aligned layout
 times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA; or, warp-
 specialized, a producer warpgroup issuing the copies and two consumers on ``block_n`` columns
 each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each decoded tile
-staged through shared memory, the interpreter's only A operand).  Not yet chosen by
-`kimik3.ops`: on the H200 it is exact but no faster than the Triton kernel (RESULTS.md, issue 20).
+staged through shared memory, the interpreter's only A operand).  With the table decode
+("lut", the default: eight codes a 32-bit word through `prmt` lookups) it runs as fast as with
+no e2m1 decode at all and beats the Triton kernel by 1.1-1.3x (RESULTS.md, issue 20).  Not yet
+chosen by `kimik3.ops`: the serving path would have to hold the experts in this layout
+(`to_hopper`) from load on.
 
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
@@ -67,7 +70,7 @@ DECODES = ("arith", "bits", "lut")
 PROBE_DECODE = "upcast_probe"
 
 
-def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "arith") -> HopperMXFP4:
+def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut") -> HopperMXFP4:
     """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
     for the kernel's `decode` (DECODES).  Pure data movement: no value changes."""
     mxfp4.check(w)
@@ -191,10 +194,11 @@ def _e2m1_lut(codes):
 def _decode_tiles(codes_i4, scales_u8, decode_: str):
     """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
     of [bn]) -> each block's bf16 [bn, 32] weights.  decode_ "lut_interpret": "lut"'s codes
-    through `_e2m1_bits` (the interpreter runs no PTX)."""
+    through the format's own decode (the interpreter runs no PTX; no subnormal on the way, which
+    XLA:CPU would flush)."""
     if decode_ in ("lut", "lut_interpret"):
-        vals = (_e2m1_lut(codes_i4) if decode_ == "lut" else _e2m1_bits(codes_i4, scaled=False)) \
-            * jnp.bfloat16(2.0 ** 126)
+        vals = (_e2m1_lut(codes_i4) * jnp.bfloat16(2.0 ** 126) if decode_ == "lut"
+                else mxfp4.decode_e2m1(codes_i4.astype(jnp.int32) & 0xF).astype(jnp.bfloat16))
         return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
                 for h, s in enumerate(scales_u8)]
     if decode_ == PROBE_DECODE:
@@ -337,8 +341,8 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
             pipeline(body, context)(x_gmem, codes_gmem.at[group], scales_gmem.at[group], allocations=allocs)
 
 
-def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 128,
-               steps: int = 4, code_tile: int = 64, decode: str = "arith", warp_specialized: bool = False,
+def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 256,
+               steps: int = 4, code_tile: int = 128, decode: str = "lut", warp_specialized: bool = False,
                load4x: bool = False, interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
