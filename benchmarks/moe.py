@@ -104,9 +104,9 @@ def _time(fn, *args) -> float:
 
 
 def _best(candidates, args, ref, tol):
-    """(ms, name) of the fastest candidate (name, fn) whose output matches ref within tol, and
-    the failures as {name: reason}."""
-    best, failed = None, {}
+    """(ms, name) of the fastest candidate (name, fn) whose output matches ref within tol, the
+    failures as {name: reason}, and every candidate's time as {name: ms}."""
+    best, failed, times = None, {}, {}
     for name, fn in candidates:
         try:
             err = float(jnp.max(jnp.abs(fn(*args).astype(jnp.float32) - ref)))
@@ -117,9 +117,10 @@ def _best(candidates, args, ref, tol):
         except Exception as e:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
             failed[name] = repr(e)[:160]
             continue
+        times[name] = ms
         if best is None or ms < best[0]:
             best = (ms, name)
-    return best, failed
+    return best, failed, times
 
 
 def _chosen(cases, pick: str | None):
@@ -150,16 +151,18 @@ def gemm_rows(rng, quick: bool, ceil: dict, pick: str | None = None):
             dest, tile_group = moe._padded_layout(sizes, m, bm, n_tiles)
             x_pad = jnp.take(lhs, moe._layout_sources(dest, n_tiles * bm), axis=0, mode="fill", fill_value=0)
             kern = jax.jit(functools.partial(moe_hopper.gmm_padded, block_m=bm, tiling=t, interpret=quick))
-            timed["hopper_kernel"] = (_time(kern, tile_group, x_pad, rhs), t.label), {}
+            timed["hopper_kernel"] = (_time(kern, tile_group, x_pad, rhs), t.label), {}, {}
         if not quick:
             timed["lax_ragged_dot"] = _best([("", jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s)))],
                                             (lhs, rhs, sizes), ref, tol)
             if ragged_dot_mgpu is not None:
                 timed["mgpu"] = _best([(str(c), _mgpu(c)) for c in mgpu_configs(m, n)], (lhs, rhs, sizes), ref, tol)
         weight_bytes, flops = active * k * n * 2, 2 * m * k * n
-        for key, (best, failed) in timed.items():
+        for key, (best, failed, times) in timed.items():
             if failed:
                 row[f"{key}_failed"] = failed
+            if len(times) > 1:  # what a default tiling is chosen from
+                row[f"{key}_ms_by_tiling"] = times
             if best is None:
                 continue
             row[f"{key}_ms"], row[f"{key}_tiling"] = best
@@ -212,7 +215,7 @@ def ffn_rows(rng, quick: bool, ceil: dict, pick: str | None = None):
                      for a in mgpu_configs(m, 2 * f)[:4] for b in mgpu_configs(m, l)[:2]]
             timed["mgpu"] = _best(cands, (x, ids, w_gu, w_out), ref, tol)
         flops = 2 * t * top_k * l * f * 3
-        for key, (best, failed) in timed.items():
+        for key, (best, failed, times) in timed.items():
             if failed:
                 row[f"{key}_failed"] = failed
             if best is not None:
