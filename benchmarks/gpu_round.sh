@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written under $OUT as they come (a step
 # cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -119,6 +119,17 @@ case $round in
       --tilings "16,128,128,4,64,0,0;16,128,128,4,64,0,1;16,128,128,4,128,0,1" --decodes bits,lut --probe-upcast \
       --out "$OUT/mx"
     run moe_gemm 110 python3 benchmarks/moe.py --sections gemm --cases "small prefill T2048" --out "$OUT/moe"
+    ;;
+  next)  # what session 33 left for the device: the chunk kernel's GPU row (then `auto` can be the
+    # default), the MLA decode's counters against issue 22's 65%, the ragged GEMM at the full-scale rank
+    mkdir -p "$OUT"/moe
+    run gpu_chunk 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_hopper_kernels.py \
+      -k chunk_over_a_cache
+    run ncu_mla_decode 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --profile-from-start off \
+      --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+      python3 benchmarks/ncu_probe.py --what mla_decode
+    run moe_gemm 150 python3 benchmarks/moe.py --sections gemm --cases "k3 rank prefill" --out "$OUT/moe"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

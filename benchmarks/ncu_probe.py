@@ -119,6 +119,38 @@ def probe_kda_prefill(timed: bool, tuning=None, b: int = 1, t: int = 8192, h: in
     torch.cuda.synchronize()
 
 
+def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r: int = 512, p: int = 64,
+                     page: int = 128, reps: int = 2):
+    """The Hopper MLA decode at issue 22's compute-bound row (H128 B64 ctx8k, pages scattered as
+    `mla.py` lays them): where its time goes against the 65%-of-matmul target (DRAM against L2
+    traffic: the two 64-row tiles of a sequence read the same keys; tensor-core issue; stalls)."""
+    from pallas_kernels import mla_hopper
+
+    key = jax.random.PRNGKey(0)
+    n = ctx // page
+    pages = jax.random.normal(key, (b * n + 8, page, r + p), jnp.bfloat16)
+    table = jax.random.permutation(key, b * n + 8)[:b * n].reshape(b, n).astype(jnp.int32)
+    lens = jnp.full((b,), ctx, jnp.int32)
+    ql = jax.random.normal(key, (b, 1, h, r), jnp.bfloat16)
+    qp = jax.random.normal(key, (b, 1, h, p), jnp.bfloat16)
+    fn = jax.jit(lambda a, c, pg, t, n_: mla_hopper.mla_decode_hopper(a, c, pg, t, n_, scale=0.1)[0])
+    for _ in range(reps):
+        jax.block_until_ready(fn(ql, qp, pages, table, lens))
+    try:  # under `ncu --profile-from-start off`: only this call's kernels (inputs and warm-up left out)
+        import torch
+        cudart = torch.cuda.cudart()
+    except (ImportError, RuntimeError):
+        cudart = None
+    if cudart is not None:
+        cudart.cudaProfilerStart()
+    jax.block_until_ready(fn(ql, qp, pages, table, lens))
+    if cudart is not None:
+        cudart.cudaProfilerStop()
+    if timed:
+        ms = common.time_pipelined(fn, ql, qp, pages, table, lens)[0]
+        print(f"mla decode H{h} B{b} ctx{ctx}: {ms:.4f} ms, {2 * b * h * ctx * (r + p + r) / ms / 1e9:.0f} TFLOP/s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", default="kda,mxfp4")
@@ -129,7 +161,7 @@ def main():
         if what == "kda_prefill":
             probe_kda_prefill(args.time, tuple(json.loads(args.tuning).items()) if args.tuning else None)
         else:
-            {"kda": probe_kda, "mxfp4": probe_mxfp4}[what](args.time)
+            {"kda": probe_kda, "mxfp4": probe_mxfp4, "mla_decode": probe_mla_decode}[what](args.time)
 
 
 if __name__ == "__main__":
