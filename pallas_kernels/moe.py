@@ -160,9 +160,11 @@ def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=
 
 
 def _n_tiles(rows: int, groups: int, block_m: int) -> int:
-    """Row tiles of the group-aligned layout: every group may leave up to block_m - 1 rows of
-    its last tile empty."""
-    return -(-(rows + groups * (block_m - 1)) // block_m)
+    """Row tiles of the group-aligned layout: every group that holds a row may leave up to
+    block_m - 1 rows of its last tile empty, and at most min(groups, rows) groups hold one
+    (a decode step's few rows over many experts: the kernels' grids and the layout's buffers
+    stay as small as the rows need, not as the experts' count).  At least one tile."""
+    return max(1, -(-(rows + min(groups, rows) * (block_m - 1)) // block_m))
 
 
 # Up to this many entries a running sum (or an assignment's rank) is a masked sum over an [n, n]

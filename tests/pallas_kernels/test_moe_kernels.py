@@ -169,6 +169,24 @@ def test_the_layouts_source_map_is_the_inverse_of_its_dest(rng, m, g, block_m, s
     assert np.sum(src < m) == np.sum(sizes)
 
 
+@pytest.mark.parametrize("m, g, block_m", [(8, 32, 8), (5, 384, 16), (32, 32, 8), (1, 4, 64)])
+def test_few_rows_over_many_groups_take_as_many_tiles_as_rows_need_not_as_groups(rng, m, g, block_m):
+    """A decode step's few rows over many experts: the layout has cdiv(M + min(G, M) (block_m -
+    1), block_m) tiles (not one per expert), and still every row a slot of its own in its
+    group's tiles, even when each row sits in a group of its own (the most tiles rows can
+    take) or all in one."""
+    n_tiles = moe_module._n_tiles(m, g, block_m)
+    assert n_tiles == -(-(m + min(g, m) * (block_m - 1)) // block_m) <= -(-(m + g * (block_m - 1)) // block_m)
+    spread = np.zeros(g, np.int32)
+    spread[rng.permutation(g)[:m]] = 1  # each row its own group
+    for sizes in (spread, np.bincount(np.zeros(m, int), minlength=g).astype(np.int32),
+                  np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)):
+        dest, tile_group = (np.asarray(a) for a in moe_module._padded_layout(jnp.asarray(sizes), m, block_m, n_tiles))
+        assert dest.min() >= 0 and dest.max() < n_tiles * block_m and len(set(dest.tolist())) == m
+        groups = np.repeat(np.arange(g), sizes)
+        assert np.array_equal(tile_group[dest // block_m], groups)
+
+
 @pytest.mark.parametrize("n", [1, 7, 32, 1500])  # 1500: past _PAIRWISE_LIMIT, XLA's cumsum
 def test_running_sum_is_cumsum(rng, n):
     from pallas_kernels import moe
