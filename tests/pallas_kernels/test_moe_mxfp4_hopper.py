@@ -63,15 +63,18 @@ def test_bad_operands_are_named_before_any_launch():
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
 
 
-@pytest.mark.parametrize("decode", hopper.DECODES)
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x",
-                         [(16, 128, 128, 4, 64, False, False), (8, 64, 256, 4, 256, False, False),
-                          (16, 256, 128, 3, 128, False, False), (64, 128, 128, 4, 128, False, False),
-                          (16, 128, 128, 4, 64, True, False), (8, 64, 256, 3, 128, True, False),
-                          (16, 128, 128, 4, 128, False, True), (16, 64, 128, 4, 64, True, True)])
+_TILINGS = [(16, 128, 128, 4, 64, False, False), (8, 64, 256, 4, 256, False, False),
+            (16, 256, 128, 3, 128, False, False), (64, 128, 128, 4, 128, False, False),
+            (16, 128, 128, 4, 64, True, False), (8, 64, 256, 3, 128, True, False),
+            (16, 128, 128, 4, 128, False, True), (16, 64, 128, 4, 64, True, True)]
+
+
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, decode",
+                         [t + ("lut",) for t in _TILINGS]  # the default decode at every tiling, the others at two
+                         + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut"])
 def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, decode):
-    """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the operands'
-    swizzles and tilings) run on this CPU machine."""
+    """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the inline PTX
+    decode's registers, the operands' swizzles and tilings) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
     fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
                                                    block_k=block_k, steps=steps, code_tile=code_tile, decode=decode,
