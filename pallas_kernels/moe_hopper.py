@@ -168,13 +168,13 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
         def _(loop_info):
             (lin,) = loop_info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
-            if ragged and work_gmem.ndim == 1:  # the group sizes: the item from them (`ragged_item`)
-                group, row0, lo, hi = ragged_item(lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0], t.tile_m,
-                                                  mi, zero_tail=True)
-                row0 = pl.multiple_of(row0, 8)  # `ragged_item`: what the tiled TMA copies need
-            elif ragged:  # many groups: `ragged_work`'s table, built before the kernel
-                group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
-                row0 = pl.multiple_of(row0, 8)
+            if ragged:
+                if work_gmem.ndim == 1:  # the group sizes: the item from them (`ragged_item`)
+                    group, row0, lo, hi = ragged_item(lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0],
+                                                      t.tile_m, mi, zero_tail=True)
+                else:  # many groups: `ragged_work`'s table, built before the kernel
+                    group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
+                row0 = pl.multiple_of(row0, 8)  # a multiple of 8: what the tiled TMA copies need
             else:
                 group, row0 = work_gmem[(mi * t.tile_m) // block_m], mi * t.tile_m
             rows = pl.ds(row0, t.tile_m)
@@ -332,14 +332,30 @@ def ragged_items(n_groups: int, m: int, tile_m: int, zero_tail: bool = False) ->
 
 
 def ragged_work(group_sizes_g, m: int, tile_m: int, zero_tail: bool = False):
-    """Every work item of rows sorted by group (`ragged_item`) as a table: int32 [4, n] (group,
-    first row, lo, hi), n = `ragged_items`; -1 groups past the last item.  zero_tail: the rows
-    past the groups' sum as group G (`lax.ragged_dot`'s contract without a pass over the
-    output).  The kernel computes its items itself; this is their reference."""
+    """Every work item of rows sorted by group as a table: int32 [4, n] (group, first row, lo,
+    hi), n = `ragged_items`, the items `ragged_item` gives (tested equal); -1 groups past the
+    last item.  zero_tail: the rows past the groups' sum as group G (`lax.ragged_dot`'s contract
+    without a pass over the output).  Written with running sums over the groups, a few XLA ops
+    whatever G (`ragged_item`'s unrolled loop is the kernel's form, for few groups): the table
+    `gmm_ragged` builds past `INKERNEL_GROUPS` groups, and the reference of the kernel's items."""
     g = group_sizes_g.shape[0]
     sizes = group_sizes_g.astype(jnp.int32)
-    item = jnp.arange(ragged_items(g, m, tile_m, zero_tail), dtype=jnp.int32)
-    return jnp.stack(ragged_item(lambda i: sizes[i], g, m, tile_m, item, zero_tail)).astype(jnp.int32)
+    if zero_tail:  # the rows past the groups' sum as one more group, G: its items store zeros
+        sizes = jnp.concatenate([sizes, jnp.maximum(m - jnp.sum(sizes), 0)[None]])
+        g += 1
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // 8 * 8
+    count = jnp.where(sizes > 0, (ends - first + tile_m - 1) // tile_m, 0)
+    c_end = jnp.cumsum(count)
+    c_start = c_end - count
+    item = jnp.arange(ragged_items(g - int(zero_tail), m, tile_m, zero_tail), dtype=jnp.int32)
+    grp = jnp.sum(item[:, None] >= c_end[None, :], axis=1).astype(jnp.int32)  # the group whose items hold it
+    gc = jnp.minimum(grp, g - 1)
+    row0 = first[gc] + (item - c_start[gc]) * tile_m
+    lo = jnp.maximum(starts[gc] - row0, 0)
+    hi = jnp.minimum(ends[gc] - row0, tile_m)
+    return jnp.stack([jnp.where(grp < g, gc, -1), row0, lo, hi]).astype(jnp.int32)
 
 
 def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling | None = None, sms: int | None = None,

@@ -85,14 +85,16 @@ def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut") -> HopperMXFP4:
     return HopperMXFP4(jnp.swapaxes(codes, 1, 2).astype(jnp.int4), lax.bitcast_convert_type(w.scales, jnp.uint8))
 
 
-def decode(i, scale):
+def decode(i, scale=None):
     """The kernel's decode, written once: codes i as signed magnitudes (any float dtype holding
     -7..7 exactly) and their block's scale, broadcast to i's shape -> i's e2m1 value times the
-    scale.  The magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 of |i| = 0..7 are 2|i| - min(|i|, 6) -
-    min(|i|, 4) / 2, an odd function of i: no sign handling, every step exact in bf16, and the
-    scale multiplies the value last, as `mxfp4.dequantize` does (so a value overflows, or
-    underflows, exactly where the format's does)."""
-    return (jnp.clip(i, -4, 4) * -0.5 + (i * 2.0 - jnp.clip(i, -6, 6))) * scale
+    scale (None: the value alone, the kernel's scales following).  The magnitudes 0, .5, 1,
+    1.5, 2, 3, 4, 6 of |i| = 0..7 are 2|i| - min(|i|, 6) - min(|i|, 4) / 2, an odd function of
+    i: no sign handling, every step exact in bf16, and the scale multiplies the value last, as
+    `mxfp4.dequantize` does (so a value overflows, or underflows, exactly where the format's
+    does)."""
+    value = jnp.clip(i, -4, 4) * -0.5 + (i * 2.0 - jnp.clip(i, -6, 6))
+    return value if scale is None else value * scale
 
 
 def dequantize(w: HopperMXFP4, decode_: str = "arith"):
@@ -160,7 +162,7 @@ def _e2m1_lut(codes):
     2^-126 (`_e2m1_bits`' numbers, bit for bit), eight codes (one 32-bit word) at a time: the
     two bytes of each bf16 looked up with `prmt` in 4-entry tables (`_LUT_LO`, `_LUT_HI`) and
     interleaved, 13 instructions for 8 codes (the integer path spends several per code).  GPU
-    only (inline PTX); the interpreter takes `_e2m1_bits`."""
+    only (inline PTX); the interpreter takes the format's own decode (`_decode_tiles`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
@@ -193,24 +195,21 @@ def _e2m1_lut(codes):
 
 def _decode_tiles(codes_i4, scales_u8, decode_: str):
     """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
-    of [bn]) -> each block's bf16 [bn, 32] weights.  decode_ "lut_interpret": "lut"'s codes
-    through the format's own decode (the interpreter runs no PTX; no subnormal on the way, which
-    XLA:CPU would flush)."""
-    if decode_ in ("lut", "lut_interpret"):
-        vals = (_e2m1_lut(codes_i4) * jnp.bfloat16(2.0 ** 126) if decode_ == "lut"
-                else mxfp4.decode_e2m1(codes_i4.astype(jnp.int32) & 0xF).astype(jnp.bfloat16))
-        return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
-                for h, s in enumerate(scales_u8)]
-    if decode_ == PROBE_DECODE:
-        i = codes_i4.astype(jnp.bfloat16)
-        return [i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (i.shape[0], MX_BLOCK))
-                for h, s in enumerate(scales_u8)]
-    if decode_ == "bits":
+    of [bn]) -> each block's bf16 [bn, 32] weights: the codes' values (exact in bf16), then each
+    block's power-of-two scale, last.  decode_ "lut_interpret": "lut"'s codes through the
+    format's own decode (the interpreter runs no PTX; no subnormal on the way, which XLA:CPU
+    would flush)."""
+    if decode_ == "lut":
+        vals = _e2m1_lut(codes_i4) * jnp.bfloat16(2.0 ** 126)
+    elif decode_ == "lut_interpret":
+        vals = mxfp4.decode_e2m1(codes_i4.astype(jnp.int32) & 0xF).astype(jnp.bfloat16)
+    elif decode_ == "bits":
         vals = _e2m1_bits(codes_i4)
-        return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
-                for h, s in enumerate(scales_u8)]
-    i = codes_i4.astype(jnp.bfloat16)
-    return [decode(i[:, h * MX_BLOCK:(h + 1) * MX_BLOCK], _scale_bf16(s, (i.shape[0], MX_BLOCK)))
+    elif decode_ == PROBE_DECODE:  # not MXFP4: the codes' integers
+        vals = codes_i4.astype(jnp.bfloat16)
+    else:
+        vals = decode(codes_i4.astype(jnp.bfloat16))
+    return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
             for h, s in enumerate(scales_u8)]
 
 

@@ -122,6 +122,23 @@ def test_the_ragged_work_table_covers_every_row_once():
         assert np.array_equal(owner, np.repeat(np.arange(len(sizes) + 1), list(sizes) + [m - sum(sizes)]))
 
 
+def test_the_kernels_own_work_items_are_the_tables():
+    """`ragged_item` (the kernel's unrolled loop over the groups, here on a vector of items)
+    gives every item `ragged_work`'s table holds, and no other."""
+    rng = np.random.default_rng(9)
+    for m, tile, sizes in [(300, 64, [0, 100, 0, 70, 96]), (64, 64, [0, 0, 0, 1]), (4000, 64, [1] * 60 + [3000]),
+                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24)))]:
+        for zero_tail in (False, True):
+            table = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile, zero_tail=zero_tail))
+            item = jnp.arange(table.shape[1], dtype=jnp.int32)
+            sz = jnp.asarray(sizes, jnp.int32)
+            got = np.stack([np.asarray(a) for a in moe_hopper.ragged_item(lambda i: sz[i], len(sizes), m, tile, item,
+                                                                          zero_tail=zero_tail)])
+            assert np.array_equal(got[0], table[0])
+            valid = table[0] >= 0
+            assert np.array_equal(got[:, valid], table[:, valid])
+
+
 def test_ops_grouped_matmul_takes_the_hopper_kernel_where_asked(monkeypatch):
     """`KIMIK3_MOE_GMM=hopper` with the Pallas kernels: rows sorted by expert through one grouped
     GEMM per projection (`_experts_sorted`, a checkpoint without fused gate/up) run on the ragged
