@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # One device call's worth of the kernel work still to measure (issues 20 and 22), in the order it
-# matters, each step under its own time limit, results written under $OUT as they come (a step
-# cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
+# matters, each step under its own time limit, results written as they come (one archive,
+# $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
-step() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$OUT/steps.txt"; }
-run() {  # run NAME SECONDS CMD...: CMD's output in $OUT/NAME.txt, its tail printed
+# Every step's log (and a round's bench output, where it writes under $R) lands in $R and comes back
+# as one archive, $OUT/round.tgz, refreshed after each step: the device returns at most 8 files.
+R=/tmp/round; mkdir -p "$R"
+step() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$R/steps.txt"; }
+run() {  # run NAME SECONDS CMD...: CMD's output in $R/NAME.txt, its tail printed
   local name=$1 limit=$2; shift 2
   step "$name"
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; echo "rc=$?" >> "$OUT/$name.txt"
-  grep -v -i "warning" "$OUT/$name.txt" | tail -12 | cut -c1-900
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"
+  grep -v -i "warning" "$R/$name.txt" | tail -12 | cut -c1-900
+  tar -C "$R" -czf "$OUT/round.tgz" .
 }
-nvidia-smi -L | tee "$OUT/gpu.txt"
+nvidia-smi -L | tee "$R/gpu.txt"
 case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
     mkdir -p "$OUT"/{kda,kdap}
@@ -77,7 +81,9 @@ case $round in
     run mla_decode 170 python3 benchmarks/mla.py --sections decode --decode-heads 16,128 --decode-batches 64 \
       --skip-xla-ref --budget-s 140 --out "$OUT/dec"
     run mla_chunk 150 python3 benchmarks/mla.py --sections chunk --budget-s 120 --out "$OUT/chunk"
-    run mxfp4 150 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --out "$OUT/mx"
+    run mxfp4 170 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --decodes lut \
+      --tilings "16,128,256,4,128,0;16,128,256,4,128,0,0,1;16,128,256,2,128,0,0,1;16,128,128,4,128,0;16,128,128,4,128,0,0,1;16,64,256,4,128,0" \
+      --out "$OUT/mx"
     ;;
   fourth)  # the ragged GEMM deriving its items in the kernel (no table before it): its GPU rows and the
     # must-show at both sizes; the H96 chunk rows
@@ -130,6 +136,24 @@ case $round in
       --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
       python3 benchmarks/ncu_probe.py --what mla_decode
     run moe_gemm 150 python3 benchmarks/moe.py --sections gemm --cases "k3 rank prefill" --out "$OUT/moe"
+    ;;
+  eighth)  # session 34: the MXFP4 must-show with the smaller layout (issue 20), then the GPU rows of the
+    # kernels changed since their last run (the shared MXFP4 scaling loop, _n_tiles), then the chunk row
+    mkdir -p "$R"/mx
+    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --decodes lut \
+      --tilings "16,128,256,4,128,0;16,128,128,4,128,0;16,128,128,3,128,0;16,64,256,4,128,0" --out "$R/mx"
+    mkdir -p "$R"/mxov  # the new overlap apart: a hang there keeps the rows above
+    run mxfp4_overlap 90 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+      --decodes lut --tilings "16,128,256,4,128,0,0,1;16,128,256,2,128,0,0,1;16,128,128,4,128,0,0,1" --out "$R/mxov"
+    run ptxas_mx 45 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mxfp4
+    grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_mx.txt" | sort | uniq -c | head -20
+    run gpu_mx 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_quant_kernels.py \
+      -k "bit_for_bit and lut"
+    run gpu_moe 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_hopper.py
+    for c in 16-128-False 96-128-False; do  # one case a process: a hang (a barrier) shows as which
+      run "gpu_chunk_$c" 55 env JAX_PLATFORMS=cuda python3 -m pytest -v -p no:cacheprovider --durations=0 \
+        "tests/gpu/test_hopper_kernels.py::test_chunk_over_a_cache_at_the_models_dims_every_repeat[$c]"
+    done
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

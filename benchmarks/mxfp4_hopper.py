@@ -28,14 +28,14 @@ from pallas_kernels import moe, moe_mxfp4_hopper, mxfp4
 
 
 def tilings(spec: str, quick: bool):
-    """(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x) to try: spec
-    'bm,bn,bk,st,ct,ws[,l4];...', or a sweep (block_n: each consumer warpgroup's columns)."""
+    """(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap) to try: spec
+    'bm,bn,bk,st,ct,ws[,l4[,ov]];...', or a sweep (block_n: each consumer warpgroup's columns)."""
     if spec:
-        return [(tuple(int(v) for v in t.split(",")) + (0,))[:7] for t in spec.split(";") if t]
+        return [(tuple(int(v) for v in t.split(",")) + (0, 0))[:8] for t in spec.split(";") if t]
     if quick:
-        return [(16, 128, 128, 4, 64, 0, 0), (16, 64, 128, 4, 64, 1, 1)]
-    return [t for t in itertools.product((16,), (64, 128), (128, 256), (4,), (64, 128), (0, 1), (0, 1))
-            if t[2] % t[4] == 0]
+        return [(16, 128, 128, 4, 64, 0, 0, 0), (16, 64, 128, 4, 64, 1, 1, 0)]
+    return [t for t in itertools.product((16,), (64, 128), (128, 256), (4,), (64, 128), (0, 1), (0, 1), (0, 1))
+            if t[2] % t[4] == 0 and not (t[5] and t[7])]
 
 
 def main():
@@ -49,7 +49,7 @@ def main():
                     help="also time the best tiling with the codes' integers as the decode (not MXFP4: the "
                          "kernel's frame without the e2m1 decode; `moe_mxfp4_hopper.PROBE_DECODE`)")
     ap.add_argument("--tilings", default="",
-                    help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile,warp_specialized;...'")
+                    help="Hopper tilings 'block_m,block_n,block_k,steps,code_tile,warp_specialized[,load4x[,overlap]];...'")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     copy_torch = common.torch_copy_gbs()
@@ -76,14 +76,14 @@ def main():
                        bf16_ms=common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0],
                        triton_mxfp4_ms=common.time_pipelined(triton, x, packed, sizes)[0])
             by_tiling, errors = {}, {}
-            for (bm, bn, bk, st, ct, ws, l4), dec in itertools.product(tilings(args.tilings, args.quick),
+            for (bm, bn, bk, st, ct, ws, l4, ov), dec in itertools.product(tilings(args.tilings, args.quick),
                                                                          args.decodes.split(",")):
                 if n % (bn * (1 + ws)) or k % bk:
                     continue
                 fn = jax.jit(functools.partial(moe_mxfp4_hopper.grouped_matmul, block_m=bm, block_n=bn, block_k=bk,
                                                steps=st, code_tile=ct, decode=dec, warp_specialized=bool(ws),
-                                               load4x=bool(l4)))
-                key = f"{dec}:{bm},{bn},{bk},{st},{ct},{ws},{l4}"
+                                               load4x=bool(l4), overlap=bool(ov)))
+                key = f"{dec}:{bm},{bn},{bk},{st},{ct},{ws},{l4},{ov}"
                 try:
                     got = np.asarray(fn(x, hop[dec], sizes), np.float32)
                 except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory) is skipped
@@ -96,10 +96,11 @@ def main():
                 by_tiling[key] = common.time_pipelined(fn, x, hop[dec], sizes)[0]
             best = min(by_tiling, key=by_tiling.get) if by_tiling else None
             if best and args.probe_upcast:  # unchecked: its values are not MXFP4's
-                bm, bn, bk, st, ct, ws, l4 = (int(v) for v in best.split(":")[1].split(","))
+                bm, bn, bk, st, ct, ws, l4, ov = (int(v) for v in best.split(":")[1].split(","))
                 probe = jax.jit(functools.partial(
                     moe_mxfp4_hopper.grouped_matmul, block_m=bm, block_n=bn, block_k=bk, steps=st, code_tile=ct,
-                    decode=moe_mxfp4_hopper.PROBE_DECODE, warp_specialized=bool(ws), load4x=bool(l4)))
+                    decode=moe_mxfp4_hopper.PROBE_DECODE, warp_specialized=bool(ws), load4x=bool(l4),
+                    overlap=bool(ov)))
                 row["upcast_probe_ms"] = common.time_pipelined(probe, x, hop["arith"], sizes)[0]
             bytes16 = used * k * n * 2 + 2 * rows * (k + n)
             bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)

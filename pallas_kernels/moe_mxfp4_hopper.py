@@ -226,10 +226,12 @@ def _load_codes(codes_ref, load4x: bool):
 
 
 def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None, stage=None,
-              load4x=False):
+              load4x=False, overlap=False):
     """One pipeline step of a warpgroup: its codes' rows (`rows`: a slice of the block's, or all)
     decoded 32 K at a time into wgmma's A operand, times the step's activations (B, transposed),
-    accumulated into acc_ref; waits for its MMAs before the step's buffers are released.
+    accumulated into acc_ref; waits for its MMAs before the step's buffers are released, or
+    (overlap) for the previous step's only, whose activations the pipeline released one step late
+    (`delay_release`), so this step's MMAs run on under the next step's decode.
     stage: None on the GPU (A from registers); under Mosaic GPU's interpreter, which reads A from
     shared memory only, a [rows, 32] shared buffer each decoded tile passes through."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -251,13 +253,14 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
                 plgpu.wgmma_wait(0)
             else:
                 plgpu.wgmma(acc_ref, w, x_t)
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(block_k // MX_BLOCK if overlap and stage is None else 0)  # one group per wgmma call
 
 
 def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, stage=None, *, block_m, block_n,
-            block_k, n_k, steps, code_tile, decode_, load4x=False):
+            block_k, n_k, steps, code_tile, decode_, load4x=False, overlap=False):
     """One program: a row tile of one group times block_n columns.  stage: `_mma_step`'s (the
-    interpreter's staging buffer, a scratch ref), or None on the GPU."""
+    interpreter's staging buffer, a scratch ref), or None on the GPU.  overlap: `_mma_step`'s, the
+    activations' buffers released a step late."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
@@ -268,18 +271,19 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
                 _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                          decode_=decode_, stage=stage, load4x=load4x)
+                          decode_=decode_, stage=stage, load4x=load4x, overlap=overlap)
 
             plgpu.emit_pipeline(
                 step, grid=(n_k,), max_concurrent_steps=steps,
                 in_specs=[
-                    plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k),
+                    plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k), delay_release=int(overlap),
                                     transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))),
                     plgpu.BlockSpec((block_n, block_k), lambda k: (ni, k),
                                     transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2))),
                     plgpu.BlockSpec((block_k // MX_BLOCK, block_n), lambda k: (k, ni)),
                 ],
             )(x_gmem, codes_gmem.at[group], scales_gmem.at[group])
+            plgpu.wgmma_wait(0)  # overlap: the last step's MMAs
             return acc_ref[...]
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((block_n, block_m), jnp.float32))
@@ -342,15 +346,16 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 256,
                steps: int = 4, code_tile: int = 128, decode: str = "lut", warp_specialized: bool = False,
-               load4x: bool = False, interpret: bool = False):
+               load4x: bool = False, overlap: bool = False, interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
     decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
     producer warpgroup and two consumers, each taking block_n of the program's 2 * block_n
     columns (`_kernel_ws`).  load4x: the codes read from shared memory 8 at a time and shuffled
-    into the A layout (`_load_codes`).  interpret: Mosaic GPU's interpreter (CPU), the decoded
-    tiles staged through shared memory."""
+    into the A layout (`_load_codes`).  overlap: each step's MMAs left running under the next
+    step's decode (`_mma_step`; steps >= 2; not with warp_specialized).  interpret: Mosaic GPU's
+    interpreter (CPU), the decoded tiles staged through shared memory."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rows, k = x_pad.shape
@@ -365,6 +370,9 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         raise ValueError(f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
+    if overlap and (warp_specialized or steps < 2):
+        raise ValueError(f"MXFP4 grouped GEMM (Hopper): overlap needs steps >= 2 (got {steps}) and no warp "
+                         f"specialization")
     kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
               decode_=decode, load4x=load4x)
     mode = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
@@ -380,7 +388,7 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         )(tile_group, x_pad, w.codes, w.scales)
     else:
         out_t = plgpu.kernel(
-            functools.partial(_kernel, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+            functools.partial(_kernel, overlap=overlap, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
             grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
             scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype),
                                **(dict(stage=plgpu.SMEM((block_n, MX_BLOCK), x_pad.dtype)) if interpret else {})),
@@ -393,7 +401,7 @@ def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **til
     """`moe.grouped_matmul`'s contract on Hopper-layout MXFP4 weights: lhs [M, K] bf16 rows
     sorted by group, group_sizes [G] -> [M, N] bf16 (rows past the groups' sum give 0).
     tiling: `gmm_padded`'s block_n / block_k / steps / code_tile / decode / warp_specialized / load4x /
-    interpret."""
+    overlap / interpret."""
     from pallas_kernels import moe
 
     check(w, lhs_mk.shape[1])

@@ -116,9 +116,12 @@ hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
                                     dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True),
                                     dict(block_m=16, block_n=128, block_k=128, code_tile=128, load4x=True),
                                     dict(block_m=16, block_n=64, block_k=128, code_tile=64, warp_specialized=True,
-                                         load4x=True)])
+                                         load4x=True),
+                                    dict(block_m=16, block_n=128, block_k=256, code_tile=128, overlap=True),
+                                    dict(block_m=16, block_n=128, block_k=128, code_tile=128, steps=2, overlap=True)])
 def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
-    """The Hopper kernel's register decode, read back through identity rows."""
+    """The Hopper kernel's register decode, read back through identity rows (under overlap, rows
+    released a step late: an early release would hand a step the next one's rows)."""
     _read_back_through(lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(
         x, moe_mxfp4_hopper.to_hopper(w, decode), sizes, **tiling, decode=decode))
 

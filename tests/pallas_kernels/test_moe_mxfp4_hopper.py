@@ -63,34 +63,37 @@ def test_bad_operands_are_named_before_any_launch():
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
 
 
-_TILINGS = [(16, 128, 128, 4, 64, False, False), (8, 64, 256, 4, 256, False, False),
-            (16, 256, 128, 3, 128, False, False), (64, 128, 128, 4, 128, False, False),
-            (16, 128, 128, 4, 64, True, False), (8, 64, 256, 3, 128, True, False),
-            (16, 128, 128, 4, 128, False, True), (16, 64, 128, 4, 64, True, True)]
+_TILINGS = [(16, 128, 128, 4, 64, False, False, False), (8, 64, 256, 4, 256, False, False, False),
+            (16, 256, 128, 3, 128, False, False, False), (64, 128, 128, 4, 128, False, False, False),
+            (16, 128, 128, 4, 64, True, False, False), (8, 64, 256, 3, 128, True, False, False),
+            (16, 128, 128, 4, 128, False, True, False), (16, 64, 128, 4, 64, True, True, False),
+            (16, 128, 256, 4, 128, False, False, True), (16, 128, 256, 2, 128, False, True, True)]
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, decode",
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode",
                          [t + ("lut",) for t in _TILINGS]  # the default decode at every tiling, the others at two
                          + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut"])
-def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, decode):
+def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the inline PTX
-    decode's registers, the operands' swizzles and tilings) run on this CPU machine."""
+    decode's registers, the operands' swizzles and tilings, the activations released a step late
+    under overlap) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
     fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
                                                    block_k=block_k, steps=steps, code_tile=code_tile, decode=decode,
-                                                   warp_specialized=warp_specialized, load4x=load4x)
+                                                   warp_specialized=warp_specialized, load4x=load4x, overlap=overlap)
     jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
                       S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x",
-                         [(16, 64, 128, 2, 64, False, "arith", False), (16, 64, 256, 2, 128, True, "arith", True),
-                          (8, 64, 128, 3, 64, True, "bits", False), (16, 64, 128, 2, 128, False, "bits", True),
-                          (16, 64, 128, 2, 64, False, "lut", True)])
+@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x, overlap",
+                         [(16, 64, 64, 2, 64, False, "arith", False, True), (16, 64, 256, 2, 128, True, "arith", True, False),
+                          (8, 64, 128, 3, 64, True, "bits", False, False), (16, 64, 128, 2, 128, False, "bits", True, False),
+                          (16, 64, 128, 2, 64, False, "lut", True, False)])
 def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
-                                                   decode, load4x):
+                                                   decode, load4x, overlap):
     """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
-    one: producer, two consumers on their own column halves) with each decoded tile staged through
+    one: producer, two consumers on their own column halves; overlap: each step's activations
+    released a step late, K in four steps through two buffers) with each decoded tile staged through
     shared memory, its only A operand.  Rows over 4 groups (one empty, the last rows in none)
     equal the product with the dequantized weights, each output rounded once to bf16.  XLA:CPU
     flushes bf16 subnormals, which the "bits" decode passes through for the codes +-1 (0.5 x
@@ -112,7 +115,7 @@ def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, st
     sizes = jnp.asarray([10, 0, 20, 7], jnp.int32)
     got = np.asarray(hopper.grouped_matmul(
         x, hopper.to_hopper(w, decode), sizes, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps,
-        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, load4x=load4x,
+        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, load4x=load4x, overlap=overlap,
         interpret=True).astype(jnp.float32))
     wd = mxfp4.dequantize(w.values, w.scales).astype(jnp.float32)
     ref = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), wd, sizes, precision=jax.lax.Precision.HIGHEST))
