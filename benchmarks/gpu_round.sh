@@ -140,11 +140,11 @@ case $round in
   eighth)  # session 34: the MXFP4 must-show with the smaller layout (issue 20), then the GPU rows of the
     # kernels changed since their last run (the shared MXFP4 scaling loop, _n_tiles), then the chunk row
     mkdir -p "$R"/mx
-    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --decodes lut \
-      --tilings "16,128,256,4,128,0;16,128,128,4,128,0;16,128,128,3,128,0;16,64,256,4,128,0" --out "$R/mx"
+    run mxfp4 130 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
+      --decodes lut,lut_perm --tilings "16,128,256,4,128,0;16,128,128,4,128,0;16,64,256,4,128,0" --out "$R/mx"
     mkdir -p "$R"/mxov  # the new overlap apart: a hang there keeps the rows above
     run mxfp4_overlap 90 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 \
-      --decodes lut --tilings "16,128,256,4,128,0,0,1;16,128,256,2,128,0,0,1;16,128,128,4,128,0,0,1" --out "$R/mxov"
+      --decodes lut,lut_perm --tilings "16,128,256,4,128,0,0,1;16,128,256,2,128,0,0,1" --out "$R/mxov"
     run ptxas_mx 45 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mxfp4
     grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_mx.txt" | sort | uniq -c | head -20
     run gpu_mx 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_quant_kernels.py \

@@ -61,13 +61,41 @@ class HopperMXFP4(NamedTuple):
 # How the kernel turns codes into bf16: "arith", codes as two's complement integers through the
 # int4 -> bf16 upcast and `decode`; "bits", the e2m1 bits as they are, moved into a bf16's bit
 # pattern with integer ops (`_e2m1_bits`); "lut", the same bits and the same bf16s, eight codes
-# at a time through byte-permute table lookups (`_e2m1_lut`).  Each needs its own code layout
-# (`to_hopper`: "lut" takes the "bits" one).
-DECODES = ("arith", "bits", "lut")
+# at a time through byte-permute table lookups (`_e2m1_lut`); "lut_perm", "lut" on codes stored
+# permuted along K (`K_PERM`) so that one 32-bit shared-memory load gives a thread the eight codes
+# wgmma's A layout wants of it, where "lut" loads them a byte (two codes) at a time.  Each needs
+# its own code layout (`to_hopper`: "lut" takes the "bits" one).
+DECODES = ("arith", "bits", "lut", "lut_perm")
 # Not MXFP4: the codes' integers (the int4 -> bf16 upcast alone) times the block scale, the
 # cheapest decode there is.  A timing probe of the kernel's frame (`benchmarks/mxfp4_hopper.py
 # --probe-upcast`): how fast the kernel would be if decoding cost nothing beyond the upcast.
 PROBE_DECODE = "upcast_probe"
+
+
+# "lut_perm"'s order of the codes along K within each 32-wide block (an MX block: the scales do
+# not move).  wgmma's A layout gives lane t of a row's four the K pairs 2t + 8j + {0, 1}, j = 0..3
+# (Mosaic GPU's WGMMA layout); a 32-bit load in the WGMMA_UPCAST_4X layout gives it the eight codes
+# 8t .. 8t + 7.  So the code of K 8j + 2t + e is stored at 8t + 2j + e: byte j of the loaded word is
+# then the A layout's register for the j-th 8-wide column tile, and no code changes thread.
+# K_PERM[stored position] = the K (within the block) whose code is stored there.
+K_PERM = tuple(8 * j + 2 * t + e for t in range(4) for j in range(4) for e in range(2))
+
+
+def _permute_k(codes_gnk, inverse: bool = False):
+    """codes [..., K] in K order -> "lut_perm"'s stored order (`K_PERM`); inverse: back."""
+    perm = list(K_PERM)
+    if inverse:
+        perm = [perm.index(i) for i in range(MX_BLOCK)]
+    blocks = codes_gnk.reshape(codes_gnk.shape[:-1] + (-1, MX_BLOCK))
+    return blocks[..., jnp.asarray(perm)].reshape(codes_gnk.shape)
+
+
+def _unpermute_tile(vals):
+    """A decoded [bn, c] tile of "lut_perm" codes, columns in stored order -> K order: column
+    8t + 2j + e of a block holds K 8j + 2t + e, so a transpose of (t, j) within each block (the
+    interpreter's path; on the GPU the registers land in the A layout as loaded)."""
+    bn, c = vals.shape
+    return vals.reshape(bn, c // MX_BLOCK, 4, 4, 2).swapaxes(2, 3).reshape(bn, c)
 
 
 def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut") -> HopperMXFP4:
@@ -82,7 +110,10 @@ def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut") -> HopperMXFP4:
         codes = jnp.where(codes >= 8, 8 - codes, codes)  # sign-magnitude -> two's complement (-0 -> 0)
     else:
         codes = jnp.where(codes >= 8, codes - 16, codes)  # the same 4 bits, read as an int4
-    return HopperMXFP4(jnp.swapaxes(codes, 1, 2).astype(jnp.int4), lax.bitcast_convert_type(w.scales, jnp.uint8))
+    codes = jnp.swapaxes(codes, 1, 2)  # [G, N, K]
+    if decode == "lut_perm":
+        codes = _permute_k(codes)
+    return HopperMXFP4(codes.astype(jnp.int4), lax.bitcast_convert_type(w.scales, jnp.uint8))
 
 
 def decode(i, scale=None):
@@ -101,8 +132,11 @@ def dequantize(w: HopperMXFP4, decode_: str = "arith"):
     """float32 [G, K, N] of weights in the Hopper layout for `decode_` (the "arith" kernel's
     `decode` in plain jnp; "bits" and "lut" codes through the format's own decode)."""
     scale = jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)  # [G, K, N]
-    codes = jnp.swapaxes(w.codes, 1, 2)
-    if decode_ in ("bits", "lut"):
+    codes = w.codes
+    if decode_ == "lut_perm":
+        codes = _permute_k(codes, inverse=True)
+    codes = jnp.swapaxes(codes, 1, 2)
+    if decode_ in ("bits", "lut", "lut_perm"):
         return mxfp4.decode_e2m1(codes.astype(jnp.int32) & 0xF) * scale
     return decode(codes.astype(jnp.float32), scale)
 
@@ -157,13 +191,19 @@ prmt.b32 $3, lo1, hi1, 0x7362;
 }}"""
 
 
-def _e2m1_lut(codes):
+def _e2m1_lut(codes, permuted: bool = False):
     """int4 e2m1 bits [bn, c] (wgmma's A layout) -> bf16 [bn, c], each the code's value times
     2^-126 (`_e2m1_bits`' numbers, bit for bit), eight codes (one 32-bit word) at a time: the
     two bytes of each bf16 looked up with `prmt` in 4-entry tables (`_LUT_LO`, `_LUT_HI`) and
-    interleaved, 13 instructions for 8 codes (the integer path spends several per code).  GPU
-    only (inline PTX); the interpreter takes the format's own decode (`_decode_tiles`)."""
+    interleaved, 13 instructions for 8 codes (the integer path spends several per code).
+    permuted: codes [bn, c] in the WGMMA_UPCAST_4X layout, stored in `K_PERM`'s order, so that
+    each loaded word's byte j is the A layout's register of column tile 4 x (the word's 32-wide
+    tile) + j (`_e2m1_lut_permuted`).  GPU only (inline PTX); the interpreter takes the format's
+    own decode (`_decode_tiles`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if permuted:
+        return _e2m1_lut_permuted(codes)
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
@@ -193,16 +233,50 @@ def _e2m1_lut(codes):
     return lut(codes)
 
 
+def _e2m1_lut_permuted(codes):
+    """`_e2m1_lut` of "lut_perm" codes [bn, c] loaded in the WGMMA_UPCAST_4X layout (each lane
+    a 32-bit word: 8 codes of a row, `K_PERM`'s order) -> bf16 [bn, c] in wgmma's A layout, no
+    code crossing lanes.  The two layouts' register arrays differ only in their column axis
+    (axis 1: 32-wide tiles against 8-wide), so the word at (a, c, ...) gives the A registers
+    (a, 4c + j, ...), j its byte."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def lut(_, arr):
+        import numpy as np
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+        from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
+
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(arr.shape)), dtype=object)
+        if arr.registers.shape[1] * 4 != out.shape[1] or arr.registers.shape[2:] != out.shape[2:]:
+            raise ValueError(f"e2m1 table decode (permuted): registers {arr.registers.shape} do not map onto the "
+                             f"A layout's {out.shape}")
+        for idx, reg in np.ndenumerate(arr.registers):
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [utils.bitcast(reg, i32)], _LUT_PTX,
+                                  "=r,=r,=r,=r,r")
+            for j in range(4):
+                out[(idx[0], 4 * idx[1] + j) + idx[2:]] = utils.bitcast(llvm.extractvalue(i32, res, (j,)), pair)
+        return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+    return lut(codes)
+
+
 def _decode_tiles(codes_i4, scales_u8, decode_: str):
     """Codes [bn, c] int4 (c a multiple of 32) and the c / 32 blocks' e8m0 exponent rows (a list
     of [bn]) -> each block's bf16 [bn, 32] weights: the codes' values (exact in bf16), then each
     block's power-of-two scale, last.  decode_ "lut_interpret": "lut"'s codes through the
     format's own decode (the interpreter runs no PTX; no subnormal on the way, which XLA:CPU
     would flush)."""
-    if decode_ == "lut":
-        vals = _e2m1_lut(codes_i4) * jnp.bfloat16(2.0 ** 126)
-    elif decode_ == "lut_interpret":
+    if decode_ in ("lut", "lut_perm"):
+        vals = _e2m1_lut(codes_i4, permuted=decode_ == "lut_perm") * jnp.bfloat16(2.0 ** 126)
+    elif decode_ in ("lut_interpret", "lut_perm_interpret"):
         vals = mxfp4.decode_e2m1(codes_i4.astype(jnp.int32) & 0xF).astype(jnp.bfloat16)
+        if decode_ == "lut_perm_interpret":
+            vals = _unpermute_tile(vals)
     elif decode_ == "bits":
         vals = _e2m1_bits(codes_i4)
     elif decode_ == PROBE_DECODE:  # not MXFP4: the codes' integers
@@ -213,13 +287,16 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
             for h, s in enumerate(scales_u8)]
 
 
-def _load_codes(codes_ref, load4x: bool):
+def _load_codes(codes_ref, load4x: bool, decode_: str = "lut"):
     """A [bn, c] int4 tile of codes from shared memory into wgmma's A layout.  load4x: 32-bit
     loads, each thread 8 codes of a row at once (Mosaic GPU's WGMMA_UPCAST_4X layout, as JAX's
     mixed-type matmul reads its int4 operand), then shuffled among the threads into the A layout;
-    else loaded in the A layout directly (2 codes, 8 bits, a load)."""
+    else loaded in the A layout directly (2 codes, 8 bits, a load).  "lut_perm": the 32-bit
+    loads and no shuffle (its decode puts each byte where the A layout wants it)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if decode_ == "lut_perm":
+        return plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
     if not load4x:
         return codes_ref[...]
     return plgpu.layout_cast(plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
@@ -238,12 +315,12 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
 
     per = code_tile // MX_BLOCK
     codes = codes_smem if rows is None else codes_smem.at[rows]
-    if decode_ == "lut" and stage is not None:  # the interpreter runs no PTX
-        decode_ = "lut_interpret"
+    if decode_ in ("lut", "lut_perm") and stage is not None:  # the interpreter runs no PTX
+        decode_ += "_interpret"
     for c in range(block_k // code_tile):
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
-        tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x),
-                              scale_rows, decode_)
+        tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x,
+                                          "lut_perm" if decode_ == "lut_perm" else ""), scale_rows, decode_)
         for h, w in enumerate(tiles):
             x_t = x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T
             if stage is not None:

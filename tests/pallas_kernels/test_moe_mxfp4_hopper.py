@@ -22,11 +22,16 @@ def _packed(rng, g, k, n):
 
 @pytest.mark.parametrize("decode", hopper.DECODES)
 def test_the_hopper_layout_holds_the_same_weights(decode):
-    """Codes along K (two's complement integers for "arith", the e2m1 bits for "bits" and "lut") and the
-    untouched exponents decode to the format's values, every code and both signs ("arith" by
-    the kernel's own formula, `hopper.decode`)."""
+    """Codes along K (two's complement integers for "arith", the e2m1 bits for "bits", "lut" and,
+    permuted within each 32-wide block, "lut_perm") and the untouched exponents decode to the
+    format's values, every code and both signs ("arith" by the kernel's own formula,
+    `hopper.decode`)."""
     w = _packed(np.random.default_rng(0), 3, 128, 96)
     h = hopper.to_hopper(w, decode)
+    if decode == "lut_perm":  # the code of K 32b + 8j + 2t + e stored at 32b + 8t + 2j + e
+        plain = np.asarray(hopper.to_hopper(w, "lut").codes.astype(jnp.int8)).reshape(3, 96, 4, 4, 4, 2)
+        np.testing.assert_array_equal(np.asarray(h.codes.astype(jnp.int8)).reshape(3, 96, 4, 4, 4, 2),
+                                      plain.swapaxes(2 + 1, 2 + 2))
     assert h.codes.dtype == jnp.int4 and h.codes.shape == (3, 96, 128) and h.shape == (3, 128, 96)
     assert h.scales.dtype == jnp.uint8 and h.scales.shape == (3, 4, 96)
     np.testing.assert_array_equal(np.asarray(hopper.dequantize(h, decode)),
@@ -88,7 +93,8 @@ def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_spe
 @pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x, overlap",
                          [(16, 64, 64, 2, 64, False, "arith", False, True), (16, 64, 256, 2, 128, True, "arith", True, False),
                           (8, 64, 128, 3, 64, True, "bits", False, False), (16, 64, 128, 2, 128, False, "bits", True, False),
-                          (16, 64, 128, 2, 64, False, "lut", True, False)])
+                          (16, 64, 128, 2, 64, False, "lut", True, False),
+                          (16, 64, 128, 2, 128, False, "lut_perm", False, True)])
 def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
                                                    decode, load4x, overlap):
     """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
