@@ -376,11 +376,11 @@ MLA_CHUNK_CHOICES = ("triton", "hopper", "auto")
 def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> str:
     """Which kernel runs a prefill chunk continuing a cache (the expanded form): "hopper"
     (`mla_hopper.mla_prefill_chunk_hopper`, 128-key blocks where they fit) or "triton"
-    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "triton" (the default, until the
-    Hopper kernel's `tests/gpu` row has passed on a GPU: it was faster at every chunk measured,
-    RESULTS.md, MLA kernels, session 32), "auto" ("hopper" where `mla_prefill_impl` picks it)
-    and "hopper" (as "auto", and off the GPU in Mosaic GPU's interpreter)."""
-    choice = os.environ.get("KIMIK3_MLA_CHUNK", "triton")
+    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "auto" (the default: "hopper" where
+    `mla_prefill_impl` picks it; 1.05-1.28x the Triton kernel at every chunk measured, and its
+    `tests/gpu` rows pass: RESULTS.md, MLA kernels, sessions 32 and 34), "triton" (always) and
+    "hopper" (as "auto", and off the GPU in Mosaic GPU's interpreter)."""
+    choice = os.environ.get("KIMIK3_MLA_CHUNK", "auto")
     if choice not in MLA_CHUNK_CHOICES:
         raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")
     if choice == "triton":

@@ -12,16 +12,18 @@ memory, read transposed).  One program: one row tile of the group-aligned layout
 times ``block_n`` output columns, K pipelined in ``block_k`` steps through TMA; or, warp-
 specialized, a producer warpgroup issuing the copies and two consumers on ``block_n`` columns
 each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each decoded tile
-staged through shared memory, the interpreter's only A operand).  With the table decode
-("lut", the default: eight codes a 32-bit word through `prmt` lookups) it runs as fast as with
-no e2m1 decode at all and beats the Triton kernel by 1.1-1.3x (RESULTS.md, issue 20).  Not yet
-chosen by `kimik3.ops`: the serving path would have to hold the experts in this layout
-(`to_hopper`) from load on.
+staged through shared memory, the interpreter's only A operand).  The default decode,
+"lut_perm", looks eight codes up at a time with `prmt` (inline PTX) from one 32-bit shared-memory
+load, the codes stored permuted along K so that each lane loads exactly its A-layout codes
+(`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, issue 20).  Not yet chosen
+by `kimik3.ops`: the serving path would have to hold the experts in this layout (`to_hopper`)
+from load on.
 
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
          the "arith" decode the e2m1 codes as sign-magnitude integers, ``i = (-1)^s * (code &
-         7)`` in two's complement; for "bits" and "lut" the e2m1 bits as they are;
+         7)`` in two's complement; for "bits" and "lut" the e2m1 bits as they are; for
+         "lut_perm" those bits in `K_PERM`'s order within each 32-wide block of K;
   scales [G, K / 32, N] uint8: the e8m0 exponents as they are (4.25 bits a weight in all).
 Decode "arith" (`decode`): ``|i|`` indexes the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 in order,
 which are ``2|i| - min(|i|, 6) - min(|i|, 4) / 2``: an odd function of i, so two clips, a few
@@ -98,7 +100,7 @@ def _unpermute_tile(vals):
     return vals.reshape(bn, c // MX_BLOCK, 4, 4, 2).swapaxes(2, 3).reshape(bn, c)
 
 
-def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut") -> HopperMXFP4:
+def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut_perm") -> HopperMXFP4:
     """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
     for the kernel's `decode` (DECODES).  Pure data movement: no value changes."""
     mxfp4.check(w)
@@ -130,7 +132,7 @@ def decode(i, scale=None):
 
 def dequantize(w: HopperMXFP4, decode_: str = "arith"):
     """float32 [G, K, N] of weights in the Hopper layout for `decode_` (the "arith" kernel's
-    `decode` in plain jnp; "bits" and "lut" codes through the format's own decode)."""
+    `decode` in plain jnp; "bits", "lut" and "lut_perm" codes through the format's own decode)."""
     scale = jnp.repeat(mxfp4.pow2_of_e8m0(w.scales.astype(jnp.int32)), MX_BLOCK, axis=1)  # [G, K, N]
     codes = w.codes
     if decode_ == "lut_perm":
@@ -422,7 +424,7 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 256,
-               steps: int = 4, code_tile: int = 128, decode: str = "lut", warp_specialized: bool = False,
+               steps: int = 4, code_tile: int = 128, decode: str = "lut_perm", warp_specialized: bool = False,
                load4x: bool = False, overlap: bool = False, interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
@@ -430,7 +432,7 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
     decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
     producer warpgroup and two consumers, each taking block_n of the program's 2 * block_n
     columns (`_kernel_ws`).  load4x: the codes read from shared memory 8 at a time and shuffled
-    into the A layout (`_load_codes`).  overlap: each step's MMAs left running under the next
+    into the A layout (`_load_codes`; not with "lut_perm", which reads them so without shuffles).  overlap: each step's MMAs left running under the next
     step's decode (`_mma_step`; steps >= 2; not with warp_specialized).  interpret: Mosaic GPU's
     interpreter (CPU), the decoded tiles staged through shared memory."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -447,6 +449,9 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         raise ValueError(f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
                          f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
                          f"64, 128 or 256) must divide")
+    if load4x and decode == "lut_perm":
+        raise ValueError("MXFP4 grouped GEMM (Hopper): load4x shuffles codes into the A layout; \"lut_perm\" "
+                         "codes load there as they are (take decode=\"lut\" for load4x)")
     if overlap and (warp_specialized or steps < 2):
         raise ValueError(f"MXFP4 grouped GEMM (Hopper): overlap needs steps >= 2 (got {steps}) and no warp "
                          f"specialization")

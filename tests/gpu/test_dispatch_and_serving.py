@@ -86,3 +86,42 @@ def test_speculative_rounds_on_the_pallas_kernels_give_the_oracles_tokens():
         assert req.output == list(np.asarray(w).tolist()), req.request_id
     s = eng.spec.stats
     assert s.rounds > 0 and s.drafted == 3 * s.rounds and s.chained > 0
+
+
+@pytest.mark.skipif(not sm90(), reason="the Hopper chunk kernel")
+def test_small_bf16_chunks_over_a_cache_take_the_hopper_kernel_and_give_the_triton_kernels_tokens(monkeypatch):
+    """`small` in bf16, a 300-token prompt prefilled 64 tokens a chunk (every chunk after the first
+    continues the cache) and a second prompt extending it (a prefix hit, then chunks over the hit):
+    under `KIMIK3_MLA_CHUNK`'s default the Hopper chunk kernel serves those chunks and each
+    request's greedy tokens equal those of an engine on the Triton chunk kernel."""
+    from pallas_kernels import mla_hopper
+
+    cfg = config.small()
+    params = model.init_params(cfg, jax.random.PRNGKey(4))
+    rng = np.random.default_rng(3)
+    first = rng.integers(0, 256, 300).tolist()
+    prompts = [first, first + rng.integers(0, 256, 90).tolist()]
+    calls = []
+    real = mla_hopper.mla_prefill_chunk_hopper
+    monkeypatch.setattr(mla_hopper, "mla_prefill_chunk_hopper", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+
+    def serve():
+        eng = Engine(params, cfg, EngineConfig(num_pages=64, num_slots=2, num_snapshots=16, page_tokens=64,
+                                               kda_block_tokens=64, max_pages_per_request=16,
+                                               prefill_chunk_tokens=64))
+        outs = []
+        for p in prompts:  # one after the other: the second finds the first's cache
+            req = eng.submit(p, 6)
+            eng.run(max_steps=200)
+            outs.append(req.output)
+        return outs
+
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
+    jax.clear_caches()  # the model runner's jitted steps are traced once per (cfg, kernels)
+    want = serve()
+    assert not calls
+    monkeypatch.delenv("KIMIK3_MLA_CHUNK")
+    jax.clear_caches()
+    got = serve()
+    assert calls, "the default chunk kernel on this Hopper GPU is the Hopper one"
+    assert got == want

@@ -66,6 +66,10 @@ def test_bad_operands_are_named_before_any_launch():
                           warp_specialized=True)
     with pytest.raises(ValueError, match="scales must be uint8"):
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
+    with pytest.raises(ValueError, match="load4x"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_k=128, load4x=True)
+    with pytest.raises(ValueError, match="overlap needs"):
+        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_k=128, steps=1, overlap=True)
 
 
 _TILINGS = [(16, 128, 128, 4, 64, False, False, False), (8, 64, 256, 4, 256, False, False, False),
@@ -76,8 +80,9 @@ _TILINGS = [(16, 128, 128, 4, 64, False, False, False), (8, 64, 256, 4, 256, Fal
 
 
 @pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode",
-                         [t + ("lut",) for t in _TILINGS]  # the default decode at every tiling, the others at two
-                         + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut"])
+                         # the default decode at every tiling ("lut" where load4x shuffles), the others at two
+                         [t + ("lut" if t[6] else "lut_perm",) for t in _TILINGS]
+                         + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut_perm"])
 def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the inline PTX
     decode's registers, the operands' swizzles and tilings, the activations released a step late
