@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -154,6 +154,19 @@ case $round in
       run "gpu_chunk_$c" 55 env JAX_PLATFORMS=cuda python3 -m pytest -v -p no:cacheprovider --durations=0 \
         "tests/gpu/test_hopper_kernels.py::test_chunk_over_a_cache_at_the_models_dims_every_repeat[$c]"
     done
+    ;;
+  ninth)  # session 34, after lut_perm: small's chunks on the Hopper chunk kernel (now the default) in
+    # an engine; lut_perm's tilings; where its time goes now (Nsight Compute on the Mosaic kernels)
+    mkdir -p "$R"/mx
+    run gpu_serving_chunk 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
+      tests/gpu/test_dispatch_and_serving.py -k chunks_over_a_cache
+    run mxfp4 120 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --decodes lut_perm \
+      --tilings "16,128,256,4,128,0;16,128,256,4,256,0;16,128,512,3,256,0;16,128,512,2,256,0;16,128,256,5,128,0;16,64,256,4,128,1" \
+      --out "$R/mx"
+    run ncu_mxfp4 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name 'regex:mosaic' \
+      --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
+      --section SchedulerStats python3 benchmarks/ncu_probe.py --what mxfp4
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

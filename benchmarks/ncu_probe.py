@@ -81,7 +81,7 @@ def probe_mxfp4(timed: bool, rows: int = 32, reps: int = 2):
     q = random_mxfp4(rng, g, k, n)
     packed = mxfp4.PackedMXFP4(q.values, q.scales)
     w16 = jax.jit(lambda v, s: mxfp4.dequantize(v, s).astype(jnp.bfloat16))(q.values, q.scales)
-    hop = jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, "bits")
+    hop = jax.jit(moe_mxfp4_hopper.to_hopper)(packed)  # the default decode's layout
     x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
     sizes = _uniform_sizes(rng, rows, g)
     sides = {"bf16": (jax.jit(moe.grouped_matmul), w16), "triton_mxfp4": (jax.jit(moe.grouped_matmul), packed)}
