@@ -160,8 +160,8 @@ case $round in
     mkdir -p "$R"/mx
     run gpu_serving_chunk 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
       tests/gpu/test_dispatch_and_serving.py -k chunks_over_a_cache
-    run mxfp4 100 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 32,256 --decodes lut_perm \
-      --tilings "16,128,256,4,128,0;16,128,256,4,256,0;16,128,512,3,256,0;16,128,512,2,256,0;16,128,256,5,128,0;16,64,256,4,128,1" \
+    run mxfp4 110 python3 benchmarks/mxfp4_hopper.py --cases "full EP16 rank gate+up" --rows 4,32,256 --decodes lut_perm \
+      --tilings "16,128,256,4,128,0;16,128,256,4,256,0;16,128,512,3,256,0;16,128,256,5,128,0;16,64,256,4,128,0;16,64,256,4,128,1" \
       --out "$R/mx"
     run ncu_mxfp4 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --kernel-name 'regex:mosaic' \
       --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
