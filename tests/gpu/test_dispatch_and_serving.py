@@ -89,39 +89,37 @@ def test_speculative_rounds_on_the_pallas_kernels_give_the_oracles_tokens():
 
 
 @pytest.mark.skipif(not sm90(), reason="the Hopper chunk kernel")
-def test_small_bf16_chunks_over_a_cache_take_the_hopper_kernel_and_give_the_triton_kernels_tokens(monkeypatch):
-    """`small` in bf16, a 300-token prompt prefilled 64 tokens a chunk (every chunk after the first
-    continues the cache) and a second prompt extending it (a prefix hit, then chunks over the hit):
-    under `KIMIK3_MLA_CHUNK`'s default the Hopper chunk kernel serves those chunks and each
-    request's greedy tokens equal those of an engine on the Triton chunk kernel."""
+def test_small_bf16_chunks_over_a_cache_on_the_hopper_kernel_are_as_close_to_fp32_as_on_the_triton_one(monkeypatch):
+    """`small` in bf16: 256 tokens prefilled, then 100 more over that cache (the expanded form, a
+    chunk continuing a cache).  The chunk's logits with the Hopper chunk kernel and with the
+    Triton one, each against the same model in fp32 on the reference kernels: the Hopper
+    kernel's error is no larger than the Triton kernel's (x 1.25, bf16's spread between two
+    kernels summing in different orders), and the two agree with each other as closely.  (Token
+    equality between two bf16 kernels is no test on random weights: their logits are nearly
+    flat, so a near-tie flips on either kernel's rounding.)"""
     from pallas_kernels import mla_hopper
 
     cfg = config.small()
     params = model.init_params(cfg, jax.random.PRNGKey(4))
-    rng = np.random.default_rng(3)
-    first = rng.integers(0, 256, 300).tolist()
-    prompts = [first, first + rng.integers(0, 256, 90).tolist()]
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (1, 356)), jnp.int32)
     calls = []
     real = mla_hopper.mla_prefill_chunk_hopper
     monkeypatch.setattr(mla_hopper, "mla_prefill_chunk_hopper", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
 
-    def serve():
-        eng = Engine(params, cfg, EngineConfig(num_pages=64, num_slots=2, num_snapshots=16, page_tokens=64,
-                                               kda_block_tokens=64, max_pages_per_request=16,
-                                               prefill_chunk_tokens=64))
-        outs = []
-        for p in prompts:  # one after the other: the second finds the first's cache
-            req = eng.submit(p, 6)
-            eng.run(max_steps=200)
-            outs.append(req.output)
-        return outs
+    def chunk_logits(p, c, kernels):
+        cache = model.init_cache(c, 1, 512)
+        _, cache = model.forward(p, c, tokens[:, :256], cache=cache, kernels=kernels)
+        return np.asarray(model.forward(p, c, tokens[:, 256:], cache=cache, kernels=kernels)[0], np.float32)
 
-    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
-    jax.clear_caches()  # the model runner's jitted steps are traced once per (cfg, kernels)
-    want = serve()
-    assert not calls
-    monkeypatch.delenv("KIMIK3_MLA_CHUNK")
-    jax.clear_caches()
-    got = serve()
-    assert calls, "the default chunk kernel on this Hopper GPU is the Hopper one"
-    assert got == want
+    fcfg = cfg.replace(dtype="float32")
+    with jax.default_matmul_precision("highest"):
+        want = chunk_logits(model.cast_params(params, jnp.float32), fcfg, "reference")
+    got = {}
+    for choice in ("triton", "hopper"):
+        monkeypatch.setenv("KIMIK3_MLA_CHUNK", choice)
+        jax.clear_caches()  # the forward programs are traced once per (cfg, kernels)
+        got[choice] = chunk_logits(params, cfg, "pallas")
+        assert bool(calls) == (choice == "hopper"), choice
+    err = {c: float(np.abs(g - want).mean()) for c, g in got.items()}
+    assert err["hopper"] <= 1.25 * err["triton"], err
+    assert float(np.abs(got["hopper"] - got["triton"]).mean()) <= 1.25 * err["triton"], err
