@@ -447,13 +447,14 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
 # prefill chunk (Sq = the chunk) skips the causal upper triangle a tile at a time.
 
 
-def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads, n_queries,
-                   block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
+def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
+                   n_queries, block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
     1 and rope, each brought by its own TMA (gmem slices, so no swizzled shared-memory ref is
-    ever sliced); the scores are the sum of three wgmmas."""
+    ever sliced; the queries' parts from their two arrays, never concatenated in HBM); the
+    scores are the sum of three wgmmas."""
     q_parts, k_parts, p_smem, vec_smem = smem
     # fp32 row vectors in one buffer (one shared-memory allocation, not three): the P buffers'
     # rescale factors, then the rows' softmax sums l, then their LSE
@@ -464,7 +465,8 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     block_m = q_parts[0].shape[0]
     half = rank // 2
     cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
-    dtype = q_ref.dtype
+    q_of = ((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0))  # (array, first column) per part
+    dtype = q_lat_ref.dtype
     seq_len = len_ref[b]
     n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
     per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
@@ -491,7 +493,7 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
     @pl.when(wg == 0)
     def _scores_and_first_half():
         _set_registers(232, interpret)
-        for i, (c0, width) in enumerate(cols_of):
+        for i, ((q_ref, c0), (_, width)) in enumerate(zip(q_of, cols_of)):
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
                                     q_bars.at[i])
         for i in range(3):
@@ -604,14 +606,14 @@ def _decode_kernel(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
                                              "n_splits", "scale_log2", "interpret", "stall_ns"))
-def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_queries, rank, block_kv, steps, p_slots,
-                 n_splits, scale_log2, interpret, stall_ns=0):
-    """q_rows [B, rows_pad, kv_lora + rope] (heads x queries folded, padded to 64) -> o [B,
-    splits, rows_pad, kv_lora = rank] (q's dtype), lse [B, splits, rows_pad] fp32 (natural log;
-    -inf for a split with no keys)."""
-    b, rows_pad, width = q_rows.shape
-    block_m, half, rope = 64, rank // 2, width - rank
-    dtype = q_rows.dtype
+def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
+                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0):
+    """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
+    folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
+    rows_pad] fp32 (natural log; -inf for a split with no keys)."""
+    b, rows_pad, _ = q_lat_rows.shape
+    block_m, half, rope = 64, rank // 2, q_pe_rows.shape[-1]
+    dtype = q_lat_rows.dtype
     # wgmma wants one swizzle for both operands, and P's contraction (block_kv) must span the
     # swizzle: every 16-bit buffer takes min(64, block_kv) columns per tile.
     minor = min(64, block_kv)
@@ -622,10 +624,10 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
             tiled((p_slots, block_m, block_kv)),
             plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
 
-    def entry(bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref):
+    def entry(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref):
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
-                bt_ref, len_ref, q_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
+                bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
                 page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
                 stall_ns=stall_ns),
@@ -648,7 +650,7 @@ def _decode_core(block_tables, seq_lens, q_rows, latent_pages, *, n_heads, n_que
         # reserves 2 KiB by default; block_kv 64 fits only without it).
         compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(block_tables, seq_lens, q_rows, latent_pages)
+    )(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages)
 
 
 _SMEM_BYTES = 232448  # H100 / H200: 227 KiB per CTA
@@ -722,9 +724,12 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
         device = jax.devices()[0]
         sms = (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
         n_splits = decode_splits(b * (rows_pad // 64), block_tables.shape[1] * page, block_kv, sms)
-    q_rows = fold_rows(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1), rows_pad)
-    o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32), q_rows,
+    o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32),
+                                    fold_rows(q_latent, rows_pad), fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
                                     interpret=interpret, stall_ns=int(stall_ns))
+    if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
+        return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
+                lse_part[:, 0, :sq * h].reshape(b, sq, h))
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

@@ -219,10 +219,11 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns):
     fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots) <= mla_hopper._SMEM_BYTES
     assert (fits, p_slots) == ({(32, 2): (True, 2), (32, 3): (True, 2), (64, 2): (True, 1), (64, 3): (False, 1)}
                                [block_kv, steps])
-    lower = lambda: _lowers_for_cuda(lambda bt, sl, q, pg: mla_hopper._decode_core(
-        bt, sl, q, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
+    lower = lambda: _lowers_for_cuda(lambda bt, sl, q, qp, pg: mla_hopper._decode_core(
+        bt, sl, q, qp, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
         n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns),
-        ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r + p), jnp.bfloat16), ((32, page, r + p), jnp.bfloat16))
+        ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r), jnp.bfloat16), ((b, 128, p), jnp.bfloat16),
+        ((32, page, r + p), jnp.bfloat16))
     if fits:
         lower()
     else:
@@ -249,3 +250,18 @@ def test_the_gpu_suites_p_slot_mutant_still_applies():
 
     mutant = mutant_source()
     assert _RELEASE + _READ in mutant and _READ + _RELEASE not in mutant
+
+
+def test_one_splits_rows_are_what_the_merge_would_give(rng):
+    """`mla_decode_hopper` returns a single split's rows as they are (no merge launch): the merge
+    of one split (`merge_splits`, kernel and reference) gives those rows bit for bit, a row with
+    no keys (zeros, lse -inf) included."""
+    from pallas_kernels.mla import merge_splits, merge_splits_ref
+    b, sq, h, r = 2, 1, 64, 128
+    o_part = jnp.asarray(rng.standard_normal((b, 1, 64, r)), jnp.bfloat16)
+    lse_part = jnp.asarray(rng.standard_normal((b, 1, 64)) * 5, jnp.float32)
+    o_part, lse_part = o_part.at[1, 0, 3].set(0), lse_part.at[1, 0, 3].set(-jnp.inf)
+    for o, lse in (merge_splits(o_part, lse_part, (b, sq, h, r), jnp.bfloat16, kernel=True),
+                   merge_splits_ref(o_part, lse_part, (b, sq, h, r), jnp.bfloat16)):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(o_part[:, 0].reshape(b, sq, h, r), np.float32))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_part[:, 0].reshape(b, sq, h)))
