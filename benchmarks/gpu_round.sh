@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -167,6 +167,17 @@ case $round in
       --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
       --section SchedulerStats python3 benchmarks/ncu_probe.py --what mxfp4
+    ;;
+  tenth)  # session 34: the Hopper chunk kernel against fp32 in `small` (whether `auto` stays the
+    # default); the MLA decode without its two side kernels (queries not concatenated, one split
+    # not merged): its GPU rows, then H128 / H16 B64 against issue 22's fractions
+    mkdir -p "$R"/dec
+    run gpu_chunk_logits 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
+      tests/gpu/test_dispatch_and_serving.py -k chunks_over_a_cache
+    run gpu_decode 100 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k decode_at_the_models
+    run mla_decode 110 python3 benchmarks/mla.py --sections decode --decode-heads 128,16 --decode-batches 64 \
+      --decode-sq 1 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 90 --out "$R/dec"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
