@@ -21,7 +21,7 @@ from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
 from pallas_kernels import mla_hopper
 from pallas_kernels import moe as moe_kernels
-from pallas_kernels import moe_combine, moe_hopper, moe_route, qgemm
+from pallas_kernels import moe_combine, moe_hopper, moe_mxfp4_hopper, moe_route, qgemm
 from pallas_kernels import mxfp4 as mxfp4_kernels
 from kimik3.quant import formats as qformats
 from kimik3.quant.formats import QTensor
@@ -146,18 +146,64 @@ def linear_heads(o_bthv, w_hvd, *, kernels="auto"):
 
 
 def expert_weights(w, dtype):
-    """Routed-expert weights for the grouped GEMMs: an array as it is; an MXFP4 `QTensor`
-    dequantized to `dtype` (exact in bf16: e2m1 values times powers of two)."""
+    """Routed-expert weights for the grouped GEMMs: an array as it is; an MXFP4 `QTensor` (or
+    experts in the Hopper kernel's layout, `hopper_mxfp4_experts`) dequantized to `dtype` (exact
+    in bf16: e2m1 values times powers of two)."""
+    if isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
+        return moe_mxfp4_hopper.dequantize(w, "lut_perm").astype(dtype)
     return qformats.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w
 
 
 def _packed_mxfp4(w, dtype):
     """An MXFP4 `QTensor` the Pallas kernels decode themselves (`pallas_kernels.mxfp4`) for rows of
-    a 16-bit dtype, as their `PackedMXFP4`; None for anything else."""
+    a 16-bit dtype, as their `PackedMXFP4`; experts already in the Hopper kernel's layout, for
+    bf16 rows, as they are; None for anything else."""
+    if isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
+        return w if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else None
     if (isinstance(w, QTensor) and w.fmt == "mxfp4" and jnp.dtype(dtype).itemsize == 2
             and w.shape[-2] % 32 == 0 and w.shape[-1] % 32 == 0):
         return mxfp4_kernels.PackedMXFP4(w.values, w.scales)
     return None
+
+
+MOE_MXFP4_CHOICES = ("triton", "hopper", "auto")
+
+
+def moe_mxfp4_impl(compute_capability: str | None) -> str:
+    """Which kernel runs MXFP4 routed experts: "hopper" (`pallas_kernels.moe_mxfp4_hopper`: the
+    codes decoded in registers as wgmma's A operand, 1.44-1.45x the Triton MXFP4 kernel and
+    2.8-3.1x bf16 at a full-scale rank's decode rows on an H100, RESULTS.md, session 34) or
+    "triton" (`pallas_kernels.moe` with `mxfp4.PackedMXFP4`, any GPU).  ``KIMIK3_MOE_MXFP4``
+    chooses: "triton" (the default until a serving run on the GPU has checked the Hopper
+    experts in the engine), "auto" ("hopper" on a 9.x GPU) and "hopper" (as "auto", and off the
+    GPU in Mosaic GPU's interpreter)."""
+    choice = os.environ.get("KIMIK3_MOE_MXFP4", "triton")
+    if choice not in MOE_MXFP4_CHOICES:
+        raise ValueError(f"KIMIK3_MOE_MXFP4 must be one of {MOE_MXFP4_CHOICES}; got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    if compute_capability is None:
+        return "hopper" if choice == "hopper" else "triton"
+    return "hopper" if str(compute_capability).startswith("9") else "triton"
+
+
+def hopper_mxfp4_experts(params, compute_capability: str | None = None):
+    """params with every MXFP4 expert tensor (a `QTensor` [E, K, N] of format "mxfp4") that the
+    Hopper kernel tiles (K a multiple of its 256-wide K steps, N of its 128 columns) moved into
+    that kernel's layout (`moe_mxfp4_hopper.to_hopper`, "lut_perm": the same codes and scales,
+    reordered), where `moe_mxfp4_impl` names "hopper"; else params as they are.  Done once, when
+    serving weights load (the serving engine): the grouped GEMMs then read the experts as they
+    lie, at 4.25 bits a weight.  Pure data movement: every weight keeps its value."""
+    if moe_mxfp4_impl(compute_capability if compute_capability is not None else _compute_capability()) != "hopper":
+        return params
+
+    def move(w):  # (a tree with the periods stacked, values [P, E, K, N / 2], stays as it is)
+        if (isinstance(w, QTensor) and w.fmt == "mxfp4" and len(w.shape) == 3 and w.values.ndim == 3
+                and w.shape[1] % 256 == 0 and w.shape[2] % 128 == 0):
+            return moe_mxfp4_hopper.to_hopper(mxfp4_kernels.PackedMXFP4(w.values, w.scales))
+        return w
+
+    return jax.tree_util.tree_map(move, params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
@@ -169,6 +215,8 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     16-bit rows, decoded inside the kernel (`pallas_kernels.moe_mxfp4`: read at 4.25 bits);
     elsewhere dequantized first (exact in the rows' dtype)."""
     packed = _packed_mxfp4(rhs_gkn, lhs_mk.dtype)
+    if isinstance(packed, moe_mxfp4_hopper.HopperMXFP4) and resolve(kernels) == "pallas":
+        return moe_mxfp4_hopper.grouped_matmul(lhs_mk, packed, group_sizes_g, interpret=jax.default_backend() != "gpu")
     if packed is not None and resolve(kernels) == "pallas":
         return moe_kernels.grouped_matmul(lhs_mk, packed, group_sizes_g)
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
@@ -185,6 +233,8 @@ def _ffn_weights(x_nl, w_gateup_elf, w_out_efl):
     """The experts' weights as `pallas_kernels.moe.grouped_ffn` takes them (arrays of x's dtype or
     `PackedMXFP4`), or None where it does not tile them."""
     out = []
+    if isinstance(w_gateup_elf, moe_mxfp4_hopper.HopperMXFP4) != isinstance(w_out_efl, moe_mxfp4_hopper.HopperMXFP4):
+        return None  # `hopper_mxfp4_experts` moved one of the two: the kernels take both or neither
     for w, (k, n) in ((w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
                       (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2]))):
         packed = _packed_mxfp4(w, x_nl.dtype)
@@ -210,8 +260,15 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, act):
     rows [N, L], ids [N, k] -> unweighted outputs [N, k, L], on the kernels `moe_gmm_impl`
     names.  Callers check `grouped_ffn_fits`."""
     weights = _ffn_weights(x_nl, w_gateup_elf, w_out_efl)
-    impl = moe_gmm_impl(x_nl.dtype, ((weights[0], True), (weights[1], False)), ids_nk.size, _compute_capability())
-    return moe_kernels.grouped_ffn(x_nl, ids_nk, *weights, act=act, impl=impl)
+    return moe_kernels.grouped_ffn(x_nl, ids_nk, *weights, act=act, impl=_ffn_impl(x_nl, weights, ids_nk.size))
+
+
+def _ffn_impl(x_nl, weights, assignments: int) -> str:
+    """grouped_ffn's impl for `_ffn_weights`' weights: "hopper" for experts in the Hopper MXFP4
+    layout, else `moe_gmm_impl`'s choice."""
+    if isinstance(weights[0], moe_mxfp4_hopper.HopperMXFP4):
+        return "hopper"
+    return moe_gmm_impl(x_nl.dtype, ((weights[0], True), (weights[1], False)), assignments, _compute_capability())
 
 
 MOE_GMM_CHOICES = ("triton", "hopper", "auto")
@@ -268,8 +325,10 @@ def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, to
     RMSNorm in one kernel, reading the rows where they lie).  x [N, L], logits [N, E] fp32,
     real [N] or None -> rms_norm(combine) [N, L].  Callers check `routed_ffn_fits`."""
     weights, dest, tiles = moe_route.route_layout(logits_ne, bias_e, real_n, top_k=top_k)
-    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, *_ffn_weights(x_nl, w_gateup_elf, w_out_efl), act=act,
-                                           layout=(dest, tiles), gather=False)
+    experts = _ffn_weights(x_nl, w_gateup_elf, w_out_efl)
+    hopper_mx = isinstance(experts[0], moe_mxfp4_hopper.HopperMXFP4)  # else the Triton kernels: a step's few rows
+    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, *experts, act=act, layout=(dest, tiles), gather=False,
+                                           impl="hopper" if hopper_mx else "triton")
     return moe_combine.combine_norm(y_rows, dest, weights, latent_norm_l, eps=eps)
 
 

@@ -443,13 +443,27 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     impl: "triton" (these kernels, any GPU; interpret mode on the CPU) or "hopper"
     (`pallas_kernels.moe_hopper`: wgmma + TMA, bf16 / fp16 weights, dims `moe_hopper.fits`;
     block_m defaults to its 128-row tiles; tiling: its `HopperTiling`s; Mosaic GPU's interpret
-    mode on the CPU)."""
+    mode on the CPU).  Both weights `moe_mxfp4_hopper.HopperMXFP4` (bf16 rows): the Hopper MXFP4
+    kernel for each GEMM (`moe_mxfp4_hopper.gmm_padded`, its default tiling, at the Triton
+    kernels' `layout_block_m` rows a tile), the activation between them as XLA ops on the gate /
+    up outputs rounded to x's dtype (the Triton epilogue's numbers)."""
     if impl not in ("triton", "hopper"):
         raise ValueError(f"grouped_ffn: impl must be 'triton' or 'hopper'; got {impl!r}")
+    from pallas_kernels import moe_mxfp4_hopper
+
     hopper = impl == "hopper"
+    mx_hopper = [isinstance(w, moe_mxfp4_hopper.HopperMXFP4) for w in (w_gateup_elf, w_out_efl)]
+    if any(mx_hopper) and not (all(mx_hopper) and hopper):
+        raise ValueError("grouped_ffn: Hopper-layout MXFP4 experts (`moe_mxfp4_hopper.HopperMXFP4`) run on "
+                         "impl='hopper', gate/up and down both in that layout")
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
-    if hopper:
+    if all(mx_hopper):
+        moe_mxfp4_hopper.check(w_gateup_elf, l, "grouped_ffn gate/up (MXFP4, Hopper)")
+        moe_mxfp4_hopper.check(w_out_efl, f2 // 2, "grouped_ffn down (MXFP4, Hopper)")
+        if x_nl.dtype != jnp.bfloat16:
+            raise ValueError(f"grouped_ffn (MXFP4, Hopper) multiplies bf16 rows; got {x_nl.dtype}")
+    elif hopper:
         from pallas_kernels import moe_hopper
 
         if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
@@ -464,7 +478,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
                          f"{w_gateup_elf.shape}")
     if not hopper:
         _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
-    block_m = block_m or (128 if hopper else layout_block_m(n * k))
+    block_m = block_m or (128 if hopper and not all(mx_hopper) else layout_block_m(n * k))
     interpret = _interpret(interpret)
     if layout is None:
         dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
@@ -475,7 +489,13 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     def scattered():  # x's rows in the layout: assignment a is row a // k
         return jnp.take(x_nl, _layout_sources(dest, n_tiles * block_m) // k, axis=0, mode="fill", fill_value=0)
 
-    if hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
+    if all(mx_hopper):
+        tile_group = tile_group[:n_tiles]
+        gu = moe_mxfp4_hopper.gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, interpret=interpret)
+        f = f2 // 2
+        h = act(gu[:, :f].astype(jnp.float32), gu[:, f:].astype(jnp.float32)).astype(x_nl.dtype)
+        y = moe_mxfp4_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, interpret=interpret)
+    elif hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
         t_gu, t_down = tiling
         tile_group = tile_group[:n_tiles]
         h = moe_hopper.gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, act=act, tiling=t_gu,

@@ -15,9 +15,10 @@ each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each dec
 staged through shared memory, the interpreter's only A operand).  The default decode,
 "lut_perm", looks eight codes up at a time with `prmt` (inline PTX) from one 32-bit shared-memory
 load, the codes stored permuted along K so that each lane loads exactly its A-layout codes
-(`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, issue 20).  Not yet chosen
-by `kimik3.ops`: the serving path would have to hold the experts in this layout (`to_hopper`)
-from load on.
+(`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, issue 20).  The serving
+engine holds MXFP4 experts in this layout from load on where ``KIMIK3_MOE_MXFP4`` asks for it
+(`kimik3.ops.hopper_mxfp4_experts`; the Triton MXFP4 kernels stay the default until the engine
+on these experts has run on a GPU).
 
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for
@@ -55,9 +56,9 @@ class HopperMXFP4(NamedTuple):
     scales: jax.Array
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        g, n, k = self.codes.shape
-        return g, k, n
+    def shape(self) -> tuple[int, ...]:
+        *lead, g, n, k = self.codes.shape  # (lead: a stacked tree's leading axes)
+        return (*lead, g, k, n)
 
 
 # How the kernel turns codes into bf16: "arith", codes as two's complement integers through the

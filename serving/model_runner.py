@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kimik3 import fused, model, stacked
+from kimik3 import fused, model, ops, stacked
 from kimik3.quant import formats as qformats
 from kimik3.config import ModelConfig
 from serving.sampling import SamplingParams, TokenLogprobs, output_counts, sample_tokens, seed_words, token_logprobs
@@ -436,7 +436,10 @@ class ModelRunner:
         # prefill shape compiles about half the blocks).  "all": one stacked copy for both.
         if scan_layers not in SCAN_CHOICES:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {scan_layers!r}")
-        self.params = params if mesh is not None else stacked.serving_layout(params, cfg, scan=scan_layers == "all")
+        # MXFP4 experts move into the Hopper kernel's layout once, here, where `KIMIK3_MOE_MXFP4`
+        # names that kernel (`ops.hopper_mxfp4_experts`; the prefill copy stacks the moved ones)
+        self.params = params if mesh is not None else ops.hopper_mxfp4_experts(
+            stacked.serving_layout(params, cfg, scan=scan_layers == "all"))
         self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
                                else self.params)
         self.decode = DecodeRunner(cfg, kernels, num_slots)

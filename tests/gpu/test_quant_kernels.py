@@ -145,3 +145,33 @@ def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n, decode, war
                                                      warp_specialized=warp_specialized), np.float32)
     ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, sizes), np.float32)
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))
+
+
+@hopper
+@pytest.mark.parametrize("tokens", [1, 32, 512])  # decode steps (the routed path from 1 to 32), a prefill chunk
+def test_smalls_mxfp4_experts_in_the_hopper_layout_give_the_triton_kernels_outputs(tokens, monkeypatch):
+    """`small`'s MXFP4 experts moved into the Hopper kernel's layout (`ops.hopper_mxfp4_experts`
+    under `KIMIK3_MOE_MXFP4=auto`) through `ops.grouped_ffn` and, for a decode step's powers of two,
+    `ops.routed_ffn`: the Triton MXFP4 kernels' outputs within bf16 roundings."""
+    from kimik3.layers.moe import _SituGLU
+
+    rng = np.random.default_rng(tokens)
+    e, l, f, top_k = SMALL.n_routed_experts, SMALL.moe_latent_dim, SMALL.moe_expert_dim, SMALL.n_active_experts
+    q = lambda *s: formats.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), "mxfp4")
+    params = {"gu": q(e, l, 2 * f), "out": q(e, f, l)}
+    x = jnp.asarray(rng.standard_normal((tokens, l)), jnp.bfloat16)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]), jnp.int32)
+    logits = jnp.asarray(rng.standard_normal((tokens, e)), jnp.float32)
+    act = _SituGLU((8.0, 8.0))
+    monkeypatch.setenv("KIMIK3_MOE_MXFP4", "auto")
+    moved = ops.hopper_mxfp4_experts(params)
+    assert isinstance(moved["gu"], moe_mxfp4_hopper.HopperMXFP4) and isinstance(moved["out"], moe_mxfp4_hopper.HopperMXFP4)
+    outs = []
+    for w in (params, moved):
+        y = ops.grouped_ffn(x, ids, w["gu"], w["out"], act)
+        r = (ops.routed_ffn(x, logits, jnp.zeros((e,), jnp.float32), None, w["gu"], w["out"], act, top_k,
+                            jnp.ones((l,), jnp.float32), 1e-6)
+             if ops.routed_ffn_fits(x, w["gu"], w["out"], top_k) else y)
+        outs.append([np.asarray(a, np.float32) for a in (y, r)])
+    for want, got in zip(*outs):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))

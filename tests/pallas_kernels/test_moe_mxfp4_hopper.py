@@ -172,3 +172,49 @@ def test_the_table_decodes_ptx_gives_the_bits_decodes_numbers_for_every_code():
         want = np.asarray(hopper._e2m1_bits(jnp.asarray(codes, jnp.int8).astype(jnp.int4)[None], scaled=False))[0]
         got = [(w >> 16 * h) & 0xFFFF for w in _run_ptx(hopper._LUT_PTX, word) for h in range(2)]
         assert got == [int(v) for v in want.view(np.uint16)], (codes, got)
+
+
+def test_the_serving_experts_on_the_hopper_mxfp4_kernel_equal_the_triton_ones():
+    """MXFP4 experts moved into the Hopper kernel's layout at load (`ops.hopper_mxfp4_experts`,
+    `KIMIK3_MOE_MXFP4=hopper`) serve `ops.grouped_ffn`, `ops.routed_ffn` (a decode step's) and
+    `ops.grouped_matmul` (Mosaic GPU's interpreter here): tokens routed to two experts each, some to none, give the Triton MXFP4
+    kernels' outputs within bf16 roundings (the same decoded weights; the activation between the
+    GEMMs as XLA ops on the gate / up outputs rounded to bf16, as the Triton epilogue takes
+    them).  Experts the Hopper kernel does not tile stay as they are."""
+    from kimik3 import ops
+    from kimik3.layers.moe import _SituGLU
+    from kimik3.quant import formats
+
+    rng = np.random.default_rng(11)
+    n, top_k, l, f, e = 24, 2, 256, 256, 4
+    q = lambda *s: formats.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), "mxfp4")
+    params = {"w_gateup_elf": q(e, l, 2 * f), "w_out_efl": q(e, f, l), "small": q(e, 64, 128)}
+    x = jnp.asarray(rng.standard_normal((n, l)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, e + 1, (n, top_k)), jnp.int32)
+    act = _SituGLU((8.0, 8.0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KIMIK3_KERNELS", "pallas")
+        want = np.asarray(ops.grouped_ffn(x, ids, params["w_gateup_elf"], params["w_out_efl"], act), np.float32)
+        sizes = jnp.asarray([10, 0, 9, 5], jnp.int32)
+        want_gmm = np.asarray(ops.grouped_matmul(x, params["w_gateup_elf"], sizes), np.float32)
+        assert ops.hopper_mxfp4_experts(params, None) is params  # the default: the Triton kernels
+        mp.setenv("KIMIK3_MOE_MXFP4", "hopper")
+        moved = ops.hopper_mxfp4_experts(params, None)
+        assert isinstance(moved["w_gateup_elf"], hopper.HopperMXFP4) and moved["w_gateup_elf"].shape == (e, l, 2 * f)
+        assert moved["small"] is params["small"]  # K 64: not the kernel's 256-wide steps
+        np.testing.assert_array_equal(np.asarray(ops.expert_weights(moved["w_out_efl"], jnp.float32)),
+                                      np.asarray(ops.expert_weights(params["w_out_efl"], jnp.float32)))
+        assert ops.grouped_ffn_fits(x, moved["w_gateup_elf"], moved["w_out_efl"])
+        got = np.asarray(ops.grouped_ffn(x, ids, moved["w_gateup_elf"], moved["w_out_efl"], act), np.float32)
+        got_gmm = np.asarray(ops.grouped_matmul(x, moved["w_gateup_elf"], sizes), np.float32)
+        # a decode step's path: routing and layout in one kernel, the experts, combine + norm
+        logits = jnp.asarray(rng.standard_normal((8, e)), jnp.float32)
+        routed = [np.asarray(ops.routed_ffn(x[:8], logits, jnp.zeros((e,), jnp.float32), None, w["w_gateup_elf"],
+                                            w["w_out_efl"], act, top_k, jnp.ones((l,), jnp.float32), 1e-6), np.float32)
+                  for w in (params, moved)]
+        assert ops.routed_ffn_fits(x[:8], moved["w_gateup_elf"], moved["w_out_efl"], top_k)
+    np.testing.assert_allclose(routed[1], routed[0], rtol=2 ** -6, atol=2 ** -6 * np.max(np.abs(routed[0])))
+    scale = np.max(np.abs(want))
+    np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * scale)
+    assert np.mean(got == want) > 0.9
+    np.testing.assert_allclose(got_gmm, want_gmm, rtol=2 ** -7, atol=2 ** -7 * np.max(np.abs(want_gmm)))
