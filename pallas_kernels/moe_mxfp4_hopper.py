@@ -290,15 +290,16 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
             for h, s in enumerate(scales_u8)]
 
 
-def _load_codes(codes_ref, load4x: bool, decode_: str = "lut"):
+def _load_codes(codes_ref, load4x: bool, permuted: bool = False):
     """A [bn, c] int4 tile of codes from shared memory into wgmma's A layout.  load4x: 32-bit
     loads, each thread 8 codes of a row at once (Mosaic GPU's WGMMA_UPCAST_4X layout, as JAX's
     mixed-type matmul reads its int4 operand), then shuffled among the threads into the A layout;
-    else loaded in the A layout directly (2 codes, 8 bits, a load).  "lut_perm": the 32-bit
-    loads and no shuffle (its decode puts each byte where the A layout wants it)."""
+    else loaded in the A layout directly (2 codes, 8 bits, a load).  permuted ("lut_perm"'s
+    codes): the 32-bit loads and no shuffle (its decode puts each byte where the A layout wants
+    it)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if decode_ == "lut_perm":
+    if permuted:
         return plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
     if not load4x:
         return codes_ref[...]
@@ -323,7 +324,7 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
     for c in range(block_k // code_tile):
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
         tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x,
-                                          "lut_perm" if decode_ == "lut_perm" else ""), scale_rows, decode_)
+                                          permuted=decode_.startswith("lut_perm")), scale_rows, decode_)
         for h, w in enumerate(tiles):
             x_t = x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T
             if stage is not None:
