@@ -447,7 +447,8 @@ def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_bac
     assert [r.output for r in got] == [r.output for r in want]
 
 
-@pytest.mark.parametrize("scan", ["prefill", "all"])
+# "all" (one stacked copy for decode too) is the non-default layout: slow, for the 20-minute suite
+@pytest.mark.parametrize("scan", ["prefill", pytest.param("all", marks=pytest.mark.slow)])
 def test_scanned_periods_serve_the_oracles_tokens_from_a_prefix_hit(rng, scan):
     """12 layers (two periods scanned in the prefill programs, `kimik3.stacked`): batched decode,
     chunked prefill and a second turn restored from a KDA snapshot and shared pages give the
