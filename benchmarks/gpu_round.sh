@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -178,6 +178,17 @@ case $round in
       tests/gpu/test_hopper_kernels.py -k decode_at_the_models
     run mla_decode 110 python3 benchmarks/mla.py --sections decode --decode-heads 128,16 --decode-batches 64 \
       --decode-sq 1 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 90 --out "$R/dec"
+    ;;
+  eleventh)  # what session 34 left: the Hopper chunk kernel's logits in the model (then `auto` can be
+    # KIMIK3_MLA_CHUNK's default), small's MXFP4 experts in the Hopper layout (then KIMIK3_MOE_MXFP4's),
+    # the H96 Sq4 decode row of issue 22
+    mkdir -p "$R"/dec
+    run gpu_chunk_logits 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
+      tests/gpu/test_dispatch_and_serving.py -k chunks_over_a_cache
+    run gpu_mx_serving 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
+      tests/gpu/test_quant_kernels.py -k smalls_mxfp4_experts
+    run mla_decode_sq4 100 python3 benchmarks/mla.py --sections decode --decode-heads 96,128 --decode-batches 64 \
+      --decode-sq 4 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 80 --out "$R/dec"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
