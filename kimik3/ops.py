@@ -11,6 +11,7 @@ Layers call these functions, never a kernel or a reference directly.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -27,6 +28,7 @@ from kimik3.quant import formats as qformats
 from kimik3.quant.formats import QTensor
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
+logger = logging.getLogger(__name__)
 
 
 def resolve(kernels: str) -> str:
@@ -187,23 +189,39 @@ def moe_mxfp4_impl(compute_capability: str | None) -> str:
     return "hopper" if str(compute_capability).startswith("9") else "triton"
 
 
-def hopper_mxfp4_experts(params, compute_capability: str | None = None):
+def hopper_mxfp4_experts(params, dtype="bfloat16", compute_capability: str | None = None):
     """params with every MXFP4 expert tensor (a `QTensor` [E, K, N] of format "mxfp4") that the
     Hopper kernel tiles (K a multiple of its 256-wide K steps, N of its 128 columns) moved into
-    that kernel's layout (`moe_mxfp4_hopper.to_hopper`, "lut_perm": the same codes and scales,
-    reordered), where `moe_mxfp4_impl` names "hopper"; else params as they are.  Done once, when
-    serving weights load (the serving engine): the grouped GEMMs then read the experts as they
-    lie, at 4.25 bits a weight.  Pure data movement: every weight keeps its value."""
-    if moe_mxfp4_impl(compute_capability if compute_capability is not None else _compute_capability()) != "hopper":
+    that kernel's layout (`moe_mxfp4_hopper.to_hopper`, "lut_perm", the layout `expert_weights`
+    and the kernels' defaults read: the same codes and scales, reordered), where
+    `moe_mxfp4_impl` names "hopper" and the rows are bf16 (`dtype`, the serving dtype: the
+    kernel multiplies bf16 rows); else params as they are.  Done once, when serving weights load
+    (the model runner): the grouped GEMMs then read the experts as they lie, at 4.25 bits a
+    weight.  Pure data movement: every weight keeps its value.  A tree with the periods stacked
+    (values [P, E, K, N / 2]) is not moved: a warning says so."""
+    cc = compute_capability if compute_capability is not None else _compute_capability()
+    if moe_mxfp4_impl(cc) != "hopper" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return params
+    stacked = []
 
-    def move(w):  # (a tree with the periods stacked, values [P, E, K, N / 2], stays as it is)
-        if (isinstance(w, QTensor) and w.fmt == "mxfp4" and len(w.shape) == 3 and w.values.ndim == 3
-                and w.shape[1] % 256 == 0 and w.shape[2] % 128 == 0):
-            return moe_mxfp4_hopper.to_hopper(mxfp4_kernels.PackedMXFP4(w.values, w.scales))
+    def move(w):
+        if not (isinstance(w, QTensor) and w.fmt == "mxfp4" and len(w.shape) == 3):
+            return w
+        if w.values.ndim != 3:
+            stacked.append(w.shape)
+            return w
+        if w.shape[1] % 256 == 0 and w.shape[2] % 128 == 0:
+            return _to_hopper(mxfp4_kernels.PackedMXFP4(w.values, w.scales))
         return w
 
-    return jax.tree_util.tree_map(move, params, is_leaf=lambda x: isinstance(x, QTensor))
+    out = jax.tree_util.tree_map(move, params, is_leaf=lambda x: isinstance(x, QTensor))
+    if stacked:
+        logger.warning("KIMIK3_MOE_MXFP4: %d MXFP4 expert tensors are stacked by period (scan_layers='all'); they "
+                       "stay on the Triton MXFP4 kernels", len(stacked))
+    return out
+
+
+_to_hopper = jax.jit(moe_mxfp4_hopper.to_hopper)  # one program: no int8 [E, K, N] temporaries op by op
 
 
 def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
@@ -238,6 +256,8 @@ def _ffn_weights(x_nl, w_gateup_elf, w_out_efl):
     for w, (k, n) in ((w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
                       (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2]))):
         packed = _packed_mxfp4(w, x_nl.dtype)
+        if packed is None and isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
+            return None  # rows other than bf16: the per-projection path, dequantized (`expert_weights`)
         if packed is not None and w is w_gateup_elf and (n // 2) % 32:  # the gate/up kernel tiles F = 2F / 2
             return None
         if packed is not None:

@@ -439,7 +439,7 @@ class ModelRunner:
         # MXFP4 experts move into the Hopper kernel's layout once, here, where `KIMIK3_MOE_MXFP4`
         # names that kernel (`ops.hopper_mxfp4_experts`; the prefill copy stacks the moved ones)
         self.params = params if mesh is not None else ops.hopper_mxfp4_experts(
-            stacked.serving_layout(params, cfg, scan=scan_layers == "all"))
+            stacked.serving_layout(params, cfg, scan=scan_layers == "all"), cfg.dtype)
         self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
                                else self.params)
         self.decode = DecodeRunner(cfg, kernels, num_slots)

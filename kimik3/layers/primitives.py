@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from kimik3.quant.formats import QTensor
+from pallas_kernels.moe_mxfp4_hopper import HopperMXFP4
 
 
 def rms_norm(x, weight, eps: float):
@@ -72,11 +73,12 @@ def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
 
 def qparam(module: nn.Module, name: str, init, shape):
     """`module.param(name, init, shape)`, or the quantized weight stored under that name as it
-    is: a `QTensor` holds the weight's GEMM form [K, N] (`kimik3.quant.store`), which Flax's
-    check of the stored shape against `shape` would refuse."""
+    is: a `QTensor` holds the weight's GEMM form [K, N] (`kimik3.quant.store`), and MXFP4 experts
+    moved into the Hopper kernel's layout (`kimik3.ops.hopper_mxfp4_experts`) their codes as [E,
+    N, K], which Flax's check of the stored shape against `shape` would refuse."""
     if module.has_variable("params", name):
         value = module.get_variable("params", name)
-        if isinstance(value, QTensor):
+        if isinstance(value, (QTensor, HopperMXFP4)):
             return value
     return module.param(name, init, shape)
 

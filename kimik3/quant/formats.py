@@ -72,8 +72,11 @@ class QTensor:
 def tree_formats(tree) -> tuple[str, ...]:
     """The quantized formats a param tree holds, sorted (() for an unquantized tree): what a prefix
     cache's namespace carries, so that KV computed under one manifest is never read under another."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, QTensor))
-    return tuple(sorted({leaf.fmt for leaf in leaves if isinstance(leaf, QTensor)}))
+    from pallas_kernels.moe_mxfp4_hopper import HopperMXFP4  # MXFP4 experts in the Hopper kernel's layout
+
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (QTensor, HopperMXFP4)))
+    return tuple(sorted({"mxfp4" if isinstance(leaf, HopperMXFP4) else leaf.fmt
+                         for leaf in leaves if isinstance(leaf, (QTensor, HopperMXFP4))}))
 
 
 def _require(ok: bool, msg: str):

@@ -164,7 +164,7 @@ def test_smalls_mxfp4_experts_in_the_hopper_layout_give_the_triton_kernels_outpu
     logits = jnp.asarray(rng.standard_normal((tokens, e)), jnp.float32)
     act = _SituGLU((8.0, 8.0))
     monkeypatch.setenv("KIMIK3_MOE_MXFP4", "auto")
-    moved = ops.hopper_mxfp4_experts(params)
+    moved = ops.hopper_mxfp4_experts(params, "bfloat16")
     assert isinstance(moved["gu"], moe_mxfp4_hopper.HopperMXFP4) and isinstance(moved["out"], moe_mxfp4_hopper.HopperMXFP4)
     outs = []
     for w in (params, moved):

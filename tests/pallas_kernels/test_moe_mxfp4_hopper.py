@@ -197,14 +197,16 @@ def test_the_serving_experts_on_the_hopper_mxfp4_kernel_equal_the_triton_ones():
         want = np.asarray(ops.grouped_ffn(x, ids, params["w_gateup_elf"], params["w_out_efl"], act), np.float32)
         sizes = jnp.asarray([10, 0, 9, 5], jnp.int32)
         want_gmm = np.asarray(ops.grouped_matmul(x, params["w_gateup_elf"], sizes), np.float32)
-        assert ops.hopper_mxfp4_experts(params, None) is params  # the default: the Triton kernels
+        assert ops.hopper_mxfp4_experts(params) is params  # the default: the Triton kernels
         mp.setenv("KIMIK3_MOE_MXFP4", "hopper")
-        moved = ops.hopper_mxfp4_experts(params, None)
+        assert ops.hopper_mxfp4_experts(params, "float32") is params  # the kernel multiplies bf16 rows
+        moved = ops.hopper_mxfp4_experts(params)
         assert isinstance(moved["w_gateup_elf"], hopper.HopperMXFP4) and moved["w_gateup_elf"].shape == (e, l, 2 * f)
         assert moved["small"] is params["small"]  # K 64: not the kernel's 256-wide steps
         np.testing.assert_array_equal(np.asarray(ops.expert_weights(moved["w_out_efl"], jnp.float32)),
                                       np.asarray(ops.expert_weights(params["w_out_efl"], jnp.float32)))
         assert ops.grouped_ffn_fits(x, moved["w_gateup_elf"], moved["w_out_efl"])
+        assert not ops.grouped_ffn_fits(x.astype(jnp.float32), moved["w_gateup_elf"], moved["w_out_efl"])
         got = np.asarray(ops.grouped_ffn(x, ids, moved["w_gateup_elf"], moved["w_out_efl"], act), np.float32)
         got_gmm = np.asarray(ops.grouped_matmul(x, moved["w_gateup_elf"], sizes), np.float32)
         # a decode step's path: routing and layout in one kernel, the experts, combine + norm
@@ -218,3 +220,32 @@ def test_the_serving_experts_on_the_hopper_mxfp4_kernel_equal_the_triton_ones():
     np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * scale)
     assert np.mean(got == want) > 0.9
     np.testing.assert_allclose(got_gmm, want_gmm, rtol=2 ** -7, atol=2 ** -7 * np.max(np.abs(want_gmm)))
+
+
+def test_a_model_on_moved_experts_computes_what_it_computes_on_the_quantized_ones(monkeypatch):
+    """`tiny` with MoE dims the Hopper kernel tiles (256), quantized under `fp8_attn` (MXFP4
+    experts) and served as the model runner serves them (`stacked.serving_layout`, then
+    `ops.hopper_mxfp4_experts` under `KIMIK3_MOE_MXFP4=hopper`): the model reads the moved experts
+    (`qparam` passes them through), its logits on the reference kernels equal those on the
+    quantized experts bit for bit, the prefill copy stacks them, and the tree still counts as
+    MXFP4 for the prefix cache's namespace."""
+    from kimik3 import config, model, ops, stacked
+    from kimik3.quant import formats, store
+
+    cfg = config.tiny().replace(moe_latent_dim=256, moe_expert_dim=256, dtype="bfloat16")
+    params = store.quantize_params(model.init_params(cfg, jax.random.PRNGKey(0), "float32"), cfg, "fp8_attn",
+                                   fuse=False)
+    served = stacked.serving_layout(params, cfg, scan=False)
+    monkeypatch.setenv("KIMIK3_MOE_MXFP4", "hopper")
+    moved = ops.hopper_mxfp4_experts(served, cfg.dtype)
+    kinds = lambda tree: sorted({type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(
+        tree, is_leaf=lambda x: isinstance(x, (formats.QTensor, hopper.HopperMXFP4)))})
+    assert "HopperMXFP4" in kinds(moved) and "HopperMXFP4" not in kinds(served)
+    assert formats.tree_formats(moved) == formats.tree_formats(served) == ("fp8", "mxfp4")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
+    want = model.forward(served, cfg, tokens, kernels="reference")[0]
+    np.testing.assert_array_equal(np.asarray(model.forward(moved, cfg, tokens, kernels="reference")[0]),
+                                  np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(model.forward(stacked.stack_periods(moved, cfg), cfg, tokens, kernels="reference")[0]),
+        np.asarray(want))
