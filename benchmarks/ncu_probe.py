@@ -85,7 +85,7 @@ def probe_mxfp4(timed: bool, rows: int = 32, reps: int = 2):
     x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
     sizes = _uniform_sizes(rng, rows, g)
     sides = {"bf16": (jax.jit(moe.grouped_matmul), w16), "triton_mxfp4": (jax.jit(moe.grouped_matmul), packed)}
-    for ws, bn in ((0, 128), (1, 64)):  # gmm_padded's default tiling and decode ("lut")
+    for ws, bn in ((0, 128), (1, 64)):  # gmm_padded's default tiling and decode (`DEFAULT_DECODE`)
         sides[f"hopper_ws{ws}"] = (jax.jit(functools.partial(
             moe_mxfp4_hopper.grouped_matmul, block_m=16, block_n=bn, warp_specialized=bool(ws))), hop)
     for name, (fn, w) in sides.items():

@@ -152,7 +152,7 @@ def expert_weights(w, dtype):
     experts in the Hopper kernel's layout, `hopper_mxfp4_experts`) dequantized to `dtype` (exact
     in bf16: e2m1 values times powers of two)."""
     if isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
-        return moe_mxfp4_hopper.dequantize(w, "lut_perm").astype(dtype)
+        return moe_mxfp4_hopper.dequantize(w, moe_mxfp4_hopper.DEFAULT_DECODE).astype(dtype)
     return qformats.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w
 
 
@@ -194,8 +194,8 @@ def moe_mxfp4_impl(compute_capability: str | None) -> str:
 def hopper_mxfp4_experts(params, dtype="bfloat16", compute_capability: str | None = None):
     """params with every MXFP4 expert tensor (a `QTensor` [E, K, N] of format "mxfp4") that the
     Hopper kernel tiles (K a multiple of its 256-wide K steps, N of its 128 columns) moved into
-    that kernel's layout (`moe_mxfp4_hopper.to_hopper`, "lut_perm", the layout `expert_weights`
-    and the kernels' defaults read: the same codes and scales, reordered), where
+    that kernel's layout (`moe_mxfp4_hopper.to_hopper` for its `DEFAULT_DECODE`, the layout
+    `expert_weights` and the kernels read: the same codes and scales, reordered), where
     `moe_mxfp4_impl` names "hopper" and the rows are bf16 (`dtype`, the serving dtype: the
     kernel multiplies bf16 rows); else params as they are.  Done once, when serving weights load
     (the model runner): the grouped GEMMs then read the experts as they lie, at 4.25 bits a
@@ -204,13 +204,13 @@ def hopper_mxfp4_experts(params, dtype="bfloat16", compute_capability: str | Non
     cc = compute_capability if compute_capability is not None else _compute_capability()
     if moe_mxfp4_impl(cc) != "hopper" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return params
-    stacked = []
+    stacked = []  # experts of a tree stacked by period, left as they are
 
     def move(w):
         if not (isinstance(w, QTensor) and w.fmt == "mxfp4" and len(w.shape) == 3):
             return w
         if w.values.ndim != 3:
-            stacked.append(w.shape)
+            stacked.append(w)
             return w
         if w.shape[1] % 256 == 0 and w.shape[2] % 128 == 0:
             return _to_hopper(mxfp4_kernels.PackedMXFP4(w.values, w.scales))

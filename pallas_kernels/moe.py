@@ -458,12 +458,8 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
                          "impl='hopper', gate/up and down both in that layout")
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
-    if all(mx_hopper):
-        moe_mxfp4_hopper.check(w_gateup_elf, l, "grouped_ffn gate/up (MXFP4, Hopper)")
-        moe_mxfp4_hopper.check(w_out_efl, f2 // 2, "grouped_ffn down (MXFP4, Hopper)")
-        if x_nl.dtype != jnp.bfloat16:
-            raise ValueError(f"grouped_ffn (MXFP4, Hopper) multiplies bf16 rows; got {x_nl.dtype}")
-    elif hopper:
+    hopper_mx = all(mx_hopper)  # (then `moe_mxfp4_hopper.gmm_padded` checks the weights and the rows)
+    if hopper and not hopper_mx:
         from pallas_kernels import moe_hopper
 
         if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
@@ -471,14 +467,14 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
             raise ValueError(f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 "
                              "(`moe_hopper.fits`)")
-    else:
+    elif not hopper:
         _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
     if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
         raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
                          f"{w_gateup_elf.shape}")
     if not hopper:
         _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
-    block_m = block_m or (128 if hopper and not all(mx_hopper) else layout_block_m(n * k))
+    block_m = block_m or (128 if hopper and not hopper_mx else layout_block_m(n * k))
     interpret = _interpret(interpret)
     if layout is None:
         dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
@@ -489,7 +485,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     def scattered():  # x's rows in the layout: assignment a is row a // k
         return jnp.take(x_nl, _layout_sources(dest, n_tiles * block_m) // k, axis=0, mode="fill", fill_value=0)
 
-    if all(mx_hopper):
+    if hopper_mx:
         tile_group = tile_group[:n_tiles]
         gu = moe_mxfp4_hopper.gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, interpret=interpret)
         f = f2 // 2

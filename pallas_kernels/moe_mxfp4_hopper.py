@@ -69,6 +69,9 @@ class HopperMXFP4(NamedTuple):
 # wgmma's A layout wants of it, where "lut" loads them a byte (two codes) at a time.  Each needs
 # its own code layout (`to_hopper`: "lut" takes the "bits" one).
 DECODES = ("arith", "bits", "lut", "lut_perm")
+# The decode `to_hopper` lays codes out for, and `gmm_padded` reads, unless told otherwise (and
+# the layout of experts `kimik3.ops.hopper_mxfp4_experts` moves).
+DEFAULT_DECODE = "lut_perm"
 # Not MXFP4: the codes' integers (the int4 -> bf16 upcast alone) times the block scale, the
 # cheapest decode there is.  A timing probe of the kernel's frame (`benchmarks/mxfp4_hopper.py
 # --probe-upcast`): how fast the kernel would be if decoding cost nothing beyond the upcast.
@@ -101,7 +104,7 @@ def _unpermute_tile(vals):
     return vals.reshape(bn, c // MX_BLOCK, 4, 4, 2).swapaxes(2, 3).reshape(bn, c)
 
 
-def to_hopper(w: mxfp4.PackedMXFP4, decode: str = "lut_perm") -> HopperMXFP4:
+def to_hopper(w: mxfp4.PackedMXFP4, decode: str = DEFAULT_DECODE) -> HopperMXFP4:
     """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
     for the kernel's `decode` (DECODES).  Pure data movement: no value changes."""
     mxfp4.check(w)
@@ -426,7 +429,7 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
 
 def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 256,
-               steps: int = 4, code_tile: int = 128, decode: str = "lut_perm", warp_specialized: bool = False,
+               steps: int = 4, code_tile: int = 128, decode: str = DEFAULT_DECODE, warp_specialized: bool = False,
                load4x: bool = False, overlap: bool = False, interpret: bool = False):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
