@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -189,6 +189,13 @@ case $round in
       tests/gpu/test_quant_kernels.py -k smalls_mxfp4_experts
     run mla_decode_sq4 100 python3 benchmarks/mla.py --sections decode --decode-heads 96,128 --decode-batches 64 \
       --decode-sq 4 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 80 --out "$R/dec"
+    ;;
+  twelfth)  # session 35: the decodes timed as their peers are (the reps launched back to back, an
+    # unrolled loop; the rolled loop's XLA while beside it): MLA H128 Sq1 / H96 H128 Sq4, KDA B64-512
+    mkdir -p "$R"/{dec,kda}
+    run mla_decode 150 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+      --decode-sq 1,4 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 120 --out "$R/dec"
+    run kda_decode 200 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

@@ -457,13 +457,12 @@ MLA_CHUNK_CHOICES = ("triton", "hopper", "auto")
 def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> str:
     """Which kernel runs a prefill chunk continuing a cache (the expanded form): "hopper"
     (`mla_hopper.mla_prefill_chunk_hopper`, 128-key blocks where they fit) or "triton"
-    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "triton" (the default), "auto"
-    ("hopper" where `mla_prefill_impl` picks it) and "hopper" (as "auto", and off the GPU in
-    Mosaic GPU's interpreter).  The Hopper kernel is 1.05-1.28x the Triton one at every chunk
-    measured and its kernel rows pass on the GPU, but `small` served on it gave other greedy
-    tokens than on the Triton kernel from the second token on (RESULTS.md, session 34): it
-    stays opt-in until `tests/gpu`'s logits comparison in the model has run."""
-    choice = os.environ.get("KIMIK3_MLA_CHUNK", "triton")
+    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "auto" (the default: "hopper"
+    where `mla_prefill_impl` picks it, the faster kernel at every chunk measured), "triton"
+    and "hopper" (as "auto", and off the GPU in Mosaic GPU's interpreter).  The Hopper kernel's
+    rows pass on the GPU, and in `small`'s model its chunk logits are as close to fp32 as the
+    Triton kernel's (`tests/gpu`, RESULTS.md session 35)."""
+    choice = os.environ.get("KIMIK3_MLA_CHUNK", "auto")
     if choice not in MLA_CHUNK_CHOICES:
         raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")
     if choice == "triton":

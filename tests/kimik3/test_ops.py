@@ -58,21 +58,21 @@ def test_mxfp4_experts_take_the_hopper_kernel_only_where_asked(monkeypatch):
         ops.moe_mxfp4_impl("9.0")
 
 
-def test_a_chunk_over_a_cache_takes_the_hopper_kernel_only_where_asked(monkeypatch):
-    """`KIMIK3_MLA_CHUNK`: "triton" (the default until the Hopper chunk kernel's logits in the
-    model have been compared on a GPU) always; "auto" where the Hopper prefill runs; "hopper"
-    also off the GPU (the interpreter) where the dims fit; anything else refused."""
+def test_a_chunk_over_a_cache_takes_the_hopper_kernel_where_the_hopper_prefill_runs(monkeypatch):
+    """`KIMIK3_MLA_CHUNK`: "auto" (the default) where the Hopper prefill runs (16-bit inputs,
+    its dims, compute capability 9.x); "triton" always; "hopper" also off the GPU (the
+    interpreter) where the dims fit; anything else refused."""
     bf = jnp.bfloat16
-    for choice in (None, "triton"):
+    for choice in (None, "auto"):
         if choice is None:
             monkeypatch.delenv("KIMIK3_MLA_CHUNK", raising=False)
         else:
             monkeypatch.setenv("KIMIK3_MLA_CHUNK", choice)
-        assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "triton"
-    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "auto")
-    assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "hopper"
-    assert [ops.mla_chunk_impl(*a) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None), (jnp.float32, 192, 128, "9.0"),
-                                              (bf, 24, 16, "9.0")]] == ["triton"] * 4
+        assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "hopper"
+        assert [ops.mla_chunk_impl(*a) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None),
+                                                  (jnp.float32, 192, 128, "9.0"), (bf, 24, 16, "9.0")]] == ["triton"] * 4
+    monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
+    assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "triton"
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "hopper")
     assert ops.mla_chunk_impl(bf, 192, 128, None) == "hopper"
     assert ops.mla_chunk_impl(bf, 24, 16, None) == "triton"
