@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -196,6 +196,17 @@ case $round in
     run mla_decode 150 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
       --decode-sq 1,4 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 120 --out "$R/dec"
     run kda_decode 200 python3 benchmarks/kda.py --sections decode --out "$R/kda"
+    ;;
+  thirteenth)  # session 35: the MLA decode's alternating schedule (both warpgroups compute scores in
+    # turn): its GPU rows, then both schedules at issue 22's rows (each checked against the default's
+    # outputs before timing), then small's MXFP4 experts in the Hopper layout in an engine
+    mkdir -p "$R"/dec
+    run gpu_alt 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
+      tests/gpu/test_hopper_kernels.py -k alternating
+    run mla_decode_alt 200 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+      --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2 --skip-xla-ref --budget-s 170 --out "$R/dec"
+    run gpu_mx_engine 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
+      tests/gpu/test_dispatch_and_serving.py -k mxfp4
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);

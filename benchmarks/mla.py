@@ -29,6 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import common
 from benchmarks.common import time_jax
@@ -62,8 +63,9 @@ def _best(fn_of_cfg, cfgs, record=None):
 def decode_fn(cfg):
     """The decode kernel a config names: ("hopper", block_kv, steps) the Mosaic GPU
     kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
-    if cfg[0] == "hopper":
-        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2])
+    if cfg[0] in ("hopper", "hopperalt"):
+        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
+                                 schedule="alternate" if cfg[0] == "hopperalt" else "default")
     bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
     return functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk, num_stages=ns)
 
@@ -89,10 +91,14 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
 
                 reps = 2 if interpret else 20
 
-                rolled = {}
+                rolled, by_cfg, err_by_cfg, first = {}, {}, {}, []
 
                 def run(cfg):
                     decode = decode_fn(cfg)
+                    # each config's outputs against the first's (the same inputs), before any timing
+                    o = np.asarray(decode(ql, qp, pages, table, lens, scale=0.1, interpret=interpret)[0], np.float32)
+                    first.append(o) if not first else None
+                    err_by_cfg["x".join(map(str, cfg))] = float(np.abs(o - first[0]).max())
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
                     # the time is the kernel's and not Python dispatch's.  Unrolled: the calls are
@@ -110,8 +116,8 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                     return ms
 
                 rows_q = sq * h
-                cfgs = [c for c in configs if c[0] == "hopper" or c[0] <= max(16, 1 << (rows_q - 1).bit_length())]
-                ms, bm = _best(run, cfgs)
+                cfgs = [c for c in configs if isinstance(c[0], str) or c[0] <= max(16, 1 << (rows_q - 1).bit_length())]
+                ms, bm = _best(run, cfgs, by_cfg)
                 if ms is None:
                     continue
                 ref = jax.jit(lambda a, c, pg, t, n: mla.mla_decode_ref(a, c, pg, t, n, scale=0.1))
@@ -121,7 +127,8 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
                 rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps_v=bm, ours_ms=ms,
-                                 rolled_loop_ms=rolled.get(bm), xla_ref_ms=ms_ref,
+                                 rolled_loop_ms=rolled.get(bm), ms_by_config=by_cfg,
+                                 max_abs_diff_vs_first_config=err_by_cfg, xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))
                 print(rows[-1], flush=True)
@@ -302,9 +309,12 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
 
 
 def parse_decode_config(text: str) -> tuple:
-    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2)."""
+    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2); 'hopperaltx64x2' ->
+    ('hopperalt', 64, 2) (the alternating schedule)."""
     parts = text.split("x")
-    return ("hopper",) + tuple(int(v) for v in parts[1:]) if parts[0] == "hopper" else tuple(int(v) for v in parts)
+    if parts[0] in ("hopper", "hopperalt"):
+        return (parts[0],) + tuple(int(v) for v in parts[1:])
+    return tuple(int(v) for v in parts)
 
 
 def main():
@@ -314,7 +324,7 @@ def main():
     ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx64x2",
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
                          "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
-                         "Mosaic GPU kernel")
+                         "Mosaic GPU kernel (hopperalt...: its alternating schedule)")
     ap.add_argument("--sections", default="prefill,decode,chunk")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")

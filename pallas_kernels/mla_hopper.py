@@ -604,13 +604,24 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         _wait_last_releases(n_steps, steps, (k_used,))
 
 
+DECODE_SCHEDULES = ("default", "alternate")
+
+
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "n_splits", "scale_log2", "interpret", "stall_ns"))
+                                             "n_splits", "scale_log2", "interpret", "stall_ns", "schedule"))
 def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
-                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0):
+                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default"):
     """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
-    rows_pad] fp32 (natural log; -inf for a split with no keys)."""
+    rows_pad] fp32 (natural log; -inf for a split with no keys).  schedule "alternate": the
+    score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot)."""
+    from pallas_kernels import mla_decode_alternating as alternating
+
+    if schedule not in DECODE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
+    alternate = schedule == "alternate"
+    if alternate and p_slots != 1:
+        raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
     b, rows_pad, _ = q_lat_rows.shape
     block_m, half, rope = 64, rank // 2, q_pe_rows.shape[-1]
     dtype = q_lat_rows.dtype
@@ -625,6 +636,19 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
             plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
 
     def entry(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref):
+        if alternate:
+            q_smem, k_smem, p_smem, _ = smem
+            pl.run_scoped(
+                lambda smem, bars: alternating.decode_kernel(
+                    bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
+                    n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
+                    page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
+                    stall_ns=stall_ns),
+                (q_smem, k_smem, tiled((block_m, block_kv)), plgpu.SMEM((alternating.VECTORS, block_m), jnp.float32)),
+                alternating.barriers(steps),
+                collective_axes="wg",
+            )
+            return
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
@@ -656,14 +680,20 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
 _SMEM_BYTES = 232448  # H100 / H200: 227 KiB per CTA
 
 
-def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, itemsize: int = 2) -> int:
+def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, itemsize: int = 2,
+                      schedule: str = "default") -> int:
     """Shared memory `mla_decode_hopper` asks for, counted as Mosaic GPU counts it (checked by
     lowering: 238720 bytes for block_kv 64, 2 steps, 2 P slots at width 576): the queries, the
     key ring and the P slots (16-bit tiles), the fp32 row vectors (one buffer, 1 KiB aligned)
-    and 8 bytes per barrier."""
+    and 8 bytes per barrier.  The alternating schedule: one P slot, five row vectors, P ready
+    and free per warpgroup."""
+    if schedule == "alternate":
+        p_slots, n_vectors, p_barriers = 1, 5, 4
+    else:
+        n_vectors, p_barriers = p_slots + 2, 2 * p_slots
     tiles = (64 * width + steps * block_kv * width + p_slots * 64 * block_kv) * itemsize
-    vectors = -(-(p_slots + 2) * 64 * 4 // 1024) * 1024
-    barriers = 3 + 3 * steps + steps + 2 * p_slots + 1
+    vectors = -(-n_vectors * 64 * 4 // 1024) * 1024
+    barriers = 3 + 3 * steps + steps + p_barriers + 1
     return tiles + vectors + 8 * barriers
 
 
@@ -681,7 +711,7 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None, stall_ns=0):
+                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default"):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -696,6 +726,10 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     8k context); at 96 heads the rows pad 96 -> 128 and it reaches 44-50%; memory-bound
     shapes run at the copy rate like the Triton kernel.  `kimik3.ops.mla_decode_impl` picks
     it on compute capability 9.x when heads x queries fill a 64-row tile.
+
+    schedule "alternate" deals the key tiles' scores to both compute warpgroups in turn, each
+    issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
+    warpgroup's matmuls (`mla_decode_alternating`; one P slot).
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
@@ -713,11 +747,16 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                          f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
     # Two P slots let warpgroup 0 write the next P before warpgroup 1 is done with the last;
     # one is taken when two do not fit (block_kv 64 at kv_lora 512).
-    smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, jnp.dtype(q_latent.dtype).itemsize) for n in (1, 2)}
+    if schedule not in DECODE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
+    if schedule == "alternate" and p_slots not in (None, 1):
+        raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
+    itemsize = jnp.dtype(q_latent.dtype).itemsize
+    smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize, schedule) for n in (1, 2)}
     if smem_bytes[1] > _SMEM_BYTES:
         raise ValueError(f"block_kv {block_kv} x {steps} steps needs {smem_bytes[1]} bytes of shared memory at "
                          f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}")
-    p_slots = p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
+    p_slots = 1 if schedule == "alternate" else p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
     if n_splits is None:
@@ -728,7 +767,7 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                                     fold_rows(q_latent, rows_pad), fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
-                                    interpret=interpret, stall_ns=int(stall_ns))
+                                    interpret=interpret, stall_ns=int(stall_ns), schedule=schedule)
     if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
         return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
                 lse_part[:, 0, :sq * h].reshape(b, sq, h))

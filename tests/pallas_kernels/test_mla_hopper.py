@@ -120,6 +120,32 @@ def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_sp
     np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps", [
+    (2, 2, 3, [200, 70], 4, 32, 2),  # odd tile counts (a masked repeat) and a split holding no keys
+    (1, 40, 3, [130], 2, 64, 3),     # a prefill chunk over two 64-row tiles, 64-key tiles, 3-slot ring
+])
+def test_the_alternating_schedule_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv,
+                                                                         steps):
+    """`schedule="alternate"`: the score tiles dealt to both compute warpgroups in turn, the
+    running max handed over with each P, the two row sums added at the end: the reference's
+    outputs and LSE, for every split (odd and even tile counts, none)."""
+    r, p, page, n_pages = 128, 64, 64, 10
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    pages = f(n_pages, page, r + p)
+    table = jnp.asarray(rng.permutation(n_pages)[:b * 4].reshape(b, 4), jnp.int32)
+    q_latent, q_pe, seq_lens = f(b, sq, h, r), f(b, sq, h, p), jnp.asarray(lens, jnp.int32)
+    o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, n_splits=n_splits,
+                               block_kv=block_kv, steps=steps, schedule="alternate")
+    up = lambda x: x.astype(jnp.float32)
+    o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, seq_lens, scale=0.1)
+    np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
+    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="one slot"):
+        mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, p_slots=2, schedule="alternate")
+    with pytest.raises(ValueError, match="schedule"):
+        mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, schedule="seesaw")
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_chunk_with_traced_prefix_lengths_of_any_value(rng, persistent):
     """A batch of chunks after prefixes of 37 (not a whole key block), 0 and 100 cached tokens,
@@ -208,20 +234,24 @@ def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
             _lowers_for_cuda(core(None, 3), *shapes)
 
 
-@pytest.mark.parametrize("block_kv, steps, stall_ns", [(32, 2, 0), (32, 3, 0), (64, 2, 0), (64, 3, 0), (64, 2, 2000)])
-def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns):
+@pytest.mark.parametrize("block_kv, steps, stall_ns, schedule", [
+    (32, 2, 0, "default"), (32, 3, 0, "default"), (64, 2, 0, "default"), (64, 3, 0, "default"),
+    (64, 2, 2000, "default"), (64, 2, 0, "alternate"), (64, 2, 2000, "alternate")])
+def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, schedule):
     """kv_lora 512 + rope 64, 96 heads; block_kv 64 fits with one P slot and two steps, not
     three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does.  The
-    GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too."""
+    GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too, and so does
+    the alternating schedule (one P slot, 231552 of 232448 bytes at block_kv 64)."""
     from pallas_kernels import mla_hopper
     b, h, r, p, page = 2, 96, 512, 64, 64
     p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= mla_hopper._SMEM_BYTES else 1
-    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots) <= mla_hopper._SMEM_BYTES
+    p_slots = 1 if schedule == "alternate" else p_slots
+    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots, schedule=schedule) <= mla_hopper._SMEM_BYTES
     assert (fits, p_slots) == ({(32, 2): (True, 2), (32, 3): (True, 2), (64, 2): (True, 1), (64, 3): (False, 1)}
                                [block_kv, steps])
     lower = lambda: _lowers_for_cuda(lambda bt, sl, q, qp, pg: mla_hopper._decode_core(
         bt, sl, q, qp, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
-        n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns),
+        n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns, schedule=schedule),
         ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r), jnp.bfloat16), ((b, 128, p), jnp.bfloat16),
         ((32, page, r + p), jnp.bfloat16))
     if fits:

@@ -1,0 +1,304 @@
+"""The Hopper MLA decode with the score tiles dealt alternately to its two compute warpgroups
+(`mla_decode_hopper(..., schedule="alternate")`; FlashMLA's "seesaw" idea).
+
+The default schedule (`mla_hopper._decode_kernel`) gives warpgroup 0 every key tile's scores,
+softmax and value half 0, and warpgroup 1 only value half 1: while warpgroup 0 runs a softmax
+the tensor cores wait, since warpgroup 1 waits for that softmax's P.  Here warpgroup w computes
+the scores and softmax of the key tiles i with i % 2 == w and multiplies every tile's P by its
+value half w.  Each warpgroup issues its next score tile's wgmma before it waits for the
+other's P, so one warpgroup's softmax runs while the other's Q K^T and both P @ V run:
+
+    warpgroup 0, pair j (tiles a = 2j, b = 2j + 1)     warpgroup 1, pair j
+    issue Q K(a)^T                                      issue Q K(b)^T
+    S(a) -> softmax(a) after m(b - 2 + 1) -> P(a)       wait P(a); O1 *= alpha(a); issue P(a) V1(a)
+    O0 *= alpha(a); issue P(a) V0(a)                    S(b) -> softmax(b) after m(a) -> P(b)
+    wait P(b); O0 *= alpha(b); issue P(b) V0(b)         O1 *= alpha(b); issue P(b) V1(b)
+
+The running max passes between them with each P (its rescale factor and new max beside it in
+shared memory); each warpgroup sums its own tiles' P rows and rescales that sum by every
+tile's factor, and the two sums add at the end.  Shared memory is the default schedule's at
+block_kv 64 (queries, a two-slot key ring, one P slot).  A split with an odd number of key
+tiles takes one more, its last tile again with every score masked (P = 0, the factor 1): no
+row's answer changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla import _LOG2E, visible_keys
+
+
+def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
+                  n_queries, block_kv, steps, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
+    """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_hopper._decode_core`'s
+    grid and outputs).  smem: the query parts, the key ring's parts, one P slot, fp32 row vectors
+    (alpha, m, l of warpgroup 0, l of warpgroup 1, lse)."""
+    from pallas_kernels.mla_hopper import _set_registers, _stream, _wait_last_releases
+
+    q_parts, k_parts, p_smem, vec_smem = smem
+    alpha_smem, m_smem, lse_smem = vec_smem.at[0], vec_smem.at[1], vec_smem.at[4]
+    l_smem = (vec_smem.at[2], vec_smem.at[3])
+    q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
+    b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
+    wg = lax.axis_index("wg")
+    block_m = q_parts[0].shape[0]
+    half = rank // 2
+    cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
+    q_of = ((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0))  # (array, first column) per part
+    dtype = q_lat_ref.dtype
+    seq_len = len_ref[b]
+    n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
+    per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
+    kb0 = split * per_split
+    n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
+    n_pairs = lax.div(n_steps + 1, jnp.int32(2))  # an odd count's last tile comes again, masked
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    slot_of = lambda i: lax.rem(i, jnp.int32(steps))
+
+    @pl.when(wg == 2)
+    def _memory():
+        _set_registers(40, interpret)
+
+        def load(i, slot):
+            pos = (kb0 + jnp.minimum(i, n_steps - 1)) * block_kv  # the padding step: the last tile again
+            pg = bt_ref[b, lax.div(pos, jnp.int32(page))]
+            keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
+            for part, (c0, width) in enumerate(cols_of):
+                plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
+                                        k_bars.at[part * steps + slot])
+
+        _stream(2 * n_pairs, steps, load, (k_used,))
+        _wait_last_releases(2 * n_pairs, steps, (k_used,))
+
+    def compute(w: int):
+        """Warpgroup w: the scores of the tiles i = 2j + w, value half w of every tile."""
+        _set_registers(232, interpret)
+
+        if w == 0:
+            for i, ((q_ref, c0), (_, width)) in enumerate(zip(q_of, cols_of)):
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
+                                        q_bars.at[i])
+
+        for i in range(3):
+            plgpu.barrier_wait(q_bars.at[i])
+        rows = rb * block_m + plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
+
+        def wait_tile(i):
+            for part in range(3):  # every part, by both warpgroups: each sees every phase of each barrier
+                plgpu.barrier_wait(k_bars.at[part * steps + slot_of(i)])
+
+        def score_product(acc_ref, i):
+            for part in range(3):
+                plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot_of(i)].transpose((1, 0)))
+
+        def value_product(acc_ref, i):
+            plgpu.wgmma(acc_ref, p_smem, k_parts[w].at[slot_of(i)])
+
+        def softmax(s, i, m_prev):
+            """Tile i's raw scores after the running max m_prev -> (P, alpha, m)."""
+            valid = (cols + (kb0 + i) * block_kv < limit) & (i < n_steps)
+            s = jnp.where(valid, s * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m_prev, s.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
+            alpha = jnp.exp2(m_prev - m_safe)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            return p, alpha, m_new
+
+        def publish(p, alpha, m):
+            p_smem[...] = p.astype(dtype)
+            alpha_smem[...] = alpha
+            m_smem[...] = m
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready.at[w])
+
+        def take(acc, wait_n):
+            """The other warpgroup's P: its factor and max; O rescaled (wgmmas but wait_n done)."""
+            plgpu.barrier_wait(p_ready.at[1 - w])
+            alpha = plgpu.load(alpha_smem, layout=row_layout, optimized=False)
+            m = plgpu.load(m_smem, layout=row_layout, optimized=False)
+            acc.rescale(alpha, wait_n)
+            return alpha, m
+
+        def release_last_pair(j):
+            """Before a pair's scores: the last pair's second tile is done here (its P and its key
+            slot, which the ring's next load into that slot waits for: the scores about to be
+            issued may need that very load)."""
+            plgpu.wgmma_wait(0)
+
+            @pl.when(j > 0)
+            def _():
+                plgpu.barrier_arrive(k_used.at[slot_of(2 * j - 1)])
+                if w == 1:
+                    plgpu.barrier_arrive(p_free.at[1])
+
+        def pair0(acc, j, m_prev, l_w):  # warpgroup 0: own tile a, then warpgroup 1's tile b
+            a, bt = 2 * j, 2 * j + 1
+            release_last_pair(j)
+            wait_tile(a)
+            acc.issue_scores(a)
+            p, alpha, m_a = softmax(acc.scores(0), a, m_prev)
+            l_w = l_w * alpha + p.sum(axis=1)
+
+            @pl.when(j > 0)
+            def _():
+                plgpu.barrier_wait(p_free.at[1])  # warpgroup 1 is done reading P(a - 1)
+
+            publish(p, alpha, m_a)
+            acc.rescale(alpha, 0)
+            acc.issue_values(a)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(p_free.at[0])
+            plgpu.barrier_arrive(k_used.at[slot_of(a)])
+            wait_tile(bt)
+            alpha_b, m_b = take(acc, 0)
+            acc.issue_values(bt)
+            return m_b, l_w * alpha_b
+
+        def pair1(acc, j, m_prev, l_w):  # warpgroup 1: own tile b, after warpgroup 0's tile a
+            del m_prev  # warpgroup 0's max after tile a comes with P(a)
+            a, bt = 2 * j, 2 * j + 1
+            release_last_pair(j)
+            wait_tile(bt)
+            acc.issue_scores(bt)
+            wait_tile(a)
+            alpha_a, m_a = take(acc, 1)  # Q K(b)^T runs on
+            if stall_ns:  # tests/gpu: late to read P, so only the barriers keep the slot
+                pl.delay(stall_ns)
+            acc.issue_values(a)
+            p, alpha, m_b = softmax(acc.scores(1), bt, m_a)  # P(a) V1 runs on
+            l_w = l_w * alpha_a * alpha + p.sum(axis=1)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(k_used.at[slot_of(a)])
+            plgpu.barrier_wait(p_free.at[0])  # warpgroup 0 is done reading P(a)
+            publish(p, alpha, m_b)
+            acc.rescale(alpha, 0)
+            acc.issue_values(bt)
+            return m_b, l_w
+
+        pair = pair0 if w == 0 else pair1
+        zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+        init = (plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
+        if interpret:  # O a loop value, each product computed where it is issued
+            def body(j, carry):
+                acc = _ValueAccumulators(carry[2], block_m, block_kv, score_product, value_product)
+                m, l_w = pair(acc, j, *carry[:2])
+                return m, l_w, acc.o
+
+            m, l_w, o = lax.fori_loop(0, n_pairs, body, init + (zeros((block_m, half)),))
+        else:  # both accumulators in registers across the loop, wgmmas in flight between their reads
+            def run(s_ref, o_ref):
+                o_ref[...] = zeros((block_m, half))
+                acc = _RefAccumulators(s_ref, o_ref, block_m, block_kv, score_product, value_product)
+                m, l_w = lax.fori_loop(0, n_pairs, lambda j, c: pair(acc, j, *c), init)
+                return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), m, l_w
+
+            o, m, l_w = pl.run_scoped(run, plgpu.ACC((block_m, block_kv), jnp.float32),
+                                      plgpu.ACC((block_m, half), jnp.float32))
+
+        @pl.when(n_pairs > 0)
+        def _():
+            plgpu.barrier_arrive(k_used.at[slot_of(2 * n_pairs - 1)])
+            if w == 0:
+                plgpu.barrier_wait(p_free.at[1])  # the last release of P, which nothing else waits for
+            else:
+                plgpu.barrier_arrive(p_free.at[1])
+
+        # the two row sums meet; after this barrier no wgmma reads the queries, so the outputs
+        # may leave through their buffers
+        l_smem[w][...] = l_w
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(stats_ready)
+        plgpu.barrier_wait(stats_ready)
+        l_i = (plgpu.load(l_smem[0], layout=row_layout, optimized=False)
+               + plgpu.load(l_smem[1], layout=row_layout, optimized=False))
+        has = l_i > 0
+        inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
+        q_parts[w][...] = (o * lax.broadcast_in_dim(inv, o.shape, [0])).astype(dtype)
+        if w == 0:
+            lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_parts[w], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        if w == 0:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 0)
+    def _wg0():
+        compute(0)
+
+    @pl.when(wg == 1)
+    def _wg1():
+        compute(1)
+
+
+class _RefAccumulators:
+    """The compiled kernel's accumulators: S and O as wgmma accumulator refs, products issued
+    asynchronously and read after `wgmma.wait_group wait_n`."""
+
+    def __init__(self, s_ref, o_ref, block_m, block_kv, score_product, value_product):
+        self.s_ref, self.o_ref = s_ref, o_ref
+        self.s_shape = (block_m, block_kv)
+        self.score_product, self.value_product = score_product, value_product
+
+    def issue_scores(self, i):
+        self.s_ref[...] = plgpu.layout_cast(jnp.full(self.s_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+        self.score_product(self.s_ref, i)
+
+    def scores(self, wait_n):
+        return plgpu.wgmma_accumulator_load(self.s_ref, wait_n=wait_n)
+
+    def rescale(self, alpha, wait_n):
+        o = plgpu.wgmma_accumulator_load(self.o_ref, wait_n=wait_n)
+        self.o_ref[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+
+    def issue_values(self, i):
+        self.value_product(self.o_ref, i)
+
+
+class _ValueAccumulators:
+    """The interpreter's (it neither stores into an accumulator ref nor runs wgmmas
+    asynchronously): each product into a fresh accumulator where it is issued, O a value."""
+
+    def __init__(self, o, block_m, block_kv, score_product, value_product):
+        self.o, self.s = o, None
+        self.s_shape = (block_m, block_kv)
+        self.score_product, self.value_product = score_product, value_product
+
+    @staticmethod
+    def _product(fn, shape, i):
+        def scoped(acc_ref):
+            fn(acc_ref, i)
+            return acc_ref[...]
+
+        return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+
+    def issue_scores(self, i):
+        self.s = self._product(self.score_product, self.s_shape, i)
+
+    def scores(self, wait_n):
+        return self.s
+
+    def rescale(self, alpha, wait_n):
+        self.o = self.o * lax.broadcast_in_dim(alpha, self.o.shape, [0])
+
+    def issue_values(self, i):
+        self.o = self.o + self._product(self.value_product, self.o.shape, i)
+
+
+def barriers(steps: int):
+    """The kernel's barriers: queries (3), key parts (3 per slot), key slots used (both
+    warpgroups), P ready from warpgroup w (2), P free from warpgroup w (2), the row sums (both)."""
+    return (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
+            plgpu.Barrier(num_arrivals=2, num_barriers=steps),
+            plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2))
+
+
+VECTORS = 5  # fp32 row vectors: alpha, m, l of each warpgroup, lse
