@@ -198,13 +198,15 @@ case $round in
     run kda_decode 200 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
   thirteenth)  # session 35: the MLA decode's alternating schedule (both warpgroups compute scores in
-    # turn): its GPU rows, then both schedules at issue 22's rows (each checked against the default's
-    # outputs before timing), then small's MXFP4 experts in the Hopper layout in an engine
+    # turn) and its row tiles in CTA pairs (key tiles multicast): their GPU rows, then each at issue
+    # 22's rows (checked against the default's outputs before timing; hoppercl only at 128 heads),
+    # then small's MXFP4 experts in the Hopper layout in an engine
     mkdir -p "$R"/dec
-    run gpu_alt 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
-      tests/gpu/test_hopper_kernels.py -k alternating
-    run mla_decode_alt 200 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
-      --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2 --skip-xla-ref --budget-s 170 --out "$R/dec"
+    run gpu_alt 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
+      tests/gpu/test_hopper_kernels.py -k "alternating or cta_pairs"
+    run mla_decode_alt 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+      --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2,hopperclx64x2 --skip-xla-ref --budget-s 210 \
+      --out "$R/dec"
     run gpu_mx_engine 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
       tests/gpu/test_dispatch_and_serving.py -k mxfp4
     ;;

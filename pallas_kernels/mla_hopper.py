@@ -448,8 +448,13 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
 
 
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                   n_queries, block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
+                   n_queries, block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0,
+                   cluster=1):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
+
+    cluster 2: the CTAs of two neighbouring row tiles (the same query's heads, so the same keys)
+    form a cluster and each key tile comes once, multicast by TMA into both (`k_used` then
+    counts both CTAs' warpgroups before a slot is loaded again).
 
     Queries and key tiles sit in shared memory as three column parts, value half 0, value half
     1 and rope, each brought by its own TMA (gmem slices, so no swizzled shared-memory ref is
@@ -461,6 +466,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     alpha_smem, stat_smem, lse_smem = vec_smem.at[pl.ds(0, p_slots)], vec_smem.at[p_slots], vec_smem.at[p_slots + 1]
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
+    if cluster > 1:
+        rb = rb * cluster + lax.axis_index("cluster")
     wg = lax.axis_index("wg")
     block_m = q_parts[0].shape[0]
     half = rank // 2
@@ -598,7 +605,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
             for part, (c0, width) in enumerate(cols_of):
                 plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
-                                        k_bars.at[part * steps + slot])
+                                        k_bars.at[part * steps + slot],
+                                        collective_axes="cluster" if cluster > 1 else None)
 
         _stream(n_steps, steps, load, (k_used,))
         _wait_last_releases(n_steps, steps, (k_used,))
@@ -608,13 +616,16 @@ DECODE_SCHEDULES = ("default", "alternate")
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "n_splits", "scale_log2", "interpret", "stall_ns", "schedule"))
+                                             "n_splits", "scale_log2", "interpret", "stall_ns", "schedule",
+                                             "cluster"))
 def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
-                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default"):
+                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default", cluster=1):
     """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
     rows_pad] fp32 (natural log; -inf for a split with no keys).  schedule "alternate": the
-    score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot)."""
+    score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot).
+    cluster 2 (default schedule; heads a multiple of 128): row tiles in pairs share each key
+    tile, multicast (`_decode_kernel`)."""
     from pallas_kernels import mla_decode_alternating as alternating
 
     if schedule not in DECODE_SCHEDULES:
@@ -623,6 +634,9 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     if alternate and p_slots != 1:
         raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
     b, rows_pad, _ = q_lat_rows.shape
+    if cluster not in (1, 2) or (cluster == 2 and (alternate or n_heads % 128 or (rows_pad // 64) % 2)):
+        raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128) on the default "
+                         f"schedule; got cluster={cluster}, {n_heads} heads, schedule {schedule!r}")
     block_m, half, rope = 64, rank // 2, q_pe_rows.shape[-1]
     dtype = q_lat_rows.dtype
     # wgmma wants one swizzle for both operands, and P's contraction (block_kv) must span the
@@ -654,10 +668,11 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
                 bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
                 page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
-                stall_ns=stall_ns),
+                stall_ns=stall_ns, cluster=cluster),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
-             plgpu.Barrier(num_arrivals=2, num_barriers=steps),
+             plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1
+             else plgpu.Barrier(num_arrivals=2, num_barriers=steps),
              plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier()),
             collective_axes="wg",
         )
@@ -666,8 +681,9 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
         entry,
         out_type=(jax.ShapeDtypeStruct((b, n_splits, rows_pad, rank), dtype),
                   jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)),
-        grid=(b, n_splits, rows_pad // block_m),
+        grid=(b, n_splits, rows_pad // block_m // cluster),
         grid_names=("b", "split", "rows"),
+        **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
         num_threads=3,
         thread_name="wg",
         # The row reductions are within a warp in the wgmma layout: no cross-warp scratch (Mosaic
@@ -711,7 +727,7 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default"):
+                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default", cluster=1):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -729,7 +745,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
 
     schedule "alternate" deals the key tiles' scores to both compute warpgroups in turn, each
     issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
-    warpgroup's matmuls (`mla_decode_alternating`; one P slot).
+    warpgroup's matmuls (`mla_decode_alternating`; one P slot).  cluster 2 (the default schedule,
+    heads a multiple of 128): the two row tiles of a query form a CTA cluster that reads each key
+    tile once, multicast into both.
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
@@ -767,7 +785,8 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                                     fold_rows(q_latent, rows_pad), fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
-                                    interpret=interpret, stall_ns=int(stall_ns), schedule=schedule)
+                                    interpret=interpret, stall_ns=int(stall_ns), schedule=schedule,
+                                    cluster=int(cluster))
     if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
         return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
                 lse_part[:, 0, :sq * h].reshape(b, sq, h))
