@@ -738,10 +738,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     slots and one P slot, block_kv 32 with 2-3 ring slots and two P slots
     (`decode_smem_bytes`; a ring that does not fit is refused before any launch).
 
-    On the H200 (RESULTS.md): 442 TFLOP/s, 68% of the bf16 matmul rate, at 128 heads (B64,
-    8k context); at 96 heads the rows pad 96 -> 128 and it reaches 44-50%; memory-bound
-    shapes run at the copy rate like the Triton kernel.  `kimik3.ops.mla_decode_impl` picks
-    it on compute capability 9.x when heads x queries fill a 64-row tile.
+    At 96 heads and one query the rows pad 96 -> 128, so a quarter of the tile's work is
+    padding (its rates: RESULTS.md, MLA kernels).  `kimik3.ops.mla_decode_impl` picks it on
+    compute capability 9.x when heads x queries fill a 64-row tile.
 
     schedule "alternate" deals the key tiles' scores to both compute warpgroups in turn, each
     issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
