@@ -5,21 +5,22 @@ The default schedule (`mla_hopper._decode_kernel`) gives warpgroup 0 every key t
 softmax and value half 0, and warpgroup 1 only value half 1: while warpgroup 0 runs a softmax
 the tensor cores wait, since warpgroup 1 waits for that softmax's P.  Here warpgroup w computes
 the scores and softmax of the key tiles i with i % 2 == w and multiplies every tile's P by its
-value half w.  Each warpgroup issues its next score tile's wgmma before it waits for the
-other's P, so one warpgroup's softmax runs while the other's Q K^T and both P @ V run:
+value half w.  Warpgroup 1 issues its tile's Q K^T before it waits for warpgroup 0's P, so
+softmax(a) runs beside Q K(b)^T and softmax(b) beside both P(a) V; warpgroup 0 issues Q K(a)^T
+while its last P V may still run (at two ring slots tile a's slot frees only after P(b - 2)):
 
     warpgroup 0, pair j (tiles a = 2j, b = 2j + 1)     warpgroup 1, pair j
     issue Q K(a)^T                                      issue Q K(b)^T
-    S(a) -> softmax(a) after m(b - 2 + 1) -> P(a)       wait P(a); O1 *= alpha(a); issue P(a) V1(a)
+    S(a) -> softmax(a) after m(b - 2) -> P(a)           wait P(a); O1 *= alpha(a); issue P(a) V1(a)
     O0 *= alpha(a); issue P(a) V0(a)                    S(b) -> softmax(b) after m(a) -> P(b)
     wait P(b); O0 *= alpha(b); issue P(b) V0(b)         O1 *= alpha(b); issue P(b) V1(b)
 
 The running max passes between them with each P (its rescale factor and new max beside it in
 shared memory); each warpgroup sums its own tiles' P rows and rescales that sum by every
 tile's factor, and the two sums add at the end.  Shared memory is the default schedule's at
-block_kv 64 (queries, a two-slot key ring, one P slot).  A split with an odd number of key
-tiles takes one more, its last tile again with every score masked (P = 0, the factor 1): no
-row's answer changes.
+block_kv 64 (queries, a two-slot key ring, one P slot).  Splits hold an even number of key
+tiles, but a row tile's last split may hold an odd one: it takes one more, its last tile
+again with every score masked (P = 0, the factor 1), which changes no row's answer.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     dtype = q_lat_ref.dtype
     seq_len = len_ref[b]
     n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
-    per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
+    per_split = 2 * pl.cdiv(n_blocks, jnp.int32(2 * n_splits))  # even: only a row tile's last split pads
     kb0 = split * per_split
     n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
     n_pairs = lax.div(n_steps + 1, jnp.int32(2))  # an odd count's last tile comes again, masked
@@ -127,22 +128,26 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             return alpha, m
 
         def release_last_pair(j):
-            """Before a pair's scores: the last pair's second tile is done here (its P and its key
-            slot, which the ring's next load into that slot waits for: the scores about to be
-            issued may need that very load)."""
+            """Warpgroup 1, before its scores: the last pair's second tile is done here (its P and
+            its key slot, which the ring's next load into that slot waits for: at two slots the
+            scores about to be issued need that very load)."""
             plgpu.wgmma_wait(0)
 
             @pl.when(j > 0)
             def _():
                 plgpu.barrier_arrive(k_used.at[slot_of(2 * j - 1)])
-                if w == 1:
-                    plgpu.barrier_arrive(p_free.at[1])
+                plgpu.barrier_arrive(p_free.at[1])
 
         def pair0(acc, j, m_prev, l_w):  # warpgroup 0: own tile a, then warpgroup 1's tile b
             a, bt = 2 * j, 2 * j + 1
-            release_last_pair(j)
-            wait_tile(a)
-            acc.issue_scores(a)
+            wait_tile(a)  # its slot last held tile a - steps, released before: no wait on our own release
+            acc.issue_scores(a)  # queued behind P(b - 2) V0, which may still run
+            plgpu.wgmma_wait(3)  # P(b - 2) V0 done; the three score groups may run on
+
+            @pl.when(j > 0)
+            def _():
+                plgpu.barrier_arrive(k_used.at[slot_of(a - 1)])
+
             p, alpha, m_a = softmax(acc.scores(0), a, m_prev)
             l_w = l_w * alpha + p.sum(axis=1)
 
@@ -168,7 +173,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             wait_tile(bt)
             acc.issue_scores(bt)
             wait_tile(a)
-            alpha_a, m_a = take(acc, 1)  # Q K(b)^T runs on
+            alpha_a, m_a = take(acc, None)  # O has nothing in flight; Q K(b)^T (three groups) runs on
             if stall_ns:  # tests/gpu: late to read P, so only the barriers keep the slot
                 pl.delay(stall_ns)
             acc.issue_values(a)
