@@ -205,7 +205,7 @@ case $round in
     run gpu_alt 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
       tests/gpu/test_hopper_kernels.py -k "alternating or cta_pairs"
     run mla_decode_alt 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
-      --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2,hopperclx64x2 --skip-xla-ref --budget-s 210 \
+      --decode-contexts 8192,32768 --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2,hopperclx64x2,hopperaltclx64x2 --skip-xla-ref --budget-s 210 \
       --out "$R/dec"
     run gpu_mx_engine 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
       tests/gpu/test_dispatch_and_serving.py -k mxfp4

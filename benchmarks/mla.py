@@ -60,7 +60,8 @@ def _best(fn_of_cfg, cfgs, record=None):
     return best
 
 
-HOPPER_DECODES = ("hopper", "hopperalt", "hoppercl")  # the default schedule, the alternating one, CTA pairs
+# the default schedule, the alternating one, each with row tiles in CTA pairs ("cl")
+HOPPER_DECODES = ("hopper", "hopperalt", "hoppercl", "hopperaltcl")
 
 
 def decode_fn(cfg):
@@ -68,8 +69,8 @@ def decode_fn(cfg):
     kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
     if cfg[0] in HOPPER_DECODES:
         return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
-                                 schedule="alternate" if cfg[0] == "hopperalt" else "default",
-                                 cluster=2 if cfg[0] == "hoppercl" else 1)
+                                 schedule="alternate" if cfg[0].startswith("hopperalt") else "default",
+                                 cluster=2 if cfg[0].endswith("cl") else 1)
     bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
     return functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk, num_stages=ns)
 
@@ -115,7 +116,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                         return jax.jit(f)
 
                     ms = time_jax(loop(True), ql, qp, pages, table, lens, iters=iters) / reps
-                    if not interpret:
+                    if not interpret and not rolled:  # the first config's, beside it
                         rolled[cfg] = time_jax(loop(1), ql, qp, pages, table, lens, iters=iters) / reps
                     return ms
 
@@ -131,7 +132,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
                 rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps_v=bm, ours_ms=ms,
-                                 rolled_loop_ms=rolled.get(bm), ms_by_config=by_cfg,
+                                 first_config_rolled_loop_ms=next(iter(rolled.values()), None), ms_by_config=by_cfg,
                                  max_abs_diff_vs_first_config=err_by_cfg, xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))
@@ -332,6 +333,7 @@ def main():
     ap.add_argument("--sections", default="prefill,decode,chunk")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")
+    ap.add_argument("--decode-contexts", default="1024,8192,32768", help="one-query decode contexts to sweep")
     ap.add_argument("--decode-sq", default="1,4", help="query tokens per sequence (4: speculative verify, B64 "
                     "ctx8k only)")
     ap.add_argument("--skip-xla-ref", action="store_true",
@@ -375,7 +377,8 @@ def main():
             dec["xla_ref"] = not args.skip_xla_ref
             if 1 in sqs:
                 batches = [int(v) for v in args.decode_batches.split(",")]
-                rows += decode_rows(bw, tf, batches, [1024, 8192, 32768], heads, **dec)
+                contexts = [int(v) for v in args.decode_contexts.split(",")]
+                rows += decode_rows(bw, tf, batches, contexts, heads, **dec)
             if 4 in sqs:  # speculative verify: 4 query tokens per sequence
                 rows += decode_rows(bw, tf, [64], [8192], heads, sq=4, **dec)
     common.write_results(args.out, "mla_bench", rows)

@@ -35,10 +35,11 @@ from pallas_kernels.mla import _LOG2E, visible_keys
 
 
 def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                  n_queries, block_kv, steps, n_splits, page, rank, scale_log2, interpret, stall_ns=0):
+                  n_queries, block_kv, steps, n_splits, page, rank, scale_log2, interpret, stall_ns=0, cluster=1):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_hopper._decode_core`'s
     grid and outputs).  smem: the query parts, the key ring's parts, one P slot, fp32 row vectors
-    (alpha, m, l of warpgroup 0, l of warpgroup 1, lse)."""
+    (alpha, m, l of warpgroup 0, l of warpgroup 1, lse).  cluster 2: row tiles in CTA pairs,
+    each key tile multicast into both (as `mla_hopper._decode_kernel`'s)."""
     from pallas_kernels.mla_hopper import _set_registers, _stream, _wait_last_releases
 
     q_parts, k_parts, p_smem, vec_smem = smem
@@ -46,6 +47,8 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     l_smem = (vec_smem.at[2], vec_smem.at[3])
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
+    if cluster > 1:
+        rb = rb * cluster + lax.axis_index("cluster")
     wg = lax.axis_index("wg")
     block_m = q_parts[0].shape[0]
     half = rank // 2
@@ -71,7 +74,8 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
             for part, (c0, width) in enumerate(cols_of):
                 plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
-                                        k_bars.at[part * steps + slot])
+                                        k_bars.at[part * steps + slot],
+                                        collective_axes="cluster" if cluster > 1 else None)
 
         _stream(2 * n_pairs, steps, load, (k_used,))
         _wait_last_releases(2 * n_pairs, steps, (k_used,))
@@ -298,11 +302,13 @@ class _ValueAccumulators:
         self.o = self.o + self._product(self.value_product, self.o.shape, i)
 
 
-def barriers(steps: int):
+def barriers(steps: int, cluster: int = 1):
     """The kernel's barriers: queries (3), key parts (3 per slot), key slots used (both
-    warpgroups), P ready from warpgroup w (2), P free from warpgroup w (2), the row sums (both)."""
-    return (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
-            plgpu.Barrier(num_arrivals=2, num_barriers=steps),
+    warpgroups, of both CTAs in a cluster), P ready from warpgroup w (2), P free from warpgroup
+    w (2), the row sums (both)."""
+    used = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1
+            else plgpu.Barrier(num_arrivals=2, num_barriers=steps))
+    return (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps), used,
             plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_arrivals=2))
 
 

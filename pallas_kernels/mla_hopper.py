@@ -624,8 +624,7 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
     rows_pad] fp32 (natural log; -inf for a split with no keys).  schedule "alternate": the
     score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot).
-    cluster 2 (default schedule; heads a multiple of 128): row tiles in pairs share each key
-    tile, multicast (`_decode_kernel`)."""
+    cluster 2 (heads a multiple of 128): row tiles in pairs share each key tile, multicast."""
     from pallas_kernels import mla_decode_alternating as alternating
 
     if schedule not in DECODE_SCHEDULES:
@@ -634,9 +633,9 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     if alternate and p_slots != 1:
         raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
     b, rows_pad, _ = q_lat_rows.shape
-    if cluster not in (1, 2) or (cluster == 2 and (alternate or n_heads % 128 or (rows_pad // 64) % 2)):
-        raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128) on the default "
-                         f"schedule; got cluster={cluster}, {n_heads} heads, schedule {schedule!r}")
+    if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
+        raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
+                         f"cluster={cluster}, {n_heads} heads")
     block_m, half, rope = 64, rank // 2, q_pe_rows.shape[-1]
     dtype = q_lat_rows.dtype
     # wgmma wants one swizzle for both operands, and P's contraction (block_kv) must span the
@@ -657,9 +656,9 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
                     bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                     n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
                     page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
-                    stall_ns=stall_ns),
+                    stall_ns=stall_ns, cluster=cluster),
                 (q_smem, k_smem, tiled((block_m, block_kv)), plgpu.SMEM((alternating.VECTORS, block_m), jnp.float32)),
-                alternating.barriers(steps),
+                alternating.barriers(steps, cluster),
                 collective_axes="wg",
             )
             return
@@ -744,9 +743,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
 
     schedule "alternate" deals the key tiles' scores to both compute warpgroups in turn, each
     issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
-    warpgroup's matmuls (`mla_decode_alternating`; one P slot).  cluster 2 (the default schedule,
-    heads a multiple of 128): the two row tiles of a query form a CTA cluster that reads each key
-    tile once, multicast into both.
+    warpgroup's matmuls (`mla_decode_alternating`; one P slot).  cluster 2 (heads a multiple
+    of 128): the two row tiles of a query form a CTA cluster that reads each key tile once,
+    multicast into both.
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait

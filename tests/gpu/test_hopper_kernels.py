@@ -38,7 +38,8 @@ def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=Non
     table = jnp.asarray(rng.permutation(b * per_row + 8)[:b * per_row].reshape(b, per_row), jnp.int32)
     lens = jnp.asarray(rng.integers(per_row * page // 2 if long else 1, per_row * page, b), jnp.int32)
     q_latent, q_pe = f(b, 1, heads, r), f(b, 1, heads, p)
-    kw = dict(p_slots=p_slots, cluster=cluster) if schedule == "default" else dict(schedule=schedule)
+    kw = dict(p_slots=p_slots) if schedule == "default" else dict(schedule=schedule)
+    kw = dict(kw, cluster=cluster) if cluster > 1 else kw
     outs = [decode(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5, stall_ns=stall_ns, **kw)
             for _ in range(runs)]
     same = all(np.array_equal(np.asarray(o), np.asarray(outs[0][0])) and np.array_equal(np.asarray(lse), np.asarray(outs[0][1]))
@@ -79,14 +80,16 @@ def test_the_alternating_decode_at_the_models_latent_dims_every_repeat(heads, lo
         assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
 
 
-@pytest.mark.parametrize("long, stall_ns", [(False, 0), (True, 0), (True, STALL_NS)])
-def test_row_tiles_in_cta_pairs_at_the_models_latent_dims_every_repeat(long, stall_ns):
+@pytest.mark.parametrize("long, stall_ns, schedule", [(False, 0, "default"), (True, 0, "default"),
+                                                     (True, STALL_NS, "default"), (True, STALL_NS, "alternate")])
+def test_row_tiles_in_cta_pairs_at_the_models_latent_dims_every_repeat(long, stall_ns, schedule):
     """`cluster=2` at 128 heads: each query's two row tiles in one CTA cluster, every key tile
     multicast into both and its slot loaded again only after all four compute warpgroups are
     done with it: the reference's answer, the same bits every run, also with warpgroup 1
     stalled (in both CTAs) before each P @ V."""
     for seed in range(REPEATS):
-        o_err, lse_err, same = decode_errors(mla_decode_hopper, 300 + seed, 128, long, None, stall_ns, cluster=2)
+        o_err, lse_err, same = decode_errors(mla_decode_hopper, 300 + seed, 128, long, None, stall_ns,
+                                             schedule=schedule, cluster=2)
         assert o_err <= O_ATOL and lse_err <= LSE_ATOL, f"repeat {seed}: output {o_err:.3g}, lse {lse_err:.3g}"
         assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
 

@@ -148,24 +148,23 @@ def test_the_alternating_schedule_equals_attention_on_the_gathered_pages(rng, b,
 
 def test_row_tiles_in_cta_pairs_share_each_key_tile(rng):
     """`cluster=2`: 128 heads x 2 query tokens, the two row tiles of each query in one CTA cluster,
-    each key tile multicast into both CTAs (Mosaic GPU's interpreter): the reference's outputs;
-    refused where a pair's tiles would see different keys (96 heads) or on the alternating
-    schedule."""
+    each key tile multicast into both CTAs (Mosaic GPU's interpreter), on both schedules: the
+    reference's outputs; refused where a pair's tiles would see different keys (96 heads)."""
     b, sq, h, r, p, page = 2, 2, 128, 128, 64, 64
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     pages = f(12, page, r + p)
     table = jnp.asarray(rng.permutation(12)[:8].reshape(2, 4), jnp.int32)
     lens = jnp.asarray([250, 129], jnp.int32)
     q_latent, q_pe = f(b, sq, h, r), f(b, sq, h, p)
-    o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, lens, scale=0.1, n_splits=2, cluster=2)
     up = lambda x: x.astype(jnp.float32)
     o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, lens, scale=0.1)
-    np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
-    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
-    for h_bad, schedule in ((96, "default"), (128, "alternate")):
-        with pytest.raises(ValueError, match="cluster 2"):
-            mla_decode_hopper(q_latent[:, :, :h_bad], q_pe[:, :, :h_bad], pages, table, lens, scale=0.1, cluster=2,
-                              schedule=schedule)
+    for schedule in ("default", "alternate"):
+        o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, lens, scale=0.1, n_splits=2, cluster=2,
+                                   schedule=schedule)
+        np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
+        np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="cluster 2"):
+        mla_decode_hopper(q_latent[:, :, :96], q_pe[:, :, :96], pages, table, lens, scale=0.1, cluster=2)
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -258,7 +257,8 @@ def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
 
 @pytest.mark.parametrize("block_kv, steps, stall_ns, schedule", [
     (32, 2, 0, "default"), (32, 3, 0, "default"), (64, 2, 0, "default"), (64, 3, 0, "default"),
-    (64, 2, 2000, "default"), (64, 2, 0, "alternate"), (64, 2, 2000, "alternate"), (64, 2, 0, "cluster")])
+    (64, 2, 2000, "default"), (64, 2, 0, "alternate"), (64, 2, 2000, "alternate"), (64, 2, 0, "cluster"),
+    (64, 2, 0, "alternate cluster")])
 def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, schedule):
     """kv_lora 512 + rope 64, 96 heads; block_kv 64 fits with one P slot and two steps, not
     three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does.  The
@@ -266,8 +266,8 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, 
     the alternating schedule (one P slot, 231552 of 232448 bytes at block_kv 64) and the default
     one with row tiles in CTA pairs ("cluster": 128 heads, key tiles multicast)."""
     from pallas_kernels import mla_hopper
-    cluster = 2 if schedule == "cluster" else 1
-    schedule = "default" if schedule == "cluster" else schedule
+    cluster = 2 if "cluster" in schedule else 1
+    schedule = schedule.replace("cluster", "").strip() or "default"
     b, h, r, p, page = 2, 128 if cluster > 1 else 96, 512, 64, 64
     p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= mla_hopper._SMEM_BYTES else 1
     p_slots = 1 if schedule == "alternate" else p_slots
