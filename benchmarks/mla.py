@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks import common
 from benchmarks.common import time_jax
-from pallas_kernels import mla, mla_hopper
+from pallas_kernels import mla, mla_decode_hopper, mla_hopper
 from pallas_kernels.attention import attend
 
 
@@ -68,7 +68,7 @@ def decode_fn(cfg):
     """The decode kernel a config names: ("hopper", block_kv, steps) the Mosaic GPU
     kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
     if cfg[0] in HOPPER_DECODES:
-        return functools.partial(mla_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
+        return functools.partial(mla_decode_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
                                  schedule="alternate" if cfg[0].startswith("hopperalt") else "default",
                                  cluster=2 if cfg[0].endswith("cl") else 1)
     bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
@@ -275,7 +275,7 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
 
         def absorbed(q, pages, table, lens):
             q_latent = jnp.einsum("bthn,rhn->bthr", q[..., :nope], w_kb)
-            decode = mla.mla_decode if interpret or h * t < 64 else mla_hopper.mla_decode_hopper
+            decode = mla.mla_decode if interpret or h * t < 64 else mla_decode_hopper.mla_decode_hopper
             o = decode(q_latent, q[..., nope:], pages, table, lens + t, scale=scale, interpret=interpret)[0]
             return jnp.einsum("bthr,rhv->bthv", o, w_vb)
 

@@ -123,7 +123,7 @@ def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r:
     """The Hopper MLA decode at issue 22's compute-bound row (H128 B64 ctx8k, pages scattered as
     `mla.py` lays them): where its time goes against the 65%-of-matmul target (DRAM against L2
     traffic: the two 64-row tiles of a sequence read the same keys; tensor-core issue; stalls)."""
-    from pallas_kernels import mla_hopper
+    from pallas_kernels import mla_decode_hopper
 
     key = jax.random.PRNGKey(0)
     n = ctx // page
@@ -132,7 +132,7 @@ def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r:
     lens = jnp.full((b,), ctx, jnp.int32)
     ql = jax.random.normal(key, (b, 1, h, r), jnp.bfloat16)
     qp = jax.random.normal(key, (b, 1, h, p), jnp.bfloat16)
-    fn = jax.jit(lambda a, c, pg, t, n_: mla_hopper.mla_decode_hopper(a, c, pg, t, n_, scale=0.1)[0])
+    fn = jax.jit(lambda a, c, pg, t, n_: mla_decode_hopper.mla_decode_hopper(a, c, pg, t, n_, scale=0.1)[0])
     for _ in range(reps):
         jax.block_until_ready(fn(ql, qp, pages, table, lens))
     try:  # under `ncu --profile-from-start off`: only this call's kernels (inputs and warm-up left out)

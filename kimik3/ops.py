@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import kda as kda_kernels
 from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
-from pallas_kernels import mla_hopper
+from pallas_kernels import mla_decode_hopper, mla_hopper
 from pallas_kernels import moe as moe_kernels
 from pallas_kernels import moe_combine, moe_hopper, moe_mxfp4_hopper, moe_route, qgemm
 from pallas_kernels import mxfp4 as mxfp4_kernels
@@ -415,7 +415,7 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
             out_dtype, q_latent = q_latent.dtype, q_latent.astype(pages.dtype)
             impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h,
                                    table.shape[1] * pages.shape[1], _compute_capability())
-            decode = mla_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
+            decode = mla_decode_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
             o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1,
                                  scale=scale)
             return jnp.einsum("bthr,rhv->bthv", o_latent.astype(out_dtype), w_vb_rhv)

@@ -1,7 +1,7 @@
 """The Hopper MLA decode with the score tiles dealt alternately to its two compute warpgroups
 (`mla_decode_hopper(..., schedule="alternate")`; FlashMLA's "seesaw" idea).
 
-The default schedule (`mla_hopper._decode_kernel`) gives warpgroup 0 every key tile's scores,
+The default schedule (`mla_decode_hopper._decode_kernel`) gives warpgroup 0 every key tile's scores,
 softmax and value half 0, and warpgroup 1 only value half 1: while warpgroup 0 runs a softmax
 the tensor cores wait, since warpgroup 1 waits for that softmax's P.  Here warpgroup w computes
 the scores and softmax of the key tiles i with i % 2 == w and multiplies every tile's P by its
@@ -31,17 +31,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.hopper_ring import set_registers, stream, wait_last_releases
 from pallas_kernels.mla import _LOG2E, visible_keys
 
 
 def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
                   n_queries, block_kv, steps, n_splits, page, rank, scale_log2, interpret, stall_ns=0, cluster=1):
-    """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_hopper._decode_core`'s
+    """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_decode_hopper._decode_core`'s
     grid and outputs).  smem: the query parts, the key ring's parts, one P slot, fp32 row vectors
     (alpha, m, l of warpgroup 0, l of warpgroup 1, lse).  cluster 2: row tiles in CTA pairs,
-    each key tile multicast into both (as `mla_hopper._decode_kernel`'s)."""
-    from pallas_kernels.mla_hopper import _set_registers, _stream, _wait_last_releases
-
+    each key tile multicast into both (as `mla_decode_hopper._decode_kernel`'s)."""
     q_parts, k_parts, p_smem, vec_smem = smem
     alpha_smem, m_smem, lse_smem = vec_smem.at[0], vec_smem.at[1], vec_smem.at[4]
     l_smem = (vec_smem.at[2], vec_smem.at[3])
@@ -66,7 +65,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
 
     @pl.when(wg == 2)
     def _memory():
-        _set_registers(40, interpret)
+        set_registers(40, interpret)
 
         def load(i, slot):
             pos = (kb0 + jnp.minimum(i, n_steps - 1)) * block_kv  # the padding step: the last tile again
@@ -77,12 +76,12 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
                                         k_bars.at[part * steps + slot],
                                         collective_axes="cluster" if cluster > 1 else None)
 
-        _stream(2 * n_pairs, steps, load, (k_used,))
-        _wait_last_releases(2 * n_pairs, steps, (k_used,))
+        stream(2 * n_pairs, steps, load, (k_used,))
+        wait_last_releases(2 * n_pairs, steps, (k_used,))
 
     def compute(w: int):
         """Warpgroup w: the scores of the tiles i = 2j + w, value half w of every tile."""
-        _set_registers(232, interpret)
+        set_registers(232, interpret)
 
         if w == 0:
             for i, ((q_ref, c0), (_, width)) in enumerate(zip(q_of, cols_of)):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper
+from pallas_kernels.mla_decode_hopper import mla_decode_hopper
+from pallas_kernels.mla_hopper import mla_prefill_chunk_hopper, mla_prefill_hopper
 from tests.gpu.conftest import sm90
 
 O_ATOL = 2e-2  # bf16 outputs of O(1), P rounded to bf16 before P @ V
@@ -159,8 +160,8 @@ _RELEASE = "            plgpu.barrier_arrive(p_free.at[pslot])\n"
 
 
 def mutant_source() -> str:
-    """pallas_kernels/mla_hopper.py with the P slot released before it is read."""
-    import pallas_kernels.mla_hopper as mod
+    """pallas_kernels/mla_decode_hopper.py with the P slot released before it is read."""
+    import pallas_kernels.mla_decode_hopper as mod
 
     src = open(mod.__file__).read()
     if src.count(_READ + _RELEASE) != 1:
@@ -173,9 +174,9 @@ def test_the_suite_catches_a_p_slot_released_before_it_is_read(tmp_path):
     must fail in at least one of its repeats."""
     import importlib.util
 
-    path = tmp_path / "mla_hopper_mutant.py"
+    path = tmp_path / "mla_decode_hopper_mutant.py"
     path.write_text(mutant_source())
-    spec = importlib.util.spec_from_file_location("mla_hopper_mutant", path)
+    spec = importlib.util.spec_from_file_location("mla_decode_hopper_mutant", path)
     mutant = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mutant)
     worst = 0.0

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla import LatentPrefix, mla_decode_ref, mla_prefill_ref
-from pallas_kernels.mla_hopper import mla_decode_hopper, mla_prefill_chunk_hopper, mla_prefill_hopper, prefill_block_kv, supports
+from pallas_kernels.mla_decode_hopper import mla_decode_hopper
+from pallas_kernels.mla_hopper import mla_prefill_chunk_hopper, mla_prefill_hopper, prefill_block_kv, supports
 
 O_ATOL = 2e-2  # outputs of O(1) stored in bf16, P rounded to bf16 before P @ V
 LSE_ATOL = 1e-4
@@ -265,13 +266,13 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, 
     GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too, and so does
     the alternating schedule (one P slot, 231552 of 232448 bytes at block_kv 64) and the default
     one with row tiles in CTA pairs ("cluster": 128 heads, key tiles multicast)."""
-    from pallas_kernels import mla_hopper
+    from pallas_kernels import hopper_ring, mla_decode_hopper as mla_hopper
     cluster = 2 if "cluster" in schedule else 1
     schedule = schedule.replace("cluster", "").strip() or "default"
     b, h, r, p, page = 2, 128 if cluster > 1 else 96, 512, 64, 64
-    p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= mla_hopper._SMEM_BYTES else 1
+    p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= hopper_ring.SMEM_BYTES else 1
     p_slots = 1 if schedule == "alternate" else p_slots
-    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots, schedule=schedule) <= mla_hopper._SMEM_BYTES
+    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots, schedule=schedule) <= hopper_ring.SMEM_BYTES
     assert (fits, p_slots) == ({(32, 2): (True, 2), (32, 3): (True, 2), (64, 2): (True, 1), (64, 3): (False, 1)}
                                [block_kv, steps])
     lower = lambda: _lowers_for_cuda(lambda bt, sl, q, qp, pg: mla_hopper._decode_core(
@@ -294,7 +295,7 @@ def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, 
     (2, 1024, 4),     # a short context keeps >= 4 key tiles per split
 ])
 def test_decode_splits_fill_the_sms_in_whole_waves(row_tiles, max_keys, want):
-    from pallas_kernels.mla_hopper import decode_splits
+    from pallas_kernels.mla_decode_hopper import decode_splits
     assert decode_splits(row_tiles, max_keys, 64) == want
 
 
