@@ -209,6 +209,11 @@ case $round in
       --out "$R/dec"
     run gpu_mx_engine 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
       tests/gpu/test_dispatch_and_serving.py -k mxfp4
+    for v in alt:'{"schedule": "alternate"}' altcl:'{"schedule": "alternate", "cluster": 2}'; do  # ptxas: registers,
+      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode \
+        --decode-kw "${v#*:}"  # wgmma serialization
+      grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -20
+    done
     ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes

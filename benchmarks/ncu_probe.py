@@ -119,10 +119,11 @@ def probe_kda_prefill(timed: bool, tuning=None, b: int = 1, t: int = 8192, h: in
 
 
 def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r: int = 512, p: int = 64,
-                     page: int = 128, reps: int = 2):
+                     page: int = 128, reps: int = 2, **decode_kw):
     """The Hopper MLA decode at issue 22's compute-bound row (H128 B64 ctx8k, pages scattered as
     `mla.py` lays them): where its time goes against the 65%-of-matmul target (DRAM against L2
-    traffic: the two 64-row tiles of a sequence read the same keys; tensor-core issue; stalls)."""
+    traffic: the two 64-row tiles of a sequence read the same keys; tensor-core issue; stalls).
+    decode_kw: `mla_decode_hopper`'s options (schedule, cluster)."""
     from pallas_kernels import mla_decode_hopper
 
     key = jax.random.PRNGKey(0)
@@ -132,7 +133,8 @@ def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r:
     lens = jnp.full((b,), ctx, jnp.int32)
     ql = jax.random.normal(key, (b, 1, h, r), jnp.bfloat16)
     qp = jax.random.normal(key, (b, 1, h, p), jnp.bfloat16)
-    fn = jax.jit(lambda a, c, pg, t, n_: mla_decode_hopper.mla_decode_hopper(a, c, pg, t, n_, scale=0.1)[0])
+    fn = jax.jit(lambda a, c, pg, t, n_: mla_decode_hopper.mla_decode_hopper(a, c, pg, t, n_, scale=0.1,
+                                                                                      **decode_kw)[0])
     for _ in range(reps):
         jax.block_until_ready(fn(ql, qp, pages, table, lens))
     try:  # under `ncu --profile-from-start off`: only this call's kernels (inputs and warm-up left out)
@@ -155,12 +157,16 @@ def main():
     ap.add_argument("--what", default="kda,mxfp4")
     ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
     ap.add_argument("--tuning", default="", help='kda.TUNING overrides for kda_prefill, JSON: {"intra_k_parts": 2}')
+    ap.add_argument("--decode-kw", default="", help='mla_decode_hopper options for mla_decode, JSON: {"schedule": '
+                    '"alternate", "cluster": 2}')
     args = ap.parse_args()
     for what in args.what.split(","):
         if what == "kda_prefill":
             probe_kda_prefill(args.time, tuple(json.loads(args.tuning).items()) if args.tuning else None)
+        elif what == "mla_decode":
+            probe_mla_decode(args.time, **(json.loads(args.decode_kw) if args.decode_kw else {}))
         else:
-            {"kda": probe_kda, "mxfp4": probe_mxfp4, "mla_decode": probe_mla_decode}[what](args.time)
+            {"kda": probe_kda, "mxfp4": probe_mxfp4}[what](args.time)
 
 
 if __name__ == "__main__":
