@@ -96,13 +96,14 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
 
                 reps = 2 if interpret else 20
 
-                rolled, by_cfg, err_by_cfg, first = {}, {}, {}, []
+                rolled, by_cfg, err_by_cfg, first = [], {}, {}, []
 
                 def run(cfg):
                     decode = decode_fn(cfg)
                     # each config's outputs against the first's (the same inputs), before any timing
                     o = np.asarray(decode(ql, qp, pages, table, lens, scale=0.1, interpret=interpret)[0], np.float32)
-                    first.append(o) if not first else None
+                    if not first:
+                        first.append(o)
                     err_by_cfg["x".join(map(str, cfg))] = float(np.abs(o - first[0]).max())
 
                     # `reps` dependent calls in one program (each step's output is the next query), so
@@ -117,7 +118,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
 
                     ms = time_jax(loop(True), ql, qp, pages, table, lens, iters=iters) / reps
                     if not interpret and not rolled:  # the first config's, beside it
-                        rolled[cfg] = time_jax(loop(1), ql, qp, pages, table, lens, iters=iters) / reps
+                        rolled.append(time_jax(loop(1), ql, qp, pages, table, lens, iters=iters) / reps)
                     return ms
 
                 rows_q = sq * h
@@ -132,7 +133,7 @@ def decode_rows(bw, tflops, batches, contexts, heads, r=512, p=64, page=128, sq=
                 gbs = bytes_moved / (ms * 1e-3) / 1e9
                 tfs = flops / (ms * 1e-3) / 1e12
                 rows.append(dict(section="decode", case=f"H{h} B{b} ctx{ctx} Sq{sq}", block_m_warps_v=bm, ours_ms=ms,
-                                 first_config_rolled_loop_ms=next(iter(rolled.values()), None), ms_by_config=by_cfg,
+                                 first_config_rolled_loop_ms=(rolled or [None])[0], ms_by_config=by_cfg,
                                  max_abs_diff_vs_first_config=err_by_cfg, xla_ref_ms=ms_ref,
                                  gbs=gbs, of_copy=gbs / bw, tflops=tfs, of_matmul=tfs / tflops,
                                  bound="memory" if flops / bytes_moved < tflops * 1e3 / bw else "compute"))

@@ -32,11 +32,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.hopper_ring import set_registers, stream, wait_last_releases
-from pallas_kernels.mla import _LOG2E, visible_keys
+from pallas_kernels.mla import _LOG2E
+from pallas_kernels.mla_decode_hopper import DecodeCta
 
 
 def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                  n_queries, block_kv, steps, n_splits, page, rank, scale_log2, interpret, stall_ns=0, cluster=1):
+                  n_queries, block_kv, steps, n_splits, rank, scale_log2, interpret, stall_ns=0, cluster=1):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_decode_hopper._decode_core`'s
     grid and outputs).  smem: the query parts, the key ring's parts, one P slot, fp32 row vectors
     (alpha, m, l of warpgroup 0, l of warpgroup 1, lse).  cluster 2: row tiles in CTA pairs,
@@ -45,20 +46,14 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     alpha_smem, m_smem, lse_smem = vec_smem.at[0], vec_smem.at[1], vec_smem.at[4]
     l_smem = (vec_smem.at[2], vec_smem.at[3])
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
-    b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
-    if cluster > 1:
-        rb = rb * cluster + lax.axis_index("cluster")
     wg = lax.axis_index("wg")
     block_m = q_parts[0].shape[0]
     half = rank // 2
-    cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
-    q_of = ((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0))  # (array, first column) per part
     dtype = q_lat_ref.dtype
-    seq_len = len_ref[b]
-    n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
-    per_split = 2 * pl.cdiv(n_blocks, jnp.int32(2 * n_splits))  # even: only a row tile's last split pads
-    kb0 = split * per_split
-    n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
+    # even tile counts per split: only a row tile's last split pads
+    cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
+                       n_queries=n_queries, n_splits=n_splits, rank=rank, cluster=cluster, split_multiple=2)
+    b, split, rb, kb0, n_steps = cta.b, cta.split, cta.rb, cta.kb0, cta.n_steps
     n_pairs = lax.div(n_steps + 1, jnp.int32(2))  # an odd count's last tile comes again, masked
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     slot_of = lambda i: lax.rem(i, jnp.int32(steps))
@@ -67,14 +62,9 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     def _memory():
         set_registers(40, interpret)
 
-        def load(i, slot):
-            pos = (kb0 + jnp.minimum(i, n_steps - 1)) * block_kv  # the padding step: the last tile again
-            pg = bt_ref[b, lax.div(pos, jnp.int32(page))]
-            keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
-            for part, (c0, width) in enumerate(cols_of):
-                plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
-                                        k_bars.at[part * steps + slot],
-                                        collective_axes="cluster" if cluster > 1 else None)
+        def load(i, slot):  # the padding step: the last tile again
+            cta.load_keys(bt_ref, pages_ref, k_parts, k_bars, jnp.minimum(i, n_steps - 1), slot, steps=steps,
+                          cluster=cluster)
 
         stream(2 * n_pairs, steps, load, (k_used,))
         wait_last_releases(2 * n_pairs, steps, (k_used,))
@@ -84,15 +74,10 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
         set_registers(232, interpret)
 
         if w == 0:
-            for i, ((q_ref, c0), (_, width)) in enumerate(zip(q_of, cols_of)):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
-                                        q_bars.at[i])
-
+            cta.load_queries(q_parts, q_bars)
         for i in range(3):
             plgpu.barrier_wait(q_bars.at[i])
-        rows = rb * block_m + plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
+        cols, limit = cta.visibility(n_heads, n_queries)
 
         def wait_tile(i):
             for part in range(3):  # every part, by both warpgroups: each sees every phase of each barrier

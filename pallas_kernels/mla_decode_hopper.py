@@ -13,6 +13,7 @@ prefill chunk (Sq = the chunk) skips the causal upper triangle a tile at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,8 +30,70 @@ from pallas_kernels.hopper_ring import wait_last_releases as _wait_last_releases
 from pallas_kernels.mla import _LOG2E, check_decode_inputs, fold_rows, merge_splits, visible_keys
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeCta:
+    """What a decode CTA derives from its grid position, shared by both schedules (traced
+    scalars): sequence b, KV split `split`, row tile rb (64 folded rows), its split's first key
+    tile kb0 and tile count n_steps; the three column parts (value half 0, value half 1, rope)
+    as (start, width) of a latent row and as (array, first column) of the queries."""
+    b: jax.Array
+    split: jax.Array
+    rb: jax.Array
+    seq_len: jax.Array
+    kb0: jax.Array
+    n_steps: jax.Array
+    block_m: int
+    block_kv: int
+    cols_of: tuple
+    q_of: tuple
+
+    @classmethod
+    def at(cls, len_ref, q_lat_ref, q_pe_ref, pages_ref, *, block_m, block_kv, n_heads, n_queries, n_splits, rank,
+           cluster, split_multiple=1):
+        """split_multiple: each split's tile count a multiple of it (the last split's excepted)."""
+        b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
+        if cluster > 1:
+            rb = rb * cluster + lax.axis_index("cluster")
+        half = rank // 2
+        seq_len = len_ref[b]
+        n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1),
+                           jnp.int32(block_kv))
+        per_split = split_multiple * pl.cdiv(n_blocks, jnp.int32(split_multiple * n_splits))
+        kb0 = split * per_split
+        n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
+        return cls(b, split, rb, seq_len, kb0, n_steps, block_m, block_kv,
+                   cols_of=((0, half), (half, half), (rank, pages_ref.shape[-1] - rank)),
+                   q_of=((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0)))
+
+    def load_queries(self, q_parts, q_bars):
+        """The row tile's queries into their three parts, each by its own TMA (never concatenated
+        in HBM)."""
+        for i, ((q_ref, c0), (_, width)) in enumerate(zip(self.q_of, self.cols_of)):
+            plgpu.copy_gmem_to_smem(q_ref.at[self.b, pl.ds(self.rb * self.block_m, self.block_m), pl.ds(c0, width)],
+                                    q_parts[i], q_bars.at[i])
+
+    def load_keys(self, bt_ref, pages_ref, k_parts, k_bars, tile, slot, *, steps, cluster):
+        """Key tile `tile` of the split (pages by the block table) into ring slot `slot`, its
+        three parts each by its own TMA (multicast to the cluster's CTAs where cluster > 1)."""
+        page = pages_ref.shape[1]
+        pos = (self.kb0 + tile) * self.block_kv
+        pg = bt_ref[self.b, lax.div(pos, jnp.int32(page))]
+        keys = pl.ds(lax.rem(pos, jnp.int32(page)), self.block_kv)
+        for part, (c0, width) in enumerate(self.cols_of):
+            plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
+                                    k_bars.at[part * steps + slot], collective_axes="cluster" if cluster > 1 else None)
+
+    def visibility(self, n_heads, n_queries):
+        """(cols, limit) [64, block_kv] in the wgmma layout: a score at column c of tile i is
+        visible where c + (kb0 + i) * block_kv < limit (its row's query position + 1)."""
+        shape = (self.block_m, self.block_kv)
+        rows = self.rb * self.block_m + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+        return cols, self.seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1
+
+
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                   n_queries, block_kv, steps, p_slots, n_splits, page, rank, scale_log2, interpret, stall_ns=0,
+                   n_queries, block_kv, steps, p_slots, n_splits, rank, scale_log2, interpret, stall_ns=0,
                    cluster=1):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
@@ -47,20 +110,13 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     # rescale factors, then the rows' softmax sums l, then their LSE
     alpha_smem, stat_smem, lse_smem = vec_smem.at[pl.ds(0, p_slots)], vec_smem.at[p_slots], vec_smem.at[p_slots + 1]
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
-    b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
-    if cluster > 1:
-        rb = rb * cluster + lax.axis_index("cluster")
     wg = lax.axis_index("wg")
     block_m = q_parts[0].shape[0]
     half = rank // 2
-    cols_of = ((0, half), (half, half), (rank, pages_ref.shape[-1] - rank))  # (start, width) per part
-    q_of = ((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0))  # (array, first column) per part
     dtype = q_lat_ref.dtype
-    seq_len = len_ref[b]
-    n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
-    per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
-    kb0 = split * per_split
-    n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
+    cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
+                       n_queries=n_queries, n_splits=n_splits, rank=rank, cluster=cluster)
+    b, split, rb, kb0, n_steps = cta.b, cta.split, cta.rb, cta.kb0, cta.n_steps
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def value_half(acc, step, slot, w):
@@ -82,14 +138,10 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     @pl.when(wg == 0)
     def _scores_and_first_half():
         _set_registers(232, interpret)
-        for i, ((q_ref, c0), (_, width)) in enumerate(zip(q_of, cols_of)):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(rb * block_m, block_m), pl.ds(c0, width)], q_parts[i],
-                                    q_bars.at[i])
+        cta.load_queries(q_parts, q_bars)
         for i in range(3):
             plgpu.barrier_wait(q_bars.at[i])
-        rows = rb * block_m + plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (block_m, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        limit = seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1  # keys < limit are visible
+        cols, limit = cta.visibility(n_heads, n_queries)
 
         def issue_scores(acc_ref, i):
             """Q K^T of step i's key tile into acc_ref (wgmma issued; reading acc_ref waits)."""
@@ -182,13 +234,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         _set_registers(40, interpret)
 
         def load(i, slot):
-            pos = (kb0 + i) * block_kv
-            pg = bt_ref[b, lax.div(pos, jnp.int32(page))]
-            keys = pl.ds(lax.rem(pos, jnp.int32(page)), block_kv)
-            for part, (c0, width) in enumerate(cols_of):
-                plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
-                                        k_bars.at[part * steps + slot],
-                                        collective_axes="cluster" if cluster > 1 else None)
+            cta.load_keys(bt_ref, pages_ref, k_parts, k_bars, i, slot, steps=steps, cluster=cluster)
 
         _stream(n_steps, steps, load, (k_used,))
         _wait_last_releases(n_steps, steps, (k_used,))
@@ -236,9 +282,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
             pl.run_scoped(
                 lambda smem, bars: alternating.decode_kernel(
                     bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
-                    n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits,
-                    page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
-                    stall_ns=stall_ns, cluster=cluster),
+                    n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits, rank=rank,
+                    scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
                 (q_smem, k_smem, tiled((block_m, block_kv)), plgpu.SMEM((alternating.VECTORS, block_m), jnp.float32)),
                 alternating.barriers(steps, cluster),
                 collective_axes="wg",
@@ -248,8 +293,7 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
-                page=latent_pages.shape[1], rank=rank, scale_log2=scale_log2, interpret=interpret,
-                stall_ns=stall_ns, cluster=cluster),
+                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1

@@ -107,18 +107,31 @@ def test_fresh_prefills_take_128_key_blocks_where_their_tiles_fit_shared_memory(
     (1, 40, 3, [130], 2, 32, 2, None),  # a prefill chunk: the first row tile stops at key 112
 ])
 def test_decode_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv, steps, p_slots):
-    r, p, page, n_pages = 128, 64, 64, 10
+    inputs = _paged_decode_inputs(rng, b, sq, h, lens)
+    o = _check_decode(inputs, n_splits=n_splits, block_kv=block_kv, steps=steps, p_slots=p_slots)
+    assert o.shape == (b, sq, h, 128) and o.dtype == jnp.bfloat16
+
+
+def _paged_decode_inputs(rng, b, sq, h, lens, n_pages=10, pages_per_seq=4, r=128, p=64, page=64):
+    """bf16 latent pages [n_pages, page, r + p], a block table of distinct pages, queries
+    q_latent [b, sq, h, r] / q_pe [b, sq, h, p], lengths: `mla_decode_hopper`'s arguments."""
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     pages = f(n_pages, page, r + p)
-    table = jnp.asarray(rng.permutation(n_pages)[:b * 4].reshape(b, 4), jnp.int32)
-    q_latent, q_pe, seq_lens = f(b, sq, h, r), f(b, sq, h, p), jnp.asarray(lens, jnp.int32)
-    o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, n_splits=n_splits,
-                               block_kv=block_kv, steps=steps, p_slots=p_slots)
+    table = jnp.asarray(rng.permutation(n_pages)[:b * pages_per_seq].reshape(b, pages_per_seq), jnp.int32)
+    q_latent, q_pe = f(b, sq, h, r), f(b, sq, h, p)
+    return q_latent, q_pe, pages, table, jnp.asarray(lens, jnp.int32)
+
+
+def _check_decode(inputs, **decode_kw):
+    """`mla_decode_hopper(*inputs, **decode_kw)` against the reference on the same inputs in fp32
+    (outputs to bf16's rounding, LSE to fp32's); returns the outputs."""
+    q_latent, q_pe, pages, table, seq_lens = inputs
+    o, lse = mla_decode_hopper(*inputs, scale=0.1, **decode_kw)
     up = lambda x: x.astype(jnp.float32)
     o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, seq_lens, scale=0.1)
-    assert o.shape == (b, sq, h, r) and o.dtype == jnp.bfloat16
     np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
     np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+    return o
 
 
 @pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps", [
@@ -130,40 +143,23 @@ def test_the_alternating_schedule_equals_attention_on_the_gathered_pages(rng, b,
     """`schedule="alternate"`: the score tiles dealt to both compute warpgroups in turn, the
     running max handed over with each P, the two row sums added at the end: the reference's
     outputs and LSE, for every split (odd and even tile counts, none)."""
-    r, p, page, n_pages = 128, 64, 64, 10
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    pages = f(n_pages, page, r + p)
-    table = jnp.asarray(rng.permutation(n_pages)[:b * 4].reshape(b, 4), jnp.int32)
-    q_latent, q_pe, seq_lens = f(b, sq, h, r), f(b, sq, h, p), jnp.asarray(lens, jnp.int32)
-    o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, n_splits=n_splits,
-                               block_kv=block_kv, steps=steps, schedule="alternate")
-    up = lambda x: x.astype(jnp.float32)
-    o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, seq_lens, scale=0.1)
-    np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
-    np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+    inputs = _paged_decode_inputs(rng, b, sq, h, lens)
+    _check_decode(inputs, n_splits=n_splits, block_kv=block_kv, steps=steps, schedule="alternate")
     with pytest.raises(ValueError, match="one slot"):
-        mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, p_slots=2, schedule="alternate")
+        mla_decode_hopper(*inputs, scale=0.1, p_slots=2, schedule="alternate")
     with pytest.raises(ValueError, match="schedule"):
-        mla_decode_hopper(q_latent, q_pe, pages, table, seq_lens, scale=0.1, schedule="seesaw")
+        mla_decode_hopper(*inputs, scale=0.1, schedule="seesaw")
 
 
 def test_row_tiles_in_cta_pairs_share_each_key_tile(rng):
     """`cluster=2`: 128 heads, the two row tiles of each query in one CTA cluster,
     each key tile multicast into both CTAs (Mosaic GPU's interpreter), on both schedules: the
     reference's outputs; refused where a pair's tiles would see different keys (96 heads)."""
-    b, sq, h, r, p, page = 2, 1, 128, 128, 64, 64
-    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    pages = f(8, page, r + p)
-    table = jnp.asarray(rng.permutation(8)[:6].reshape(2, 3), jnp.int32)
-    lens = jnp.asarray([150, 65], jnp.int32)  # 3 and 2 key tiles: the alternating schedule pads one
-    q_latent, q_pe = f(b, sq, h, r), f(b, sq, h, p)
-    up = lambda x: x.astype(jnp.float32)
-    o_ref, lse_ref = mla_decode_ref(up(q_latent), up(q_pe), up(pages), table, lens, scale=0.1)
+    # 3 and 2 key tiles: the alternating schedule pads one
+    inputs = _paged_decode_inputs(rng, 2, 1, 128, [150, 65], n_pages=8, pages_per_seq=3)
     for schedule in ("default", "alternate"):
-        o, lse = mla_decode_hopper(q_latent, q_pe, pages, table, lens, scale=0.1, n_splits=2, cluster=2,
-                                   schedule=schedule)
-        np.testing.assert_allclose(up(o), o_ref, atol=O_ATOL, rtol=0)
-        np.testing.assert_allclose(lse, lse_ref, atol=LSE_ATOL, rtol=0)
+        _check_decode(inputs, n_splits=2, cluster=2, schedule=schedule)
+    q_latent, q_pe, pages, table, lens = inputs
     with pytest.raises(ValueError, match="cluster 2"):
         mla_decode_hopper(q_latent[:, :, :96], q_pe[:, :, :96], pages, table, lens, scale=0.1, cluster=2)
 
