@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.hopper_ring import set_registers, stream, wait_last_releases
+from pallas_kernels.hopper_ring import set_registers, softmax_loop, stream, wait_last_releases
 from pallas_kernels.mla import _LOG2E
 from pallas_kernels.mla_decode_hopper import DecodeCta
 
@@ -53,7 +53,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     # even tile counts per split: only a row tile's last split pads
     cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
                        n_queries=n_queries, n_splits=n_splits, rank=rank, cluster=cluster, split_multiple=2)
-    b, split, rb, kb0, n_steps = cta.b, cta.split, cta.rb, cta.kb0, cta.n_steps
+    b, split, rb, n_steps = cta.b, cta.split, cta.rb, cta.n_steps
     n_pairs = lax.div(n_steps + 1, jnp.int32(2))  # an odd count's last tile comes again, masked
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     slot_of = lambda i: lax.rem(i, jnp.int32(steps))
@@ -77,7 +77,6 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             cta.load_queries(q_parts, q_bars)
         for i in range(3):
             plgpu.barrier_wait(q_bars.at[i])
-        cols, limit = cta.visibility(n_heads, n_queries)
 
         def wait_tile(i):
             for part in range(3):  # every part, by both warpgroups: each sees every phase of each barrier
@@ -92,8 +91,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
 
         def softmax(s, i, m_prev):
             """Tile i's raw scores after the running max m_prev -> (P, alpha, m)."""
-            valid = (cols + (kb0 + i) * block_kv < limit) & (i < n_steps)
-            s = jnp.where(valid, s * scale_log2, -jnp.inf)
+            s = cta.mask(s * scale_log2, i, n_heads, n_queries)
             m_new = jnp.maximum(m_prev, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
             alpha = jnp.exp2(m_prev - m_safe)
@@ -175,26 +173,11 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             acc.issue_values(bt)
             return m_b, l_w
 
-        pair = pair0 if w == 0 else pair1
-        zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
         init = (plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
-        if interpret:  # O a loop value, each product computed where it is issued
-            def body(j, carry):
-                acc = _ValueAccumulators(carry[2], block_m, block_kv, score_product, value_product)
-                m, l_w = pair(acc, j, *carry[:2])
-                return m, l_w, acc.o
-
-            m, l_w, o = lax.fori_loop(0, n_pairs, body, init + (zeros((block_m, half)),))
-        else:  # both accumulators in registers across the loop, wgmmas in flight between their reads
-            def run(s_ref, o_ref):
-                o_ref[...] = zeros((block_m, half))
-                acc = _RefAccumulators(s_ref, o_ref, block_m, block_kv, score_product, value_product)
-                m, l_w = lax.fori_loop(0, n_pairs, lambda j, c: pair(acc, j, *c), init)
-                return plgpu.wgmma_accumulator_load(o_ref, wait_n=0), m, l_w
-
-            o, m, l_w = pl.run_scoped(run, plgpu.ACC((block_m, block_kv), jnp.float32),
-                                      plgpu.ACC((block_m, half), jnp.float32))
+        o, m, l_w = softmax_loop(n_pairs, pair0 if w == 0 else pair1, init, block_m=block_m, block_kv=block_kv,
+                                 width=half, score_product=score_product, value_product=value_product,
+                                 interpret=interpret)
 
         @pl.when(n_pairs > 0)
         def _():
@@ -230,60 +213,6 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     @pl.when(wg == 1)
     def _wg1():
         compute(1)
-
-
-class _RefAccumulators:
-    """The compiled kernel's accumulators: S and O as wgmma accumulator refs, products issued
-    asynchronously and read after `wgmma.wait_group wait_n`."""
-
-    def __init__(self, s_ref, o_ref, block_m, block_kv, score_product, value_product):
-        self.s_ref, self.o_ref = s_ref, o_ref
-        self.s_shape = (block_m, block_kv)
-        self.score_product, self.value_product = score_product, value_product
-
-    def issue_scores(self, i):
-        self.s_ref[...] = plgpu.layout_cast(jnp.full(self.s_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
-        self.score_product(self.s_ref, i)
-
-    def scores(self, wait_n):
-        return plgpu.wgmma_accumulator_load(self.s_ref, wait_n=wait_n)
-
-    def rescale(self, alpha, wait_n):
-        o = plgpu.wgmma_accumulator_load(self.o_ref, wait_n=wait_n)
-        self.o_ref[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-
-    def issue_values(self, i):
-        self.value_product(self.o_ref, i)
-
-
-class _ValueAccumulators:
-    """The interpreter's (it neither stores into an accumulator ref nor runs wgmmas
-    asynchronously): each product into a fresh accumulator where it is issued, O a value."""
-
-    def __init__(self, o, block_m, block_kv, score_product, value_product):
-        self.o, self.s = o, None
-        self.s_shape = (block_m, block_kv)
-        self.score_product, self.value_product = score_product, value_product
-
-    @staticmethod
-    def _product(fn, shape, i):
-        def scoped(acc_ref):
-            fn(acc_ref, i)
-            return acc_ref[...]
-
-        return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-    def issue_scores(self, i):
-        self.s = self._product(self.score_product, self.s_shape, i)
-
-    def scores(self, wait_n):
-        return self.s
-
-    def rescale(self, alpha, wait_n):
-        self.o = self.o * lax.broadcast_in_dim(alpha, self.o.shape, [0])
-
-    def issue_values(self, i):
-        self.o = self.o + self._product(self.value_product, self.o.shape, i)
 
 
 def barriers(steps: int, cluster: int = 1):

@@ -83,13 +83,25 @@ class DecodeCta:
             plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
                                     k_bars.at[part * steps + slot], collective_axes="cluster" if cluster > 1 else None)
 
-    def visibility(self, n_heads, n_queries):
-        """(cols, limit) [64, block_kv] in the wgmma layout: a score at column c of tile i is
-        visible where c + (kb0 + i) * block_kv < limit (its row's query position + 1)."""
-        shape = (self.block_m, self.block_kv)
-        rows = self.rb * self.block_m + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        return cols, self.seq_len - n_queries + lax.div(rows, jnp.int32(n_heads)) + 1
+    def mask(self, s, i, n_heads, n_queries):
+        """s [64, block_kv] (scaled scores of the split's tile i) with every key its row cannot
+        see at -inf: a score at column c is visible where c + (kb0 + i) * block_kv < its row's
+        query position + 1.  A tile past n_steps (the alternating schedule's pad) is masked
+        whole.  Only a tile some row cannot wholly see (the split's last, or near a later
+        query's end) runs the compares: a row's limit grows with the row, so row 0's decides,
+        and the loop keeps no [64, block_kv] index array live beside the accumulators (the
+        registers the score and output tiles need)."""
+        start = jnp.where(i < self.n_steps, (self.kb0 + i) * self.block_kv, jnp.int32(2**30))
+        first_row = self.rb * self.block_m
+        base = self.seq_len - n_queries + 1 - start
+        partial = self.block_kv > base + lax.div(first_row, jnp.int32(n_heads))
+
+        def masked(s):
+            rows = first_row + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+            cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+            return jnp.where(cols < base + lax.div(rows, jnp.int32(n_heads)), s, -jnp.inf)
+
+        return lax.cond(partial, masked, lambda s: s, s)
 
 
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
@@ -116,7 +128,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     dtype = q_lat_ref.dtype
     cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
                        n_queries=n_queries, n_splits=n_splits, rank=rank, cluster=cluster)
-    b, split, rb, kb0, n_steps = cta.b, cta.split, cta.rb, cta.kb0, cta.n_steps
+    b, split, rb, n_steps = cta.b, cta.split, cta.rb, cta.n_steps
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def value_half(acc, step, slot, w):
@@ -141,7 +153,6 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         cta.load_queries(q_parts, q_bars)
         for i in range(3):
             plgpu.barrier_wait(q_bars.at[i])
-        cols, limit = cta.visibility(n_heads, n_queries)
 
         def issue_scores(acc_ref, i):
             """Q K^T of step i's key tile into acc_ref (wgmma issued; reading acc_ref waits)."""
@@ -154,7 +165,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         def softmax_and_hand_over(s, i, m_i, l_i):
             """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1."""
             pslot = lax.rem(i, p_slots)
-            s = jnp.where(cols + (kb0 + i) * block_kv < limit, s * scale_log2, -jnp.inf)
+            s = cta.mask(s * scale_log2, i, n_heads, n_queries)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
             alpha = jnp.exp2(m_i - m_safe)

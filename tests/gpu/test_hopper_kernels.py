@@ -2,6 +2,8 @@
 fresh random inputs, several times over (a synchronization bug shows as run-to-run scatter: the
 interpreter's body, which tests/pallas_kernels checks, cannot show it)."""
 
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -178,7 +180,11 @@ def test_the_suite_catches_a_p_slot_released_before_it_is_read(tmp_path):
     path.write_text(mutant_source())
     spec = importlib.util.spec_from_file_location("mla_decode_hopper_mutant", path)
     mutant = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mutant)
+    sys.modules[spec.name] = mutant  # a dataclass (DecodeCta) resolves its annotations through it
+    try:
+        spec.loader.exec_module(mutant)
+    finally:
+        del sys.modules[spec.name]
     worst = 0.0
     cases = [(96, True, 1, STALL_NS), (16, True, None, STALL_NS), (96, True, 1, 0)]  # the decode check's
     for heads, long, p_slots, stall_ns in cases:
