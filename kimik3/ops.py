@@ -176,12 +176,13 @@ def moe_mxfp4_impl(compute_capability: str | None) -> str:
     codes decoded in registers as wgmma's A operand, 1.44-1.45x the Triton MXFP4 kernel and
     2.8-3.1x bf16 at a full-scale rank's decode rows on an H100, RESULTS.md, session 34) or
     "triton" (`pallas_kernels.moe` with `mxfp4.PackedMXFP4`, any GPU).  ``KIMIK3_MOE_MXFP4``
-    chooses: "triton" (the default until a serving run on the GPU has checked the Hopper
-    experts in the engine), "auto" ("hopper" on a 9.x GPU) and "hopper" (as "auto", and off the
-    GPU in Mosaic GPU's interpreter).  The kernel figures are the GEMM's alone: in the FFN the
+    chooses: "auto" (the default: "hopper" on a 9.x GPU, where `small`'s MXFP4 experts in the
+    Hopper layout have served in the engine as close to fp32 as the Triton ones, tests/gpu,
+    session 36), "triton" always, and "hopper" (as "auto", and off the GPU in Mosaic GPU's
+    interpreter).  The kernel figures are the GEMM's alone: in the FFN the
     activation between the two GEMMs runs as XLA ops (a round trip of the gate / up rows that
     the Triton kernel's epilogue saves), so the layer's gain is yet to be measured."""
-    choice = os.environ.get("KIMIK3_MOE_MXFP4", "triton")
+    choice = os.environ.get("KIMIK3_MOE_MXFP4", "auto")
     if choice not in MOE_MXFP4_CHOICES:
         raise ValueError(f"KIMIK3_MOE_MXFP4 must be one of {MOE_MXFP4_CHOICES}; got {choice!r}")
     if choice == "triton":
