@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | fourteenth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | fourteenth | fifteenth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, fourteenth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, fourteenth, fifteenth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -214,6 +214,22 @@ case $round in
         --decode-kw "${v#*:}"  # wgmma serialization
       grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -20
     done
+    ;;
+  fifteenth)  # session 36: the MLA decode's loop-invariant wgmma descriptors computed in the loop
+    # (`descriptors="in_loop"`): ptxas first (spills and C7514 serialization, hoisted vs in the
+    # loop, both schedules), then the GPU rows, then each variant at issue 22's rows
+    mkdir -p "$R"/dec
+    for v in def:'{}' defin:'{"descriptors": "in_loop"}' alt:'{"schedule": "alternate"}' \
+             altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
+      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode \
+        --decode-kw "${v#*:}"
+      grep -i -E "serializ|registers|spill" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -6
+    done
+    run gpu_in_loop 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k "descriptors_computed"
+    run mla_decode_in_loop 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+      --decode-contexts 8192 --decode-sq 1,4 --decode-configs hopperx64x2,hopperinx64x2,hopperaltinx64x2,hopperaltx64x2 \
+      --skip-xla-ref --budget-s 210 --out "$R/dec"
     ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes

@@ -137,3 +137,14 @@ def softmax_loop(n, body, init, *, block_m, block_kv, width, score_product, valu
         return (plgpu.wgmma_accumulator_load(o_ref, wait_n=0), *carry)
 
     return pl.run_scoped(run, plgpu.ACC((block_m, block_kv), jnp.float32), plgpu.ACC((block_m, width), jnp.float32))
+
+
+def fresh(x):
+    """x, through an inline-asm identity that LLVM can neither see through nor move out of a
+    loop.  A loop-invariant shared-memory operand indexed by `fresh(0)` inside the loop has its
+    wgmma descriptors (one 64-bit value per k-step) computed where the wgmmas issue: indexed by
+    a constant, LLVM hoists them all before the loop (the decode's 36 query descriptors; the
+    alternating schedule's key slots too, constant there), where they outgrow the register
+    file and spill into the accumulators' registers, and ptxas then serializes every wgmma
+    (C7514; RESULTS.md, MLA decode, session 36)."""
+    return lax.optimization_barrier(x)

@@ -31,13 +31,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.hopper_ring import set_registers, softmax_loop, stream, wait_last_releases
+from pallas_kernels.hopper_ring import fresh, set_registers, softmax_loop, stream, wait_last_releases
 from pallas_kernels.mla import _LOG2E
 from pallas_kernels.mla_decode_hopper import DecodeCta
 
 
 def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                  n_queries, block_kv, steps, n_splits, rank, scale_log2, interpret, stall_ns=0, cluster=1):
+                  n_queries, block_kv, steps, n_splits, rank, scale_log2, interpret, stall_ns=0, cluster=1,
+                  descriptors="hoisted"):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows `rows` (`mla_decode_hopper._decode_core`'s
     grid and outputs).  smem: the query parts, the key ring's parts, one P slot, fp32 row vectors
     (alpha, m, l of warpgroup 0, l of warpgroup 1, lse).  cluster 2: row tiles in CTA pairs,
@@ -47,7 +48,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     l_smem = (vec_smem.at[2], vec_smem.at[3])
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     wg = lax.axis_index("wg")
-    block_m = q_parts[0].shape[0]
+    block_m = q_parts[0].shape[1]
     half = rank // 2
     dtype = q_lat_ref.dtype
     # even tile counts per split: only a row tile's last split pads
@@ -56,7 +57,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     b, split, rb, n_steps = cta.b, cta.split, cta.rb, cta.n_steps
     n_pairs = lax.div(n_steps + 1, jnp.int32(2))  # an odd count's last tile comes again, masked
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    slot_of = lambda i: lax.rem(i, jnp.int32(steps))
+    slot_of = lambda i: lax.rem(i, jnp.int32(steps))  # constant per pair member at two slots
 
     @pl.when(wg == 2)
     def _memory():
@@ -82,12 +83,17 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             for part in range(3):  # every part, by both warpgroups: each sees every phase of each barrier
                 plgpu.barrier_wait(k_bars.at[part * steps + slot_of(i)])
 
+        # "in_loop": operands indexed through `fresh`, their descriptors computed where the wgmmas
+        # issue (the queries' are loop-invariant and, at two ring slots, each pair member's key slot too)
+        pin = fresh if descriptors == "in_loop" else (lambda x: x)
+
         def score_product(acc_ref, i):
+            here, slot = pin(jnp.int32(0)), pin(slot_of(i))
             for part in range(3):
-                plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot_of(i)].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
         def value_product(acc_ref, i):
-            plgpu.wgmma(acc_ref, p_smem, k_parts[w].at[slot_of(i)])
+            plgpu.wgmma(acc_ref, p_smem, k_parts[w].at[pin(slot_of(i))])
 
         def softmax(s, i, m_prev):
             """Tile i's raw scores after the running max m_prev -> (P, alpha, m)."""
@@ -197,11 +203,11 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
                + plgpu.load(l_smem[1], layout=row_layout, optimized=False))
         has = l_i > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
-        q_parts[w][...] = (o * lax.broadcast_in_dim(inv, o.shape, [0])).astype(dtype)
+        q_parts[w].at[0][...] = (o * lax.broadcast_in_dim(inv, o.shape, [0])).astype(dtype)
         if w == 0:
             lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[w], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(q_parts[w].at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
         if w == 0:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
         plgpu.wait_smem_to_gmem(0)

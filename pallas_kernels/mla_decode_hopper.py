@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.hopper_ring import SMEM_BYTES as _SMEM_BYTES
+from pallas_kernels.hopper_ring import fresh as _fresh
 from pallas_kernels.hopper_ring import mma_into as _mma_into
 from pallas_kernels.hopper_ring import set_registers as _set_registers
 from pallas_kernels.hopper_ring import stream as _stream
@@ -66,11 +67,11 @@ class DecodeCta:
                    q_of=((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0)))
 
     def load_queries(self, q_parts, q_bars):
-        """The row tile's queries into their three parts, each by its own TMA (never concatenated
-        in HBM)."""
+        """The row tile's queries into their three parts ([1, 64, width] each), each by its own
+        TMA (never concatenated in HBM)."""
         for i, ((q_ref, c0), (_, width)) in enumerate(zip(self.q_of, self.cols_of)):
             plgpu.copy_gmem_to_smem(q_ref.at[self.b, pl.ds(self.rb * self.block_m, self.block_m), pl.ds(c0, width)],
-                                    q_parts[i], q_bars.at[i])
+                                    q_parts[i].at[0], q_bars.at[i])
 
     def load_keys(self, bt_ref, pages_ref, k_parts, k_bars, tile, slot, *, steps, cluster):
         """Key tile `tile` of the split (pages by the block table) into ring slot `slot`, its
@@ -106,7 +107,7 @@ class DecodeCta:
 
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
                    n_queries, block_kv, steps, p_slots, n_splits, rank, scale_log2, interpret, stall_ns=0,
-                   cluster=1):
+                   cluster=1, descriptors="hoisted"):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     cluster 2: the CTAs of two neighbouring row tiles (the same query's heads, so the same keys)
@@ -123,7 +124,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     alpha_smem, stat_smem, lse_smem = vec_smem.at[pl.ds(0, p_slots)], vec_smem.at[p_slots], vec_smem.at[p_slots + 1]
     q_bars, k_bars, k_used, p_ready, p_free, stats_ready = bars
     wg = lax.axis_index("wg")
-    block_m = q_parts[0].shape[0]
+    block_m = q_parts[0].shape[1]
     half = rank // 2
     dtype = q_lat_ref.dtype
     cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
@@ -143,9 +144,9 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         reads the queries any more by then)."""
         has = l_i > 0
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
-        q_parts[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+        q_parts[w].at[0][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[w], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(q_parts[w].at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
@@ -159,8 +160,9 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             slot = lax.rem(i, jnp.int32(steps))
             for part in range(3):
                 plgpu.barrier_wait(k_bars.at[part * steps + slot])
+            here = _fresh(jnp.int32(0)) if descriptors == "in_loop" else 0  # see `DECODE_DESCRIPTORS`
             for part in range(3):
-                plgpu.wgmma(acc_ref, q_parts[part], k_parts[part].at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
         def softmax_and_hand_over(s, i, m_i, l_i):
             """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1."""
@@ -252,18 +254,25 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
 
 
 DECODE_SCHEDULES = ("default", "alternate")
+# Where the loop-invariant operands' wgmma descriptors are computed: "hoisted", where LLVM puts
+# them (before the loop: the queries' 36 and, in the alternating schedule at two ring slots,
+# the keys' too), or "in_loop", at each wgmma (`hopper_ring.fresh`); a candidate against the
+# spills ptxas reports (RESULTS.md, MLA decode, session 36), to measure.
+DECODE_DESCRIPTORS = ("hoisted", "in_loop")
 
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
                                              "n_splits", "scale_log2", "interpret", "stall_ns", "schedule",
-                                             "cluster"))
+                                             "cluster", "descriptors"))
 def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
-                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default", cluster=1):
+                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default", cluster=1,
+                 descriptors="hoisted"):
     """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
     rows_pad] fp32 (natural log; -inf for a split with no keys).  schedule "alternate": the
     score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot).
-    cluster 2 (heads a multiple of 128): row tiles in pairs share each key tile, multicast."""
+    cluster 2 (heads a multiple of 128): row tiles in pairs share each key tile, multicast.
+    descriptors: `DECODE_DESCRIPTORS`."""
     from pallas_kernels import mla_decode_alternating as alternating
 
     if schedule not in DECODE_SCHEDULES:
@@ -282,7 +291,7 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     minor = min(64, block_kv)
     tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
-    smem = ((tiled((block_m, half)), tiled((block_m, half)), tiled((block_m, rope))),
+    smem = ((tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),  # indexed in-loop
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
             tiled((p_slots, block_m, block_kv)),
             plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
@@ -294,7 +303,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
                 lambda smem, bars: alternating.decode_kernel(
                     bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                     n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits, rank=rank,
-                    scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
+                    scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster,
+                    descriptors=descriptors),
                 (q_smem, k_smem, tiled((block_m, block_kv)), plgpu.SMEM((alternating.VECTORS, block_m), jnp.float32)),
                 alternating.barriers(steps, cluster),
                 collective_axes="wg",
@@ -304,7 +314,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
-                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
+                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster,
+                descriptors=descriptors),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1
@@ -360,7 +371,8 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default", cluster=1):
+                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default", cluster=1,
+                      descriptors="hoisted"):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -379,7 +391,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
     warpgroup's matmuls (`mla_decode_alternating`; one P slot).  cluster 2 (heads a multiple
     of 128): the two row tiles of a query form a CTA cluster that reads each key tile once,
-    multicast into both.
+    multicast into both.  descriptors "in_loop" computes the queries' (and the alternating
+    schedule's key slots') wgmma descriptors at each wgmma instead of before the loop
+    (`DECODE_DESCRIPTORS`).
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
@@ -401,6 +415,8 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
         raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
     if schedule == "alternate" and p_slots not in (None, 1):
         raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
+    if descriptors not in DECODE_DESCRIPTORS:
+        raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
     itemsize = jnp.dtype(q_latent.dtype).itemsize
     smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize, schedule) for n in (1, 2)}
     if smem_bytes[1] > _SMEM_BYTES:
@@ -418,7 +434,7 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
                                     interpret=interpret, stall_ns=int(stall_ns), schedule=schedule,
-                                    cluster=int(cluster))
+                                    cluster=int(cluster), descriptors=descriptors)
     if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
         return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
                 lse_part[:, 0, :sq * h].reshape(b, sq, h))
