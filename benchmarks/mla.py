@@ -334,7 +334,8 @@ def main():
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
                          "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
                          "Mosaic GPU kernel (hopperalt...: its alternating schedule; hoppercl...: row tiles in CTA pairs; "
-                         "hopper[alt][cl]in...: the loop-invariant operands' wgmma descriptors computed in the loop)")
+                         "hopper[alt][cl]in...: the loop-invariant operands' wgmma descriptors computed in the "
+                         "loop)")
     ap.add_argument("--sections", default="prefill,decode,chunk")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")

@@ -179,9 +179,9 @@ def moe_mxfp4_impl(compute_capability: str | None) -> str:
     chooses: "auto" (the default: "hopper" on a 9.x GPU, where `small`'s MXFP4 experts in the
     Hopper layout have served in the engine as close to fp32 as the Triton ones, tests/gpu,
     session 36), "triton" always, and "hopper" (as "auto", and off the GPU in Mosaic GPU's
-    interpreter).  The kernel figures are the GEMM's alone: in the FFN the
-    activation between the two GEMMs runs as XLA ops (a round trip of the gate / up rows that
-    the Triton kernel's epilogue saves), so the layer's gain is yet to be measured."""
+    interpreter).  The kernel figures are the GEMM's alone: in the FFN the activation between
+    the two GEMMs runs as XLA ops (a round trip of the gate / up rows that the Triton kernel's
+    epilogue saves), so the layer's gain is yet to be measured."""
     choice = os.environ.get("KIMIK3_MOE_MXFP4", "auto")
     if choice not in MOE_MXFP4_CHOICES:
         raise ValueError(f"KIMIK3_MOE_MXFP4 must be one of {MOE_MXFP4_CHOICES}; got {choice!r}")

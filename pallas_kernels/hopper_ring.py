@@ -1,6 +1,8 @@
 """What the Hopper (sm_90a) Mosaic GPU kernels of this package share: the register split
-between warp-specialized warpgroups, wgmma accumulation in place, and the producer
-warpgroup's TMA ring over `steps` shared-memory slots."""
+between warp-specialized warpgroups, wgmma accumulation in place, an online softmax's score and
+output accumulators with products in flight (`RefAccumulators`, `softmax_loop`), `fresh` (an
+index LLVM cannot hoist), and the producer warpgroup's TMA ring over `steps` shared-memory
+slots."""
 
 from __future__ import annotations
 
@@ -140,8 +142,8 @@ def softmax_loop(n, body, init, *, block_m, block_kv, width, score_product, valu
 
 
 def fresh(x):
-    """x, through an inline-asm identity that LLVM can neither see through nor move out of a
-    loop.  A loop-invariant shared-memory operand indexed by `fresh(0)` inside the loop has its
+    """x, through an identity LLVM can neither see through nor move out of a loop
+    (`lax.optimization_barrier`, which Mosaic GPU lowers to a side-effecting inline asm).  A loop-invariant shared-memory operand indexed by `fresh(0)` inside the loop has its
     wgmma descriptors (one 64-bit value per k-step) computed where the wgmmas issue: indexed by
     a constant, LLVM hoists them all before the loop (the decode's 36 query descriptors; the
     alternating schedule's key slots too, constant there), where they outgrow the register

@@ -88,7 +88,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
         pin = fresh if descriptors == "in_loop" else (lambda x: x)
 
         def score_product(acc_ref, i):
-            here, slot = pin(jnp.int32(0)), pin(slot_of(i))
+            here, slot = pin(0), pin(slot_of(i))
             for part in range(3):
                 plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
@@ -207,7 +207,8 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
         if w == 0:
             lse_smem[...] = jnp.where(has, (m + jnp.log2(jnp.where(has, l_i, 1.0))) / _LOG2E, -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[w].at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(q_parts[w].at[0],
+                                o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
         if w == 0:
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, pl.ds(rb * block_m, block_m)])
         plgpu.wait_smem_to_gmem(0)

@@ -88,8 +88,9 @@ class DecodeCta:
         """s [64, block_kv] (scaled scores of the split's tile i) with every key its row cannot
         see at -inf: a score at column c is visible where c + (kb0 + i) * block_kv < its row's
         query position + 1.  A tile past n_steps (the alternating schedule's pad) is masked
-        whole.  Only a tile some row cannot wholly see (the split's last, or near a later
-        query's end) runs the compares: a row's limit grows with the row, so row 0's decides,
+        whole.  Only a tile that reaches past its first row's limit runs the compares (the row
+        tile's last; in a chunk, every tile between its first and last rows' query ends): a
+        row's limit grows with the row (query-major folding), so the first row's decides,
         and the loop keeps no [64, block_kv] index array live beside the accumulators (the
         registers the score and output tiles need)."""
         start = jnp.where(i < self.n_steps, (self.kb0 + i) * self.block_kv, jnp.int32(2**30))
@@ -146,7 +147,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
         q_parts[w].at[0][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[w].at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(q_parts[w].at[0],
+                                o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
@@ -281,6 +283,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     if alternate and p_slots != 1:
         raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
     b, rows_pad, _ = q_lat_rows.shape
+    if descriptors not in DECODE_DESCRIPTORS:
+        raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
     if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
         raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
                          f"cluster={cluster}, {n_heads} heads")
@@ -291,7 +295,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     minor = min(64, block_kv)
     tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
-    smem = ((tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),  # indexed in-loop
+    # the queries' leading dim of 1: an index `fresh` can make opaque (`DECODE_DESCRIPTORS`)
+    smem = ((tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
             tiled((p_slots, block_m, block_kv)),
             plgpu.SMEM((p_slots + 2, block_m), jnp.float32))

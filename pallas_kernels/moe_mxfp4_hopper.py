@@ -16,8 +16,8 @@ staged through shared memory, the interpreter's only A operand).  The default de
 "lut_perm", looks eight codes up at a time with `prmt` (inline PTX) from one 32-bit shared-memory
 load, the codes stored permuted along K so that each lane loads exactly its A-layout codes
 (`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, issue 20).  The serving
-engine holds MXFP4 experts in this layout from load on, on a 9.x GPU (`kimik3.ops.
-hopper_mxfp4_experts`; ``KIMIK3_MOE_MXFP4=triton`` keeps the Triton MXFP4 kernels).
+engine holds MXFP4 experts in this layout from load on, on a 9.x GPU
+(`kimik3.ops.hopper_mxfp4_experts`; ``KIMIK3_MOE_MXFP4=triton`` keeps the Triton MXFP4 kernels).
 
 Layout (`to_hopper`, done once when the weights load):
   codes  [G, N, K] int4, two per byte along K (what TMA and the int4 -> bf16 upcast take): for

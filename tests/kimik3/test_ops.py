@@ -44,8 +44,9 @@ def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, 
 
 
 def test_mxfp4_experts_take_the_hopper_kernel_only_where_asked(monkeypatch):
-    """`KIMIK3_MOE_MXFP4`: "auto" (the default) on a 9.x GPU only; "triton" never; "hopper" also
-    off the GPU (the interpreter); anything else refused, naming the variable."""
+    """`KIMIK3_MOE_MXFP4`: "auto" (the default) on a 9.x GPU only; "triton" never the Hopper
+    kernel; "hopper" also off the GPU (the interpreter); anything else refused, naming the
+    variable."""
     monkeypatch.delenv("KIMIK3_MOE_MXFP4", raising=False)
     assert [ops.moe_mxfp4_impl(cc) for cc in ("9.0", "8.0", None)] == ["hopper", "triton", "triton"]
     monkeypatch.setenv("KIMIK3_MOE_MXFP4", "auto")

@@ -197,7 +197,8 @@ def test_the_serving_experts_on_the_hopper_mxfp4_kernel_equal_the_triton_ones():
         want = np.asarray(ops.grouped_ffn(x, ids, params["w_gateup_elf"], params["w_out_efl"], act), np.float32)
         sizes = jnp.asarray([10, 0, 9, 5], jnp.int32)
         want_gmm = np.asarray(ops.grouped_matmul(x, params["w_gateup_elf"], sizes), np.float32)
-        assert ops.hopper_mxfp4_experts(params) is params  # the default: the Triton kernels
+        mp.setenv("KIMIK3_MOE_MXFP4", "triton")
+        assert ops.hopper_mxfp4_experts(params) is params  # asked for the Triton kernels
         mp.setenv("KIMIK3_MOE_MXFP4", "hopper")
         assert ops.hopper_mxfp4_experts(params, "float32") is params  # the kernel multiplies bf16 rows
         moved = ops.hopper_mxfp4_experts(params)
