@@ -230,6 +230,13 @@ case $round in
     run mla_decode_in_loop 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
       --decode-contexts 8192 --decode-sq 1,4 --decode-configs hopperx64x2,hopperinx64x2,hopperaltinx64x2,hopperaltx64x2 \
       --skip-xla-ref --budget-s 210 --out "$R/dec"
+    for v in in:'{"descriptors": "in_loop"}' altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
+      # where a tile's time goes: shared-memory port (both score operands come from it) and stalls
+      run "ncu_${v%%:*}" 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \
+        --profile-from-start off --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        python3 benchmarks/ncu_probe.py --what mla_decode --decode-kw "${v#*:}"
+    done
     ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes
