@@ -6,8 +6,8 @@ softmax and value half 0, and warpgroup 1 only value half 1: while warpgroup 0 r
 the tensor cores wait, since warpgroup 1 waits for that softmax's P.  Here warpgroup w computes
 the scores and softmax of the key tiles i with i % 2 == w and multiplies every tile's P by its
 value half w.  Warpgroup 1 issues its tile's Q K^T before it waits for warpgroup 0's P, so
-softmax(a) runs beside Q K(b)^T and softmax(b) beside both P(a) V; warpgroup 0 issues Q K(a)^T
-while its last P V may still run (at two ring slots tile a's slot frees only after P(b - 2)):
+softmax(a) runs beside Q K(b)^T and softmax(b) beside both P(a) V; warpgroup 0 lets its last
+P V finish before it issues Q K(a)^T (a partial wait there would serialize the kernel):
 
     warpgroup 0, pair j (tiles a = 2j, b = 2j + 1)     warpgroup 1, pair j
     issue Q K(a)^T                                      issue Q K(b)^T
@@ -132,13 +132,18 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
 
         def pair0(acc, j, m_prev, l_w):  # warpgroup 0: own tile a, then warpgroup 1's tile b
             a, bt = 2 * j, 2 * j + 1
-            wait_tile(a)  # its slot last held tile a - steps, released before: no wait on our own release
-            acc.issue_scores(a)  # queued behind P(b - 2) V0, which may still run
-            plgpu.wgmma_wait(3)  # P(b - 2) V0 done; the three score groups may run on
+            # P(b - 2) V0 done before Q K(a)^T issues, not by a partial wait after it: groups
+            # outstanding there would be one in later pairs and none in the first, and ptxas
+            # serializes every wgmma of a kernel whose partial wait has no single count (C7514;
+            # RESULTS.md, MLA decode, session 36)
+            plgpu.wgmma_wait(0)
 
             @pl.when(j > 0)
             def _():
                 plgpu.barrier_arrive(k_used.at[slot_of(a - 1)])
+
+            wait_tile(a)  # its slot last held tile a - steps, released before: no wait on our own release
+            acc.issue_scores(a)
 
             p, alpha, m_a = softmax(acc.scores(0), a, m_prev)
             l_w = l_w * alpha + p.sum(axis=1)
