@@ -221,9 +221,13 @@ case $round in
     mkdir -p "$R"/dec
     for v in def:'{}' defin:'{"descriptors": "in_loop"}' alt:'{"schedule": "alternate"}' \
              altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
-      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode \
-        --decode-kw "${v#*:}"
-      grep -i -E "serializ|registers|spill" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -6
+      # the PTX too (MOSAIC_GPU_DUMP_TO writes every dump; only the PTX comes back): compiled and
+      # disassembled on the CPU machine (/usr/local/cuda-13.0/bin/ptxas, triton's nvdisasm)
+      rm -rf "/tmp/dump_${v%%:*}"
+      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/dump_${v%%:*}" \
+        python3 benchmarks/ncu_probe.py --what mla_decode --decode-kw "${v#*:}"
+      cp "/tmp/dump_${v%%:*}"/*.ptx "$R/decode_${v%%:*}.ptx" 2>/dev/null
+      grep -i -E "serializ|registers|spill" "$R/ptxas_${v%%:*}.txt" "/tmp/dump_${v%%:*}"/*.ptxas 2>/dev/null | sort | uniq -c | head -6
     done
     run gpu_in_loop 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
       tests/gpu/test_hopper_kernels.py -k "descriptors_computed"
