@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | fourteenth | fifteenth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | fourteenth | fifteenth | sixteenth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, fourteenth, fifteenth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, fourteenth, fifteenth, sixteenth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -215,25 +215,39 @@ case $round in
       grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -20
     done
     ;;
-  fifteenth)  # session 36: the MLA decode's loop-invariant wgmma descriptors computed in the loop
-    # (`descriptors="in_loop"`): ptxas first (spills and C7514 serialization, hoisted vs in the
-    # loop, both schedules), then the GPU rows, then each variant at issue 22's rows
+  fifteenth)  # session 36: the MLA decode after the CPU-side PTX work: the loop-invariant wgmma
+    # descriptors computed in the loop (`descriptors="in_loop"`), the alternating schedule without
+    # its partial wait, warpgroup 0's rescale after P's release.  ptxas first (spills, C7514),
+    # each variant's PTX brought back, then the GPU rows, then the variants at issue 22's rows
     mkdir -p "$R"/dec
     for v in def:'{}' defin:'{"descriptors": "in_loop"}' alt:'{"schedule": "alternate"}' \
              altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
-      # the PTX too (MOSAIC_GPU_DUMP_TO writes every dump; only the PTX comes back): compiled and
-      # disassembled on the CPU machine (/usr/local/cuda-13.0/bin/ptxas, triton's nvdisasm)
+      # MOSAIC_GPU_DUMP_TO writes every dump; only the PTX comes back (compiled and disassembled on
+      # the CPU machine: /usr/local/cuda-13.0/bin/ptxas, triton's nvdisasm)
       rm -rf "/tmp/dump_${v%%:*}"
       run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/dump_${v%%:*}" \
         python3 benchmarks/ncu_probe.py --what mla_decode --decode-kw "${v#*:}"
       cp "/tmp/dump_${v%%:*}"/*.ptx "$R/decode_${v%%:*}.ptx" 2>/dev/null
       grep -i -E "serializ|registers|spill" "$R/ptxas_${v%%:*}.txt" "/tmp/dump_${v%%:*}"/*.ptxas 2>/dev/null | sort | uniq -c | head -6
     done
-    run gpu_in_loop 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
-      tests/gpu/test_hopper_kernels.py -k "descriptors_computed"
-    run mla_decode_in_loop 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+    run gpu_decode 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k "descriptors_computed or test_decode_at or alternating or cta_pairs or suite_catches"
+    run mla_decode_variants 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
       --decode-contexts 8192 --decode-sq 1,4 --decode-configs hopperx64x2,hopperinx64x2,hopperaltinx64x2,hopperaltx64x2 \
       --skip-xla-ref --budget-s 210 --out "$R/dec"
+    ;;
+  sixteenth)  # session 36, after fifteenth: the same rows on the tree before this session's decode
+    # changes, in the same call as this tree's default (make base.tar first, on the CPU machine:
+    # `git archive 76f3472 -o base.tar`; untracked files travel), then Nsight Compute on the in-loop variants
+    mkdir -p "$R"/{dec,base}
+    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
+    if [ -f base.tar ]; then
+      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+      run mla_decode_base 150 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
+        --decode-configs hopperx64x2 --budget-s 120 --out $R/base"
+    fi
+    run mla_decode_now 150 python3 benchmarks/mla.py $B --decode-configs hopperx64x2,hopperinx64x2 --budget-s 120 \
+      --out "$R/dec"
     for v in in:'{"descriptors": "in_loop"}' altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
       # where a tile's time goes: shared-memory port (both score operands come from it) and stalls
       run "ncu_${v%%:*}" 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \

@@ -111,6 +111,13 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[w])
 
+        def handed_over_alpha():
+            """The factor just published, read back: O's multiplies then wait for a load after
+            the hand-over's barrier, so ptxas cannot move them ahead of P's release (as in
+            `mla_decode_hopper._decode_kernel`); the other warpgroup overwrites the slot only
+            after this warpgroup frees it."""
+            return plgpu.load(alpha_smem, layout=row_layout, optimized=False)
+
         def take(acc, wait_n):
             """The other warpgroup's P: its factor and max; O rescaled (wgmmas but wait_n done)."""
             plgpu.barrier_wait(p_ready.at[1 - w])
@@ -153,7 +160,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
                 plgpu.barrier_wait(p_free.at[1])  # warpgroup 1 is done reading P(a - 1)
 
             publish(p, alpha, m_a)
-            acc.rescale(alpha, 0)
+            acc.rescale(handed_over_alpha(), 0)
             acc.issue_values(a)
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(p_free.at[0])
@@ -180,7 +187,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
             plgpu.barrier_arrive(k_used.at[slot_of(a)])
             plgpu.barrier_wait(p_free.at[0])  # warpgroup 0 is done reading P(a)
             publish(p, alpha, m_b)
-            acc.rescale(alpha, 0)
+            acc.rescale(handed_over_alpha(), 0)
             acc.issue_values(bt)
             return m_b, l_w
 

@@ -186,6 +186,13 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             plgpu.barrier_arrive(p_ready.at[pslot])
             return alpha, m_new, l_i
 
+        def handed_over_alpha(i):
+            """Step i's rescale factors read back from the buffer they were handed over in: O's
+            128 multiplies then depend on a load after the hand-over's barrier, so ptxas cannot
+            schedule them before P's release to warpgroup 1 (with the register copy it did, and
+            warpgroup 1 waited those ~130 cycles at every step; RESULTS.md, session 36)."""
+            return plgpu.load(alpha_smem.at[lax.rem(i, p_slots)], layout=row_layout, optimized=False)
+
         def first_half(acc, alpha, i):
             acc = value_half(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), i, lax.rem(i, jnp.int32(steps)), 0)
             plgpu.barrier_arrive(k_used.at[lax.rem(i, jnp.int32(steps))])
@@ -199,8 +206,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((block_m, block_kv), jnp.float32))
-            alpha, m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
-            return first_half(acc, alpha, i), m_i, l_i
+            _, m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
+            return first_half(acc, handed_over_alpha(i), i), m_i, l_i
 
         init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
