@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.hopper_ring import fresh, set_registers, softmax_loop, stream, wait_last_releases
 from pallas_kernels.mla import _LOG2E
-from pallas_kernels.mla_decode_hopper import DecodeCta
+from pallas_kernels.mla_decode_hopper import DecodeCta, softmax_step
 
 
 def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
@@ -97,12 +97,7 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
 
         def softmax(s, i, m_prev):
             """Tile i's raw scores after the running max m_prev -> (P, alpha, m)."""
-            s = cta.mask(s * scale_log2, i, n_heads, n_queries)
-            m_new = jnp.maximum(m_prev, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
-            alpha = jnp.exp2(m_prev - m_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            return p, alpha, m_new
+            return softmax_step(cta.mask(s, i, n_heads, n_queries), m_prev, scale_log2)
 
         def publish(p, alpha, m):
             p_smem[...] = p.astype(dtype)

@@ -85,7 +85,7 @@ class DecodeCta:
                                     k_bars.at[part * steps + slot], collective_axes="cluster" if cluster > 1 else None)
 
     def mask(self, s, i, n_heads, n_queries):
-        """s [64, block_kv] (scaled scores of the split's tile i) with every key its row cannot
+        """s [64, block_kv] (the scores of the split's tile i) with every key its row cannot
         see at -inf: a score at column c is visible where c + (kb0 + i) * block_kv < its row's
         query position + 1.  A tile past n_steps (the alternating schedule's pad) is masked
         whole.  Only a tile that reaches past its first row's limit runs the compares (the row
@@ -104,6 +104,20 @@ class DecodeCta:
             return jnp.where(cols < base + lax.div(rows, jnp.int32(n_heads)), s, -jnp.inf)
 
         return lax.cond(partial, masked, lambda s: s, s)
+
+
+def softmax_step(s, m_prev, scale_log2: float):
+    """One key tile of the online softmax, in log2 units: s [64, block_kv] raw (unscaled) scores,
+    -inf where masked; m_prev [64] the rows' running max of the scaled scores -> (P = 2^(s *
+    scale_log2 - m) [64, block_kv] fp32, the rescale factors 2^(m_prev - m) [64], m).  The scale
+    is applied inside P's exponent, one FMA a score (the max of the raw scores scaled is the max
+    of the scaled ones: scale_log2 > 0), not as a multiply of its own on the softmax's critical
+    path.  A row with no visible key yet keeps m = -inf and P = 0."""
+    m_new = jnp.maximum(m_prev, s.max(axis=1) * scale_log2)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    return p, alpha, m_new
 
 
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
@@ -169,11 +183,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         def softmax_and_hand_over(s, i, m_i, l_i):
             """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1."""
             pslot = lax.rem(i, p_slots)
-            s = cta.mask(s * scale_log2, i, n_heads, n_queries)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with no visible key yet
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+            p, alpha, m_new = softmax_step(cta.mask(s, i, n_heads, n_queries), m_i, scale_log2)
             l_i = l_i * alpha + p.sum(axis=1)
 
             @pl.when(i >= p_slots)
@@ -411,6 +421,8 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
     for the read then shows as a wrong answer on every run, not by chance (tests/gpu)."""
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    if not float(scale) > 0:
+        raise ValueError(f"scale must be positive (the kernel takes the max of unscaled scores); got {scale}")
     if stall_ns and interpret:
         raise ValueError("stall_ns is a compiled kernel's timing knob; the interpreter has no warpgroup timing")
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
