@@ -10,7 +10,7 @@ softmax(a) runs beside Q K(b)^T and softmax(b) beside both P(a) V; warpgroup 0 l
 P V finish before it issues Q K(a)^T (a partial wait there would serialize the kernel):
 
     warpgroup 0, pair j (tiles a = 2j, b = 2j + 1)     warpgroup 1, pair j
-    issue Q K(a)^T                                      issue Q K(b)^T
+    wait P(b - 2) V0; issue Q K(a)^T                    issue Q K(b)^T
     S(a) -> softmax(a) after m(b - 2) -> P(a)           wait P(a); O1 *= alpha(a); issue P(a) V1(a)
     O0 *= alpha(a); issue P(a) V0(a)                    S(b) -> softmax(b) after m(a) -> P(b)
     wait P(b); O0 *= alpha(b); issue P(b) V0(b)         O1 *= alpha(b); issue P(b) V1(b)

@@ -302,6 +302,8 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     b, rows_pad, _ = q_lat_rows.shape
     if descriptors not in DECODE_DESCRIPTORS:
         raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
+    if not scale_log2 > 0:
+        raise ValueError(f"scale_log2 must be positive (`softmax_step` takes the max unscaled); got {scale_log2}")
     if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
         raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
                          f"cluster={cluster}, {n_heads} heads")

@@ -215,8 +215,9 @@ class TestRefused:
                 jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32))
         with pytest.raises(ValueError, match="kv_lora % 128"):
             mla_decode_hopper(*args, scale=0.1)
-        with pytest.raises(ValueError, match="scale must be positive"):  # the max is taken unscaled
-            mla_decode_hopper(*args, scale=0.0)
+        for scale in (0.0, -0.1):  # the max is taken unscaled
+            with pytest.raises(ValueError, match="scale must be positive"):
+                mla_decode_hopper(*args, scale=scale)
 
     def test_decode_ring_over_shared_memory(self, rng):
         pages = jnp.zeros((4, 64, 512 + 64), jnp.bfloat16)
