@@ -104,7 +104,7 @@ def scan(ptx: str) -> list[tuple[int, str]]:
                 groups = groups[len(groups) - keep:] if keep else []
             elif hits is not None:
                 live = set().union(*groups, open_)
-                if bad := [r for r in _REG.findall(t) if r in live]:
+                if any(r in live for r in _REG.findall(t)):
                     hits.append((n, t))
         return tuple(groups), frozenset(open_)
 

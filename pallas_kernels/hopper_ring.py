@@ -1,8 +1,6 @@
 """What the Hopper (sm_90a) Mosaic GPU kernels of this package share: the register split
-between warp-specialized warpgroups, wgmma accumulation in place, an online softmax's score and
-output accumulators with products in flight (`RefAccumulators`, `softmax_loop`), `fresh` (an
-index LLVM cannot hoist), and the producer warpgroup's TMA ring over `steps` shared-memory
-slots."""
+between warp-specialized warpgroups, wgmma accumulation in place, `fresh` (an index LLVM
+cannot hoist), and the producer warpgroup's TMA ring over `steps` shared-memory slots."""
 
 from __future__ import annotations
 
@@ -59,86 +57,6 @@ def wait_last_releases(total, steps: int, released):
     def _(g):
         for bars in released:
             plgpu.barrier_wait(bars.at[lax.rem(g, jnp.int32(steps))])
-
-
-class RefAccumulators:
-    """An online-softmax warpgroup's accumulators in the compiled kernel: scores S and output O
-    as wgmma accumulator refs, products issued asynchronously (`score_product(s_ref, i)`,
-    `value_product(o_ref, i)`: wgmma calls, one commit group each) and read after
-    `wgmma.wait_group wait_n`.  O stays in registers across the loop, products in flight
-    between its reads."""
-
-    def __init__(self, s_ref, o_ref, block_m, block_kv, score_product, value_product):
-        self.s_ref, self.o_ref = s_ref, o_ref
-        self.s_shape = (block_m, block_kv)
-        self.score_product, self.value_product = score_product, value_product
-
-    def issue_scores(self, i):
-        self.s_ref[...] = plgpu.layout_cast(jnp.full(self.s_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
-        self.score_product(self.s_ref, i)
-
-    def scores(self, wait_n):
-        return plgpu.wgmma_accumulator_load(self.s_ref, wait_n=wait_n)
-
-    def rescale(self, alpha, wait_n):
-        o = plgpu.wgmma_accumulator_load(self.o_ref, wait_n=wait_n)
-        self.o_ref[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-
-    def issue_values(self, i):
-        self.value_product(self.o_ref, i)
-
-
-class ValueAccumulators:
-    """`RefAccumulators` in the interpreter (which neither stores into an accumulator ref nor
-    runs wgmmas asynchronously): each product into a fresh accumulator where it is issued, O a
-    loop value."""
-
-    def __init__(self, o, block_m, block_kv, score_product, value_product):
-        self.o, self.s = o, None
-        self.s_shape = (block_m, block_kv)
-        self.score_product, self.value_product = score_product, value_product
-
-    @staticmethod
-    def _product(fn, shape, i):
-        def scoped(acc_ref):
-            fn(acc_ref, i)
-            return acc_ref[...]
-
-        return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
-
-    def issue_scores(self, i):
-        self.s = self._product(self.score_product, self.s_shape, i)
-
-    def scores(self, wait_n):
-        return self.s
-
-    def rescale(self, alpha, wait_n):
-        self.o = self.o * lax.broadcast_in_dim(alpha, self.o.shape, [0])
-
-    def issue_values(self, i):
-        self.o = self.o + self._product(self.value_product, self.o.shape, i)
-
-
-def softmax_loop(n, body, init, *, block_m, block_kv, width, score_product, value_product, interpret):
-    """`lax.fori_loop(0, n)` of `body(acc, i, *carry) -> carry` over a warpgroup's score and
-    output accumulators (`RefAccumulators`; `ValueAccumulators` in the interpreter), O [block_m,
-    width] starting at zero -> (O fp32 with every product done, *carry)."""
-    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
-    if interpret:  # O a loop value, each product computed where it is issued
-        def step(i, carry):
-            acc = ValueAccumulators(carry[-1], block_m, block_kv, score_product, value_product)
-            return (*body(acc, i, *carry[:-1]), acc.o)
-
-        *carry, o = lax.fori_loop(0, n, step, (*init, zeros((block_m, width))))
-        return (o, *carry)
-
-    def run(s_ref, o_ref):  # both accumulators in registers across the loop, wgmmas in flight between reads
-        o_ref[...] = zeros((block_m, width))
-        acc = RefAccumulators(s_ref, o_ref, block_m, block_kv, score_product, value_product)
-        carry = lax.fori_loop(0, n, lambda i, c: tuple(body(acc, i, *c)), tuple(init))
-        return (plgpu.wgmma_accumulator_load(o_ref, wait_n=0), *carry)
-
-    return pl.run_scoped(run, plgpu.ACC((block_m, block_kv), jnp.float32), plgpu.ACC((block_m, width), jnp.float32))
 
 
 def fresh(x):

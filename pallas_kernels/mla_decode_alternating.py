@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.hopper_ring import fresh, set_registers, softmax_loop, stream, wait_last_releases
+from pallas_kernels.hopper_ring import fresh, set_registers, stream, wait_last_releases
 from pallas_kernels.mla import _LOG2E
 from pallas_kernels.mla_decode_hopper import DecodeCta, softmax_step
 
@@ -227,6 +227,86 @@ def decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_re
     @pl.when(wg == 1)
     def _wg1():
         compute(1)
+
+
+class RefAccumulators:
+    """A compute warpgroup's accumulators in the compiled kernel: scores S and output O
+    as wgmma accumulator refs, products issued asynchronously (`score_product(s_ref, i)`,
+    `value_product(o_ref, i)`: wgmma calls, one commit group each) and read after
+    `wgmma.wait_group wait_n`.  O stays in registers across the loop, products in flight
+    between its reads."""
+
+    def __init__(self, s_ref, o_ref, block_m, block_kv, score_product, value_product):
+        self.s_ref, self.o_ref = s_ref, o_ref
+        self.s_shape = (block_m, block_kv)
+        self.score_product, self.value_product = score_product, value_product
+
+    def issue_scores(self, i):
+        self.s_ref[...] = plgpu.layout_cast(jnp.full(self.s_shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+        self.score_product(self.s_ref, i)
+
+    def scores(self, wait_n):
+        return plgpu.wgmma_accumulator_load(self.s_ref, wait_n=wait_n)
+
+    def rescale(self, alpha, wait_n):
+        o = plgpu.wgmma_accumulator_load(self.o_ref, wait_n=wait_n)
+        self.o_ref[...] = o * lax.broadcast_in_dim(alpha, o.shape, [0])
+
+    def issue_values(self, i):
+        self.value_product(self.o_ref, i)
+
+
+class ValueAccumulators:
+    """`RefAccumulators` in the interpreter (which neither stores into an accumulator ref nor
+    runs wgmmas asynchronously): each product into a fresh accumulator where it is issued, O a
+    loop value."""
+
+    def __init__(self, o, block_m, block_kv, score_product, value_product):
+        self.o, self.s = o, None
+        self.s_shape = (block_m, block_kv)
+        self.score_product, self.value_product = score_product, value_product
+
+    @staticmethod
+    def _product(fn, shape, i):
+        def scoped(acc_ref):
+            fn(acc_ref, i)
+            return acc_ref[...]
+
+        return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+
+    def issue_scores(self, i):
+        self.s = self._product(self.score_product, self.s_shape, i)
+
+    def scores(self, wait_n):
+        return self.s
+
+    def rescale(self, alpha, wait_n):
+        self.o = self.o * lax.broadcast_in_dim(alpha, self.o.shape, [0])
+
+    def issue_values(self, i):
+        self.o = self.o + self._product(self.value_product, self.o.shape, i)
+
+
+def softmax_loop(n, body, init, *, block_m, block_kv, width, score_product, value_product, interpret):
+    """`lax.fori_loop(0, n)` of `body(acc, i, *carry) -> carry` over a warpgroup's score and
+    output accumulators (`RefAccumulators`; `ValueAccumulators` in the interpreter), O [block_m,
+    width] starting at zero -> (O fp32 with every product done, *carry)."""
+    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0, jnp.float32), plgpu.Layout.WGMMA)
+    if interpret:  # O a loop value, each product computed where it is issued
+        def step(i, carry):
+            acc = ValueAccumulators(carry[-1], block_m, block_kv, score_product, value_product)
+            return (*body(acc, i, *carry[:-1]), acc.o)
+
+        *carry, o = lax.fori_loop(0, n, step, (*init, zeros((block_m, width))))
+        return (o, *carry)
+
+    def run(s_ref, o_ref):  # both accumulators in registers across the loop, wgmmas in flight between reads
+        o_ref[...] = zeros((block_m, width))
+        acc = RefAccumulators(s_ref, o_ref, block_m, block_kv, score_product, value_product)
+        carry = lax.fori_loop(0, n, lambda i, c: tuple(body(acc, i, *c)), tuple(init))
+        return (plgpu.wgmma_accumulator_load(o_ref, wait_n=0), *carry)
+
+    return pl.run_scoped(run, plgpu.ACC((block_m, block_kv), jnp.float32), plgpu.ACC((block_m, width), jnp.float32))
 
 
 def barriers(steps: int, cluster: int = 1):

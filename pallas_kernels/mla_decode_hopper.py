@@ -302,8 +302,6 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     b, rows_pad, _ = q_lat_rows.shape
     if descriptors not in DECODE_DESCRIPTORS:
         raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
-    if not scale_log2 > 0:
-        raise ValueError(f"scale_log2 must be positive (`softmax_step` takes the max unscaled); got {scale_log2}")
     if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
         raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
                          f"cluster={cluster}, {n_heads} heads")
@@ -424,7 +422,7 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     for the read then shows as a wrong answer on every run, not by chance (tests/gpu)."""
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     if not float(scale) > 0:
-        raise ValueError(f"scale must be positive (the kernel takes the max of unscaled scores); got {scale}")
+        raise ValueError(f"scale must be positive (`softmax_step` takes the max of unscaled scores); got {scale}")
     if stall_ns and interpret:
         raise ValueError("stall_ns is a compiled kernel's timing knob; the interpreter has no warpgroup timing")
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
@@ -441,8 +439,6 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
         raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
     if schedule == "alternate" and p_slots not in (None, 1):
         raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
-    if descriptors not in DECODE_DESCRIPTORS:
-        raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
     itemsize = jnp.dtype(q_latent.dtype).itemsize
     smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize, schedule) for n in (1, 2)}
     if smem_bytes[1] > _SMEM_BYTES:
