@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | thirteenth | fourteenth | fifteenth | sixteenth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | next | must | tests | kernels | attention | serving)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, thirteenth, fourteenth, fifteenth, sixteenth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, next, must, tests, kernels, attention or serving}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -21,7 +21,8 @@ run() {  # run NAME SECONDS CMD...: CMD's output in $R/NAME.txt, its tail printe
   step "$name"
   timeout "$limit" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"
   grep -v -i "warning" "$R/$name.txt" | tail -12 | cut -c1-900
-  tar -C "$R" -czf "$OUT/round.tgz" .
+  # files past 4 MB stay behind (a dump's cubin text): the archive must come back (16 MiB a file)
+  (cd "$R" && find . -type f -size -4M -print0 | tar --null -T - -czf "$OUT/round.tgz")
 }
 nvidia-smi -L | tee "$R/gpu.txt"
 case $round in
@@ -197,64 +198,29 @@ case $round in
       --decode-sq 1,4 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 120 --out "$R/dec"
     run kda_decode 200 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
-  thirteenth)  # session 35: the MLA decode's alternating schedule (both warpgroups compute scores in
-    # turn) and its row tiles in CTA pairs (key tiles multicast): their GPU rows, then each at issue
-    # 22's rows (checked against the default's outputs before timing; hoppercl only at 128 heads),
-    # then small's MXFP4 experts in the Hopper layout in an engine
-    mkdir -p "$R"/dec
-    run gpu_alt 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=5 \
-      tests/gpu/test_hopper_kernels.py -k "alternating or cta_pairs"
-    run mla_decode_alt 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
-      --decode-contexts 8192,32768 --decode-sq 1,4 --decode-configs hopperx64x2,hopperaltx64x2,hopperclx64x2,hopperaltclx64x2 --skip-xla-ref --budget-s 210 \
-      --out "$R/dec"
-    run gpu_mx_engine 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider --durations=3 \
-      tests/gpu/test_dispatch_and_serving.py -k mxfp4
-    for v in alt:'{"schedule": "alternate"}' altcl:'{"schedule": "alternate", "cluster": 2}'; do  # ptxas: registers,
-      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode \
-        --decode-kw "${v#*:}"  # wgmma serialization
-      grep -i -E "warn|serializ|registers|spill|stack|error" "$R/ptxas_${v%%:*}.txt" | sort | uniq -c | head -20
-    done
-    ;;
-  fifteenth)  # session 36: the MLA decode after the CPU-side PTX work: the loop-invariant wgmma
-    # descriptors computed in the loop (`descriptors="in_loop"`), the alternating schedule without
-    # its partial wait, warpgroup 0's rescale after P's release.  ptxas first (spills, C7514),
-    # each variant's PTX brought back, then the GPU rows, then the variants at issue 22's rows
-    mkdir -p "$R"/dec
-    for v in def:'{}' defin:'{"descriptors": "in_loop"}' alt:'{"schedule": "alternate"}' \
-             altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
-      # MOSAIC_GPU_DUMP_TO writes every dump; only the PTX comes back (compiled and disassembled on
-      # the CPU machine: /usr/local/cuda-13.0/bin/ptxas, triton's nvdisasm)
-      rm -rf "/tmp/dump_${v%%:*}"
-      run "ptxas_${v%%:*}" 60 env MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/dump_${v%%:*}" \
-        python3 benchmarks/ncu_probe.py --what mla_decode --decode-kw "${v#*:}"
-      cp "/tmp/dump_${v%%:*}"/*.ptx "$R/decode_${v%%:*}.ptx" 2>/dev/null
-      grep -i -E "serializ|registers|spill" "$R/ptxas_${v%%:*}.txt" "/tmp/dump_${v%%:*}"/*.ptxas 2>/dev/null | sort | uniq -c | head -6
-    done
-    run gpu_decode 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
-      tests/gpu/test_hopper_kernels.py -k "descriptors_computed or test_decode_at or alternating or cta_pairs or suite_catches"
-    run mla_decode_variants 240 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
-      --decode-contexts 8192 --decode-sq 1,4 --decode-configs hopperx64x2,hopperinx64x2,hopperaltinx64x2,hopperaltx64x2 \
-      --skip-xla-ref --budget-s 210 --out "$R/dec"
-    ;;
-  sixteenth)  # session 36, after fifteenth: the same rows on the tree before this session's decode
-    # changes, in the same call as this tree's default (make base.tar first, on the CPU machine:
-    # `git archive 76f3472 -o base.tar`; untracked files travel), then Nsight Compute on the in-loop variants
-    mkdir -p "$R"/{dec,base}
-    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
-    if [ -f base.tar ]; then
-      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
-      run mla_decode_base 150 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
-        --decode-configs hopperx64x2 --budget-s 120 --out $R/base"
-    fi
-    run mla_decode_now 150 python3 benchmarks/mla.py $B --decode-configs hopperx64x2,hopperinx64x2 --budget-s 120 \
-      --out "$R/dec"
-    for v in in:'{"descriptors": "in_loop"}' altin:'{"schedule": "alternate", "descriptors": "in_loop"}'; do
-      # where a tile's time goes: shared-memory port (both score operands come from it) and stalls
-      run "ncu_${v%%:*}" 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \
-        --profile-from-start off --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-        python3 benchmarks/ncu_probe.py --what mla_decode --decode-kw "${v#*:}"
-    done
+  seventeenth)  # session 37: the MLA decode with its descriptors computed in the loop (now the only
+    # way; the alternating schedule deleted): ptxas' report, the GPU rows, issue 22's decode rows
+    # (H128 / H96 B64 ctx8k Sq1 + Sq4, CTA pairs beside; H16 B64 ctx32k), where a tile's time goes
+    # (Nsight Compute, with source-level stall sampling), then KDA decode against fla
+    mkdir -p "$R"/{dec,dec32,kda}
+    rm -rf /tmp/dump_def
+    run ptxas_def 60 env MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/dump_def \
+      python3 benchmarks/ncu_probe.py --what mla_decode
+    cp /tmp/dump_def/*.ptx "$R/decode_def.ptx" 2>/dev/null
+    cat /tmp/dump_def/*.ptxas > "$R/decode_def.ptxas" 2>/dev/null
+    grep -h -i -E "serializ|registers|spill" /tmp/dump_def/*.ptxas 2>/dev/null | sort | uniq -c | head -6
+    run gpu_decode 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k "test_decode_at or cta_pairs or suite_catches"
+    run mla_decode 200 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
+      --decode-contexts 8192 --decode-sq 1,4 --decode-configs hopperx64x2,hopperclx64x2 --skip-xla-ref \
+      --budget-s 170 --out "$R/dec"
+    run mla_decode_h16 90 python3 benchmarks/mla.py --sections decode --decode-heads 16 --decode-batches 64 \
+      --decode-contexts 32768 --decode-sq 1 --decode-configs hopperx64x2 --skip-xla-ref --budget-s 60 --out "$R/dec32"
+    run ncu_def 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --profile-from-start off \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      python3 benchmarks/ncu_probe.py --what mla_decode
+    run kda_decode 150 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes

@@ -60,9 +60,8 @@ def _best(fn_of_cfg, cfgs, record=None):
     return best
 
 
-# the default schedule, the alternating one ("alt"), each with row tiles in CTA pairs ("cl") and
-# with the loop-invariant operands' wgmma descriptors computed in the loop ("in")
-HOPPER_DECODES = tuple(f"hopper{alt}{cl}{fr}" for alt in ("", "alt") for cl in ("", "cl") for fr in ("", "in"))
+# the Hopper decode, and with row tiles in CTA pairs ("cl")
+HOPPER_DECODES = ("hopper", "hoppercl")
 
 
 def decode_fn(cfg):
@@ -70,9 +69,7 @@ def decode_fn(cfg):
     kernel, or (rows, warps[, value columns[, block_k[, stages]]]) the Triton kernel."""
     if cfg[0] in HOPPER_DECODES:
         return functools.partial(mla_decode_hopper.mla_decode_hopper, block_kv=cfg[1], steps=cfg[2],
-                                 schedule="alternate" if cfg[0].startswith("hopperalt") else "default",
-                                 cluster=2 if cfg[0].removesuffix("in").endswith("cl") else 1,
-                                 descriptors="in_loop" if cfg[0].endswith("in") else "hoisted")
+                                 cluster=2 if cfg[0] == "hoppercl" else 1)
     bm, nw, bv, bk, ns = (tuple(cfg) + (None, 64, 2)[len(cfg) - 2:])[:5]
     return functools.partial(mla.mla_decode, block_m=bm, num_warps=nw, block_v=bv, block_k=bk, num_stages=ns)
 
@@ -317,9 +314,8 @@ def chunk_rows(shapes, r=512, p=64, nope=128, dv=128, page=128, interpret=False,
 
 
 def parse_decode_config(text: str) -> tuple:
-    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2); 'hopperaltx64x2' ->
-    ('hopperalt', 64, 2) (the alternating schedule); 'hopperclx64x2' (row tiles in CTA pairs);
-    'hopperinx64x2', 'hopperaltinx64x2' (descriptors computed in the loop)."""
+    """'64x8x512x32' -> (64, 8, 512, 32); 'hopperx64x2' -> ('hopper', 64, 2);
+    'hopperclx64x2' -> ('hoppercl', 64, 2) (row tiles in CTA pairs)."""
     parts = text.split("x")
     if parts[0] in HOPPER_DECODES:
         return (parts[0],) + tuple(int(v) for v in parts[1:])
@@ -333,9 +329,7 @@ def main():
     ap.add_argument("--decode-configs", default="16x4,64x8x512x32,hopperx64x2",
                     help="decode configs to try, the best reported: Triton (rows per block)x(num_warps)[x(value "
                          "columns per program)[x(block_k)[x(num_stages)]]], or hopperx(block_kv)x(steps) for the "
-                         "Mosaic GPU kernel (hopperalt...: its alternating schedule; hoppercl...: row tiles in CTA pairs; "
-                         "hopper[alt][cl]in...: the loop-invariant operands' wgmma descriptors computed in the "
-                         "loop)")
+                         "Mosaic GPU kernel (hoppercl...: row tiles in CTA pairs)")
     ap.add_argument("--sections", default="prefill,decode,chunk")
     ap.add_argument("--decode-heads", default="16,96", help="decode head counts to sweep")
     ap.add_argument("--decode-batches", default="1,16,64,128", help="decode batch sizes to sweep")

@@ -123,7 +123,7 @@ def probe_mla_decode(timed: bool, b: int = 64, h: int = 128, ctx: int = 8192, r:
     """The Hopper MLA decode at issue 22's compute-bound row (H128 B64 ctx8k, pages scattered as
     `mla.py` lays them): where its time goes against the 65%-of-matmul target (DRAM against L2
     traffic: the two 64-row tiles of a sequence read the same keys; tensor-core issue; stalls).
-    decode_kw: `mla_decode_hopper`'s options (schedule, cluster, descriptors)."""
+    decode_kw: `mla_decode_hopper`'s options (cluster, block_kv, steps)."""
     from pallas_kernels import mla_decode_hopper
 
     key = jax.random.PRNGKey(0)
@@ -157,8 +157,7 @@ def main():
     ap.add_argument("--what", default="kda,mxfp4")
     ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
     ap.add_argument("--tuning", default="", help='kda.TUNING overrides for kda_prefill, JSON: {"intra_k_parts": 2}')
-    ap.add_argument("--decode-kw", default="", help='mla_decode_hopper options for mla_decode, JSON: {"schedule": '
-                    '"alternate", "cluster": 2, "descriptors": "in_loop"}')
+    ap.add_argument("--decode-kw", default="", help='mla_decode_hopper options for mla_decode, JSON: {"cluster": 2}')
     args = ap.parse_args()
     for what in args.what.split(","):
         if what == "kda_prefill":

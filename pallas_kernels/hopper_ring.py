@@ -61,10 +61,10 @@ def wait_last_releases(total, steps: int, released):
 
 def fresh(x):
     """x, through an identity LLVM can neither see through nor move out of a loop
-    (`lax.optimization_barrier`, which Mosaic GPU lowers to a side-effecting inline asm).  A loop-invariant shared-memory operand indexed by `fresh(0)` inside the loop has its
-    wgmma descriptors (one 64-bit value per k-step) computed where the wgmmas issue: indexed by
-    a constant, LLVM hoists them all before the loop (the decode's 36 query descriptors; the
-    alternating schedule's key slots too, constant there), where they outgrow the register
-    file and spill into the accumulators' registers, and ptxas then serializes every wgmma
-    (C7514; RESULTS.md, MLA decode, session 36)."""
+    (`lax.optimization_barrier`, which Mosaic GPU lowers to a side-effecting inline asm).  A
+    loop-invariant shared-memory operand indexed by `fresh(0)` inside the loop has its wgmma
+    descriptors (one 64-bit value per k-step) computed where the wgmmas issue: indexed by a
+    constant, LLVM hoists them all before the loop (the decode's 36 query descriptors), where
+    they outgrow the register file beside the accumulators and spill (ptxas: 144 bytes in the
+    decode; RESULTS.md, MLA decode, sessions 36-37)."""
     return lax.optimization_barrier(x)

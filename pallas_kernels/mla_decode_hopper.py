@@ -33,8 +33,7 @@ from pallas_kernels.mla import _LOG2E, check_decode_inputs, fold_rows, merge_spl
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCta:
-    """What a decode CTA derives from its grid position, shared by both schedules (traced
-    scalars): sequence b, KV split `split`, row tile rb (64 folded rows), its split's first key
+    """What a decode CTA derives from its grid position (traced scalars): sequence b, KV split `split`, row tile rb (64 folded rows), its split's first key
     tile kb0 and tile count n_steps; the three column parts (value half 0, value half 1, rope)
     as (start, width) of a latent row and as (array, first column) of the queries."""
     b: jax.Array
@@ -50,8 +49,7 @@ class DecodeCta:
 
     @classmethod
     def at(cls, len_ref, q_lat_ref, q_pe_ref, pages_ref, *, block_m, block_kv, n_heads, n_queries, n_splits, rank,
-           cluster, split_multiple=1):
-        """split_multiple: each split's tile count a multiple of it (the last split's excepted)."""
+           cluster):
         b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
         if cluster > 1:
             rb = rb * cluster + lax.axis_index("cluster")
@@ -59,7 +57,7 @@ class DecodeCta:
         seq_len = len_ref[b]
         n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1),
                            jnp.int32(block_kv))
-        per_split = split_multiple * pl.cdiv(n_blocks, jnp.int32(split_multiple * n_splits))
+        per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
         kb0 = split * per_split
         n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
         return cls(b, split, rb, seq_len, kb0, n_steps, block_m, block_kv,
@@ -87,13 +85,12 @@ class DecodeCta:
     def mask(self, s, i, n_heads, n_queries):
         """s [64, block_kv] (the scores of the split's tile i) with every key its row cannot
         see at -inf: a score at column c is visible where c + (kb0 + i) * block_kv < its row's
-        query position + 1.  A tile past n_steps (the alternating schedule's pad) is masked
-        whole.  Only a tile that reaches past its first row's limit runs the compares (the row
+        query position + 1.  Only a tile that reaches past its first row's limit runs the compares (the row
         tile's last; in a chunk, every tile between its first and last rows' query ends): a
         row's limit grows with the row (query-major folding), so the first row's decides,
         and the loop keeps no [64, block_kv] index array live beside the accumulators (the
         registers the score and output tiles need)."""
-        start = jnp.where(i < self.n_steps, (self.kb0 + i) * self.block_kv, jnp.int32(2**30))
+        start = (self.kb0 + i) * self.block_kv
         first_row = self.rb * self.block_m
         base = self.seq_len - n_queries + 1 - start
         partial = self.block_kv > base + lax.div(first_row, jnp.int32(n_heads))
@@ -122,7 +119,7 @@ def softmax_step(s, m_prev, scale_log2: float):
 
 def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
                    n_queries, block_kv, steps, p_slots, n_splits, rank, scale_log2, interpret, stall_ns=0,
-                   cluster=1, descriptors="hoisted"):
+                   cluster=1):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     cluster 2: the CTAs of two neighbouring row tiles (the same query's heads, so the same keys)
@@ -176,7 +173,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             slot = lax.rem(i, jnp.int32(steps))
             for part in range(3):
                 plgpu.barrier_wait(k_bars.at[part * steps + slot])
-            here = _fresh(jnp.int32(0)) if descriptors == "in_loop" else 0  # see `DECODE_DESCRIPTORS`
+            # the queries' descriptors computed here, not hoisted before the loop (`hopper_ring.fresh`)
+            here = _fresh(jnp.int32(0))
             for part in range(3):
                 plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
@@ -272,36 +270,15 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         _wait_last_releases(n_steps, steps, (k_used,))
 
 
-DECODE_SCHEDULES = ("default", "alternate")
-# Where the loop-invariant operands' wgmma descriptors are computed: "hoisted", where LLVM puts
-# them (before the loop: the queries' 36 and, in the alternating schedule at two ring slots,
-# the keys' too), or "in_loop", at each wgmma (`hopper_ring.fresh`); a candidate against the
-# spills ptxas reports (RESULTS.md, MLA decode, session 36), to measure.
-DECODE_DESCRIPTORS = ("hoisted", "in_loop")
-
-
 @functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "n_splits", "scale_log2", "interpret", "stall_ns", "schedule",
-                                             "cluster", "descriptors"))
+                                             "n_splits", "scale_log2", "interpret", "stall_ns", "cluster"))
 def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
-                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, schedule="default", cluster=1,
-                 descriptors="hoisted"):
+                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, cluster=1):
     """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
-    rows_pad] fp32 (natural log; -inf for a split with no keys).  schedule "alternate": the
-    score tiles dealt to both compute warpgroups in turn (`mla_decode_alternating`; one P slot).
-    cluster 2 (heads a multiple of 128): row tiles in pairs share each key tile, multicast.
-    descriptors: `DECODE_DESCRIPTORS`."""
-    from pallas_kernels import mla_decode_alternating as alternating
-
-    if schedule not in DECODE_SCHEDULES:
-        raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
-    alternate = schedule == "alternate"
-    if alternate and p_slots != 1:
-        raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
+    rows_pad] fp32 (natural log; -inf for a split with no keys).  cluster 2 (heads a multiple
+    of 128): row tiles in pairs share each key tile, multicast."""
     b, rows_pad, _ = q_lat_rows.shape
-    if descriptors not in DECODE_DESCRIPTORS:
-        raise ValueError(f"descriptors must be one of {DECODE_DESCRIPTORS}; got {descriptors!r}")
     if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
         raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
                          f"cluster={cluster}, {n_heads} heads")
@@ -312,32 +289,18 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     minor = min(64, block_kv)
     tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
-    # the queries' leading dim of 1: an index `fresh` can make opaque (`DECODE_DESCRIPTORS`)
+    # the queries' leading dim of 1: an index `fresh` can make opaque (`hopper_ring.fresh`)
     smem = ((tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),
             (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
             tiled((p_slots, block_m, block_kv)),
             plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
 
     def entry(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref):
-        if alternate:
-            q_smem, k_smem, p_smem, _ = smem
-            pl.run_scoped(
-                lambda smem, bars: alternating.decode_kernel(
-                    bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
-                    n_queries=n_queries, block_kv=block_kv, steps=steps, n_splits=n_splits, rank=rank,
-                    scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster,
-                    descriptors=descriptors),
-                (q_smem, k_smem, tiled((block_m, block_kv)), plgpu.SMEM((alternating.VECTORS, block_m), jnp.float32)),
-                alternating.barriers(steps, cluster),
-                collective_axes="wg",
-            )
-            return
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
                 bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
                 n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
-                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster,
-                descriptors=descriptors),
+                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
             smem,
             (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
              plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1
@@ -362,17 +325,12 @@ def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *,
     )(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages)
 
 
-def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, itemsize: int = 2,
-                      schedule: str = "default") -> int:
+def decode_smem_bytes(width: int, block_kv: int, steps: int, p_slots: int = 2, itemsize: int = 2) -> int:
     """Shared memory `mla_decode_hopper` asks for, counted as Mosaic GPU counts it (checked by
     lowering: 238720 bytes for block_kv 64, 2 steps, 2 P slots at width 576): the queries, the
     key ring and the P slots (16-bit tiles), the fp32 row vectors (one buffer, 1 KiB aligned)
-    and 8 bytes per barrier.  The alternating schedule: one P slot, five row vectors, P ready
-    and free per warpgroup."""
-    if schedule == "alternate":
-        p_slots, n_vectors, p_barriers = 1, 5, 4
-    else:
-        n_vectors, p_barriers = p_slots + 2, 2 * p_slots
+    and 8 bytes per barrier."""
+    n_vectors, p_barriers = p_slots + 2, 2 * p_slots
     tiles = (64 * width + steps * block_kv * width + p_slots * 64 * block_kv) * itemsize
     vectors = -(-n_vectors * 64 * 4 // 1024) * 1024
     barriers = 3 + 3 * steps + steps + p_barriers + 1
@@ -393,8 +351,7 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
 
 
 def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None, stall_ns=0, schedule="default", cluster=1,
-                      descriptors="hoisted"):
+                      steps=2, p_slots=None, interpret=None, stall_ns=0, cluster=1):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -409,13 +366,9 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     padding (its rates: RESULTS.md, MLA kernels).  `kimik3.ops.mla_decode_impl` picks it on
     compute capability 9.x when heads x queries fill a 64-row tile.
 
-    schedule "alternate" deals the key tiles' scores to both compute warpgroups in turn, each
-    issuing its next Q K^T before it waits for the other's P, so a softmax runs beside the other
-    warpgroup's matmuls (`mla_decode_alternating`; one P slot).  cluster 2 (heads a multiple
-    of 128): the two row tiles of a query form a CTA cluster that reads each key tile once,
-    multicast into both.  descriptors "in_loop" computes the queries' (and the alternating
-    schedule's key slots') wgmma descriptors at each wgmma instead of before the loop
-    (`DECODE_DESCRIPTORS`).
+    cluster 2 (heads a multiple of 128): the two row tiles of a query form a CTA cluster that
+    reads each key tile once, multicast into both (measured within run-to-run scatter of one
+    CTA per tile: RESULTS.md, MLA decode, session 36).
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait
@@ -435,16 +388,12 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                          f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
     # Two P slots let warpgroup 0 write the next P before warpgroup 1 is done with the last;
     # one is taken when two do not fit (block_kv 64 at kv_lora 512).
-    if schedule not in DECODE_SCHEDULES:
-        raise ValueError(f"schedule must be one of {DECODE_SCHEDULES}; got {schedule!r}")
-    if schedule == "alternate" and p_slots not in (None, 1):
-        raise ValueError(f"the alternating schedule hands P over through one slot; got p_slots={p_slots}")
     itemsize = jnp.dtype(q_latent.dtype).itemsize
-    smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize, schedule) for n in (1, 2)}
+    smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize) for n in (1, 2)}
     if smem_bytes[1] > _SMEM_BYTES:
         raise ValueError(f"block_kv {block_kv} x {steps} steps needs {smem_bytes[1]} bytes of shared memory at "
                          f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}")
-    p_slots = 1 if schedule == "alternate" else p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
+    p_slots = p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
     if n_splits is None:
@@ -455,8 +404,7 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
                                     fold_rows(q_latent, rows_pad), fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
                                     latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
                                     p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
-                                    interpret=interpret, stall_ns=int(stall_ns), schedule=schedule,
-                                    cluster=int(cluster), descriptors=descriptors)
+                                    interpret=interpret, stall_ns=int(stall_ns), cluster=int(cluster))
     if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
         return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
                 lse_part[:, 0, :sq * h].reshape(b, sq, h))

@@ -22,8 +22,7 @@ pytestmark = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 
 
 def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=None, stall_ns: int = 0,
-                  runs: int = RUNS, schedule: str = "default", cluster: int = 1,
-                  descriptors: str = "hoisted") -> tuple[float, float, bool]:
+                  runs: int = RUNS, cluster: int = 1) -> tuple[float, float, bool]:
     """Max |error| of output and LSE of `decode` (mla_decode_hopper's contract) against the
     reference on fresh bf16 inputs: kv_lora 512 + rope 64, pages of 128; `long`: 1-2k keys
     per row (16-32 P hand-overs between the warpgroups) instead of up to 1k.  The kernel runs
@@ -32,8 +31,7 @@ def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=Non
     where its error stays inside the tolerance: on the H200 a P slot released early moved
     the error by < 0.01, under O_ATOL, in 15 repeats).  `stall_ns`: warpgroup 1 sleeps that
     long before each P @ V (`mla_decode_hopper`'s test knob), so a hand-over that only timing
-    protects breaks on every run.  `schedule`, `cluster`, `descriptors`: `mla_decode_hopper`'s
-    (the alternating schedule has one P slot; p_slots is not passed to it)."""
+    protects breaks on every run.  `cluster`: `mla_decode_hopper`'s."""
     r, p, page, b = 512, 64, 128, 4
     per_row = 16 if long else 8
     rng = np.random.default_rng(seed)
@@ -42,9 +40,7 @@ def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=Non
     table = jnp.asarray(rng.permutation(b * per_row + 8)[:b * per_row].reshape(b, per_row), jnp.int32)
     lens = jnp.asarray(rng.integers(per_row * page // 2 if long else 1, per_row * page, b), jnp.int32)
     q_latent, q_pe = f(b, 1, heads, r), f(b, 1, heads, p)
-    kw = dict(p_slots=p_slots) if schedule == "default" else dict(schedule=schedule)
-    kw = dict(kw, cluster=cluster) if cluster > 1 else kw
-    kw = dict(kw, descriptors=descriptors) if descriptors != "hoisted" else kw
+    kw = dict(p_slots=p_slots, cluster=cluster) if cluster > 1 else dict(p_slots=p_slots)
     outs = [decode(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5, stall_ns=stall_ns, **kw)
             for _ in range(runs)]
     same = all(np.array_equal(np.asarray(o), np.asarray(outs[0][0])) and np.array_equal(np.asarray(lse), np.asarray(outs[0][1]))
@@ -72,42 +68,15 @@ def test_decode_at_the_models_latent_dims_every_repeat(heads, long, p_slots, sta
         assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
 
 
-@pytest.mark.parametrize("heads, long, stall_ns", [(16, False, 0), (96, True, 0), (128, True, STALL_NS),
-                                                  (16, True, STALL_NS)])
-def test_the_alternating_decode_at_the_models_latent_dims_every_repeat(heads, long, stall_ns):
-    """`schedule="alternate"` (both warpgroups compute scores in turn, P handed over both ways
-    through one slot): the reference's answer, the same bits every run, also with warpgroup 1
-    stalled before each read of warpgroup 0's P."""
-    for seed in range(REPEATS):
-        o_err, lse_err, same = decode_errors(mla_decode_hopper, 200 + seed, heads, long, None, stall_ns,
-                                             schedule="alternate")
-        assert o_err <= O_ATOL and lse_err <= LSE_ATOL, f"repeat {seed}: output {o_err:.3g}, lse {lse_err:.3g}"
-        assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
-
-
-@pytest.mark.parametrize("long, stall_ns, schedule", [(False, 0, "default"), (True, 0, "default"),
-                                                     (True, STALL_NS, "default"), (True, STALL_NS, "alternate")])
-def test_row_tiles_in_cta_pairs_at_the_models_latent_dims_every_repeat(long, stall_ns, schedule):
+@pytest.mark.parametrize("long, stall_ns", [(False, 0), (True, 0), (True, STALL_NS)])
+def test_row_tiles_in_cta_pairs_at_the_models_latent_dims_every_repeat(long, stall_ns):
     """`cluster=2` at 128 heads: each query's two row tiles in one CTA cluster, every key tile
     multicast into both and its slot loaded again only after all four compute warpgroups are
     done with it: the reference's answer, the same bits every run, also with warpgroup 1
     stalled (in both CTAs) before each P @ V."""
     for seed in range(REPEATS):
         o_err, lse_err, same = decode_errors(mla_decode_hopper, 300 + seed, 128, long, None, stall_ns,
-                                             schedule=schedule, cluster=2)
-        assert o_err <= O_ATOL and lse_err <= LSE_ATOL, f"repeat {seed}: output {o_err:.3g}, lse {lse_err:.3g}"
-        assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
-
-
-@pytest.mark.parametrize("heads, long, stall_ns, schedule", [(96, True, 0, "default"), (96, True, STALL_NS, "default"),
-                                                            (128, True, STALL_NS, "alternate")])
-def test_descriptors_computed_in_the_loop_at_the_models_latent_dims_every_repeat(heads, long, stall_ns, schedule):
-    """`descriptors="in_loop"` (the queries' wgmma descriptors, and the alternating schedule's
-    key slots', computed at each wgmma): the reference's answer, the same bits every run, also
-    with warpgroup 1 stalled before each P @ V."""
-    for seed in range(REPEATS):
-        o_err, lse_err, same = decode_errors(mla_decode_hopper, 400 + seed, heads, long, None, stall_ns,
-                                             schedule=schedule, descriptors="in_loop")
+                                             cluster=2)
         assert o_err <= O_ATOL and lse_err <= LSE_ATOL, f"repeat {seed}: output {o_err:.3g}, lse {lse_err:.3g}"
         assert same, f"repeat {seed}: {RUNS} runs on the same inputs gave different bits (a race)"
 

@@ -134,45 +134,13 @@ def _check_decode(inputs, **decode_kw):
     return o
 
 
-@pytest.mark.parametrize("b, sq, h, lens, n_splits, block_kv, steps", [
-    (2, 2, 3, [200, 70], 4, 32, 2),  # odd tile counts (a masked repeat) and a split holding no keys
-    (1, 40, 3, [130], 2, 64, 3),     # a prefill chunk over two 64-row tiles, 64-key tiles, 3-slot ring
-])
-def test_the_alternating_schedule_equals_attention_on_the_gathered_pages(rng, b, sq, h, lens, n_splits, block_kv,
-                                                                         steps):
-    """`schedule="alternate"`: the score tiles dealt to both compute warpgroups in turn, the
-    running max handed over with each P, the two row sums added at the end: the reference's
-    outputs and LSE, for every split (odd and even tile counts, none)."""
-    inputs = _paged_decode_inputs(rng, b, sq, h, lens)
-    _check_decode(inputs, n_splits=n_splits, block_kv=block_kv, steps=steps, schedule="alternate")
-    with pytest.raises(ValueError, match="one slot"):
-        mla_decode_hopper(*inputs, scale=0.1, p_slots=2, schedule="alternate")
-    with pytest.raises(ValueError, match="schedule"):
-        mla_decode_hopper(*inputs, scale=0.1, schedule="seesaw")
-
-
-def test_descriptors_computed_in_the_loop_change_no_bit(rng):
-    """`descriptors="in_loop"` (the loop-invariant operands' wgmma descriptors computed at each
-    wgmma, through an inline-asm identity) is the same arithmetic: on both schedules the
-    hoisted kernel's outputs bit for bit, and the reference's; an unknown choice is refused."""
-    inputs = _paged_decode_inputs(rng, 2, 2, 3, [200, 70])
-    for schedule in ("default", "alternate"):
-        kw = dict(n_splits=2, block_kv=32, steps=2, schedule=schedule)
-        o_in = _check_decode(inputs, descriptors="in_loop", **kw)
-        o, _ = mla_decode_hopper(*inputs, scale=0.1, **kw)
-        np.testing.assert_array_equal(np.asarray(o_in, np.float32), np.asarray(o, np.float32))
-    with pytest.raises(ValueError, match="descriptors"):
-        mla_decode_hopper(*inputs, scale=0.1, descriptors="sunk")
-
-
 def test_row_tiles_in_cta_pairs_share_each_key_tile(rng):
     """`cluster=2`: 128 heads, the two row tiles of each query in one CTA cluster,
-    each key tile multicast into both CTAs (Mosaic GPU's interpreter), on both schedules: the
-    reference's outputs; refused where a pair's tiles would see different keys (96 heads)."""
-    # 3 and 2 key tiles: the alternating schedule pads one
+    each key tile multicast into both CTAs (Mosaic GPU's interpreter): the reference's outputs
+    (3 and 2 key tiles: a split of one tile and one of none); refused where a pair's tiles
+    would see different keys (96 heads)."""
     inputs = _paged_decode_inputs(rng, 2, 1, 128, [150, 65], n_pages=8, pages_per_seq=3)
-    for schedule in ("default", "alternate"):
-        _check_decode(inputs, n_splits=2, cluster=2, schedule=schedule)
+    _check_decode(inputs, n_splits=2, cluster=2)
     q_latent, q_pe, pages, table, lens = inputs
     with pytest.raises(ValueError, match="cluster 2"):
         mla_decode_hopper(q_latent[:, :, :96], q_pe[:, :, :96], pages, table, lens, scale=0.1, cluster=2)
@@ -269,31 +237,22 @@ def test_prefill_lowers_for_hopper_at_the_model_dims(block_kv, steps):
             _lowers_for_cuda(core(None, 3), *shapes)
 
 
-@pytest.mark.parametrize("block_kv, steps, stall_ns, schedule", [
-    (32, 2, 0, "default"), (32, 3, 0, "default"), (64, 2, 0, "default"), (64, 3, 0, "default"),
-    (64, 2, 2000, "default"), (64, 2, 0, "alternate"), (64, 2, 2000, "alternate"), (64, 2, 0, "cluster"),
-    (64, 2, 0, "alternate cluster"), (64, 2, 0, "in_loop"), (64, 2, 0, "alternate in_loop")])
-def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, schedule):
+@pytest.mark.parametrize("block_kv, steps, stall_ns, cluster", [
+    (32, 2, 0, 1), (32, 3, 0, 1), (64, 2, 0, 1), (64, 3, 0, 1), (64, 2, 2000, 1), (64, 2, 0, 2)])
+def test_decode_lowers_for_hopper_at_full_scale_dims(block_kv, steps, stall_ns, cluster):
     """kv_lora 512 + rope 64, 96 heads; block_kv 64 fits with one P slot and two steps, not
     three (refused by the wrapper first); `decode_smem_bytes` counts as Mosaic GPU does.  The
-    GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too, and so does
-    the alternating schedule (one P slot, 231552 of 232448 bytes at block_kv 64) and the default
-    one with row tiles in CTA pairs ("cluster": 128 heads, key tiles multicast), and both with
-    their descriptors computed in the loop ("in_loop": the inline-asm identity lowers)."""
+    GPU suite's stalled kernel (warpgroup 1 sleeps before each P @ V) lowers too, and so do
+    row tiles in CTA pairs (cluster 2: 128 heads, key tiles multicast)."""
     from pallas_kernels import hopper_ring, mla_decode_hopper as mla_hopper
-    cluster = 2 if "cluster" in schedule else 1
-    descriptors = "in_loop" if "in_loop" in schedule else "hoisted"
-    schedule = schedule.replace("cluster", "").replace("in_loop", "").strip() or "default"
     b, h, r, p, page = 2, 128 if cluster > 1 else 96, 512, 64, 64
     p_slots = 2 if mla_hopper.decode_smem_bytes(r + p, block_kv, steps, 2) <= hopper_ring.SMEM_BYTES else 1
-    p_slots = 1 if schedule == "alternate" else p_slots
-    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots, schedule=schedule) <= hopper_ring.SMEM_BYTES
+    fits = mla_hopper.decode_smem_bytes(r + p, block_kv, steps, p_slots) <= hopper_ring.SMEM_BYTES
     assert (fits, p_slots) == ({(32, 2): (True, 2), (32, 3): (True, 2), (64, 2): (True, 1), (64, 3): (False, 1)}
                                [block_kv, steps])
     lower = lambda: _lowers_for_cuda(lambda bt, sl, q, qp, pg: mla_hopper._decode_core(
         bt, sl, q, qp, pg, n_heads=h, n_queries=1, rank=r, block_kv=block_kv, steps=steps, p_slots=p_slots,
-        n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns, schedule=schedule, cluster=cluster,
-        descriptors=descriptors),
+        n_splits=2, scale_log2=0.1, interpret=False, stall_ns=stall_ns, cluster=cluster),
         ((b, 8), jnp.int32), ((b,), jnp.int32), ((b, 128, r), jnp.bfloat16), ((b, 128, p), jnp.bfloat16),
         ((32, page, r + p), jnp.bfloat16))
     if fits:
