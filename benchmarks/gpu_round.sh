@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | next | must | tests | kernels | attention | serving)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, next, must, tests, kernels, attention or serving}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -222,6 +222,21 @@ case $round in
       python3 benchmarks/ncu_probe.py --what mla_decode
     run kda_decode 150 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
+  eighteenth)  # session 37, after seventeenth: the decode's producer reading each tile's page before it
+    # waits for the slot (`hopper_ring.stream`'s prepare), against the tree before it (base.tar:
+    # `git archive 64a8535 -o base.tar`) in the same call, with deeper 32-key rings beside; the rows
+    mkdir -p "$R"/{dec,base}
+    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
+    if [ -f base.tar ]; then
+      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+      run mla_decode_base 120 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
+        --decode-configs hopperx64x2 --budget-s 100 --out $R/base"
+    fi
+    run mla_decode_now 200 python3 benchmarks/mla.py $B --decode-configs hopperx64x2,hopperx32x4,hopperx32x3 \
+      --budget-s 170 --out "$R/dec"
+    run gpu_decode 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k "test_decode_at or cta_pairs"
+    ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes
     mkdir -p "$R"/{kdap,kdap3}
@@ -230,6 +245,15 @@ case $round in
       --out "$R/kdap"
     run kda_prefill 200 python3 benchmarks/kda.py --sections prefill --tunings '[{}, {"state_block_v": 32}]' \
       --out "$R/kdap3"
+    ;;
+  warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
+    # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on
+    # Triton (each with its own empty compile cache).  Carry .whl as for `serving`
+    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
+    for v in mx_triton:"KIMIK3_MOE_MXFP4=triton" both_triton:"KIMIK3_MOE_MXFP4=triton KIMIK3_MLA_CHUNK=triton"; do
+      run "demo_${v%%:*}" 240 env ${v#*:} KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" KIMIK3_INHERIT_SITE=1 \
+        KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
+    done
     ;;
   serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
     # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
