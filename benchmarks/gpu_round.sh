@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -236,6 +236,22 @@ case $round in
       --budget-s 170 --out "$R/dec"
     run gpu_decode 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
       tests/gpu/test_hopper_kernels.py -k "test_decode_at or cta_pairs"
+    ;;
+  nineteenth)  # session 37: the score wgmmas issued part by part, each as its part lands (FlashMLA's
+    # fine-grained TMA at the three parts' granularity), against the tree before it in the same
+    # call (base.tar: `git archive 875e416 -o base.tar`): ptxas first (serialization), then timings, rows
+    mkdir -p "$R"/{dec,base}
+    run ptxas_now 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode
+    grep -a -i -E "C75|spill|registers" "$R/ptxas_now.txt" | sort | uniq -c | head -8
+    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
+    if [ -f base.tar ]; then
+      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+      run mla_decode_base 100 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
+        --decode-configs hopperx64x2 --budget-s 80 --out $R/base"
+    fi
+    run mla_decode_now 100 python3 benchmarks/mla.py $B --decode-configs hopperx64x2 --budget-s 80 --out "$R/dec"
+    run gpu_decode 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
+      tests/gpu/test_hopper_kernels.py -k "test_decode_at or suite_catches"
     ;;
   fourteenth)  # session 35: KDA prefill's state pass at B4 T8192 H12 fills 96 of 132 SMs at 64 V
     # columns a program: 32 (192 programs) and fewer stages, against the default, then all three shapes

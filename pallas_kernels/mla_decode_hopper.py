@@ -169,13 +169,15 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             plgpu.barrier_wait(q_bars.at[i])
 
         def issue_scores(acc_ref, i):
-            """Q K^T of step i's key tile into acc_ref (wgmma issued; reading acc_ref waits)."""
+            """Q K^T of step i's key tile into acc_ref (wgmma issued; reading acc_ref waits).  Each
+            column part's wgmma issues as soon as that part has landed (FlashMLA's fine-grained
+            TMA, at the parts' granularity): the first part's product runs while the later
+            parts are still arriving."""
             slot = lax.rem(i, jnp.int32(steps))
-            for part in range(3):
-                plgpu.barrier_wait(k_bars.at[part * steps + slot])
             # the queries' descriptors computed here, not hoisted before the loop (`hopper_ring.fresh`)
             here = _fresh(jnp.int32(0))
             for part in range(3):
+                plgpu.barrier_wait(k_bars.at[part * steps + slot])
                 plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
         def softmax_and_hand_over(s, i, m_i, l_i):
