@@ -42,7 +42,7 @@ case $round in
         --section MemoryWorkloadAnalysis python3 benchmarks/ncu_probe.py "$@"
     }
     ncu_run kda '^(kda_fused_recurrent|fused_recurrent_kda_fwd_kernel)$' --what kda
-    ncu_run kda_prefill '^kda_' --what kda_prefill --tuning '{"intra_k_parts": 2}'
+    ncu_run kda_prefill '^kda_' --what kda_prefill
     ncu_run mxfp4 'mxfp4|_kernel$' --what mxfp4
     run moe_ffn 150 python3 benchmarks/moe.py --sections ffn --cases "k3 rank prefill" --out "$OUT/moe"
     run moe_layout 90 python3 benchmarks/moe_layout.py --out "$OUT/layout"

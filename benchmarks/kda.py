@@ -257,10 +257,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sections", default="correctness,prefill,modes,decode")
     ap.add_argument("--shapes", default=None, help="prefill shapes BxTxHxD,... (default: the issue's three)")
-    # the intra kernel's register candidates (ptxas on the CPU, RESULTS.md session 31): K in 4
-    # slices at 8 warps 189 registers, at 16 warps 104; the whole K at 16 warps 128 + spills
-    ap.add_argument("--tunings", default='[{}, {"intra_k_parts": 2}, {"intra_k_parts": 4}, '
-                    '{"intra_k_parts": 4, "intra": [16, 1]}, {"intra": [16, 1]}]',
+    ap.add_argument("--tunings", default='[{}, {"intra": [16, 1]}]',
                     help='JSON list of kda.TUNING overrides to time in the prefill section, e.g. '
                          '\'[{}, {"gcum": "xla"}, {"prepare_impl": "fused"}]\' ({} = the defaults)')
     ap.add_argument("--prepare-impl", default="split",

@@ -156,7 +156,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--what", default="kda,mxfp4")
     ap.add_argument("--time", action="store_true", help="also time each side (not under ncu: it would profile those)")
-    ap.add_argument("--tuning", default="", help='kda.TUNING overrides for kda_prefill, JSON: {"intra_k_parts": 2}')
+    ap.add_argument("--tuning", default="", help='kda.TUNING overrides for kda_prefill, JSON: {"intra": [16, 1]}')
     ap.add_argument("--decode-kw", default="", help='mla_decode_hopper options for mla_decode, JSON: {"cluster": 2}')
     args = ap.parse_args()
     for what in args.what.split(","):

@@ -151,23 +151,23 @@ def _fla_decode() -> dict | None:
                 **_ptxas_report(compiled.asm["ptx"]), shared_b=compiled.metadata.shared, num_warps=4)
 
 
-def intra_rows(t=1024, h=4, d=128, parts=(1, 2, 4), warps=(4, 8, 16)):
-    """The prefill's kernels (ours, bf16, a state every 128 tokens) at each intra_k_parts x intra warps."""
+def intra_rows(t=1024, h=4, d=128, warps=(4, 8, 16)):
+    """The prefill's kernels (ours, bf16, a state every 128 tokens) at each intra warp count."""
     from pallas_kernels import kda
 
     rows = []
-    for k_parts, w in itertools.product(parts, warps):
-        tuning = {"intra_k_parts": k_parts, "intra": (w, 1)}
+    for w in warps:
+        tuning = {"intra": (w, 1)}
         fn = lambda q, k, v, g, beta, tu=tuning: kda.chunk_kda(
             q, k, v, g, beta, output_final_state=True, checkpoint_positions=list(range(128, t + 1, 128)),
             interpret=False, tuning=tu)
         irs = triton_ir(fn, *[S((1, t, h, d), BF16)] * 3, S((1, t, h, d), F32), S((1, t, h), BF16))
         names = [re.search(r"tt\.func (?:public )?@(\w+)", ir)[1] for ir in irs]
         for name, ir in zip(names, irs):
-            if "intra" in name or (k_parts, w) == (parts[0], warps[0]):  # the other kernels once
+            if "intra" in name or w == warps[0]:  # the other kernels once
                 warps_stages = tuning["intra"] if "intra" in name else kda._tuned(None)[
                     "solve" if "solve" in name else "state"]
-                rows.append(dict(kernel=name, tiling=f"k_parts {k_parts}, {w} warps" if "intra" in name else "default",
+                rows.append(dict(kernel=name, tiling=f"{w} warps" if "intra" in name else "default",
                                  **compile_ir(ir, *warps_stages)))
     return rows
 

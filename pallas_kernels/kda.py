@@ -384,7 +384,7 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 
 
 def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
-                        interpret, algorithm, k_parts=1):
+                        interpret, algorithm):
     """One (chunk, head): q, k, g [C, K], beta [C] in; q exp(G), k exp(G_C - G)
     [C, K], A_qk [C, C], exp(G_C) [K] out, plus A_kk [C, C] (times beta, strictly
     lower) and beta exp(G) k [C, K] for `_split_solve_kernel`.
@@ -394,94 +394,41 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     rows of a full [C, K] x [K, C] dot against the columns decayed from R_i,
     kept by a row-block mask.  The four full dots cost 4x the FLOPs of the
     causal tiles, but tensor cores have them to spare, while per-sub-block
-    scans and ref re-reads made the earlier version latency-bound.
-
-    k_parts (TUNING["intra_k_parts"]): K taken in that many column slices, one after another.
-    Everything but the two [C, C] accumulators is per column of K (the scan, the decays, the
-    outputs), and A is a sum over K, so a slice's arrays die before the next is loaded: the
-    whole-K kernel holds ~ten [C, K] fp32 arrays and spills at 8 warps (255 registers, 1.6 M
-    local-memory requests at B1 T8192 H32 on an H100, RESULTS.md session 31).
+    scans and ref re-reads made the earlier version latency-bound.  (Measured and dropped:
+    K in column slices one after another, and a program per 16-row block: both fewer live
+    arrays, both 14-58% slower; RESULTS.md, KDA kernels, sessions 30 and 32.)
     """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
-    dk = q_ref.shape[-1]
-    kp = dk // k_parts
     beta = beta_ref[...].astype(f32)
     t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     t_block = jax.lax.div(t, SUB)
 
-    def part(cols, akk, aqk):
-        g_all = jnp.cumsum(g_ref[:, cols].astype(f32), axis=0)  # G, [C, Kp]
-        row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
-        block = jax.lax.div(row, SUB)
-        g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [Kp]
-        de_ref[cols] = jnp.exp(g_end)
-        q, k = q_ref[:, cols].astype(f32), k_ref[:, cols].astype(f32)
-        exp_g = jnp.exp(g_all)
-        qd_ref[:, cols] = (q * exp_g).astype(qd_ref.dtype)
-        ke_ref[:, cols] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
-        kbg_ref[:, cols] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
-        # R_i = G just before row block i (0 for i = 0), and each row's own R.
-        refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
-                                          for i in range(1, CHUNK // SUB)]
-        ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
-        row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
-        kd, qd = k * row_decay, q * row_decay
-        for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
-            kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
-            mine = t_block == i
-            akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
-            aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
-        return akk, aqk
-
-    zeros = jnp.zeros((CHUNK, CHUNK), f32)
-    if k_parts == 1:
-        akk, aqk = part(slice(None), zeros, zeros)
-    else:  # a loop, not unrolled: each slice's arrays are dead before the next slice's loads
-        akk, aqk = jax.lax.fori_loop(0, k_parts, lambda j, acc: part(pl.ds(pl.multiple_of(j * kp, kp), kp), *acc),
-                                     (zeros, zeros))
+    g_all = jnp.cumsum(g_ref[...].astype(f32), axis=0)  # G, [C, K]
+    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
+    block = jax.lax.div(row, SUB)
+    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
+    de_ref[...] = jnp.exp(g_end)
+    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
+    exp_g = jnp.exp(g_all)
+    qd_ref[...] = (q * exp_g).astype(qd_ref.dtype)
+    ke_ref[...] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
+    kbg_ref[...] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
+    # R_i = G just before row block i (0 for i = 0), and each row's own R.
+    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
+                                      for i in range(1, CHUNK // SUB)]
+    ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
+    row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
+    kd, qd = k * row_decay, q * row_decay
+    akk = aqk = jnp.zeros((CHUNK, CHUNK), f32)
+    for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
+        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
+        mine = t_block == i
+        akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
+        aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
     akk_ref[...] = (jnp.where(s < t, akk, 0.0) * beta[:, None]).astype(akk_ref.dtype)
     aqk_ref[...] = jnp.where(s <= t, aqk, 0.0).astype(aqk_ref.dtype)
-
-
-def _split_intra_rows_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
-                             interpret, algorithm):
-    """`_split_intra_kernel`'s outputs for one 16-row block i of one (chunk, head): a program per
-    row block (grid (C / 16, chunks, heads), the blocks of one chunk adjacent), so each holds a
-    quarter of the rows and does one pair of [16, K] x [K, C] dots instead of four pairs of
-    [C, K] x [K, C] ones (the whole-chunk kernel keeps ~ten [C, K] fp32 arrays live: 8 warps
-    at ~320 registers a thread).  In: the chunk's q, k, g [C, K] and beta [C]; out: rows of
-    block i of q exp(G), k exp(G_C - G), beta exp(G) k [16, K], A_qk and A_kk [16, C];
-    exp(G_C) [K] from block 0.  The same decay references as the whole-chunk kernel: row block
-    i decayed relative to R_i (G before the block), columns from R_i, masked past block i."""
-    f32 = jnp.float32
-    dot = _precise_dot(interpret, algorithm)
-    i = pl.program_id(0)
-    rows_i = pl.ds(i * SUB, SUB)
-    g = g_ref[...].astype(f32)
-    g_all = jnp.cumsum(g, axis=0)  # G, [C, K]
-    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
-    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
-    r_i = jnp.sum(jnp.where(row < i * SUB, g, 0.0), axis=0)  # R_i: G just before block i, [K]
-    g_in = jnp.cumsum(g_ref[rows_i, :].astype(f32), axis=0)  # G_t - R_i over the block's rows, <= 0
-    q_i, k_i = q_ref[rows_i, :].astype(f32), k_ref[rows_i, :].astype(f32)
-    beta_i = beta_ref[rows_i].astype(f32)
-    g_i = r_i[None, :] + g_in  # G on the block's rows
-    qd_i, ke_i = _decayed_q_k(q_i, k_i, g_i, g_end)
-    qd_ref[...] = qd_i.astype(qd_ref.dtype)
-    ke_ref[...] = ke_i.astype(ke_ref.dtype)
-    kbg_ref[...] = _w_rhs(k_i, g_i, beta_i).astype(kbg_ref.dtype)
-
-    @pl.when(i == 0)
-    def _():
-        de_ref[...] = jnp.exp(g_end)
-
-    row_decay = jnp.exp(g_in)  # exp(G_t - R_i) <= 1
-    kr = _column_operand(k_ref[...].astype(f32), g_all, r_i, row, (i + 1) * SUB)
-    akk, aqk = _a_tiles(k_i * row_decay, q_i * row_decay, kr, beta_i, i * SUB, 0, dot)
-    akk_ref[...] = akk.astype(akk_ref.dtype)
-    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
@@ -500,27 +447,19 @@ def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, inte
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
-                        *out_refs, block_v, scale, low_precision, interpret, split_o=False):
-    """One (sequence, head, V block): the sequential pass over the sequence's chunks.
-    out_refs: (o, ht, ckpt); split_o: (hs, v_new, ht, ckpt) instead, each chunk's state before
-    it and its v_new (the dot operands' dtype) for `_chunk_o_kernel` to turn into o in parallel,
-    leaving this pass two dots a chunk instead of four."""
+                        o_ref, ht_ref, ckpt_ref, *, block_v, scale, low_precision, interpret):
+    """One (sequence, head, V block): the sequential pass over the sequence's chunks, o computed
+    in its loop (four dots a chunk).  fla's structure instead (each chunk's state and v_new
+    written, o in a parallel pass after) was 24-39% slower: the HBM round trip costs more than
+    the shorter serial loop saves (RESULTS.md, KDA kernels, session 30)."""
     dot = _fast_dot(low_precision, interpret)
     seq, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * block_v, block_v)
     c0, c1 = chunk_start_ref[seq], chunk_start_ref[seq + 1]
-    if split_o:
-        hs_ref, vnew_ref, ht_ref, ckpt_ref = out_refs
-    else:
-        o_ref, ht_ref, ckpt_ref = out_refs
 
     def body(n, s):
         v_new = u_ref[n, h, :, vs].astype(jnp.float32) - dot(w_ref[n, h], s)
-        if split_o:
-            hs_ref[n, h, :, vs] = s.astype(hs_ref.dtype)
-            vnew_ref[n, h, :, vs] = v_new.astype(vnew_ref.dtype)
-        else:
-            o_ref[n, :, h, vs] = _chunk_output(qd_ref[n, h], aqk_ref[n, h], s, v_new, scale, dot).astype(o_ref.dtype)
+        o_ref[n, :, h, vs] = _chunk_output(qd_ref[n, h], aqk_ref[n, h], s, v_new, scale, dot).astype(o_ref.dtype)
         s = de_ref[n, h][:, None] * s + dot(ke_ref[n, h].T, v_new)
         slot = ckpt_slot_ref[n]
 
@@ -534,22 +473,11 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
     ht_ref[seq, h, :, vs] = s
 
 
-def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_precision, interpret):
-    """One (chunk, head, V block), in parallel over chunks: o = scale (q_decayed @ S_before +
-    A_qk @ v_new), what the fused state pass computes in its loop, from its split outputs."""
-    dot = _fast_dot(low_precision, interpret)
-    o = _chunk_output(qd_ref[...], aqk_ref[...], hs_ref[...].astype(jnp.float32), vnew_ref[...].astype(jnp.float32),
-                      scale, dot)
-    o_ref[...] = o.astype(o_ref.dtype)
-
-
 # (num_warps, num_stages) of the prepare and state kernels, and the prepare
 # kernel's dot algorithm; tuned on H200 (benchmarks/kda_tune.py, benchmarks/kda.py).
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
-# prepare_impl "split_rows": "split" with `_split_intra_rows_kernel` (a program per 16-row
-# block, "intra_rows" warps / stages) in place of the whole-chunk intra kernel; not yet measured.
 # prepare_impl: "split" (`_split_intra_kernel` with the "intra" warps / stages, then
 # `_split_solve_kernel` with the "solve" ones) or "fused" (`_chunk_prepare_kernel`, one
 # kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
@@ -559,20 +487,11 @@ def _chunk_o_kernel(qd_ref, aqk_ref, hs_ref, vnew_ref, o_ref, *, scale, low_prec
 # fewer than 96 programs (sequences x heads x V / 64) for 132 SMs.  H200, B1 T32768 H32
 # (64 programs at 64): 3.34 ms at 32 vs 3.43 at 64, with a state exported every 128
 # tokens ~0.2 vs ~0.4 ms more; B8 T4096 H32 3.03 at 64 vs 3.51; B4 T8192 H12 1.32 vs 1.54.
-# "intra_k_parts": the whole-chunk intra kernel takes K in that many column slices one after
-# another (1, 2 or 4 at K 128), so fewer arrays are live; a candidate until measured (the
-# kernel spills at 1: RESULTS.md, session 31).
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
-# "state_o": "fused" (the state pass computes o in its loop: four dots a chunk) or "split"
-# (the pass writes each chunk's state and v_new, two dots a chunk, and `_chunk_o_kernel`
-# computes o in parallel over chunks, with "o" warps / stages: fla's structure; more HBM
-# traffic, a shorter serial loop; not yet measured, so not the default).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
-          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "state_o": "fused",
-          "o": (4, 2), "intra_rows": (4, 1), "intra_k_parts": 1}
-STATE_O_IMPLS = ("fused", "split")
-PREPARE_IMPLS = ("fused", "split", "split_rows")
+          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto"}
+PREPARE_IMPLS = ("fused", "split")
 
 
 def _tuned(tuning):
@@ -616,7 +535,7 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     (w [NT, H, C, K], u [NT, H, C, V], q_decayed [NT, H, C, K], k_to_end [NT, H, C, K],
     a_qk [NT, H, C, C] in the inputs' dtype (fp32 for fp32), decay_end [NT, H, K] fp32)."""
     impl = _tuned(tuning)["prepare_impl"]
-    if impl in ("split", "split_rows"):
+    if impl == "split":
         return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
     if impl != "fused":
         raise ValueError(f"prepare_impl must be one of {PREPARE_IMPLS}; got {impl!r}")
@@ -653,25 +572,8 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
     sds = jax.ShapeDtypeStruct
     out_shape = [sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
                  sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in), sds((nt, h, CHUNK, dk), solve_in)]
-    if _tuned(tuning)["prepare_impl"] == "split_rows":  # a program per 16-row block, the blocks of a chunk adjacent
-        whole = lambda d: pl.BlockSpec((CHUNK, None, d), lambda i, n, hh: (n, hh, 0))
-        rows = lambda d: pl.BlockSpec((None, None, SUB, d), lambda i, n, hh: (n, hh, i, 0))
-        return pl.pallas_call(
-            _functools.partial(_split_intra_rows_kernel, interpret=interpret, algorithm=algorithm),
-            grid=(CHUNK // SUB, nt, h),
-            in_specs=[whole(dk), whole(dk), whole(dk), pl.BlockSpec((CHUNK, None), lambda i, n, hh: (n, hh))],
-            out_specs=[rows(dk), rows(dk), rows(CHUNK), pl.BlockSpec((None, None, dk), lambda i, n, hh: (n, hh, 0)),
-                       rows(CHUNK), rows(dk)],
-            out_shape=out_shape,
-            interpret=interpret,
-            compiler_params=_params("intra_rows", tuning),
-            name="kda_split_intra_rows",
-        )(q, k, g, beta)
-    k_parts = int(_tuned(tuning)["intra_k_parts"])
-    if k_parts < 1 or dk % k_parts or (dk // k_parts) % 16:
-        raise ValueError(f"intra_k_parts must split K={dk} into slices of a multiple of 16 columns; got {k_parts}")
     return pl.pallas_call(
-        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm, k_parts=k_parts),
+        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm),
         grid=(nt, h),
         in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dk), _BETA_BLK],
         out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
@@ -714,49 +616,24 @@ def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
 
 def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret,
                       tuning=None):
-    """The sequential pass (and, with TUNING["state_o"] "split", the parallel output kernel after
-    it).  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints [max(n_ckpt, 1), H, K, V]."""
+    """The sequential pass.  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints
+    [max(n_ckpt, 1), H, K, V]."""
     w, u, qd, ke, aqk, de = prep
     nt, h, _, dk = w.shape
     dv = u.shape[-1]
     n_seq = h0.shape[0]
     sds = jax.ShapeDtypeStruct
-    split_o = _tuned(tuning)["state_o"]
-    if split_o not in STATE_O_IMPLS:
-        raise ValueError(f"state_o must be one of {STATE_O_IMPLS}; got {split_o!r}")
-    split_o = split_o == "split"
     low_precision = bool(w.dtype != jnp.float32)
-    # the split pass's per-chunk outputs, in what the dots read: bf16 for 16-bit inputs (the fused
-    # pass casts s and v_new to it for its dots too), fp32 for fp32 inputs
-    inter = jnp.bfloat16 if low_precision else jnp.float32
-    outs = ([sds((nt, h, dk, dv), inter), sds((nt, h, CHUNK, dv), inter)] if split_o
-            else [sds((nt, CHUNK, h, dv), out_dtype)])
-    res = pl.pallas_call(
+    return pl.pallas_call(
         _functools.partial(_chunk_state_kernel, block_v=block_v, scale=scale, low_precision=low_precision,
-                           interpret=interpret, split_o=split_o),
+                           interpret=interpret),
         grid=(n_seq, h, dv // block_v),
-        out_shape=outs + [sds((n_seq, h, dk, dv), jnp.float32), sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
+        out_shape=[sds((nt, CHUNK, h, dv), out_dtype), sds((n_seq, h, dk, dv), jnp.float32),
+                   sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
         interpret=interpret,
         compiler_params=_params("state_fp32" if w.dtype == jnp.float32 else "state", tuning),
         name="kda_chunk_state",
     )(chunk_start, ckpt_slot, h0, w, u, qd, ke, aqk, de)
-    if not split_o:
-        return res
-    hs, v_new, ht, ckpt = res
-    o = pl.pallas_call(
-        _functools.partial(_chunk_o_kernel, scale=scale, low_precision=low_precision, interpret=interpret),
-        grid=(nt, h, dv // block_v),
-        in_specs=[pl.BlockSpec((None, None, CHUNK, dk), lambda n, hh, vb: (n, hh, 0, 0)),
-                  pl.BlockSpec((None, None, CHUNK, CHUNK), lambda n, hh, vb: (n, hh, 0, 0)),
-                  pl.BlockSpec((None, None, dk, block_v), lambda n, hh, vb: (n, hh, 0, vb)),
-                  pl.BlockSpec((None, None, CHUNK, block_v), lambda n, hh, vb: (n, hh, 0, vb))],
-        out_specs=pl.BlockSpec((None, CHUNK, None, block_v), lambda n, hh, vb: (n, 0, hh, vb)),
-        out_shape=sds((nt, CHUNK, h, dv), out_dtype),
-        interpret=interpret,
-        compiler_params=_params("o", tuning),
-        name="kda_chunk_o",
-    )(qd, aqk, hs, v_new)
-    return o, ht, ckpt
 
 
 @_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning"))

@@ -371,10 +371,9 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
     fp16; head dims multiples of 64.  persistent / sms / tile_order: as `mla_prefill_hopper`'s.
-
-    Not yet run on a GPU (written after the session's device time was spent; the interpreter
-    and the CUDA lowering test it): `kimik3.ops` runs the Triton `mla_prefill_chunk` until
-    `benchmarks/mla.py --sections chunk` has measured both."""
+    `kimik3.ops.mla_chunk_impl` picks it on 9.x GPUs (`KIMIK3_MLA_CHUNK`; its GPU rows and
+    `small`'s chunk logits: tests/gpu, RESULTS.md sessions 34-35).  Its Mosaic GPU lowering is
+    Python work of ~2-3 s a program that holds it (RESULTS.md, serving, session 37)."""
     _check_16bit(q, k, v)
     if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "

@@ -27,9 +27,7 @@ def _close(got, want, what):
                                err_msg=what)
 
 
-@pytest.mark.parametrize("tuning", [{}, {"state_o": "split"}, {"prepare_impl": "split_rows"}, {"intra_k_parts": 2},
-                                    {"intra_k_parts": 4}],
-                         ids=["default", "state_o=split", "prepare=split_rows", "intra_k_parts=2", "intra_k_parts=4"])
+@pytest.mark.parametrize("tuning", [{}, {"prepare_impl": "fused"}], ids=["default", "prepare=fused"])
 def test_kda_chunk_prefill_with_state_and_exports(tuning):
     rng = np.random.default_rng(0)
     h, d = CFG.kda_heads, CFG.kda_head_dim

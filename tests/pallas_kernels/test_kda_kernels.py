@@ -26,7 +26,7 @@ def replay_state(q, k, v, g, beta, n, initial_state=None):
 # A_kk matters, not only the ones near the diagonal.
 @pytest.mark.parametrize("b, t, h, dk, dv, impl, gate_scale", [
     (2, 150, 2, 16, 32, "fused", 1.0), (1, 64, 3, 32, 16, "fused", 1.0), (3, 37, 1, 16, 16, "fused", 1.0),
-    (2, 150, 2, 16, 32, "split", 0.05), (2, 150, 2, 16, 32, "split_rows", 0.05), (1, 64, 3, 32, 16, "split_rows", 1.0)])
+    (2, 150, 2, 16, 32, "split", 0.05), (1, 64, 3, 32, 16, "split", 1.0)])
 def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
     g = g * gate_scale
@@ -76,8 +76,7 @@ def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng, i
 
 
 @pytest.mark.parametrize("prepare_dot, impl, gate_scale", [("tf32x3", "fused", 1.0), ("bf16", "fused", 1.0),
-                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05),
-                                                           ("auto", "split_rows", 1.0)])
+                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05)])
 def test_bf16_inputs_keep_fp32_state(rng, prepare_dot, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
     g = g * gate_scale
@@ -100,25 +99,19 @@ def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 192, 2, 32, 16)
     args = [x[0] for x in (q, k, v, g * gate_scale, beta)]  # [T, H, ...], T a multiple of 64
     fused = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "fused"),))
-    # split_rows: the intra kernel a program per 16-row block; k_parts 2: the whole-chunk one
-    # taking K in two 16-column slices, one after the other
-    for impl, k_parts in (("split", 1), ("split_rows", 1), ("split", 2)):
-        split = kda_mod._chunk_prepare_call(*args, interpret=True,
-                                            tuning=(("prepare_impl", impl), ("intra_k_parts", k_parts)))
-        for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
-            assert a.shape == b.shape and a.dtype == b.dtype, (impl, k_parts, name)
-            assert np.isfinite(b).all(), (impl, k_parts, name)
-            # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
-            # exponents carry ~1e-5 absolute rounding).
-            np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=f"{impl} k_parts {k_parts} {name}")
+    split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "split"),))
+    for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], fused, split):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert np.isfinite(b).all(), name
+        # Both are fp32 up to summation order (the cumulative gate reaches ~-160 here, so
+        # exponents carry ~1e-5 absolute rounding).
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
 def test_unknown_prepare_impl_is_refused(rng):
     q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
     with pytest.raises(ValueError, match="prepare_impl"):
         chunk_kda(q, k, v, g, beta, tuning={"prepare_impl": "nope"})
-    with pytest.raises(ValueError, match="intra_k_parts"):  # 16 columns cannot be cut in two 16-column slices
-        chunk_kda(q, k, v, g, beta, tuning={"intra_k_parts": 2})
 
 
 def test_replay_baselines_produce_the_same_states_as_export(rng):
@@ -251,33 +244,3 @@ def test_state_pass_splits_v_finer_only_when_programs_are_scarce():
     assert kda_mod._state_block_v(4, 12, 128, None) == 64
     assert kda_mod._state_block_v(1, 2, 16, None) == 16  # never wider than V
     assert kda_mod._state_block_v(8, 32, 128, (("state_block_v", 16),)) == 16
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_split_output_pass_gives_the_fused_pass_results(rng, dtype):
-    """TUNING["state_o"] = "split": the state pass writes each chunk's state and v_new and a
-    parallel kernel computes o from them.  Varlen sequences with their own initial states and
-    exports: outputs, final states and exported states equal the fused pass's (the same dots on
-    the same operands: fp32 to summation order, bf16 inputs to one bf16 rounding of o), and the
-    recurrence's."""
-    lens = [70, 200, 64]
-    q, k, v, g, beta = kda_inputs(rng, 1, sum(lens), 2, 16, 32)
-    q, k, v, beta = (x.astype(dtype) for x in (q, k, v, beta))
-    s0 = jnp.asarray(rng.standard_normal((3, 2, 16, 32)), jnp.float32)
-    cu = np.concatenate([[0], np.cumsum(lens)])
-    kw = dict(initial_state=s0, output_final_state=True, checkpoint_positions=[[64], [128, 192], []], cu_seqlens=cu)
-    o_f, s_f, ck_f = chunk_kda(q, k, v, g, beta, **kw)
-    o_s, s_s, ck_s = chunk_kda(q, k, v, g, beta, tuning={"state_o": "split"}, **kw)
-    assert o_s.dtype == dtype and np.isfinite(np.asarray(o_s, np.float32)).all()
-    np.testing.assert_array_equal(s_s, s_f)  # the state recurrence is the same loop either way
-    np.testing.assert_array_equal(ck_s, ck_f)
-    if dtype == jnp.float32:
-        np.testing.assert_allclose(o_s, o_f, atol=1e-5, rtol=1e-5)
-        o_ref, _ = kda_recurrent_ref(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70], initial_state=s0[:1])
-        np.testing.assert_allclose(o_s[:, :70], o_ref, atol=ATOL, rtol=RTOL)
-    else:
-        of, os_ = np.asarray(o_f, np.float32), np.asarray(o_s, np.float32)
-        np.testing.assert_allclose(os_, of, rtol=2 ** -7, atol=2 ** -7 * np.max(np.abs(of)))
-        assert np.mean(os_ == of) > 0.99
-    with pytest.raises(ValueError, match="state_o"):
-        chunk_kda(q, k, v, g, beta, tuning={"state_o": "nope"}, **kw)

@@ -120,19 +120,12 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
                                 S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
 
 
-@pytest.mark.parametrize("state_o, prepare_impl, k_parts", [("fused", "split", 1), ("split", "split", 1),
-                                                             ("fused", "split_rows", 1), ("fused", "split", 4)])
-def test_chunk_kda_prefill_with_either_output_pass(state_o, prepare_impl, k_parts):
+def test_chunk_kda_prefill_lowers_as_three_kernels():
     """The prefill's kernels at the model's head dims, bf16, a state exported every 128 tokens:
-    the split prepare (two kernels; its intra kernel whole-chunk, whole-chunk over K in four
-    slices, or a program per 16-row block)
-    and the state pass, with o in its loop ("fused", one call) or from a parallel kernel after
-    it ("split", two)."""
+    the split prepare (intra, solve) and the state pass with o in its loop, three Triton calls."""
     t, h, d = 1024, 4, 128
     fn = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, output_final_state=True,
-                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False,
-                                                tuning={"state_o": state_o, "prepare_impl": prepare_impl,
-                                                        "intra_k_parts": k_parts})
+                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False)
     calls = lowered_triton_calls(fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32),
                                  S((1, t, h), BF16))
-    assert calls == (4 if state_o == "split" else 3)
+    assert calls == 3
