@@ -38,15 +38,11 @@ compile_cache.enable(RUN_CACHE)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: minutes of CPU for what faster tests cover too; runs with KIMIK3_SLOW=1")
-    config.addinivalue_line("markers", "heavy: a minute or more of real processes or training; collected first")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Heavy tests go first: collected in file order they came last (tests/serving, tests/sharding)
-    and one worker ran them alone while the other sat idle, minutes of the suite's wall time.
-    Slow tests run with KIMIK3_SLOW=1 (or when chosen by -m slow); the default suite stays
+    """Slow tests run with KIMIK3_SLOW=1 (or when chosen by -m slow); the default suite stays
     within CI's 20 minutes on 2 cores."""
-    items[:] = sorted(items, key=lambda item: "heavy" not in item.keywords)  # stable: file order otherwise
     if os.environ.get("KIMIK3_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
         return
     skip = pytest.mark.skip(reason="slow: set KIMIK3_SLOW=1 to run it")

@@ -57,7 +57,6 @@ def test_the_drafts_own_kv_cache_gives_the_no_cache_chain(tiny_cfg, tiny_params)
 # `trained_draft` (tests/conftest.py): the draft of `trained_tiny`, shared with tests/serving/test_engine_speculative.py
 
 
-@pytest.mark.heavy
 def test_training_on_the_targets_continuations_teaches_the_draft_to_agree_with_it(trained_draft):
     _, result, _, _ = trained_draft
     before, after = result["held_out_before"], result["held_out_after"]

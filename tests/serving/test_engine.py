@@ -102,7 +102,6 @@ def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_par
     assert not prefill.manager.requests and not decode.manager.requests  # all KV released
 
 
-@pytest.mark.heavy
 def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     from serving import demo
 

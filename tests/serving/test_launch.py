@@ -38,7 +38,6 @@ def _wait_for_state(proc, state_file, timeout_s: float = 400) -> dict:
     return json.loads(state_file.read_text())
 
 
-@pytest.mark.heavy
 def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
     from cache.mooncake_tier import TierError, _binary
 

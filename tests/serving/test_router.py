@@ -903,7 +903,6 @@ def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_los
     assert httpx.get(base + "/admin/workers", timeout=10).json()["admission"] == {"running": 0, "waiting": 0}
 
 
-@pytest.mark.heavy
 def test_router_and_workers_as_real_processes(cluster, params):
     for check in (check_greedy_output_through_router_and_workers_equals_the_oracle,
                   check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says,

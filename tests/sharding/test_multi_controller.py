@@ -13,7 +13,6 @@ import sys
 import time
 
 import psutil
-import pytest
 
 from serving.launch import child_env, free_port
 
@@ -52,7 +51,6 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
     return [json.loads((out / f"process-{i}.json").read_text()) for i in range(2)]
 
 
-@pytest.mark.heavy
 def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp_path):
     results = _run_group("sharding.multiprocess_check", tmp_path, "--engine", "--ep", "2", "--engine-devices", "2")
     # the sharded steps
