@@ -33,9 +33,10 @@ from pallas_kernels.mla import _LOG2E, check_decode_inputs, fold_rows, merge_spl
 
 @dataclasses.dataclass(frozen=True)
 class DecodeCta:
-    """What a decode CTA derives from its grid position (traced scalars): sequence b, KV split `split`, row tile rb (64 folded rows), its split's first key
-    tile kb0 and tile count n_steps; the three column parts (value half 0, value half 1, rope)
-    as (start, width) of a latent row and as (array, first column) of the queries."""
+    """What a decode CTA derives from its grid position (traced scalars): sequence b, KV split
+    `split`, row tile rb (64 folded rows), its split's first key tile kb0 and tile count
+    n_steps; the three column parts (value half 0, value half 1, rope) as (start, width) of a
+    latent row and as (array, first column) of the queries."""
     b: jax.Array
     split: jax.Array
     rb: jax.Array
@@ -85,11 +86,11 @@ class DecodeCta:
     def mask(self, s, i, n_heads, n_queries):
         """s [64, block_kv] (the scores of the split's tile i) with every key its row cannot
         see at -inf: a score at column c is visible where c + (kb0 + i) * block_kv < its row's
-        query position + 1.  Only a tile that reaches past its first row's limit runs the compares (the row
-        tile's last; in a chunk, every tile between its first and last rows' query ends): a
-        row's limit grows with the row (query-major folding), so the first row's decides,
-        and the loop keeps no [64, block_kv] index array live beside the accumulators (the
-        registers the score and output tiles need)."""
+        query position + 1.  Only a tile that reaches past its first row's limit runs the
+        compares (the row tile's last; in a chunk, every tile between its first and last rows'
+        query ends): a row's limit grows with the row (query-major folding), so the first
+        row's decides, and the loop keeps no [64, block_kv] index array live beside the
+        accumulators (the registers the score and output tiles need)."""
         start = (self.kb0 + i) * self.block_kv
         first_row = self.rb * self.block_m
         base = self.seq_len - n_queries + 1 - start
