@@ -24,6 +24,21 @@ run() {  # run NAME SECONDS CMD...: CMD's output in $R/NAME.txt, its tail printe
   # files past 4 MB stay behind (a dump's cubin text): the archive must come back (16 MiB a file)
   (cd "$R" && find . -type f -size -4M -print0 | tar --null -T - -czf "$OUT/round.tgz")
 }
+ptxas_report() {  # ptxas_report NAME: the MLA decode's registers, spills and serialization notes
+  run "ptxas_$1" 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode
+  grep -a -i -E "C75|spill|registers" "$R/ptxas_$1.txt" | sort | uniq -c | head -8
+}
+decode_against_base() {  # decode_against_base BASE_S NOW_S CONFIGS: issue 22's MLA decode rows on base.tar's
+  # tree (untracked, so it travels; `git archive COMMIT -o base.tar`) and on this one, in the same call
+  mkdir -p "$R"/{dec,base}
+  local rows="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
+  if [ -f base.tar ]; then
+    mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+    run mla_decode_base "$1" env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $rows \
+      --decode-configs hopperx64x2 --budget-s $(($1 - 20)) --out $R/base"
+  fi
+  run mla_decode_now "$2" python3 benchmarks/mla.py $rows --decode-configs "$3" --budget-s $(($2 - 20)) --out "$R/dec"
+}
 nvidia-smi -L | tee "$R/gpu.txt"
 case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
@@ -203,12 +218,7 @@ case $round in
     # (H128 / H96 B64 ctx8k Sq1 + Sq4, CTA pairs beside; H16 B64 ctx32k), where a tile's time goes
     # (Nsight Compute, with source-level stall sampling), then KDA decode against fla
     mkdir -p "$R"/{dec,dec32,kda}
-    rm -rf /tmp/dump_def
-    run ptxas_def 60 env MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/dump_def \
-      python3 benchmarks/ncu_probe.py --what mla_decode
-    cp /tmp/dump_def/*.ptx "$R/decode_def.ptx" 2>/dev/null
-    cat /tmp/dump_def/*.ptxas > "$R/decode_def.ptxas" 2>/dev/null
-    grep -h -i -E "serializ|registers|spill" /tmp/dump_def/*.ptxas 2>/dev/null | sort | uniq -c | head -6
+    ptxas_report def
     run gpu_decode 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
       tests/gpu/test_hopper_kernels.py -k "test_decode_at or cta_pairs or suite_catches"
     run mla_decode 200 python3 benchmarks/mla.py --sections decode --decode-heads 128,96 --decode-batches 64 \
@@ -223,33 +233,18 @@ case $round in
     run kda_decode 150 python3 benchmarks/kda.py --sections decode --out "$R/kda"
     ;;
   eighteenth)  # session 37, after seventeenth: the decode's producer reading each tile's page before it
-    # waits for the slot (`hopper_ring.stream`'s prepare), against the tree before it (base.tar:
+    # waits for the slot (a `prepare` hook on `hopper_ring.stream`, run uncommitted and not kept:
+    # RESULTS.md), against the tree before it (base.tar:
     # `git archive 64a8535 -o base.tar`) in the same call, with deeper 32-key rings beside; the rows
-    mkdir -p "$R"/{dec,base}
-    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
-    if [ -f base.tar ]; then
-      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
-      run mla_decode_base 120 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
-        --decode-configs hopperx64x2 --budget-s 100 --out $R/base"
-    fi
-    run mla_decode_now 200 python3 benchmarks/mla.py $B --decode-configs hopperx64x2,hopperx32x4,hopperx32x3 \
-      --budget-s 170 --out "$R/dec"
+    decode_against_base 120 200 hopperx64x2,hopperx32x4,hopperx32x3
     run gpu_decode 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
       tests/gpu/test_hopper_kernels.py -k "test_decode_at or cta_pairs"
     ;;
   nineteenth)  # session 37: the score wgmmas issued part by part, each as its part lands (FlashMLA's
     # fine-grained TMA at the three parts' granularity), against the tree before it in the same
     # call (base.tar: `git archive 875e416 -o base.tar`): ptxas first (serialization), then timings, rows
-    mkdir -p "$R"/{dec,base}
-    run ptxas_now 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 benchmarks/ncu_probe.py --what mla_decode
-    grep -a -i -E "C75|spill|registers" "$R/ptxas_now.txt" | sort | uniq -c | head -8
-    B="--sections decode --decode-heads 128,96 --decode-batches 64 --decode-contexts 8192 --decode-sq 1,4 --skip-xla-ref"
-    if [ -f base.tar ]; then
-      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
-      run mla_decode_base 100 env PYTHONPATH=/tmp/base sh -c "cd /tmp/base && python3 benchmarks/mla.py $B \
-        --decode-configs hopperx64x2 --budget-s 80 --out $R/base"
-    fi
-    run mla_decode_now 100 python3 benchmarks/mla.py $B --decode-configs hopperx64x2 --budget-s 80 --out "$R/dec"
+    ptxas_report now
+    decode_against_base 100 100 hopperx64x2
     run gpu_decode 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -x -p no:cacheprovider --durations=3 \
       tests/gpu/test_hopper_kernels.py -k "test_decode_at or suite_catches"
     ;;

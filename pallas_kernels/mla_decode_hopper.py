@@ -182,7 +182,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
                 plgpu.wgmma(acc_ref, q_parts[part].at[here], k_parts[part].at[slot].transpose((1, 0)))
 
         def softmax_and_hand_over(s, i, m_i, l_i):
-            """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1."""
+            """Online softmax of step i's raw scores; P and the rescale factors go to warpgroup 1
+            (warpgroup 0 reads its factors back from there: `handed_over_alpha`) -> (m, l)."""
             pslot = lax.rem(i, p_slots)
             p, alpha, m_new = softmax_step(cta.mask(s, i, n_heads, n_queries), m_i, scale_log2)
             l_i = l_i * alpha + p.sum(axis=1)
@@ -195,7 +196,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             alpha_smem.at[pslot][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready.at[pslot])
-            return alpha, m_new, l_i
+            return m_new, l_i
 
         def handed_over_alpha(i):
             """Step i's rescale factors read back from the buffer they were handed over in: O's
@@ -217,7 +218,7 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
                 return acc_ref[...]
 
             s = pl.run_scoped(scores, plgpu.ACC((block_m, block_kv), jnp.float32))
-            _, m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
+            m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
             return first_half(acc, handed_over_alpha(i), i), m_i, l_i
 
         init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),

@@ -40,9 +40,8 @@ def decode_errors(decode, seed: int, heads: int, long: bool = False, p_slots=Non
     table = jnp.asarray(rng.permutation(b * per_row + 8)[:b * per_row].reshape(b, per_row), jnp.int32)
     lens = jnp.asarray(rng.integers(per_row * page // 2 if long else 1, per_row * page, b), jnp.int32)
     q_latent, q_pe = f(b, 1, heads, r), f(b, 1, heads, p)
-    kw = dict(p_slots=p_slots, cluster=cluster) if cluster > 1 else dict(p_slots=p_slots)
-    outs = [decode(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5, stall_ns=stall_ns, **kw)
-            for _ in range(runs)]
+    outs = [decode(q_latent, q_pe, pages, table, lens, scale=192 ** -0.5, stall_ns=stall_ns, p_slots=p_slots,
+                   cluster=cluster) for _ in range(runs)]
     same = all(np.array_equal(np.asarray(o), np.asarray(outs[0][0])) and np.array_equal(np.asarray(lse), np.asarray(outs[0][1]))
                for o, lse in outs[1:])
     up = lambda x: x.astype(jnp.float32)
