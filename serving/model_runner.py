@@ -340,10 +340,11 @@ class DecodeRunner:
         return (decode_program._cache_size() + decode_program_ext._cache_size() + multi_decode_program._cache_size()
                 + _overwrite._cache_size() + _write_counts._cache_size())
 
-    def compile(self, params, pools, rows: DecodeRows):
-        """Compile (ahead of time) the program for `rows`' bucket; it neither runs nor donates."""
+    def lower(self, params, pools, rows: DecodeRows):
+        """Lower (ahead of time) the program for `rows`' bucket (`.compile()` it next); it neither
+        runs nor donates."""
         return decode_program.lower(params, pools, rows.as_dict(), cfg=self.cfg, kernels=self.kernels,
-                                    greedy=rows.greedy).compile()
+                                    greedy=rows.greedy)
 
 
 def prefill_buckets(limit: int, smallest: int = 64) -> list[int]:
@@ -661,14 +662,21 @@ class ModelRunner:
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
         decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
         static = self.step_static()
-        jobs = [functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static).compile(),
-                                  one, s) for one in kvs for s in unsharded]
-        jobs += [functools.partial(lambda b, v: self.decode.compile(self.params, kv.pools, decode_rows(b, v)), b, v)
-                 for b in decode for v in variants]
-        workers = threads or compile_threads(len(jobs))
-        # Lowering and compiling neither run nor donate anything, so they may overlap.
+        # the longest chunks first: their programs' compiles are the longest, so they start first
+        lowerings = [functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static), one, s)
+                     for one in kvs for s in sorted(unsharded, key=lambda s: (-s[1], -s[0]))]
+        lowerings += [functools.partial(lambda b, v: self.decode.lower(self.params, kv.pools, decode_rows(b, v)), b, v)
+                      for b in decode for v in variants]
+        workers = threads or compile_threads(len(lowerings))
+        # Tracing and lowering are Python, under the GIL (a Mosaic GPU kernel's lowering alone is
+        # seconds: RESULTS.md, serving, session 37); XLA's compile is not.  So this thread lowers
+        # the programs one after another and hands each to a compile thread at once: the compiles
+        # run under the next lowerings, where lowering on the compile threads too made each wait
+        # for its share of every other lowering.  Neither runs nor donates anything.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda job: job(), jobs))
+            compiles = [pool.submit(lower().compile) for lower in lowerings]
+            for done in compiles:
+                done.result()
         for one in kvs:
             for shape in unsharded:
                 logits, view, *_ = model.forward_step(*step_args(one, shape), **static)
