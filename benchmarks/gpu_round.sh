@@ -257,27 +257,27 @@ case $round in
     run kda_prefill 200 python3 benchmarks/kda.py --sections prefill --tunings '[{}, {"state_block_v": 32}]' \
       --out "$R/kdap3"
     ;;
-  twentieth)  # session 38: the GPU rows session 37 left unrun and the chunk kernel's (its pre-diagonal
-    # blocks now one loop); small's chunk buckets on both chunk kernels, base.tar's tree (untracked:
-    # `git archive COMMIT -o base.tar`) then this one, in the same call
-    run gpu_rows 240 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+  twentieth)  # session 38, first call: the GPU rows session 37 left unrun and the chunk kernel's (its
+    # pre-diagonal blocks now one loop), then the demo's cold warm-up with JAX's per-program
+    # timings (lowering, XLA compile) in its log.  Carry .whl and .gpuwhl
+    run gpu_rows 200 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" \
       -k "kda_chunk or test_decode_at or cta_pairs or suite_catches or chunk"
-    local_cases=1x64x0x16,1x64x4096x16,1x256x0x16,1x256x1024x16,1x256x4096x16,1x2048x8192x16,1x2048x8000x16
-    if [ -f base.tar ]; then
-      mkdir -p /tmp/base "$R/chunk_base" && tar -xf base.tar -C /tmp/base
-      run chunk_base 200 env PYTHONPATH=/tmp/base:/tmp/fla python3 /tmp/base/benchmarks/mla.py --sections chunk \
-        --out "$R/chunk_base" --chunk-cases "$local_cases"
-    fi
-    mkdir -p "$R/chunk_now"
-    run chunk_now 200 python3 benchmarks/mla.py --sections chunk --out "$R/chunk_now" --chunk-cases "$local_cases"
-    ;;
-  twentyfirst)  # session 38: the demo's cold warm-up with JAX's per-program timings (lowering, XLA
-    # compile) in its log.  Carry .whl
     ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
-    run demo_logged 420 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged KIMIK3_INHERIT_SITE=1 \
+    run demo_logged 330 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged KIMIK3_INHERIT_SITE=1 \
       KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
-    grep -a -c "jaxpr to MLIR" "$R/demo_logged.txt"
+    ;;
+  twentyfirst)  # session 38, second call on the same machine: small's chunk buckets on both chunk
+    # kernels, then the demo's warm-up on base.tar's tree (untracked: `git archive COMMIT -o
+    # base.tar`) in the .venv twentieth built, its own cold cache
+    cases=1x64x0x16,1x64x4096x16,1x256x0x16,1x256x1024x16,1x256x4096x16,1x2048x8192x16,1x2048x8000x16
+    mkdir -p "$R/chunk_now"
+    run chunk_now 150 python3 benchmarks/mla.py --sections chunk --out "$R/chunk_now" --chunk-cases "$cases"
+    if [ -f base.tar ]; then
+      mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+      run demo_base 300 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_base PYTHONPATH=/tmp/base \
+        bash -c "cd /tmp/base && $PWD/.venv/bin/python -m serving.cli demo --config small --out /tmp/base_out"
+    fi
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on
