@@ -402,7 +402,7 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1, mode="clip")
                 k, v = mla_kernels.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
-                if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
+                if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability(), t) == "hopper":
                     o, _ = mla_hopper.mla_prefill_chunk_hopper(
                         q_bthd.astype(k.dtype), k, v, prefix, scale=scale,
                         block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]))
@@ -453,20 +453,27 @@ def mla_prefill_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -
 
 
 MLA_CHUNK_CHOICES = ("triton", "hopper", "auto")
+# Under KIMIK3_MLA_CHUNK=auto, the fewest new tokens a chunk takes the Hopper kernel at: one tile
+# of its two compute warpgroups' rows (2 x 64).  A shorter chunk pads that tile (a 64-token
+# chunk: half of it), and each program holding the kernel pays its Mosaic GPU lowering, seconds
+# of Python (RESULTS.md, serving, session 37): a serving engine's short-chunk bucket
+# (`serving.model_runner.prefill_buckets`: 64 tokens) stays on the Triton kernel.
+HOPPER_CHUNK_MIN_TOKENS = 128
 
 
-def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None) -> str:
-    """Which kernel runs a prefill chunk continuing a cache (the expanded form): "hopper"
-    (`mla_hopper.mla_prefill_chunk_hopper`, 128-key blocks where they fit) or "triton"
-    (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "auto" (the default: "hopper"
-    where `mla_prefill_impl` picks it, the faster kernel at every chunk measured), "triton"
-    and "hopper" (as "auto", and off the GPU in Mosaic GPU's interpreter).  The Hopper kernel's
-    rows pass on the GPU, and in `small`'s model its chunk logits are as close to fp32 as the
-    Triton kernel's (`tests/gpu`, RESULTS.md session 35)."""
+def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None, chunk_tokens: int) -> str:
+    """Which kernel runs a prefill chunk of `chunk_tokens` new tokens (padded) continuing a cache
+    (the expanded form): "hopper" (`mla_hopper.mla_prefill_chunk_hopper`, 128-key blocks where
+    they fit) or "triton" (`mla.mla_prefill_chunk`).  ``KIMIK3_MLA_CHUNK`` chooses: "auto" (the
+    default: "hopper" where `mla_prefill_impl` picks it and the chunk has at least
+    HOPPER_CHUNK_MIN_TOKENS tokens), "triton", and "hopper" (whatever the chunk's length, and
+    off the GPU in Mosaic GPU's interpreter).  The Hopper kernel's rows pass on the GPU, and in
+    `small`'s model its chunk logits are as close to fp32 as the Triton kernel's (`tests/gpu`,
+    RESULTS.md session 35)."""
     choice = os.environ.get("KIMIK3_MLA_CHUNK", "auto")
     if choice not in MLA_CHUNK_CHOICES:
         raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")
-    if choice == "triton":
+    if choice == "triton" or (choice == "auto" and chunk_tokens < HOPPER_CHUNK_MIN_TOKENS):
         return "triton"
     if choice == "hopper" and compute_capability is None:  # the interpreter, off the GPU: Hopper's rules
         compute_capability = "9.0"

@@ -371,9 +371,10 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
     fp16; head dims multiples of 64.  persistent / sms / tile_order: as `mla_prefill_hopper`'s.
-    `kimik3.ops.mla_chunk_impl` picks it on 9.x GPUs (`KIMIK3_MLA_CHUNK`; its GPU rows and
-    `small`'s chunk logits: tests/gpu, RESULTS.md sessions 34-35).  Its Mosaic GPU lowering is
-    Python work of ~2-3 s a program that holds it (RESULTS.md, serving, session 37)."""
+    `kimik3.ops.mla_chunk_impl` picks it on 9.x GPUs for chunks of 128+ tokens (`KIMIK3_MLA_CHUNK`;
+    its GPU rows and `small`'s chunk logits: tests/gpu, RESULTS.md sessions 34-35).  Its Mosaic
+    GPU lowering is Python work, repeated in every program that holds it (RESULTS.md, serving,
+    sessions 37-38)."""
     _check_16bit(q, k, v)
     if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "

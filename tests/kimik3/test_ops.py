@@ -62,25 +62,28 @@ def test_mxfp4_experts_take_the_hopper_kernel_only_where_asked(monkeypatch):
 
 def test_a_chunk_over_a_cache_takes_the_hopper_kernel_where_the_hopper_prefill_runs(monkeypatch):
     """`KIMIK3_MLA_CHUNK`: "auto" (the default) where the Hopper prefill runs (16-bit inputs,
-    its dims, compute capability 9.x); "triton" always; "hopper" also off the GPU (the
-    interpreter) where the dims fit; anything else refused."""
+    its dims, compute capability 9.x) and the chunk fills a Hopper tile (128 new tokens: a
+    serving engine's 64-token bucket stays on Triton); "triton" always; "hopper" at any length,
+    also off the GPU (the interpreter) where the dims fit; anything else refused."""
     bf = jnp.bfloat16
     for choice in (None, "auto"):
         if choice is None:
             monkeypatch.delenv("KIMIK3_MLA_CHUNK", raising=False)
         else:
             monkeypatch.setenv("KIMIK3_MLA_CHUNK", choice)
-        assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "hopper"
-        assert [ops.mla_chunk_impl(*a) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None),
-                                                  (jnp.float32, 192, 128, "9.0"), (bf, 24, 16, "9.0")]] == ["triton"] * 4
+        assert [ops.mla_chunk_impl(bf, 192, 128, "9.0", t) for t in (128, 256, 2048)] == ["hopper"] * 3
+        assert [ops.mla_chunk_impl(bf, 192, 128, "9.0", t) for t in (1, 64, 127)] == ["triton"] * 3
+        assert [ops.mla_chunk_impl(*a, 256) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None),
+                                                       (jnp.float32, 192, 128, "9.0"), (bf, 24, 16, "9.0")]] == ["triton"] * 4
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
-    assert ops.mla_chunk_impl(bf, 192, 128, "9.0") == "triton"
+    assert ops.mla_chunk_impl(bf, 192, 128, "9.0", 256) == "triton"
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "hopper")
-    assert ops.mla_chunk_impl(bf, 192, 128, None) == "hopper"
-    assert ops.mla_chunk_impl(bf, 24, 16, None) == "triton"
+    assert ops.mla_chunk_impl(bf, 192, 128, None, 256) == "hopper"
+    assert ops.mla_chunk_impl(bf, 192, 128, "9.0", 16) == "hopper"
+    assert ops.mla_chunk_impl(bf, 24, 16, None, 256) == "triton"
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "cutlass")
     with pytest.raises(ValueError, match="KIMIK3_MLA_CHUNK"):
-        ops.mla_chunk_impl(bf, 192, 128, "9.0")
+        ops.mla_chunk_impl(bf, 192, 128, "9.0", 256)
 
 
 def test_the_hopper_chunk_kernel_serves_mla_attention_as_the_triton_one_does(monkeypatch, rng):
