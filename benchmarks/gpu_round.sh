@@ -260,11 +260,10 @@ case $round in
   twentieth)  # session 38, first call: the GPU rows session 37 left unrun and the chunk kernel's (its
     # pre-diagonal blocks now one loop), then the demo's cold warm-up with JAX's per-program
     # timings (lowering, XLA compile) in its log.  Carry .whl and .gpuwhl
-    run gpu_rows 170 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
-      "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" \
-      -k "kda_chunk or test_decode_at or cta_pairs or suite_catches or chunk"
+    run gpu_rows 130 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+      "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
     ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
-    run demo_logged 250 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged KIMIK3_INHERIT_SITE=1 \
+    run demo_logged 200 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged KIMIK3_INHERIT_SITE=1 \
       KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
     ;;
   twentyfirst)  # session 38, second call on the same machine: small's chunk buckets on both chunk
