@@ -39,6 +39,11 @@ from serving.workload import WorkloadSpec, generate_sessions  # noqa: F401 - Wor
 
 log = logging.getLogger(__name__)
 MODES = ("colocated", "colocated+host", "pd-direct", "pd-store")
+# What the P/D rows' TPOT measures here, said under the table: both engines share this process
+# and device and step in turn, so a decode token also waits for the prefill engine's step.
+PD_NOTE = ("pd-*: both engines in this process on one device, stepped in turn (`DisaggregatedServer`, serial): "
+           "a decode token waits for the prefill engine's step, so these TPOTs are not a disaggregated "
+           "deployment's (separate instances, or `concurrent=True` with an engine per device)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,4 +218,4 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"new compiles while measuring: {compiles}; "
               f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
               + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
-    return header + "\n" + table + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"
+    return header + "\n" + table + "\n" + PD_NOTE + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"

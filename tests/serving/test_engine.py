@@ -121,6 +121,7 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     if demo_store.available():  # P/D through a Mooncake store (a child process on loopback) hits the same
         assert rows[demo_store.MODE].rsplit("|", 2)[1] == rows["pd-store"].rsplit("|", 2)[1]
     assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()
+    assert demo.PD_NOTE in text  # the P/D rows' TPOT is said to be serial stepping's, under the table
     # what benchmarks/serving_small_report.py reads from a demo's output
     from benchmarks.serving_small_report import demo_figures
 
