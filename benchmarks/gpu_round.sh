@@ -257,9 +257,9 @@ case $round in
     run kda_prefill 200 python3 benchmarks/kda.py --sections prefill --tunings '[{}, {"state_block_v": 32}]' \
       --out "$R/kdap3"
     ;;
-  twentieth)  # session 38, first call: the GPU rows session 37 left unrun and the chunk kernel's (its
-    # pre-diagonal blocks now one loop), then the demo's cold warm-up with JAX's per-program
-    # timings (lowering, XLA compile) in its log.  Carry .whl and .gpuwhl
+  twentieth)  # session 38, first call: GPU rows (ROWS, a pytest -k; default the chunk kernels'),
+    # then the demo's cold warm-up with JAX's per-program timings (tracing, lowering, XLA
+    # compile) in its log.  Carry .whl and .gpuwhl
     run gpu_rows 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
     ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
