@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -281,6 +281,20 @@ case $round in
       run demo_base 300 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_base PYTHONPATH=/tmp/base \
         bash -c "cd /tmp/base && $PWD/.venv/bin/python -m serving.cli demo --config small --out /tmp/base_out"
     fi
+    ;;
+  twentysecond)  # session 38's lead for the next: what XLA's compile of a cold warm-up spends on GEMM
+    # autotuning.  The demo three times, each with its own cold cache and JAX's compile log:
+    # the defaults (autotune logs dumped), no autotuning, no Triton GEMMs.  Run after twentieth
+    # (its .venv); compare each program's "XLA compilation" line and the TPOTs
+    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
+    for v in default:"--xla_gpu_dump_autotune_logs_to=$R/autotune_logs" \
+             level0:"--xla_gpu_autotune_level=0" no_triton_gemm:"--xla_gpu_enable_triton_gemm=false"; do
+      run "demo_${v%%:*}" 180 env JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*:}" KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" \
+        KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl \
+        ./run.sh demo --config small
+      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)" "$R/demo_${v%%:*}.txt" \
+        | cut -c1-200
+    done
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on
