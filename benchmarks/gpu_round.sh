@@ -260,7 +260,7 @@ case $round in
   twentieth)  # session 38, first call: GPU rows (ROWS, a pytest -k; default the chunk kernels'),
     # then the demo's cold warm-up with JAX's per-program timings (tracing, lowering, XLA
     # compile) in its log.  Carry .whl and .gpuwhl
-    run gpu_rows 120 env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+    run gpu_rows "${ROWS_LIMIT:-120}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
     ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
     # its log straight under $OUT: what it wrote comes back even if the device time ends mid-run
