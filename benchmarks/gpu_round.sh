@@ -40,6 +40,12 @@ decode_against_base() {  # decode_against_base BASE_S NOW_S CONFIGS: issue 22's 
   run mla_decode_now "$2" python3 benchmarks/mla.py $rows --decode-configs "$3" --budget-s $(($2 - 20)) --out "$R/dec"
 }
 nvidia-smi -L | tee "$R/gpu.txt"
+# The README's demo command on `small` with the carried wheels (.whl: what the image lacks, grain,
+# array-record, fastapi, ..., setuptools for the editable build); `"${demo[@]}" [VAR=...]
+# ./run.sh demo --config small`.  Mooncake's wheel (45 MB) does not fit the 64 MiB carry beside
+# them, so without it the store extra is left out and the demo skips its Mooncake mode (session 32)
+demo=(env KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl)
+ls .whl/mooncake* >/dev/null 2>&1 || demo+=(KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local})
 case $round in
   first)  # when device time is short: the kernels changed since their last GPU run, then the must-shows they serve
     mkdir -p "$OUT"/{kda,kdap}
@@ -262,11 +268,9 @@ case $round in
     # compile) in its log.  Carry .whl and .gpuwhl
     run gpu_rows "${ROWS_LIMIT:-120}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
-    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
     # its log straight under $OUT: what it wrote comes back even if the device time ends mid-run
     step demo_logged
-    timeout 200 env JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged KIMIK3_INHERIT_SITE=1 \
-      KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small \
+    timeout 200 "${demo[@]}" JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged ./run.sh demo --config small \
       > "$OUT/demo_logged.txt" 2>&1; echo "rc=$?" >> "$OUT/demo_logged.txt"
     grep -v -i "warning" "$OUT/demo_logged.txt" | tail -12 | cut -c1-900
     ;;
@@ -286,11 +290,9 @@ case $round in
     # autotuning.  The demo three times, each with its own cold cache and JAX's compile log:
     # the defaults (autotune logs dumped), no autotuning, no Triton GEMMs.  Run after twentieth
     # (its .venv); compare each program's "XLA compilation" line and the TPOTs
-    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
     for v in default:"--xla_gpu_dump_autotune_logs_to=$R/autotune_logs" \
              level0:"--xla_gpu_autotune_level=0" no_triton_gemm:"--xla_gpu_enable_triton_gemm=false"; do
-      run "demo_${v%%:*}" 180 env JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*:}" KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" \
-        KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl \
+      run "demo_${v%%:*}" 180 "${demo[@]}" JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*:}" KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" \
         ./run.sh demo --config small
       grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)" "$R/demo_${v%%:*}.txt" \
         | cut -c1-200
@@ -299,19 +301,12 @@ case $round in
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on
     # Triton (each with its own empty compile cache).  Carry .whl as for `serving`
-    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
     for v in mx_triton:"KIMIK3_MOE_MXFP4=triton" both_triton:"KIMIK3_MOE_MXFP4=triton KIMIK3_MLA_CHUNK=triton"; do
-      run "demo_${v%%:*}" 240 env ${v#*:} KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" KIMIK3_INHERIT_SITE=1 \
-        KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
+      run "demo_${v%%:*}" 240 "${demo[@]}" ${v#*:} KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" ./run.sh demo --config small
     done
     ;;
-  serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (the
-    # wheels the image lacks: grain, array-record, fastapi, ..., setuptools for the editable build);
-    # Mooncake's wheel (45 MB) does not fit the 64 MiB carry beside them, so without it the store
-    # extra is left out and the demo skips its Mooncake mode (session 32)
-    ls .whl/mooncake* >/dev/null 2>&1 || export KIMIK3_EXTRAS=${KIMIK3_EXTRAS:-serve,cuda-local}
-    run demo 540 env KIMIK3_INHERIT_SITE=1 KIMIK3_CUDA=local PYTHON=python3 PIP_NO_INDEX=1 \
-      PIP_FIND_LINKS=$PWD/.whl ./run.sh demo --config small
+  serving)  # what users feel: the demo on `small` with this tree's defaults.  Carry .whl (`demo` above)
+    run demo 540 "${demo[@]}" ./run.sh demo --config small
     ;;
   *) echo "unknown round $round" >&2; exit 2 ;;
 esac
