@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -297,6 +297,15 @@ case $round in
       grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)" "$R/demo_${v%%:*}.txt" \
         | cut -c1-200
     done
+    ;;
+  twentythird)  # session 39: the KDA prefill's intra (and solve) kernel looping over 2-8 chunks of a head with
+    # Triton's pipelined loads (the three shapes, against fla, export with the best), then
+    # GPU rows (ROWS, a pytest -k) for whatever time is left.  Carry .gpuwhl
+    mkdir -p "$OUT/kdap"
+    run kda_intra_loop "${KDA_LIMIT:-220}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+      '[{}, {"intra_chunks": 2, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 3]}, {"intra_chunks": 8, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2], "solve_chunks": 4, "solve": [4, 2]}]'
+    run gpu_rows "${ROWS_LIMIT:-300}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+      "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on

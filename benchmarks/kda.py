@@ -155,6 +155,7 @@ def section_prefill(rows, shapes, tunings, copy_gbs):
                          export_vs_fla=(ms_export / ms_fla) if ms_fla else None,
                          mtok_s=b * t / (ms_export * 1e-3) / 1e6,
                          o_and_state_rel_diff_vs_fla=vs_fla))
+        print(rows[-1], flush=True)
 
 
 def section_modes(rows, t=16384, h=32, d=128):

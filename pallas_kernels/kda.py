@@ -383,11 +383,45 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 #    U = T (beta v).
 
 
+def _split_intra_chunk(q, k, g, beta, dot, store):
+    """One (chunk, head) of `_split_intra_kernel` on values: q, k, g [C, K] fp32, beta [C] fp32.
+    Each output goes to store(i, value) as soon as it exists (i: its place in the kernel's output
+    refs, fp32 value), so nothing stays live past its store: held to the end, q exp(G), k exp(G_C - G)
+    and beta exp(G) k spill the kernel's registers at 8 warps (ptxas)."""
+    t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+    t_block = jax.lax.div(t, SUB)
+
+    g_all = jnp.cumsum(g, axis=0)  # G, [C, K]
+    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
+    block = jax.lax.div(row, SUB)
+    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
+    store(3, jnp.exp(g_end))
+    exp_g = jnp.exp(g_all)
+    store(0, q * exp_g)
+    store(1, k * jnp.exp(g_end[None, :] - g_all))
+    store(5, beta[:, None] * exp_g * k)
+    # R_i = G just before row block i (0 for i = 0), and each row's own R.
+    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
+                                      for i in range(1, CHUNK // SUB)]
+    ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
+    row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
+    kd, qd = k * row_decay, q * row_decay
+    akk = aqk = jnp.zeros((CHUNK, CHUNK), jnp.float32)
+    for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
+        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
+        mine = t_block == i
+        akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
+        aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
+    store(4, jnp.where(s < t, akk, 0.0) * beta[:, None])
+    store(2, jnp.where(s <= t, aqk, 0.0))
+
+
 def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
-                        interpret, algorithm):
-    """One (chunk, head): q, k, g [C, K], beta [C] in; q exp(G), k exp(G_C - G)
-    [C, K], A_qk [C, C], exp(G_C) [K] out, plus A_kk [C, C] (times beta, strictly
-    lower) and beta exp(G) k [C, K] for `_split_solve_kernel`.
+                        interpret, algorithm, n_chunks=1):
+    """One head's `n_chunks` chunks: q, k, g [n C, K], beta [n C] in; q exp(G), k exp(G_C - G)
+    [n, C, K], A_qk [n, C, C], exp(G_C) [n, K] out, plus A_kk [n, C, C] (times beta, strictly
+    lower) and beta exp(G) k [n, C, K] for `_split_solve_kernel`.
 
     Whole-chunk values only (Triton cannot slice values): one scan gives G; the
     16-row references R_i come out as masked row sums; row block i of A is the
@@ -397,53 +431,53 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     scans and ref re-reads made the earlier version latency-bound.  (Measured and dropped:
     K in column slices one after another, and a program per 16-row block: both fewer live
     arrays, both 14-58% slower; RESULTS.md, KDA kernels, sessions 30 and 32.)
+
+    With n_chunks > 1 the chunks go through a loop, whose loads Triton's pipeliner (num_stages
+    > 1) issues while the chunk before is computed: at 255 registers one program fills an SM, so
+    a program per chunk leaves its loads and its math one after the other.
     """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
-    beta = beta_ref[...].astype(f32)
-    t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
-    s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-    t_block = jax.lax.div(t, SUB)
 
-    g_all = jnp.cumsum(g_ref[...].astype(f32), axis=0)  # G, [C, K]
-    row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
-    block = jax.lax.div(row, SUB)
-    g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
-    de_ref[...] = jnp.exp(g_end)
-    q, k = q_ref[...].astype(f32), k_ref[...].astype(f32)
-    exp_g = jnp.exp(g_all)
-    qd_ref[...] = (q * exp_g).astype(qd_ref.dtype)
-    ke_ref[...] = (k * jnp.exp(g_end[None, :] - g_all)).astype(ke_ref.dtype)
-    kbg_ref[...] = (beta[:, None] * exp_g * k).astype(kbg_ref.dtype)
-    # R_i = G just before row block i (0 for i = 0), and each row's own R.
-    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
-                                      for i in range(1, CHUNK // SUB)]
-    ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
-    row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
-    kd, qd = k * row_decay, q * row_decay
-    akk = aqk = jnp.zeros((CHUNK, CHUNK), f32)
-    for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
-        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
-        mine = t_block == i
-        akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
-        aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
-    akk_ref[...] = (jnp.where(s < t, akk, 0.0) * beta[:, None]).astype(akk_ref.dtype)
-    aqk_ref[...] = jnp.where(s <= t, aqk, 0.0).astype(aqk_ref.dtype)
+    out_refs = (qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref)
+
+    def one(c):
+        rows = pl.ds(c * CHUNK, CHUNK)
+
+        def store(i, x):
+            out_refs[i][c] = x.astype(out_refs[i].dtype)
+
+        _split_intra_chunk(q_ref[rows, :].astype(f32), k_ref[rows, :].astype(f32), g_ref[rows, :].astype(f32),
+                           beta_ref[rows].astype(f32), dot, store)
+
+    if n_chunks == 1:
+        one(0)
+    else:
+        jax.lax.fori_loop(0, n_chunks, lambda c, carry: (one(c), carry)[1], 0)
 
 
-def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm):
-    """One (chunk, head): A_kk [C, C], beta exp(G) k [C, K], v [C, V], beta [C] in;
-    W = (I + A_kk)^-1 beta exp(G) k [C, K] and U = (I + A_kk)^-1 beta v [C, V] out."""
+def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm, n_chunks=1):
+    """One head's `n_chunks` chunks (looped as in `_split_intra_kernel`): A_kk [n, C, C], beta
+    exp(G) k [n, C, K], v [n C, V], beta [n C] in; W = (I + A_kk)^-1 beta exp(G) k [n, C, K] and
+    U = (I + A_kk)^-1 beta v [n, C, V] out."""
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
-    a = akk_ref[...].astype(f32)
-    r = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
-    c = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
-    same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
-    x = _unit_lower_inverse(jnp.where(same_block, a, 0.0), dot, SUB)  # (I + D)^-1
-    t = dot(_unit_lower_inverse(dot(x, jnp.where(same_block, 0.0, a)), dot, CHUNK // SUB), x)
-    w_ref[...] = dot(t, kbg_ref[...].astype(f32)).astype(w_ref.dtype)
-    u_ref[...] = dot(t, beta_ref[...].astype(f32)[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
+
+    def one(n):
+        rows = pl.ds(n * CHUNK, CHUNK)
+        a = akk_ref[n].astype(f32)
+        r = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
+        c = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+        same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
+        x = _unit_lower_inverse(jnp.where(same_block, a, 0.0), dot, SUB)  # (I + D)^-1
+        t = dot(_unit_lower_inverse(dot(x, jnp.where(same_block, 0.0, a)), dot, CHUNK // SUB), x)
+        w_ref[n] = dot(t, kbg_ref[n].astype(f32)).astype(w_ref.dtype)
+        u_ref[n] = dot(t, beta_ref[rows].astype(f32)[:, None] * v_ref[rows, :].astype(f32)).astype(u_ref.dtype)
+
+    if n_chunks == 1:
+        one(0)
+    else:
+        jax.lax.fori_loop(0, n_chunks, lambda n, carry: (one(n), carry)[1], 0)
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
@@ -490,7 +524,8 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
-          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto"}
+          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "intra_chunks": 1,
+          "solve_chunks": 1}
 PREPARE_IMPLS = ("fused", "split")
 
 
@@ -509,6 +544,23 @@ def _state_block_v(n_seq: int, heads: int, dv: int, tuning) -> int:
     if block_v == "auto":
         block_v = 64 if n_seq * heads * dv // 64 >= 96 else 32
     return min(dv, int(block_v))
+
+
+def _loop_chunks(nt: int, name: str, tuning) -> int:
+    """Chunks a prepare program loops over (TUNING["intra_chunks"] / ["solve_chunks"]), halved
+    until it divides nt (the chunks of every head)."""
+    n = max(1, int(_tuned(tuning)[name]))
+    while nt % n:
+        n //= 2
+    return max(n, 1)
+
+
+def _looped_blocks(n_chunks: int):
+    """BlockSpec makers for a (chunk group, head) grid over n_chunks chunks: in_blk(*d) takes a [T, H,
+    *d] input's n C rows of one head; out_blk(*shape) an [NT, H, *shape] array's n chunks of one head."""
+    in_blk = lambda *d: pl.BlockSpec((n_chunks * CHUNK, None) + d, lambda n, hh: (n, hh) + (0,) * len(d))
+    out_blk = lambda *shape: pl.BlockSpec((n_chunks, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
+    return in_blk, out_blk
 
 
 def _prepare_algorithm(dtype, tuning):
@@ -569,15 +621,17 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
     inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     algorithm = _prepare_algorithm(q.dtype, tuning)
     solve_in = jnp.bfloat16 if algorithm == "bf16" else jnp.float32
+    n_chunks = _loop_chunks(nt, "intra_chunks", tuning)
     sds = jax.ShapeDtypeStruct
     out_shape = [sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
                  sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in), sds((nt, h, CHUNK, dk), solve_in)]
+    in_blk, out_blk = _looped_blocks(n_chunks)
     return pl.pallas_call(
-        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm),
-        grid=(nt, h),
-        in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dk), _BETA_BLK],
-        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
-                   _out_blk(CHUNK, CHUNK), _out_blk(CHUNK, dk)],
+        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm, n_chunks=n_chunks),
+        grid=(nt // n_chunks, h),
+        in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk()],
+        out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dk), out_blk(CHUNK, CHUNK), out_blk(dk),
+                   out_blk(CHUNK, CHUNK), out_blk(CHUNK, dk)],
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=_params("intra", tuning),
@@ -593,13 +647,15 @@ def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=Non
     dv = v.shape[-1]
     in_dtype = v.dtype if in_dtype is None else in_dtype
     inter = jnp.float32 if in_dtype == jnp.float32 else in_dtype
+    n_chunks = _loop_chunks(nt, "solve_chunks", tuning)
     sds = jax.ShapeDtypeStruct
+    in_blk, out_blk = _looped_blocks(n_chunks)
     return pl.pallas_call(
         _functools.partial(_split_solve_kernel, interpret=interpret,
-                           algorithm=_prepare_algorithm(in_dtype, tuning)),
-        grid=(nt, h),
-        in_specs=[_out_blk(CHUNK, CHUNK), _out_blk(CHUNK, dk), _in_blk(dv), _BETA_BLK],
-        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv)],
+                           algorithm=_prepare_algorithm(in_dtype, tuning), n_chunks=n_chunks),
+        grid=(nt // n_chunks, h),
+        in_specs=[out_blk(CHUNK, CHUNK), out_blk(CHUNK, dk), in_blk(dv), in_blk()],
+        out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dv)],
         out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter)],
         interpret=interpret,
         compiler_params=_params("solve", tuning),

@@ -27,11 +27,14 @@ def _close(got, want, what):
                                err_msg=what)
 
 
-@pytest.mark.parametrize("tuning", [{}, {"prepare_impl": "fused"}], ids=["default", "prepare=fused"])
-def test_kda_chunk_prefill_with_state_and_exports(tuning):
+@pytest.mark.parametrize("tuning, t", [({}, T), ({"prepare_impl": "fused"}, T),
+                                       ({"intra_chunks": 4, "intra": (8, 2)}, 8 * 64 - 20)],
+                         ids=["default", "prepare=fused", "intra_chunks=4"])
+def test_kda_chunk_prefill_with_state_and_exports(tuning, t):
+    """(intra_chunks=4 with Triton's pipelined loads: eight chunks, so two programs a head loop.)"""
     rng = np.random.default_rng(0)
     h, d = CFG.kda_heads, CFG.kda_head_dim
-    q, k, v, g, beta = kda_inputs(rng, 1, T, h, d, d)
+    q, k, v, g, beta = kda_inputs(rng, 1, t, h, d, d)
     s0 = jnp.asarray(rng.standard_normal((1, h, d, d)) * 0.1, jnp.float32)
     o, s, ckpt = kda.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                checkpoint_positions=[128, 256], tuning=tuning)

@@ -108,6 +108,21 @@ def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("n", [2, 4, 3])
+def test_prepare_programs_looping_over_chunks_give_the_same_intermediates(rng, n):
+    """`intra_chunks` / `solve_chunks` (a program loops over several chunks of one head): every
+    intermediate equals one chunk a program's, bit for bit (the same math per chunk).  Four
+    chunks: 2 and 4 divide them; 3 does not and falls back to one chunk a program."""
+    q, k, v, g, beta = kda_inputs(rng, 1, 256, 2, 32, 16)
+    args = [x[0] for x in (q, k, v, g, beta)]
+    tuning = (("intra_chunks", n), ("solve_chunks", n))
+    assert kda_mod._loop_chunks(4, "solve_chunks", tuning) == (1 if n == 3 else n)
+    one = kda_mod._chunk_prepare_call(*args, interpret=True)
+    looped = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=tuning)
+    for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], one, looped):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
 def test_unknown_prepare_impl_is_refused(rng):
     q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
     with pytest.raises(ValueError, match="prepare_impl"):
