@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -306,6 +306,17 @@ case $round in
       '[{}, {"intra_chunks": 2, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 3]}, {"intra_chunks": 8, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2], "solve_chunks": 4, "solve": [4, 2]}]'
     run gpu_rows "${ROWS_LIMIT:-300}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
+    ;;
+  xlaflags)  # session 39: the demo's cold warm-up and TPOT under XLA_FLAGS variants, each with its
+    # own cold cache: VARIANTS="name=flags;name=flags" (default: the autotuner's cheaper settings)
+    IFS=';' read -ra vs <<< "${VARIANTS:-default=;level1=--xla_gpu_autotune_level=1;no_split_k=--xla_gpu_enable_split_k_autotuning=false;max_solutions4=--xla_gpu_autotune_max_solutions=4}"
+    for v in "${vs[@]}"; do
+      run "demo_${v%%=*}" 150 "${demo[@]}" JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*=}" KIMIK3_COMPILE_CACHE="/tmp/cc_x_${v%%=*}" \
+        ./run.sh demo --config small
+      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)\|^| colocated |" \
+        "$R/demo_${v%%=*}.txt" | grep -v "^config" | cut -c1-160
+      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_${v%%=*}.txt"
+    done
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on

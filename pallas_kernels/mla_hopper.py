@@ -172,13 +172,14 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             s = pl.run_scoped(qk_scoped, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_used.at[slot])
             s = s * scale_log2
-            if masked:
+            cols = lambda: plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+            if masked == "prefix":  # only the partly filled prefix block (if any): keys before the prefix's end
+                s = lax.cond((kv_step == tile.n_full) & (tile.n_full < n_prefix),
+                             lambda s: jnp.where(cols() + kv_step * block_kv < tile.plen, s, -jnp.inf),
+                             lambda s: s, s)
+            elif masked:  # new-token block reaching the diagonal: key index <= query index
                 rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                if masked == "prefix":  # the partly filled prefix block: keys before the prefix's end
-                    s = jnp.where(cols + kv_step * block_kv < tile.plen, s, -jnp.inf)
-                else:  # new-token block reaching the diagonal: key index <= query index
-                    s = jnp.where(rows + row0 >= cols + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
+                s = jnp.where(rows + row0 >= cols() + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
             m_new = jnp.maximum(m_i, s.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -221,13 +222,12 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             schedule_barrier()
             schedule_barrier()
 
-        carry = (acc, m_i, l_i)
-        if prefix_blocks is None:  # whole prefix blocks, then the partly filled one (a row sees key 0)
-            carry = lax.fori_loop(0, tile.n_full, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(tile.n_full, n_prefix, functools.partial(step, masked="prefix"), carry)
-            carry = lax.fori_loop(n_prefix, clear_steps, functools.partial(step, masked=False), carry)
-        else:
-            carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked=False), carry)
+        # The blocks before the diagonal in one loop: with traced prefix lengths, the partly filled
+        # last prefix block's mask sits behind a branch in it, not in loops of its own (each loop
+        # is a copy of the step that Mosaic GPU lowers again: four of them took 1.3 s of Python a
+        # program, two 0.75 s)
+        carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked="prefix" if prefix_blocks is None
+                                                                else False), (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked="diagonal"), carry)
         lax.fori_loop(my_steps, tile.cta_steps, drain, None)
         if wg == 0:
