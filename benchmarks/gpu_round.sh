@@ -307,15 +307,16 @@ case $round in
     run gpu_rows "${ROWS_LIMIT:-300}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
       "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
     ;;
-  xlaflags)  # session 39: the demo's cold warm-up and TPOT under XLA_FLAGS variants, each with its
-    # own cold cache: VARIANTS="name=flags;name=flags" (default: the autotuner's cheaper settings)
-    IFS=';' read -ra vs <<< "${VARIANTS:-default=;level1=--xla_gpu_autotune_level=1;no_split_k=--xla_gpu_enable_split_k_autotuning=false;max_solutions4=--xla_gpu_autotune_max_solutions=4}"
+  xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants, each with its
+    # own cold cache: VARIANTS="name=VAR=value VAR=value;name=..." (name= alone: the defaults)
+    IFS=';' read -ra vs <<< "${VARIANTS:-default=;prefill_no_triton=KIMIK3_PREFILL_TRITON_GEMM=0;no_triton=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false}"
     for v in "${vs[@]}"; do
-      run "demo_${v%%=*}" 150 "${demo[@]}" JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*=}" KIMIK3_COMPILE_CACHE="/tmp/cc_x_${v%%=*}" \
+      name=${v%%=*}; read -ra assign <<< "${v#*=}"
+      run "demo_$name" 150 "${demo[@]}" JAX_LOG_COMPILES=1 "${assign[@]}" KIMIK3_COMPILE_CACHE="/tmp/cc_x_$name" \
         ./run.sh demo --config small
-      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)\|^| colocated |" \
-        "$R/demo_${v%%=*}.txt" | grep -v "^config" | cut -c1-160
-      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_${v%%=*}.txt"
+      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|^| colocated |" \
+        "$R/demo_$name.txt" | cut -c1-160
+      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_$name.txt"
     done
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default

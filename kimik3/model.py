@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 from typing import Any
 
@@ -433,7 +434,20 @@ _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
 # The serving step: the same program with the cache donated, so the pools (every MLA page and
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its
 # references to the donated cache and keep the returned one.
-forward_step = jax.jit(_forward_impl, static_argnames=_STATIC, donate_argnames=("cache",))
+def step_compiler_options(environ=os.environ) -> dict:
+    """XLA options of the serving step (`forward_step`, the prefill chunks' program).
+    ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a cold
+    compile of `small`'s 256-token chunk program in about half the time, since the autotuner no longer
+    compiles and times ~20 Triton kernels a GEMM (RESULTS.md, serving, session 39).  The decode
+    program keeps them (its TPOT is every token's).  Default: XLA's own choice."""
+    value = environ.get("KIMIK3_PREFILL_TRITON_GEMM", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KIMIK3_PREFILL_TRITON_GEMM must be 0 or 1; got {value!r}")
+    return {} if value == "1" else {"xla_gpu_enable_triton_gemm": False}
+
+
+forward_step = jax.jit(_forward_impl, static_argnames=_STATIC, donate_argnames=("cache",),
+                       compiler_options=step_compiler_options() or None)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
