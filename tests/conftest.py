@@ -18,6 +18,13 @@ os.environ["KIMIK3_COMPILE_CACHE"] = RUN_CACHE
 # and for processes that never call compile_cache.enable (the notebooks' kernels): JAX reads these
 os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+# On the CPU the suite's time is mostly XLA:CPU compiling thousands of small programs that then run
+# a few times: LLVM's optimizations cost more than they save there (tests/kimik3/test_paged_cache.py
+# and test_generate.py: 142 -> 110 s).  Every process the tests start inherits it; a GPU run
+# (JAX_PLATFORMS=cuda, tests/gpu) keeps XLA's defaults.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ["JAX_PLATFORMS"] == "cpu" and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import jax
 
