@@ -22,9 +22,11 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 # a few times: LLVM's optimizations cost more than they save there (tests/kimik3/test_paged_cache.py
 # and test_generate.py: 142 -> 110 s).  Every process the tests start inherits it; a GPU run
 # (JAX_PLATFORMS=cuda, tests/gpu) keeps XLA's defaults.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if os.environ["JAX_PLATFORMS"] == "cpu" and _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
+_FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_llvm_disable_expensive_passes": "true"}
+if os.environ["JAX_PLATFORMS"] == "cpu":  # a flag already in XLA_FLAGS wins
+    _flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _FAST_COMPILE.items()
+                                                   if f"--{k}=" not in _flags]).strip()
 
 import jax
 

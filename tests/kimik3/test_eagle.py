@@ -127,7 +127,10 @@ def test_a_verify_pass_committed_to_its_first_tokens_is_the_cache_of_those_token
             np.testing.assert_allclose(np.asarray(g["latent"][:, :11 + keep]), np.asarray(w["latent"][:, :11 + keep]),
                                        **tol)
     nxt = jnp.asarray([[7]], jnp.int32)
-    np.testing.assert_allclose(np.asarray(run(nxt, got, False)[0]), np.asarray(run(nxt, want, False)[0]), **tol)
+    # the logits sum those rows' differences through every layer: tests/kimik3/test_model.py's fp32
+    # tolerance for logits of caches built in other orders (O(1) logits, ~2e-5 seen)
+    np.testing.assert_allclose(np.asarray(run(nxt, got, False)[0]), np.asarray(run(nxt, want, False)[0]),
+                               rtol=0, atol=2e-4)
 
 
 def _markov_two_tokens(target, draft, k, n, seed):
