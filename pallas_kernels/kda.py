@@ -383,20 +383,23 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 #    U = T (beta v).
 
 
-def _split_intra_chunk(q, k, g, beta, dot, store):
-    """One (chunk, head) of `_split_intra_kernel` on values: q, k, g [C, K] fp32, beta [C] fp32.
-    Each output goes to store(i, value) as soon as it exists (i: its place in the kernel's output
-    refs, fp32 value), so nothing stays live past its store: held to the end, q exp(G), k exp(G_C - G)
-    and beta exp(G) k spill the kernel's registers at 8 warps (ptxas)."""
+def _split_intra_chunk(load, dot, store):
+    """One (chunk, head) of `_split_intra_kernel`: load(name) gives q, k, g [C, K] or beta [C] in
+    fp32, each read where it is first needed (beta, g, then q and k: the order the kernel's PTX was
+    measured in); each output goes to store(i, value) as soon as it exists (i: its place in the
+    kernel's output refs), so nothing stays live past its store: held to the end, q exp(G),
+    k exp(G_C - G) and beta exp(G) k spill the kernel's registers at 8 warps (ptxas)."""
+    beta = load("beta")
     t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
     t_block = jax.lax.div(t, SUB)
 
-    g_all = jnp.cumsum(g, axis=0)  # G, [C, K]
+    g_all = jnp.cumsum(load("g"), axis=0)  # G, [C, K]
     row = jax.lax.broadcasted_iota(jnp.int32, g_all.shape, 0)
     block = jax.lax.div(row, SUB)
     g_end = jnp.sum(jnp.where(row == CHUNK - 1, g_all, 0.0), axis=0)  # G_C, [K]
     store(3, jnp.exp(g_end))
+    q, k = load("q"), load("k")
     exp_g = jnp.exp(g_all)
     store(0, q * exp_g)
     store(1, k * jnp.exp(g_end[None, :] - g_all))
@@ -432,9 +435,10 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     K in column slices one after another, and a program per 16-row block: both fewer live
     arrays, both 14-58% slower; RESULTS.md, KDA kernels, sessions 30 and 32.)
 
-    With n_chunks > 1 the chunks go through a loop, whose loads Triton's pipeliner (num_stages
-    > 1) issues while the chunk before is computed: at 255 registers one program fills an SM, so
-    a program per chunk leaves its loads and its math one after the other.
+    With n_chunks > 1 (TUNING["intra_chunks"]) the chunks go through a loop, whose loads Triton's
+    pipeliner (num_stages > 1) issues while the chunk before is computed (at 255 registers one
+    program fills an SM).  Measured 2-9% slower at the issue's three shapes on an H100 (RESULTS.md,
+    KDA kernels, session 39): the loads are not what the kernel waits on, so the default is 1.
     """
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
@@ -447,8 +451,9 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
         def store(i, x):
             out_refs[i][c] = x.astype(out_refs[i].dtype)
 
-        _split_intra_chunk(q_ref[rows, :].astype(f32), k_ref[rows, :].astype(f32), g_ref[rows, :].astype(f32),
-                           beta_ref[rows].astype(f32), dot, store)
+        in_refs = dict(q=q_ref, k=k_ref, g=g_ref)
+        load = lambda name: (beta_ref[rows] if name == "beta" else in_refs[name][rows, :]).astype(f32)
+        _split_intra_chunk(load, dot, store)
 
     if n_chunks == 1:
         one(0)
