@@ -431,9 +431,6 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
 _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
-# The serving step: the same program with the cache donated, so the pools (every MLA page and
-# KDA state row) are updated in place instead of copied each call.  The caller must drop its
-# references to the donated cache and keep the returned one.
 def step_compiler_options(environ=os.environ) -> dict:
     """XLA options of the serving step (`forward_step`, the prefill chunks' program).
     ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a cold
@@ -446,6 +443,9 @@ def step_compiler_options(environ=os.environ) -> dict:
     return {} if value == "1" else {"xla_gpu_enable_triton_gemm": False}
 
 
+# The serving step: the same program with the cache donated, so the pools (every MLA page and
+# KDA state row) are updated in place instead of copied each call.  The caller must drop its
+# references to the donated cache and keep the returned one.
 forward_step = jax.jit(_forward_impl, static_argnames=_STATIC, donate_argnames=("cache",),
                        compiler_options=step_compiler_options() or None)
 
