@@ -431,6 +431,8 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
 _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
+
+
 def step_compiler_options(environ=os.environ) -> dict:
     """XLA options of the serving step (`forward_step`, the prefill chunks' program).
     ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a cold
