@@ -40,6 +40,23 @@ decode_against_base() {  # decode_against_base BASE_S NOW_S CONFIGS: issue 22's 
   run mla_decode_now "$2" python3 benchmarks/mla.py $rows --decode-configs "$3" --budget-s $(($2 - 20)) --out "$R/dec"
 }
 nvidia-smi -L | tee "$R/gpu.txt"
+gpu_rows() {  # gpu_rows SECONDS: the GPU rows a pytest -k picks (ROWS; default the chunk kernels')
+  run gpu_rows "$1" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+    "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
+}
+demo_variants() {  # demo_variants "name=VAR=value VAR=value;name=...": the demo once per variant (name=
+  # alone: the defaults), each with its own cold compile cache and JAX's compile log
+  local v name assign vs
+  IFS=';' read -ra vs <<< "$1"
+  for v in "${vs[@]}"; do
+    name=${v%%=*}; read -ra assign <<< "${v#*=}"
+    run "demo_$name" "$2" "${demo[@]}" JAX_LOG_COMPILES=1 "${assign[@]}" KIMIK3_COMPILE_CACHE="/tmp/cc_x_$name" \
+      ./run.sh demo --config small
+    grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|^| colocated |" \
+      "$R/demo_$name.txt" | cut -c1-160
+    grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_$name.txt"
+  done
+}
 # The README's demo command on `small` with the carried wheels (.whl: what the image lacks, grain,
 # array-record, fastapi, ..., setuptools for the editable build); `"${demo[@]}" [VAR=...]
 # ./run.sh demo --config small`.  Mooncake's wheel (45 MB) does not fit the 64 MiB carry beside
@@ -266,8 +283,7 @@ case $round in
   twentieth)  # session 38, first call: GPU rows (ROWS, a pytest -k; default the chunk kernels'),
     # then the demo's cold warm-up with JAX's per-program timings (tracing, lowering, XLA
     # compile) in its log.  Carry .whl and .gpuwhl
-    run gpu_rows "${ROWS_LIMIT:-120}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
-      "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
+    gpu_rows "${ROWS_LIMIT:-120}"
     # its log straight under $OUT: what it wrote comes back even if the device time ends mid-run
     step demo_logged
     timeout 200 "${demo[@]}" JAX_LOG_COMPILES=1 KIMIK3_COMPILE_CACHE=/tmp/cc_logged ./run.sh demo --config small \
@@ -287,16 +303,9 @@ case $round in
     fi
     ;;
   twentysecond)  # session 38's lead for the next: what XLA's compile of a cold warm-up spends on GEMM
-    # autotuning.  The demo three times, each with its own cold cache and JAX's compile log:
-    # the defaults (autotune logs dumped), no autotuning, no Triton GEMMs.  Run after twentieth
-    # (its .venv); compare each program's "XLA compilation" line and the TPOTs
-    for v in default:"--xla_gpu_dump_autotune_logs_to=$R/autotune_logs" \
-             level0:"--xla_gpu_autotune_level=0" no_triton_gemm:"--xla_gpu_enable_triton_gemm=false"; do
-      run "demo_${v%%:*}" 180 "${demo[@]}" JAX_LOG_COMPILES=1 XLA_FLAGS="${v#*:}" KIMIK3_COMPILE_CACHE="/tmp/cc_${v%%:*}" \
-        ./run.sh demo --config small
-      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|warm-up (compiles)" "$R/demo_${v%%:*}.txt" \
-        | cut -c1-200
-    done
+    # autotuning: the defaults (autotune logs dumped), no autotuning, no Triton GEMMs.  Run after
+    # twentieth (its .venv); compare each program's "XLA compilation" line and the TPOTs
+    demo_variants "default=XLA_FLAGS=--xla_gpu_dump_autotune_logs_to=$R/autotune_logs;level0=XLA_FLAGS=--xla_gpu_autotune_level=0;no_triton_gemm=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" 180
     ;;
   twentythird)  # session 39: the KDA prefill's intra (and solve) kernel looping over 2-8 chunks of a head with
     # Triton's pipelined loads (the issue's three shapes, against fla, export with the best), then
@@ -304,20 +313,11 @@ case $round in
     mkdir -p "$OUT/kdap"
     run kda_intra_loop "${KDA_LIMIT:-220}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
       '[{}, {"intra_chunks": 2, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 3]}, {"intra_chunks": 8, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2], "solve_chunks": 4, "solve": [4, 2]}]'
-    run gpu_rows "${ROWS_LIMIT:-300}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
-      "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
+    gpu_rows "${ROWS_LIMIT:-300}"
     ;;
-  xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants, each with its
-    # own cold cache: VARIANTS="name=VAR=value VAR=value;name=..." (name= alone: the defaults)
-    IFS=';' read -ra vs <<< "${VARIANTS:-default=;prefill_no_triton=KIMIK3_PREFILL_TRITON_GEMM=0;no_triton=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false}"
-    for v in "${vs[@]}"; do
-      name=${v%%=*}; read -ra assign <<< "${v#*=}"
-      run "demo_$name" 150 "${demo[@]}" JAX_LOG_COMPILES=1 "${assign[@]}" KIMIK3_COMPILE_CACHE="/tmp/cc_x_$name" \
-        ./run.sh demo --config small
-      grep -a "XLA compilation of jit(\(_forward_impl\|decode_program\))\|^| colocated |" \
-        "$R/demo_$name.txt" | cut -c1-160
-      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_$name.txt"
-    done
+  xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
+    # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
+    demo_variants "${VARIANTS:-default=;prefill_no_triton=KIMIK3_PREFILL_TRITON_GEMM=0;no_triton=XLA_FLAGS=--xla_gpu_enable_triton_gemm=false}" 150
     ;;
   warmup)  # session 37: the demo's cold warm-up went 16.4 s (session 32) -> 37.3 s; which default
     # moved it: the demo with the MXFP4 experts on Triton, then also the chunk over a cache on

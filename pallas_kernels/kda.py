@@ -383,6 +383,15 @@ def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
 #    U = T (beta v).
 
 
+def _each_chunk(n_chunks: int, one):
+    """one(c) for a program's chunks c < n_chunks: inline for one, else a loop (which Triton's
+    pipeliner can overlap)."""
+    if n_chunks == 1:
+        one(0)
+    else:
+        jax.lax.fori_loop(0, n_chunks, lambda c, carry: (one(c), carry)[1], 0)
+
+
 def _split_intra_chunk(load, dot, store):
     """One (chunk, head) of `_split_intra_kernel`: load(name) gives q, k, g [C, K] or beta [C] in
     fp32, each read where it is first needed (beta, g, then q and k: the order the kernel's PTX was
@@ -455,10 +464,7 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
         load = lambda name: (beta_ref[rows] if name == "beta" else in_refs[name][rows, :]).astype(f32)
         _split_intra_chunk(load, dot, store)
 
-    if n_chunks == 1:
-        one(0)
-    else:
-        jax.lax.fori_loop(0, n_chunks, lambda c, carry: (one(c), carry)[1], 0)
+    _each_chunk(n_chunks, one)
 
 
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm, n_chunks=1):
@@ -479,10 +485,7 @@ def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, inte
         w_ref[n] = dot(t, kbg_ref[n].astype(f32)).astype(w_ref.dtype)
         u_ref[n] = dot(t, beta_ref[rows].astype(f32)[:, None] * v_ref[rows, :].astype(f32)).astype(u_ref.dtype)
 
-    if n_chunks == 1:
-        one(0)
-    else:
-        jax.lax.fori_loop(0, n_chunks, lambda n, carry: (one(n), carry)[1], 0)
+    _each_chunk(n_chunks, one)
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
@@ -576,13 +579,6 @@ def _prepare_algorithm(dtype, tuning):
     return algorithm
 
 
-def _in_blk(d):  # [T, H, d] input -> one chunk of one head, [C, d]
-    return pl.BlockSpec((CHUNK, None, d), lambda n, hh: (n, hh, 0))
-
-
-_BETA_BLK = pl.BlockSpec((CHUNK, None), lambda n, hh: (n, hh))  # [T, H] -> [C]
-
-
 def _out_blk(*shape):  # [NT, H, *shape] chunk-major array -> one (chunk, head) block
     return pl.BlockSpec((None, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
 
@@ -600,12 +596,13 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     dv = v.shape[-1]
     nt = t // CHUNK
     inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    in_blk, _ = _looped_blocks(1)  # one chunk of one head: [C, d] / [C]
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
         _functools.partial(_chunk_prepare_kernel, interpret=interpret,
                            algorithm=_prepare_algorithm(q.dtype, tuning)),
         grid=(nt, h),
-        in_specs=[_in_blk(dk), _in_blk(dk), _in_blk(dv), _in_blk(dk), _BETA_BLK],
+        in_specs=[in_blk(dk), in_blk(dk), in_blk(dv), in_blk(dk), in_blk()],
         out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv), _out_blk(CHUNK, dk), _out_blk(CHUNK, dk),
                    _out_blk(CHUNK, CHUNK), _out_blk(dk)],
         out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter), sds((nt, h, CHUNK, dk), inter),
