@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -314,6 +314,14 @@ case $round in
     run kda_intra_loop "${KDA_LIMIT:-220}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
       '[{}, {"intra_chunks": 2, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 3]}, {"intra_chunks": 8, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2], "solve_chunks": 4, "solve": [4, 2]}]'
     gpu_rows "${ROWS_LIMIT:-300}"
+    ;;
+  twentyfourth)  # session 40: the KDA prefill's intra and solve kernels as one program (prepare_impl
+    # "intra_solve": A_kk and beta exp(G) k stay on chip) at the three shapes against the split
+    # and fla, export with the best; then the chunk prefill's GPU rows.  Carry .gpuwhl
+    mkdir -p "$OUT/kdap"
+    run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+      '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}]'
+    ROWS=${ROWS:-kda_chunk_prefill} gpu_rows "${ROWS_LIMIT:-240}"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)

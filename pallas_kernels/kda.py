@@ -467,6 +467,16 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     _each_chunk(n_chunks, one)
 
 
+def _inverse_t(a, dot):
+    """T = (I + a)^-1 [C, C] for one chunk's a = A_kk times beta (strictly lower, fp32); then
+    W = T beta exp(G) k and U = T beta v."""
+    r = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
+    x = _unit_lower_inverse(jnp.where(same_block, a, 0.0), dot, SUB)  # (I + D)^-1
+    return dot(_unit_lower_inverse(dot(x, jnp.where(same_block, 0.0, a)), dot, CHUNK // SUB), x)
+
+
 def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, interpret, algorithm, n_chunks=1):
     """One head's `n_chunks` chunks (looped as in `_split_intra_kernel`): A_kk [n, C, C], beta
     exp(G) k [n, C, K], v [n C, V], beta [n C] in; W = (I + A_kk)^-1 beta exp(G) k [n, C, K] and
@@ -476,16 +486,36 @@ def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, inte
 
     def one(n):
         rows = pl.ds(n * CHUNK, CHUNK)
-        a = akk_ref[n].astype(f32)
-        r = jax.lax.broadcasted_iota(jnp.int32, a.shape, 0)
-        c = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
-        same_block = jax.lax.div(r, SUB) == jax.lax.div(c, SUB)
-        x = _unit_lower_inverse(jnp.where(same_block, a, 0.0), dot, SUB)  # (I + D)^-1
-        t = dot(_unit_lower_inverse(dot(x, jnp.where(same_block, 0.0, a)), dot, CHUNK // SUB), x)
+        t = _inverse_t(akk_ref[n].astype(f32), dot)
         w_ref[n] = dot(t, kbg_ref[n].astype(f32)).astype(w_ref.dtype)
         u_ref[n] = dot(t, beta_ref[rows].astype(f32)[:, None] * v_ref[rows, :].astype(f32)).astype(u_ref.dtype)
 
     _each_chunk(n_chunks, one)
+
+
+def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aqk_ref, de_ref, w_ref, u_ref, *,
+                        interpret, algorithm, solve_in):
+    """One (chunk, head), TUNING["prepare_impl"] = "intra_solve": `_split_intra_kernel` and
+    `_split_solve_kernel` in one program, so A_kk and beta exp(G) k never go through HBM (nor
+    beta and the launch of a second kernel).  They are rounded to `solve_in` (the split's HBM
+    dtype) before the solve, so the intermediates are the split's."""
+    f32 = jnp.float32
+    dot = _precise_dot(interpret, algorithm)
+    out_refs = (qd_ref, ke_ref, aqk_ref, de_ref)
+    held = {}
+
+    def store(i, x):
+        if i < len(out_refs):
+            out_refs[i][...] = x.astype(out_refs[i].dtype)
+        else:  # A_kk (4) and beta exp(G) k (5): kept for the solve, in solve_in (bf16: half the
+            # registers; formed after the A loop instead, ptxas finds more spills: 604 B against 212)
+            held[i] = x.astype(solve_in)
+
+    load = lambda name: (beta_ref[...] if name == "beta" else dict(q=q_ref, k=k_ref, g=g_ref)[name][...]).astype(f32)
+    _split_intra_chunk(load, dot, store)
+    t = _inverse_t(held[4].astype(f32), dot)
+    w_ref[...] = dot(t, held[5].astype(f32)).astype(w_ref.dtype)
+    u_ref[...] = dot(t, load("beta")[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
 
 
 def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
@@ -533,8 +563,8 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
 TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
           "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "intra_chunks": 1,
-          "solve_chunks": 1}
-PREPARE_IMPLS = ("fused", "split")
+          "solve_chunks": 1, "intra_solve": (8, 1)}
+PREPARE_IMPLS = ("fused", "split", "intra_solve")
 
 
 def _tuned(tuning):
@@ -590,6 +620,8 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     impl = _tuned(tuning)["prepare_impl"]
     if impl == "split":
         return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
+    if impl == "intra_solve":
+        return _intra_solve_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
     if impl != "fused":
         raise ValueError(f"prepare_impl must be one of {PREPARE_IMPLS}; got {impl!r}")
     t, h, dk = q.shape
@@ -663,6 +695,31 @@ def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=Non
         compiler_params=_params("solve", tuning),
         name="kda_split_solve",
     )(akk, kbg, v, beta)
+
+
+def _intra_solve_call(q, k, v, g, beta, *, interpret, tuning=None):
+    """`_chunk_prepare_call` by one kernel, `_intra_solve_kernel`: the split's intermediates."""
+    t, h, dk = q.shape
+    dv = v.shape[-1]
+    nt = t // CHUNK
+    inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    algorithm = _prepare_algorithm(q.dtype, tuning)
+    solve_in = jnp.bfloat16 if algorithm == "bf16" else jnp.float32
+    in_blk, _ = _looped_blocks(1)
+    sds = jax.ShapeDtypeStruct
+    qd, ke, aqk, de, w, u = pl.pallas_call(
+        _functools.partial(_intra_solve_kernel, interpret=interpret, algorithm=algorithm, solve_in=solve_in),
+        grid=(nt, h),
+        in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk(), in_blk(dv)],
+        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
+                   _out_blk(CHUNK, dk), _out_blk(CHUNK, dv)],
+        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
+                   sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter)],
+        interpret=interpret,
+        compiler_params=_params("intra_solve", tuning),
+        name="kda_intra_solve",
+    )(q, k, g, beta, v)
+    return w, u, qd, ke, aqk, de
 
 
 def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):

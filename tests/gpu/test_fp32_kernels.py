@@ -28,8 +28,9 @@ def _close(got, want, what):
 
 
 @pytest.mark.parametrize("tuning, t", [({}, T), ({"prepare_impl": "fused"}, T),
+                                       ({"prepare_impl": "intra_solve"}, T),
                                        ({"intra_chunks": 4, "intra": (8, 2)}, 8 * 64 - 20)],
-                         ids=["default", "prepare=fused", "intra_chunks=4"])
+                         ids=["default", "prepare=fused", "prepare=intra_solve", "intra_chunks=4"])
 def test_kda_chunk_prefill_with_state_and_exports(tuning, t):
     """(intra_chunks=4 with Triton's pipelined loads: eight chunks, so two programs a head loop.)"""
     rng = np.random.default_rng(0)

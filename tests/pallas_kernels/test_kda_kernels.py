@@ -26,7 +26,7 @@ def replay_state(q, k, v, g, beta, n, initial_state=None):
 # A_kk matters, not only the ones near the diagonal.
 @pytest.mark.parametrize("b, t, h, dk, dv, impl, gate_scale", [
     (2, 150, 2, 16, 32, "fused", 1.0), (1, 64, 3, 32, 16, "fused", 1.0), (3, 37, 1, 16, 16, "fused", 1.0),
-    (2, 150, 2, 16, 32, "split", 0.05), (1, 64, 3, 32, 16, "split", 1.0)])
+    (2, 150, 2, 16, 32, "split", 0.05), (1, 64, 3, 32, 16, "split", 1.0), (2, 150, 2, 16, 32, "intra_solve", 0.05)])
 def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
     g = g * gate_scale
@@ -121,6 +121,20 @@ def test_prepare_programs_looping_over_chunks_give_the_same_intermediates(rng, n
     looped = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=tuning)
     for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], one, looped):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_intra_solve_kernel_gives_the_split_intermediates_bit_for_bit(rng, dtype):
+    """prepare_impl "intra_solve" (the intra and solve kernels as one program, A_kk and
+    beta exp(G) k kept on chip, rounded as the split's HBM copies are) is the split's math:
+    every intermediate equal, in fp32 and with bf16 inputs (bf16 dots, bf16 A_kk)."""
+    q, k, v, g, beta = kda_inputs(rng, 1, 192, 2, 32, 16)
+    args = [x[0].astype(dtype) for x in (q, k, v)] + [g[0], beta[0].astype(dtype)]
+    split = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "split"),))
+    one = kda_mod._chunk_prepare_call(*args, interpret=True, tuning=(("prepare_impl", "intra_solve"),))
+    for name, a, b in zip(["w", "u", "q_decayed", "k_to_end", "a_qk", "decay_end"], split, one):
+        assert a.dtype == b.dtype and np.isfinite(np.asarray(b, np.float32)).all(), name
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32), err_msg=name)
 
 
 def test_unknown_prepare_impl_is_refused(rng):
