@@ -229,11 +229,14 @@ def test_a_worker_serves_speculatively_from_its_flags_and_refuses_half_a_setup(t
     out = trained_draft[3]
     parser = argparse.ArgumentParser()
     worker.add_arguments(parser)
-    base = ["--port", "1", "--num-pages", "32", "--kernels", "reference", "--checkpoint", tc.out + "/checkpoint"]
+    # the geometry of `_engine(target, eagle_tail="no_drop")`: its programs, from the run's compile cache
+    base = ["--port", "1", "--num-pages", "64", "--num-slots", "4", "--num-snapshots", "16", "--page-tokens", str(PAGE),
+            "--kda-block-tokens", str(4 * PAGE), "--max-pages-per-request", "16", "--prefill-chunk-tokens", "40",
+            "--kernels", "reference", "--checkpoint", tc.out + "/checkpoint"]
     eng, _, info = worker.build_engine(parser.parse_args(base + ["--speculative", "eagle3", "--draft-checkpoint",
-                                                                 out + "/draft", "--draft-tokens", "2",
+                                                                 out + "/draft", "--draft-tokens", "3",
                                                                  "--eagle-no-drop"]))
-    assert eng.spec is not None and info["speculative"] == {"method": "eagle3", "draft_tokens": 2,
+    assert eng.spec is not None and info["speculative"] == {"method": "eagle3", "draft_tokens": 3,
                                                             "eagle_tail": "no_drop"}
     req = eng.submit(tokenizer.encode(PROMPTS[0]), 8)
     eng.run(max_steps=50)
