@@ -317,8 +317,9 @@ case $round in
     ;;
   twentyfourth)  # session 40: the KDA prefill's intra and solve kernels as one program (prepare_impl
     # "intra_solve": A_kk and beta exp(G) k stay on chip) at the issue's three shapes against the split
-    # and fla, and the state pass unpipelined (one stage: ~65 KB of shared memory, 3 programs an SM
-    # where 3 stages fit one), export with the best; then the chunk prefill's GPU rows.  Carry .gpuwhl
+    # and fla, and the state pass unpipelined (one stage: 40 KB of shared memory, so ptxas's 246
+    # registers allow 2 programs an SM where 3 stages' 200 KB fit one), export with the best; then the
+    # chunk prefill's GPU rows.  Carry .gpuwhl
     mkdir -p "$OUT/kdap"
     run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
       '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}, {"state": [4, 1]}, {"prepare_impl": "intra_solve", "state": [4, 1]}]'
