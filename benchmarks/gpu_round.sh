@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -324,6 +324,26 @@ case $round in
     run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
       '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}, {"state": [4, 1]}, {"prepare_impl": "intra_solve", "state": [4, 1]}]'
     ROWS=${ROWS:-kda_chunk_prefill} gpu_rows "${ROWS_LIMIT:-240}"
+    ;;
+  twentyfifth)  # session 40: twentyfourth's KDA sweep, then the demo on base.tar's tree (`git archive
+    # COMMIT -o base.tar`: the engine before chaining decode steps past requests waiting for a slot)
+    # and on this one, sharing one compile cache (the same programs: the second run's warm-up is warm),
+    # then the chunk prefill's GPU rows.  Carry .whl and .gpuwhl
+    mkdir -p "$OUT/kdap"
+    run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+      '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}, {"state": [4, 1]}]'
+    if [ -f base.tar ]; then
+      rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+      run venv 120 "${demo[@]}" ./run.sh demo --help  # run.sh makes .venv; base's run uses it with its own code
+      run demo_base "${DEMO_LIMIT:-160}" sh -c "cd /tmp/base && PYTHONPATH=/tmp/base KIMIK3_COMPILE_CACHE=/tmp/cc_ab \
+        $PWD/.venv/bin/kimik3 demo --config small"
+    fi
+    run demo_now "${DEMO_LIMIT:-160}" "${demo[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_ab ./run.sh demo --config small
+    for n in base now; do
+      grep -a "^| \(colocated\|pd\)" "$R/demo_$n.txt" | cut -c1-200
+      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s\|decode-only[^|]*" "$R/demo_$n.txt" | head -4
+    done
+    ROWS=${ROWS:-"kda_chunk_prefill and intra_solve"} gpu_rows "${ROWS_LIMIT:-80}"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)

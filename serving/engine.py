@@ -683,8 +683,11 @@ class Engine:
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
         requests, none of which can reach max_new_tokens with the in-flight step's tokens (1, or a
-        round's up to k + 1), nothing waiting, and pages for the next step's reach without preempting."""
-        if self._inflight is None or self.waiting:
+        round's up to k + 1), nothing waiting that a free slot could admit, and pages for the next
+        step's reach without preempting.  Requests waiting while every slot is taken do not stop
+        the chain: `Scheduler._admit` needs a free slot, and one frees only when a running request
+        ends, which breaks the chain (done, or at its max_new_tokens) before its next step."""
+        if self._inflight is None or (self.waiting and self.scheduler.free_slots):
             return False
         reqs = self._inflight[0]
         if len(reqs) != len(self.running) or set(map(id, reqs)) != set(map(id, self.running)):

@@ -409,6 +409,23 @@ def test_a_decode_only_phase_chains_steps_on_the_device_buffers(rng, tiny_cfg, t
         assert req.output == _oracle(tiny_params, tiny_cfg, p, n)
 
 
+def test_requests_waiting_for_a_slot_do_not_stop_the_chain(rng, tiny_cfg, tiny_params):
+    """Three requests on two slots: while the third waits with every slot taken (it cannot be
+    admitted), the decode steps still chain; it is admitted when the shorter one ends, and every
+    request gets the oracle's tokens."""
+    eng = _engine(tiny_params, tiny_cfg, num_slots=2)
+    prompts = [rng.integers(0, 256, 20).tolist() for _ in range(3)]
+    lengths = (30, 12, 10)
+    chained, chain = [], eng._chain_decode
+    eng._chain_decode = lambda: chained.append(len(eng.waiting)) or chain()
+    reqs = [eng.submit(p, n) for p, n in zip(prompts, lengths)]
+    eng.run(max_steps=200)
+    assert sum(1 for w in chained if w) >= 12 - 6  # chained with the third request waiting
+    assert len(chained) >= 30 - 12
+    for req, p, n in zip(reqs, prompts, lengths):
+        assert req.error is None and req.output == _oracle(tiny_params, tiny_cfg, p, n)
+
+
 def test_hit_snapshots_are_held_until_restored_when_admissions_load_from_the_host(rng, tiny_cfg, tiny_params):
     """Three second turns admitted in one step, one of them hitting a snapshot the host tier
     loads back: a hit's snapshot block is not reused (by that load) before its slot is restored
