@@ -551,8 +551,9 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).
 # prepare_impl: "split" (`_split_intra_kernel` with the "intra" warps / stages, then
-# `_split_solve_kernel` with the "solve" ones) or "fused" (`_chunk_prepare_kernel`, one
-# kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
+# `_split_solve_kernel` with the "solve" ones), "intra_solve" (both as one program,
+# `_intra_solve_kernel`, "intra_solve"; the split's numbers) or "fused" (`_chunk_prepare_kernel`,
+# one kernel, "prepare"); split is faster on H200 at every benchmarked shape, same error
 # (RESULTS.md).  "intra" at B1 T32768 H32 on H200: 8 warps 1.85 ms, 4 warps 3.89, 16 warps
 # 2.65, 8 warps x 2 stages 1.91; "solve": 4 warps 0.57 ms.
 # "state_block_v": V columns per state-pass program; "auto": 64, or 32 when that leaves

@@ -120,12 +120,15 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
                                 S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
 
 
-def test_chunk_kda_prefill_lowers_as_three_kernels():
+@pytest.mark.parametrize("impl, kernels", [("split", 3), ("intra_solve", 2)])
+def test_chunk_kda_prefill_lowers_as_its_triton_kernels(impl, kernels):
     """The prefill's kernels at the model's head dims, bf16, a state exported every 128 tokens:
-    the split prepare (intra, solve) and the state pass with o in its loop, three Triton calls."""
+    the split prepare (intra, solve) and the state pass with o in its loop, three Triton calls;
+    with the intra and solve in one program, two."""
     t, h, d = 1024, 4, 128
     fn = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, output_final_state=True,
-                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False)
+                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False,
+                                                tuning={"prepare_impl": impl})
     calls = lowered_triton_calls(fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32),
                                  S((1, t, h), BF16))
-    assert calls == 3
+    assert calls == kernels
