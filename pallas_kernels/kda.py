@@ -498,7 +498,9 @@ def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aq
     """One (chunk, head), TUNING["prepare_impl"] = "intra_solve": `_split_intra_kernel` and
     `_split_solve_kernel` in one program, so A_kk and beta exp(G) k never go through HBM (nor
     beta and the launch of a second kernel).  They are rounded to `solve_in` (the split's HBM
-    dtype) before the solve, so the intermediates are the split's."""
+    dtype) before the solve, so the intermediates are the split's.  Measured slower than the split
+    at the issue's three shapes on an H100 (RESULTS.md, KDA kernels, session 40): the solve's
+    arrays on top of the intra kernel's 255 registers spill, with one 8-warp program an SM."""
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
     out_refs = (qd_ref, ke_ref, aqk_ref, de_ref)
