@@ -44,6 +44,11 @@ gpu_rows() {  # gpu_rows SECONDS: the GPU rows a pytest -k picks (ROWS; default 
   run gpu_rows "$1" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
     "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
 }
+kda_prefill_sweep() {  # kda_prefill_sweep NAME SECONDS TUNINGS: kda.py's prefill section (the issue's three
+  # shapes, each tuning, fla beside them, export with the best), JSON under $OUT/kdap
+  mkdir -p "$OUT/kdap"
+  run "$1" "$2" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings "$3"
+}
 demo_variants() {  # demo_variants "name=VAR=value VAR=value;name=...": the demo once per variant (name=
   # alone: the defaults), each with its own cold compile cache and JAX's compile log
   local v name assign vs
@@ -310,8 +315,7 @@ case $round in
   twentythird)  # session 39: the KDA prefill's intra (and solve) kernel looping over 2-8 chunks of a head with
     # Triton's pipelined loads (the issue's three shapes, against fla, export with the best), then
     # GPU rows (ROWS, a pytest -k) for whatever time is left.  Carry .gpuwhl
-    mkdir -p "$OUT/kdap"
-    run kda_intra_loop "${KDA_LIMIT:-220}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+    kda_prefill_sweep kda_intra_loop "${KDA_LIMIT:-220}" \
       '[{}, {"intra_chunks": 2, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 3]}, {"intra_chunks": 8, "intra": [8, 2]}, {"intra_chunks": 4, "intra": [8, 2], "solve_chunks": 4, "solve": [4, 2]}]'
     gpu_rows "${ROWS_LIMIT:-300}"
     ;;
@@ -320,8 +324,7 @@ case $round in
     # and fla, and the state pass unpipelined (one stage: 40 KB of shared memory, so ptxas's 246
     # registers allow 2 programs an SM where 3 stages' 200 KB fit one), export with the best; then the
     # chunk prefill's GPU rows.  Carry .gpuwhl
-    mkdir -p "$OUT/kdap"
-    run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+    kda_prefill_sweep kda_intra_solve "${KDA_LIMIT:-200}" \
       '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}, {"state": [4, 1]}, {"prepare_impl": "intra_solve", "state": [4, 1]}]'
     ROWS=${ROWS:-kda_chunk_prefill} gpu_rows "${ROWS_LIMIT:-240}"
     ;;
@@ -329,8 +332,7 @@ case $round in
     # COMMIT -o base.tar`: the engine before chaining decode steps past requests waiting for a slot)
     # and on this one, sharing one compile cache (the same programs: the second run's warm-up is warm),
     # then the chunk prefill's GPU rows.  Carry .whl and .gpuwhl
-    mkdir -p "$OUT/kdap"
-    run kda_intra_solve "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap" --tunings \
+    kda_prefill_sweep kda_intra_solve "${KDA_LIMIT:-200}" \
       '[{}, {"prepare_impl": "intra_solve"}, {"prepare_impl": "intra_solve", "intra_solve": [8, 2]}, {"state": [4, 1]}]'
     if [ -f base.tar ]; then
       rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
@@ -341,7 +343,7 @@ case $round in
     run demo_now "${DEMO_LIMIT:-160}" "${demo[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_ab ./run.sh demo --config small
     for n in base now; do
       grep -a "^| \(colocated\|pd\)" "$R/demo_$n.txt" | cut -c1-200
-      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s\|decode-only[^|]*" "$R/demo_$n.txt" | head -4
+      grep -ao "warm-up (compiles) [0-9.]* s (engine warm-up [0-9.]* s" "$R/demo_$n.txt"
     done
     ROWS=${ROWS:-"kda_chunk_prefill and intra_solve"} gpu_rows "${ROWS_LIMIT:-80}"
     ;;

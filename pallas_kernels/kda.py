@@ -392,6 +392,12 @@ def _each_chunk(n_chunks: int, one):
         jax.lax.fori_loop(0, n_chunks, lambda c, carry: (one(c), carry)[1], 0)
 
 
+def _intra_loader(q_ref, k_ref, g_ref, beta_ref, rows):
+    """load(name) for `_split_intra_chunk`: q, k, g [C, K] or beta [C] of the chunk at `rows`, fp32."""
+    refs = dict(q=q_ref, k=k_ref, g=g_ref)
+    return lambda name: (beta_ref[rows] if name == "beta" else refs[name][rows, :]).astype(jnp.float32)
+
+
 def _split_intra_chunk(load, dot, store):
     """One (chunk, head) of `_split_intra_kernel`: load(name) gives q, k, g [C, K] or beta [C] in
     fp32, each read where it is first needed (beta, g, then q and k: the order the kernel's PTX was
@@ -449,7 +455,6 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     program fills an SM).  Measured 2-9% slower at the issue's three shapes on an H100 (RESULTS.md,
     KDA kernels, session 39): the loads are not what the kernel waits on, so the default is 1.
     """
-    f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)
 
     out_refs = (qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref)
@@ -460,9 +465,7 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
         def store(i, x):
             out_refs[i][c] = x.astype(out_refs[i].dtype)
 
-        in_refs = dict(q=q_ref, k=k_ref, g=g_ref)
-        load = lambda name: (beta_ref[rows] if name == "beta" else in_refs[name][rows, :]).astype(f32)
-        _split_intra_chunk(load, dot, store)
+        _split_intra_chunk(_intra_loader(q_ref, k_ref, g_ref, beta_ref, rows), dot, store)
 
     _each_chunk(n_chunks, one)
 
@@ -513,7 +516,7 @@ def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aq
             # registers; formed after the A loop instead, ptxas finds more spills: 604 B against 212)
             held[i] = x.astype(solve_in)
 
-    load = lambda name: (beta_ref[...] if name == "beta" else dict(q=q_ref, k=k_ref, g=g_ref)[name][...]).astype(f32)
+    load = _intra_loader(q_ref, k_ref, g_ref, beta_ref, pl.ds(0, CHUNK))
     _split_intra_chunk(load, dot, store)
     t = _inverse_t(held[4].astype(f32), dot)
     w_ref[...] = dot(t, held[5].astype(f32)).astype(w_ref.dtype)
