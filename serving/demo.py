@@ -93,7 +93,8 @@ def _max_pages(spec: DemoSpec) -> int:
 
 
 def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None, engines=None):
-    """One setup over `spec`'s workload.  max_pages: the engines' block-table width (default:
+    """One setup over `spec`'s workload -> (summary, records, new compiles, the engines' step
+    profiles as a line: `metrics.StepProfile.summary`).  max_pages: the engines' block-table width (default:
     what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
     width, so they compile the programs the measurement runs (another width is another shape
     of every step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages)
@@ -126,7 +127,10 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | 
                     bar.update(1)
     wall = time.monotonic() - t0
     records = server.records()
-    return metrics.summarize(mode, records, wall), records, sum(e.compiles for e in engines)
+    profile = " | ".join(f"{e.role}: {e.profile.summary()}" if len(engines) > 1 else e.profile.summary()
+                         for e in engines)
+    log.info("%s steps: %s", mode, profile)
+    return metrics.summarize(mode, records, wall), records, sum(e.compiles for e in engines), profile
 
 
 def _rss_gib() -> tuple[float, float]:
@@ -168,7 +172,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     setup.set_postfix_str(f"engine compiles (params {seconds['params']:.1f} s)")
     setup.update(1)
     n_turns = sum(len(s) for s in _workload(spec))
-    summaries, all_records, compiles = [], {}, {}
+    summaries, all_records, compiles, profiles = [], {}, {}, {}
     t0 = time.monotonic()  # warm-up: compile the step shapes once, outside the measurements
     max_pages = _max_pages(spec)
     probe = _engines(params, cfg, spec, "colocated", max_pages)
@@ -189,7 +193,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
     with tqdm(total=n_turns * len(MODES), desc="demo", unit="turn") as bar:
         for mode in MODES:
             bar.set_postfix_str(mode)
-            summary, records, compiles[mode] = run_mode(params, cfg, spec, mode, bar)
+            summary, records, compiles[mode], profiles[mode] = run_mode(params, cfg, spec, mode, bar)
             summaries.append(summary)
             all_records[mode] = records
             rss[mode] = _rss_gib()
@@ -197,7 +201,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
 
     if demo_store.available():  # the shared tier as production runs it: a Mooncake store (a child process)
         with tqdm(total=1, desc=demo_store.MODE, unit="run") as bar:
-            records, wall, compiles[demo_store.MODE] = demo_store.run(spec)
+            records, wall, compiles[demo_store.MODE], profiles[demo_store.MODE] = demo_store.run(spec)
             bar.update(1)
         summaries.append(metrics.summarize(demo_store.MODE, records, wall))
         all_records[demo_store.MODE] = records
@@ -218,4 +222,6 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"new compiles while measuring: {compiles}; "
               f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
               + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
-    return header + "\n" + table + "\n" + PD_NOTE + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}"
+    steps = "\n".join(f"  {mode}: {line}" for mode, line in profiles.items())
+    return (header + "\n" + table + "\n" + PD_NOTE + "\nengine steps by kind (host time, then the wait on "
+            "the device: `metrics.StepProfile`; XLA:CPU may compute inside a dispatch):\n" + steps + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}")

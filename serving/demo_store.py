@@ -39,7 +39,8 @@ def available() -> bool:
 
 
 def run(spec, timeout_s: float = 900.0):
-    """(records, wall seconds, new compiles while measuring) of the P/D-through-Mooncake setup."""
+    """(records, wall seconds, new compiles while measuring, the engines' step profiles as a line)
+    of the P/D-through-Mooncake setup."""
     from cache.loopback import loopback_env
     from cache.mooncake_tier import MooncakeServices
     from serving.launch import child_env
@@ -54,7 +55,7 @@ def run(spec, timeout_s: float = 900.0):
             raise RuntimeError(f"the {MODE} run failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
         with open(out) as f:
             result = json.load(f)
-    return [RequestRecord(**r) for r in result["records"]], result["wall_s"], result["compiles"]
+    return [RequestRecord(**r) for r in result["records"]], result["wall_s"], result["compiles"], result["profile"]
 
 
 def _child(args) -> int:
@@ -85,11 +86,12 @@ def _child(args) -> int:
     demo.run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), MODE, max_pages=max_pages,
                   engines=engines("demo-warm-up"))
     t0 = time.monotonic()
-    _, records, compiles = demo.run_mode(params, cfg, spec, MODE, engines=engines("demo"))
+    _, records, compiles, profile = demo.run_mode(params, cfg, spec, MODE, engines=engines("demo"))
     wall = time.monotonic() - t0
     tier.close()
     with open(args.out, "w") as f:
-        json.dump({"records": [dataclasses.asdict(r) for r in records], "wall_s": wall, "compiles": compiles}, f)
+        json.dump({"records": [dataclasses.asdict(r) for r in records], "wall_s": wall, "compiles": compiles,
+                   "profile": profile}, f)
     return 0
 
 

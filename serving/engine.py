@@ -72,6 +72,7 @@ from kimik3.quant import formats as qformats
 from serving import kv_pools
 from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
+from serving.metrics import StepProfile
 from serving.model_runner import SCAN_CHOICES, DecodeRows, ModelRunner, decode_logprobs
 from serving.sampling import GREEDY, SamplingParams, TokenLogprobs, choose_token, logprobs_of
 from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig, StepPlan
@@ -303,6 +304,9 @@ class Engine:
         # tokens, dispatch id, mixed) of a decode step not yet read
         self._inflight = None
         self._ids = itertools.count()
+        # where the steps' wall time goes, by kind (host work against waiting on decode tokens)
+        self.profile = StepProfile()
+        self._wait_s = 0.0  # this step's wait on decode tokens so far
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     # `kv` and `manager` are rank 0's: the only rank without a decode mesh.  A request's own are
@@ -524,16 +528,20 @@ class Engine:
         return self._programs() - before
 
     def step(self) -> None:
+        t0, self._wait_s = time.perf_counter(), 0.0
         if self._chainable():  # a decode-only phase: step n+1 goes out before step n's tokens are read
             self._chain_decode()
-            return
-        self._settle_decode()
-        plan = self.scheduler.schedule()
-        before = self._programs()
-        self._execute(plan)
-        self.compiles += self._programs() - before  # new XLA programs this step needed
-        if plan.tokens:
-            self.step_tokens.append(plan.tokens)
+            kind = "chained"
+        else:
+            self._settle_decode()
+            plan = self.scheduler.schedule()
+            before = self._programs()
+            self._execute(plan)
+            self.compiles += self._programs() - before  # new XLA programs this step needed
+            if plan.tokens:
+                self.step_tokens.append(plan.tokens)
+            kind = ("mixed" if plan.prefill else "decode") if plan.decode else "prefill" if plan.prefill else "idle"
+        self.profile.add(kind, time.perf_counter() - t0 - self._wait_s, self._wait_s)
 
     def _execute(self, plan: StepPlan) -> None:
         for p in plan.preempted:  # their freed pages still hold their KV until this step runs
@@ -582,6 +590,8 @@ class Engine:
                                                        export_offsets=[b - start for b in chunk.export])
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])
+        if chunk.last:  # its logits are read now (the first token): the wait is the device's
+            self._wait_for(logits)
         self._chunk_done(chunk, logits[0], exports)
 
     def _run_sharded_batch(self, chunks: list[PrefillChunk]) -> None:
@@ -597,6 +607,8 @@ class Engine:
         logits, _ = self.runner.forward(self.kv_of(reqs[0]), tokens, tables, slots, starts,
                                         step=self.runner.prefill_step)
         self.prefill_batches[len(chunks)] += 1
+        if any(c.last for c in chunks):
+            self._wait_for(logits)
         for chunk, row in zip(chunks, logits):
             self._chunk_done(chunk, row, None)
 
@@ -738,6 +750,7 @@ class Engine:
         """Emit a dispatched decode step's tokens (waits for them).  Requests that ended since it
         was dispatched (EOS the step before, cancellation) drop theirs."""
         reqs, rows, tokens, did, mixed = inflight
+        self._wait_for(tokens)
         if self.spec is not None:  # rows: the round's record
             self.spec.resolve(self, rows, successor, mixed)
             return
@@ -748,6 +761,13 @@ class Engine:
         for r, token, entry in zip(reqs, tokens, lps):
             if not r.done and r in self.running:
                 self.scheduler.emit(r, int(token), mixed, logprobs=entry)
+
+    def _wait_for(self, arrays) -> None:
+        """Block until `arrays` (a pytree) are computed, the time counted as this step's wait on
+        the device (`metrics.StepProfile`), not its host work."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(arrays)
+        self._wait_s += time.perf_counter() - t0
 
     @staticmethod
     def _histories(reqs: list[Request], *, chained: bool):

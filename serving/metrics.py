@@ -12,6 +12,7 @@ Every latency is reported at p50 / p90 / p99.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -55,6 +56,36 @@ class RequestRecord:
     @property
     def queue_s(self) -> float | None:
         return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+
+@dataclasses.dataclass
+class StepProfile:
+    """Where an engine's steps go, by kind (`Engine.step`): "chained" (a decode step dispatched on
+    the device tokens of the one in flight, then that one's tokens read), "decode" (decode rows
+    only, dispatched after every token was read), "mixed" (decode rows and prefill chunks),
+    "prefill" (chunks only), "idle".  wait_s: what the step blocked on the device (`jax.block_until_ready`) for a
+    decode step's tokens or a prompt's last chunk's logits; host_s: the rest of its wall time
+    (scheduling, the dispatches, sampling, bookkeeping).  A chained step whose wait is ~0 is host-bound: the device
+    finished before the host asked."""
+
+    steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    host_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    wait_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, kind: str, host_s: float, wait_s: float) -> None:
+        self.steps[kind] += 1
+        self.host_s[kind] += host_s
+        self.wait_s[kind] += wait_s
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        """{kind: {"steps": n, "host_ms": mean host ms a step, "wait_ms": mean wait ms a step}}."""
+        return {k: {"steps": n, "host_ms": 1e3 * self.host_s[k] / n, "wait_ms": 1e3 * self.wait_s[k] / n}
+                for k, n in self.steps.items()}
+
+    def summary(self) -> str:
+        """One line: each kind's steps and mean host / wait ms a step, the most frequent first."""
+        return "; ".join(f"{k} {v['steps']} steps (host {v['host_ms']:.2f} + wait {v['wait_ms']:.2f} ms a step)"
+                         for k, v in sorted(self.as_dict().items(), key=lambda kv: -kv[1]["steps"]))
 
 
 def percentiles(values: Sequence[float | None]) -> dict[str, float]:

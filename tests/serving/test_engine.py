@@ -122,6 +122,8 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
         assert rows[demo_store.MODE].rsplit("|", 2)[1] == rows["pd-store"].rsplit("|", 2)[1]
     assert "new compiles while measuring" in text and (tmp_path / "demo_latency.png").exists()
     assert demo.PD_NOTE in text  # the P/D rows' TPOT is said to be serial stepping's, under the table
+    for mode in modes:  # and where each setup's engine steps went, by kind
+        assert f"  {mode}: " in text.split("engine steps by kind", 1)[1]
     # what benchmarks/serving_small_report.py reads from a demo's output
     from benchmarks.serving_small_report import demo_figures
 
@@ -422,6 +424,10 @@ def test_requests_waiting_for_a_slot_do_not_stop_the_chain(rng, tiny_cfg, tiny_p
     reqs = [eng.submit(p, n) for p, n in zip(prompts, lengths)]
     eng.run(max_steps=200)
     assert sum(1 for w in chained if w) >= 25 - 6  # chained with the fifth request waiting
+    # the engine's step profile counts what ran: every chained step, and a wait on each one's tokens
+    steps = eng.profile.as_dict()
+    assert steps["chained"]["steps"] == len(chained) and steps["chained"]["wait_ms"] > 0
+    assert sum(v["steps"] for v in steps.values()) == eng.profile.steps.total() and "prefill" in steps
     for req, p, n in zip(reqs, prompts, lengths):
         assert req.error is None and req.output == _oracle(tiny_params, tiny_cfg, p, n)
 

@@ -2,7 +2,7 @@
 
 import math
 
-from serving.metrics import RequestRecord, percentiles, summarize
+from serving.metrics import RequestRecord, StepProfile, percentiles, summarize
 
 
 def test_definitions():
@@ -27,3 +27,14 @@ def test_percentiles():
     p = percentiles(list(range(1, 101)))
     assert math.isclose(p["p50"], 50.5) and p["p99"] > 99
     assert math.isnan(percentiles([None])["p50"])
+
+
+def test_step_profile_reports_mean_host_and_wait_per_step_by_kind():
+    p = StepProfile()
+    for host_s, wait_s in ((0.001, 0.003), (0.003, 0.001)):
+        p.add("chained", host_s, wait_s)
+    p.add("mixed", 0.010, 0.0)
+    d = p.as_dict()
+    assert d["chained"] == {"steps": 2, "host_ms": 2.0, "wait_ms": 2.0}
+    assert d["mixed"]["steps"] == 1 and math.isclose(d["mixed"]["host_ms"], 10.0)
+    assert p.summary().startswith("chained 2 steps (host 2.00 + wait 2.00 ms a step); mixed 1 steps")
