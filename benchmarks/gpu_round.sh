@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -353,6 +353,18 @@ case $round in
     demo_variants "default=;prefill_no_triton=KIMIK3_PREFILL_TRITON_GEMM=0" "${DEMO_LIMIT:-170}"
     for n in default prefill_no_triton; do
       grep -a -A6 "^engine steps by kind" "$R/demo_$n.txt" | cut -c1-700
+    done
+    ;;
+  twentyseventh)  # session 41: where a chained decode step's 1.5 ms of host time goes (twentysixth's
+    # profile: host 1.5 + wait 0.25 ms a step): benchmarks/decode_host.py at 8 and 32 rows, with XLA's
+    # CUDA graphs (command buffers) as they are and off.  Carry .whl (the venv run.sh makes)
+    run venv 150 "${demo[@]}" ./run.sh demo --help
+    mkdir -p "$OUT/dh"
+    for v in "default=" "no_cmd_buffer=--xla_gpu_enable_command_buffer="; do
+      for rows in ${DH_ROWS:-8 32}; do
+        run "dh_${v%%=*}_$rows" "${DH_LIMIT:-120}" env XLA_FLAGS="${v#*=}" JAX_COMPILATION_CACHE_DIR="/tmp/jc_${v%%=*}" \
+          .venv/bin/python benchmarks/decode_host.py --config small --rows "$rows" --out "$OUT/dh/${v%%=*}_$rows.json"
+      done
     done
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
