@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -366,6 +366,12 @@ case $round in
           .venv/bin/python benchmarks/decode_host.py --config small --rows "$rows" --out "$OUT/dh/${v%%=*}_$rows.json"
       done
     done
+    ;;
+  twentyeighth)  # session 41: the demo's colocated setup under cProfile (benchmarks/demo_profile.py): a
+    # mixed step's 16 ms of host time (twentysixth), by function.  Carry .whl
+    run venv 150 "${demo[@]}" ./run.sh demo --help
+    run demo_profile "${PROFILE_LIMIT:-240}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
+      benchmarks/demo_profile.py --config small --top 45 --out "$R/demo.prof"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
