@@ -590,9 +590,7 @@ class Engine:
                                                        export_offsets=[b - start for b in chunk.export])
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])
-        if chunk.last:  # its logits are read now (the first token): the wait is the device's
-            self._wait_for(logits)
-        self._chunk_done(chunk, logits[0], exports)
+        self._chunk_done(chunk, self._last_logits(chunk.last, logits)[0], exports)
 
     def _run_sharded_batch(self, chunks: list[PrefillChunk]) -> None:
         """Sharded chunks of one rank and one length as one call on the prefill mesh, padded to a
@@ -607,14 +605,22 @@ class Engine:
         logits, _ = self.runner.forward(self.kv_of(reqs[0]), tokens, tables, slots, starts,
                                         step=self.runner.prefill_step)
         self.prefill_batches[len(chunks)] += 1
-        if any(c.last for c in chunks):
-            self._wait_for(logits)
-        for chunk, row in zip(chunks, logits):
+        for chunk, row in zip(chunks, self._last_logits(any(c.last for c in chunks), logits)):
             self._chunk_done(chunk, row, None)
+
+    def _last_logits(self, needed: bool, logits):
+        """A prefill call's last-position logits f32 [B, V] (on the device) as numpy where a chunk
+        ends its prompt (its first token is chosen from them: the wait counts as the device's), else
+        [None] * B: an intermediate chunk's logits are never read, so the host goes on while the
+        device computes it."""
+        if not needed:
+            return [None] * logits.shape[0]
+        self._wait_for(logits)
+        return np.asarray(logits, np.float32)
 
     def _chunk_done(self, chunk: PrefillChunk, logits_v, exports) -> None:
         """A chunk's KV is in the pools: publish its pages and snapshots, and with the last chunk
-        choose the request's first token (logits_v f32 [V]: its last position's)."""
+        choose the request's first token (logits_v f32 [V]: its last position's; None unless last)."""
         req, end = chunk.request, chunk.end
         kv, manager = self.kv_of(req), self.manager_of(req)
         manager.commit_pages(req.request_id, end)

@@ -555,7 +555,8 @@ class ModelRunner:
     # ---- calls -------------------------------------------------------------------------------------
     def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
-        returns the last token's logits f32 [B, V] as numpy and, for the unsharded model, the KDA
+        returns the last token's logits [B, V] on the device (not waited for: a caller reads only
+        the logits it needs, so the host goes on while the device computes the others) and, for the unsharded model, the KDA
         exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None;
         with `taps` (the unsharded model only) a third output, the residual stream after each of
         them [B, T_padded, len(taps), D] on the device.
@@ -567,7 +568,7 @@ class ModelRunner:
             if self.taps:
                 raise ValueError("taps are not available from a sharded step")
             logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
-            return np.asarray(logits[:, -1], np.float32), None
+            return logits[:, -1], None
         b, n = tokens.shape
         bucket = self.prefill_bucket(n)  # padded: a few compiled lengths serve every chunk
         tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, bucket - n)))
@@ -582,7 +583,7 @@ class ModelRunner:
         logits, view, *tapped = model.forward_step(params, jnp.asarray(tokens), positions, view, images,
                                                    **self.step_static())
         kv.pools = model.pools_of(view)
-        return (np.asarray(logits[:, -1], np.float32), view.get("exports"), *tapped)
+        return (logits[:, -1], view.get("exports"), *tapped)
 
     def decode_ranks(self, kvs, tokens, tables, slots, lengths, *, logits: bool = True):
         """One decode-mesh step over this process's ranks' pools (`kvs` in rank order; rows
