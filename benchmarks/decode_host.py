@@ -111,6 +111,21 @@ def main(argv=None) -> dict:
     jax.block_until_ready((pools, io))
     result["program_back_to_back_ms"] = 1e3 * (time.perf_counter() - t0) / args.reps
     result["program_enqueue_ms_median"] = 1e3 * float(np.median(host))
+    # the rows' rewrite (`_overwrite`: every entry but the tokens, from numpy), on an idle device
+    # and right behind a decode program still running
+    held = {k: np.asarray(v) for k, v in io.items() if k != "tokens"}
+    for label, busy in (("idle", False), ("behind_program", True)):
+        times = []
+        for _ in range(10):
+            jax.block_until_ready((pools, io))
+            if busy:
+                pools, io = model_runner.decode_program(eng.params, pools, io, cfg=cfg, kernels=runner.kernels,
+                                                        greedy=True)
+            t = time.perf_counter()
+            io = model_runner._overwrite(io, held)
+            times.append(time.perf_counter() - t)
+        result[f"overwrite_host_ms_{label}"] = 1e3 * float(np.median(times))
+    jax.block_until_ready((pools, io))
     eng.pools, runner._io[bucket], runner._holds[bucket] = pools, io, None
     print(json.dumps(result, indent=1))
     if args.out:

@@ -372,6 +372,9 @@ case $round in
     run venv 150 "${demo[@]}" ./run.sh demo --help
     run demo_profile "${PROFILE_LIMIT:-240}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
       benchmarks/demo_profile.py --config small --top 45 --out "$R/demo.prof"
+    mkdir -p "$OUT/dh"  # and the rows' rewrite on an idle device and behind a running program
+    run dh_overwrite "${DH_LIMIT:-120}" env JAX_COMPILATION_CACHE_DIR=/tmp/jc_default \
+      .venv/bin/python benchmarks/decode_host.py --config small --rows 8 --out "$OUT/dh/overwrite_8.json"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
