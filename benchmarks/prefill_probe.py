@@ -35,7 +35,7 @@ def main():
     table = [list(range(1, 41))]
     for n in (5, 64, 200, 256):
         tokens = np.zeros((1, n), np.int32)
-        run = lambda: np.asarray(eng.runner.forward(eng.kv, tokens, table, [0], [0], export_offsets=[])[0])
+        run = lambda: np.asarray(eng.runner.forward(eng.kv, tokens, table, [0], [0], export_offsets=[])[0])  # [1, 1, V]
         run()
         t = time.perf_counter()
         for _ in range(5):

@@ -371,13 +371,20 @@ def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid
     valid: int32 [B], the real tokens of each row of the coming call; the rest pad the call
     to a compiled length and change nothing (the lengths advance by `valid`, the logits are
     the last real token's; see `kimik3.layers.kda.KDA` and `kimik3.layers.mla.MLA`)."""
-    view = dict(pools_of(pools), block_tables=jnp.asarray(block_tables, jnp.int32),
-                slots=jnp.asarray(slots, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
+    view = dict(pools_of(pools), block_tables=_int32(block_tables), slots=_int32(slots), lengths=_int32(lengths))
     if export_at is not None:
-        view["export_at"] = jnp.asarray(export_at, jnp.int32)
+        view["export_at"] = _int32(export_at)
     if valid is not None:
-        view["valid"] = jnp.asarray(valid, jnp.int32)
+        view["valid"] = _int32(valid)
     return view
+
+
+def _int32(x):
+    """x as int32: a host value stays a numpy array (a jitted call takes it as it is: no eager
+    XLA op per entry, which costs a launch each on a GPU), a traced or device one a jax array."""
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return jnp.asarray(x, jnp.int32)
+    return np.asarray(x, np.int32)
 
 
 def _is_paged(cache: Cache | None) -> bool:

@@ -609,14 +609,14 @@ class Engine:
             self._chunk_done(chunk, row, None)
 
     def _last_logits(self, needed: bool, logits):
-        """A prefill call's last-position logits f32 [B, V] (on the device) as numpy where a chunk
+        """A prefill call's last-position logits ([B, 1, V] on the device) as numpy f32 [B, V] where a chunk
         ends its prompt (its first token is chosen from them: the wait counts as the device's), else
         [None] * B: an intermediate chunk's logits are never read, so the host goes on while the
         device computes it."""
         if not needed:
             return [None] * logits.shape[0]
         self._wait_for(logits)
-        return np.asarray(logits, np.float32)
+        return np.asarray(logits, np.float32)[:, -1]
 
     def _chunk_done(self, chunk: PrefillChunk, logits_v, exports) -> None:
         """A chunk's KV is in the pools: publish its pages and snapshots, and with the last chunk

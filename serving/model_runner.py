@@ -555,8 +555,8 @@ class ModelRunner:
     # ---- calls -------------------------------------------------------------------------------------
     def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
-        returns the last token's logits [B, V] on the device (not waited for: a caller reads only
-        the logits it needs, so the host goes on while the device computes the others) and, for the unsharded model, the KDA
+        returns the last token's logits [B, 1, V] on the device (not waited for: a caller reads
+        only the logits it needs, so the host goes on while the device computes the others) and, for the unsharded model, the KDA
         exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None;
         with `taps` (the unsharded model only) a third output, the residual stream after each of
         them [B, T_padded, len(taps), D] on the device.
@@ -568,22 +568,21 @@ class ModelRunner:
             if self.taps:
                 raise ValueError("taps are not available from a sharded step")
             logits, kv.pools = step(self.mesh_params[step.mode], kv.pools, tokens, tables, slots, lengths)
-            return logits[:, -1], None
+            return logits[:, -1:], None
         b, n = tokens.shape
         bucket = self.prefill_bucket(n)  # padded: a few compiled lengths serve every chunk
         tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, bucket - n)))
         view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
                                 valid=[n] * b)
-        positions = view["lengths"][:, None] + jnp.arange(bucket, dtype=jnp.int32)[None]
+        positions = view["lengths"][:, None] + np.arange(bucket, dtype=np.int32)[None]  # host: no eager op
         # uncommitted inputs follow the pools to their device; the params are placed there once
         device = next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices()))
         params = self.params_on(device)
         if images is not None and params is not self.prefill_params:  # a DP rank's chunk: its ViT rows too
             images = jax.device_put(images, device)
-        logits, view, *tapped = model.forward_step(params, jnp.asarray(tokens), positions, view, images,
-                                                   **self.step_static())
+        logits, view, *tapped = model.forward_step(params, tokens, positions, view, images, **self.step_static())
         kv.pools = model.pools_of(view)
-        return (logits[:, -1], view.get("exports"), *tapped)
+        return (logits, view.get("exports"), *tapped)
 
     def decode_ranks(self, kvs, tokens, tables, slots, lengths, *, logits: bool = True):
         """One decode-mesh step over this process's ranks' pools (`kvs` in rank order; rows
@@ -640,9 +639,10 @@ class ModelRunner:
         def step_args(kv, shape):
             b, t = shape
             view = model.paged_view(kv.pools, *rows(b), self.export_at(t), valid=[t] * b)
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+            # host arrays, as `forward` passes them (a jax array there would key another program)
+            positions = np.tile(np.arange(t, dtype=np.int32)[None], (b, 1))
             params = self.params_on(next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices())))
-            return params, jnp.zeros((b, t), jnp.int32), positions, view, None
+            return params, np.zeros((b, t), np.int32), positions, view, None
 
         def decode_rows(b, sampling: bool = False):  # padding only: writes land in the scratch slot and the null page
             rows = DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
