@@ -445,7 +445,8 @@ def step_compiler_options(environ=os.environ) -> dict:
     ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a cold
     compile of `small`'s 256-token chunk program in about half the time, since the autotuner no longer
     compiles and times ~20 Triton kernels a GEMM (RESULTS.md, serving, session 39).  The decode
-    program keeps them (its TPOT is every token's).  Default: XLA's own choice."""
+    program keeps them (its TPOT is every token's).  Default: XLA's own choice, since the demo's
+    cold warm-up does not shorten (its compiles run in parallel: session 41, 25.9 s against 26.3)."""
     value = environ.get("KIMIK3_PREFILL_TRITON_GEMM", "1")
     if value not in ("0", "1"):
         raise ValueError(f"KIMIK3_PREFILL_TRITON_GEMM must be 0 or 1; got {value!r}")
