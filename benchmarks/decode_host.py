@@ -125,6 +125,16 @@ def main(argv=None) -> dict:
             io = model_runner._overwrite(io, held)
             times.append(time.perf_counter() - t)
         result[f"overwrite_host_ms_{label}"] = 1e3 * float(np.median(times))
+        times = []  # one small host-to-device transfer alone
+        for _ in range(10):
+            jax.block_until_ready((pools, io))
+            if busy:
+                pools, io = model_runner.decode_program(eng.params, pools, io, cfg=cfg, kernels=runner.kernels,
+                                                        greedy=True)
+            t = time.perf_counter()
+            jax.device_put(held["slots"])
+            times.append(time.perf_counter() - t)
+        result[f"device_put_host_ms_{label}"] = 1e3 * float(np.median(times))
     jax.block_until_ready((pools, io))
     eng.pools, runner._io[bucket], runner._holds[bucket] = pools, io, None
     print(json.dumps(result, indent=1))
