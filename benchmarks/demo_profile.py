@@ -18,7 +18,7 @@ import logging
 import pstats
 
 from kimik3 import stacked
-from serving import demo
+from serving import demo, metrics
 
 
 def main(argv=None) -> str:
@@ -44,7 +44,7 @@ def main(argv=None) -> str:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
-    report = f"{summary}\nnew compiles: {compiles}\nsteps: {steps}\n{text.getvalue()}"
+    report = f"{metrics.format_table([summary])}\nnew compiles: {compiles}\nsteps: {steps}\n{text.getvalue()}"
     print(report)
     return report
 
