@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | twentyninth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, twentyninth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -375,6 +375,18 @@ case $round in
     mkdir -p "$OUT/dh"  # and the rows' rewrite on an idle device and behind a running program
     run dh_overwrite "${DH_LIMIT:-120}" env JAX_COMPILATION_CACHE_DIR=/tmp/jc_default \
       .venv/bin/python benchmarks/decode_host.py --config small --rows 8 --out "$OUT/dh/overwrite_8.json"
+    ;;
+  twentyninth)  # session 41: the demo on base.tar's tree (`git archive 3614fc3 -o base.tar`: prefill
+    # calls reading every chunk's logits, eager ops per chunk) and on this one, one compile cache
+    # (the second warm-up is warm), with the step profiles.  Carry .whl
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+    run venv 120 "${demo[@]}" ./run.sh demo --help
+    run demo_base "${DEMO_LIMIT:-120}" sh -c "cd /tmp/base && PYTHONPATH=/tmp/base KIMIK3_COMPILE_CACHE=/tmp/cc_ab \
+      $PWD/.venv/bin/kimik3 demo --config small"
+    run demo_now "${DEMO_LIMIT:-120}" "${demo[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_ab ./run.sh demo --config small
+    for n in base now; do
+      grep -a "^| \(colocated\|pd\)\|^  \(colocated\|pd\)" "$R/demo_$n.txt" | cut -c1-400
+    done
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
