@@ -381,8 +381,14 @@ case $round in
     # (the second warm-up is warm), with the step profiles.  Carry .whl
     rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
     run venv 120 "${demo[@]}" ./run.sh demo --help
-    run demo_base "${DEMO_LIMIT:-120}" sh -c "cd /tmp/base && PYTHONPATH=/tmp/base KIMIK3_COMPILE_CACHE=/tmp/cc_ab \
-      $PWD/.venv/bin/kimik3 demo --config small"
+    # where base's `serving` comes from: session 41's first try ran this tree's code as "base"
+    run which_base 20 sh -c "cd /tmp/base && PYTHONPATH=/tmp/base $PWD/.venv/bin/python -c \
+      'import sys, serving.model_runner as m; print(m.__file__); print(sys.path[:4]); print(sys.meta_path)'; \
+      head -2 $PWD/.venv/bin/kimik3; ls $PWD/.venv/lib/python3*/site-packages | grep -i -E 'editable|kimik3|serving'"
+    cat "$R/which_base.txt"
+    run demo_base "${DEMO_LIMIT:-120}" sh -c "cd /tmp/base && KIMIK3_COMPILE_CACHE=/tmp/cc_ab $PWD/.venv/bin/python -c \
+      \"import sys; sys.path.insert(0, '/tmp/base'); import serving; assert serving.__file__.startswith('/tmp/base'), serving.__file__; \
+      from serving.cli import main; sys.argv = ['kimik3', 'demo', '--config', 'small']; sys.exit(main())\""
     run demo_now "${DEMO_LIMIT:-120}" "${demo[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_ab ./run.sh demo --config small
     for n in base now; do
       grep -a "^| \(colocated\|pd\)\|^  \(colocated\|pd\)" "$R/demo_$n.txt" | cut -c1-400
