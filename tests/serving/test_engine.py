@@ -411,6 +411,24 @@ def test_a_decode_only_phase_chains_steps_on_the_device_buffers(rng, tiny_cfg, t
         assert req.output == _oracle(tiny_params, tiny_cfg, p, n)
 
 
+def test_only_a_prompts_last_chunk_waits_for_its_logits(rng, tiny_cfg, tiny_params):
+    """A 70-token prompt in chunks of at most 40 tokens (ending at snapshot boundaries): the
+    earlier chunks' logits are never read, so the host does not wait for their calls (the device
+    computes them while the host goes on); the last chunk's are read (and waited for) to choose
+    the first token, which is the oracle's."""
+    eng = _engine(tiny_params, tiny_cfg)
+    outs, waited = [], []
+    forward, wait = eng.runner.forward, eng._wait_for
+    eng.runner.forward = lambda *a, **k: outs.append(forward(*a, **k)) or outs[-1]
+    eng._wait_for = lambda arrays: waited.append(arrays) or wait(arrays)
+    prompt = rng.integers(0, 256, 70).tolist()
+    req = eng.submit(prompt, 6)
+    eng.run(max_steps=50)
+    assert all(isinstance(out[0], jax.Array) for out in outs)  # handed back on the device, not read
+    assert len(outs) >= 2 and [any(w is out[0] for w in waited) for out in outs] == [False] * (len(outs) - 1) + [True]
+    assert req.output == _oracle(tiny_params, tiny_cfg, prompt, 6)
+
+
 def test_requests_waiting_for_a_slot_do_not_stop_the_chain(rng, tiny_cfg, tiny_params):
     """Five requests on four slots: while the fifth waits with every slot taken (it cannot be
     admitted), the decode steps still chain; it is admitted when a shorter one ends, and every
