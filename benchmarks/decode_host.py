@@ -28,7 +28,6 @@ from kimik3 import stacked
 from serving import demo, model_runner
 from serving.engine import Engine
 
-log = logging.getLogger(__name__)
 
 
 def _timed(calls: collections.Counter, seconds: collections.Counter, name: str, fn):

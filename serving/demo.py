@@ -94,8 +94,8 @@ def _max_pages(spec: DemoSpec) -> int:
 
 def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None, engines=None):
     """One setup over `spec`'s workload -> (summary, records, new compiles, the engines' step
-    profiles as a line: `metrics.StepProfile.summary`).  max_pages: the engines' block-table width (default:
-    what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
+    profiles as a line: `metrics.StepProfile.summary`).  max_pages: the engines' block-table
+    width (default: what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
     width, so they compile the programs the measurement runs (another width is another shape
     of every step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages)
     -> the server, for setups built elsewhere (`serving.demo_store`)."""
@@ -222,6 +222,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"new compiles while measuring: {compiles}; "
               f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
               + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
-    steps = "\n".join(f"  {mode}: {line}" for mode, line in profiles.items())
-    return (header + "\n" + table + "\n" + PD_NOTE + "\nengine steps by kind (host time, then the wait on "
-            "the device: `metrics.StepProfile`; XLA:CPU may compute inside a dispatch):\n" + steps + f"\nplot: {os.path.join(out_dir, 'demo_latency.png')}")
+    steps = "".join(f"  {mode}: {line}\n" for mode, line in profiles.items())
+    return (header + "\n" + table + "\n" + PD_NOTE + "\nengine steps by kind (host time, then the wait on the "
+            "device: `metrics.StepProfile`; XLA:CPU may compute inside a dispatch):\n" + steps
+            + f"plot: {os.path.join(out_dir, 'demo_latency.png')}")

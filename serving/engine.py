@@ -304,9 +304,9 @@ class Engine:
         # tokens, dispatch id, mixed) of a decode step not yet read
         self._inflight = None
         self._ids = itertools.count()
-        # where the steps' wall time goes, by kind (host work against waiting on decode tokens)
+        # where the steps' wall time goes, by kind (host work against waiting on the device)
         self.profile = StepProfile()
-        self._wait_s = 0.0  # this step's wait on decode tokens so far
+        self._wait_s = 0.0  # this step's wait on the device so far (`_wait_for`)
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     # `kv` and `manager` are rank 0's: the only rank without a decode mesh.  A request's own are
@@ -609,10 +609,10 @@ class Engine:
             self._chunk_done(chunk, row, None)
 
     def _last_logits(self, needed: bool, logits):
-        """A prefill call's last-position logits ([B, 1, V] on the device) as numpy f32 [B, V] where a chunk
-        ends its prompt (its first token is chosen from them: the wait counts as the device's), else
-        [None] * B: an intermediate chunk's logits are never read, so the host goes on while the
-        device computes it."""
+        """A prefill call's last-position logits ([B, 1, V] on the device) as numpy f32 [B, V] where
+        a chunk ends its prompt (its first token is chosen from them: the wait counts as the
+        device's), else [None] * B: an intermediate chunk's logits are never read, so the host goes
+        on while the device computes it."""
         if not needed:
             return [None] * logits.shape[0]
         self._wait_for(logits)

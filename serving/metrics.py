@@ -63,10 +63,11 @@ class StepProfile:
     """Where an engine's steps go, by kind (`Engine.step`): "chained" (a decode step dispatched on
     the device tokens of the one in flight, then that one's tokens read), "decode" (decode rows
     only, dispatched after every token was read), "mixed" (decode rows and prefill chunks),
-    "prefill" (chunks only), "idle".  wait_s: what the step blocked on the device (`jax.block_until_ready`) for a
-    decode step's tokens or a prompt's last chunk's logits; host_s: the rest of its wall time
-    (scheduling, the dispatches, sampling, bookkeeping).  A chained step whose wait is ~0 is host-bound: the device
-    finished before the host asked."""
+    "prefill" (chunks only), "idle".  wait_s: what the step blocked on the device
+    (`jax.block_until_ready`) for a decode step's tokens or a prompt's last chunk's logits;
+    host_s: the rest of its wall time (scheduling, the dispatches, sampling, bookkeeping; a
+    decode mesh's step, which reads its tokens inside its call, counts there too).  A chained
+    step whose wait is ~0 is host-bound: the device finished before the host asked."""
 
     steps: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     host_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
