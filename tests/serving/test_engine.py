@@ -9,6 +9,7 @@ import pytest
 from cache.host_tier import EmbeddedHostKVTier
 from kimik3 import tokenizer
 from kimik3.generate import generate
+from serving import kv_pools
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
 from serving.model_runner import _overwrite
@@ -307,10 +308,11 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_in_the_decode_step(tiny_cf
 
 
 def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, tiny_params):
-    """Warm-up compiles each prefill length and decode bucket once, on threads; serving afterwards
-    compiles nothing and still gives the oracle's tokens.  (num_pages 44 is unique to this test,
-    so its programs are new even when other tests ran in this process.)"""
-    eng = _engine(tiny_params, tiny_cfg, num_pages=44, num_slots=3, prefill_chunk_tokens=24)
+    """Warm-up compiles each prefill length and decode bucket once, on threads, and the snapshot
+    of a chunk's export; serving afterwards compiles nothing and still gives the oracle's tokens.
+    (num_pages 44 and num_snapshots 11 are unique to this test, so its programs are new even when
+    other tests ran in this process.)"""
+    eng = _engine(tiny_params, tiny_cfg, num_pages=44, num_slots=3, num_snapshots=11, prefill_chunk_tokens=96)
     # one prefill program per chunk length, one decode program (greedy) per bucket
     programs = {("prefill", t) for t, _ in eng._prefill_lengths()} | {("decode", eng._decode_bucket(n))
                                                                      for n in range(1, 4)}
@@ -318,10 +320,11 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
     # shapes, so counted apart): serving then compiles neither kind
     writes = _overwrite._cache_size()
     assert eng.warmup(threads=4) - (_overwrite._cache_size() - writes) == len(programs)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (29, 11, 50)]
+    prompts = [rng.integers(0, 256, n).tolist() for n in (29, 11, 100)]  # 100: a chunk [0, 96) exports at 64
     reqs = [eng.submit(p, 5) for p in prompts]
+    exports = kv_pools._save_export._cache_size()  # a chunk's export snapshot (11 blocks: this test's)
     eng.run(max_steps=200)
-    assert eng.compiles == 0
+    assert eng.compiles == 0 and kv_pools._save_export._cache_size() == exports
     for req, p in zip(reqs, prompts):
         assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
 
