@@ -518,11 +518,13 @@ class Engine:
 
     def warmup(self, threads: int | None = None, sampled: bool = False) -> int:
         """Compile every step shape this engine can use and run each once on scratch rows
-        (`ModelRunner.warmup`; `sampled`: the decode steps' sampling variant too).  Returns the
-        number of new programs."""
+        (`ModelRunner.warmup`; `sampled`: the decode steps' sampling variant too), and the page and
+        snapshot moves (`KVPools.warm_moves`).  Returns the number of new step programs."""
         self._settle_decode()
         before = self._programs()  # the speculative warm-up's row writes count in the runner's programs
         self.runner.warmup(self.kvs, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads, sampled=sampled)
+        for kv in self.kvs:  # the page and snapshot moves (offloads, host-tier loads, P/D handoffs)
+            kv.warm_moves(self.max_pages)
         if self.spec is not None:
             self.spec.warmup(self)
         return self._programs() - before

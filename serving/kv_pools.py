@@ -31,6 +31,25 @@ from kimik3.config import ModelConfig
 LAYOUT_VERSION = 3
 
 
+def padded_index(blocks) -> np.ndarray:
+    """int32 [2^k >= len(blocks)]: `blocks` padded with the null block (0, never handed out; its
+    contents are never read as a request's).  The page and snapshot moves run one program per
+    bucket this way, where every distinct count of blocks moved compiled its own while serving."""
+    n = len(blocks)
+    return np.asarray(list(blocks) + [0] * ((1 << max(0, n - 1).bit_length()) - n), np.int32)
+
+
+def padded_rows(arrays, rows: int) -> np.ndarray:
+    """np.stack(arrays), zero rows appended up to `rows` (`padded_index`'s length)."""
+    data = np.stack(arrays)
+    return np.concatenate([data, np.zeros((rows - len(data),) + data.shape[1:], data.dtype)]) if rows > len(data) else data
+
+
+@jax.jit
+def _take_rows(pool, index):
+    return pool[index]
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def set_rows(pool, index, rows):
     """pool.at[index].set(rows), in place: the pool is donated (an eager `.at[].set` copies
@@ -146,7 +165,9 @@ class MLAPageStore:
         self.dtype = np.dtype(jnp.dtype(kv.dtype).name if kv.dtype != jnp.bfloat16 else "float32")
 
     def read(self, blocks):
-        index = jnp.asarray(blocks, jnp.int32)
+        if not len(blocks):
+            return []
+        index = padded_index(blocks)
         stacked = np.asarray(_read_pages(self.kv.pools["mla"]["pages"], index, n_mla=len(self.kv.mla_layers)))
         if self.kv.dpools is not None:
             stacked = np.concatenate([stacked, np.asarray(_read_pages(self.kv.dpools["pages"], index, n_mla=1))],
@@ -154,14 +175,18 @@ class MLAPageStore:
         return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
 
     def write(self, blocks, arrays):
-        index, data = jnp.asarray(blocks, jnp.int32), np.stack(arrays)
+        """The padding rows of a bucket write zeros into the null page (as a decode batch's padding rows do)."""
+        if not len(blocks):
+            return
+        index = padded_index(blocks)
+        data = padded_rows(arrays, len(index))
         n_mla = len(self.kv.mla_layers)
-        pages = _write_pages(self.kv.pools["mla"]["pages"], index, jnp.asarray(data[:, :n_mla]), n_mla=n_mla)
+        pages = _write_pages(self.kv.pools["mla"]["pages"], index, data[:, :n_mla], n_mla=n_mla)
         self.kv.pools = dict(self.kv.pools, mla={"pages": pages})
         if self.kv.dpools is not None:
             self.kv.tail_known[np.asarray(blocks, np.int64)] = False
             self.kv.dpools = dict(self.kv.dpools, pages=_write_pages(self.kv.dpools["pages"], index,
-                                                                     jnp.asarray(data[:, n_mla:]), n_mla=1))
+                                                                     data[:, n_mla:], n_mla=1))
 
 
 class SnapshotStore:
@@ -175,10 +200,15 @@ class SnapshotStore:
             self.data = jax.device_put(self.data, device)
 
     def read(self, blocks):
-        return list(np.asarray(self.data[jnp.asarray(blocks, jnp.int32)]))
+        if not len(blocks):
+            return []
+        return list(np.asarray(_take_rows(self.data, padded_index(blocks)))[:len(blocks)])
 
     def write(self, blocks, arrays):
-        self.data = set_rows(self.data, jnp.asarray(blocks, jnp.int32), jnp.asarray(np.stack(arrays)))
+        if not len(blocks):
+            return
+        index = padded_index(blocks)
+        self.data = set_rows(self.data, index, padded_rows(arrays, len(index)))
 
 
 class KVPools:
@@ -234,6 +264,15 @@ class KVPools:
     def save_state(self, slot: int, snapshot_block: int) -> None:
         self.snapshots.data = _save_slot(self.snapshots.data, jnp.int32(snapshot_block), self.pools["kda"],
                                          jnp.int32(slot), n_kda=len(self.kda_layers))
+
+    def warm_moves(self, max_blocks: int) -> None:
+        """Compile (and run, on the null page and snapshot block) the page and snapshot moves of
+        every bucket up to `max_blocks` blocks (`padded_index`), as offloads, host-tier loads and
+        P/D handoffs use them: they then compile nothing while serving."""
+        for n in sorted({len(padded_index(range(k))) for k in range(1, max_blocks + 1)}):
+            for store in (self.pages, self.snapshots):
+                store.write([0] * n, store.read([0] * n))
+        jax.block_until_ready((self.pools, self.snapshots.data))
 
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position

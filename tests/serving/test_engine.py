@@ -325,6 +325,12 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
     exports = kv_pools._save_export._cache_size()  # a chunk's export snapshot (11 blocks: this test's)
     eng.run(max_steps=200)
     assert eng.compiles == 0 and kv_pools._save_export._cache_size() == exports
+    # the page and snapshot moves of any count of blocks (offloads, host-tier loads, handoffs)
+    moves = [f._cache_size() for f in (kv_pools._read_pages, kv_pools._write_pages, kv_pools._take_rows)]
+    for n in (1, 3, 5, 7):
+        eng.kv.pages.write(list(range(1, n + 1)), eng.kv.pages.read(list(range(1, n + 1))))
+        eng.kv.snapshots.write(list(range(1, n + 1)), eng.kv.snapshots.read(list(range(1, n + 1))))
+    assert [f._cache_size() for f in (kv_pools._read_pages, kv_pools._write_pages, kv_pools._take_rows)] == moves
     for req, p in zip(reqs, prompts):
         assert req.output == _oracle(tiny_params, tiny_cfg, p, 5)
 
