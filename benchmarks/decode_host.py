@@ -113,27 +113,27 @@ def main(argv=None) -> dict:
     # the rows' rewrite (`_overwrite`: every entry but the tokens, from numpy), on an idle device
     # and right behind a decode program still running
     held = {k: np.asarray(v) for k, v in io.items() if k != "tokens"}
-    for label, busy in (("idle", False), ("behind_program", True)):
+    state = {"pools": pools, "io": io}
+
+    def host_ms(call, busy: bool) -> float:
+        """Median host ms of call(io) -> io over 10 tries, each on an idle device or right behind
+        a decode program."""
         times = []
         for _ in range(10):
-            jax.block_until_ready((pools, io))
+            jax.block_until_ready(state)
             if busy:
-                pools, io = model_runner.decode_program(eng.params, pools, io, cfg=cfg, kernels=runner.kernels,
-                                                        greedy=True)
+                state["pools"], state["io"] = model_runner.decode_program(
+                    eng.params, state["pools"], state["io"], cfg=cfg, kernels=runner.kernels, greedy=True)
             t = time.perf_counter()
-            io = model_runner._overwrite(io, held)
+            state["io"] = call(state["io"])
             times.append(time.perf_counter() - t)
-        result[f"overwrite_host_ms_{label}"] = 1e3 * float(np.median(times))
-        times = []  # one small host-to-device transfer alone
-        for _ in range(10):
-            jax.block_until_ready((pools, io))
-            if busy:
-                pools, io = model_runner.decode_program(eng.params, pools, io, cfg=cfg, kernels=runner.kernels,
-                                                        greedy=True)
-            t = time.perf_counter()
-            jax.device_put(held["slots"])
-            times.append(time.perf_counter() - t)
-        result[f"device_put_host_ms_{label}"] = 1e3 * float(np.median(times))
+        return 1e3 * float(np.median(times))
+
+    for label, busy in (("idle", False), ("behind_program", True)):
+        result[f"overwrite_host_ms_{label}"] = host_ms(lambda io: model_runner._overwrite(io, held), busy)
+        # one small host-to-device transfer alone
+        result[f"device_put_host_ms_{label}"] = host_ms(lambda io: (jax.device_put(held["slots"]), io)[1], busy)
+    pools, io = state["pools"], state["io"]
     jax.block_until_ready((pools, io))
     eng.pools, runner._io[bucket], runner._holds[bucket] = pools, io, None
     print(json.dumps(result, indent=1))
