@@ -93,7 +93,8 @@ def _max_pages(spec: DemoSpec) -> int:
 
 
 def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None, engines=None):
-    """One setup over `spec`'s workload -> (summary, records, new compiles, the engines' step
+    """One setup over `spec`'s workload -> (summary, records, XLA programs built while measuring
+    (`metrics.CompileWatch`: step programs and helpers), the engines' step
     profiles as a line: `metrics.StepProfile.summary`).  max_pages: the engines' block-table
     width (default: what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
     width, so they compile the programs the measurement runs (another width is another shape
@@ -108,29 +109,35 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | 
     t0 = time.monotonic()
     burst = sorted({t[0].arrival_s for t in sessions})
     steps = 0
-    while any(next_turn[s] < len(sessions[s]) for s in next_turn) or live:
-        for s, turns in enumerate(sessions):
-            # A burst starts every `burst_every_steps` engine steps (not wall time, so every mode and
-            # machine sees the same schedule); a session's next turn follows its previous one.
-            started = burst.index(turns[0].arrival_s) * spec.burst_every_steps <= steps or next_turn[s] > 0
-            if s not in live and next_turn[s] < len(turns) and started:
-                t = turns[next_turn[s]]
-                live[s] = server.submit(list(t.prompt), len(t.output), request_id=f"s{s}t{t.turn}")
-        server.step()
-        steps += 1
-        for s, req in list(live.items()):
-            # P/D: a request whose handoff waits for decode capacity is not done (its prefill side is)
-            if server.done(req.request_id) if isinstance(server, DisaggregatedServer) else req.done:
-                del live[s]
-                next_turn[s] += 1
-                if bar is not None:
-                    bar.update(1)
+    # every XLA program built while measuring (`metrics.CompileWatch`), the helpers' too: a step
+    # program the warm-up missed, or a move, stalls the run for its compile
+    with metrics.CompileWatch() as watch:
+        while any(next_turn[s] < len(sessions[s]) for s in next_turn) or live:
+            for s, turns in enumerate(sessions):
+                # A burst starts every `burst_every_steps` engine steps (not wall time, so every mode and
+                # machine sees the same schedule); a session's next turn follows its previous one.
+                started = burst.index(turns[0].arrival_s) * spec.burst_every_steps <= steps or next_turn[s] > 0
+                if s not in live and next_turn[s] < len(turns) and started:
+                    t = turns[next_turn[s]]
+                    live[s] = server.submit(list(t.prompt), len(t.output), request_id=f"s{s}t{t.turn}")
+            server.step()
+            steps += 1
+            for s, req in list(live.items()):
+                # P/D: a request whose handoff waits for decode capacity is not done (its prefill side is)
+                if server.done(req.request_id) if isinstance(server, DisaggregatedServer) else req.done:
+                    del live[s]
+                    next_turn[s] += 1
+                    if bar is not None:
+                        bar.update(1)
     wall = time.monotonic() - t0
     records = server.records()
     profile = " | ".join(f"{e.role}: {e.profile.summary()}" if len(engines) > 1 else e.profile.summary()
                          for e in engines)
     log.info("%s steps: %s", mode, profile)
-    return metrics.summarize(mode, records, wall), records, sum(e.compiles for e in engines), profile
+    if watch.count:  # expected in a warm-up's short run; the demo reports the measured runs' counts
+        log.info("%s built %d XLA programs while measuring (%.2f s): %s", mode, watch.count, watch.seconds,
+                    dict(watch.names))
+    return metrics.summarize(mode, records, wall), records, watch.count, profile
 
 
 def _rss_gib() -> tuple[float, float]:
@@ -219,7 +226,7 @@ def main(spec: DemoSpec, out_dir: str) -> str:
               f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
               f"warm-up (compiles) {warmup_s:.1f} s (engine warm-up {seconds['warm-up compiles']:.1f} s, then one "
               f"short run per setup {seconds['warm-up runs']:.1f} s; params {seconds['params']:.1f} s before it); "
-              f"new compiles while measuring: {compiles}; "
+              f"new compiles while measuring (every XLA program built, helpers too): {compiles}; "
               f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
               + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
     steps = "".join(f"  {mode}: {line}\n" for mode, line in profiles.items())

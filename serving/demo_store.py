@@ -4,7 +4,8 @@
 metadata and memory server on loopback) and runs the "pd-mooncake" setup in a child process
 preloaded with the loopback shim (`cache.loopback`): Mooncake's transfer engine inside the
 engines' client binds every interface otherwise, and a running process cannot be changed.
-The child warms up with a short run, measures the workload, and writes its records back.
+The child warms up its engines and makes a short run, measures the workload, and writes its
+records back.
 `available()` says whether Mooncake is installed here.
 """
 
@@ -39,7 +40,7 @@ def available() -> bool:
 
 
 def run(spec, timeout_s: float = 900.0):
-    """(records, wall seconds, new compiles while measuring, the engines' step profiles as a line)
+    """(records, wall seconds, XLA programs built while measuring, the engines' step profiles as a line)
     of the P/D-through-Mooncake setup."""
     from cache.loopback import loopback_env
     from cache.mooncake_tier import MooncakeServices
@@ -81,10 +82,15 @@ def _child(args) -> int:
         return make
 
     max_pages = demo._max_pages(spec)
-    # warm-up (compiles, the store's first connections) under its own namespace: the measured run
-    # starts from an empty store, as the other setups start from empty tiers
+    # warm-up under its own namespace (the measured run starts from an empty store, as the other
+    # setups start from empty tiers): both engines' programs and moves (`Engine.warmup`, as the
+    # parent's engines do; the short run alone left page moves and the export snapshot to build
+    # while measuring), then a short run for the store's first connections
+    warm = engines("demo-warm-up")(spec, max_pages)
+    for engine in (warm.prefill, warm.decode):
+        engine.warmup()
     demo.run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), MODE, max_pages=max_pages,
-                  engines=engines("demo-warm-up"))
+                  engines=lambda *_: warm)
     t0 = time.monotonic()
     _, records, compiles, profile = demo.run_mode(params, cfg, spec, MODE, engines=engines("demo"))
     wall = time.monotonic() - t0

@@ -86,6 +86,12 @@ def _restore_slot(kda_pool, slot, packed, *, n_kda):
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("n_kda",), donate_argnums=(0,))
+def _restore_block(kda_pool, slot, snapshots, block, *, n_kda):
+    """`_restore_slot` from snapshots[block] (the block read inside the move, not by an eager op)."""
+    return _restore_slot(kda_pool, slot, snapshots[block], n_kda=n_kda)
+
+
 def _slot_packed(kda_pool, slot, n_kda):
     rows = _rows_of(kda_pool, slot, n_kda)
     return _pack({k: v[rows] for k, v in kda_pool.items()})
@@ -247,38 +253,48 @@ class KVPools:
         self._zeros = None  # a fresh request's packed state, made once
 
     # ---- moves (one program each) -------------------------------------------------------------------
+    # The moves take their slot and block numbers as numpy scalars: a jitted call moves them with
+    # its arguments, where `jnp.int32(x)` (or indexing a device array by x) is an eager op of its own,
+    # a launch on a GPU before the move's.
     def restore_state(self, slot: int, snapshot_block: int | None) -> None:
         """A slot's KDA rows from a snapshot block (zeros: no block, a fresh request)."""
+        n_kda = len(self.kda_layers)
         if snapshot_block is None:
             if self._zeros is None:
                 self._zeros = jnp.zeros((self.snapshot_size,), jnp.float32)
-            packed = self._zeros
+            kda = _restore_slot(self.pools["kda"], np.int32(slot), self._zeros, n_kda=n_kda)
         else:
-            packed = self.snapshots.data[snapshot_block]
-        self.pools = dict(self.pools, kda=_restore_slot(self.pools["kda"], jnp.int32(slot), packed,
-                                                         n_kda=len(self.kda_layers)))
+            kda = _restore_block(self.pools["kda"], np.int32(slot), self.snapshots.data, np.int32(snapshot_block),
+                                 n_kda=n_kda)
+        self.pools = dict(self.pools, kda=kda)
 
     def packed_state(self, slot: int):
-        return _slot_rows(self.pools["kda"], jnp.int32(slot), n_kda=len(self.kda_layers))
+        return _slot_rows(self.pools["kda"], np.int32(slot), n_kda=len(self.kda_layers))
 
     def save_state(self, slot: int, snapshot_block: int) -> None:
-        self.snapshots.data = _save_slot(self.snapshots.data, jnp.int32(snapshot_block), self.pools["kda"],
-                                         jnp.int32(slot), n_kda=len(self.kda_layers))
+        self.snapshots.data = _save_slot(self.snapshots.data, np.int32(snapshot_block), self.pools["kda"],
+                                         np.int32(slot), n_kda=len(self.kda_layers))
 
     def warm_moves(self, max_blocks: int) -> None:
-        """Compile (and run, on the null page and snapshot block) the page and snapshot moves of
-        every bucket up to `max_blocks` blocks (`padded_index`), as offloads, host-tier loads and
-        P/D handoffs use them: they then compile nothing while serving."""
+        """Compile (and run, on the null page and snapshot block and the scratch slot) the page and
+        snapshot moves of every bucket up to `max_blocks` blocks (`padded_index`), as offloads,
+        host-tier loads and P/D handoffs use them, and the slot <-> snapshot moves: they then
+        compile nothing while serving."""
         for n in sorted({len(padded_index(range(k))) for k in range(1, max_blocks + 1)}):
             for store in (self.pages, self.snapshots):
                 store.write([0] * n, store.read([0] * n))
+        # a slot <-> snapshot move each way, on the scratch slot and the null block (admissions
+        # restore a cached prefix's state; chunks ending at a page boundary save one)
+        self.save_state(self.scratch_slot, 0)
+        self.restore_state(self.scratch_slot, 0)
+        self.restore_state(self.scratch_slot, None)
         jax.block_until_ready((self.pools, self.snapshots.data))
 
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
         (`kimik3.model.paged_view`'s exports; packed as `packed_state` packs a state row)."""
-        self.snapshots.data = _save_export(self.snapshots.data, jnp.int32(snapshot_block), tuple(exports),
-                                           jnp.int32(index))
+        self.snapshots.data = _save_export(self.snapshots.data, np.int32(snapshot_block), tuple(exports),
+                                           np.int32(index))
 
     def write_snapshot(self, snapshot_block: int, packed: np.ndarray) -> None:
         self.snapshots.data = set_rows(self.snapshots.data, snapshot_block, jnp.asarray(packed))

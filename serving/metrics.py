@@ -58,6 +58,43 @@ class RequestRecord:
         return None if self.admitted_s is None else self.admitted_s - self.arrival_s
 
 
+# jax's event for each XLA program it builds (compiled, or loaded from the persistent cache):
+# `jax._src.dispatch.BACKEND_COMPILE_EVENT`, emitted with the program's name (`fun_name`)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileWatch:
+    """Every XLA program this process builds inside the `with` block (compiled, or loaded from the
+    persistent compile cache), by name, and the seconds spent: a serving run that builds one stalls
+    for it.  An engine's `compiles` counts its step programs; this also sees the helpers (a page or
+    snapshot move, an eager op) that a warm-up may have missed.  Listens to jax's monitoring events,
+    so it counts other threads' compiles in the same window too."""
+
+    def __init__(self):
+        self.names: collections.Counter = collections.Counter()
+        self.seconds = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.names.values())
+
+    def _on_duration(self, event: str, duration_s: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.names[kwargs.get("fun_name", "?")] += 1
+            self.seconds += duration_s
+
+    def __enter__(self) -> "CompileWatch":
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+
+
 @dataclasses.dataclass
 class StepProfile:
     """Where an engine's steps go, by kind (`Engine.step`): "chained" (a decode step dispatched on

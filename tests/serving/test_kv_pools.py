@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3 import model
-from serving import kv_pools
+from serving import kv_pools, metrics
 from serving.kv_pools import KVPools
 
 PAGE = 16
@@ -47,11 +47,15 @@ def test_each_move_is_one_program_whatever_the_slot_or_block(rng, tiny_cfg):
     _fill(kv, rng)
     kv.save_state(0, 0)
     kv.restore_state(1, 0)
-    before = (kv_pools._save_slot._cache_size(), kv_pools._restore_slot._cache_size())
-    for slot, block in ((2, 3), (1, 1), (0, 2)):
-        kv.save_state(slot, block)
-        kv.restore_state(slot, block)
-    assert (kv_pools._save_slot._cache_size(), kv_pools._restore_slot._cache_size()) == before
+    kv.restore_state(1, None)
+    programs = (kv_pools._save_slot, kv_pools._restore_slot, kv_pools._restore_block)
+    before = [p._cache_size() for p in programs]
+    with metrics.CompileWatch() as watch:  # nor any eager op (indexing the snapshots by a block)
+        for slot, block in ((2, 3), (1, 1), (0, 2)):
+            kv.save_state(slot, block)
+            kv.restore_state(slot, block)
+            kv.restore_state(slot, None)
+    assert [p._cache_size() for p in programs] == before and watch.count == 0, dict(watch.names)
 
 
 def test_an_export_is_packed_as_the_slot_it_equals(rng, tiny_cfg, tiny_params):

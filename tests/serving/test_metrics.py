@@ -2,7 +2,7 @@
 
 import math
 
-from serving.metrics import RequestRecord, StepProfile, percentiles, summarize
+from serving.metrics import CompileWatch, RequestRecord, StepProfile, percentiles, summarize
 
 
 def test_definitions():
@@ -38,3 +38,23 @@ def test_step_profile_reports_mean_host_and_wait_per_step_by_kind():
     assert d["chained"] == {"steps": 2, "host_ms": 2.0, "wait_ms": 2.0}
     assert d["mixed"]["steps"] == 1 and math.isclose(d["mixed"]["host_ms"], 10.0)
     assert p.summary().startswith("chained 2 steps (host 2.00 + wait 2.00 ms a step); mixed 1 steps")
+
+
+def test_compile_watch_counts_each_program_built_inside_its_block_by_name():
+    import jax
+    import numpy as np
+
+    @jax.jit
+    def shifted_by_seven(x):
+        return x + 7
+
+    x = np.arange(5, dtype=np.int32)
+    with CompileWatch() as watch:
+        shifted_by_seven(x)  # a new program
+        shifted_by_seven(x)  # the same one: nothing built
+    assert watch.count == 1 and watch.seconds > 0
+    assert [name for name in watch.names if "shifted_by_seven" in name] == list(watch.names)
+    with CompileWatch() as again:
+        shifted_by_seven(x + 1)  # another value, the same program
+    shifted_by_seven(np.arange(6, dtype=np.int32))  # a new shape, outside any block: not counted
+    assert again.count == 0 and not again.names
