@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | twentyninth | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | twentyninth | thirtieth | thirtyfirst | thirtysecond | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, twentyninth, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, twentyninth, thirtieth, thirtyfirst, thirtysecond, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -40,6 +40,8 @@ decode_against_base() {  # decode_against_base BASE_S NOW_S CONFIGS: issue 22's 
   run mla_decode_now "$2" python3 benchmarks/mla.py $rows --decode-configs "$3" --budget-s $(($2 - 20)) --out "$R/dec"
 }
 nvidia-smi -L | tee "$R/gpu.txt"
+# the host decides the serving rows (a chained step is mostly host time): which CPU, and its load
+(lscpu | grep -E "^(Model name|CPU\(s\)|CPU max MHz)"; uptime) | tee -a "$R/gpu.txt"
 gpu_rows() {  # gpu_rows SECONDS: the GPU rows a pytest -k picks (ROWS; default the chunk kernels')
   run gpu_rows "$1" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
     "tests/gpu/test_fp32_kernels.py" "tests/gpu/test_hopper_kernels.py" -k "${ROWS:-chunk}"
@@ -393,6 +395,31 @@ case $round in
     for n in base now; do
       grep -a "^| \(colocated\|pd\)\|^  \(colocated\|pd\)" "$R/demo_$n.txt" | cut -c1-400
     done
+    ;;
+  thirtieth)  # session 42: issue 22's KDA must-shows on this tree, fla in the same process (decode at B64-512,
+    # prefill with a state every 128 tokens at the three shapes), then the demo on `small` cold: the
+    # warm-up with session 41's warm_moves, no compile while serving.  Carry .whl, .gpuwhl
+    mkdir -p "$OUT"/{kda,kdap}
+    run kda_decode "${KDA_DEC_LIMIT:-120}" python3 benchmarks/kda.py --sections decode --out "$OUT/kda"
+    run kda_prefill "${KDA_LIMIT:-200}" python3 benchmarks/kda.py --sections prefill --out "$OUT/kdap"
+    demo_variants "default=" "${DEMO_LIMIT:-170}"
+    grep -a -A6 "^engine steps by kind" "$R/demo_default.txt" | cut -c1-700
+    ;;
+  thirtyfirst)  # session 42: the GPU serving rows (engines on the Pallas kernels against the oracle, the
+    # speculative rounds), then issue 22's MLA decode rows (H128 / H96 B64 ctx8k Sq1 and Sq4, H16 ctx32k)
+    ROWS=${ROWS:-"not chunks_over_a_cache and not mxfp4"}
+    run gpu_serving "${ROWS_LIMIT:-240}" env JAX_PLATFORMS=cuda python3 -m pytest -q -p no:cacheprovider \
+      tests/gpu/test_dispatch_and_serving.py -k "$ROWS"
+    mkdir -p "$OUT/dec"
+    run mla_decode "${DEC_LIMIT:-200}" python3 benchmarks/mla.py --sections decode --decode-heads 128,96,16 \
+      --decode-batches 64 --decode-contexts 8192,32768 --decode-sq 1,4 --decode-configs hopperx64x2 --skip-xla-ref \
+      --budget-s $(( ${DEC_LIMIT:-200} - 20 )) --out "$OUT/dec"
+    ;;
+  thirtysecond)  # session 42: the demo's colocated setup under cProfile on this tree (a mixed step: 11-17 ms of
+    # host against ~3.5 ms of wait in thirtieth / twentyninth), the stats file brought back.  Carry .whl
+    run venv 150 "${demo[@]}" ./run.sh demo --help
+    run demo_profile "${PROFILE_LIMIT:-240}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
+      benchmarks/demo_profile.py --config small --top 60 --out "$R/demo.prof"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
