@@ -418,8 +418,12 @@ case $round in
   thirtysecond)  # session 42: the demo's colocated setup under cProfile on this tree (a mixed step: 11-17 ms of
     # host against ~3.5 ms of wait in thirtieth / twentyninth), the stats file brought back.  Carry .whl
     run venv 150 "${demo[@]}" ./run.sh demo --help
-    run demo_profile "${PROFILE_LIMIT:-240}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
+    run demo_profile "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
       benchmarks/demo_profile.py --config small --top 60 --out "$R/demo.prof"
+    # and without XLA's CUDA graphs: does updating a prefill program's graph cost the mixed step's host time?
+    run demo_profile_no_cmd "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof_nocmd \
+      XLA_FLAGS=--xla_gpu_enable_command_buffer= .venv/bin/python benchmarks/demo_profile.py --config small --top 60 \
+      --out "$R/demo_no_cmd.prof"
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)
