@@ -416,14 +416,18 @@ case $round in
       --budget-s $(( ${DEC_LIMIT:-200} - 20 )) --out "$OUT/dec"
     ;;
   thirtysecond)  # session 42: the demo's colocated setup under cProfile on this tree (a mixed step: 11-17 ms of
-    # host against ~3.5 ms of wait in thirtieth / twentyninth), the stats file brought back.  Carry .whl
+    # host against ~3.5 ms of wait in thirtieth / twentyninth), the stats file brought back; then the
+    # demo with the prefill program's CUDA graphs off (KIMIK3_PREFILL_COMMAND_BUFFER=0) between two
+    # default runs, one compile cache (the first default run compiles).  Carry .whl
     run venv 150 "${demo[@]}" ./run.sh demo --help
-    run demo_profile "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof .venv/bin/python \
+    run demo_profile "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_42 .venv/bin/python \
       benchmarks/demo_profile.py --config small --top 60 --out "$R/demo.prof"
-    # and without XLA's CUDA graphs: does updating a prefill program's graph cost the mixed step's host time?
-    run demo_profile_no_cmd "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_prof_nocmd \
-      XLA_FLAGS=--xla_gpu_enable_command_buffer= .venv/bin/python benchmarks/demo_profile.py --config small --top 60 \
-      --out "$R/demo_no_cmd.prof"
+    for v in default_1 prefill_no_cmd default_2; do
+      extra=(); [ $v = prefill_no_cmd ] && extra=(KIMIK3_PREFILL_COMMAND_BUFFER=0)
+      run "demo_$v" "${DEMO_LIMIT:-150}" "${demo[@]}" "${extra[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_42 \
+        ./run.sh demo --config small
+      grep -a "^| colocated\|^| pd\|^  colocated: \|^  colocated+host: " "$R/demo_$v.txt" | cut -c1-330
+    done
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
     # demo_variants takes them; default: prefill without Triton GEMMs, and every program without)

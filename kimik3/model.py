@@ -441,16 +441,27 @@ _forward = jax.jit(_forward_impl, static_argnames=_STATIC)
 
 
 def step_compiler_options(environ=os.environ) -> dict:
-    """XLA options of the serving step (`forward_step`, the prefill chunks' program).
-    ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a cold
-    compile of `small`'s 256-token chunk program in about half the time, since the autotuner no longer
-    compiles and times ~20 Triton kernels a GEMM (RESULTS.md, serving, session 39).  The decode
-    program keeps them (its TPOT is every token's).  Default: XLA's own choice, since the demo's
-    cold warm-up does not shorten (its compiles run in parallel: session 41, 25.9 s against 26.3)."""
-    value = environ.get("KIMIK3_PREFILL_TRITON_GEMM", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KIMIK3_PREFILL_TRITON_GEMM must be 0 or 1; got {value!r}")
-    return {} if value == "1" else {"xla_gpu_enable_triton_gemm": False}
+    """XLA options of the serving step (`forward_step`, the prefill chunks' program), each a 0 / 1
+    variable (default 1, XLA's own choice; the decode program keeps XLA's defaults: its TPOT is
+    every token's):
+
+    - ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a
+      cold compile of `small`'s 256-token chunk program in about half the time, since the
+      autotuner no longer compiles and times ~20 Triton kernels a GEMM (RESULTS.md, serving,
+      session 39); the demo's cold warm-up does not shorten (its compiles run in parallel:
+      session 41, 25.9 s against 26.3).
+    - ``KIMIK3_PREFILL_COMMAND_BUFFER=0`` launches its kernels one by one instead of as XLA's
+      CUDA graphs (command buffers), whose update for each call's new buffers is host time on
+      every step that runs a chunk."""
+    options = {}
+    for name, off in (("KIMIK3_PREFILL_TRITON_GEMM", {"xla_gpu_enable_triton_gemm": False}),
+                      ("KIMIK3_PREFILL_COMMAND_BUFFER", {"xla_gpu_enable_command_buffer": ""})):
+        value = environ.get(name, "1")
+        if value not in ("0", "1"):
+            raise ValueError(f"{name} must be 0 or 1; got {value!r}")
+        if value == "0":
+            options.update(off)
+    return options
 
 
 # The serving step: the same program with the cache donated, so the pools (every MLA page and

@@ -172,14 +172,19 @@ def test_init_params_draws_the_whole_models_tree_per_block_kind(tiny_cfg):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
 
 
-def test_the_prefill_steps_triton_gemms_are_switched_by_one_variable():
-    """`KIMIK3_PREFILL_TRITON_GEMM=0` is an XLA option of the serving step's program alone (the
-    decode program keeps XLA's Triton tilings); anything but 0 or 1 is refused by name."""
+def test_the_prefill_steps_xla_options_are_switched_by_one_variable_each():
+    """`KIMIK3_PREFILL_TRITON_GEMM=0` and `KIMIK3_PREFILL_COMMAND_BUFFER=0` are XLA options of the
+    serving step's program alone (the decode program keeps XLA's defaults); anything but 0 or 1 is
+    refused by name."""
     assert model.step_compiler_options({}) == {}
     assert model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "1"}) == {}
     assert model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "0"}) == {"xla_gpu_enable_triton_gemm": False}
-    with pytest.raises(ValueError, match="KIMIK3_PREFILL_TRITON_GEMM"):
-        model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "off"})
-    # XLA takes the option on any backend (a DebugOptions field), so a program compiles with it
-    f = jax.jit(lambda x: x @ x, compiler_options=model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "0"}))
+    both = {"KIMIK3_PREFILL_TRITON_GEMM": "0", "KIMIK3_PREFILL_COMMAND_BUFFER": "0"}
+    assert model.step_compiler_options(both) == {"xla_gpu_enable_triton_gemm": False,
+                                                 "xla_gpu_enable_command_buffer": ""}
+    for name in both:
+        with pytest.raises(ValueError, match=name):
+            model.step_compiler_options({name: "off"})
+    # XLA takes the options on any backend (DebugOptions fields), so a program compiles with them
+    f = jax.jit(lambda x: x @ x, compiler_options=model.step_compiler_options(both))
     assert float(f(jnp.ones((4, 4))).sum()) == 64.0
