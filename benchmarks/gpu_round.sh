@@ -419,10 +419,12 @@ case $round in
     # host against ~3.5 ms of wait in thirtieth / twentyninth), the stats file brought back; then the
     # demo with the prefill program's CUDA graphs off (KIMIK3_PREFILL_COMMAND_BUFFER=0) between two
     # default runs, one compile cache (the first default run compiles).  Carry .whl
-    run venv 150 "${demo[@]}" ./run.sh demo --help
-    run demo_profile "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_42 .venv/bin/python \
-      benchmarks/demo_profile.py --config small --top 60 --out "$R/demo.prof"
-    for v in default_1 prefill_no_cmd default_2; do
+    if [ -z "${SKIP_PROFILE:-}" ]; then
+      run venv 150 "${demo[@]}" ./run.sh demo --help
+      run demo_profile "${PROFILE_LIMIT:-200}" env KIMIK3_COMPILE_CACHE=/tmp/cc_42 .venv/bin/python \
+        benchmarks/demo_profile.py --config small --top 60 --out "$R/demo.prof"
+    fi
+    for v in ${DEMO_ORDER:-default_1 prefill_no_cmd default_2}; do
       extra=(); [ $v = prefill_no_cmd ] && extra=(KIMIK3_PREFILL_COMMAND_BUFFER=0)
       run "demo_$v" "${DEMO_LIMIT:-150}" "${demo[@]}" "${extra[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_42 \
         ./run.sh demo --config small
