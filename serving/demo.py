@@ -94,12 +94,12 @@ def _max_pages(spec: DemoSpec) -> int:
 
 def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | None = None, engines=None):
     """One setup over `spec`'s workload -> (summary, records, XLA programs built while measuring
-    (`metrics.CompileWatch`: step programs and helpers), the engines' step
-    profiles as a line: `metrics.StepProfile.summary`).  max_pages: the engines' block-table
-    width (default: what this workload's longest turn needs); the warm-up's short runs pass the measured runs'
-    width, so they compile the programs the measurement runs (another width is another shape
-    of every step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages)
-    -> the server, for setups built elsewhere (`serving.demo_store`)."""
+    (`metrics.CompileWatch`: step programs and helpers), the engines' step profiles as a line:
+    `metrics.StepProfile.summary`).  max_pages: the engines' block-table width (default: what
+    this workload's longest turn needs); the warm-up's short runs pass the measured runs' width,
+    so they compile the programs the measurement runs (another width is another shape of every
+    step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages) -> the
+    server, for setups built elsewhere (`serving.demo_store`)."""
     sessions = _workload(spec)
     width = _max_pages(spec) if max_pages is None else max_pages
     server = engines(spec, width) if engines is not None else _engines(params, cfg, spec, mode, width)
@@ -136,7 +136,7 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | 
     log.info("%s steps: %s", mode, profile)
     if watch.count:  # expected in a warm-up's short run; the demo reports the measured runs' counts
         log.info("%s built %d XLA programs while measuring (%.2f s): %s", mode, watch.count, watch.seconds,
-                    dict(watch.names))
+                 dict(watch.names))
     return metrics.summarize(mode, records, wall), records, watch.count, profile
 
 
