@@ -5,8 +5,12 @@ Per step, averaged over `--steps` chained steps: the engine's host time and its 
 device (`metrics.StepProfile`), and inside the host time the calls into XLA that enqueue work
 (`decode_program`, `_read_tokens`, `_overwrite`), timed around each call.  Then the decode program
 alone on one bucket's buffers: `--reps` calls back to back, then one sync (the device's time a
-step), and the host time of one such call.  Run it under different `XLA_FLAGS` to see what the
-enqueue costs (e.g. `--xla_gpu_enable_command_buffer=` turns XLA's CUDA graphs off).
+step), and the host time of one such call.  Then the rows' rewrite (`_overwrite`) and one small
+transfer on an idle device, behind one program, and behind what a chained step leaves in flight
+(two programs and their tokens' copies); the rewrite there also with its values already on the
+device and with its io not donated, beside the program's own enqueue: where the chain's rewrite
+waits.  Run it under different `XLA_FLAGS` to see what the enqueue costs (e.g.
+`--xla_gpu_enable_command_buffer=` turns XLA's CUDA graphs off).
 
     PYTHONPATH=$PWD python3 benchmarks/decode_host.py --config small --rows 8 --out /tmp/decode_host.json
 """
@@ -115,24 +119,45 @@ def main(argv=None) -> dict:
     held = {k: np.asarray(v) for k, v in io.items() if k != "tokens"}
     state = {"pools": pools, "io": io}
 
-    def host_ms(call, busy: bool) -> float:
-        """Median host ms of call(io) -> io over 10 tries, each on an idle device or right behind
-        a decode program."""
+    def enqueue_program():
+        state["pools"], state["io"] = model_runner.decode_program(
+            eng.params, state["pools"], state["io"], cfg=cfg, kernels=runner.kernels, greedy=True)
+
+    def as_chained():  # what a chained step leaves in flight: two steps, each with its tokens' copy
+        for _ in range(2):
+            enqueue_program()
+            model_runner._read_tokens(state["io"])
+
+    def host_ms(call, before) -> float:
+        """Median host ms of call(io) -> io over 10 tries, each right after before() (nothing:
+        an idle device)."""
         times = []
         for _ in range(10):
             jax.block_until_ready(state)
-            if busy:
-                state["pools"], state["io"] = model_runner.decode_program(
-                    eng.params, state["pools"], state["io"], cfg=cfg, kernels=runner.kernels, greedy=True)
+            before()
             t = time.perf_counter()
             state["io"] = call(state["io"])
             times.append(time.perf_counter() - t)
         return 1e3 * float(np.median(times))
 
-    for label, busy in (("idle", False), ("behind_program", True)):
-        result[f"overwrite_host_ms_{label}"] = host_ms(lambda io: model_runner._overwrite(io, held), busy)
+    on_device = jax.device_put(held)
+    overwrite_kept = jax.jit(model_runner._overwrite.__wrapped__)  # the same write, io not donated
+    for label, before in (("idle", lambda: None), ("behind_program", enqueue_program), ("as_chained", as_chained)):
+        result[f"overwrite_host_ms_{label}"] = host_ms(lambda io: model_runner._overwrite(io, held), before)
         # one small host-to-device transfer alone
-        result[f"device_put_host_ms_{label}"] = host_ms(lambda io: (jax.device_put(held["slots"]), io)[1], busy)
+        result[f"device_put_host_ms_{label}"] = host_ms(lambda io: (jax.device_put(held["slots"]), io)[1], before)
+    # where the chain's rewrite waits (session 41: 3.1 ms a call inside the chain, 0.4 alone): its
+    # values already on the device (no transfer), or its io not donated, or the program itself
+    result["overwrite_host_ms_as_chained_values_on_device"] = host_ms(
+        lambda io: model_runner._overwrite(io, on_device), as_chained)
+    result["overwrite_host_ms_as_chained_not_donated"] = host_ms(lambda io: overwrite_kept(io, held), as_chained)
+
+    def program(io):
+        state["pools"], io = model_runner.decode_program(eng.params, state["pools"], io, cfg=cfg,
+                                                         kernels=runner.kernels, greedy=True)
+        return io
+
+    result["program_enqueue_host_ms_as_chained"] = host_ms(program, as_chained)
     pools, io = state["pools"], state["io"]
     jax.block_until_ready((pools, io))
     eng.pools, runner._io[bucket], runner._holds[bucket] = pools, io, None

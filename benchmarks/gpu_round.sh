@@ -3,12 +3,12 @@
 # matters, each step under its own time limit, results written as they come (one archive,
 # $OUT/round.tgz; a step cut by its limit keeps what it printed).  On the GPU machine, from the repo root:
 #
-#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | twentyninth | thirtieth | thirtyfirst | thirtysecond | xlaflags | next | must | tests | kernels | attention | serving | warmup)
+#   bash benchmarks/gpu_round.sh ROUND        (ROUND: first | second | third | fourth | fifth | sixth | seventh | eighth | ninth | tenth | eleventh | twelfth | fourteenth | seventeenth | eighteenth | nineteenth | twentieth | twentyfirst | twentysecond | twentythird | twentyfourth | twentyfifth | twentysixth | twentyseventh | twentyeighth | twentyninth | thirtieth | thirtyfirst | thirtysecond | thirtythird | xlaflags | next | must | tests | kernels | attention | serving | warmup)
 #
 # fla-core comes from .gpuwhl/ (git-excluded; `carry` it): pip download fla-core==0.6.0 there.
 # Session 30 measured: a cold machine compiles ~15 s per GPU test, so `tests` takes most of a call.
 set -uo pipefail
-round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, twentyninth, thirtieth, thirtyfirst, thirtysecond, xlaflags, next, must, tests, kernels, attention, serving or warmup}
+round=${1:?round: first, second, third, fourth, fifth, sixth, seventh, eighth, ninth, tenth, eleventh, twelfth, fourteenth, seventeenth, eighteenth, nineteenth, twentieth, twentyfirst, twentysecond, twentythird, twentyfourth, twentyfifth, twentysixth, twentyseventh, twentyeighth, twentyninth, thirtieth, thirtyfirst, thirtysecond, thirtythird, xlaflags, next, must, tests, kernels, attention, serving or warmup}
 export PYTHONPATH=$PWD:/tmp/fla JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d /tmp/fla/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .gpuwhl/fla_core*.whl
 t0=$(date +%s)
@@ -429,6 +429,16 @@ case $round in
       run "demo_$v" "${DEMO_LIMIT:-150}" "${demo[@]}" "${extra[@]}" KIMIK3_COMPILE_CACHE=/tmp/cc_42 \
         ./run.sh demo --config small
       grep -a "^| colocated\|^| pd\|^  colocated: \|^  colocated+host: " "$R/demo_$v.txt" | cut -c1-330
+    done
+    ;;
+  thirtythird)  # session 42: where the chain's rows rewrite waits (3.1 ms a call inside the chain, 0.4 ms
+    # alone: session 41): decode_host.py's rewrite behind a chained step's work in flight, with its values
+    # on the device and with its io not donated.  Carry .whl
+    run venv 150 "${demo[@]}" ./run.sh demo --help
+    mkdir -p "$OUT/dh"
+    for rows in ${DH_ROWS:-8 32}; do
+      run "dh_$rows" "${DH_LIMIT:-120}" env JAX_COMPILATION_CACHE_DIR=/tmp/jc_dh .venv/bin/python \
+        benchmarks/decode_host.py --config small --rows "$rows" --out "$OUT/dh/rows_$rows.json"
     done
     ;;
   xlaflags)  # session 39: the demo's cold warm-up and TPOT under environment variants (VARIANTS, as
