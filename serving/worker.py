@@ -9,7 +9,7 @@ back through per-request asyncio queues.  Endpoints:
 
 * ``POST /generate`` ``{"prompt": [ids], "max_tokens": n, "stop_at_eos": bool, "request_id": str,
   "cache_salt": str}``: NDJSON stream (``cache_salt``, the tenant's: prefix hits only among requests
-  with the same salt; `serving.engine.check_cache_salt`).  First line ``{"accepted": true, ...}``
+  with the same salt; `serving.engine_config.check_cache_salt`).  First line ``{"accepted": true, ...}``
   once the engine took the request, then
   one ``{"token": id, "index": i}`` line per token (with ``"logprob"`` and ``"top_logprobs":
   [[id, logprob], ...]`` when the request asked for ``logprobs``: `serving.sampling.TokenLogprobs`),
@@ -56,8 +56,8 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from serving import internal_auth, kv_handoff
 from serving.cli import SERVING_MANIFESTS
+from serving.engine_config import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.http_util import ClosingStreamingResponse
-from serving.engine import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.sampling import GREEDY, MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
