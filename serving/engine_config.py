@@ -35,7 +35,6 @@ def check_handoff(prompt: list[int], token: int, pages, state, *, vocab_size: in
         raise ValueError("the KV handoff holds values that are not finite")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that sizes and shapes an engine (what the worker, demo, coverage and benchmarks

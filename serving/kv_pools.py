@@ -297,7 +297,7 @@ class KVPools:
                                            np.int32(index))
 
     def write_snapshot(self, snapshot_block: int, packed: np.ndarray) -> None:
-        self.snapshots.data = set_rows(self.snapshots.data, snapshot_block, jnp.asarray(packed))
+        self.snapshots.write([snapshot_block], [packed])  # the bucketed move `warm_moves` compiled
 
     def read_kv(self, page_table: list[int], n_tokens: int, slot: int) -> tuple[list[np.ndarray], np.ndarray]:
         """(contents of the pages holding the first `n_tokens` of a table, the slot's packed KDA state)."""

@@ -610,8 +610,8 @@ class ModelRunner:
         """Compile every step shape (`prefill_lengths`; decode buckets for 1 .. num_slots requests,
         per rank on a decode mesh) and run each once on scratch rows (the scratch slot and null
         pages; a chunk's exports are snapshotted into the null snapshot block, so that program is
-        not compiled while serving either: 176 ms on an H100).  kvs: the pools (a `KVPools`, or one per rank: each rank's prefill shapes compile
-        for its device).
+        not compiled while serving either).  kvs: the pools (a `KVPools`, or one per rank: each
+        rank's prefill shapes compile for its device).
 
         threads: unsharded shapes compile ahead of time concurrently on this many threads
         (default `compile_threads`: one per shape, at most half the CPU cores, bounded by the
