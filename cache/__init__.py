@@ -1,1 +1,1 @@
-"""KV and state caching: block hashing, pools, paged manager, host tier, multimodal cache (issue 5)."""
+"""KV and state caching: block hashing, pools, paged manager, host tier, multimodal cache."""

@@ -2,7 +2,7 @@
 
 A remote tier (Mooncake) whose master died does not fail fast: every get or put waits out the
 client's reconnect (~4 s each on loopback), and the engine calls the tier from its step, so
-every request on the worker stalled behind it (issue 17 #4: TTFT < 1 s -> 7-47 s).
+every request on the worker stalls behind it (TTFT < 1 s -> 7-47 s).
 `GuardedHostKVTier` wraps any `HostKVTier`:
 
 * every call runs on one I/O thread and the caller waits at most `timeout_s`; a call that

@@ -1,4 +1,4 @@
-"""Loopback-only listeners for processes that embed Mooncake's transfer engine (issue 17 #3).
+"""Loopback-only listeners for processes that embed Mooncake's transfer engine.
 
 The transfer engine binds its RPC listener and its TCP transport to every interface, with no
 option to choose the address (upstream; ``MC_TCP_BIND_ADDRESS`` only sets the address it

@@ -1,4 +1,4 @@
-/* LD_PRELOAD shim: wildcard binds become loopback binds (issue 17 #3).
+/* LD_PRELOAD shim: wildcard binds become loopback binds.
  *
  * Mooncake's transfer engine (its RPC listener and its TCP transport) binds 0.0.0.0 / :: with no
  * option to choose the address; MC_TCP_BIND_ADDRESS only sets the address it advertises.  In a

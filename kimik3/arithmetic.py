@@ -2,7 +2,7 @@
 
 Below it (bf16 weights, or a GPU's TF32 matmuls at the default precision) a recomputed page and
 a hit round differently, so near-tied greedy tokens can flip between runs that reuse state and
-runs that do not (issue 16's drift); the benchmarks that compare such runs are strict only here.
+runs that do not; the benchmarks that compare such runs are strict only here.
 """
 
 from __future__ import annotations

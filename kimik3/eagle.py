@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (issue 18): a one-layer model that reads its target's hidden states.
+"""The EAGLE-3 draft head: a one-layer model that reads its target's hidden states.
 
 Draft slot i reads (h_i, x_{i+1}): the target's residual stream after a low, a middle and a high
 layer at position i (`model.forward_taps`), fused by one FC (3D -> D) into g_i, and the

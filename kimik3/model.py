@@ -447,9 +447,8 @@ def step_compiler_options(environ=os.environ) -> dict:
 
     - ``KIMIK3_PREFILL_TRITON_GEMM=0`` compiles its GEMM fusions without XLA's Triton tilings: a
       cold compile of `small`'s 256-token chunk program in about half the time, since the
-      autotuner no longer compiles and times ~20 Triton kernels a GEMM (RESULTS.md, serving,
-      session 39); the demo's cold warm-up does not shorten (its compiles run in parallel:
-      session 41, 25.9 s against 26.3).
+      autotuner does not compile and time ~20 Triton kernels a GEMM (RESULTS.md, serving); the
+      demo's cold warm-up does not shorten (its compiles run in parallel: 25.9 s against 26.3).
     - ``KIMIK3_PREFILL_COMMAND_BUFFER=0`` launches its kernels one by one instead of as XLA's
       CUDA graphs (command buffers), whose update for each call's new buffers is host time on
       every step that runs a chunk."""

@@ -174,11 +174,11 @@ MOE_MXFP4_CHOICES = ("triton", "hopper", "auto")
 def moe_mxfp4_impl(compute_capability: str | None) -> str:
     """Which kernel runs MXFP4 routed experts: "hopper" (`pallas_kernels.moe_mxfp4_hopper`: the
     codes decoded in registers as wgmma's A operand, 1.44-1.45x the Triton MXFP4 kernel and
-    2.8-3.1x bf16 at a full-scale rank's decode rows on an H100, RESULTS.md, session 34) or
+    2.8-3.1x bf16 at a full-scale rank's decode rows on an H100, RESULTS.md) or
     "triton" (`pallas_kernels.moe` with `mxfp4.PackedMXFP4`, any GPU).  ``KIMIK3_MOE_MXFP4``
     chooses: "auto" (the default: "hopper" on a 9.x GPU, where `small`'s MXFP4 experts in the
-    Hopper layout have served in the engine as close to fp32 as the Triton ones, tests/gpu,
-    session 36), "triton" always, and "hopper" (as "auto", and off the GPU in Mosaic GPU's
+    Hopper layout serve in the engine as close to fp32 as the Triton ones, tests/gpu),
+    "triton" always, and "hopper" (as "auto", and off the GPU in Mosaic GPU's
     interpreter).  The kernel figures are the GEMM's alone: in the FFN the activation between
     the two GEMMs runs as XLA ops (a round trip of the gate / up rows that the Triton kernel's
     epilogue saves), so the layer's gain is yet to be measured."""
@@ -456,7 +456,7 @@ MLA_CHUNK_CHOICES = ("triton", "hopper", "auto")
 # Under KIMIK3_MLA_CHUNK=auto, the fewest new tokens a chunk takes the Hopper kernel at: one tile
 # of its two compute warpgroups' rows (2 x 64).  A shorter chunk pads that tile (a 64-token
 # chunk: half of it), and each program holding the kernel pays its Mosaic GPU lowering, seconds
-# of Python (RESULTS.md, serving, session 37): a serving engine's short-chunk bucket
+# of Python (RESULTS.md, serving): a serving engine's short-chunk bucket
 # (`serving.model_runner.prefill_buckets`: 64 tokens) stays on the Triton kernel.
 HOPPER_CHUNK_MIN_TOKENS = 128
 
@@ -469,7 +469,7 @@ def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None, chu
     HOPPER_CHUNK_MIN_TOKENS tokens), "triton", and "hopper" (whatever the chunk's length, and
     off the GPU in Mosaic GPU's interpreter).  The Hopper kernel's rows pass on the GPU, and in
     `small`'s model its chunk logits are as close to fp32 as the Triton kernel's (`tests/gpu`,
-    RESULTS.md session 35)."""
+    RESULTS.md)."""
     choice = os.environ.get("KIMIK3_MLA_CHUNK", "auto")
     if choice not in MLA_CHUNK_CHOICES:
         raise ValueError(f"KIMIK3_MLA_CHUNK must be one of {MLA_CHUNK_CHOICES}; got {choice!r}")

@@ -134,7 +134,7 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
     @jax.jit
     def evaluate(p, windows):
         # The serving kernels ("auto": Pallas on the GPU), not the reference: XLA:GPU did not finish
-        # compiling the forward-only reference loss of `mini` in 170 s (RESULTS.md, session 18),
+        # compiling the forward-only reference loss of `mini` in 170 s (RESULTS.md),
         # while the serving path's forward programs compile in seconds.
         return jnp.mean(jax.lax.map(lambda w: loss_fn(p, cfg, w, kernels="auto"), windows))
 

@@ -66,5 +66,5 @@ def fresh(x):
     descriptors (one 64-bit value per k-step) computed where the wgmmas issue: indexed by a
     constant, LLVM hoists them all before the loop (the decode's 36 query descriptors), where
     they outgrow the register file beside the accumulators and spill (ptxas: 144 bytes in the
-    decode; RESULTS.md, MLA decode, sessions 36-37)."""
+    decode; RESULTS.md, MLA kernels)."""
     return lax.optimization_barrier(x)

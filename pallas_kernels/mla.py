@@ -183,7 +183,7 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits):
 _MERGE_ROWS, _MERGE_VALUES = 16, 128
 
 
-# kernel=None's choice on a GPU backend (its GPU check and A/B: RESULTS.md, session 17).
+# kernel=None's choice on a GPU backend (its GPU check and A/B: RESULTS.md).
 MERGE_KERNEL_ON_GPU = True
 
 
@@ -441,9 +441,9 @@ def _dot_precision(dtype, interpret: bool):
 def _prefill_precision(dtype, interpret: bool, fp32_dots: str | None):
     """The prefill kernel's dots: 16-bit operands the default; fp32 operands as `fp32_dots` asks,
     by default IEEE fp32.  On the H200 at `small`'s dims IEEE costs what single TF32 does
-    (the kernel is not bound by its dots there) and is exact where TF32 was 3.3e-3 off; 3xTF32's
+    (the kernel is not bound by its dots there) and is exact where TF32 is 3.3e-3 off; 3xTF32's
     tiles overflow shared memory (344,320 of 232,448 bytes), so it is refused before launch
-    (RESULTS.md, session 11)."""
+    (RESULTS.md, MLA kernels)."""
     if jnp.dtype(dtype) != jnp.float32:
         return None
     fp32_dots = fp32_dots or "ieee"
@@ -497,7 +497,7 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
       scale: softmax scale.
       prefix: the cached tokens before each sequence's new ones, or None.
       block / block_k / num_warps / num_stages: query rows and keys per step (block_k
-        divides block; None: block), warps, pipeline stages.  The defaults were the
+        divides block; None: block), warps, pipeline stages.  The defaults are the
         fastest of five on H200 at every benchmarked shape (RESULTS.md); num_stages None:
         3, fewer where the tiles overflow shared memory (`_prefill_stages`: fp32).
       fp32_dots: how fp32 operands multiply (`pallas_kernels.dots.GPU_DOT_ALGORITHMS`: "tf32",
@@ -647,7 +647,7 @@ class PrefillLayout:
         self.src, self.valid = src, src >= 0
         # every sequence exactly lq tokens (one prompt of a multiple of the tile, or equal ones):
         # the packed rows already are [N, lq] row-major, and the layout is a reshape, not a copy
-        # (the gathers around the kernel cost a third of a B1 T4096 prefill: RESULTS.md session 31)
+        # (the gathers around the kernel cost a third of a B1 T4096 prefill: RESULTS.md, MLA kernels)
         self.dense = bool(np.all(lens == lq))
 
     def gather(self, x):

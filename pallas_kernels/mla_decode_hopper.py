@@ -201,8 +201,8 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         def handed_over_alpha(i):
             """Step i's rescale factors read back from the buffer they were handed over in: O's
             128 multiplies then depend on a load after the hand-over's barrier, so ptxas cannot
-            schedule them before P's release to warpgroup 1 (with the register copy it did, and
-            warpgroup 1 waited those ~130 cycles at every step; RESULTS.md, session 36)."""
+            schedule them before P's release to warpgroup 1 (with a register copy it does, and
+            warpgroup 1 waits those ~130 cycles at every step; RESULTS.md)."""
             return plgpu.load(alpha_smem.at[lax.rem(i, p_slots)], layout=row_layout, optimized=False)
 
         def first_half(acc, alpha, i):
@@ -372,7 +372,7 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
 
     cluster 2 (heads a multiple of 128): the two row tiles of a query form a CTA cluster that
     reads each key tile once, multicast into both (measured within run-to-run scatter of one
-    CTA per tile: RESULTS.md, MLA decode, session 36).
+    CTA per tile: RESULTS.md, MLA kernels).
 
     stall_ns > 0 (a test's knob, never the service's) makes warpgroup 1 sleep that long between
     a P buffer's arrival and its read at every step: a release of the buffer that does not wait

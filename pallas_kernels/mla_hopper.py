@@ -61,7 +61,7 @@ def prefill_block_kv(dqk: int, dv: int, *, block_q: int = 64, steps: int = 2, it
     """The key block `mla_prefill_hopper` runs best with, for a fresh prefill (no prefix): 128
     where its tiles fit shared memory (each compute warpgroup's query / output union, `steps`
     slots of keys and values), else 64.  At qk 192 / v 128, 128-key blocks took 2.39 ms
-    against 2.70 at 64 (B1 T16384 H16, RESULTS.md, session 30)."""
+    against 2.70 at 64 (B1 T16384 H16, RESULTS.md, MLA kernels)."""
     tiles = _COMPUTE_WGS * block_q * max(dqk, dv) * itemsize + steps * 128 * (dqk + dv) * itemsize
     return 128 if tiles + _PREFILL_SMEM_RESERVE <= _SMEM_BYTES else 64
 
@@ -372,9 +372,8 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
     fp16; head dims multiples of 64.  persistent / sms / tile_order: as `mla_prefill_hopper`'s.
     `kimik3.ops.mla_chunk_impl` picks it on 9.x GPUs for chunks of 128+ tokens (`KIMIK3_MLA_CHUNK`;
-    its GPU rows and `small`'s chunk logits: tests/gpu, RESULTS.md sessions 34-35).  Its Mosaic
-    GPU lowering is Python work, repeated in every program that holds it (RESULTS.md, serving,
-    sessions 37-38)."""
+    its GPU rows and `small`'s chunk logits: tests/gpu, RESULTS.md).  Its Mosaic
+    GPU lowering is Python work, repeated in every program that holds it (RESULTS.md, serving)."""
     _check_16bit(q, k, v)
     if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "

@@ -216,7 +216,7 @@ def _layout_sources(dest_a, n_rows: int):
     layout by a gather through this map (`jnp.take(..., mode="fill")`), not by scattering them to
     dest: XLA:GPU scatters 16-bit rows element by element with atomic compare-and-swap loops
     where it cannot prove the indices unique, and the scatter in took longer than the Hopper
-    kernel itself (RESULTS.md, session 30); this scatters one int32 per entry."""
+    kernel itself (RESULTS.md); this scatters one int32 per entry."""
     a = dest_a.shape[0]
     dest = jnp.where((dest_a >= 0) & (dest_a < n_rows), dest_a, n_rows)  # a -1 would wrap to the last row
     return jnp.full((n_rows,), a, jnp.int32).at[dest].set(jnp.arange(a, dtype=jnp.int32), mode="drop")
@@ -327,7 +327,7 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
 
 # Up to this many (token, slot) assignments (a power of two: Triton tiles the whole dest array)
 # the gate/up kernel loads its rows from the tokens' own rows; past it, a padded copy is written.
-# 1024 is the limit it was written for (Triton tiles dest whole); its GPU check: RESULTS.md, session 17.
+# 1024 is the limit it was written for (Triton tiles dest whole); its GPU check: RESULTS.md.
 GATHER_LIMIT = 1024
 GATHER_LIMIT_WRITTEN_FOR = 1024
 

@@ -3,7 +3,7 @@ as the wgmma's A operand, never through shared memory.
 
 The Triton kernel (`moe._gmm_kernel` with `mxfp4.PackedMXFP4`) decodes each packed tile in
 registers and then hands it to the MMA through shared memory; measured on the H200 that frame
-tops out near half of the copy rate even with no decode at all (RESULTS.md, issue 20).  Here
+tops out near half of the copy rate even with no decode at all (RESULTS.md, quantized weights).  Here
 the product is computed transposed, ``out^T [N, rows] = W^T [N, K] @ x^T [K, rows]``, so the
 weights are wgmma's A operand, which Hopper reads from registers: each warpgroup loads its
 codes from shared memory (where TMA put them) straight into the A fragment's layout, decodes
@@ -15,7 +15,7 @@ each.  Mosaic GPU's interpreter runs both on the CPU (`interpret=True`: each dec
 staged through shared memory, the interpreter's only A operand).  The default decode,
 "lut_perm", looks eight codes up at a time with `prmt` (inline PTX) from one 32-bit shared-memory
 load, the codes stored permuted along K so that each lane loads exactly its A-layout codes
-(`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, issue 20).  The serving
+(`K_PERM`); the frame, not the decode, bounds the kernel (RESULTS.md, quantized weights).  The serving
 engine holds MXFP4 experts in this layout from load on, on a 9.x GPU
 (`kimik3.ops.hopper_mxfp4_experts`; ``KIMIK3_MOE_MXFP4=triton`` keeps the Triton MXFP4 kernels).
 

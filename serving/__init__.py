@@ -1,1 +1,1 @@
-"""Serving: engine, scheduler, P/D disaggregation, router, metrics, CLI and HTTP API (issues 6, 7)."""
+"""Serving: engine, scheduler, P/D disaggregation, router, metrics, CLI and HTTP API."""

@@ -308,7 +308,7 @@ PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
 def gpu_memory_on_demand() -> None:
     """The command-line entry points grow GPU memory on demand instead of JAX's default of
     reserving 75% of the card up front: the reservation costs ~3.4 GiB of host memory on an H200
-    (the driver's bookkeeping for ~104 GiB; RESULTS.md, session 11), more than a `small` engine's
+    (the driver's bookkeeping for ~104 GiB; RESULTS.md, serving), more than a `small` engine's
     whole working set, and every worker process on a host pays it.  Before any backend starts;
     a value the user set wins, and children inherit it."""
     os.environ.setdefault(PREALLOCATE_ENV, "false")

@@ -1,4 +1,4 @@
-"""`kimik3 eagle-ab`: the EAGLE-3 tail-block A/B on two-turn MT-Bench (issue 18).
+"""`kimik3 eagle-ab`: the EAGLE-3 tail-block A/B on two-turn MT-Bench.
 
 Each arm is one speculative engine (`serving.spec_decode`) with one tail rule ("drop",
 "no_drop", "exact"), the same target, draft, k and greedy decoding.  A conversation's turn 1 is
@@ -177,8 +177,7 @@ def run(params, cfg, draft, ac: ABConfig, *, questions_path: str | None = None, 
         if arithmetic.exact_arithmetic(params):
             raise RuntimeError(f"arms emitted different tokens for questions {mismatched}")
         # below fp32 (bf16 weights, or TF32 matmuls on a GPU) a recomputed page and a hit round
-        # differently (the drift of issue 16): near-tied argmaxes can flip; the arms' metrics
-        # are kept and the questions named
+        # differently: near-tied argmaxes can flip; the arms' metrics are kept and the questions named
         log.warning("arms emitted different tokens for questions %s (%s weights, matmul precision %s: a prefix "
                     "hit and its recompute round differently)", mismatched, params["embed_vd"].dtype,
                     arithmetic.matmul_precision())

@@ -20,8 +20,8 @@ The pieces, as in vLLM V1:
 Configuration is one frozen `EngineConfig` (`serving.engine_config`); the host tier, the meshes and the P/D hook
 (`on_prefilled`) are constructor arguments.
 
-On device meshes (issues 8 and 23)
-----------------------------------
+On device meshes
+----------------
 ``Engine(..., mesh=...)``:
 
 * role "prefill": ``mesh=sharding.mesh.prefill_mesh(tp, ep, devices)``; prefill chunks run

@@ -37,8 +37,8 @@ def check_handoff(prompt: list[int], token: int, pages, state, *, vocab_size: in
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything that sizes and shapes an engine (what the worker, demo, coverage and benchmarks
-    each used to rebuild as keyword arguments).
+    """Everything that sizes and shapes an engine, one object shared by the worker, demo, coverage
+    and benchmarks.
 
     num_pages / num_slots / num_snapshots: pool sizes (a slot per concurrent request; one more
     is kept as scratch).  max_step_tokens: tokens one step may run (decode rows + prefill chunk
@@ -55,7 +55,7 @@ class EngineConfig:
     compile per shape): "prefill" (default; decode programs read the unrolled layers, see
     `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none".
     encoder_cache_bytes: device bytes of ViT embeddings kept across requests by (tenant, image
-    content) (`cache.media.l3`, issue 19); 0: none (the ViT then runs on a request's images
+    content) (`cache.media.l3`); 0: none (the ViT then runs on a request's images
     together, once per request).
     encoder_cache_to_host: with a host tier, the ViT rows the engine computes are written there
     too and an encoder-cache miss looks there first, so another engine on the same store finds

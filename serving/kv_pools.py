@@ -58,7 +58,7 @@ def set_rows(pool, index, rows):
 
 
 # The moves below are one program each over every layer: run eagerly, layer by layer and key by
-# key, a KDA slot <-> snapshot move of `small` was ~50 dispatches (~28 ms on an H200, more than
+# key, a KDA slot <-> snapshot move of `small` is ~50 dispatches (~28 ms on an H200, more than
 # a prefill chunk), paid at every admission and snapshot.
 
 

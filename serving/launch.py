@@ -14,7 +14,7 @@ breaker, cache/guarded_tier.py) and report "degraded" on /health.  `--state-file
 holds the live pids.
 
 With `--decode-group` the decode workers form one process group on JAX's multi-controller
-runtime (issue 23): one DP engine over all their devices (`--group-devices` each), each worker
+runtime: one DP engine over all their devices (`--group-devices` each), each worker
 serving its own requests on its own devices' ranks while all decode together.  A member that
 exits takes the others down (they cannot step without it), so the launcher restarts the whole
 group, on the same ports, around a fresh coordinator.

@@ -1,4 +1,4 @@
-"""`kimik3 media-bench`: the media cache's ablation (issue 19).
+"""`kimik3 media-bench`: the media cache's ablation.
 
 A seeded multimodal agent workload: sessions whose turns carry every image URL of the session so
 far (agents resend their screenshots turn after turn) plus a new one now and then, served by a
@@ -217,8 +217,8 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
     if not same:
         if arithmetic.exact_arithmetic(params):
             raise RuntimeError("a cache tier changed the tokens:\n" + text)
-        # below exact fp32 a prefix hit (L4) and its recompute round differently (issue 16's
-        # drift): near-tied greedy tokens can flip; the rows are kept, the configurations named
+        # below exact fp32 a prefix hit (L4) and its recompute round differently: near-tied
+        # greedy tokens can flip; the rows are kept, the configurations named
         log.warning("configurations %s gave other tokens than none (%s weights, matmul precision %s)",
                     [r["config"] for r in rows if not r["tokens_equal_none"]], params["embed_vd"].dtype,
                     arithmetic.matmul_precision())

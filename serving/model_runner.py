@@ -671,7 +671,7 @@ class ModelRunner:
                       for b in decode for v in variants]
         workers = threads or compile_threads(len(lowerings))
         # Tracing and lowering are Python, under the GIL (a Mosaic GPU kernel's lowering alone is
-        # seconds: RESULTS.md, serving, session 37); XLA's compile is not.  So this thread lowers
+        # seconds: RESULTS.md, serving); XLA's compile is not.  So this thread lowers
         # the programs one after another and hands each to a compile thread at once: the compiles
         # run under the next lowerings, where lowering on the compile threads too made each wait
         # for its share of every other lowering.  Neither runs nor donates anything.

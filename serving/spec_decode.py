@@ -1,4 +1,4 @@
-"""EAGLE-3 speculative decoding in the serving engine (issue 18): the draft's paged KV and the round.
+"""EAGLE-3 speculative decoding in the serving engine: the draft's paged KV and the round.
 
 The draft head (`kimik3.eagle`) keeps its MLA latent rows in a pool of its own, indexed by the
 target's page ids (a request's draft rows live on its target block table; a prefix hit that

@@ -162,7 +162,7 @@ class EngineLoop:
         out = self.engine.load()
         out["waiting"] += len(self._adopts)
         out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        ec = self.engine.encoder_cache  # L3 of the media cache (issue 19)
+        ec = self.engine.encoder_cache  # L3 of the media cache
         if ec is not None:
             out.update(l3_hits=ec.stats.hits, l3_misses=ec.stats.misses, l3_bytes_held=ec.bytes_held)
         return out

@@ -1,4 +1,4 @@
-"""Meshes, logical-axis sharding rules, and the sharded prefill/decode layers (issue 8).
+"""Meshes, logical-axis sharding rules, and the sharded prefill/decode layers.
 
 README
 ======

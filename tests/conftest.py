@@ -61,8 +61,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Every compiled XLA:CPU program keeps ~3 memory mappings (its JIT code) for as long as a jit cache
-# holds it, and an xdist worker compiles thousands over the suite: it used to reach the kernel's
-# vm.max_map_count (65530), after which XLA's next mmap failed inside a compile or a
+# holds it, and an xdist worker compiles thousands over the suite: enough to reach the kernel's
+# vm.max_map_count (65530), after which XLA's next mmap fails inside a compile or a
 # compile-cache write (SIGSEGV / SIGABRT, a different test each run).  .ci/run raises the limit
 # where it may; past half of whatever the limit is, the caches are cleared between tests (the
 # programs a later test needs again recompile, or load from the run's persistent cache).  A clear

@@ -1,4 +1,4 @@
-"""The media cache (issue 19): a safe fetcher for remote images and the tiers that keep what it
+"""The media cache: a safe fetcher for remote images and the tiers that keep what it
 fetched (`l1`: bytes by URL, embedded or Redis).  `MediaFetcher` is what the serving layer holds."""
 
 from __future__ import annotations

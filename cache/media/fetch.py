@@ -1,4 +1,4 @@
-"""A safe fetcher for remote images (`image_url`s with http or https), issue 19.
+"""A safe fetcher for remote images (`image_url`s with http or https).
 
 A URL names a host the service then connects to on the caller's behalf: without checks, any
 client can make the service read its own loopback ports, the cloud metadata endpoint or a

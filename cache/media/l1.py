@@ -1,4 +1,4 @@
-"""L1 of the media cache: fetched image bytes by URL (issue 19).
+"""L1 of the media cache: fetched image bytes by URL.
 
 Two maps, as a content-addressed store keeps them:
 

@@ -1,4 +1,4 @@
-"""L2 of the media cache: decoded, resized pixels by content (issue 19).
+"""L2 of the media cache: decoded, resized pixels by content.
 
 (tenant, content hash of the encoded bytes, processor config) -> uint8 pixels [S, S, 3], in host
 memory under a byte budget, least recently used out first.  A hit skips the decode and resize

@@ -1,4 +1,4 @@
-"""L3 of the media cache: ViT embeddings by image (issue 19).
+"""L3 of the media cache: ViT embeddings by image.
 
 (tenant salt, image content hash) -> the image's embedding rows [tokens_per_image, D] on the
 device, under a byte budget, least recently used out first.  One engine holds one set of

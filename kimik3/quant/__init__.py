@@ -1,4 +1,4 @@
-"""Quantized weights (issue 20): `formats` (FP8 128x128 blocks, MXFP8, MXFP4: quantize,
+"""Quantized weights: `formats` (FP8 128x128 blocks, MXFP8, MXFP4: quantize,
 dequantize, the reference matmul, load-time checks).  `kimik3.quantization` holds the manifests
 that assign a format to each param and counts their bytes."""
 

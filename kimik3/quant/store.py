@@ -14,7 +14,7 @@ tensor once::
 
 The routed experts are MXFP4 in both ``fp8_attn`` and ``mxfp8_attn``: stored once.  With
 ``keep_bf16_experts`` they are also kept plain, and the ``*_bf16_moe`` manifests (quantized
-attention, the MoE path as it was) load from the same directory.
+attention, the MoE path in bf16) load from the same directory.
 
 Each weight is stored in its GEMM form (`gemm_shape`: [K, N], experts [E, K, N]) and quantized
 on its own; `load(OUT, manifest)` checks every entry against what the manifest needs for this

@@ -7,7 +7,7 @@
 - `fused_recurrent`: `fused_recurrent_kda`, decode and speculative verify on a state pool, in place.
 - `replay`: `chunk_kda_replay`, the align / partial replay baselines (for comparison only).
 
-Every name callers use is importable from here, as from the single module this package was.
+Every name callers use is importable from here.
 """
 
 from pallas_kernels.kda.chunk import (PREPARE_IMPLS, TUNING, _chunk_kda_core, _chunk_prepare_call,

@@ -41,7 +41,7 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
     """One (sequence, head, V block): the sequential pass over the sequence's chunks, o computed
     in its loop (four dots a chunk).  fla's structure instead (each chunk's state and v_new
     written, o in a parallel pass after) was 24-39% slower: the HBM round trip costs more than
-    the shorter serial loop saves (RESULTS.md, KDA kernels, session 30)."""
+    the shorter serial loop saves (RESULTS.md, KDA kernels)."""
     dot = _fast_dot(low_precision, interpret)
     seq, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     vs = pl.ds(vb * block_v, block_v)

@@ -100,8 +100,8 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
       export_states: also return the state after every token (a verify pass that
         commits the accepted prefix's state itself, in one call).
       block_v / num_warps: each program's V columns (default min(V, 64)) and warps (default 8):
-        the fastest of six tilings at B 128-512 since the state lands by a conditional store
-        (fla 0.6's 32 columns on 4 warps was, before it; RESULTS.md, sessions 30 and 32).
+        the fastest of six tilings at B 128-512 with the state landing by a conditional store
+        (fla 0.6's tiling is 32 columns on 4 warps; RESULTS.md, KDA kernels).
       cache_hints: fla's L2 eviction hints on q / k / g (kept) and v / o (first out); a
         candidate until `benchmarks/kda.py --sections decode` has timed it (same results).
     Returns:

@@ -207,14 +207,14 @@ def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, 
     rows of a full [C, K] x [K, C] dot against the columns decayed from R_i,
     kept by a row-block mask.  The four full dots cost 4x the FLOPs of the
     causal tiles, but tensor cores have them to spare, while per-sub-block
-    scans and ref re-reads made the earlier version latency-bound.  (Measured and dropped:
-    K in column slices one after another, and a program per 16-row block: both fewer live
-    arrays, both 14-58% slower; RESULTS.md, KDA kernels, sessions 30 and 32.)
+    scans and ref re-reads make a kernel latency-bound.  (Measured and not used: K in column
+    slices one after another, and a program per 16-row block: both fewer live arrays, both
+    14-58% slower; RESULTS.md, KDA kernels.)
 
     With n_chunks > 1 (TUNING["intra_chunks"]) the chunks go through a loop, whose loads Triton's
     pipeliner (num_stages > 1) issues while the chunk before is computed (at 255 registers one
-    program fills an SM).  Measured 2-9% slower at the issue's three shapes on an H100 (RESULTS.md,
-    KDA kernels, session 39): the loads are not what the kernel waits on, so the default is 1.
+    program fills an SM).  Measured 2-9% slower at `benchmarks/kda.py`'s three prefill shapes on an
+    H100 (RESULTS.md, KDA kernels): the loads are not what the kernel waits on, so the default is 1.
     """
     dot = _precise_dot(interpret, algorithm)
 
@@ -263,7 +263,7 @@ def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aq
     `_split_solve_kernel` in one program, so A_kk and beta exp(G) k never go through HBM (nor
     beta and the launch of a second kernel).  They are rounded to `solve_in` (the split's HBM
     dtype) before the solve, so the intermediates are the split's.  Measured slower than the split
-    at the issue's three shapes on an H100 (RESULTS.md, KDA kernels, session 40): the solve's
+    at `benchmarks/kda.py`'s three prefill shapes on an H100 (RESULTS.md, KDA kernels): the solve's
     arrays on top of the intra kernel's 255 registers spill, with one 8-warp program an SM."""
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)

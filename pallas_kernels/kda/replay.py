@@ -11,8 +11,8 @@ from pallas_kernels.kda.chunk import chunk_kda
 
 # ---- replay baselines (for comparison only) ---------------------------------------------------
 #
-# Before single-pass export, states at cache boundaries were obtained by
-# replaying the prefix through a kernel that only returns its final state:
+# Without single-pass export, states at cache boundaries come from replaying
+# the prefix through a kernel that only returns its final state:
 #   align:   the prefill, plus one replay in KDA-block segments (1536) -> 2 passes
 #   partial: align, plus one replay in partial-unit segments (128)    -> 3 passes
 

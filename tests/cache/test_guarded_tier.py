@@ -1,4 +1,4 @@
-"""A dead store costs nothing (issue 17 #4): the guarded tier's deadline and circuit breaker, on a
+"""A dead store costs nothing: the guarded tier's deadline and circuit breaker, on a
 real Mooncake store whose master is killed and restarted, and on an in-process tier that stalls."""
 
 import threading

@@ -1,4 +1,4 @@
-"""The loopback shim (`cache.loopback`, issue 17 #3): in a process started with its environment a
+"""The loopback shim (`cache.loopback`): in a process started with its environment a
 wildcard bind lands on loopback, except on the ports allowed to stay public."""
 
 import socket

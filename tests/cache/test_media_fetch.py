@@ -1,4 +1,4 @@
-"""The safe image fetcher (`cache.media.fetch`, issue 19): refusals happen before any connection;
+"""The safe image fetcher (`cache.media.fetch`): refusals happen before any connection;
 tests only ever connect to servers on 127.0.0.1, which the default policy refuses and a test
 policy permits."""
 

@@ -1,4 +1,4 @@
-"""L1 of the media cache (`cache.media.l1`, issue 19): bytes by (tenant, URL), content-addressed,
+"""L1 of the media cache (`cache.media.l1`): bytes by (tenant, URL), content-addressed,
 embedded or in a real redis-server on 127.0.0.1; corruption and a Redis outage are misses."""
 
 import os

@@ -100,8 +100,8 @@ def _listening(pid: int) -> set[str]:
 
 
 def test_the_master_and_the_metadata_server_listen_on_loopback_only(services):
-    """Issue 17 #3: the master's own metadata server bound 0.0.0.0 despite its host flag; it is off
-    and `cache.metadata_server` (loopback) serves the protocol instead."""
+    """The master's own metadata server binds 0.0.0.0 whatever its host flag, so it is off and
+    `cache.metadata_server` (loopback) serves the protocol instead."""
     assert _listening(services.master.pid) == {"127.0.0.1"}
     assert _listening(services.metadata.pid) == {"127.0.0.1"}
 
@@ -110,7 +110,7 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
 def test_the_memory_servers_transfer_engine_listens_on_loopback_only(services):
-    """Issue 17 #3: the transfer engine binds every interface (no option upstream); the memory
+    """The transfer engine binds every interface (no option upstream); the memory
     server runs with the loopback shim (`cache.loopback`) and still serves the store (the other
     tests here read and write through it)."""
     assert services.loopback_only

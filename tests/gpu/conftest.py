@@ -1,4 +1,4 @@
-"""The GPU suite (issue 16): what only a GPU can check: the Hopper kernels' real bodies (the
+"""The GPU suite: what only a GPU can check: the Hopper kernels' real bodies (the
 Mosaic GPU interpreter runs a different one), the model's sm_90 dispatch, bf16 serving.
 
     JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 -m pytest -q tests/gpu

@@ -1,7 +1,7 @@
 """Every Pallas kernel the model runs, compiled for the GPU in fp32 at `small`'s dims, against
 its reference on fresh random inputs.
 
-fp32 is what the oracle runs in (issue 16): a kernel whose fp32 tiles overflow the GPU's shared
+fp32 is what the oracle runs in: a kernel whose fp32 tiles overflow the GPU's shared
 memory fails only here (the CPU suite runs the kernels in interpret mode, which has no shared
 memory), so each family is a test of its own and a failure names the kernel.  fp32 inputs
 multiply in 3xTF32 or better, so outputs of O(1) agree with the fp32 reference to ~1e-5; the

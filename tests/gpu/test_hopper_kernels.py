@@ -108,8 +108,8 @@ def test_chunk_over_a_cache_at_the_models_dims_every_repeat(heads, block_kv, per
     """A jitted serving step's chunk: 3 sequences x 200 new tokens after cached prefixes of
     odd lengths (a partial last key block, none, several pages), the lengths traced, the prefix
     from non-contiguous pages of latent rows (kv_lora 512 + rope 64) == the packed reference.
-    `kimik3.ops` runs the Triton chunk kernel until this passes on a GPU (RESULTS.md, session 32:
-    the Hopper one is 1.05-1.28x faster at 128-key blocks)."""
+    `kimik3.ops.mla_chunk_impl` picks the Hopper chunk kernel on a GPU only as long as this passes
+    (RESULTS.md, MLA kernels: 1.05-1.28x faster than the Triton one at 128-key blocks)."""
     import jax
 
     b, t, r, rope, nope, dv, page = 3, 200, 512, 64, 128, 128, 64
@@ -132,11 +132,11 @@ def test_chunk_over_a_cache_at_the_models_dims_every_repeat(heads, block_kv, per
         np.testing.assert_allclose(pack(lse), lse_ref, atol=LSE_ATOL, rtol=0, err_msg=f"repeat {seed}")
 
 
-# ---- a mutant the suite must catch (issue 16) ----------------------------------------------------
+# ---- a mutant the suite must catch ---------------------------------------------------------------
 # Warpgroup 1 hands the P slot back to warpgroup 0 *before* its P @ V wgmma has read it: warpgroup 0
 # may then overwrite P mid-read.  The Mosaic GPU interpreter (tests/pallas_kernels) cannot see this
 # race; three probe runs of such a mutant gave max errors 0.25, 0.003 and 0.21 on the H200, and
-# 15 repeats of later ones stayed inside the tolerance with identical bits: unstalled, the read
+# 15 repeats of variants of it stayed inside the tolerance with identical bits: unstalled, the read
 # usually wins.  The release moves ahead of the test's stall, which then opens the window.
 _READ = ("            if stall_ns:  # tests/gpu: warpgroup 1 late to read P, so only the barriers keep the slot\n"
          "                pl.delay(stall_ns)\n"

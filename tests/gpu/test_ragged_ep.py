@@ -1,8 +1,8 @@
 """The GPU's expert dispatch (`ragged_all_to_all`) on two GPUs: TP2/EP2 prefill and DP2/EP2 decode
-with dispatch="ragged" equal the single-device model (issue 16: every CPU sharding test pins
-"dense", the only dispatch XLA:CPU has).
+with dispatch="ragged" equal the single-device model (every CPU sharding test pins "dense",
+the only dispatch XLA:CPU has).
 
-    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_ragged_ep.py   # nvidia-h200-x2
+    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 -m pytest -q tests/gpu/test_ragged_ep.py   # two GPUs
 
 fp32 at the highest matmul precision, so the sharded and single-device programs differ only by
 summation order (1e-4 on O(1) logits), and greedy tokens must match exactly."""

@@ -205,9 +205,9 @@ def test_decode_blocking_fits_shared_memory_at_model_dims(rows, itemsize):
 
 
 def test_prefill_stages_fit_shared_memory_at_model_dims():
-    """The Triton prefill at the model's qk 192 / v 128: fp32 at 3 stages asked the H200 for
+    """The Triton prefill at the model's qk 192 / v 128: fp32 at 3 stages asks the H200 for
     295,424 bytes (tests/gpu/test_fp32_kernels.py), which `prefill_smem_bytes` reproduces; fp32
-    now runs 2 stages, bf16 keeps its measured 3."""
+    runs 2 stages, bf16 keeps its measured 3."""
     from pallas_kernels.mla import SMEM_BYTES, _prefill_stages, prefill_smem_bytes
 
     assert prefill_smem_bytes(128, 64, 3, 192, 128, 4) == 295_424

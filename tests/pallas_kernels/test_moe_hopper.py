@@ -225,7 +225,7 @@ def test_bad_operands_are_named_before_any_launch():
 
 
 # (L, F, experts, assignments): `small`'s prefill chunk of 2048 tokens x 4, a full-scale EP rank's
-# 16384 assignments over 24 experts (the issue's K1024 N2048 shape: latent 1024, F 1024)
+# 16384 assignments over 24 experts (K1024 N2048: latent 1024, F 1024)
 SHAPES = [(768, 768, 32, 8192), (1024, 1024, 24, 16384)]
 
 

@@ -113,7 +113,7 @@ def _without_http(*argv):
 
 
 def test_help_and_info_run_without_the_http_stack_and_import_only_what_they_use():
-    """Issue 21: `kimik3 --help` lists every command without importing one (no JAX, no fastapi);
+    """`kimik3 --help` lists every command without importing one (no JAX, no fastapi);
     `kimik3 info` runs without fastapi; a serving command names the package it misses."""
     out = _without_http("--help")
     assert out.returncode == 0 and "launch" in out.stdout and "IMPORTED []" in out.stdout, out.stdout + out.stderr

@@ -107,7 +107,7 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     from serving import demo
 
     # five sessions at once on 20 pages: finished turns are evicted while the others run, so the
-    # host tier serves the next turns' prefixes (issue 21: the demo shows the tiers' benefit)
+    # host tier serves the next turns' prefixes (the demo shows the tiers' benefit)
     text = demo.main(demo.DemoSpec(sessions=5, turns=(2, 2), num_pages=20), str(tmp_path))
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     from serving import demo_store
@@ -580,7 +580,7 @@ def test_concurrent_pd_serves_late_arrivals_and_surfaces_an_engine_failure(rng, 
 
 
 def test_concurrent_pd_with_each_engine_on_its_own_device(rng, tiny_cfg, tiny_params):
-    """Issue 23's P/D on two devices in one process: each engine built with its params on its
+    """P/D on two devices in one process: each engine built with its params on its
     device and stepping under it; the handoff crosses devices through host memory; tokens equal
     the oracle's, and each engine's pools stay on its device."""
     import jax

@@ -85,7 +85,7 @@ def test_image_inputs_are_checked(rng, tiny_cfg, tiny_params):
 
 
 def test_the_encoder_cache_serves_an_image_whose_prefix_misses_and_changes_no_token(rng, tiny_cfg, tiny_params):
-    """Issue 19's L3: a second request with the same image behind a different text (its prefix
+    """The encoder cache (L3): a second request with the same image behind a different text (its prefix
     misses the prefix cache) takes the image's ViT rows from the encoder cache; an image that
     differs in one pixel, or the same image of another tenant, misses; every output equals the
     oracle's and the outputs of an engine with no encoder cache."""

@@ -112,7 +112,7 @@ def test_out_of_range_penalties_and_logprobs_are_refused(kw, words):
 def test_a_continuation_whose_output_holds_a_generated_image_token_is_text(rng, tiny_cfg, tiny_params):
     """A model may sample <|image|> (temperature 1 over the whole vocabulary).  Continued
     elsewhere (a failover, a P/D handoff through the store), that token is in the prompt's output
-    tail: it is text, as the oracle embedded it, not an image slot without its image (which was a
+    tail: it is text, as the oracle embedded it, not an image slot without its image (which would be a
     400 for the client)."""
     from kimik3 import tokenizer
 

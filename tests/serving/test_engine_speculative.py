@@ -1,4 +1,4 @@
-"""EAGLE-3 speculative decoding in the engine (`serving.spec_decode`, issue 18): the greedy tokens
+"""EAGLE-3 speculative decoding in the engine (`serving.spec_decode`): the greedy tokens
 are the oracle's for every k, batched and from prefix hits under each tail rule; sampling keeps
 the target's distribution; the draft's rows of a hit are the ones a fresh prefill writes."""
 

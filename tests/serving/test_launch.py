@@ -47,7 +47,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
             raise
         pytest.skip(f"Mooncake unavailable: {e}")
-    # issue 21: trained weights (here: tiny at another seed) served from a checkpoint, workers spread
+    # trained weights (here: tiny at another seed) served from a checkpoint, workers spread
     # over two (named) GPUs: the environment each is given says which
     import jax
 
@@ -97,7 +97,7 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         assert [env_of(state["pids"][n]).get("CUDA_VISIBLE_DEVICES") for n in ("prefill-0", "decode-0", "router")] \
             == ["0", "1", ""]
         assert env_of(state["pids"]["decode-0"])["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8000"
-        # Issue 17 #3: every listening socket of the deployment is on loopback (the workers' and
+        # every listening socket of the deployment is on loopback (the workers' and
         # the router's store clients and the memory server embed Mooncake's transfer engine, which
         # binds every interface unless `cache.loopback`'s shim is preloaded).
         import psutil
@@ -105,9 +105,9 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
         listening = {name: {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
                             if c.status == psutil.CONN_LISTEN} for name, pid in state["pids"].items()}
         assert all(listening[n] for n in ("router", "prefill-0", "decode-0", "mooncake_memory_server")), listening
-        assert "redis" in listening or not shutil.which("redis-server")  # issue 19: the shared L1, on loopback too
+        assert "redis" in listening or not shutil.which("redis-server")  # the shared L1, on loopback too
         assert set().union(*listening.values()) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
-        # Issue 17 #4 / #10: a store master that dies is restarted (and reaped), and the state
+        # a store master that dies is restarted (and reaped), and the state
         # file follows the live pids.
         old_master = state["pids"]["mooncake_master"]
         os.kill(old_master, signal.SIGKILL)
@@ -177,7 +177,7 @@ def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkey
 
 @pytest.mark.slow  # ~60-80 s of the 2-core suite; the group's engine is checked in tests/sharding/test_multi_controller.py
 def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tmp_path):
-    """`--decode-group`: two decode workers of one CPU device each are one DP2/EP2 engine (issue 23).
+    """`--decode-group`: two decode workers of one CPU device each are one DP2/EP2 engine.
     Requests through the router get the oracle's tokens; when one member is killed mid-request,
     the other fails its requests (retriable) and stops, and the launcher restarts the whole group,
     which then serves again."""

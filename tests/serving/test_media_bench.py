@@ -1,4 +1,4 @@
-"""`kimik3 media-bench` (issue 19's ablation) on a small workload: every configuration gives the
+"""`kimik3 media-bench` (the media cache's ablation) on a small workload: every configuration gives the
 same tokens, and each tier shows hits exactly where it is on."""
 
 import json

@@ -63,7 +63,7 @@ def test_a_tenant_salt_comes_from_cache_salt_and_user():
 
 
 def test_an_http_image_url_is_fetched_through_l1_and_gives_the_data_urls_pixels(rng):
-    """Issue 19: with a fetcher an http(s) image_url gives exactly the pixels of the same image as a
+    """With a fetcher an http(s) image_url gives exactly the pixels of the same image as a
     data: URL, a second request is served from L1, and a refused fetch is a 400 naming why."""
     from cache.media import FetchPolicy, MediaFetcher
     from cache.media.l1 import EmbeddedFetchCache

@@ -295,9 +295,10 @@ def test_prefix_affinity_applies_only_when_the_prefix_is_not_in_the_shared_store
 
 
 def test_the_routers_hashes_of_an_image_prompt_are_the_engines(rng, tiny_cfg, tiny_params):
-    """Issue 19's L4: the router hashes an image prompt as the workers' caches do (the image's
-    content in the blocks it spans), so image prompts meet their workers' blocks for affinity and
-    the store probe, and two prompts that differ only in their image do not."""
+    """The prefix cache (L4) across image prompts: the router hashes an image prompt as the
+    workers' caches do (the image's content in the blocks it spans), so image prompts meet their
+    workers' blocks for affinity and the store probe, and two prompts that differ only in their
+    image do not."""
     import base64
 
     from kimik3 import tokenizer
@@ -417,7 +418,7 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
     models = httpx.get(base + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["kimik3-tiny"]
     assert "kimik3_router_ttft_seconds_bucket" in httpx.get(base + "/metrics", timeout=10).text
-    # issue 21: vLLM's names with model_name, at the router (requests) and at each worker (engine)
+    # vLLM's names with model_name, at the router (requests) and at each worker (engine)
     assert metric(cluster, "vllm:request_success_total", model_name="kimik3-tiny", finished_reason="length") >= 1
     assert metric(cluster, "vllm:time_to_first_token_seconds_count", model_name="kimik3-tiny") >= 5
     assert metric(cluster, "vllm:num_requests_waiting", model_name="kimik3-tiny") == 0
@@ -431,7 +432,7 @@ def check_greedy_output_through_router_and_workers_equals_the_oracle(cluster, pa
 
 
 def check_stop_sequences_and_stop_tokens_end_the_text_where_the_oracle_says(cluster, params):
-    """Issue 21: `stop` cuts the completion before the first stop string, streamed or not (the
+    """`stop` cuts the completion before the first stop string, streamed or not (the
     string spans tokens: held back until settled), `stop_token_ids` ends it at that token (its
     text left out); finish_reason "stop", the usage counts what was generated."""
     base = cluster.url("router")
@@ -486,7 +487,7 @@ def assert_logprobs_are_the_oracles(params, prompt, choice):
 
 
 def check_logprobs_and_penalties_reach_the_workers_and_come_back_in_openais_shapes(cluster, params):
-    """Issue 21: chat logprobs (streamed and not) are the oracle's log-softmax, completions give the
+    """Chat logprobs (streamed and not) are the oracle's log-softmax, completions give the
     legacy lists with text offsets, and greedy decoding with penalties gives the oracle's tokens
     under vLLM's penalty rule (prefill worker's first token, decode worker's others)."""
     base = cluster.url("router")
@@ -568,7 +569,7 @@ BAD = [
      400, "broken image"),
     ("remote image URL", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}).encode(),
-     400, "non-public address"),  # issue 19: the fetcher refuses loopback before connecting
+     400, "non-public address"),  # the fetcher refuses loopback before connecting
     ("file image URL", json.dumps({"model": "kimik3-tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]}).encode(),
      400, "http(s) URLs"),
@@ -581,7 +582,7 @@ BAD = [
      "nested too deeply"),
     ("a lone surrogate", json.dumps(chat_body("hi \ud800", 3)).encode(), 400, "not valid Unicode"),
     ("a body over the cap", json.dumps(chat_body("x" * (1 << 20), 3)).encode(), 413, "larger than"),
-    # issue 21: no field is silently ignored
+    # no field is silently ignored
     ("an unknown field", json.dumps(chat_body("hi", 3, frobnicate=1)).encode(), 400,
      "Unrecognized request argument supplied: frobnicate"),
     ("top_logprobs over 20", json.dumps(chat_body("hi", 3, logprobs=True, top_logprobs=21)).encode(), 400,
@@ -611,7 +612,7 @@ def _huge_png() -> bytes:
 
 
 def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, params):
-    """Issue 17's prefix oracle: tenant A's prompt (a secret in its system prompt) cached, tenant B
+    """The cross-tenant prefix oracle: tenant A's prompt (a secret in its system prompt) cached, tenant B
     (another `cache_salt`, or another `user`) sending the same prompt sees cached_tokens 0 and gets
     the same tokens; A sending it again hits its own blocks."""
     base = cluster.url("router")
@@ -635,7 +636,7 @@ def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, p
 
 
 def check_workers_and_admin_routes_refuse_callers_without_the_internal_token(cluster, params):
-    """Issue 17 #2 / #5: a worker's POSTs and the router's admin routes need the deployment's token;
+    """A worker's POSTs and the router's admin routes need the deployment's token;
     an authenticated /adopt of hostile KV (NaN pages for a real prompt) is refused, and the
     prompt's next request still gets the oracle's tokens (nothing was committed)."""
     import io as _io
@@ -688,7 +689,7 @@ def _assert_nobody_decodes_for_the_client_that_left(cluster, before: dict, what:
 
 
 def check_a_client_that_leaves_cancels_its_worker_request(cluster):
-    """Issue 17 #8: a client that goes away (a streamed request closed after its first chunk, a
+    """A client that goes away (a streamed request closed after its first chunk, a
     non-streamed one timing out) gets its worker request cancelled, not decoded to max_tokens."""
     base = cluster.url("router")
     before = _worker_counts(cluster)
@@ -843,7 +844,7 @@ def check_draining_a_worker_finishes_its_requests_and_sends_new_ones_elsewhere(c
 
 
 def check_a_request_waits_out_a_pool_with_no_worker_instead_of_failing(cluster, params):
-    """Issue 17 #10: with every decode worker drained (as during a restart of the only one), a
+    """With every decode worker drained (as during a restart of the only one), a
     request waits (`--no-worker-wait-s`) instead of failing after a few backoffs (~0.35 s),
     and completes with the oracle's tokens once a worker is back."""
     import threading
@@ -924,7 +925,7 @@ def test_router_and_workers_as_real_processes(cluster, params):
 
 
 def test_the_openai_routes_need_the_api_key_when_one_is_set(monkeypatch):
-    """Issue 21: `--api-key` (or $KIMIK3_API_KEY): /v1/* answers 401 in OpenAI's shape without the
+    """`--api-key` (or $KIMIK3_API_KEY): /v1/* answers 401 in OpenAI's shape without the
     bearer key, before reading the body; /health and /metrics stay open, as vLLM's."""
     import argparse
 

@@ -1,4 +1,4 @@
-"""The `vllm:*` series (issue 21): what a vLLM dashboard or KV-aware router scrapes, with
+"""The `vllm:*` series: what a vLLM dashboard or KV-aware router scrapes, with
 model_name on every sample, filled from a worker's load and its finished requests."""
 
 from prometheus_client import CollectorRegistry, generate_latest

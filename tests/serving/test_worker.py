@@ -185,9 +185,9 @@ def test_images_travel_as_base64_pixels_and_equal_the_oracle(client, tiny_cfg, t
 
 
 def test_a_dead_store_degrades_health_and_costs_requests_nothing(client, tiny_cfg, tiny_params, rng, monkeypatch):
-    """Issue 17 #4: with the shared store's master killed, requests still get the oracle's tokens,
+    """With the shared store's master killed, requests still get the oracle's tokens,
     /health says "degraded" (200: still serving), and once the breaker is open no request's
-    lookup reaches the store (the TTFT a dead store used to cost: 7-47 s)."""
+    lookup reaches the store (unguarded, a dead store costs 7-47 s of TTFT)."""
     from cache.guarded_tier import GuardedHostKVTier
     from cache.mooncake_tier import MooncakeHostKVTier
     from tests.conftest import start_mooncake
@@ -227,7 +227,7 @@ def _worker_args(*argv):
 
 
 def test_vllms_sizing_flags_reach_the_engine():
-    """Issue 21: --max-model-len caps a request's context (what the router enforces, from the
+    """--max-model-len caps a request's context (what the router enforces, from the
     worker's info); --gpu-memory-utilization sizes the pool from the device's memory (a clear
     error where the device reports none, or next to --num-pages)."""
     from serving import worker

@@ -1,4 +1,4 @@
-"""The serving engine under DP decode with pools owned per rank (issue 23): every rank keeps its
+"""The serving engine under DP decode with pools owned per rank: every rank keeps its
 requests' pages, KDA slots and snapshots on its own device (`sharding.rank_pools`), prefills
 them there, and the decode mesh's step runs each rank on its own pool (`sharding.decode.PagedDecode`).
 Multi-turn sessions with prefix hits, preemption with host-tier offload, and host-tier hits

@@ -1,7 +1,7 @@
-"""`k3_slice` (Kimi-K3's layer shapes, 16 layers, 384 experts; issue 24) under the production
+"""`k3_slice` (Kimi-K3's layer shapes, 16 layers, 384 experts) under the production
 layouts on 8 CPU devices: its TP8/EP8 prefill and DP8/EP8 decode compile, and every collective of
 the compiled programs is the one `sharding.plan` predicts, byte for byte.  Only compiled (the
-weights, 601 GB in bf16, are never allocated): the runs themselves need `nvidia-h200-x8`.  One
+weights, 601 GB in bf16, are never allocated): the runs themselves need eight H200s.  One
 period of four layers ([KDA x3, MLA], the first with the dense FFN) stands for the sixteen: the
 plan and the programs are per layer.  The collectives are read from the program as lowered, before
 XLA:CPU's own passes, which widen bf16 collectives to f32 on this backend (the GPU's NCCL moves

@@ -1,4 +1,4 @@
-"""One model across processes (issue 23), on JAX's multi-controller runtime with 2 processes x 4
+"""One model across processes, on JAX's multi-controller runtime with 2 processes x 4
 CPU devices, every listener of the group on loopback:
 
 * the sharded steps: TP2/EP2 prefill over a rank in each process and DP8/EP8 decode over all
