@@ -44,8 +44,10 @@ def pool_offsets(cfg: ModelConfig, pools) -> tuple[int, int]:
 
 
 def per_period(cfg: ModelConfig, layer: int) -> int:
-    """Layers of `layer`'s mixer kind in one period (the stride of its kind index per period)."""
-    return sum(1 for j in range(ATTENTION_PERIOD) if cfg.mixer_kind(j) == cfg.mixer_kind(layer))
+    """Layers of `layer`'s mixer kind in one scanned period (the stride of its kind index per
+    period; every scanned period repeats the first one's mixers: `kimik3.stacked.scan_layout`)."""
+    first = stacked.scan_layout(cfg)[0]
+    return sum(1 for j in range(ATTENTION_PERIOD) if cfg.mixer_kind(first + j) == cfg.mixer_kind(layer))
 
 
 @jax.tree_util.register_dataclass

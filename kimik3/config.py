@@ -1,8 +1,25 @@
-"""Frozen model configurations and the three presets: tiny, small, kimi_k3.
+"""Frozen model configurations and the presets (tiny, mini, small, kimi_k3, k3_slice, kimi_linear).
 
-Layer layout: layer i's token mixer is MLA when ``i % 4 == 3`` and KDA
-otherwise (groups of [KDA, KDA, KDA, MLA], starting at layer 0); layer 0's FFN
-is a dense MLP and every later layer's FFN is the LatentMoE.
+Layer layout: by default layer i's token mixer is MLA when ``i % 4 == 3`` and KDA otherwise
+(groups of [KDA, KDA, KDA, MLA], starting at layer 0); `mixer_layout` names every layer's mixer
+instead (a checkpoint's own list, e.g. Kimi-Linear's MLA at 1-based 4, 8, ..., 24 and 27).  The
+first `dense_layers` layers' FFN is a dense MLP and every later layer's is the MoE.
+
+The model variant is a set of switches over the one model (the defaults are Kimi-K3's):
+
+============================  ==========================  ===================================
+switch                        Kimi-K3 (default)           Kimi-Linear (`kimik3.hf`)
+============================  ==========================  ===================================
+``kda_gate``                  ``"bounded"``:              ``"softplus"``:
+                              lb * sigmoid(e^A (f + dt))  -e^A * softplus(f + dt)
+``mla_output_gate``           True (sigmoid gate)         False
+``q_lora_rank``               > 0                         0 (a direct q projection)
+``moe_latent``                True (LatentMoE)            False (experts at d_model)
+``ffn_activation``            ``"situ"`` (capped)         ``"silu"`` (SwiGLU)
+``moe_biased_weights``        False                       False (the remote code: True)
+``norm_eps`` / ``mla_norm_eps``
+/ ``kda_norm_eps``            1e-6 everywhere             1e-5 / 1e-6 / 1e-5
+============================  ==========================  ===================================
 """
 
 from __future__ import annotations
@@ -87,7 +104,17 @@ class ModelConfig:
     kda_gate_lower_bound: float = -5.0
     situ_gate_cap: float = 10.0
     situ_up_cap: float = 10.0
-    norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # the blocks' pre-norms, the final norm, the MoE's latent norm
+    # ---- variant switches (module docstring); the defaults are Kimi-K3's ----
+    mixer_layout: tuple[str, ...] | None = None  # per layer "kda" | "mla"; None: [KDA, KDA, KDA, MLA] periods
+    dense_layers: int = 1  # the first this many layers have the dense FFN
+    kda_gate: str = "bounded"  # "bounded" | "softplus" (unbounded, Kimi-Linear)
+    mla_output_gate: bool = True  # MLA's sigmoid output gate (w_gate_dhv)
+    moe_latent: bool = True  # experts in a latent of moe_latent_dim (False: at d_model, no latent norm)
+    ffn_activation: str = "situ"  # "situ": SiTU-GLU with the caps; "silu": SwiGLU
+    moe_biased_weights: bool = False  # top-k weights from scores + correction bias (Kimi's remote code)
+    mla_norm_eps: float | None = None  # MLA's q / kv latent norms (None: norm_eps)
+    kda_norm_eps: float | None = None  # KDA's gated output norm (None: norm_eps)
     # Up to this many new tokens per sequence, cached MLA uses the absorbed
     # (latent MQA) form; beyond it, the naive expanded form.
     mla_absorb_max_tokens: int = 8
@@ -102,8 +129,8 @@ class ModelConfig:
         _require(self.q_lora_rank >= 0, f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         _require(self.kda_gate_lower_bound < 0,
                  f"kda_gate_lower_bound must be negative (a decay), got {self.kda_gate_lower_bound}")
-        if self.n_layers > 1:
-            _require(self.n_routed_experts > 0, "n_routed_experts must be positive when n_layers > 1")
+        if self.n_layers > self.dense_layers:
+            _require(self.n_routed_experts > 0, "n_routed_experts must be positive when a layer has the MoE")
             _require(0 < self.n_active_experts <= self.n_routed_experts,
                      f"n_active_experts ({self.n_active_experts}) must be in [1, n_routed_experts="
                      f"{self.n_routed_experts}]")
@@ -116,15 +143,42 @@ class ModelConfig:
                  f"vocab_size {self.vocab_size} is smaller than the tokenizer's {_tokenizer_vocab_size()} ids")
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _require(self.mla_absorb_max_tokens >= 1, "mla_absorb_max_tokens must be >= 1")
+        if self.mixer_layout is not None:
+            _require(isinstance(self.mixer_layout, tuple), "mixer_layout must be a tuple (frozen configs hash)")
+            _require(len(self.mixer_layout) == self.n_layers,
+                     f"mixer_layout names {len(self.mixer_layout)} layers; n_layers is {self.n_layers}")
+            bad = sorted({k for k in self.mixer_layout if k not in ("kda", "mla")})
+            _require(not bad, f"mixer_layout holds {bad}; each entry must be 'kda' or 'mla'")
+        _require(0 <= self.dense_layers <= self.n_layers,
+                 f"dense_layers must be in [0, n_layers={self.n_layers}], got {self.dense_layers}")
+        _require(self.kda_gate in ("bounded", "softplus"), f"kda_gate must be 'bounded' or 'softplus', got "
+                 f"{self.kda_gate!r}")
+        _require(self.ffn_activation in ("situ", "silu"), f"ffn_activation must be 'situ' or 'silu', got "
+                 f"{self.ffn_activation!r}")
+        for name in ("norm_eps", "mla_norm_eps", "kda_norm_eps"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{name} must be positive, got {value}")
 
     # ---- layout -------------------------------------------------------------------------------
     def mixer_kind(self, layer: int) -> str:
         """'kda' or 'mla' for layer `layer`."""
+        if self.mixer_layout is not None:
+            return self.mixer_layout[layer]
         return "mla" if layer % ATTENTION_PERIOD == ATTENTION_PERIOD - 1 else "kda"
 
     def ffn_kind(self, layer: int) -> str:
-        """'dense' for layer 0, 'moe' after."""
-        return "dense" if layer == 0 else "moe"
+        """'dense' for the first `dense_layers` layers, 'moe' after."""
+        return "dense" if layer < self.dense_layers else "moe"
+
+    @property
+    def mla_eps(self) -> float:
+        """The eps of MLA's q / kv latent RMSNorms."""
+        return self.norm_eps if self.mla_norm_eps is None else self.mla_norm_eps
+
+    @property
+    def kda_eps(self) -> float:
+        """The eps of KDA's sigmoid-gated output RMSNorm."""
+        return self.norm_eps if self.kda_norm_eps is None else self.kda_norm_eps
 
     @property
     def mixer_kinds(self) -> tuple[str, ...]:
@@ -148,6 +202,8 @@ class ModelConfig:
         d = dict(d)
         if d.get("vit") is not None:
             d["vit"] = ViTConfig(**d["vit"])
+        if d.get("mixer_layout") is not None:  # JSON holds a list
+            d["mixer_layout"] = tuple(d["mixer_layout"])
         return cls(**d)
 
     def to_json(self) -> str:
@@ -244,7 +300,28 @@ def k3_slice() -> ModelConfig:
     return kimi_k3().replace(name="k3_slice", n_layers=16, n_routed_experts=384)
 
 
-PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3, "k3_slice": k3_slice}
+def kimi_linear() -> ModelConfig:
+    """Kimi-Linear-48B-A3B's shapes (its ``config.json``): 27 layers (MLA at 1-based 4, 8, ..., 24
+    and 27), KDA 32 x 128 with the unbounded gate, MLA 32 heads with no q-LoRA and no output gate,
+    256 SwiGLU experts top-8 at d_model + 1 shared, layer 0 dense (9216), vocab 163840; about
+    49B parameters.  Random weights at these shapes serve planning and speed; `kimik3.hf` loads
+    the real checkpoint (the same config, read from its directory)."""
+    mla = {3, 7, 11, 15, 19, 23, 26}
+    return ModelConfig(
+        name="kimi_linear", vocab_size=163_840, d_model=2304, n_layers=27, max_seq_len=1_048_576,
+        kda_heads=32, kda_head_dim=128,
+        mla_heads=32, q_lora_rank=0, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+        n_routed_experts=256, n_active_experts=8, n_shared_experts=1,
+        moe_latent_dim=2304, moe_expert_dim=1024, moe_shared_dim=1024, routed_scaling_factor=2.446,
+        dense_ffn_dim=9216, vit=None, norm_eps=1e-5,
+        mixer_layout=tuple("mla" if i in mla else "kda" for i in range(27)), dense_layers=1,
+        kda_gate="softplus", mla_output_gate=False, moe_latent=False, ffn_activation="silu",
+        mla_norm_eps=1e-6, kda_norm_eps=1e-5, dtype="bfloat16",
+    )
+
+
+PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3, "k3_slice": k3_slice,
+           "kimi_linear": kimi_linear}
 
 
 def get_config(name: str) -> ModelConfig:

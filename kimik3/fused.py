@@ -5,8 +5,8 @@ what checkpoints, sharding rules and quantization manifests name) once, at load:
 
 * KDA: q, k, v, the gate's f_a, beta and the output gate's g_a -> ``kda/w_in_dx`` [D, 3HK + K + H + K],
   and the two gates' low-rank up-projections -> ``kda/w_fg_srn`` [2, K, H*K] (one batched GEMM);
-* MLA: q (or its LoRA-down), the kv latent and the output gate -> ``mla/w_in_dx``;
-* MoE: the latent down-projection and the shared experts' gate and up -> ``moe/w_in_dx``
+* MLA: q (or its LoRA-down), the kv latent and the output gate (where there is one) -> ``mla/w_in_dx``;
+* MoE: the latent down-projection (where there is a latent) and the shared experts' gate and up -> ``moe/w_in_dx``
   (the shared experts' out -> ``moe/w_shared_out_fd``), each routed expert's gate and up ->
   ``moe/w_gateup_elf`` [E, L, 2F] (one grouped GEMM).
 
@@ -59,16 +59,17 @@ def fuse_projections(params, cfg: ModelConfig):
         if "mla" in layer:
             p = dict(layer["mla"])
             q = "w_qa_dq" if "w_qa_dq" in p else "w_q_dhk"
-            p["w_in_dx"] = _cat(*(p.pop(n) for n in (q, "w_kva_dr", "w_gate_dhv")))
+            p["w_in_dx"] = _cat(*(p.pop(n) for n in (q, "w_kva_dr", "w_gate_dhv") if n in p))
             layer["mla"] = p
         if "moe" in layer:
             p = dict(layer["moe"])
-            ins = [p.pop("w_down_dl")]
+            ins = [p.pop("w_down_dl")] if "w_down_dl" in p else []  # none without a latent (`moe_latent`)
             if "shared" in p:
                 shared = p.pop("shared")
                 ins += [shared["w_gate_df"], shared["w_up_df"]]
                 p["w_shared_out_fd"] = shared["w_out_fd"]
-            p["w_in_dx"] = _cat(*ins)
+            if ins:
+                p["w_in_dx"] = _cat(*ins)
             gate, up = p.pop("w_gate_elf"), p.pop("w_up_elf")
             p["w_gateup_elf"] = (qformats.concat([gate, up]) if isinstance(gate, qformats.QTensor)
                                  else jnp.concatenate([gate, up], axis=-1))

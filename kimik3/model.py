@@ -80,7 +80,7 @@ class Block(nn.Module):
             self.mla = MLA(cfg, self.kernels)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.ffn_kind(self.layer) == "dense":
-            self.mlp = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap)
+            self.mlp = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, cfg.ffn_activation)
         else:
             self.moe = LatentMoE(cfg, self.expert_path, self.kernels)
 

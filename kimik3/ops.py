@@ -59,8 +59,15 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params):
 VERIFY_MAX_TOKENS = 16
 
 
-def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None):
+def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None,
+        gate_bounded=True):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
+
+    gate_bounded: whether every g lies above the bounded gate's lower bound (-5, Kimi-K3).  The
+    chunked Pallas kernel's sub-chunk factorisation relies on it (exp(16 * 5) stays finite);
+    with an unbounded gate (Kimi-Linear's softplus form, g far below -5) a chunked span runs the
+    chunked reference, whose every exponent is of a non-positive number.  The recurrent forms
+    (one token, a verify pass) take any g <= 0.
 
     One token (decode) takes the recurrent form; longer spans the chunked form.
     Returns (o [B, T, H, V], final_state [B, H, K, V] fp32), and with export_at (int32 [E]
@@ -92,10 +99,10 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
             picked = jnp.take(states, jnp.clip(export_at - 1, 0, t - 1), axis=1)  # [B, E, H, K, V]
             return o, pool, jnp.where(named[None, :, None, None, None], picked, 0.0)
         out = kda(q, k, v, g, beta, initial_state=initial_state[slots], chunk_size=chunk_size, kernels=kernels,
-                  export_at=export_at)
+                  export_at=export_at, gate_bounded=gate_bounded)
         return (out[0], initial_state.at[slots].set(out[1])) + tuple(out[2:])
     if export_at is not None:
-        if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
+        if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK or not gate_bounded:
             return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
                                                export_at=export_at)
         return kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
@@ -109,6 +116,8 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     if t == 1:
         return kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state,
                                                slots=jnp.arange(b, dtype=jnp.int32))
+    if not gate_bounded:
+        return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
     o, final_state, _ = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
     return o, final_state
 

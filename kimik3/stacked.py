@@ -26,11 +26,17 @@ PERIODS = "periods"
 
 
 def scan_layout(cfg: ModelConfig) -> tuple[int, int]:
-    """(first scanned layer, number of scanned periods).  The dense-FFN layer 0 makes its
-    period unlike the others, so scanning starts at the next period; fewer than two whole
-    periods after it leave nothing worth a scan (n = 0)."""
-    first = ATTENTION_PERIOD
-    n = max(cfg.n_layers - first, 0) // ATTENTION_PERIOD
+    """(first scanned layer, number of scanned periods).  The dense-FFN layers make their
+    periods unlike the others, so scanning starts at the first period after them; it runs over
+    the periods whose mixers repeat the first one's (a `mixer_layout` may break the pattern:
+    the rest is the unrolled tail); fewer than two such periods leave nothing worth a scan (n = 0)."""
+    p = ATTENTION_PERIOD
+    first = p * max(1, -(-cfg.dense_layers // p))
+    kinds = cfg.mixer_kinds
+    pattern = kinds[first:first + p]
+    n = 0
+    while first + (n + 1) * p <= cfg.n_layers and kinds[first + n * p:first + (n + 1) * p] == pattern:
+        n += 1
     return first, (n if n >= 2 else 0)
 
 

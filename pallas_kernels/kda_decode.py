@@ -3,7 +3,8 @@
 One decode token of a KDA layer, after its input projections, is (per row b, head h)::
 
     q, k, v  = silu(conv_W([conv rows of slot b ; x_in's q | k | v]))  (q, k then L2-normalized)
-    g        = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))        (log-decay, fp32)
+    g        = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))        (log-decay, fp32; bounded)
+             = -exp(A_log) * softplus(f + dt_bias)                      (lower_bound None: unbounded)
     beta     = sigmoid(x_in's beta column)
     S, o     = one step of the delta rule on the pooled state S (`pallas_kernels.kda.kda_step`)
     out      = rms_norm(o) * norm * sigmoid(x_gate)
@@ -33,8 +34,17 @@ from pallas_kernels.kda import kda_step
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+def log_decay(rate, f, lower_bound: float | None):
+    """The gate's log-decay (fp32) from exp(A_log) `rate` and f + dt_bias `f`: bounded
+    (lower_bound * sigmoid(rate * f)) or, with lower_bound None, -rate * softplus(f), the softplus
+    written as max(f, 0) + log1p(exp(-|f|)) (finite for any f; lowers inside a kernel)."""
+    if lower_bound is None:
+        return -rate * (jnp.maximum(f, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(f))))
+    return lower_bound * jax.nn.sigmoid(rate * f)
+
+
 def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: int, w_conv, a_log,
-                   dt_bias, o_norm, lower_bound: float, eps: float, l2_eps: float = 1e-6, scale=None):
+                   dt_bias, o_norm, lower_bound: float | None, eps: float, l2_eps: float = 1e-6, scale=None):
     """The reference: same arguments and results as `kda_decode`, in jnp."""
     f32 = jnp.float32
     b = x_in.shape[0]
@@ -51,7 +61,7 @@ def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: i
     l2 = lambda u: u * jax.lax.rsqrt(jnp.sum(u * u, axis=-1, keepdims=True) + l2_eps)
     mask = lambda u: jnp.where(real.reshape((b,) + (1,) * (u.ndim - 1)), u, 0.0)
     q, k, v = mask(l2(y[:, 0])), mask(l2(y[:, 1])), mask(y[:, 2])
-    g = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(f32))[:, None] * (f.astype(f32) + dt_bias.astype(f32)))
+    g = log_decay(jnp.exp(a_log.astype(f32))[:, None], f.astype(f32) + dt_bias.astype(f32), lower_bound)
     beta = jax.nn.sigmoid(x_in[:, beta_col:beta_col + h].astype(f32))
     o, s_new = kda_step(state_pool[slots], q, k, v, mask(g), mask(beta), scale)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * o_norm.astype(f32)
@@ -102,7 +112,7 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, fg_ref, 
         k, k_io = conv(1, 0, dk)
         q, k = l2(q), l2(k)
         f = fg_ref[b, pl.ds(h * dk, dk)].astype(f32) + dtb_ref[h, :].astype(f32)
-        decay = jnp.exp(lower_bound * jax.nn.sigmoid(jnp.exp(a_ref[h].astype(f32)) * f))
+        decay = jnp.exp(log_decay(jnp.exp(a_ref[h].astype(f32)), f, lower_bound))
         beta = jax.nn.sigmoid(x_ref[b, beta_col + h].astype(f32))
 
         outs, v_ios = [], []
@@ -150,7 +160,7 @@ def _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, d
 
 
 def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: int, w_conv, a_log, dt_bias,
-               o_norm, lower_bound: float, eps: float, l2_eps: float = 1e-6, scale=None, block_v=None,
+               o_norm, lower_bound: float | None, eps: float, l2_eps: float = 1e-6, scale=None, block_v=None,
                num_warps=4, interpret=None):
     """One decode token of a KDA layer on pooled conv rows and states, both updated in place.
 
@@ -164,6 +174,7 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: 
       state_pool: [S, H, K, V] float32; donated.
       slots: int32 [B]; valid: int32 [B] or None (all real): rows with 0 change nothing.
       w_conv: (q, k, v) taps, each [W, H*K], oldest first; a_log: [H]; dt_bias: [H, K]; o_norm: [V].
+      lower_bound: the bounded gate's bound (< 0), or None for the unbounded softplus gate.
     Returns:
       (out [B, H, V] in x_in's dtype, the conv pool, the state pool).
     """
@@ -191,6 +202,6 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: 
         raise ValueError(f"kda_decode: slots and valid must be [B] = [{b}]; got {slots.shape}, {valid.shape}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     return _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm,
-                        beta_col=int(beta_col), lower_bound=float(lower_bound), eps=float(eps), l2_eps=float(l2_eps),
+                        beta_col=int(beta_col), lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), l2_eps=float(l2_eps),
                         scale=float(dk ** -0.5 if scale is None else scale), block_v=block_v or min(dv, 64),
                         num_warps=num_warps, interpret=interpret)

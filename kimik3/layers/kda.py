@@ -18,10 +18,23 @@ from kimik3.layers.primitives import fan_in_init, gemm_form, l2_normalize, qpara
 CACHE_KEYS = ("state", "conv")
 
 
-def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float):
-    """Bounded ("safe") log-decay: lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), fp32."""
+def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float | None):
+    """The per-channel log-decay g [B, T, H, K], fp32, of the gate projection f [B, T, H, K]:
+
+    * bounded ("safe", Kimi-K3; `lower_bound` < 0): lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
+      so g lies in (lower_bound, 0);
+    * unbounded (Kimi-Linear; `lower_bound` None): -exp(A_log) * softplus(f + dt_bias), any g < 0.
+    """
     f = f_bthk.astype(jnp.float32) + dt_bias_hk.astype(jnp.float32)
-    return lower_bound * jax.nn.sigmoid(jnp.exp(a_log_h.astype(jnp.float32))[:, None] * f)
+    rate = jnp.exp(a_log_h.astype(jnp.float32))[:, None]
+    if lower_bound is None:
+        return -rate * jax.nn.softplus(f)
+    return lower_bound * jax.nn.sigmoid(rate * f)
+
+
+def gate_lower_bound(cfg: ModelConfig) -> float | None:
+    """The gate's lower bound for `kda_gate` (None: the unbounded softplus form)."""
+    return cfg.kda_gate_lower_bound if cfg.kda_gate == "bounded" else None
 
 
 def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> dict:
@@ -118,7 +131,7 @@ class KDA(nn.Module):
             o, conv_pool, state_pool = ops.kda_decode(
                 x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
-                lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
+                lower_bound=gate_lower_bound(cfg), eps=cfg.kda_eps)
             return ops.linear_heads(o, w_o, kernels=self.kernels)[:, None], {"conv": conv_pool, "state": state_pool}
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
@@ -135,12 +148,12 @@ class KDA(nn.Module):
         q = pad(l2_normalize(y[:, :, 0]))
         kk = pad(l2_normalize(y[:, :, 1]))
         v = pad(y[:, :, 2])
-        g = pad(kda_gate(f, a_log, dt_bias, cfg.kda_gate_lower_bound))
+        g = pad(kda_gate(f, a_log, dt_bias, gate_lower_bound(cfg)))
         beta = jax.nn.sigmoid(xb.astype(jnp.float32))
         if real is not None:
             beta = jnp.where(real[..., 0], beta, 0.0)
         out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
-                      kernels=self.kernels, export_at=export_at, slots=slots)
+                      kernels=self.kernels, export_at=export_at, slots=slots, gate_bounded=cfg.kda_gate == "bounded")
         o, new_cache["state"] = out[:2]
         if export_at is not None:
             named = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)[None]  # [1, E]
@@ -150,5 +163,5 @@ class KDA(nn.Module):
             new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
                                     for n, s in exports.items()}
         gate = jax.nn.sigmoid(x_gate.astype(jnp.float32))
-        o = (rms_norm(o, o_norm, cfg.norm_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
+        o = (rms_norm(o, o_norm, cfg.kda_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return ops.linear_heads(o, w_o, kernels=self.kernels), new_cache

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V3 shapes, NoPE, sigmoid output gate).
+"""Multi-head Latent Attention (DeepSeek-V3 shapes, NoPE, a sigmoid output gate where the config
+has one: `ModelConfig.mla_output_gate`).
 
 Per token and layer the cache holds one latent row ``c_kv ++ k_pe``
 ([kv_lora + rope] values).  Two mathematically equal forms read it:
@@ -64,33 +65,47 @@ def write_rows(cache_bsr, rows_btr, start_b):
     return jax.vmap(write)(cache_bsr, rows_btr, start_b)
 
 
+def input_widths(cfg: ModelConfig) -> tuple[int, ...]:
+    """The widths of the projections of x, in the fused GEMM's column order: q (or its LoRA-down),
+    the kv latent and, where the config has one, the output gate."""
+    q_in = cfg.q_lora_rank or cfg.mla_heads * cfg.mla_qk_dim
+    gate = (cfg.mla_heads * cfg.v_head_dim,) if cfg.mla_output_gate else ()
+    return (q_in, cfg.mla_latent_dim) + gate
+
+
 def mla_project(cfg: ModelConfig, w: dict, x_btd, kernels: str = "auto"):
     """The layer's projections of x [B, T, D_in] from its weights `w` (separate or `kimik3.fused`):
     (q [B, T, H, nope + rope], the new latent rows [B, T, kv_lora + rope], the output gate's
-    pre-activation [B, T, H, v]).  D_in is the model width, or 2D in an EAGLE-3 draft layer.
-    Any projection may be a quantized `QTensor` in its GEMM form (`kimik3.ops.linear`)."""
+    pre-activation [B, T, H, v], or None without an output gate).  D_in is the model width, or
+    2D in an EAGLE-3 draft layer.  Any projection may be a quantized `QTensor` in its GEMM form
+    (`kimik3.ops.linear`)."""
     h, r = cfg.mla_heads, cfg.kv_lora_rank
     lin = lambda x, name: ops.linear(x, gemm_form(w[name], 1), kernels=kernels)
     heads = lambda y, dim: y.reshape(y.shape[:-1] + (h, dim))
+    xg = None
     if "w_in_dx" in w:
-        q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
-        widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)
-        xq, kv, xg = jnp.split(lin(x_btd, "w_in_dx"), np.cumsum(widths)[:-1].tolist(), axis=-1)
+        parts = jnp.split(lin(x_btd, "w_in_dx"), np.cumsum(input_widths(cfg))[:-1].tolist(), axis=-1)
+        xq, kv = parts[:2]
+        xg = parts[2] if cfg.mla_output_gate else None
     else:
         xq = lin(x_btd, "w_qa_dq" if cfg.q_lora_rank else "w_q_dhk")
         kv = lin(x_btd, "w_kva_dr")
-        xg = lin(x_btd, "w_gate_dhv")
-    xg = heads(xg, cfg.v_head_dim)
+        if cfg.mla_output_gate:
+            xg = lin(x_btd, "w_gate_dhv")
+    xg = None if xg is None else heads(xg, cfg.v_head_dim)
     if cfg.q_lora_rank:
-        q = heads(lin(rms_norm(xq, w["q_norm"], cfg.norm_eps), "w_qb_qhk"), cfg.mla_qk_dim)
+        q = heads(lin(rms_norm(xq, w["q_norm"], cfg.mla_eps), "w_qb_qhk"), cfg.mla_qk_dim)
     else:
         q = heads(xq, cfg.mla_qk_dim)
-    latent_new = jnp.concatenate([rms_norm(kv[..., :r], w["kv_norm"], cfg.norm_eps), kv[..., r:]], axis=-1)
+    latent_new = jnp.concatenate([rms_norm(kv[..., :r], w["kv_norm"], cfg.mla_eps), kv[..., r:]], axis=-1)
     return q, latent_new, xg
 
 
 def mla_output(w: dict, o_bthv, xg_bthv, dtype, kernels: str = "auto"):
-    """Gate the attention output o [B, T, H, v] by sigmoid(xg) (fp32) and project it to [B, T, D]."""
+    """Gate the attention output o [B, T, H, v] by sigmoid(xg) (fp32; xg None: no gate) and
+    project it to [B, T, D]."""
+    if xg_bthv is None:
+        return ops.linear_heads(o_bthv.astype(dtype), w["w_o_hvd"], kernels=kernels)
     gate = jax.nn.sigmoid(xg_bthv.astype(jnp.float32))
     o = (o_bthv.astype(jnp.float32) * gate).astype(dtype)
     return ops.linear_heads(o, w["w_o_hvd"], kernels=kernels)
@@ -116,11 +131,9 @@ class MLA(nn.Module):
         cfg = self.cfg
         d, h, r = x_btd.shape[-1], cfg.mla_heads, cfg.kv_lora_rank
         p = lambda name, shape, fan_in: qparam(self, name, fan_in_init(fan_in), shape)
-        q_in = cfg.q_lora_rank or h * cfg.mla_qk_dim
-        widths = (q_in, cfg.mla_latent_dim, h * cfg.v_head_dim)  # q (or its LoRA-down), kv latent, output gate
         w = {}
-        if self.has_variable("params", "w_in_dx"):  # `kimik3.fused`: the three projections of x as one GEMM
-            w["w_in_dx"] = p("w_in_dx", (d, sum(widths)), d)
+        if self.has_variable("params", "w_in_dx"):  # `kimik3.fused`: the projections of x as one GEMM
+            w["w_in_dx"] = p("w_in_dx", (d, sum(input_widths(cfg))), d)
         if cfg.q_lora_rank:
             if "w_in_dx" not in w:
                 w["w_qa_dq"] = p("w_qa_dq", (d, cfg.q_lora_rank), d)
@@ -133,7 +146,7 @@ class MLA(nn.Module):
         w["kv_norm"] = self.param("kv_norm", nn.initializers.ones, (r,))
         w_kb = p("w_kb_rhn", (r, h, cfg.qk_nope_dim), r)
         w_vb = p("w_vb_rhv", (r, h, cfg.v_head_dim), r)
-        if "w_in_dx" not in w:
+        if "w_in_dx" not in w and cfg.mla_output_gate:
             w["w_gate_dhv"] = p("w_gate_dhv", (d, h, cfg.v_head_dim), d)
         w["w_o_hvd"] = p("w_o_hvd", (h, cfg.v_head_dim, cfg.d_model), h * cfg.v_head_dim)
 

@@ -7,6 +7,11 @@
     routed  = RMSNorm(z) W_up * routed_scaling_factor
     y       = routed + SharedExperts(x)
 
+Without a latent (`ModelConfig.moe_latent` False: Kimi-Linear, DeepSeek-V3's form) the experts
+read x itself and ``routed = z * routed_scaling_factor`` (no W_down, norm or W_up).  With
+`ModelConfig.moe_biased_weights` the weights read ``(scores + bias)[chosen]`` instead (Kimi's
+remote code).  The experts' GLU is the config's (`kimik3.layers.mlp.glu_activation`).
+
 An expert id of E (padding tokens, `LatentMoE(real_bt=)`) names no expert: every path gives
 that assignment 0.  Two equal expert paths: `experts_grouped` (tokens sorted by expert, one
 grouped GEMM per projection: `kimik3.ops.grouped_matmul`, the Pallas kernel on
@@ -16,16 +21,14 @@ the reference).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
 from kimik3 import ops
 from kimik3.config import ModelConfig
-from kimik3.layers.mlp import MLP
-from kimik3.layers.primitives import fan_in_init, qparam, rms_norm, situ_glu
+from kimik3.layers.mlp import MLP, SituGLU, as_activation, glu_activation
+from kimik3.layers.primitives import fan_in_init, qparam, rms_norm
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,21 +38,23 @@ def router_logits(x_nd, w_router_de):
     return jnp.dot(x_nd.astype(jnp.float32), w_router_de.astype(jnp.float32), precision=HIGHEST)
 
 
-def route_logits(logits_ne, bias_e, top_k: int):
-    """Sigmoid routing of fp32 logits.  Returns (expert ids [N, k] int32, weights [N, k] fp32)."""
+def route_logits(logits_ne, bias_e, top_k: int, biased_weights: bool = False):
+    """Sigmoid routing of fp32 logits.  Returns (expert ids [N, k] int32, weights [N, k] fp32):
+    the chosen scores renormalised, or with `biased_weights` the chosen scores + bias."""
     scores = jax.nn.sigmoid(logits_ne)
-    _, ids = jax.lax.top_k(scores + bias_e.astype(jnp.float32), top_k)
-    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    choice = scores + bias_e.astype(jnp.float32)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(choice if biased_weights else scores, ids, axis=-1)
     return ids.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def route(x_nd, w_router_de, bias_e, top_k: int):
+def route(x_nd, w_router_de, bias_e, top_k: int, biased_weights: bool = False):
     """fp32 sigmoid router.  Returns (expert ids [N, k] int32, weights [N, k] fp32)."""
-    return route_logits(router_logits(x_nd, w_router_de), bias_e, top_k)
+    return route_logits(router_logits(x_nd, w_router_de), bias_e, top_k, biased_weights)
 
 
-def _expert_ffn(h_gate, h_up, caps):
-    return situ_glu(h_gate, h_up, *caps)
+def _expert_ffn(h_gate, h_up, act):
+    return as_activation(act)(h_gate, h_up)
 
 
 def _gate_up(x, w_gate, w_up, dot):
@@ -60,26 +65,20 @@ def _gate_up(x, w_gate, w_up, dot):
     return dot(x, w_gate), dot(x, w_up)
 
 
-@dataclasses.dataclass(frozen=True)
-class _SituGLU:
-    """SiTU-GLU with its caps, hashable (a static argument of the jitted kernel wrapper)."""
-
-    caps: tuple[float, float]
-
-    def __call__(self, gate, up):
-        return situ_glu(gate, up, *self.caps)
+_SituGLU = SituGLU  # the kernels' tests and benchmarks name it here
 
 
 def experts_grouped(x_nl, ids_nk, weights_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
     """Grouped expert GEMMs.  x_nl [N, L] latent tokens; ids/weights [N, k]; expert weights
     [E, L, F] / [E, F, L] (w_up_elf None: w_gate_elf is gate ++ up, [E, L, 2F], one GEMM for
-    both).  Returns the weighted combine [N, L].
+    both); caps: the GLU (a hashable activation, `kimik3.layers.mlp.glu_activation`) or
+    SiTU-GLU's (gate_cap, up_cap).  Returns the weighted combine [N, L].
 
     With fused gate/up on the Pallas path: `ops.grouped_ffn` (both GEMMs and the activation in
     one group-aligned layout).  Otherwise rows sorted by expert and one `ops.grouped_matmul`
     per projection (`_experts_sorted`, also the reference the fused path is tested against)."""
     if w_up_elf is None and ops.grouped_ffn_fits(x_nl, w_gate_elf, w_out_efl, kernels):
-        y = ops.grouped_ffn(x_nl, ids_nk, w_gate_elf, w_out_efl, _SituGLU(tuple(caps)))
+        y = ops.grouped_ffn(x_nl, ids_nk, w_gate_elf, w_out_efl, as_activation(caps))
     else:
         y = _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels)
     return combine(weights_nk, y)
@@ -132,47 +131,53 @@ class LatentMoE(nn.Module):
         """real_bt: bool [B, T] or None; tokens marked False (padding) are routed to no expert
         (their routed part is 0; the shared experts still run) and read no expert weights."""
         cfg = self.cfg
-        d, l, f, e = cfg.d_model, cfg.moe_latent_dim, cfg.moe_expert_dim, cfg.n_routed_experts
+        latent = cfg.moe_latent
+        d, f, e = cfg.d_model, cfg.moe_expert_dim, cfg.n_routed_experts
+        l = cfg.moe_latent_dim if latent else d  # the width the experts read and write
         w_router = self.param("w_router_de", fan_in_init(d), (d, e))
         bias = self.param("router_bias_e", nn.initializers.zeros, (e,))
-        fs = cfg.n_shared_experts * cfg.moe_shared_dim  # n shared SiTU-GLU experts summed == one of n * F units
-        caps = (cfg.situ_gate_cap, cfg.situ_up_cap)
+        fs = cfg.n_shared_experts * cfg.moe_shared_dim  # n shared GLU experts summed == one of n * F units
+        act = glu_activation(cfg)
         b, t, _ = x_btd.shape
         x_nd = x_btd.reshape(b * t, d)
-        fused = self.has_variable("params", "w_in_dx")
+        fused = self.has_variable("params", "w_in_dx") or self.has_variable("params", "w_gateup_elf")
+        shared_gate = shared_up = None
         if fused:
-            # `kimik3.fused`: x's three bf16 projections (latent down, shared gate, shared up) as one
+            # `kimik3.fused`: x's bf16 projections (latent down, shared gate, shared up) as one
             # GEMM, and each expert's gate and up as one grouped GEMM
-            x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, l + 2 * fs))
-            x_nl, shared_gate, shared_up = x_in[:, :l], x_in[:, l:l + fs], x_in[:, l + fs:]
+            down = l if latent else 0
+            if down + 2 * fs:
+                x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, down + 2 * fs))
+                shared_gate, shared_up = x_in[:, down:down + fs], x_in[:, down + fs:]
+            x_nl = x_in[:, :l] if latent else x_nd
             w_gate, w_up = qparam(self, "w_gateup_elf", fan_in_init(l), (e, l, 2 * f)), None
         else:
-            x_nl = x_nd @ self.param("w_down_dl", fan_in_init(d), (d, l))
+            x_nl = x_nd @ self.param("w_down_dl", fan_in_init(d), (d, l)) if latent else x_nd
             w_gate = qparam(self, "w_gate_elf", fan_in_init(l), (e, l, f))
             w_up = qparam(self, "w_up_elf", fan_in_init(l), (e, l, f))
         w_out = qparam(self, "w_out_efl", fan_in_init(f), (e, f, l))
-        latent_norm = self.param("latent_norm_l", nn.initializers.ones, (l,))
-        w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
+        if latent:
+            latent_norm = self.param("latent_norm_l", nn.initializers.ones, (l,))
+            w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 
         logits = router_logits(x_nd, w_router)
-        if (self.expert_path == "grouped" and w_up is None
+        if (latent and not cfg.moe_biased_weights and self.expert_path == "grouped" and w_up is None
                 and ops.routed_ffn_fits(x_nl, w_gate, w_out, cfg.n_active_experts, self.kernels)):
             # a decode step's few tokens: routing and layout in one kernel, the grouped FFN, then
             # the combine and the latent norm in one kernel
             z_normed = ops.routed_ffn(x_nl, logits, bias, None if real_bt is None else real_bt.reshape(-1),
-                                      w_gate, w_out, _SituGLU(tuple(caps)), cfg.n_active_experts, latent_norm,
-                                      cfg.norm_eps)
+                                      w_gate, w_out, act, cfg.n_active_experts, latent_norm, cfg.norm_eps)
         else:
-            ids, weights = route_logits(logits, bias, cfg.n_active_experts)
+            ids, weights = route_logits(logits, bias, cfg.n_active_experts, cfg.moe_biased_weights)
             if real_bt is not None:
                 ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
-            z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, caps, self.kernels)
-            z_normed = rms_norm(z, latent_norm, cfg.norm_eps)
-        routed = (z_normed @ w_upproj) * cfg.routed_scaling_factor
+            z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, act, self.kernels)
+            z_normed = rms_norm(z, latent_norm, cfg.norm_eps) if latent else z
+        routed = ((z_normed @ w_upproj) if latent else z_normed.astype(jnp.float32)) * cfg.routed_scaling_factor
         y = routed.reshape(b, t, d).astype(x_btd.dtype)
         if fs and fused:
             w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))
-            y = y + (situ_glu(shared_gate, shared_up, *caps) @ w_shared_out).reshape(b, t, d).astype(y.dtype)
+            y = y + (act(shared_gate, shared_up) @ w_shared_out).reshape(b, t, d).astype(y.dtype)
         elif fs:
-            y = y + MLP(d, fs, cfg.situ_gate_cap, cfg.situ_up_cap, name="shared")(x_btd)
+            y = y + MLP(d, fs, cfg.situ_gate_cap, cfg.situ_up_cap, cfg.ffn_activation, name="shared")(x_btd)
         return y

@@ -40,6 +40,12 @@ def situ_glu(gate, up, gate_cap: float, up_cap: float):
     return (situ(g32, gate_cap) * softcap(u32, up_cap)).astype(gate.dtype)
 
 
+def swiglu(gate, up):
+    """SwiGLU: silu(gate) * up, in fp32, returned in gate's dtype (Kimi-Linear's experts and MLPs)."""
+    g32, u32 = gate.astype(jnp.float32), up.astype(jnp.float32)
+    return (jax.nn.silu(g32) * u32).astype(gate.dtype)
+
+
 def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
     """Depthwise causal conv of width W (fla's ShortConvolution, no bias).
 

@@ -121,3 +121,27 @@ def test_layer_decode_fused_equals_the_unfused_path(rng, tiny_cfg, layout):
     np.testing.assert_allclose(new["state"], new_ref["state"], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(new["conv"], new_ref["conv"])
     assert set(new) == set(new_ref) == {"state", "conv"}
+
+
+def test_the_unbounded_softplus_gate_equals_its_reference_far_below_the_bounded_range(rng):
+    """Kimi-Linear's gate -exp(A_log) * softplus(f + dt_bias) has no lower bound: with f around
+    +8 and exp(A_log) = 9 a token's log-decay reaches about -70 per channel (the bounded gate
+    stops at -5); the kernel's softplus stays finite and equals the jnp reference's."""
+    arrays, params = decode_inputs(rng, 3, 5)
+    arrays["fg"] = arrays["fg"].at[:, :H * K].add(8.0)
+    params = dict(params, lower_bound=None, eps=1e-5)
+    o_ref, _, state_ref = run(kda_decode_ref, arrays, params, [4, 0, 2], None)
+    o, _, state = run(kda_decode, arrays, params, [4, 0, 2], None)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(state)).all()
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(state, state_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_the_softplus_gate_is_the_written_formula():
+    from pallas_kernels.kda_decode import log_decay
+
+    f = jnp.asarray([-30.0, -1.0, 0.0, 0.5, 19.0, 25.0, 80.0])
+    want = -3.0 * np.where(np.asarray(f) > 20, np.asarray(f), np.log1p(np.exp(np.asarray(f, np.float64))))
+    np.testing.assert_allclose(log_decay(3.0, f, None), want, rtol=1e-6)
+    np.testing.assert_allclose(log_decay(3.0, f, -5.0), -5.0 / (1 + np.exp(-3.0 * np.asarray(f, np.float64))),
+                               rtol=1e-6, atol=1e-30)

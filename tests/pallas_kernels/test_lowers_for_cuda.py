@@ -35,11 +35,12 @@ def test_the_check_catches_what_the_lowering_refuses():
         lowered_triton_calls(bad, S((16, 128), BF16))
 
 
-@pytest.mark.parametrize("rows", [8, 32])
-def test_kda_decode_at_small_dims(rows):
+@pytest.mark.parametrize("rows, lower_bound", [(8, -5.0), (32, -5.0), (8, None)])
+def test_kda_decode_at_small_dims(rows, lower_bound):
+    """The bounded gate (Kimi-K3) and the unbounded softplus gate (Kimi-Linear, lower_bound None)."""
     h, k, n_slots = 12, 128, 2 * rows + 2
     fn = lambda x, fg, cp, sp, sl, va, wq, wk, wv, a, dt, on: kda_decode._decode_core(
-        x, fg, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=-5.0, eps=1e-6,
+        x, fg, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=lower_bound, eps=1e-6,
         l2_eps=1e-6, scale=k ** -0.5, block_v=64, num_warps=4, interpret=False)
     assert lowered_triton_calls(
         fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, 2 * h * k), BF16),
