@@ -599,6 +599,8 @@ def _as_tokens(tokens, cfg: ModelConfig):
 def _as_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
     """continuing: the tokens extend a cache; an <|image|> there without images is one the model
     generated, a text token (`splice_image_embeddings`), not a prompt missing its images."""
+    if cfg.vit is None and images is None:  # no vision encoder: <|image|>'s id is a text token like any
+        return None
     n_placeholders = (int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID))
                       if tokens is not None and _concrete(tokens) else None)
     if images is None:

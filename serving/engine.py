@@ -325,6 +325,8 @@ class Engine:
 
     def _check_images(self, prompt: list[int], images) -> tuple[np.ndarray | None, tuple]:
         """(images as an array, one MMItem per image) for a prompt, or ValueError."""
+        if images is None and self.cfg.vit is None:  # no vision encoder: the placeholder's id is text
+            return None, ()
         n_slots = prompt.count(tokenizer.IMAGE_ID)
         if images is None:
             if n_slots:
