@@ -3,7 +3,8 @@
 #   ./run.sh demo [args]   the main job: `kimik3 demo` (the agent workload end to end, tiny model)
 #   ./run.sh test [args]   the test suite (CPU)
 # Both create .venv with Python >= 3.12 and install the project on first use: its serve and store
-# extras, dev for the tests, and cuda (jax[cuda13]) where nvidia-smi sees a GPU.
+# extras, dev and reference (transformers + torch, the outside reference) for the tests, and cuda
+# (jax[cuda13]) where nvidia-smi sees a GPU.
 # On a machine without a package registry whose Python already holds CUDA jax (a GPU image):
 #   KIMIK3_INHERIT_SITE=1  the venv also sees the packages of the Python that made it
 #   KIMIK3_CUDA=local      jax[cuda13-local]: the machine's CUDA 13, not pip's CUDA wheels
@@ -28,9 +29,9 @@ find_python() {
   return 1
 }
 
-extras_for() {  # serve + store always, dev for the tests, cuda where an NVIDIA GPU answers
+extras_for() {  # serve + store always, dev + reference for the tests, cuda where an NVIDIA GPU answers
   local extras="serve,store" driver
-  [ "$1" = test ] && extras="$extras,dev"
+  [ "$1" = test ] && extras="$extras,dev,reference"
   if [ -n "${KIMIK3_EXTRAS:-}" ]; then  # an override: e.g. KIMIK3_EXTRAS=serve,store (no CUDA)
     echo "$KIMIK3_EXTRAS"; return 0
   fi

@@ -1,9 +1,12 @@
-"""Save and restore params plus config with orbax.
+"""Save and restore params plus config with orbax; Hugging Face model directories restore too.
 
 Layout of a checkpoint directory::
 
     <path>/config.json   the ModelConfig
     <path>/params/       orbax StandardCheckpointer tree
+
+A Hugging Face directory (a ``config.json`` with a ``model_type`` beside safetensors: a
+Kimi-Linear checkpoint) is read by `kimik3.hf` wherever a checkpoint is taken.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def save(path: str | os.PathLike, params, cfg: ModelConfig) -> None:
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
+    from kimik3 import hf
+
+    if hf.is_hf_dir(os.fspath(path)):
+        return hf.read_config(os.fspath(path))
     with open(os.path.join(os.fspath(path), "config.json")) as f:
         return ModelConfig.from_dict(json.load(f))
 
@@ -43,7 +50,11 @@ def restore(path: str | os.PathLike, dtype=None):
     With `dtype`, floating params are restored as that dtype (those the model
     keeps fp32 stay fp32), the cast happening during the read.
     """
+    from kimik3 import hf
+
     path = os.path.abspath(os.fspath(path))
+    if hf.is_hf_dir(path):
+        return hf.load(path, dtype=dtype)
     cfg = load_config(path)
     with ocp.StandardCheckpointer() as ckptr:
         stored = ckptr.metadata(os.path.join(path, "params"))

@@ -328,21 +328,34 @@ def _shards(directory: str) -> list[str]:
     return [os.path.join(directory, n) for n in files]
 
 
-def _tensors(directory: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) of every tensor, one at a time, shard by shard."""
+def _open(path: str):
     from safetensors import SafetensorError, safe_open
 
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def _headers(directory: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(shard path, name, shape) of every tensor, from the shards' headers only."""
     for path in _shards(directory):
-        try:
-            handle = safe_open(path, framework="numpy")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-        with handle as f:
+        with _open(path) as f:
+            for name in f.keys():
+                yield path, name, tuple(f.get_slice(name).get_shape())
+
+
+def _tensors(directory: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) of every tensor, one at a time, shard by shard."""
+    from safetensors import SafetensorError
+
+    for path in _shards(directory):
+        with _open(path) as f:
             for name in f.keys():
                 try:
                     yield name, f.get_tensor(name)
                 except (SafetensorError, OSError, ValueError) as e:
-                    raise CheckpointError(f"{path}: tensor {name} unreadable ({e})") from None
+                    raise CheckpointError(f"{path}: tensor {name} unreadable ({str(e).splitlines()[0]})") from None
 
 
 def _leaf_dtype(path: tuple[str, ...], dtype) -> np.dtype:
@@ -356,72 +369,87 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
+def _target(cfg: ModelConfig, maps: dict, directory: str, name: str, shape: tuple[int, ...]) -> Target:
+    target = maps["transformers"].get(name) or maps["hub"].get(name)
+    if target is None:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        i = int(layer.group(1)) if layer else None
+        hint = (f" (layer {i} is {cfg.mixer_kind(i).upper()} with a {cfg.ffn_kind(i)} FFN)"
+                if i is not None and i < cfg.n_layers else "")
+        raise CheckpointError(f"{directory}: unknown tensor {name}{hint}")
+    if shape != target.shape:
+        raise CheckpointError(f"{directory}: tensor {name} has shape {shape}; the config needs {target.shape}")
+    return target
+
+
+def _leaves_of(cfg: ModelConfig, target: Target) -> tuple[tuple[str, ...], ...]:
+    """The param leaves one tensor sets (the fused conv, kv_b and gate_up set several)."""
+    *pre, last = target.path
+    leaves = {"conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"), "kv_b": ("w_kb_rhn", "w_vb_rhv"),
+              "gate_up": ("w_gate_elf", "w_up_elf")}.get(last, (last,))
+    return tuple(tuple(pre) + (leaf,) for leaf in leaves)
+
+
+def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
+    """Validate a model directory from its config and the shards' headers alone (no tensor data
+    is read): every shard present and readable, every tensor known with the config's shape, none
+    twice, none missing.  Returns its config; raises `CheckpointError` naming the first problem."""
+    cfg = cfg or read_config(directory)
+    maps = {n: _tensor_map(cfg, n) for n in ("transformers", "hub")}
+    filled: dict[tuple, str] = {}
+    for _, name, shape in _headers(directory):
+        target = _target(cfg, maps, directory, name, shape)
+        keys = ([target.path + (target.expert,)] if target.expert is not None
+                else list(_leaves_of(cfg, target)))
+        for key in keys:
+            if key in filled:
+                raise CheckpointError(f"{directory}: tensor {name} sets what {filled[key]} sets already")
+            filled[key] = name
+    for name, target in maps["transformers"].items():
+        for leaf in _leaves_of(cfg, target):
+            if leaf in filled:
+                continue
+            hub = [(n, t) for n, t in maps["hub"].items() if t.path == leaf]
+            if hub and all(t.expert is not None for _, t in hub):
+                absent = [n for n, t in hub if leaf + (t.expert,) not in filled]
+                if not absent:
+                    continue
+                raise CheckpointError(f"{directory}: tensor {absent[0]} is missing"
+                                      + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+            raise CheckpointError(f"{directory}: tensor {name} is missing")
+    return cfg
+
+
 def load(directory: str, *, dtype=None, device=None, biased_weights: bool = False, cfg: ModelConfig | None = None):
     """(params, cfg) of a Kimi-Linear model directory (see the module docstring); params in the
     checkpoint layout, each leaf in `dtype` (default the config's; the router and the KDA gate's
-    parameters stay fp32) on `device` (default JAX's first)."""
-    cfg = cfg or read_config(directory, biased_weights=biased_weights)
+    parameters stay fp32) on `device` (default JAX's first).  The directory is `check`ed whole
+    from its headers before any tensor is read."""
+    cfg = check(directory, cfg or read_config(directory, biased_weights=biased_weights))
     dtype = jnp.dtype(dtype or cfg.dtype)
     device = device or jax.devices()[0]
     maps = {n: _tensor_map(cfg, n) for n in ("transformers", "hub")}
     params: dict = {}
-    pending: dict[tuple[str, ...], tuple[np.ndarray, set, str]] = {}  # stacked expert leaves being filled
-    filled: dict[tuple[str, ...], str] = {}  # leaf path -> the tensor that filled it
-
-    def put(path, x, name):
-        if path in filled:
-            raise CheckpointError(f"{directory}: tensor {name} sets {'/'.join(path)}, which {filled[path]} set already")
-        filled[path] = name
-        _set(params, path, jax.device_put(np.ascontiguousarray(x, _leaf_dtype(path, dtype)), device))
-
+    pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # stacked expert leaves being filled
+    put = lambda path, x: _set(params, path, jax.device_put(np.ascontiguousarray(x, _leaf_dtype(path, dtype)), device))
     n_bytes = n_tensors = 0
     for name, x in _tensors(directory):
-        target = maps["transformers"].get(name) or maps["hub"].get(name)
-        if target is None:
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            i = int(layer.group(1)) if layer else None
-            hint = (f" (layer {i} is {cfg.mixer_kind(i).upper()} with a {cfg.ffn_kind(i)} FFN)"
-                    if i is not None and i < cfg.n_layers else "")
-            raise CheckpointError(f"{directory}: unknown tensor {name}{hint}")
-        if tuple(x.shape) != target.shape:
-            raise CheckpointError(f"{directory}: tensor {name} has shape {tuple(x.shape)}; the config needs "
-                                  f"{target.shape}")
+        target = _target(cfg, maps, directory, name, tuple(x.shape))
         n_bytes, n_tensors = n_bytes + x.nbytes, n_tensors + 1
-        if target.expert is not None:
-            buf, rows, _ = pending.get(target.path, (None, set(), name))
+        if target.expert is not None:  # a row of a stacked leaf: to the device once every row is in
+            buf, rows = pending.get(target.path, (None, 0))
             row = target.to_ours(x)
             if buf is None:
                 buf = np.empty((cfg.n_routed_experts,) + row.shape, _leaf_dtype(target.path, dtype))
-            if target.expert in rows:
-                raise CheckpointError(f"{directory}: tensor {name} appears twice")
-            buf[target.expert], _ = row, rows.add(target.expert)
-            pending[target.path] = (buf, rows, name)
-            if len(rows) == cfg.n_routed_experts:
-                put(target.path, pending.pop(target.path)[0], name)
+            buf[target.expert] = row
+            pending[target.path] = (buf, rows + 1)
+            if rows + 1 == cfg.n_routed_experts:
+                put(target.path, pending.pop(target.path)[0])
             continue
         for path, value in _split(cfg, target.path, target.to_ours(x)).items():
-            put(path, value, name)
-    for path, (_, rows, name) in pending.items():
-        absent = min(set(range(cfg.n_routed_experts)) - rows)
-        raise CheckpointError(f"{directory}: tensor {re.sub(r'experts\.\d+\.', f'experts.{absent}.', name)} is "
-                              f"missing ({cfg.n_routed_experts - len(rows)} experts of {'/'.join(path)} absent)")
-    missing = [name for path, name in _required(cfg, maps["transformers"]).items() if path not in filled]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{directory}: tensor {missing[0]} is missing{more}")
+            put(path, value)
     log.info("loaded %s: %d tensors, %.2f GB from safetensors", directory, n_tensors, n_bytes / 1e9)
     return params, cfg
-
-
-def _required(cfg: ModelConfig, tmap: dict[str, Target]) -> dict[tuple[str, ...], str]:
-    """Every leaf the model needs -> the (transformers) tensor name that holds it."""
-    out = {}
-    for name, t in tmap.items():
-        *pre, last = t.path
-        leaves = {"conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"), "kv_b": ("w_kb_rhn", "w_vb_rhv"),
-                  "gate_up": ("w_gate_elf", "w_up_elf")}.get(last, (last,))
-        out.update({tuple(pre) + (leaf,): name for leaf in leaves})
-    return out
 
 
 # ---- writing ------------------------------------------------------------------------------------
@@ -437,6 +465,8 @@ def _from_ours(cfg: ModelConfig, params, names: str) -> Iterator[tuple[str, np.n
 
     d, hk = cfg.d_model, cfg.kda_heads * cfg.kda_head_dim
     for name, t in _tensor_map(cfg, names).items():
+        if "block_sparse_moe." in name and t.path[1] == "mlp":  # the dense layers' alias prefix: written once
+            continue
         *pre, last = t.path
         pre = tuple(pre)
         if last == "conv_qkv":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -65,14 +66,24 @@ def _cmd_generate(args) -> int:
     tok = load_serving_tokenizer(args.tokenizer, args.checkpoint, cfg.vocab_size)
     if n_images and tok.image_id != tokenizer.IMAGE_ID:
         raise ValueError(f"the tokenizer {tok.name} has no image placeholder at the model's id {tokenizer.IMAGE_ID}")
-    prompt = tok.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
-                                     tokens_per_image=tpi)
+    if args.prompt_ids is not None:
+        prompt = _parse_ids(args.prompt_ids, cfg.vocab_size)
+        if n_images:
+            raise ValueError("--prompt-ids takes no --random-images (the ids hold no placeholders)")
+    else:
+        prompt = tok.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
+                                         tokens_per_image=tpi)
     if args.draft_checkpoint:
         return _generate_speculative(args, params, cfg, prompt, images)
     t0 = time.perf_counter()
     result = generate(params, cfg, prompt, args.max_new_tokens, images=images, use_cache=not args.oracle,
-                      stop_at_eos=True, eos_id=tok.eos_id)
+                      stop_at_eos=not args.ignore_eos, eos_id=tok.eos_id)
     dt = time.perf_counter() - t0
+    if args.logits_out:
+        np.save(args.logits_out, result.logits.astype(np.float32))
+    if args.json:
+        print(json.dumps({"tokens": result.tokens.tolist()}))
+        return 0
     print(f"config={cfg.name} prompt_tokens={len(prompt)} images={n_images} "
           f"mode={'oracle (no cache, fp32)' if args.oracle else 'cached'}")
     print(f"tokens: {result.tokens.tolist()}")
@@ -81,6 +92,19 @@ def _cmd_generate(args) -> int:
           f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}"
           f"{' as ' + args.manifest if args.manifest else ''}")
     return 0
+
+
+def _parse_ids(text: str, vocab_size: int) -> list[int]:
+    """"5,6,7" -> [5, 6, 7], each in [0, vocab_size); ValueError naming the bad entry."""
+    out = []
+    for part in text.split(","):
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise ValueError(f"--prompt-ids: {part.strip()!r} is not an integer id") from None
+        if not 0 <= out[-1] < vocab_size:
+            raise ValueError(f"--prompt-ids: id {out[-1]} is outside the vocabulary [0, {vocab_size})")
+    return out
 
 
 def _generate_speculative(args, params, cfg, prompt, images) -> int:
@@ -106,7 +130,6 @@ def _generate_speculative(args, params, cfg, prompt, images) -> int:
 
 
 def _cmd_eagle_ab(args) -> int:
-    import json
 
     import jax.numpy as jnp
 
@@ -202,7 +225,12 @@ def _cmd_train_tokenizer(args) -> int:
 def _cmd_info(args) -> int:
     from kimik3 import config, quantization, sizing
 
-    cfg = config.get_config(args.config)
+    if args.checkpoint:
+        from kimik3 import checkpoint
+
+        cfg = checkpoint.load_config(args.checkpoint)
+    else:
+        cfg = config.get_config(args.config)
     manifest = quantization.MANIFESTS[args.manifest]
     print(f"config        {cfg.name}")
     print(f"layers        {cfg.n_layers} ({cfg.mixer_kinds.count('kda')} KDA, {cfg.mixer_kinds.count('mla')} MLA)")
@@ -355,14 +383,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     g = add("generate", help="greedy generation from a config (random weights) or a checkpoint")
     g.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
-    g.add_argument("--checkpoint", default=None, help="checkpoint directory (overrides --config)")
+    g.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory, or a Hugging Face Kimi-Linear model directory (overrides --config)")
     g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
                    help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
     g.add_argument("--prompt", default="Hello, Kimi!", help="user message")
     g.add_argument("--tokenizer", default=None, metavar="SPEC",
                    help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
                         "checkpoint's if it has one, else 'byte')")
+    g.add_argument("--prompt-ids", default=None, metavar="IDS",
+                   help="the prompt as comma-separated token ids (no chat template), e.g. 5,6,7")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens even past the EOS token")
+    g.add_argument("--json", action="store_true", help='print only {"tokens": [...]} (the generated ids)')
+    g.add_argument("--logits-out", default=None, metavar="FILE.npy",
+                   help="write the fp32 logits [N, vocab] that chose each token (row 0: after the prompt)")
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed (without --checkpoint)")
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
@@ -477,7 +512,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_train_eagle)
 
     i = add("info", help="parameter count and weight bytes of a config")
-    i.add_argument("--config", default="kimi_k3", help="tiny | small | kimi_k3 | ... (kimik3.config)")
+    i.add_argument("--config", default="kimi_k3", help="tiny | small | kimi_k3 | kimi_linear | ... (kimik3.config)")
+    i.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a checkpoint or Hugging Face model directory: its config (overrides --config)")
     i.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(MANIFEST_NAMES),
                    help="the storage format of each weight (kimik3.quantization)")
     i.set_defaults(func=_cmd_info)

@@ -40,7 +40,8 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if path is None:
         raise FileNotFoundError(f"{directory} holds no tokenizer.json, tiktoken.model or *.tiktoken")
     cfg = _config(directory)
-    kw = {"chat_template": cfg.get("chat_template"), "role_names": cfg.get("roles")}
+    kw = {"chat_template": cfg.get("chat_template") or _template_file(directory),
+          "role_names": cfg.get("roles") or _hf_roles(directory, cfg)}
     if path.endswith(".json"):
         from kimik3.text.bpe import BPETokenizer
 
@@ -51,6 +52,41 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if "added_tokens_decoder" in cfg:
         special = {t["content"]: int(i) for i, t in cfg["added_tokens_decoder"].items() if t.get("special", True)}
     return TiktokenTokenizer(path, pattern=cfg.get("pat_str", DEFAULT_PATTERN), special=special, **kw)
+
+
+def _template_file(directory: str) -> str | None:
+    """A ``chat_template.jinja`` beside the tokenizer (where transformers writes the template)."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _token_name(value) -> str | None:
+    """A tokenizer_config.json token entry: a name, or {"content": name}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_roles(directory: str, cfg: dict) -> dict[str, str] | None:
+    """Roles of a Hugging Face model directory's special tokens: end of sequence is the model's
+    ``eos_token_id`` (config.json; Kimi's <|im_end|>, not the tokenizer's [EOS]) where it names an
+    added token, else tokenizer_config's ``eos_token``; beginning of sequence its ``bos_token``.
+    None where neither says (the byte tokenizer's names then apply)."""
+    names = {int(i): t["content"] for i, t in cfg.get("added_tokens_decoder", {}).items()}
+    roles = {}
+    model_cfg = os.path.join(directory, "config.json")
+    if os.path.exists(model_cfg):
+        with open(model_cfg, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if isinstance(eos, int) and eos in names:
+            roles["eos"] = names[eos]
+    if "eos" not in roles and _token_name(cfg.get("eos_token")):
+        roles["eos"] = _token_name(cfg["eos_token"])
+    if _token_name(cfg.get("bos_token")):
+        roles["bos"] = _token_name(cfg["bos_token"])
+    return roles or None
 
 
 def _tokenizer_file(directory: str) -> str | None:
