@@ -374,8 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (without --checkpoint)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
-    parser.add_argument("--checkpoint", default=None, metavar="DIR",
-                        help="serve these weights (`kimik3 train` / `kimik3 quantize`; overrides --config)")
+    parser.add_argument("--checkpoint", "--model", dest="checkpoint", default=None, metavar="DIR",
+                        help="serve these weights: a Hugging Face Kimi-Linear directory, or `kimik3 train` / "
+                             "`kimik3 quantize`'s (overrides --config)")
     parser.add_argument("--manifest", default=None,
                         choices=SERVING_MANIFESTS,
                         help="load --checkpoint's quantized weights as this manifest")
@@ -384,7 +385,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and every worker (default: the checkpoint's if it has one, else 'byte')")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id clients send, and the model_name of every vllm:* metric "
-                             "(default kimik3-<config>)")
+                             "(default: a Hugging Face directory's name, else kimik3-<config>)")
     parser.add_argument("--gpus", default="auto",
                         help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi "
                              "lists) or none")
@@ -412,8 +413,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
+def check_model(args) -> None:
+    """A Hugging Face directory is validated from its headers before any child starts: a missing
+    shard, an unknown tensor, a wrong shape or a corrupt header is one line here, not a worker
+    that dies after the router is up (`kimik3.hf.check`)."""
+    from kimik3 import hf
+
+    if args.checkpoint and hf.is_hf_dir(args.checkpoint):
+        hf.check(args.checkpoint)
+    elif args.checkpoint and not os.path.isdir(args.checkpoint):
+        raise ValueError(f"--model / --checkpoint {args.checkpoint}: no such directory")
+
+
 def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        check_model(args)
+    except ValueError as e:
+        print(f"kimik3 launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     dep = Deployment(args, stop, progress=lambda message: print(f"kimik3 launch: {message}", flush=True))

@@ -360,7 +360,12 @@ class Router:
         else:
             self.model_cfg = config.get_config(cfg.config)
         self.tok = load_serving_tokenizer(cfg.tokenizer, cfg.checkpoint, self.model_cfg.vocab_size)
-        self.model_name = cfg.model_name or f"kimik3-{self.model_cfg.name}"
+        # a Hugging Face directory is served under its own name (vLLM's habit); a config or our
+        # own checkpoint as kimik3-<config>
+        from kimik3 import hf
+
+        hf_dir = bool(cfg.checkpoint) and hf.is_hf_dir(cfg.checkpoint)
+        self.model_name = cfg.model_name or (self.model_cfg.name if hf_dir else f"kimik3-{self.model_cfg.name}")
         self.aliases = {self.model_name, self.model_cfg.name}
         mk = lambda: CircuitBreaker(cfg.breaker_threshold, cfg.breaker_cooldown_s, cfg.breaker_max_cooldown_s)
         self.prefill = [Worker(u.rstrip("/"), "prefill", mk()) for u in cfg.prefill]

@@ -819,7 +819,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
-    parser.add_argument("--checkpoint", default=None, help="trained weights (`kimik3 train`; overrides --config)")
+    parser.add_argument("--checkpoint", "--model", dest="checkpoint", default=None,
+                        help="weights: a Hugging Face Kimi-Linear directory or `kimik3 train`'s (overrides --config)")
     parser.add_argument("--tokenizer", default=None, metavar="SPEC",
                         help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
                              "checkpoint's tokenizer if it has one, else 'byte'): its end-of-sequence id ends requests")
