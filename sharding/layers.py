@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from kimik3.config import ModelConfig
 from kimik3.layers.kda import KDA
 from kimik3.layers.mla import MLA
-from kimik3.layers.mlp import glu_mlp
+from kimik3.layers.mlp import glu_activation, glu_mlp
 from kimik3.layers.moe import experts_grouped, route
 from kimik3.layers.primitives import rms_norm
 from sharding.rules import EXPERT
@@ -65,13 +65,14 @@ def mixer(cfg_local: ModelConfig, layer: int, p_layer, h_btd, positions_bt, cach
 
 
 def dense_ffn(cfg: ModelConfig, p_mlp, h_btd):
-    """Layer 0's dense SiTU-GLU MLP (replicated weights) on this rank's tokens."""
-    return glu_mlp(h_btd, p_mlp["w_gate_df"], p_mlp["w_up_df"], p_mlp["w_out_fd"],
-                   gate_cap=cfg.situ_gate_cap, up_cap=cfg.situ_up_cap)
+    """The dense GLU MLP (replicated weights; the config's activation) on this rank's tokens."""
+    return glu_mlp(h_btd, p_mlp["w_gate_df"], p_mlp["w_up_df"], p_mlp["w_out_fd"], act=glu_activation(cfg))
 
 
 def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: str = "auto"):
     """LatentMoE with experts split over the EXPERT axis (ep ranks); h_btd [B, T, D] this rank's tokens.
+    Without a latent (`ModelConfig.moe_latent` False) the experts read the tokens themselves and
+    the combine is only scaled.
 
     Route (fp32, all experts) -> down-project to the latent -> dispatch each
     (token, k) row to the rank holding its expert -> grouped expert GEMMs on
@@ -80,10 +81,11 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: s
     """
     b, t, d = h_btd.shape
     x_nd = h_btd.reshape(b * t, d)
-    ids_nk, weights_nk = route(x_nd, p_moe["w_router_de"], p_moe["router_bias_e"], cfg.n_active_experts)
-    x_nl = x_nd @ p_moe["w_down_dl"]
+    ids_nk, weights_nk = route(x_nd, p_moe["w_router_de"], p_moe["router_bias_e"], cfg.n_active_experts,
+                               cfg.moe_biased_weights)
+    x_nl = x_nd @ p_moe["w_down_dl"] if cfg.moe_latent else x_nd
     experts = (p_moe["w_gate_elf"], p_moe["w_up_elf"], p_moe["w_out_efl"])
-    caps = (cfg.situ_gate_cap, cfg.situ_up_cap)
+    caps = glu_activation(cfg)
     if ep == 1:
         y_nkl = _expert_rows(x_nl[:, None, :].repeat(ids_nk.shape[1], 1).reshape(-1, x_nl.shape[-1]),
                              ids_nk.reshape(-1), jnp.ones(ids_nk.size, bool), experts, caps, kernels)
@@ -96,7 +98,10 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: s
         raise ValueError(f"dispatch must be 'dense' or 'ragged'; got {dispatch!r}")
     # The combine of experts_grouped, on the rows that came back: sum_k w_k * y_k.
     z_nl = jnp.einsum("nk,nkl->nl", weights_nk.astype(y_nkl.dtype), y_nkl)
-    routed = (rms_norm(z_nl, p_moe["latent_norm_l"], cfg.norm_eps) @ p_moe["w_up_ld"]) * cfg.routed_scaling_factor
+    if cfg.moe_latent:
+        routed = (rms_norm(z_nl, p_moe["latent_norm_l"], cfg.norm_eps) @ p_moe["w_up_ld"]) * cfg.routed_scaling_factor
+    else:
+        routed = z_nl.astype(jnp.float32) * cfg.routed_scaling_factor
     y_btd = routed.reshape(b, t, d).astype(h_btd.dtype)
     if cfg.n_shared_experts:
         y_btd = y_btd + dense_ffn(cfg, p_moe["shared"], h_btd)

@@ -58,6 +58,21 @@ def tiny8_params(tiny8_cfg):
     return host_init(tiny8_cfg, seed=1)
 
 
+@pytest.fixture(scope="session")
+def kl8_cfg(tiny8_cfg):
+    """tiny8 as Kimi-Linear (`kimik3.config.kimi_linear`'s switches: the unbounded gate, no MLA
+    output gate or q-LoRA, SwiGLU experts at d_model) with MLA at 1-based 2 and 4, two dense layers."""
+    return tiny8_cfg.replace(
+        name="kl8", q_lora_rank=0, moe_latent_dim=tiny8_cfg.d_model, mixer_layout=("kda", "mla", "kda", "mla"),
+        dense_layers=2, kda_gate="softplus", mla_output_gate=False, moe_latent=False, ffn_activation="silu",
+        norm_eps=1e-5, mla_norm_eps=1e-6, kda_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="session")
+def kl8_params(kl8_cfg):
+    return host_init(kl8_cfg, seed=2)
+
+
 HLO_ITEMSIZE = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 _COLLECTIVE = re.compile(r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
                          r"(?P<kind>all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute|"

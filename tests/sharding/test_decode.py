@@ -85,3 +85,21 @@ def test_batch_not_multiple_of_dp_raises(tiny_cfg, tiny_params, devices):
     sd = ShardedDecode(tiny_cfg, decode_mesh(4, 2, devices=devices[:4]))
     with pytest.raises(ValueError, match="not a multiple of dp=4"):
         sd(tiny_params, np.zeros((2, 1), np.int32), model.init_cache(tiny_cfg, 2, 16))
+
+
+def test_the_kimi_linear_variant_decodes_as_the_single_device_model(kl8_cfg, kl8_params, prompts, devices):
+    """Its irregular layer list, unbounded gate, gate-less MLA and latent-free SwiGLU MoE through
+    the prefill mesh, the handoff and the DP/EP decode mesh."""
+    cfg, params = kl8_cfg, kl8_params
+    sp = ShardedPrefill(cfg, prefill_mesh(2, 2, devices=devices[:2], cfg=cfg), dispatch="dense")
+    logits, cache = sp(sp.place_params(params), prompts, sp.place_cache(model.init_cache(cfg, BATCH, MAX_LEN)))
+    sd = ShardedDecode(cfg, decode_mesh(4, 4, devices=devices[-4:], cfg=cfg), dispatch="dense")
+    p_sd, cache = sd.place_params(params), sd.place_cache(cache)
+    ref_logits, ref_cache = model.forward(params, cfg, prompts, cache=model.init_cache(cfg, BATCH, MAX_LEN))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
+    nxt = np.asarray(ref_logits)[:, -1].argmax(-1)[:, None].astype(np.int32)
+    for _ in range(2):
+        logits, cache = sd(p_sd, nxt, cache)
+        ref_logits, ref_cache = model.forward(params, cfg, nxt, cache=ref_cache)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-4, atol=1e-4)
+        nxt = np.asarray(ref_logits)[:, -1].argmax(-1)[:, None].astype(np.int32)

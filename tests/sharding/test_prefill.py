@@ -12,14 +12,13 @@ from sharding.prefill import ShardedPrefill
 from tests.sharding.conftest import hlo_bytes, hlo_collectives
 
 BATCH, SEQ, MAX_LEN = 2, 16, 32
-# (config fixture, tp, ep): tp == ep, tp > ep (expert replica groups), and the full 8 ranks.
-CASES = [("tiny", 2, 2), ("tiny8", 4, 2), ("tiny8", 8, 8)]
+# (config fixture, tp, ep): tp == ep, tp > ep (expert replica groups), the full 8 ranks, and the
+# Kimi-Linear variant (its own layer list, gate, FFNs and MoE without a latent).
+CASES = [("tiny", 2, 2), ("tiny8", 4, 2), ("tiny8", 8, 8), ("kl8", 4, 4)]
 
 
 def _setup(request, name):
-    if name == "tiny":
-        return request.getfixturevalue("tiny_cfg"), request.getfixturevalue("tiny_params")
-    return request.getfixturevalue("tiny8_cfg"), request.getfixturevalue("tiny8_params")
+    return request.getfixturevalue(f"{name}_cfg"), request.getfixturevalue(f"{name}_params")
 
 
 @pytest.fixture(scope="session", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-ep{c[2]}")
@@ -63,7 +62,8 @@ def test_hlo_has_the_planned_collectives(prefilled):
     kinds = collections.Counter(k for k, _, _ in found)
     assert kinds["reduce-scatter"] == cfg.n_layers
     assert kinds["all-gather"] == cfg.n_layers
-    assert kinds["all-to-all"] == 3 * (cfg.n_layers - 1)  # ids + rows there, rows back, per MoE layer
+    n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
+    assert kinds["all-to-all"] == 3 * n_moe  # ids + rows there, rows back, per MoE layer
     assert kinds.keys() <= {"reduce-scatter", "all-gather", "all-to-all"}
     planned = plan.collectives(cfg, MeshShape("prefill", tp, ep), BATCH, SEQ, "float32", "dense")
     assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == \
@@ -77,7 +77,7 @@ def test_no_all_gather_of_expert_weights(prefilled):
                 for _, dims in shapes}
     assert gathered == {(BATCH, SEQ, cfg.d_model)}
     # and each device holds only its experts
-    w = prefilled["p_sh"]["layer_1"]["moe"]["w_gate_elf"]
+    w = prefilled["p_sh"][f"layer_{cfg.dense_layers}"]["moe"]["w_gate_elf"]
     assert {s.data.shape[0] for s in w.addressable_shards} == {cfg.n_routed_experts // prefilled["ep"]}
 
 
