@@ -63,11 +63,12 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
         gate_bounded=True):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
-    gate_bounded: whether every g lies above the bounded gate's lower bound (-5, Kimi-K3).  The
-    chunked Pallas kernel's sub-chunk factorisation relies on it (exp(16 * 5) stays finite);
-    with an unbounded gate (Kimi-Linear's softplus form, g far below -5) a chunked span runs the
-    chunked reference, whose every exponent is of a non-positive number.  The recurrent forms
-    (one token, a verify pass) take any g <= 0.
+    gate_bounded: whether every g is known to lie above the bounded gate's lower bound
+    (GATE_FLOOR, Kimi-K3's -5).  The chunked Pallas kernel's sub-chunk factorisation relies on it
+    (exp(16 * 5) stays finite).  With an unbounded gate (Kimi-Linear's softplus form) a chunked
+    span checks its gates on the device: when every g >= GATE_FLOOR it runs the kernel, else the
+    chunked reference, whose every exponent is of a non-positive number (the same answer; the
+    reference is slower).  The recurrent forms (one token, a verify pass) take any g <= 0.
 
     One token (decode) takes the recurrent form; longer spans the chunked form.
     Returns (o [B, T, H, V], final_state [B, H, K, V] fp32), and with export_at (int32 [E]
@@ -102,11 +103,13 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
                   export_at=export_at, gate_bounded=gate_bounded)
         return (out[0], initial_state.at[slots].set(out[1])) + tuple(out[2:])
     if export_at is not None:
-        if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK or not gate_bounded:
-            return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+        ref = lambda: kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state,
+                                                  chunk_size=chunk_size, export_at=export_at)
+        if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
+            return ref()
+        kernel = lambda: kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                                export_at=export_at)
-        return kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                     export_at=export_at)
+        return kernel() if gate_bounded else _where_gates_allow(g, kernel, ref)
     if resolve(kernels) == "reference":
         if t == 1:
             return kda_kernels.kda_recurrent_ref(q, k, v, g, beta, initial_state=initial_state)
@@ -116,10 +119,22 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     if t == 1:
         return kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state,
                                                slots=jnp.arange(b, dtype=jnp.int32))
-    if not gate_bounded:
-        return kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size)
-    o, final_state, _ = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
-    return o, final_state
+    kernel = lambda: kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)[:2]
+    if gate_bounded:
+        return kernel()
+    return _where_gates_allow(g, kernel, lambda: kda_kernels.kda_chunked_ref(
+        q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size))
+
+
+# The lowest per-token log-decay the chunked kernel's factorisation takes (the bounded gate's bound).
+GATE_FLOOR = -5.0
+
+
+def _where_gates_allow(g, kernel, reference):
+    """kernel() when every gate g >= GATE_FLOOR (decided on the device), else reference(): the
+    same outputs either way (a `lax.cond`, both traced once)."""
+    safe = jnp.min(g.astype(jnp.float32)) >= GATE_FLOOR
+    return jax.lax.cond(safe, lambda _: tuple(kernel()), lambda _: tuple(reference()), None)
 
 
 def linear(x, w, *, kernels="auto"):

@@ -143,3 +143,24 @@ def test_a_verify_pass_on_the_pallas_path_exports_what_the_reference_does(rng):
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     assert not np.asarray(got[2][:, 4:]).any()
+
+
+@pytest.mark.parametrize("floor", [-4.0, -60.0])
+def test_an_unbounded_gate_takes_the_chunk_kernel_only_where_its_factorisation_holds(rng, floor):
+    """Kimi-Linear's gate has no lower bound: with every g >= -5 a chunked span runs the Pallas
+    kernel, with g down to -60 (exp(16 * 60) overflows the kernel's sub-block factorisation) the
+    chunked reference; both give the recurrence's outputs and state, finite (interpret mode)."""
+    from pallas_kernels.kda import kda_recurrent_ref
+    from tests.pallas_kernels.test_kda_ref import kda_inputs
+
+    q, k, v, _, beta = kda_inputs(rng, 1, 80, 2, 16, 16)
+    g = jnp.asarray(rng.uniform(floor, 0.0, q.shape), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
+    o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=s0)
+    o, s = ops.kda(q, k, v, g, beta, initial_state=s0, kernels="pallas", gate_bounded=False)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    np.testing.assert_allclose(o, o_ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(s, s_ref, atol=1e-4, rtol=1e-4)
+    if floor < ops.GATE_FLOOR:  # the kernel alone would not have survived these gates
+        o_kernel = ops.kda(q, k, v, g, beta, initial_state=s0, kernels="pallas")[0]
+        assert not np.isfinite(np.asarray(o_kernel)).all()
