@@ -420,18 +420,38 @@ def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
     return cfg
 
 
-def load(directory: str, *, dtype=None, device=None, biased_weights: bool = False, cfg: ModelConfig | None = None):
+EXPERT_LEAVES = ("w_gate_elf", "w_up_elf", "w_out_efl")
+
+
+def load(directory: str, *, dtype=None, device=None, biased_weights: bool = False, cfg: ModelConfig | None = None,
+         experts: str | None = None):
     """(params, cfg) of a Kimi-Linear model directory (see the module docstring); params in the
     checkpoint layout, each leaf in `dtype` (default the config's; the router and the KDA gate's
     parameters stay fp32) on `device` (default JAX's first).  The directory is `check`ed whole
-    from its headers before any tensor is read."""
+    from its headers before any tensor is read.
+
+    experts: None, or "mxfp4": the routed experts quantized on the way in (each stacked leaf,
+    once whole, goes to the device in fp32 and comes back a `kimik3.quant.formats.QTensor`, as
+    `kimik3 quantize` stores them): the 48B model's weights in ~29 GB instead of ~98 GB, so it
+    loads onto one H100 without a full bf16 copy ever on the device."""
+    if experts not in (None, "mxfp4"):
+        raise ValueError(f"experts must be None or 'mxfp4'; got {experts!r}")
     cfg = check(directory, cfg or read_config(directory, biased_weights=biased_weights))
     dtype = jnp.dtype(dtype or cfg.dtype)
     device = device or jax.devices()[0]
     maps = {n: _tensor_map(cfg, n) for n in ("transformers", "hub")}
     params: dict = {}
     pending: dict[tuple[str, ...], tuple[np.ndarray, int]] = {}  # stacked expert leaves being filled
-    put = lambda path, x: _set(params, path, jax.device_put(np.ascontiguousarray(x, _leaf_dtype(path, dtype)), device))
+
+    def put(path, x):
+        if experts and path[-1] in EXPERT_LEAVES:
+            from kimik3.quant import formats
+
+            value = formats.quantize(jax.device_put(np.asarray(x, np.float32), device), experts)
+        else:
+            value = jax.device_put(np.ascontiguousarray(x, _leaf_dtype(path, dtype)), device)
+        _set(params, path, value)
+
     n_bytes = n_tensors = 0
     for name, x in _tensors(directory):
         target = _target(cfg, maps, directory, name, tuple(x.shape))

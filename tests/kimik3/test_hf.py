@@ -141,3 +141,29 @@ def test_generate_prints_the_tokens_and_writes_the_logits(tmp_path, cfg_params, 
     np.testing.assert_allclose(logits, want.logits, atol=1e-5)
     assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--prompt-ids", "5,x"]) == 2
     assert "--prompt-ids: 'x' is not an integer id" in capsys.readouterr().err
+
+
+def test_mxfp4_experts_quantized_on_the_way_in_are_what_quantize_stores(tmp_path):
+    """experts="mxfp4": each routed-expert leaf is `formats.quantize` of the loaded weights (the
+    bits `kimik3 quantize` writes), the rest as without it, and the model runs on them."""
+    from kimik3.quant import formats
+
+    cfg = small_kimi_linear().replace(moe_expert_dim=32, moe_shared_dim=32)  # MX blocks of 32 along K
+    params = model.init_params(cfg, jax.random.PRNGKey(4), "float32")
+    hf.save(str(tmp_path), params, cfg, names="hub", max_shard_bytes=20_000)
+    plain, _ = hf.load(str(tmp_path), dtype="bfloat16")
+    quant, _ = hf.load(str(tmp_path), dtype="bfloat16", experts="mxfp4")
+    for name in hf.EXPERT_LEAVES:
+        q, want = quant["layer_2"]["moe"][name], formats.quantize(plain["layer_2"]["moe"][name], "mxfp4")
+        assert isinstance(q, formats.QTensor) and q.fmt == "mxfp4"
+        np.testing.assert_array_equal(np.asarray(q.values), np.asarray(want.values))
+        np.testing.assert_array_equal(np.asarray(q.scales, np.float32), np.asarray(want.scales, np.float32))
+    _same(quant["layer_0"], plain["layer_0"])
+    # the model on them is the model on their dequantized values
+    dequantized = jax.tree.map(lambda x: formats.dequantize(x).astype(jax.numpy.bfloat16)
+                               if isinstance(x, formats.QTensor) else x, quant,
+                               is_leaf=lambda x: isinstance(x, formats.QTensor))
+    prompt = np.asarray([[5, 6, 7, 8]])
+    logits_q, _ = model.forward(quant, cfg, prompt, kernels="reference")
+    logits_d, _ = model.forward(dequantized, cfg, prompt, kernels="reference")
+    np.testing.assert_allclose(np.asarray(logits_q), np.asarray(logits_d), atol=2e-2)  # bf16 GEMMs either way
