@@ -632,7 +632,7 @@ class Router:
                 if failures > self.cfg.retries:
                     raise APIError(503, f"the request failed on {failures} {role} workers after {len(out)} "
                                         f"tokens; retry later (last error: {e})", type="service_unavailable",
-                                   code="worker_failure", headers=RETRY_AFTER)
+                                   code="worker_failure", headers=RETRY_AFTER) from e
                 self.metrics.retries.labels(role).inc()
                 await self._backoff(failures)
             finally:
@@ -728,7 +728,7 @@ class Router:
             stages = [(self.prefill, 1, True), (self.decode, max_tokens, False)]
         else:
             stages = [(self.decode, max_tokens, True)]
-        for i, (pool, upto, first_stage) in enumerate(stages):
+        for pool, upto, first_stage in stages:
             if len(out) >= max_tokens or stopped():
                 break
             async for kind, ev in self._run_pool(pool, prompt, out, upto, opts, rid, affinity=first_stage,

@@ -77,7 +77,7 @@ def throughput(n: int, cfg_name: str, seq: int, decode_batch: int, context: int,
     t1 = _time(lambda: model.forward(params, cfg, tokens, cache=cache1, kernels=kernels), reps)
     sp = ShardedPrefill(cfg, prefill_mesh(n, n, cfg=cfg), kernels=kernels)
     sp_params, sp_cache = sp.place_params(params), sp.place_cache(cache1)
-    tn = _time(lambda: sp(sp_params, tokens, sp_cache), reps)
+    tn = _time(lambda p=sp_params, c=sp_cache: sp(p, tokens, c), reps)
     res["prefill_s_1gpu"], res[f"prefill_s_{n}gpu"] = t1, tn
     res["prefill_tok_s_1gpu"], res[f"prefill_tok_s_{n}gpu"] = seq / t1, seq / tn
     print(json.dumps(res), flush=True)  # a run cut short still reports prefill
@@ -89,7 +89,7 @@ def throughput(n: int, cfg_name: str, seq: int, decode_batch: int, context: int,
     t1 = _time(lambda: model.forward(params, cfg, step, cache=cache, kernels=kernels), reps)
     sd = ShardedDecode(cfg, decode_mesh(n, n, cfg=cfg), kernels=kernels)
     sd_params, sd_cache = sd.place_params(params), sd.place_cache(cache)
-    tn = _time(lambda: sd(sd_params, step, sd_cache), reps)
+    tn = _time(lambda p=sd_params, c=sd_cache: sd(p, step, c), reps)
     res["decode_s_1gpu"], res[f"decode_s_{n}gpu"] = t1, tn
     res["decode_tok_s_1gpu"], res[f"decode_tok_s_{n}gpu"] = decode_batch / t1, decode_batch / tn
     return res

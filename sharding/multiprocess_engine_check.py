@@ -11,7 +11,7 @@ padding rows only while the other still decodes.  Process I serves, on its own r
   for a prefix hit;
 * two 60-token prompts per rank that grow past a rank's 8 pages (process 0 only): preemption,
   offload to the host tier and resume;
-* session 0's third turn after that pressure evicted it: a host-tier hit.
+* the first session's third turn after that pressure evicted it: a host-tier hit.
 
 Every request's tokens are compared with the no-cache fp32 oracle's; `serve` returns what each
 request got and where it ran.

@@ -117,7 +117,7 @@ def test_sequences_of_whole_query_tiles_are_laid_out_by_a_reshape_and_give_the_r
     from pallas_kernels.mla import PrefillLayout
 
     h, r, p, nope, dv, page = 2, 32, 8, 16, 16, 32
-    lens, cu = [32, 32], np.array([0, 32, 64])
+    cu = np.array([0, 32, 64])  # two rows of 32
     q, k, v = _rand(rng, 64, h, nope + p), _rand(rng, 64, h, nope + p), _rand(rng, 64, h, dv)
     lay = PrefillLayout(q, k, v, cu, None, q_multiple=16, k_multiple=16)
     assert lay.dense and not PrefillLayout(q, k, v, np.array([0, 30, 64]), None, q_multiple=16, k_multiple=16).dense

@@ -66,7 +66,7 @@ def served(request, tiny_cfg, params, devices):
     grown = [eng.submit(_prompt("c", i, 60), 8) for i in range(2 * dp)]
     eng.run(max_steps=500)
     log["grown"], log["preemptions"], log["offloaded"] = grown, eng.preemptions, eng.offloaded_resumes
-    # C: session 0's third turn, its pages evicted from every rank by B: from the host tier
+    # C: the first session's third turn, its pages evicted from every rank by B: from the host tier
     third = eng.submit(second[0].prompt + second[0].output + _prompt("d", 0, 6), 4)
     eng.run(max_steps=200)
     log["third"] = third
