@@ -249,7 +249,10 @@ def manifest_capacity(cfg: ModelConfig, shape: MeshShape, batch: int, context: i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kimik3 plan` options (for serving/cli.py's subparser)."""
-    parser.add_argument("--config", default="kimi_k3", help="a preset of kimik3.config: tiny, small, kimi_k3, k3_slice, ...")
+    parser.add_argument("--config", default="kimi_k3",
+                        help="a preset of kimik3.config: tiny, small, kimi_k3, k3_slice, kimi_linear, ...")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="plan a checkpoint's or a Hugging Face model directory's config (overrides --config)")
     parser.add_argument("--prefill", default="tp8,ep8", help="prefill mesh, e.g. tp8,ep8 ('' to skip)")
     parser.add_argument("--decode", default="dp16,ep16", help="decode mesh, e.g. dp16,ep16 ('' to skip)")
     parser.add_argument("--batch", type=int, default=1, help="prefill sequences per step")
@@ -268,7 +271,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     """Print the plan; ValueError (bad mesh or config) propagates to the CLI's error handler."""
-    cfg = config_lib.get_config(args.config)
+    if args.checkpoint:  # a checkpoint's or a Hugging Face directory's own config
+        from kimik3 import checkpoint
+
+        cfg = checkpoint.load_config(args.checkpoint)
+    else:
+        cfg = config_lib.get_config(args.config)
     parts = []
     if args.prefill:
         shape = parse_spec(args.prefill, "prefill")
