@@ -41,15 +41,17 @@ def image_content_hash(image) -> bytes:
     import numpy as np
 
     a = np.ascontiguousarray(image)
-    return hashlib.blake2b(a.dtype.str.encode() + repr(a.shape).encode() + a.tobytes(), digest_size=DIGEST_BYTES,
-                           person=b"kimik3-img-v1").digest()
+    return hashlib.blake2b(
+        a.dtype.str.encode() + repr(a.shape).encode() + a.tobytes(), digest_size=DIGEST_BYTES, person=b"kimik3-img-v1"
+    ).digest()
 
 
 def image_items(token_ids: Sequence[int], images, tokens_per_image: int, image_id: int) -> tuple[MMItem, ...]:
     """One MMItem per image: the k-th image spans the k-th run of `tokens_per_image` placeholders."""
     where = [i for i, t in enumerate(token_ids) if t == image_id]
-    return tuple(MMItem(image_content_hash(img), where[k * tokens_per_image], tokens_per_image)
-                 for k, img in enumerate(images))
+    return tuple(
+        MMItem(image_content_hash(img), where[k * tokens_per_image], tokens_per_image) for k, img in enumerate(images)
+    )
 
 
 def _h(*parts: bytes) -> bytes:
@@ -67,16 +69,23 @@ def namespace_seed(namespace: str) -> bytes:
     return _h(b"ns", namespace.encode())
 
 
-def block_hashes(token_ids: Sequence[int], *, block_size: int = 128, mm_items: Sequence[MMItem] = (),
-                 salt: str | None = None, namespace: str) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int],
+    *,
+    block_size: int = 128,
+    mm_items: Sequence[MMItem] = (),
+    salt: str | None = None,
+    namespace: str,
+) -> list[bytes]:
     """Hashes of the full blocks of `token_ids` (len(token_ids) // block_size of them)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive; got {block_size}")
     n_full = len(token_ids) // block_size
     for item in mm_items:
         if item.offset + item.length > len(token_ids):
-            raise ValueError(f"image span [{item.offset}, {item.offset + item.length}) exceeds the "
-                             f"{len(token_ids)} prompt tokens")
+            raise ValueError(
+                f"image span [{item.offset}, {item.offset + item.length}) exceeds the {len(token_ids)} prompt tokens"
+            )
     prev = namespace_seed(namespace)
     out = []
     for i in range(n_full):

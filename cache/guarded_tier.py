@@ -39,13 +39,27 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 class GuardedHostKVTier(HostKVTier):
     """`inner` behind a per-call deadline and a circuit breaker (module docstring)."""
 
-    def __init__(self, inner: HostKVTier, *, timeout_s: float = 1.0, failures_to_open: int = 1,
-                 cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        inner: HostKVTier,
+        *,
+        timeout_s: float = 1.0,
+        failures_to_open: int = 1,
+        cooldown_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()
         if timeout_s <= 0 or cooldown_s < 0 or failures_to_open < 1:
-            raise ValueError(f"need timeout_s > 0, cooldown_s >= 0, failures_to_open >= 1; got {timeout_s}, "
-                             f"{cooldown_s}, {failures_to_open}")
-        self.inner, self.timeout_s, self.failures_to_open, self.cooldown_s = inner, timeout_s, failures_to_open, cooldown_s
+            raise ValueError(
+                f"need timeout_s > 0, cooldown_s >= 0, failures_to_open >= 1; got {timeout_s}, "
+                f"{cooldown_s}, {failures_to_open}"
+            )
+        self.inner, self.timeout_s, self.failures_to_open, self.cooldown_s = (
+            inner,
+            timeout_s,
+            failures_to_open,
+            cooldown_s,
+        )
         self.stats = inner.stats  # hits, misses, errors: the inner tier's own counts
         self._clock = clock
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-tier-io")
@@ -82,8 +96,11 @@ class GuardedHostKVTier(HostKVTier):
             if self.state == HALF_OPEN or self.consecutive_failures >= self.failures_to_open:
                 if self.state == CLOSED:
                     self.trips += 1
-                    log.warning("host tier failing (%s); breaker open for %.1f s: its gets and puts are misses",
-                                error, self.cooldown_s)
+                    log.warning(
+                        "host tier failing (%s); breaker open for %.1f s: its gets and puts are misses",
+                        error,
+                        self.cooldown_s,
+                    )
                 else:
                     log.info("host tier probe failed (%s); breaker open again", error)
                 self.state, self.opened_at = OPEN, self._clock()
@@ -117,9 +134,14 @@ class GuardedHostKVTier(HostKVTier):
     def health(self) -> dict:
         """{"status": "ok" | "degraded", "breaker": state, ...} for /health."""
         with self._state_lock:
-            return {"status": "ok" if self.state == CLOSED else "degraded", "breaker": self.state,
-                    "last_error": self.last_error, "trips": self.trips, "timeouts": self.timeouts,
-                    "skipped": self.skipped}
+            return {
+                "status": "ok" if self.state == CLOSED else "degraded",
+                "breaker": self.state,
+                "last_error": self.last_error,
+                "trips": self.trips,
+                "timeouts": self.timeouts,
+                "skipped": self.skipped,
+            }
 
     # ---- HostKVTier -----------------------------------------------------------------------------
     def batch_put(self, keys: Sequence[str], arrays: Sequence[np.ndarray]) -> list[bool]:

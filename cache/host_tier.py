@@ -71,17 +71,18 @@ def decode_entry(blob: bytes | memoryview, expect_shape=None, expect_dtype=None)
         magic, version, meta_len, digest, n = _HEADER.unpack_from(blob, 0)
         if magic != MAGIC or version != VERSION:
             return None
-        meta = bytes(blob[_HEADER.size:_HEADER.size + meta_len]).decode()
+        meta = bytes(blob[_HEADER.size : _HEADER.size + meta_len]).decode()
         dtype_str, shape_str = meta.split("|")
         shape = tuple(int(s) for s in shape_str.split(",") if s)
-        payload = blob[_HEADER.size + meta_len:]
+        payload = blob[_HEADER.size + meta_len :]
         if len(payload) != n or xxhash.xxh3_128_digest(payload) != digest:
             return None
         arr = np.frombuffer(payload, dtype=np.dtype(dtype_str)).reshape(shape)
     except (struct.error, ValueError, TypeError, UnicodeDecodeError):
         return None
     if (expect_shape is not None and tuple(expect_shape) != arr.shape) or (
-            expect_dtype is not None and np.dtype(expect_dtype) != arr.dtype):
+        expect_dtype is not None and np.dtype(expect_dtype) != arr.dtype
+    ):
         return None
     return arr
 

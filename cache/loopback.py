@@ -67,20 +67,26 @@ def shim_path() -> str:
         if os.path.exists(path):
             if _trusted(path) and _trusted(out_dir) and _loads(path):
                 return path
-            raise LoopbackUnavailable(f"{path} is not this user's own, is writable by others, or does not load: "
-                                      f"remove it (or set KIMIK3_SHIM_DIR to a private directory)")
+            raise LoopbackUnavailable(
+                f"{path} is not this user's own, is writable by others, or does not load: "
+                f"remove it (or set KIMIK3_SHIM_DIR to a private directory)"
+            )
         if not cc:
-            raise LoopbackUnavailable("no C compiler (cc, gcc or clang; or $CC) to build cache/loopback_bind.c: "
-                                      "install one (Debian: build-essential) or Mooncake listens on every interface")
+            raise LoopbackUnavailable(
+                "no C compiler (cc, gcc or clang; or $CC) to build cache/loopback_bind.c: "
+                "install one (Debian: build-essential) or Mooncake listens on every interface"
+            )
         os.makedirs(out_dir, mode=0o700, exist_ok=True)
         if not _trusted(out_dir):
-            raise LoopbackUnavailable(f"{out_dir} is writable by other users: set KIMIK3_SHIM_DIR to a private "
-                                      f"directory")
+            raise LoopbackUnavailable(
+                f"{out_dir} is writable by other users: set KIMIK3_SHIM_DIR to a private directory"
+            )
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-ldl"], capture_output=True,
-                                  text=True, timeout=120)
+            proc = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-o", tmp, _SOURCE, "-ldl"], capture_output=True, text=True, timeout=120
+            )
             if proc.returncode:
                 raise LoopbackUnavailable(f"{cc} failed on cache/loopback_bind.c: {proc.stderr.strip()[:500]}")
             os.chmod(tmp, 0o755)
@@ -121,8 +127,13 @@ def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m cache.loopback", description=main.__doc__)
-    ap.add_argument("--allow-port", type=int, action="append", default=[],
-                    help="a port whose wildcard bind stays public (e.g. a worker's --port with --host 0.0.0.0)")
+    ap.add_argument(
+        "--allow-port",
+        type=int,
+        action="append",
+        default=[],
+        help="a port whose wildcard bind stays public (e.g. a worker's --port with --host 0.0.0.0)",
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd

@@ -83,8 +83,9 @@ class CacheSpec:
 
     def __post_init__(self):
         if self.kda_block_tokens % self.page_tokens:
-            raise ValueError(f"kda_block_tokens {self.kda_block_tokens} must be a multiple of "
-                             f"page_tokens {self.page_tokens}")
+            raise ValueError(
+                f"kda_block_tokens {self.kda_block_tokens} must be a multiple of page_tokens {self.page_tokens}"
+            )
 
 
 @dataclasses.dataclass
@@ -125,8 +126,15 @@ class ManagerStats:
 
 
 class PagedKVManager:
-    def __init__(self, spec: CacheSpec, pages: BlockStore, num_pages: int, snapshots: BlockStore,
-                 num_snapshots: int, host: HostKVTier | None = None):
+    def __init__(
+        self,
+        spec: CacheSpec,
+        pages: BlockStore,
+        num_pages: int,
+        snapshots: BlockStore,
+        num_snapshots: int,
+        host: HostKVTier | None = None,
+    ):
         self.spec = spec
         self.pages, self.snapshots, self.host = pages, snapshots, host
         self.page_pool = BlockPool(num_pages, on_evict=self._offload("mla", pages))
@@ -148,6 +156,7 @@ class PagedKVManager:
                     self.stats.offloaded_pages += 1
                 else:
                     self.stats.offloaded_snapshots += 1
+
         return on_evict
 
     def _host_has(self, kind: str, hashes: Sequence[bytes]) -> list[bool]:
@@ -161,8 +170,9 @@ class PagedKVManager:
 
     # ---- lookup ---------------------------------------------------------------------------------
     def hashes(self, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None) -> list[bytes]:
-        return block_hashes(token_ids, block_size=self.spec.page_tokens, mm_items=mm_items, salt=salt,
-                            namespace=self.spec.namespace)
+        return block_hashes(
+            token_ids, block_size=self.spec.page_tokens, mm_items=mm_items, salt=salt, namespace=self.spec.namespace
+        )
 
     def _plan_hit(self, hashes: list[bytes], n_tokens: int, drop_tail: bool = False):
         """(pages, gpu flags, snapshot tier): the longest boundary with all pages and a snapshot.
@@ -186,13 +196,15 @@ class PagedKVManager:
                 return n_pages, on_gpu[:n_pages], "host", (undropped or n_pages) - n_pages
         return 0, [], None, undropped or 0
 
-    def lookup(self, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None,
-               drop_tail: bool = False) -> PrefixHit:
+    def lookup(
+        self, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None, drop_tail: bool = False
+    ) -> PrefixHit:
         """What `begin` would hit, without taking anything."""
         hashes = self.hashes(token_ids, mm_items, salt)
         n_pages, gpu, tier, dropped = self._plan_hit(hashes, len(token_ids), drop_tail)
-        return PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier,
-                         dropped * self.spec.page_tokens)
+        return PrefixHit(
+            n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier, dropped * self.spec.page_tokens
+        )
 
     # ---- request lifecycle ----------------------------------------------------------------------
     def pages_needed(self, n_tokens: int) -> int:
@@ -202,8 +214,14 @@ class PagedKVManager:
         """Whether a prompt of n tokens fits now (ignoring hits, which only reduce the need)."""
         return self.pages_needed(n_tokens) <= self.page_pool.num_free and self.snap_pool.num_free >= 1
 
-    def begin(self, request_id: str, token_ids, mm_items: Sequence[MMItem] = (), salt: str | None = None,
-              drop_tail: bool = False) -> RequestBlocks:
+    def begin(
+        self,
+        request_id: str,
+        token_ids,
+        mm_items: Sequence[MMItem] = (),
+        salt: str | None = None,
+        drop_tail: bool = False,
+    ) -> RequestBlocks:
         """Take the prefix hit (drop_tail: see `_plan_hit`) and allocate the rest of the prompt's
         pages.  Raises NoFreeBlocks (nothing taken) when the pools cannot hold the request."""
         if request_id in self.requests:
@@ -231,7 +249,7 @@ class PagedKVManager:
         fresh = self.page_pool.allocate(n_new)
         table, loaded_ok = [], True
         host_idx = [i for i in range(n_pages) if not gpu[i]]
-        host_blocks = fresh[:len(host_idx)]
+        host_blocks = fresh[: len(host_idx)]
         if host_idx:
             loaded_ok = self._load("mla", self.pages, [hashes[i] for i in host_idx], host_blocks)
         if tier == "host" and loaded_ok:
@@ -254,14 +272,23 @@ class PagedKVManager:
             for b, i in zip(host_blocks, host_idx):  # loaded pages are shared like any cached page
                 self.page_pool.cache_block(b, hashes[i])
         it_host = iter(host_blocks)
-        it_new = iter(fresh[len(host_blocks):])
+        it_new = iter(fresh[len(host_blocks) :])
         for i in range(total_pages):
             table.append(gpu_blocks[i] if i in gpu_blocks else next(it_host) if i < n_pages else next(it_new))
         (checkpoint,) = self.snap_pool.allocate(1)
-        hit = PrefixHit(n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier,
-                        dropped * self.spec.page_tokens)
-        req = RequestBlocks(request_id, hashes, table, hit, snapshot, checkpoint, committed_pages=n_pages,
-                            owned_snapshots=[snapshot] if snapshot is not None else [])
+        hit = PrefixHit(
+            n_pages * self.spec.page_tokens, sum(gpu), n_pages - sum(gpu), tier, dropped * self.spec.page_tokens
+        )
+        req = RequestBlocks(
+            request_id,
+            hashes,
+            table,
+            hit,
+            snapshot,
+            checkpoint,
+            committed_pages=n_pages,
+            owned_snapshots=[snapshot] if snapshot is not None else [],
+        )
         self.requests[request_id] = req
         self.stats.lookups += 1
         self.stats.prompt_tokens += n
@@ -306,8 +333,13 @@ class PagedKVManager:
         n_full = len(req.hashes)
         last = n_full * self.spec.page_tokens
         start = req.hit.tokens
-        out = list(range(start - start % self.spec.kda_block_tokens + self.spec.kda_block_tokens, last + 1,
-                         self.spec.kda_block_tokens))
+        out = list(
+            range(
+                start - start % self.spec.kda_block_tokens + self.spec.kda_block_tokens,
+                last + 1,
+                self.spec.kda_block_tokens,
+            )
+        )
         if last > start and last not in out:
             out.append(last)
         return out
@@ -355,8 +387,9 @@ class PagedKVManager:
         written = 0
         live = [(b, h) for b, h in req.published if self.snap_pool.block_hash[b] == h]  # not yet reused
         for kind, store, blocks, hashes in (
-                ("mla", self.pages, req.page_table[:req.committed_pages], req.hashes[:req.committed_pages]),
-                ("kda", self.snapshots, [b for b, _ in live], [h for _, h in live])):
+            ("mla", self.pages, req.page_table[: req.committed_pages], req.hashes[: req.committed_pages]),
+            ("kda", self.snapshots, [b for b, _ in live], [h for _, h in live]),
+        ):
             todo = [(b, h) for b, h, there in zip(blocks, hashes, self._host_has(kind, hashes)) if h and not there]
             if todo:
                 ok = self.host.batch_put([self._key(kind, h) for _, h in todo], store.read([b for b, _ in todo]))

@@ -91,25 +91,38 @@ class MooncakeServices:
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
-        return subprocess.Popen([_binary(name)] + args, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        return subprocess.Popen(
+            [_binary(name)] + args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
 
     def _start_metadata(self) -> None:
         # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
         out = open(os.path.join(self.log_dir, "metadata_server.log"), "a")
-        self.metadata = subprocess.Popen([sys.executable, "-m", "cache.metadata_server", "--port",
-                                          str(self.http_port)], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, cwd=_REPO, env=_repo_env())
+        self.metadata = subprocess.Popen(
+            [sys.executable, "-m", "cache.metadata_server", "--port", str(self.http_port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=_REPO,
+            env=_repo_env(),
+        )
         _wait_port(self.http_port, self.metadata, 20)
 
     def start_master(self) -> None:
         """The master (and the metadata server if it is not running), on this object's ports."""
         if self.metadata is None or self.metadata.poll() is not None:
             self._start_metadata()
-        self.master = self._spawn("mooncake_master", [
-            "--enable_http_metadata_server=false", "--rpc_address=127.0.0.1",
-            f"--rpc_port={self.rpc_port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-            "--default_kv_lease_ttl=10000"])  # a read holds its objects this long (ms)
+        self.master = self._spawn(
+            "mooncake_master",
+            [
+                "--enable_http_metadata_server=false",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={self.rpc_port}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                "--default_kv_lease_ttl=10000",
+            ],
+        )  # a read holds its objects this long (ms)
         _wait_port(self.rpc_port, self.master, 20)
 
     def _start_memory_server(self) -> None:
@@ -121,10 +134,19 @@ class MooncakeServices:
                 raise
             env, self.loopback_only = None, False
             log.warning("%s: the memory server's transfer engine listens on every interface", e)
-        self.memory_server = self._spawn("mooncake_client", [
-            "--host=127.0.0.1", f"--port={self.client_port}", f"--master_server_address={self.master_addr}",
-            f"--metadata_server={self.metadata_url}", "--protocol=tcp",
-            f"--global_segment_size={self.segment_bytes}", "--local_buffer_size=16MB"], env=env)
+        self.memory_server = self._spawn(
+            "mooncake_client",
+            [
+                "--host=127.0.0.1",
+                f"--port={self.client_port}",
+                f"--master_server_address={self.master_addr}",
+                f"--metadata_server={self.metadata_url}",
+                "--protocol=tcp",
+                f"--global_segment_size={self.segment_bytes}",
+                "--local_buffer_size=16MB",
+            ],
+            env=env,
+        )
         _wait_port(self.client_port, self.memory_server, 30)
         time.sleep(0.5)  # let the segment mount register with the master
 
@@ -147,8 +169,15 @@ class MooncakeServices:
         own it re-registers with a new master only after a while, and its old contents are
         unreachable either way)."""
         dead = lambda p: p is not None and p.poll() is not None
-        exited = [n for n, p in (("metadata_server", self.metadata), ("mooncake_master", self.master),
-                                 ("memory_server", self.memory_server)) if dead(p)]
+        exited = [
+            n
+            for n, p in (
+                ("metadata_server", self.metadata),
+                ("mooncake_master", self.master),
+                ("memory_server", self.memory_server),
+            )
+            if dead(p)
+        ]
         restarted = []
         if "metadata_server" in exited:
             self._start_metadata()
@@ -200,8 +229,9 @@ RPC_FAIL = -900
 class MooncakeHostKVTier(HostKVTier):
     """One engine's client of a shared Mooncake Store."""
 
-    def __init__(self, master_addr: str, metadata_url: str, *, staging_bytes: int = 64 << 20,
-                 local_hostname: str = "127.0.0.1"):
+    def __init__(
+        self, master_addr: str, metadata_url: str, *, staging_bytes: int = 64 << 20, local_hostname: str = "127.0.0.1"
+    ):
         super().__init__()
         from mooncake.store import MooncakeDistributedStore  # optional dependency, imported on use
 
@@ -232,7 +262,7 @@ class MooncakeHostKVTier(HostKVTier):
             with self._io_lock:
                 ptrs, sizes, off = [], [], 0
                 for blob in blobs:
-                    self._staging[off:off + len(blob)] = np.frombuffer(blob, np.uint8)
+                    self._staging[off : off + len(blob)] = np.frombuffer(blob, np.uint8)
                     ptrs.append(self._staging.ctypes.data + off)
                     sizes.append(len(blob))
                     off += len(blob)
@@ -268,7 +298,11 @@ class MooncakeHostKVTier(HostKVTier):
                 self.stats.errors += sum(rc < 0 and rc != OBJECT_NOT_FOUND for rc in rcs)  # not a miss: a fault
                 off = 0
                 for key, out, rc, s in zip(keys[lo:hi], outs[lo:hi], rcs, sizes[lo:hi]):
-                    arr = decode_entry(memoryview(self._staging)[off:off + s], out.shape, out.dtype) if rc == s else None
+                    arr = (
+                        decode_entry(memoryview(self._staging)[off : off + s], out.shape, out.dtype)
+                        if rc == s
+                        else None
+                    )
                     off += s
                     found.append(self._accept(key, rc == s or rc > 0, arr, out))
         return found

@@ -77,10 +77,10 @@ class LayerCaches:
         exports = new.get("exports")
         new = {k: v for k, v in new.items() if k != "exports"}
         if period is None:
-            return dataclasses.replace(self, layers=self.layers[:layer] + (new,) + self.layers[layer + 1:]), exports
+            return dataclasses.replace(self, layers=self.layers[:layer] + (new,) + self.layers[layer + 1 :]), exports
         j = layer - self.first
         rows = jax.tree_util.tree_map(lambda s, x: s.at[period].set(x), self.periods[j], new)
-        return dataclasses.replace(self, periods=self.periods[:j] + (rows,) + self.periods[j + 1:]), exports
+        return dataclasses.replace(self, periods=self.periods[:j] + (rows,) + self.periods[j + 1 :]), exports
 
 
 @jax.tree_util.register_dataclass

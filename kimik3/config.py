@@ -47,12 +47,15 @@ class ViTConfig:
     channels: int = 3
 
     def __post_init__(self):
-        _require(self.image_size % self.patch_size == 0,
-                 f"vit.image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        _require(self.patches_per_side % self.merge == 0,
-                 f"vit patches per side {self.patches_per_side} is not a multiple of merge {self.merge}")
-        _require(self.width % self.heads == 0,
-                 f"vit.width {self.width} is not divisible by vit.heads {self.heads}")
+        _require(
+            self.image_size % self.patch_size == 0,
+            f"vit.image_size {self.image_size} is not a multiple of patch_size {self.patch_size}",
+        )
+        _require(
+            self.patches_per_side % self.merge == 0,
+            f"vit patches per side {self.patches_per_side} is not a multiple of merge {self.merge}",
+        )
+        _require(self.width % self.heads == 0, f"vit.width {self.width} is not divisible by vit.heads {self.heads}")
         for name in ("image_size", "patch_size", "width", "depth", "heads", "mlp_dim", "merge", "channels"):
             _require(getattr(self, name) > 0, f"vit.{name} must be positive, got {getattr(self, name)}")
 
@@ -121,40 +124,69 @@ class ModelConfig:
     dtype: str = "bfloat16"  # serving dtype; the oracle always runs fp32
 
     def __post_init__(self):
-        positive = ("vocab_size", "d_model", "n_layers", "max_seq_len", "kda_heads", "kda_head_dim",
-                    "mla_heads", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
-                    "dense_ffn_dim", "kda_conv_size", "kda_chunk_size")
+        positive = (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "max_seq_len",
+            "kda_heads",
+            "kda_head_dim",
+            "mla_heads",
+            "kv_lora_rank",
+            "qk_nope_dim",
+            "qk_rope_dim",
+            "v_head_dim",
+            "dense_ffn_dim",
+            "kda_conv_size",
+            "kda_chunk_size",
+        )
         for name in positive:
             _require(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
         _require(self.q_lora_rank >= 0, f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
-        _require(self.kda_gate_lower_bound < 0,
-                 f"kda_gate_lower_bound must be negative (a decay), got {self.kda_gate_lower_bound}")
+        _require(
+            self.kda_gate_lower_bound < 0,
+            f"kda_gate_lower_bound must be negative (a decay), got {self.kda_gate_lower_bound}",
+        )
         if self.n_layers > self.dense_layers:
             _require(self.n_routed_experts > 0, "n_routed_experts must be positive when a layer has the MoE")
-            _require(0 < self.n_active_experts <= self.n_routed_experts,
-                     f"n_active_experts ({self.n_active_experts}) must be in [1, n_routed_experts="
-                     f"{self.n_routed_experts}]")
+            _require(
+                0 < self.n_active_experts <= self.n_routed_experts,
+                f"n_active_experts ({self.n_active_experts}) must be in [1, n_routed_experts={self.n_routed_experts}]",
+            )
             _require(self.n_shared_experts >= 0, "n_shared_experts must be >= 0")
-            _require(self.moe_latent_dim > 0 and self.moe_expert_dim > 0,
-                     "moe_latent_dim and moe_expert_dim must be positive")
-            _require(self.n_shared_experts == 0 or self.moe_shared_dim > 0,
-                     "moe_shared_dim must be positive when there are shared experts")
-        _require(self.vocab_size >= _tokenizer_vocab_size(),
-                 f"vocab_size {self.vocab_size} is smaller than the tokenizer's {_tokenizer_vocab_size()} ids")
+            _require(
+                self.moe_latent_dim > 0 and self.moe_expert_dim > 0,
+                "moe_latent_dim and moe_expert_dim must be positive",
+            )
+            _require(
+                self.n_shared_experts == 0 or self.moe_shared_dim > 0,
+                "moe_shared_dim must be positive when there are shared experts",
+            )
+        _require(
+            self.vocab_size >= _tokenizer_vocab_size(),
+            f"vocab_size {self.vocab_size} is smaller than the tokenizer's {_tokenizer_vocab_size()} ids",
+        )
         _require(self.dtype in ("float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
         _require(self.mla_absorb_max_tokens >= 1, "mla_absorb_max_tokens must be >= 1")
         if self.mixer_layout is not None:
             _require(isinstance(self.mixer_layout, tuple), "mixer_layout must be a tuple (frozen configs hash)")
-            _require(len(self.mixer_layout) == self.n_layers,
-                     f"mixer_layout names {len(self.mixer_layout)} layers; n_layers is {self.n_layers}")
+            _require(
+                len(self.mixer_layout) == self.n_layers,
+                f"mixer_layout names {len(self.mixer_layout)} layers; n_layers is {self.n_layers}",
+            )
             bad = sorted({k for k in self.mixer_layout if k not in ("kda", "mla")})
             _require(not bad, f"mixer_layout holds {bad}; each entry must be 'kda' or 'mla'")
-        _require(0 <= self.dense_layers <= self.n_layers,
-                 f"dense_layers must be in [0, n_layers={self.n_layers}], got {self.dense_layers}")
-        _require(self.kda_gate in ("bounded", "softplus"), f"kda_gate must be 'bounded' or 'softplus', got "
-                 f"{self.kda_gate!r}")
-        _require(self.ffn_activation in ("situ", "silu"), f"ffn_activation must be 'situ' or 'silu', got "
-                 f"{self.ffn_activation!r}")
+        _require(
+            0 <= self.dense_layers <= self.n_layers,
+            f"dense_layers must be in [0, n_layers={self.n_layers}], got {self.dense_layers}",
+        )
+        _require(
+            self.kda_gate in ("bounded", "softplus"), f"kda_gate must be 'bounded' or 'softplus', got {self.kda_gate!r}"
+        )
+        _require(
+            self.ffn_activation in ("situ", "silu"),
+            f"ffn_activation must be 'situ' or 'silu', got {self.ffn_activation!r}",
+        )
         for name in ("norm_eps", "mla_norm_eps", "kda_norm_eps"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"{name} must be positive, got {value}")
@@ -230,11 +262,26 @@ def _tokenizer_vocab_size() -> int:
 def tiny() -> ModelConfig:
     """CPU tests: ~0.2M parameters, every layer kind present, runs in seconds."""
     return ModelConfig(
-        name="tiny", vocab_size=288, d_model=64, n_layers=4, max_seq_len=1024,
-        kda_heads=2, kda_head_dim=16,
-        mla_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=16, v_head_dim=16,
-        n_routed_experts=8, n_active_experts=2, n_shared_experts=1,
-        moe_latent_dim=32, moe_expert_dim=32, moe_shared_dim=64, routed_scaling_factor=2.5,
+        name="tiny",
+        vocab_size=288,
+        d_model=64,
+        n_layers=4,
+        max_seq_len=1024,
+        kda_heads=2,
+        kda_head_dim=16,
+        mla_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_dim=16,
+        qk_rope_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_active_experts=2,
+        n_shared_experts=1,
+        moe_latent_dim=32,
+        moe_expert_dim=32,
+        moe_shared_dim=64,
+        routed_scaling_factor=2.5,
         dense_ffn_dim=128,
         vit=ViTConfig(image_size=16, patch_size=4, width=32, depth=1, heads=2, mlp_dim=64, merge=2),
         mla_absorb_max_tokens=4,
@@ -247,11 +294,26 @@ def mini() -> ModelConfig:
     parameters (26M active), meant to reach a plateau on Debian's Python documentation within
     one short H200 run (not yet measured)."""
     return ModelConfig(
-        name="mini", vocab_size=288, d_model=512, n_layers=8, max_seq_len=4096,
-        kda_heads=4, kda_head_dim=128,
-        mla_heads=8, q_lora_rank=256, kv_lora_rank=256, qk_nope_dim=64, qk_rope_dim=32, v_head_dim=64,
-        n_routed_experts=16, n_active_experts=4, n_shared_experts=1,
-        moe_latent_dim=256, moe_expert_dim=256, moe_shared_dim=512, routed_scaling_factor=2.5,
+        name="mini",
+        vocab_size=288,
+        d_model=512,
+        n_layers=8,
+        max_seq_len=4096,
+        kda_heads=4,
+        kda_head_dim=128,
+        mla_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=256,
+        qk_nope_dim=64,
+        qk_rope_dim=32,
+        v_head_dim=64,
+        n_routed_experts=16,
+        n_active_experts=4,
+        n_shared_experts=1,
+        moe_latent_dim=256,
+        moe_expert_dim=256,
+        moe_shared_dim=512,
+        routed_scaling_factor=2.5,
         dense_ffn_dim=1536,
         vit=ViTConfig(image_size=112, patch_size=14, width=128, depth=2, heads=4, mlp_dim=512, merge=2),
         dtype="float32",
@@ -261,11 +323,26 @@ def mini() -> ModelConfig:
 def small() -> ModelConfig:
     """About 1B parameters: real kernel shapes (head_dim 128, latent 512+64) on one H200."""
     return ModelConfig(
-        name="small", vocab_size=32_768, d_model=1536, n_layers=16, max_seq_len=65_536,
-        kda_heads=12, kda_head_dim=128,
-        mla_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-        n_routed_experts=32, n_active_experts=4, n_shared_experts=1,
-        moe_latent_dim=768, moe_expert_dim=768, moe_shared_dim=1536, routed_scaling_factor=2.5,
+        name="small",
+        vocab_size=32_768,
+        d_model=1536,
+        n_layers=16,
+        max_seq_len=65_536,
+        kda_heads=12,
+        kda_head_dim=128,
+        mla_heads=16,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        n_routed_experts=32,
+        n_active_experts=4,
+        n_shared_experts=1,
+        moe_latent_dim=768,
+        moe_expert_dim=768,
+        moe_shared_dim=1536,
+        routed_scaling_factor=2.5,
         dense_ffn_dim=4096,
         vit=ViTConfig(image_size=224, patch_size=14, width=384, depth=6, heads=6, mlp_dim=1536, merge=2),
         dtype="bfloat16",
@@ -276,18 +353,38 @@ def kimi_k3() -> ModelConfig:
     """Full scale, for capacity planning and sharding plans (not for running)."""
     a = KIMI_K3_ASSUMPTIONS
     return ModelConfig(
-        name="kimi_k3", vocab_size=a["vocab_size"], d_model=a["d_model"], n_layers=a["n_layers"],
+        name="kimi_k3",
+        vocab_size=a["vocab_size"],
+        d_model=a["d_model"],
+        n_layers=a["n_layers"],
         max_seq_len=a["max_seq_len"],
-        kda_heads=a["kda_heads"], kda_head_dim=a["kda_head_dim"],
-        mla_heads=a["mla_heads"], q_lora_rank=a["q_lora_rank"], kv_lora_rank=a["kv_lora_rank"],
-        qk_nope_dim=a["qk_nope_dim"], qk_rope_dim=a["qk_rope_dim"], v_head_dim=a["v_head_dim"],
-        n_routed_experts=896, n_active_experts=16, n_shared_experts=2,
-        moe_latent_dim=a["moe_latent_dim"], moe_expert_dim=a["moe_expert_dim"],
-        moe_shared_dim=a["moe_shared_dim"], routed_scaling_factor=a["routed_scaling_factor"],
+        kda_heads=a["kda_heads"],
+        kda_head_dim=a["kda_head_dim"],
+        mla_heads=a["mla_heads"],
+        q_lora_rank=a["q_lora_rank"],
+        kv_lora_rank=a["kv_lora_rank"],
+        qk_nope_dim=a["qk_nope_dim"],
+        qk_rope_dim=a["qk_rope_dim"],
+        v_head_dim=a["v_head_dim"],
+        n_routed_experts=896,
+        n_active_experts=16,
+        n_shared_experts=2,
+        moe_latent_dim=a["moe_latent_dim"],
+        moe_expert_dim=a["moe_expert_dim"],
+        moe_shared_dim=a["moe_shared_dim"],
+        routed_scaling_factor=a["routed_scaling_factor"],
         dense_ffn_dim=a["dense_ffn_dim"],
-        situ_gate_cap=a["situ_gate_cap"], situ_up_cap=a["situ_up_cap"],
-        vit=ViTConfig(image_size=a["vit_image_size"], patch_size=a["vit_patch_size"], width=a["vit_width"],
-                      depth=a["vit_depth"], heads=a["vit_heads"], mlp_dim=a["vit_mlp_dim"], merge=a["vit_merge"]),
+        situ_gate_cap=a["situ_gate_cap"],
+        situ_up_cap=a["situ_up_cap"],
+        vit=ViTConfig(
+            image_size=a["vit_image_size"],
+            patch_size=a["vit_patch_size"],
+            width=a["vit_width"],
+            depth=a["vit_depth"],
+            heads=a["vit_heads"],
+            mlp_dim=a["vit_mlp_dim"],
+            merge=a["vit_merge"],
+        ),
         dtype="bfloat16",
     )
 
@@ -308,20 +405,49 @@ def kimi_linear() -> ModelConfig:
     the real checkpoint (the same config, read from its directory)."""
     mla = {3, 7, 11, 15, 19, 23, 26}
     return ModelConfig(
-        name="kimi_linear", vocab_size=163_840, d_model=2304, n_layers=27, max_seq_len=1_048_576,
-        kda_heads=32, kda_head_dim=128,
-        mla_heads=32, q_lora_rank=0, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-        n_routed_experts=256, n_active_experts=8, n_shared_experts=1,
-        moe_latent_dim=2304, moe_expert_dim=1024, moe_shared_dim=1024, routed_scaling_factor=2.446,
-        dense_ffn_dim=9216, vit=None, norm_eps=1e-5,
-        mixer_layout=tuple("mla" if i in mla else "kda" for i in range(27)), dense_layers=1,
-        kda_gate="softplus", mla_output_gate=False, moe_latent=False, ffn_activation="silu",
-        mla_norm_eps=1e-6, kda_norm_eps=1e-5, dtype="bfloat16",
+        name="kimi_linear",
+        vocab_size=163_840,
+        d_model=2304,
+        n_layers=27,
+        max_seq_len=1_048_576,
+        kda_heads=32,
+        kda_head_dim=128,
+        mla_heads=32,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_active_experts=8,
+        n_shared_experts=1,
+        moe_latent_dim=2304,
+        moe_expert_dim=1024,
+        moe_shared_dim=1024,
+        routed_scaling_factor=2.446,
+        dense_ffn_dim=9216,
+        vit=None,
+        norm_eps=1e-5,
+        mixer_layout=tuple("mla" if i in mla else "kda" for i in range(27)),
+        dense_layers=1,
+        kda_gate="softplus",
+        mla_output_gate=False,
+        moe_latent=False,
+        ffn_activation="silu",
+        mla_norm_eps=1e-6,
+        kda_norm_eps=1e-5,
+        dtype="bfloat16",
     )
 
 
-PRESETS = {"tiny": tiny, "mini": mini, "small": small, "kimi_k3": kimi_k3, "k3_slice": k3_slice,
-           "kimi_linear": kimi_linear}
+PRESETS = {
+    "tiny": tiny,
+    "mini": mini,
+    "small": small,
+    "kimi_k3": kimi_k3,
+    "k3_slice": k3_slice,
+    "kimi_linear": kimi_linear,
+}
 
 
 def get_config(name: str) -> ModelConfig:

@@ -39,6 +39,7 @@ BLOCK_BYTES = 4096
 @dataclasses.dataclass(frozen=True)
 class Corpus:
     """Token ids of one source, split.  train / held_out: int32 [N] (blocks joined by EOS)."""
+
     name: str
     train: np.ndarray
     held_out: np.ndarray
@@ -46,8 +47,10 @@ class Corpus:
     nbytes: int
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.documents} documents, {self.nbytes / 1e6:.2f} MB, "
-                f"{self.train.size:,} train / {self.held_out.size:,} held-out tokens")
+        return (
+            f"{self.name}: {self.documents} documents, {self.nbytes / 1e6:.2f} MB, "
+            f"{self.train.size:,} train / {self.held_out.size:,} held-out tokens"
+        )
 
 
 def find_sources(name: str = "auto", root: str = "/") -> tuple[str, list[str]]:
@@ -58,23 +61,26 @@ def find_sources(name: str = "auto", root: str = "/") -> tuple[str, list[str]]:
         if not files:
             raise FileNotFoundError(f"corpus directory {name!r} has no files")
         return os.path.basename(os.path.normpath(name)), files
-    for key in ([name] if name != "auto" else list(SOURCES)):
+    for key in [name] if name != "auto" else list(SOURCES):
         pattern = os.path.join(root, SOURCES[key].lstrip("/"))
         # one file once: Debian links python3.11-dev's doc directory to python3.11's
         files = sorted({os.path.realpath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)})
         if files:
             return key, files
-    raise FileNotFoundError(f"no corpus {name!r} on this machine: install Debian's python3.11-doc "
-                            f"(apt-get install python3.11-doc) or pass a directory of text files")
+    raise FileNotFoundError(
+        f"no corpus {name!r} on this machine: install Debian's python3.11-doc "
+        f"(apt-get install python3.11-doc) or pass a directory of text files"
+    )
 
 
 def _held_out(rel_path: str, block: int, fraction: float) -> bool:
     h = hashlib.blake2b(f"{rel_path}:{block}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") / 2 ** 64 < fraction
+    return int.from_bytes(h, "little") / 2**64 < fraction
 
 
-def load(name: str = "auto", *, held_out_fraction: float = 0.05, max_bytes: int | None = None,
-         root: str = "/") -> Corpus:
+def load(
+    name: str = "auto", *, held_out_fraction: float = 0.05, max_bytes: int | None = None, root: str = "/"
+) -> Corpus:
     """The corpus `name` (see `find_sources`) as token ids, split by block.  max_bytes: read
     documents in order until this many bytes (a quick run's corpus)."""
     if not 0 < held_out_fraction < 1:
@@ -91,9 +97,10 @@ def load(name: str = "auto", *, held_out_fraction: float = 0.05, max_bytes: int 
         docs += 1
         nbytes += len(data)
         for i in range(0, len(data), BLOCK_BYTES):
-            ids = np.frombuffer(data[i:i + BLOCK_BYTES], np.uint8).astype(np.int32)  # = tokenizer.encode
+            ids = np.frombuffer(data[i : i + BLOCK_BYTES], np.uint8).astype(np.int32)  # = tokenizer.encode
             parts[_held_out(os.path.relpath(path, base), i // BLOCK_BYTES, held_out_fraction)].append(
-                np.append(ids, np.int32(tokenizer.EOS_ID)))
+                np.append(ids, np.int32(tokenizer.EOS_ID))
+            )
         if max_bytes is not None and nbytes >= max_bytes:
             break
     if not parts[True] or not parts[False]:

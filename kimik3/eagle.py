@@ -59,8 +59,7 @@ class EagleConfig:
         if len(self.taps) != 3:
             raise ValueError(f"EagleConfig.taps must name 3 target layers (low, mid, high); got {self.taps}")
         if self.ttt_steps < 1 or self.ffn_dim < 1:
-            raise ValueError(f"EagleConfig: ttt_steps and ffn_dim must be >= 1; got {self.ttt_steps}, "
-                             f"{self.ffn_dim}")
+            raise ValueError(f"EagleConfig: ttt_steps and ffn_dim must be >= 1; got {self.ttt_steps}, {self.ffn_dim}")
 
     def check(self, cfg: ModelConfig) -> None:
         if any(not 0 <= t < cfg.n_layers for t in self.taps):
@@ -84,9 +83,16 @@ def init_draft(key, cfg: ModelConfig, ecfg: EagleConfig, target_params: Params) 
     mla = MLA(cfg, "reference").init(k_mla, u, jnp.zeros((1, 1), jnp.int32))["params"]
     mlp = MLP(d, ecfg.ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap).init(k_mlp, u[..., :d])["params"]
     ones = lambda: jnp.ones((d,), jnp.float32)  # a buffer each: a training step donates them
-    return {"fc_fd": jax.random.normal(k_fc, (3 * d, d), jnp.float32) * (3 * d) ** -0.5,
-            "embed_norm": ones(), "feat_norm": ones(), "mla": mla, "ffn_norm": ones(), "mlp": mlp,
-            "final_norm": ones(), "lm_head_dv": jnp.array(target_params["lm_head_dv"], jnp.float32, copy=True)}
+    return {
+        "fc_fd": jax.random.normal(k_fc, (3 * d, d), jnp.float32) * (3 * d) ** -0.5,
+        "embed_norm": ones(),
+        "feat_norm": ones(),
+        "mla": mla,
+        "ffn_norm": ones(),
+        "mlp": mlp,
+        "final_norm": ones(),
+        "lm_head_dv": jnp.array(target_params["lm_head_dv"], jnp.float32, copy=True),
+    }
 
 
 def fuse(params: Params, taps_btld):
@@ -97,19 +103,26 @@ def fuse(params: Params, taps_btld):
 
 
 def _layer_input(params, cfg, feat_btd, emb_btd):
-    return jnp.concatenate([rms_norm(emb_btd.astype(feat_btd.dtype), params["embed_norm"], cfg.norm_eps),
-                            rms_norm(feat_btd, params["feat_norm"], cfg.norm_eps)], axis=-1)
+    return jnp.concatenate(
+        [
+            rms_norm(emb_btd.astype(feat_btd.dtype), params["embed_norm"], cfg.norm_eps),
+            rms_norm(feat_btd, params["feat_norm"], cfg.norm_eps),
+        ],
+        axis=-1,
+    )
 
 
 def _ffn(params, cfg, x_btd):
     m = params["mlp"]
     h = rms_norm(x_btd, params["ffn_norm"], cfg.norm_eps)
-    return x_btd + glu_mlp(h, m["w_gate_df"], m["w_up_df"], m["w_out_fd"], gate_cap=cfg.situ_gate_cap,
-                           up_cap=cfg.situ_up_cap)
+    return x_btd + glu_mlp(
+        h, m["w_gate_df"], m["w_up_df"], m["w_out_fd"], gate_cap=cfg.situ_gate_cap, up_cap=cfg.situ_up_cap
+    )
 
 
-def draft_layer(params: Params, cfg: ModelConfig, feat_btd, emb_btd, positions_bt, cache=None, *,
-                kernels: str = "reference"):
+def draft_layer(
+    params: Params, cfg: ModelConfig, feat_btd, emb_btd, positions_bt, cache=None, *, kernels: str = "reference"
+):
     """Slots [B, T]: features (g or the draft's own hidden) [B, T, D] and the next tokens'
     embeddings [B, T, D] -> (hidden o [B, T, D], the MLA cache written, or None).  The cache is
     the MLA layer's (contiguous {"latent"} or paged {"pages", "block_tables"})."""
@@ -131,14 +144,14 @@ def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, ta
     masks).  fp32 naive attention (no kernels): the form the chained inference must equal."""
     w = params["mla"]
     b, t = tokens_bt.shape
-    scale = cfg.mla_qk_dim ** -0.5
+    scale = cfg.mla_qk_dim**-0.5
     feat = fuse(params, taps_btld)
     causal = jnp.tril(jnp.ones((t, t), bool))
     keys0 = vals0 = None
     diag_k, diag_v = [], []  # the chain rows of steps 1..j at each slot: [B, T, H, K] / [B, T, H, v]
     out = []
     for j in range(ecfg.ttt_steps):
-        nxt = jnp.pad(tokens_bt[:, j + 1:], ((0, 0), (0, j + 1)))  # x_{i+j+1}, zero past the end
+        nxt = jnp.pad(tokens_bt[:, j + 1 :], ((0, 0), (0, j + 1)))  # x_{i+j+1}, zero past the end
         u = _layer_input(params, cfg, feat, embed_vd[nxt])
         q, latent, xg = mla_project(cfg, w, u)
         k, v = expand_latent(latent, w["w_kb_rhn"], w["w_vb_rhv"], kv_lora=cfg.kv_lora_rank)
@@ -149,8 +162,9 @@ def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, ta
             diag_v.append(v)
         s0 = jnp.einsum("bthk,bshk->bhts", q, keys0, preferred_element_type=jnp.float32) * scale
         s0 = jnp.where(causal[None, None], s0, -jnp.inf)
-        sd = [jnp.einsum("bthk,bthk->bht", q, kk, preferred_element_type=jnp.float32)[..., None] * scale
-              for kk in diag_k]
+        sd = [
+            jnp.einsum("bthk,bthk->bht", q, kk, preferred_element_type=jnp.float32)[..., None] * scale for kk in diag_k
+        ]
         p = jax.nn.softmax(jnp.concatenate([s0] + sd, axis=-1), axis=-1)
         o = jnp.einsum("bhts,bshv->bthv", p[..., :t].astype(vals0.dtype), vals0)
         for s, vv in enumerate(diag_v):
@@ -161,8 +175,7 @@ def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, ta
     return jnp.stack(out)
 
 
-def ttt_loss(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, taps_btld, tokens_bt,
-             target_logits_btv):
+def ttt_loss(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, taps_btld, tokens_bt, target_logits_btv):
     """Soft cross-entropy of every TTT step against the target's next-token distribution
     (target logits at position i + j + 1 for step j's slot i), weighted loss_decay ** j.
     Returns (loss, {"acc": [steps] top-1 agreement with the target, "ce": [steps]})."""
@@ -170,14 +183,14 @@ def ttt_loss(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, taps
     t = tokens_bt.shape[1]
     ces, accs, total = [], [], 0.0
     for j in range(ecfg.ttt_steps):
-        tgt = jnp.pad(target_logits_btv[:, j + 1:], ((0, 0), (0, j + 1), (0, 0)))
+        tgt = jnp.pad(target_logits_btv[:, j + 1 :], ((0, 0), (0, j + 1), (0, 0)))
         mask = (jnp.arange(t) + j + 1 < t).astype(jnp.float32)[None]  # [1, T]
         n = jnp.maximum(mask.sum() * tokens_bt.shape[0], 1.0)
         p_t = jax.nn.softmax(tgt.astype(jnp.float32), axis=-1)
         logq = jax.nn.log_softmax(logits[j], axis=-1)
         ce = -(jnp.sum(p_t * logq, axis=-1) * mask).sum() / n
         acc = ((jnp.argmax(logits[j], -1) == jnp.argmax(tgt, -1)) * mask).sum() / n
-        total = total + ecfg.loss_decay ** j * ce
+        total = total + ecfg.loss_decay**j * ce
         ces.append(ce)
         accs.append(acc)
     return total, {"ce": jnp.stack(ces), "acc": jnp.stack(accs)}

@@ -68,8 +68,9 @@ class DraftTrainConfig:
         if self.data not in ("generated", "text"):
             raise ValueError(f"DraftTrainConfig.data must be 'generated' or 'text'; got {self.data!r}")
         if not 0 < self.prompt_len < self.seq_len:
-            raise ValueError(f"DraftTrainConfig: prompt_len must be in (0, seq_len={self.seq_len}); "
-                             f"got {self.prompt_len}")
+            raise ValueError(
+                f"DraftTrainConfig: prompt_len must be in (0, seq_len={self.seq_len}); got {self.prompt_len}"
+            )
         if self.steps < 1 or self.batch < 1 or self.pool < self.batch or not 0 <= self.warmup_steps < self.steps:
             raise ValueError("DraftTrainConfig: steps, batch >= 1, pool >= batch and warmup_steps in [0, steps)")
 
@@ -91,8 +92,12 @@ def save_draft(path, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, target_pa
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(path, "params"), draft, force=True)  # a new run replaces the old draft
-    meta = {"eagle": dataclasses.asdict(ecfg), "target": cfg.name, "target_config": json.loads(cfg.to_json()),
-            "target_fingerprint": fingerprint(target_params)}
+    meta = {
+        "eagle": dataclasses.asdict(ecfg),
+        "target": cfg.name,
+        "target_config": json.loads(cfg.to_json()),
+        "target_fingerprint": fingerprint(target_params),
+    }
     with open(os.path.join(path, "eagle.json"), "w") as f:
         json.dump(meta, f, indent=1)
     log.info("saved the EAGLE-3 draft for %s to %s", cfg.name, path)
@@ -109,14 +114,19 @@ def load_draft(path, cfg: ModelConfig, target_params):
     with open(meta_path) as f:
         meta = json.load(f)
     if meta["target_config"] != json.loads(cfg.to_json()):
-        raise ValueError(f"the draft at {path} was trained for target {meta['target']!r} with another config, "
-                         f"not for this {cfg.name}")
+        raise ValueError(
+            f"the draft at {path} was trained for target {meta['target']!r} with another config, "
+            f"not for this {cfg.name}"
+        )
     if meta["target_fingerprint"] != fingerprint(target_params):
-        raise ValueError(f"the draft at {path} was trained on other {cfg.name} weights (fingerprint "
-                         f"{meta['target_fingerprint']}, these are {fingerprint(target_params)})")
+        raise ValueError(
+            f"the draft at {path} was trained on other {cfg.name} weights (fingerprint "
+            f"{meta['target_fingerprint']}, these are {fingerprint(target_params)})"
+        )
     e = meta["eagle"]
-    ecfg = eagle.EagleConfig(taps=tuple(e["taps"]), ffn_dim=e["ffn_dim"], ttt_steps=e["ttt_steps"],
-                             loss_decay=e["loss_decay"])
+    ecfg = eagle.EagleConfig(
+        taps=tuple(e["taps"]), ffn_dim=e["ffn_dim"], ttt_steps=e["ttt_steps"], loss_decay=e["loss_decay"]
+    )
     with ocp.StandardCheckpointer() as ckptr:
         draft = ckptr.restore(os.path.join(path, "params"))
     return draft, ecfg
@@ -127,14 +137,30 @@ def _greedy_continue(params, prompts_bp, *, cfg, n):
     """Batched greedy continuation (a contiguous cache, the device's serving kernels): [B, P] -> [B, P + n]."""
     b, p = prompts_bp.shape
     cache = model.init_cache(cfg, b, p + n, jnp.float32)
-    logits, cache = model._forward(params, prompts_bp, jnp.broadcast_to(jnp.arange(p)[None], (b, p)), cache, None,
-                                   cfg=cfg, expert_path="grouped", kernels=ops.resolve("auto"))
+    logits, cache = model._forward(
+        params,
+        prompts_bp,
+        jnp.broadcast_to(jnp.arange(p)[None], (b, p)),
+        cache,
+        None,
+        cfg=cfg,
+        expert_path="grouped",
+        kernels=ops.resolve("auto"),
+    )
     tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
 
     def step(carry, _):
         tok, cache = carry
-        lg, cache = model._forward(params, tok[:, None], cache["lengths"][:, None], cache, None, cfg=cfg,
-                                   expert_path="grouped", kernels=ops.resolve("auto"))
+        lg, cache = model._forward(
+            params,
+            tok[:, None],
+            cache["lengths"][:, None],
+            cache,
+            None,
+            cfg=cfg,
+            expert_path="grouped",
+            kernels=ops.resolve("auto"),
+        )
         return (jnp.argmax(lg[:, -1], -1).astype(jnp.int32), cache), tok
 
     _, toks = jax.lax.scan(step, (tok, cache), None, length=n)
@@ -145,12 +171,12 @@ def build_data(params32, cfg: ModelConfig, tokens: np.ndarray, dc: DraftTrainCon
     """int32 [n_seqs, seq_len] training sequences from corpus tokens (see the module docstring)."""
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, tokens.size - dc.seq_len, size=n_seqs)
-    windows = np.stack([tokens[s:s + dc.seq_len] for s in starts]).astype(np.int32)
+    windows = np.stack([tokens[s : s + dc.seq_len] for s in starts]).astype(np.int32)
     if dc.data == "text":
         return windows
     out = []
     for i in range(0, n_seqs, dc.batch):
-        prompts = jnp.asarray(windows[i:i + dc.batch, :dc.prompt_len])
+        prompts = jnp.asarray(windows[i : i + dc.batch, : dc.prompt_len])
         out.append(np.asarray(_greedy_continue(params32, prompts, cfg=cfg, n=dc.seq_len - dc.prompt_len)))
     return np.concatenate(out)[:n_seqs]
 
@@ -167,12 +193,13 @@ def _features(target, seqs: np.ndarray, batch: int):
     """The target's (logits [N, S, V], taps [N, S, taps, D]) for every sequence, `batch` at a time."""
     n = len(seqs)
     padded = np.concatenate([seqs, np.zeros((-n % batch, seqs.shape[1]), seqs.dtype)])  # one program shape
-    parts = [target(jnp.asarray(padded[i:i + batch])) for i in range(0, len(padded), batch)]
+    parts = [target(jnp.asarray(padded[i : i + batch])) for i in range(0, len(padded), batch)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs)[:n], *parts)
 
 
-def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eagle.EagleConfig | None = None,
-                draft=None) -> tuple[dict, dict]:
+def train_draft(
+    target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eagle.EagleConfig | None = None, draft=None
+) -> tuple[dict, dict]:
     """Train a draft for the frozen `target_params`.  Returns (the record written to
     out/eagle_train.json: held-out per-step agreement before and after, losses; the draft)."""
     ecfg = ecfg or eagle.default_config(cfg, ttt_steps=dc.ttt_steps)
@@ -189,8 +216,11 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
     opt = optimizer(dc)
     opt_state = opt.init(draft)
     positions = jnp.broadcast_to(jnp.arange(dc.seq_len)[None], (dc.batch, dc.seq_len))
-    target = jax.jit(lambda seqs: model._forward_taps(params32, seqs, positions, cfg=cfg, layers=ecfg.taps,
-                                                      kernels=ops.resolve("auto")))
+    target = jax.jit(
+        lambda seqs: model._forward_taps(
+            params32, seqs, positions, cfg=cfg, layers=ecfg.taps, kernels=ops.resolve("auto")
+        )
+    )
 
     def loss(d, seqs, feats):
         logits, taps = feats
@@ -206,8 +236,11 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
     # The frozen target's logits and taps depend only on the sequence: with the pool fixed, they
     # are computed once per sequence (on the device) unless they would not fit in
     # FEATURE_CACHE_BYTES, in which case every step recomputes its batch's.
-    pool_feats = _features(target, train_seqs, dc.batch) if _feature_bytes(cfg, ecfg, train_seqs) <= \
-        FEATURE_CACHE_BYTES else None
+    pool_feats = (
+        _features(target, train_seqs, dc.batch)
+        if _feature_bytes(cfg, ecfg, train_seqs) <= FEATURE_CACHE_BYTES
+        else None
+    )
     held_feats = _features(target, held_seqs, dc.batch)
 
     def batch_feats(idx):
@@ -216,15 +249,24 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
         return jax.tree.map(lambda a: a[jnp.asarray(idx)], pool_feats)
 
     def held_out(d) -> dict:
-        ms = [evaluate(d, jnp.asarray(held_seqs[i:i + dc.batch]),
-                       jax.tree.map(lambda a: a[i:i + dc.batch], held_feats)) for i in range(0, len(held_seqs), dc.batch)]
+        ms = [
+            evaluate(
+                d, jnp.asarray(held_seqs[i : i + dc.batch]), jax.tree.map(lambda a: a[i : i + dc.batch], held_feats)
+            )
+            for i in range(0, len(held_seqs), dc.batch)
+        ]
         return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ("acc", "ce")}
 
     from tqdm.auto import tqdm
 
     before = held_out(draft)
-    it = iter(grain.MapDataset.source(np.arange(len(train_seqs))).shuffle(seed=dc.seed).repeat(None)
-              .batch(dc.batch, drop_remainder=True).to_iter_dataset())
+    it = iter(
+        grain.MapDataset.source(np.arange(len(train_seqs)))
+        .shuffle(seed=dc.seed)
+        .repeat(None)
+        .batch(dc.batch, drop_remainder=True)
+        .to_iter_dataset()
+    )
     history = []
     t0 = time.perf_counter()
     for i in tqdm(range(1, dc.steps + 1), desc=f"train-eagle {cfg.name}", disable=not dc.progress, unit="step"):
@@ -234,14 +276,29 @@ def train_draft(target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eag
             history.append(dict(step=i, loss=float(value), acc=np.asarray(metrics["acc"]).tolist()))
     seconds = time.perf_counter() - t0
     after = held_out(draft)
-    result = dict(target=cfg.name, eagle=dataclasses.asdict(ecfg), train_config=dataclasses.asdict(dc),
-                  corpus=text.describe(), data_seconds=data_s, seconds=seconds, held_out_before=before,
-                  held_out_after=after, history=history, device=jax.devices()[0].device_kind)
+    result = dict(
+        target=cfg.name,
+        eagle=dataclasses.asdict(ecfg),
+        train_config=dataclasses.asdict(dc),
+        corpus=text.describe(),
+        data_seconds=data_s,
+        seconds=seconds,
+        held_out_before=before,
+        held_out_after=after,
+        history=history,
+        device=jax.devices()[0].device_kind,
+    )
     if dc.out:
         os.makedirs(dc.out, exist_ok=True)
         save_draft(os.path.join(dc.out, "draft"), draft, ecfg, cfg, target_params)
         with open(os.path.join(dc.out, "eagle_train.json"), "w") as f:
             json.dump(result, f, indent=1)
-    log.info("trained the %s draft for %d steps in %.1f s: held-out top-1 agreement per step %s -> %s", cfg.name,
-             dc.steps, seconds, np.round(before["acc"], 3).tolist(), np.round(after["acc"], 3).tolist())
+    log.info(
+        "trained the %s draft for %d steps in %.1f s: held-out top-1 agreement per step %s -> %s",
+        cfg.name,
+        dc.steps,
+        seconds,
+        np.round(before["acc"], 3).tolist(),
+        np.round(after["acc"], 3).tolist(),
+    )
     return result, draft

@@ -27,8 +27,12 @@ from kimik3.quant import formats as qformats
 
 
 def is_fused(params) -> bool:
-    return any("w_in_dx" in layer.get(kind, {}) for name, layer in params.items() if name.startswith("layer_")
-               for kind in ("kda", "mla", "moe"))
+    return any(
+        "w_in_dx" in layer.get(kind, {})
+        for name, layer in params.items()
+        if name.startswith("layer_")
+        for kind in ("kda", "mla", "moe")
+    )
 
 
 def _cat(*ws):
@@ -36,8 +40,10 @@ def _cat(*ws):
     quantized = [isinstance(w, qformats.QTensor) for w in ws]
     if any(quantized):
         if not all(quantized):
-            raise ValueError("a fused projection group is quantized whole or not at all; got "
-                             f"{[getattr(w, 'fmt', 'array') for w in ws]}")
+            raise ValueError(
+                "a fused projection group is quantized whole or not at all; got "
+                f"{[getattr(w, 'fmt', 'array') for w in ws]}"
+            )
         return qformats.concat(ws)
     return jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=-1)
 
@@ -71,8 +77,11 @@ def fuse_projections(params, cfg: ModelConfig):
             if ins:
                 p["w_in_dx"] = _cat(*ins)
             gate, up = p.pop("w_gate_elf"), p.pop("w_up_elf")
-            p["w_gateup_elf"] = (qformats.concat([gate, up]) if isinstance(gate, qformats.QTensor)
-                                 else jnp.concatenate([gate, up], axis=-1))
+            p["w_gateup_elf"] = (
+                qformats.concat([gate, up])
+                if isinstance(gate, qformats.QTensor)
+                else jnp.concatenate([gate, up], axis=-1)
+            )
             layer["moe"] = p
         out[f"layer_{i}"] = layer
     return out

@@ -48,9 +48,19 @@ def _decode_step(params, token, cache, *, cfg, kernels):
     return logits[:, -1], cache
 
 
-def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, images=None,
-             use_cache: bool = False, *, stop_at_eos: bool = False, kernels: str = "auto",
-             choose=None, eos_id: int = tokenizer.EOS_ID) -> GenerateResult:
+def generate(
+    params,
+    cfg: ModelConfig,
+    prompt_tokens,
+    max_new_tokens: int,
+    images=None,
+    use_cache: bool = False,
+    *,
+    stop_at_eos: bool = False,
+    kernels: str = "auto",
+    choose=None,
+    eos_id: int = tokenizer.EOS_ID,
+) -> GenerateResult:
     """Greedy decoding of one prompt.
 
     Args:
@@ -72,15 +82,17 @@ def generate(params, cfg: ModelConfig, prompt_tokens, max_new_tokens: int, image
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
     total = prompt.size + max_new_tokens
     if total > cfg.max_seq_len:
-        raise ValueError(f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-                         f"the context limit max_seq_len={cfg.max_seq_len}")
+        raise ValueError(
+            f"prompt ({prompt.size} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+            f"the context limit max_seq_len={cfg.max_seq_len}"
+        )
     out_tokens, out_logits = [], []
     if not use_cache:
         params32 = cast_params(params, jnp.float32)
         _, _, imgs = prepare_inputs(cfg, prompt[None], images=images)
         imgs = None if imgs is None else imgs.astype(jnp.float32)
         buf = np.zeros((1, total), np.int32)
-        buf[0, :prompt.size] = prompt
+        buf[0, : prompt.size] = prompt
         for i in range(max_new_tokens):
             cur = prompt.size + i
             logits = np.asarray(_oracle_step(params32, jnp.asarray(buf), imgs, cur, cfg=cfg))

@@ -69,8 +69,9 @@ def _get(hf: dict, *names, default=None):
     return default
 
 
-def config_from_hf(hf: dict, *, name: str = "kimi_linear", dtype: str | None = None,
-                   biased_weights: bool = False) -> ModelConfig:
+def config_from_hf(
+    hf: dict, *, name: str = "kimi_linear", dtype: str | None = None, biased_weights: bool = False
+) -> ModelConfig:
     """The `ModelConfig` of a Kimi-Linear ``config.json`` (either key spelling transformers
     reads: ``num_experts`` / ``num_local_experts``, ``num_experts_per_token`` /
     ``num_experts_per_tok``, ...).  biased_weights: the checkpoint's remote code's routing rule
@@ -86,25 +87,31 @@ def config_from_hf(hf: dict, *, name: str = "kimi_linear", dtype: str | None = N
         for i in lin["kda_layers"]:
             kinds[i - 1] = "kda"
         if None in kinds:
-            raise CheckpointError(f"config.json: linear_attn_config names no mixer for 1-based layer "
-                                  f"{kinds.index(None) + 1}")
+            raise CheckpointError(
+                f"config.json: linear_attn_config names no mixer for 1-based layer {kinds.index(None) + 1}"
+            )
     elif hf.get("layer_types"):
         kinds = ["mla" if t == "full_attention" else "kda" for t in hf["layer_types"]]
     else:
-        raise CheckpointError("config.json: neither linear_attn_config's kda_layers / full_attn_layers nor "
-                              "layer_types says which layers are KDA")
+        raise CheckpointError(
+            "config.json: neither linear_attn_config's kda_layers / full_attn_layers nor "
+            "layer_types says which layers are KDA"
+        )
     if hf.get("mlp_layer_types"):
         dense = [t == "dense" for t in hf["mlp_layer_types"]]
         n_dense = dense.index(False) if False in dense else len(dense)
         if any(dense[n_dense:]):
-            raise CheckpointError("config.json: mlp_layer_types puts a dense layer after a sparse one; only the "
-                                  "first layers may be dense")
+            raise CheckpointError(
+                "config.json: mlp_layer_types puts a dense layer after a sparse one; only the first layers may be dense"
+            )
     else:
         n_dense = int(_get(hf, "first_k_dense_replace", default=1))
     groups, topk_groups = int(_get(hf, "num_expert_group", "n_group", default=1)), _get(hf, "topk_group", default=1)
     if groups != 1 and topk_groups != groups:
-        raise CheckpointError(f"config.json: group-limited routing ({groups} groups, top {topk_groups}) is not "
-                              f"supported; Kimi-Linear routes over one group")
+        raise CheckpointError(
+            f"config.json: group-limited routing ({groups} groups, top {topk_groups}) is not "
+            f"supported; Kimi-Linear routes over one group"
+        )
     if _get(hf, "moe_router_activation_func", default="sigmoid") != "sigmoid":
         raise CheckpointError("config.json: moe_router_activation_func must be 'sigmoid'")
     if not _get(hf, "moe_renormalize", "norm_topk_prob", default=True):
@@ -122,53 +129,99 @@ def config_from_hf(hf: dict, *, name: str = "kimi_linear", dtype: str | None = N
     d_model = int(_get(hf, "hidden_size"))
     eps = float(_get(hf, "rms_norm_eps", default=1e-5))
     return ModelConfig(
-        name=name, vocab_size=int(_get(hf, "vocab_size")), d_model=d_model, n_layers=n_layers,
+        name=name,
+        vocab_size=int(_get(hf, "vocab_size")),
+        d_model=d_model,
+        n_layers=n_layers,
         max_seq_len=int(_get(hf, "model_max_length", "max_position_embeddings", default=1 << 20)),
-        kda_heads=int(_get(lin, "num_heads", default=_get(hf, "linear_num_heads", default=32))), kda_head_dim=head_dim,
+        kda_heads=int(_get(lin, "num_heads", default=_get(hf, "linear_num_heads", default=32))),
+        kda_head_dim=head_dim,
         kda_conv_size=int(_get(lin, "short_conv_kernel_size", default=_get(hf, "linear_conv_kernel_dim", default=4))),
-        mla_heads=int(_get(hf, "num_attention_heads")), q_lora_rank=int(_get(hf, "q_lora_rank", default=0)),
-        kv_lora_rank=int(_get(hf, "kv_lora_rank")), qk_nope_dim=int(_get(hf, "qk_nope_head_dim")),
-        qk_rope_dim=int(_get(hf, "qk_rope_head_dim")), v_head_dim=int(_get(hf, "v_head_dim")),
+        mla_heads=int(_get(hf, "num_attention_heads")),
+        q_lora_rank=int(_get(hf, "q_lora_rank", default=0)),
+        kv_lora_rank=int(_get(hf, "kv_lora_rank")),
+        qk_nope_dim=int(_get(hf, "qk_nope_head_dim")),
+        qk_rope_dim=int(_get(hf, "qk_rope_head_dim")),
+        v_head_dim=int(_get(hf, "v_head_dim")),
         n_routed_experts=int(_get(hf, "num_experts", "num_local_experts", "n_routed_experts")),
         n_active_experts=int(_get(hf, "num_experts_per_token", "num_experts_per_tok")),
         n_shared_experts=int(_get(hf, "num_shared_experts", "n_shared_experts", default=0)),
-        moe_latent_dim=d_model, moe_expert_dim=moe_dim, moe_shared_dim=moe_dim,
+        moe_latent_dim=d_model,
+        moe_expert_dim=moe_dim,
+        moe_shared_dim=moe_dim,
         routed_scaling_factor=float(_get(hf, "routed_scaling_factor", default=1.0)),
-        dense_ffn_dim=int(_get(hf, "intermediate_size")), vit=None, norm_eps=eps,
-        mixer_layout=tuple(kinds), dense_layers=n_dense, kda_gate="softplus", mla_output_gate=False,
-        moe_latent=False, ffn_activation="silu", moe_biased_weights=biased_weights,
-        mla_norm_eps=1e-6, kda_norm_eps=eps,
+        dense_ffn_dim=int(_get(hf, "intermediate_size")),
+        vit=None,
+        norm_eps=eps,
+        mixer_layout=tuple(kinds),
+        dense_layers=n_dense,
+        kda_gate="softplus",
+        mla_output_gate=False,
+        moe_latent=False,
+        ffn_activation="silu",
+        moe_biased_weights=biased_weights,
+        mla_norm_eps=1e-6,
+        kda_norm_eps=eps,
         dtype=dtype or {"float32": "float32", "float16": "float16"}.get(_get(hf, "dtype", "torch_dtype"), "bfloat16"),
     )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A ``config.json`` for `cfg` that transformers' ``KimiLinearConfig`` reads (and `config_from_hf`)."""
-    if not (cfg.kda_gate == "softplus" and not cfg.mla_output_gate and not cfg.moe_latent
-            and cfg.ffn_activation == "silu" and cfg.vit is None):
-        raise ValueError(f"config {cfg.name!r} is not a Kimi-Linear variant (softplus gate, no MLA output gate, "
-                         f"no MoE latent, SwiGLU, no ViT): it has no Hugging Face layout")
+    if not (
+        cfg.kda_gate == "softplus"
+        and not cfg.mla_output_gate
+        and not cfg.moe_latent
+        and cfg.ffn_activation == "silu"
+        and cfg.vit is None
+    ):
+        raise ValueError(
+            f"config {cfg.name!r} is not a Kimi-Linear variant (softplus gate, no MLA output gate, "
+            f"no MoE latent, SwiGLU, no ViT): it has no Hugging Face layout"
+        )
     if cfg.n_shared_experts and cfg.moe_shared_dim != cfg.moe_expert_dim:
-        raise ValueError("the HF layout sizes the shared experts by moe_intermediate_size: moe_shared_dim must equal "
-                         "moe_expert_dim")
+        raise ValueError(
+            "the HF layout sizes the shared experts by moe_intermediate_size: moe_shared_dim must equal moe_expert_dim"
+        )
     kinds = cfg.mixer_kinds
     return {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.dense_ffn_dim,
-        "moe_intermediate_size": cfg.moe_expert_dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.mla_heads, "num_key_value_heads": cfg.mla_heads,
-        "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_dim, "qk_rope_head_dim": cfg.qk_rope_dim, "v_head_dim": cfg.v_head_dim,
-        "num_experts": cfg.n_routed_experts, "num_experts_per_token": cfg.n_active_experts,
-        "num_shared_experts": cfg.n_shared_experts, "routed_scaling_factor": cfg.routed_scaling_factor,
-        "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "hidden_act": "silu",
-        "first_k_dense_replace": cfg.dense_layers, "rms_norm_eps": cfg.norm_eps, "model_max_length": cfg.max_seq_len,
-        "tie_word_embeddings": False, "attention_bias": False, "pad_token_id": 0, "bos_token_id": None,
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.dense_ffn_dim,
+        "moe_intermediate_size": cfg.moe_expert_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.mla_heads,
+        "num_key_value_heads": cfg.mla_heads,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_dim,
+        "qk_rope_head_dim": cfg.qk_rope_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "num_experts": cfg.n_routed_experts,
+        "num_experts_per_token": cfg.n_active_experts,
+        "num_shared_experts": cfg.n_shared_experts,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "hidden_act": "silu",
+        "first_k_dense_replace": cfg.dense_layers,
+        "rms_norm_eps": cfg.norm_eps,
+        "model_max_length": cfg.max_seq_len,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "pad_token_id": 0,
+        "bos_token_id": None,
         "eos_token_id": None,
-        "linear_attn_config": {"kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "kda"],
-                               "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "mla"],
-                               "head_dim": cfg.kda_head_dim, "num_heads": cfg.kda_heads,
-                               "short_conv_kernel_size": cfg.kda_conv_size},
+        "linear_attn_config": {
+            "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "kda"],
+            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "mla"],
+            "head_dim": cfg.kda_head_dim,
+            "num_heads": cfg.kda_heads,
+            "short_conv_kernel_size": cfg.kda_conv_size,
+        },
         "dtype": cfg.dtype,
     }
 
@@ -214,8 +267,14 @@ def _heads(*shape):
 def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
     """Every tensor of the checkpoint, by its name in `names` ("transformers" or "hub")."""
     d, hk, h, dk = cfg.d_model, cfg.kda_heads * cfg.kda_head_dim, cfg.kda_heads, cfg.kda_head_dim
-    mh, qk, r, rope, nope, dv = (cfg.mla_heads, cfg.mla_qk_dim, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim,
-                                 cfg.v_head_dim)
+    mh, qk, r, rope, nope, dv = (
+        cfg.mla_heads,
+        cfg.mla_qk_dim,
+        cfg.kv_lora_rank,
+        cfg.qk_rope_dim,
+        cfg.qk_nope_dim,
+        cfg.v_head_dim,
+    )
     e, f = cfg.n_routed_experts, cfg.moe_expert_dim
     hub = names == "hub"
     out = {
@@ -225,8 +284,9 @@ def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
     }
     for i in range(cfg.n_layers):
         pre, L = f"model.layers.{i}.", f"layer_{i}"
-        add = lambda name, path, shape, fn, expert=None: out.__setitem__(pre + name, Target((L,) + path, shape, fn,
-                                                                                            expert))
+        add = lambda name, path, shape, fn, expert=None: out.__setitem__(
+            pre + name, Target((L,) + path, shape, fn, expert)
+        )
         add("input_layernorm.weight", ("mixer_norm", "scale"), (d,), lambda x: x)
         add("post_attention_layernorm.weight", ("ffn_norm", "scale"), (d,), lambda x: x)
         if cfg.mixer_kind(i) == "kda":
@@ -235,8 +295,12 @@ def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
                 add(f"{a}{n}_proj.weight", ("kda", ours), (hk, d), _heads(h, dk))
             if hub:
                 for n in "qkv":
-                    add(f"{a}{n}_conv1d.weight", ("kda", f"conv_{n}_wc"), (hk, 1, cfg.kda_conv_size),
-                        lambda x: x[:, 0, :].T)
+                    add(
+                        f"{a}{n}_conv1d.weight",
+                        ("kda", f"conv_{n}_wc"),
+                        (hk, 1, cfg.kda_conv_size),
+                        lambda x: x[:, 0, :].T,
+                    )
             else:  # one depthwise conv over [q | k | v]: ours per group
                 add(f"{a}conv1d.weight", ("kda", "conv_qkv"), (3 * hk, 1, cfg.kda_conv_size), lambda x: x[:, 0, :].T)
             fg = a if hub else a + "forget_gate."
@@ -263,9 +327,11 @@ def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
             add(f"{a}o_proj.weight", ("mla", "w_o_hvd"), (d, mh * dv), lambda x: x.T.reshape(mh, dv, d))
         if cfg.ffn_kind(i) == "dense":
             for hub_prefix in ("mlp.",) + (("block_sparse_moe.",) if hub else ()):
-                for n, ours, shape in (("gate", "w_gate_df", (cfg.dense_ffn_dim, d)),
-                                       ("up", "w_up_df", (cfg.dense_ffn_dim, d)),
-                                       ("down", "w_out_fd", (d, cfg.dense_ffn_dim))):
+                for n, ours, shape in (
+                    ("gate", "w_gate_df", (cfg.dense_ffn_dim, d)),
+                    ("up", "w_up_df", (cfg.dense_ffn_dim, d)),
+                    ("down", "w_out_fd", (d, cfg.dense_ffn_dim)),
+                ):
                     add(f"{hub_prefix}{n}_proj.weight", ("mlp", ours), shape, _t)
         else:
             m = "block_sparse_moe." if hub else "mlp."
@@ -281,8 +347,11 @@ def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
                 add(f"{m}experts.down_proj", ("moe", "w_out_efl"), (e, d, f), lambda x: np.swapaxes(x, 1, 2))
             if cfg.n_shared_experts:
                 fs = cfg.n_shared_experts * cfg.moe_shared_dim
-                for n, ours, shape in (("gate", "w_gate_df", (fs, d)), ("up", "w_up_df", (fs, d)),
-                                       ("down", "w_out_fd", (d, fs))):
+                for n, ours, shape in (
+                    ("gate", "w_gate_df", (fs, d)),
+                    ("up", "w_up_df", (fs, d)),
+                    ("down", "w_out_fd", (d, fs)),
+                ):
                     add(f"{m}shared_experts.{n}_proj.weight", ("moe", "shared", ours), shape, _t)
     return out
 
@@ -294,11 +363,13 @@ def _split(cfg: ModelConfig, path: tuple[str, ...], x: np.ndarray) -> dict[tuple
     pre = tuple(pre)
     if leaf == "conv_qkv":  # [W, 3HK]
         hk = cfg.kda_heads * cfg.kda_head_dim
-        return {pre + (f"conv_{n}_wc",): x[:, j * hk:(j + 1) * hk] for j, n in enumerate("qkv")}
+        return {pre + (f"conv_{n}_wc",): x[:, j * hk : (j + 1) * hk] for j, n in enumerate("qkv")}
     if leaf == "kv_b":  # [H*(nope+v), r] -> [r, H, nope], [r, H, v]
         per_head = x.reshape(cfg.mla_heads, cfg.qk_nope_dim + cfg.v_head_dim, cfg.kv_lora_rank)
-        return {pre + ("w_kb_rhn",): np.transpose(per_head[:, :cfg.qk_nope_dim], (2, 0, 1)),
-                pre + ("w_vb_rhv",): np.transpose(per_head[:, cfg.qk_nope_dim:], (2, 0, 1))}
+        return {
+            pre + ("w_kb_rhn",): np.transpose(per_head[:, : cfg.qk_nope_dim], (2, 0, 1)),
+            pre + ("w_vb_rhv",): np.transpose(per_head[:, cfg.qk_nope_dim :], (2, 0, 1)),
+        }
     if leaf == "gate_up":  # [E, 2F, D] -> [E, D, F] twice
         f = cfg.moe_expert_dim
         return {pre + ("w_gate_elf",): np.swapaxes(x[:, :f], 1, 2), pre + ("w_up_elf",): np.swapaxes(x[:, f:], 1, 2)}
@@ -374,8 +445,11 @@ def _target(cfg: ModelConfig, maps: dict, directory: str, name: str, shape: tupl
     if target is None:
         layer = re.match(r"model\.layers\.(\d+)\.", name)
         i = int(layer.group(1)) if layer else None
-        hint = (f" (layer {i} is {cfg.mixer_kind(i).upper()} with a {cfg.ffn_kind(i)} FFN)"
-                if i is not None and i < cfg.n_layers else "")
+        hint = (
+            f" (layer {i} is {cfg.mixer_kind(i).upper()} with a {cfg.ffn_kind(i)} FFN)"
+            if i is not None and i < cfg.n_layers
+            else ""
+        )
         raise CheckpointError(f"{directory}: unknown tensor {name}{hint}")
     if shape != target.shape:
         raise CheckpointError(f"{directory}: tensor {name} has shape {shape}; the config needs {target.shape}")
@@ -385,8 +459,11 @@ def _target(cfg: ModelConfig, maps: dict, directory: str, name: str, shape: tupl
 def _leaves_of(cfg: ModelConfig, target: Target) -> tuple[tuple[str, ...], ...]:
     """The param leaves one tensor sets (the fused conv, kv_b and gate_up set several)."""
     *pre, last = target.path
-    leaves = {"conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"), "kv_b": ("w_kb_rhn", "w_vb_rhv"),
-              "gate_up": ("w_gate_elf", "w_up_elf")}.get(last, (last,))
+    leaves = {
+        "conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"),
+        "kv_b": ("w_kb_rhn", "w_vb_rhv"),
+        "gate_up": ("w_gate_elf", "w_up_elf"),
+    }.get(last, (last,))
     return tuple(tuple(pre) + (leaf,) for leaf in leaves)
 
 
@@ -399,8 +476,7 @@ def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
     filled: dict[tuple, str] = {}
     for _, name, shape in _headers(directory):
         target = _target(cfg, maps, directory, name, shape)
-        keys = ([target.path + (target.expert,)] if target.expert is not None
-                else list(_leaves_of(cfg, target)))
+        keys = [target.path + (target.expert,)] if target.expert is not None else list(_leaves_of(cfg, target))
         for key in keys:
             if key in filled:
                 raise CheckpointError(f"{directory}: tensor {name} sets what {filled[key]} sets already")
@@ -414,8 +490,10 @@ def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
                 absent = [n for n, t in hub if leaf + (t.expert,) not in filled]
                 if not absent:
                     continue
-                raise CheckpointError(f"{directory}: tensor {absent[0]} is missing"
-                                      + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
+                raise CheckpointError(
+                    f"{directory}: tensor {absent[0]} is missing"
+                    + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else "")
+                )
             raise CheckpointError(f"{directory}: tensor {name} is missing")
     return cfg
 
@@ -423,8 +501,15 @@ def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
 EXPERT_LEAVES = ("w_gate_elf", "w_up_elf", "w_out_efl")
 
 
-def load(directory: str, *, dtype=None, device=None, biased_weights: bool = False, cfg: ModelConfig | None = None,
-         experts: str | None = None):
+def load(
+    directory: str,
+    *,
+    dtype=None,
+    device=None,
+    biased_weights: bool = False,
+    cfg: ModelConfig | None = None,
+    experts: str | None = None,
+):
     """(params, cfg) of a Kimi-Linear model directory (see the module docstring); params in the
     checkpoint layout, each leaf in `dtype` (default the config's; the router and the KDA gate's
     parameters stay fp32) on `device` (default JAX's first).  The directory is `check`ed whole
@@ -477,6 +562,7 @@ def load(directory: str, *, dtype=None, device=None, biased_weights: bool = Fals
 
 def _from_ours(cfg: ModelConfig, params, names: str) -> Iterator[tuple[str, np.ndarray]]:
     """(name, HF array) of every tensor, in `names`' spelling."""
+
     def leaf(path):
         x = params
         for k in path:
@@ -519,8 +605,9 @@ def _from_ours(cfg: ModelConfig, params, names: str) -> Iterator[tuple[str, np.n
     del hk
 
 
-def save(directory: str, params, cfg: ModelConfig, *, names: str = "transformers",
-         max_shard_bytes: int = 2 << 30) -> None:
+def save(
+    directory: str, params, cfg: ModelConfig, *, names: str = "transformers", max_shard_bytes: int = 2 << 30
+) -> None:
     """Write params (checkpoint layout) as a Hugging Face Kimi-Linear directory: config.json and
     safetensors shards of at most `max_shard_bytes` (an index when there are several)."""
     from safetensors.numpy import save_file
@@ -548,5 +635,8 @@ def save(directory: str, params, cfg: ModelConfig, *, names: str = "transformers
         save_file(shard, os.path.join(directory, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in shard})
     with open(os.path.join(directory, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": sum(x.nbytes for s in shards for x in s.values())},
-                   "weight_map": weight_map}, f, indent=2)
+        json.dump(
+            {"metadata": {"total_size": sum(x.nbytes for s in shards for x in s.values())}, "weight_map": weight_map},
+            f,
+            indent=2,
+        )

@@ -89,12 +89,14 @@ def _embed_program(top, tokens_bt, images, *, cfg: ModelConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "expert_path", "kernels"))
-def _mixer_program(block_params, x_btd, positions_bt, cache, *, cfg: ModelConfig, layer: int, expert_path: str,
-                   kernels: str):
+def _mixer_program(
+    block_params, x_btd, positions_bt, cache, *, cfg: ModelConfig, layer: int, expert_path: str, kernels: str
+):
     from kimik3.model import Block
 
-    return Block(cfg, layer, expert_path, kernels).apply({"params": block_params}, x_btd, positions_bt, cache,
-                                                         method="mix")
+    return Block(cfg, layer, expert_path, kernels).apply(
+        {"params": block_params}, x_btd, positions_bt, cache, method="mix"
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "expert_path", "kernels"))
@@ -124,10 +126,17 @@ def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig,
         # each half's params only: a program's arguments are what it reads
         mixer = {k: v for k, v in block.items() if k in ("mixer_norm", "kda", "mla")}
         ffn = {k: v for k, v in block.items() if k in ("ffn_norm", "mlp", "moe")}
-        x, new = _mixer_program(mixer, x, positions_bt, None if layers is None else layers[i], cfg=cfg,
-                                layer=first_of_kind(cfg, i, "mixer"), expert_path=expert_path, kernels=kernels)
-        x = _ffn_program(ffn, x, cfg=cfg, layer=first_of_kind(cfg, i, "ffn"), expert_path=expert_path,
-                         kernels=kernels)
+        x, new = _mixer_program(
+            mixer,
+            x,
+            positions_bt,
+            None if layers is None else layers[i],
+            cfg=cfg,
+            layer=first_of_kind(cfg, i, "mixer"),
+            expert_path=expert_path,
+            kernels=kernels,
+        )
+        x = _ffn_program(ffn, x, cfg=cfg, layer=first_of_kind(cfg, i, "ffn"), expert_path=expert_path, kernels=kernels)
         if layers is not None:
             layers[i] = new
     logits = _head_program(params["final_norm"], params["lm_head_dv"], x, cfg=cfg)
@@ -142,5 +151,9 @@ def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig,
 def programs_compiled() -> dict:
     """How many programs of each part this process holds (a model compiles one block program
     per kind and shape, not per layer)."""
-    return {"embed": _embed_program._cache_size(), "mixer": _mixer_program._cache_size(),
-            "ffn": _ffn_program._cache_size(), "head": _head_program._cache_size()}
+    return {
+        "embed": _embed_program._cache_size(),
+        "mixer": _mixer_program._cache_size(),
+        "ffn": _ffn_program._cache_size(),
+        "head": _head_program._cache_size(),
+    }

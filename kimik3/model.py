@@ -201,25 +201,34 @@ class KimiK3(nn.Module):
         scanned = stacked.scanned_layers(cfg) if self.has_variable("params", stacked.PERIODS) else ()
         exports = {}
         if set(self.taps) & set(scanned):
-            raise ValueError(f"taps {sorted(set(self.taps) & set(scanned))} are scanned layers (`kimik3.stacked`): "
-                             f"tap the unrolled layout")
+            raise ValueError(
+                f"taps {sorted(set(self.taps) & set(scanned))} are scanned layers (`kimik3.stacked`): "
+                f"tap the unrolled layout"
+            )
         for i in range(cfg.n_layers if self.blocks else 0):
             if i in scanned:
                 if i == first:  # the periods as one scan step over their stacked weights (`kimik3.stacked`)
                     if isinstance(caches, LayerCaches):
                         caches = caches.stack(first, n)
-                    periods = nn.scan(Period, variable_axes={"params": 0}, split_rngs={"params": True},
-                                      in_axes=(0, nn.broadcast), length=n)
-                    (x, caches), period_exports = periods(cfg, first, self.expert_path, self.kernels,
-                                                          name=stacked.PERIODS)((x, caches), jnp.arange(n),
-                                                                                positions_bt)
+                    periods = nn.scan(
+                        Period,
+                        variable_axes={"params": 0},
+                        split_rngs={"params": True},
+                        in_axes=(0, nn.broadcast),
+                        length=n,
+                    )
+                    (x, caches), period_exports = periods(
+                        cfg, first, self.expert_path, self.kernels, name=stacked.PERIODS
+                    )((x, caches), jnp.arange(n), positions_bt)
                     if isinstance(caches, LayerCaches):
                         caches = caches.unstack(n)
-                    exports.update({l: e for l, e in stacked.unstack_positions(period_exports, first, n).items()
-                                    if e is not None})
+                    exports.update(
+                        {l: e for l, e in stacked.unstack_positions(period_exports, first, n).items() if e is not None}
+                    )
                 continue
-            x, caches, e = _run_block(Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}"),
-                                      x, positions_bt, caches, cfg, i, None)
+            x, caches, e = _run_block(
+                Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}"), x, positions_bt, caches, cfg, i, None
+            )
             if e is not None:
                 exports[i] = e
             if i in self.taps:
@@ -315,8 +324,9 @@ def init_params(cfg: ModelConfig, key, dtype=None) -> Params:
     with _cheap_threefry():
         params = dict(_init_top(top_key, cfg=cfg, dtype=dtype))
         for i in range(cfg.n_layers):
-            params[f"layer_{i}"] = _init_block(jax.random.fold_in(blocks_key, i), cfg=cfg,
-                                               layer=first_of_kind(cfg, i), dtype=dtype)
+            params[f"layer_{i}"] = _init_block(
+                jax.random.fold_in(blocks_key, i), cfg=cfg, layer=first_of_kind(cfg, i), dtype=dtype
+            )
     return params
 
 
@@ -334,8 +344,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
     if not 0 < max_len <= cfg.max_seq_len:
         raise ValueError(f"cache max_len {max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
     dtype = jnp.dtype(dtype or cfg.dtype)
-    layers = tuple(init_kda_cache(cfg, batch, dtype) if kind == "kda" else init_mla_cache(cfg, batch, max_len, dtype)
-                   for kind in cfg.mixer_kinds)
+    layers = tuple(
+        init_kda_cache(cfg, batch, dtype) if kind == "kda" else init_mla_cache(cfg, batch, max_len, dtype)
+        for kind in cfg.mixer_kinds
+    )
     return {"lengths": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
@@ -345,8 +357,10 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_toke
     View them per batch with `paged_view`; `pool_layers` splits them per layer."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
-    return {"kda": init_kda_cache(cfg, n_kda * num_slots, dtype),
-            "mla": {"pages": jnp.zeros((n_mla * num_pages, page_tokens, cfg.mla_latent_dim), dtype)}}
+    return {
+        "kda": init_kda_cache(cfg, n_kda * num_slots, dtype),
+        "mla": {"pages": jnp.zeros((n_mla * num_pages, page_tokens, cfg.mla_latent_dim), dtype)},
+    }
 
 
 def pools_of(view: Cache) -> Cache:
@@ -358,8 +372,13 @@ def pool_layers(cfg: ModelConfig, pools: Cache) -> tuple:
     """Per layer, its part of the pools: KDA {"state": [S, ...], "conv": [S, ...]}, MLA
     {"pages": [P, ...]} (slices: copies, for inspection and the sharded steps' gathers)."""
     sizes = dict(zip(("kda", "mla"), pool_offsets(cfg, pools)))
-    return tuple({key: v[kind_index(cfg, i) * sizes[kind]:(kind_index(cfg, i) + 1) * sizes[kind]]
-                  for key, v in pools[kind].items()} for i, kind in enumerate(cfg.mixer_kinds))
+    return tuple(
+        {
+            key: v[kind_index(cfg, i) * sizes[kind] : (kind_index(cfg, i) + 1) * sizes[kind]]
+            for key, v in pools[kind].items()
+        }
+        for i, kind in enumerate(cfg.mixer_kinds)
+    )
 
 
 def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid=None) -> Cache:
@@ -403,8 +422,9 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None,
-                  taps=()):
+def _forward_impl(
+    params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
+):
     """The forward over a cache (or none): (logits, the cache after) and, with taps (layers,
     static), a third output: the residual stream after each of them [B, T, len(taps), D] (what
     an EAGLE-3 draft reads, `kimik3.eagle`)."""
@@ -414,8 +434,14 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
     elif paged:
         # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
         # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
-        caches = PagedPools(cache["kda"], cache["mla"], cache["slots"], cache["block_tables"],
-                            cache.get("export_at"), cache.get("valid"))
+        caches = PagedPools(
+            cache["kda"],
+            cache["mla"],
+            cache["slots"],
+            cache["block_tables"],
+            cache.get("export_at"),
+            cache.get("valid"),
+        )
     else:
         caches = LayerCaches(tuple(cache["layers"]))
     module = KimiK3(cfg, expert_path, ops.resolve(kernels), taps=tuple(taps))
@@ -428,8 +454,9 @@ def _forward_impl(params, tokens, positions, cache, images, *, cfg, expert_path,
     if cache is None:
         return (logits, None) + tapped
     if paged:
-        out = dict(cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda,
-                   mla=caches.mla)
+        out = dict(
+            cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda, mla=caches.mla
+        )
         if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
             out["exports"] = exports
         return (logits, out) + tapped
@@ -453,8 +480,10 @@ def step_compiler_options(environ=os.environ) -> dict:
       CUDA graphs (command buffers), whose update for each call's new buffers is host time on
       every step that runs a chunk."""
     options = {}
-    for name, off in (("KIMIK3_PREFILL_TRITON_GEMM", {"xla_gpu_enable_triton_gemm": False}),
-                      ("KIMIK3_PREFILL_COMMAND_BUFFER", {"xla_gpu_enable_command_buffer": ""})):
+    for name, off in (
+        ("KIMIK3_PREFILL_TRITON_GEMM", {"xla_gpu_enable_triton_gemm": False}),
+        ("KIMIK3_PREFILL_COMMAND_BUFFER", {"xla_gpu_enable_command_buffer": ""}),
+    ):
         value = environ.get(name, "1")
         if value not in ("0", "1"):
             raise ValueError(f"{name} must be 0 or 1; got {value!r}")
@@ -466,8 +495,9 @@ def step_compiler_options(environ=os.environ) -> dict:
 # The serving step: the same program with the cache donated, so the pools (every MLA page and
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its
 # references to the donated cache and keep the returned one.
-forward_step = jax.jit(_forward_impl, static_argnames=_STATIC, donate_argnames=("cache",),
-                       compiler_options=step_compiler_options() or None)
+forward_step = jax.jit(
+    _forward_impl, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
+)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -509,14 +539,27 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
         end = int(np.max(np.asarray(start))) + t
         limit = cfg.max_seq_len if cache is None else min(cfg.max_seq_len, cache_capacity(cfg, cache))
         if end > limit:
-            raise ValueError(f"sequence of {end} tokens exceeds the context limit of {limit} tokens "
-                             f"(max_seq_len={cfg.max_seq_len}"
-                             + ("" if cache is None else f", cache capacity={cache_capacity(cfg, cache)}") + ")")
+            raise ValueError(
+                f"sequence of {end} tokens exceeds the context limit of {limit} tokens "
+                f"(max_seq_len={cfg.max_seq_len}"
+                + ("" if cache is None else f", cache capacity={cache_capacity(cfg, cache)}")
+                + ")"
+            )
     return tokens, positions, _as_images(images, tokens, cfg, continuing=cache is not None)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cache | None = None,
-            positions=None, expert_path: str = "grouped", kernels: str = "auto", programs: str = "auto"):
+def forward(
+    params: Params,
+    cfg: ModelConfig,
+    tokens,
+    *,
+    images=None,
+    cache: Cache | None = None,
+    positions=None,
+    expert_path: str = "grouped",
+    kernels: str = "auto",
+    programs: str = "auto",
+):
     """Run the model on new tokens.
 
     Args:
@@ -539,10 +582,12 @@ def forward(params: Params, cfg: ModelConfig, tokens, *, images=None, cache: Cac
     """
     tokens, positions, images = prepare_inputs(cfg, tokens, images=images, cache=cache, positions=positions)
     if layerwise.use_layerwise(programs, params, cfg, cache, tokens, images):
-        return layerwise.forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
-                                 kernels=ops.resolve(kernels))
-    return _forward(params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path,
-                    kernels=ops.resolve(kernels))
+        return layerwise.forward(
+            params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path, kernels=ops.resolve(kernels)
+        )
+    return _forward(
+        params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path, kernels=ops.resolve(kernels)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layers", "kernels"))
@@ -601,8 +646,9 @@ def _as_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
     generated, a text token (`splice_image_embeddings`), not a prompt missing its images."""
     if cfg.vit is None and images is None:  # no vision encoder: <|image|>'s id is a text token like any
         return None
-    n_placeholders = (int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID))
-                      if tokens is not None and _concrete(tokens) else None)
+    n_placeholders = (
+        int(np.sum(np.asarray(tokens) == tokenizer.IMAGE_ID)) if tokens is not None and _concrete(tokens) else None
+    )
     if images is None:
         if n_placeholders and not continuing:
             raise ValueError(f"tokens hold {n_placeholders} <|image|> placeholders but no images were given")
@@ -622,8 +668,10 @@ def _as_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
     if _concrete(images) and not np.all(np.isfinite(np.asarray(images, np.float32))):
         raise ValueError("images contain NaN or infinite values")
     if n_placeholders is not None and n_placeholders != images.shape[0] * v.tokens_per_image:
-        raise ValueError(f"{images.shape[0]} images need {images.shape[0] * v.tokens_per_image} <|image|> "
-                         f"placeholders ({v.tokens_per_image} each); tokens hold {n_placeholders}")
+        raise ValueError(
+            f"{images.shape[0]} images need {images.shape[0] * v.tokens_per_image} <|image|> "
+            f"placeholders ({v.tokens_per_image} each); tokens hold {n_placeholders}"
+        )
     return jnp.asarray(images)
 
 

@@ -59,8 +59,20 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid, **params):
 VERIFY_MAX_TOKENS = 16
 
 
-def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", export_at=None, slots=None,
-        gate_bounded=True):
+def kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state=None,
+    chunk_size=64,
+    kernels="auto",
+    export_at=None,
+    slots=None,
+    gate_bounded=True,
+):
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
     gate_bounded: whether every g is known to lie above the bounded gate's lower bound
@@ -94,21 +106,34 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
         if resolve(kernels) == "pallas" and export_at is not None and chunk_size == 1 and t <= VERIFY_MAX_TOKENS:
             # a speculative verify pass (every position exports its state): the recurrence on the
             # pool by slot, the state after each token written out by the same kernel
-            o, pool, states = kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state, slots=slots,
-                                                              export_states=True)
+            o, pool, states = kda_kernels.fused_recurrent_kda(
+                q, k, v, g, beta, state_pool=initial_state, slots=slots, export_states=True
+            )
             named = (export_at >= 1) & (export_at <= t)
             picked = jnp.take(states, jnp.clip(export_at - 1, 0, t - 1), axis=1)  # [B, E, H, K, V]
             return o, pool, jnp.where(named[None, :, None, None, None], picked, 0.0)
-        out = kda(q, k, v, g, beta, initial_state=initial_state[slots], chunk_size=chunk_size, kernels=kernels,
-                  export_at=export_at, gate_bounded=gate_bounded)
+        out = kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state[slots],
+            chunk_size=chunk_size,
+            kernels=kernels,
+            export_at=export_at,
+            gate_bounded=gate_bounded,
+        )
         return (out[0], initial_state.at[slots].set(out[1])) + tuple(out[2:])
     if export_at is not None:
-        ref = lambda: kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state,
-                                                  chunk_size=chunk_size, export_at=export_at)
+        ref = lambda: kda_kernels.kda_chunked_ref(
+            q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size, export_at=export_at
+        )
         if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
             return ref()
-        kernel = lambda: kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                               export_at=export_at)
+        kernel = lambda: kda_kernels.chunk_kda(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=True, export_at=export_at
+        )
         return kernel() if gate_bounded else _where_gates_allow(g, kernel, ref)
     if resolve(kernels) == "reference":
         if t == 1:
@@ -117,13 +142,17 @@ def kda(q, k, v, g, beta, *, initial_state=None, chunk_size=64, kernels="auto", 
     if initial_state is None:
         initial_state = jnp.zeros((b, h, dk, v.shape[-1]), jnp.float32)
     if t == 1:
-        return kda_kernels.fused_recurrent_kda(q, k, v, g, beta, state_pool=initial_state,
-                                               slots=jnp.arange(b, dtype=jnp.int32))
+        return kda_kernels.fused_recurrent_kda(
+            q, k, v, g, beta, state_pool=initial_state, slots=jnp.arange(b, dtype=jnp.int32)
+        )
     kernel = lambda: kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)[:2]
     if gate_bounded:
         return kernel()
-    return _where_gates_allow(g, kernel, lambda: kda_kernels.kda_chunked_ref(
-        q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size))
+    return _where_gates_allow(
+        g,
+        kernel,
+        lambda: kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size),
+    )
 
 
 # The lowest per-token log-decay the chunked kernel's factorisation takes (the bounded gate's bound).
@@ -186,8 +215,13 @@ def _packed_mxfp4(w, dtype):
     bf16 rows, as they are; None for anything else."""
     if isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
         return w if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else None
-    if (isinstance(w, QTensor) and w.fmt == "mxfp4" and jnp.dtype(dtype).itemsize == 2
-            and w.shape[-2] % 32 == 0 and w.shape[-1] % 32 == 0):
+    if (
+        isinstance(w, QTensor)
+        and w.fmt == "mxfp4"
+        and jnp.dtype(dtype).itemsize == 2
+        and w.shape[-2] % 32 == 0
+        and w.shape[-1] % 32 == 0
+    ):
         return mxfp4_kernels.PackedMXFP4(w.values, w.scales)
     return None
 
@@ -243,8 +277,11 @@ def hopper_mxfp4_experts(params, dtype="bfloat16", compute_capability: str | Non
 
     out = jax.tree_util.tree_map(move, params, is_leaf=lambda x: isinstance(x, QTensor))
     if stacked:
-        logger.warning("KIMIK3_MOE_MXFP4: %d MXFP4 expert tensors are stacked by period (scan_layers='all'); they "
-                       "stay on the Triton MXFP4 kernels", len(stacked))
+        logger.warning(
+            "KIMIK3_MOE_MXFP4: %d MXFP4 expert tensors are stacked by period (scan_layers='all'); they "
+            "stay on the Triton MXFP4 kernels",
+            len(stacked),
+        )
     return out
 
 
@@ -265,11 +302,16 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     if packed is not None and resolve(kernels) == "pallas":
         return moe_kernels.grouped_matmul(lhs_mk, packed, group_sizes_g)
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
-    if (resolve(kernels) == "pallas"
-            and moe_gmm_impl(lhs_mk.dtype, ((rhs_gkn, False),), lhs_mk.shape[0], _compute_capability()) == "hopper"):
+    if (
+        resolve(kernels) == "pallas"
+        and moe_gmm_impl(lhs_mk.dtype, ((rhs_gkn, False),), lhs_mk.shape[0], _compute_capability()) == "hopper"
+    ):
         return moe_hopper.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, interpret=jax.default_backend() != "gpu")
-    if (resolve(kernels) == "pallas" and lhs_mk.dtype == rhs_gkn.dtype
-            and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])):
+    if (
+        resolve(kernels) == "pallas"
+        and lhs_mk.dtype == rhs_gkn.dtype
+        and moe_kernels.kernel_dims_ok(lhs_mk.shape[1], rhs_gkn.shape[2])
+    ):
         return moe_kernels.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g)
     return moe_kernels.grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g)
 
@@ -280,8 +322,10 @@ def _ffn_weights(x_nl, w_gateup_elf, w_out_efl):
     out = []
     if isinstance(w_gateup_elf, moe_mxfp4_hopper.HopperMXFP4) != isinstance(w_out_efl, moe_mxfp4_hopper.HopperMXFP4):
         return None  # `hopper_mxfp4_experts` moved one of the two: the kernels take both or neither
-    for w, (k, n) in ((w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
-                      (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2]))):
+    for w, (k, n) in (
+        (w_gateup_elf, (x_nl.shape[1], w_gateup_elf.shape[2])),
+        (w_out_efl, (w_out_efl.shape[1], w_out_efl.shape[2])),
+    ):
         packed = _packed_mxfp4(w, x_nl.dtype)
         if packed is None and isinstance(w, moe_mxfp4_hopper.HopperMXFP4):
             return None  # rows other than bf16: the per-projection path, dequantized (`expert_weights`)
@@ -337,9 +381,12 @@ def moe_gmm_impl(dtype, gemms, assignments: int, compute_capability: str | None)
     choice = os.environ.get("KIMIK3_MOE_GMM", "auto")
     if choice not in MOE_GMM_CHOICES:
         raise ValueError(f"KIMIK3_MOE_GMM must be one of {MOE_GMM_CHOICES}; got {choice!r}")
-    fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and all(not isinstance(w, (mxfp4_kernels.PackedMXFP4, QTensor)) and jnp.dtype(w.dtype) == jnp.dtype(dtype)
-                    and moe_hopper.fits(w.shape[1], w.shape[2], act=act) for w, act in gemms))
+    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and all(
+        not isinstance(w, (mxfp4_kernels.PackedMXFP4, QTensor))
+        and jnp.dtype(w.dtype) == jnp.dtype(dtype)
+        and moe_hopper.fits(w.shape[1], w.shape[2], act=act)
+        for w, act in gemms
+    )
     hopper = compute_capability is not None and str(compute_capability).startswith("9")
     if choice == "triton" or not fits:
         return "triton"
@@ -360,9 +407,12 @@ def moe_route_kernel() -> bool:
 def routed_ffn_fits(x_nl, w_gateup_elf, w_out_efl, top_k: int, kernels="auto") -> bool:
     """Whether `routed_ffn` serves N tokens: `moe_route_kernel` is on, `grouped_ffn` fits and the
     routing is one `moe_route.route_layout` program (powers of two; a decode step's few tokens)."""
-    return (moe_route_kernel() and grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
-            and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k)
-            and moe_combine.combine_norm_fits(x_nl.shape[1]))
+    return (
+        moe_route_kernel()
+        and grouped_ffn_fits(x_nl, w_gateup_elf, w_out_efl, kernels)
+        and moe_route.route_layout_fits(x_nl.shape[0], w_gateup_elf.shape[0], top_k)
+        and moe_combine.combine_norm_fits(x_nl.shape[1])
+    )
 
 
 def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, top_k: int, latent_norm_l, eps: float):
@@ -374,8 +424,9 @@ def routed_ffn(x_nl, logits_ne, bias_e, real_n, w_gateup_elf, w_out_efl, act, to
     weights, dest, tiles = moe_route.route_layout(logits_ne, bias_e, real_n, top_k=top_k)
     experts = _ffn_weights(x_nl, w_gateup_elf, w_out_efl)
     hopper_mx = isinstance(experts[0], moe_mxfp4_hopper.HopperMXFP4)  # else the Triton kernels: a step's few rows
-    y_rows, dest = moe_kernels.grouped_ffn(x_nl, None, *experts, act=act, layout=(dest, tiles), gather=False,
-                                           impl="hopper" if hopper_mx else "triton")
+    y_rows, dest = moe_kernels.grouped_ffn(
+        x_nl, None, *experts, act=act, layout=(dest, tiles), gather=False, impl="hopper" if hopper_mx else "triton"
+    )
     return moe_combine.combine_norm(y_rows, dest, weights, latent_norm_l, eps=eps)
 
 
@@ -392,8 +443,21 @@ def _pages_for(length: int) -> int | None:
     return None
 
 
-def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs,
-                  absorbed: bool, contiguous_cache: bool, paged=None, kernels="auto"):
+def mla_attention(
+    q_bthd,
+    latent_bsr,
+    w_kb_rhn,
+    w_vb_rhv,
+    *,
+    kv_lora: int,
+    scale: float,
+    q_pos_bt,
+    k_pos_bs,
+    absorbed: bool,
+    contiguous_cache: bool,
+    paged=None,
+    kernels="auto",
+):
     """MLA attention of queries [B, T, H, nope + rope] over latent rows [B, S, kv_lora + rope] -> [B, T, H, v].
 
     `absorbed` picks the form (latent MQA vs expanded heads).  On the Pallas path, over a
@@ -428,21 +492,35 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
                 if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability(), t) == "hopper":
                     o, _ = mla_hopper.mla_prefill_chunk_hopper(
-                        q_bthd.astype(k.dtype), k, v, prefix, scale=scale,
-                        block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]))
+                        q_bthd.astype(k.dtype),
+                        k,
+                        v,
+                        prefix,
+                        scale=scale,
+                        block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]),
+                    )
                 else:
-                    o, _ = mla_kernels.mla_prefill_chunk(q_bthd.astype(k.dtype), k, v, prefix, scale=scale,
-                                                         rope_dim=rope)
+                    o, _ = mla_kernels.mla_prefill_chunk(
+                        q_bthd.astype(k.dtype), k, v, prefix, scale=scale, rope_dim=rope
+                    )
                 return o
             # the queries take the pages' dtype, never the pages the queries': an fp32 draft
             # head on a bf16 pool would otherwise convert the whole pool at every call
             q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
             out_dtype, q_latent = q_latent.dtype, q_latent.astype(pages.dtype)
-            impl = mla_decode_impl(q_latent.dtype, kv_lora, rope, pages.shape[1], t * h,
-                                   table.shape[1] * pages.shape[1], _compute_capability())
+            impl = mla_decode_impl(
+                q_latent.dtype,
+                kv_lora,
+                rope,
+                pages.shape[1],
+                t * h,
+                table.shape[1] * pages.shape[1],
+                _compute_capability(),
+            )
             decode = mla_decode_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
-            o_latent, _ = decode(q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1,
-                                 scale=scale)
+            o_latent, _ = decode(
+                q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1, scale=scale
+            )
             return jnp.einsum("bthr,rhv->bthv", o_latent.astype(out_dtype), w_vb_rhv)
         if not absorbed and not contiguous_cache:
             k, v = mla_kernels.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)
@@ -450,14 +528,16 @@ def mla_attention(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale
             args = (pack(q_bthd.astype(k.dtype)), pack(k), pack(v))
             cu = [i * t for i in range(b + 1)]
             if mla_prefill_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
-                o, _ = mla_hopper.mla_prefill_hopper(*args, cu_seqlens=cu, scale=scale,
-                                                     block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1]))
+                o, _ = mla_hopper.mla_prefill_hopper(
+                    *args, cu_seqlens=cu, scale=scale, block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1])
+                )
             else:
                 o, _ = mla_kernels.mla_prefill(*args, cu_seqlens=cu, scale=scale, rope_dim=rope)
             return o.reshape(b, t, h, -1)
     form = mla_absorbed if absorbed else mla_naive
-    return form(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora, scale=scale, q_pos_bt=q_pos_bt,
-                k_pos_bs=k_pos_bs)
+    return form(
+        q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs
+    )
 
 
 def _compute_capability() -> str | None:
@@ -504,8 +584,9 @@ def mla_chunk_impl(dtype, dqk: int, dv: int, compute_capability: str | None, chu
     return mla_prefill_impl(dtype, dqk, dv, compute_capability)
 
 
-def mla_decode_impl(dtype, kv_lora: int, rope: int, page: int, rows: int, max_keys: int,
-                    compute_capability: str | None) -> str:
+def mla_decode_impl(
+    dtype, kv_lora: int, rope: int, page: int, rows: int, max_keys: int, compute_capability: str | None
+) -> str:
     """Which Pallas absorbed decode runs: "hopper" (Mosaic GPU, FlashMLA's layout on wgmma:
     several times the Triton kernel's speed at 96-128 heads, and faster at 16 heads once
     contexts reach 8k: RESULTS.md, MLA kernels) for 16-bit inputs with kv_lora % 128 == 0,

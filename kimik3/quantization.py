@@ -58,15 +58,18 @@ _FP32_RULE = (r"(w_router_de|router_bias_e|a_log_h|dt_bias_hk)$", "fp32")
 BF16 = QuantManifest(rules=(_FP32_RULE,), default="bf16")
 _EXPERTS = r"moe/w_(gate_elf|up_elf|out_efl)$"
 # The attention projections a quantized manifest stores in FP8 / MXFP8 (see the module comment).
-ATTENTION_PROJECTIONS = (r"kda/w_(q_dhk|k_dhk|v_dhv|fa_dr|beta_dh|ga_dr|o_hvd)$"
-                         r"|mla/w_(q_dhk|qa_dq|qb_qhk|kva_dr|gate_dhv|o_hvd)$")
+ATTENTION_PROJECTIONS = (
+    r"kda/w_(q_dhk|k_dhk|v_dhv|fa_dr|beta_dh|ga_dr|o_hvd)$"
+    r"|mla/w_(q_dhk|qa_dq|qb_qhk|kva_dr|gate_dhv|o_hvd)$"
+)
 # Kimi-K3 serving: routed experts in MXFP4, everything else bf16.
 KIMI_K3_MXFP4 = QuantManifest(rules=(_FP32_RULE, (_EXPERTS, "mxfp4")), default="bf16")
 
 
 def _attention(fmt: str, experts: str) -> QuantManifest:
-    return QuantManifest(rules=(_FP32_RULE, (r"^vit/", "bf16"), (ATTENTION_PROJECTIONS, fmt), (_EXPERTS, experts)),
-                         default="bf16")
+    return QuantManifest(
+        rules=(_FP32_RULE, (r"^vit/", "bf16"), (ATTENTION_PROJECTIONS, fmt), (_EXPERTS, experts)), default="bf16"
+    )
 
 
 MANIFESTS = {

@@ -115,12 +115,14 @@ def _cached_pass(params, tokens_bt, cache, *, cfg, layers, per_token):
     b, t = tokens_bt.shape
     positions = cache["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     at = jnp.arange(1, t + 1, dtype=jnp.int32)
-    layer_caches = tuple(dict(c, export_at=at) if per_token and kind == "kda" else c
-                         for c, kind in zip(cache["layers"], cfg.mixer_kinds))
+    layer_caches = tuple(
+        dict(c, export_at=at) if per_token and kind == "kda" else c for c, kind in zip(cache["layers"], cfg.mixer_kinds)
+    )
     # chunk 1: the chunked KDA form at one token a chunk is the recurrence, and exports every position
     run_cfg = dataclasses.replace(cfg, kda_chunk_size=1) if per_token else cfg
     (logits, caches, exports), state = KimiK3(run_cfg, "grouped", "reference", taps=layers).apply(
-        {"params": params}, tokens_bt, positions, LayerCaches(layer_caches), mutable=["intermediates"])
+        {"params": params}, tokens_bt, positions, LayerCaches(layer_caches), mutable=["intermediates"]
+    )
     return logits, stacked_taps(state, layers), {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
 
 
@@ -146,7 +148,7 @@ class _NoCacheTarget:
     def __init__(self, params32, cfg, layers, prompt, total):
         self.params, self.cfg, self.layers, self.capacity = params32, cfg, layers, total
         self.buf = np.zeros((1, total), np.int32)
-        self.buf[0, :prompt.size] = prompt
+        self.buf[0, : prompt.size] = prompt
         self.logits, self.taps = _target_pass(params32, jnp.asarray(self.buf), cfg=cfg, layers=layers)
 
     def prefill_logits(self, n):
@@ -158,12 +160,12 @@ class _NoCacheTarget:
 
     def verify(self, n, tokens):
         """Logits after each of tokens (placed at n ..), as [len(tokens), V]."""
-        self.buf[0, n:n + len(tokens)] = tokens
+        self.buf[0, n : n + len(tokens)] = tokens
         self.logits, self.taps = _target_pass(self.params, jnp.asarray(self.buf), cfg=self.cfg, layers=self.layers)
-        return np.asarray(self.logits[n:n + len(tokens)])
+        return np.asarray(self.logits[n : n + len(tokens)])
 
     def keep(self, n, count):
-        self.buf[0, n + count:] = 0
+        self.buf[0, n + count :] = 0
 
 
 class _CachedTarget:
@@ -173,10 +175,11 @@ class _CachedTarget:
         self.params, self.cfg, self.layers = params32, cfg, layers
         self.capacity = min(total, cfg.max_seq_len)
         self.cache = init_cache(cfg, 1, self.capacity, jnp.float32)
-        logits, taps, self.cache, _ = _cached_pass(params32, jnp.asarray(prompt[None], jnp.int32), self.cache,
-                                                   cfg=cfg, layers=layers, per_token=False)
+        logits, taps, self.cache, _ = _cached_pass(
+            params32, jnp.asarray(prompt[None], jnp.int32), self.cache, cfg=cfg, layers=layers, per_token=False
+        )
         self.taps = np.zeros((total,) + taps.shape[2:], np.float32)
-        self.taps[:prompt.size] = np.asarray(taps[0])
+        self.taps[: prompt.size] = np.asarray(taps[0])
         self.last = np.asarray(logits[0, -1])
 
     def prefill_logits(self, n):
@@ -187,14 +190,15 @@ class _CachedTarget:
 
     def verify(self, n, tokens):
         toks = jnp.asarray(np.asarray(tokens, np.int32)[None])
-        logits, taps, self._after, self._exports = _cached_pass(self.params, toks, self.cache, cfg=self.cfg,
-                                                                layers=self.layers, per_token=True)
+        logits, taps, self._after, self._exports = _cached_pass(
+            self.params, toks, self.cache, cfg=self.cfg, layers=self.layers, per_token=True
+        )
         self._pending = np.asarray(taps[0])
         return np.asarray(logits[0])
 
     def keep(self, n, count):
         self.cache = commit(self.cache, self._after, self._exports, jnp.asarray([count], jnp.int32), cfg=self.cfg)
-        self.taps[n:n + count] = self._pending[:count]
+        self.taps[n : n + count] = self._pending[:count]
 
 
 def check_draft(cfg: ModelConfig, ecfg: eagle.EagleConfig, draft, k: int) -> None:
@@ -207,13 +211,26 @@ def check_draft(cfg: ModelConfig, ecfg: eagle.EagleConfig, draft, k: int) -> Non
     for name, shape in want.items():
         got = tuple(np.shape(draft.get(name))) if name in draft else None
         if got != shape:
-            raise ValueError(f"the draft head does not fit target {cfg.name}: {name} is {got}, the target needs "
-                             f"{shape} (a draft trained for another target?)")
+            raise ValueError(
+                f"the draft head does not fit target {cfg.name}: {name} is {got}, the target needs "
+                f"{shape} (a draft trained for another target?)"
+            )
 
 
-def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.EagleConfig, prompt_tokens,
-                         max_new_tokens: int, k: int, *, temperature: float = 0.0, seed: int = 0,
-                         stop_at_eos: bool = False, use_cache: bool = False) -> SpecResult:
+def speculative_generate(
+    target_params,
+    cfg: ModelConfig,
+    draft,
+    ecfg: eagle.EagleConfig,
+    prompt_tokens,
+    max_new_tokens: int,
+    k: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_at_eos: bool = False,
+    use_cache: bool = False,
+) -> SpecResult:
     """Decode `prompt_tokens` with k drafted tokens per target pass (see the module docstring).
     temperature 0: exactly `generate(use_cache=False)`'s tokens, with or without the cache."""
     check_draft(cfg, ecfg, draft, k)
@@ -223,18 +240,22 @@ def speculative_generate(target_params, cfg: ModelConfig, draft, ecfg: eagle.Eag
     if prompt.size == 0 or max_new_tokens < 1:
         raise ValueError("the prompt must hold a token and max_new_tokens must be >= 1")
     if prompt.size + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"prompt ({prompt.size}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
-                         f"{cfg.max_seq_len}")
+        raise ValueError(
+            f"prompt ({prompt.size}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len {cfg.max_seq_len}"
+        )
     total = prompt.size + max_new_tokens + k + 1  # the committed tokens and one round's drafts
     params32 = cast_params(target_params, jnp.float32)
     draft32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), draft)
     embed = params32["embed_vd"]
     rng = np.random.default_rng(seed)
-    pick = (lambda lg: int(np.argmax(lg))) if temperature == 0 else (
-        lambda lg: int(rng.choice(lg.shape[-1], p=probs(lg, temperature))))
+    pick = (
+        (lambda lg: int(np.argmax(lg)))
+        if temperature == 0
+        else (lambda lg: int(rng.choice(lg.shape[-1], p=probs(lg, temperature))))
+    )
     target = (_CachedTarget if use_cache else _NoCacheTarget)(params32, cfg, ecfg.taps, prompt, total)
     committed = np.zeros(total, np.int32)
-    committed[:prompt.size] = prompt
+    committed[: prompt.size] = prompt
     n = prompt.size  # committed tokens
     t0 = pick(target.prefill_logits(n))
     out, accepted = [], []

@@ -33,9 +33,9 @@ def scan_layout(cfg: ModelConfig) -> tuple[int, int]:
     p = ATTENTION_PERIOD
     first = p * max(1, -(-cfg.dense_layers // p))
     kinds = cfg.mixer_kinds
-    pattern = kinds[first:first + p]
+    pattern = kinds[first : first + p]
     n = 0
-    while first + (n + 1) * p <= cfg.n_layers and kinds[first + n * p:first + (n + 1) * p] == pattern:
+    while first + (n + 1) * p <= cfg.n_layers and kinds[first + n * p : first + (n + 1) * p] == pattern:
         n += 1
     return first, (n if n >= 2 else 0)
 
@@ -48,15 +48,21 @@ def scanned_layers(cfg: ModelConfig) -> range:
 def stack_positions(layer_tree, first: int, n: int) -> tuple:
     """Per period position j, the trees `layer_tree(l)` of layers l = first + i*P + j (i < n)
     stacked on a new leading axis i."""
-    return tuple(jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves),
-                                        *[layer_tree(first + i * ATTENTION_PERIOD + j) for i in range(n)])
-                 for j in range(ATTENTION_PERIOD))
+    return tuple(
+        jax.tree_util.tree_map(
+            lambda *leaves: jnp.stack(leaves), *[layer_tree(first + i * ATTENTION_PERIOD + j) for i in range(n)]
+        )
+        for j in range(ATTENTION_PERIOD)
+    )
 
 
 def unstack_positions(positions, first: int, n: int) -> dict:
     """The inverse of `stack_positions`: {layer: its tree} (None trees stay None)."""
-    return {first + i * ATTENTION_PERIOD + j: jax.tree_util.tree_map(lambda leaf: leaf[i], positions[j])
-            for j in range(ATTENTION_PERIOD) for i in range(n)}
+    return {
+        first + i * ATTENTION_PERIOD + j: jax.tree_util.tree_map(lambda leaf: leaf[i], positions[j])
+        for j in range(ATTENTION_PERIOD)
+        for i in range(n)
+    }
 
 
 def is_stacked(params) -> bool:
@@ -71,8 +77,9 @@ def stack_periods(params, cfg: ModelConfig):
     if is_stacked(params) or n == 0:
         return params
     out = {k: v for k, v in params.items() if k not in {f"layer_{i}" for i in scanned_layers(cfg)}}
-    out[PERIODS] = {f"layer_{j}": tree
-                    for j, tree in enumerate(stack_positions(lambda l: params[f"layer_{l}"], first, n))}
+    out[PERIODS] = {
+        f"layer_{j}": tree for j, tree in enumerate(stack_positions(lambda l: params[f"layer_{l}"], first, n))
+    }
     return out
 
 

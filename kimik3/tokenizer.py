@@ -17,8 +17,17 @@ import dataclasses
 from typing import Sequence
 
 SPECIAL_TOKENS = (
-    "<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
-    "<|end_turn|>", "<|image_start|>", "<|image|>", "<|image_end|>",
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|end_turn|>",
+    "<|image_start|>",
+    "<|image|>",
+    "<|image_end|>",
 )
 N_BYTES = 256
 SPECIAL_IDS = {name: N_BYTES + i for i, name in enumerate(SPECIAL_TOKENS)}
@@ -85,8 +94,9 @@ def image_tokens(tokens_per_image: int) -> list[int]:
     return [IMAGE_START_ID] + [IMAGE_ID] * tokens_per_image + [IMAGE_END_ID]
 
 
-def apply_chat_template(messages: Sequence[Message], *, tokens_per_image: int = 0,
-                        add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(
+    messages: Sequence[Message], *, tokens_per_image: int = 0, add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids for a conversation (see the module docstring)."""
     ids = [BOS_ID]
     for m in messages:

@@ -68,8 +68,10 @@ class TrainConfig:
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"TrainConfig.max_seconds must be > 0 or None; got {self.max_seconds}")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"TrainConfig: lr must be > 0 and warmup_steps in [0, steps); "
-                             f"got lr={self.lr}, warmup_steps={self.warmup_steps}, steps={self.steps}")
+            raise ValueError(
+                f"TrainConfig: lr must be > 0 and warmup_steps in [0, steps); "
+                f"got lr={self.lr}, warmup_steps={self.warmup_steps}, steps={self.steps}"
+            )
 
 
 def batches(tokens: np.ndarray, batch: int, seq_len: int, *, seed: int, repeat: bool = True):
@@ -81,7 +83,7 @@ def batches(tokens: np.ndarray, batch: int, seq_len: int, *, seed: int, repeat: 
     ds = grain.MapDataset.range(n)
     if repeat:
         ds = ds.shuffle(seed=seed).repeat(None)
-    return ds.map(lambda i: tokens[i * seq_len:i * seq_len + seq_len + 1]).batch(batch, drop_remainder=True)
+    return ds.map(lambda i: tokens[i * seq_len : i * seq_len + seq_len + 1]).batch(batch, drop_remainder=True)
 
 
 def loss_fn(params, cfg, window_bt, kernels="reference"):
@@ -96,8 +98,10 @@ def loss_fn(params, cfg, window_bt, kernels="reference"):
 def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps, tc.lr * tc.min_lr_ratio)
     decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)  # matrices only
-    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask))
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask),
+    )
 
 
 def _plot(history: list[dict], evals: list[dict], path: str) -> None:
@@ -144,8 +148,9 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
         return optax.apply_updates(p, updates), state, loss, optax.tree.norm(grads)
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    held = np.stack([b for _, b in zip(range(tc.eval_batches), batches(text.held_out, tc.batch, tc.seq_len,
-                                                                        seed=0, repeat=False))])
+    held = np.stack(
+        [b for _, b in zip(range(tc.eval_batches), batches(text.held_out, tc.batch, tc.seq_len, seed=0, repeat=False))]
+    )
     history, evals = [], []
 
     def record_eval(at: int):
@@ -166,8 +171,9 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
         out_of_time = tc.max_seconds is not None and time.perf_counter() - t0 > tc.max_seconds
         last = i == tc.steps or out_of_time
         if i % 10 == 0 or last:  # reading the loss waits for the step: not every step
-            history.append(dict(step=i, loss=float(loss), grad_norm=float(gnorm),
-                                elapsed_s=round(time.perf_counter() - t0, 3)))
+            history.append(
+                dict(step=i, loss=float(loss), grad_norm=float(gnorm), elapsed_s=round(time.perf_counter() - t0, 3))
+            )
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
         if i % tc.eval_every == 0 or last:
             record_eval(i)
@@ -179,15 +185,31 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
     seconds = time.perf_counter() - t0
     ckpt = os.path.join(tc.out, "checkpoint")
     checkpoint.save(ckpt, params, cfg)
-    result = dict(config=cfg.name, corpus=text.describe(), train_config=dataclasses.asdict(tc),
-                  steps_done=done, stopped_early=done < tc.steps,
-                  tokens=done * tc.batch * tc.seq_len, seconds=seconds, checkpoint=ckpt,
-                  held_out_loss=evals[-1]["held_out_loss"], held_out_ppl=evals[-1]["held_out_ppl"],
-                  initial_held_out_loss=evals[0]["held_out_loss"], evals=evals, history=history,
-                  device=jax.devices()[0].device_kind)
+    result = dict(
+        config=cfg.name,
+        corpus=text.describe(),
+        train_config=dataclasses.asdict(tc),
+        steps_done=done,
+        stopped_early=done < tc.steps,
+        tokens=done * tc.batch * tc.seq_len,
+        seconds=seconds,
+        checkpoint=ckpt,
+        held_out_loss=evals[-1]["held_out_loss"],
+        held_out_ppl=evals[-1]["held_out_ppl"],
+        initial_held_out_loss=evals[0]["held_out_loss"],
+        evals=evals,
+        history=history,
+        device=jax.devices()[0].device_kind,
+    )
     with open(os.path.join(tc.out, "train.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot(history, evals, os.path.join(tc.out, "loss.png"))
-    log.info("trained %s for %d steps in %.1f s: held-out loss %.4f -> %.4f", cfg.name, done, seconds,
-             evals[0]["held_out_loss"], evals[-1]["held_out_loss"])
+    log.info(
+        "trained %s for %d steps in %.1f s: held-out loss %.4f -> %.4f",
+        cfg.name,
+        done,
+        seconds,
+        evals[0]["held_out_loss"],
+        evals[-1]["held_out_loss"],
+    )
     return result, params

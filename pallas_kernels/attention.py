@@ -26,8 +26,9 @@ def attend(q_bthd, k_bshd, v_bshe, *, scale: float, q_pos_bt=None, k_pos_bs=None
     if k_bshd.shape[2] == 1:
         k_bshd = jnp.broadcast_to(k_bshd, k_bshd.shape[:2] + (q_bthd.shape[2], k_bshd.shape[3]))
         v_bshe = jnp.broadcast_to(v_bshe, v_bshe.shape[:2] + (q_bthd.shape[2], v_bshe.shape[3]))
-    logits = jnp.einsum("bthd,bshd->bhts", q_bthd.astype(jnp.float32), k_bshd.astype(jnp.float32),
-                        precision=HIGHEST) * scale
+    logits = (
+        jnp.einsum("bthd,bshd->bhts", q_bthd.astype(jnp.float32), k_bshd.astype(jnp.float32), precision=HIGHEST) * scale
+    )
     if q_pos_bt is not None:
         visible = k_pos_bs[:, None, None, :] <= q_pos_bt[:, None, :, None]  # [B, 1, T, S]
         logits = jnp.where(visible, logits, -jnp.inf)

@@ -24,6 +24,7 @@ def mma_into(acc, mma, interpret: bool):
     a second fp32 accumulator would double the registers it takes.  The interpreter has no
     run_state over a wgmma accumulator, so there into a fresh one, added after."""
     if interpret:
+
         def scoped(acc_ref):
             mma(acc_ref)
             return acc_ref[...]
@@ -37,6 +38,7 @@ def stream(n_steps, steps: int, load, released, base=0):
     n_steps - 1, global step base + i going into slot (base + i) % steps once the consumers have
     arrived on every barrier in `released` for the global step that held the slot before (a
     persistent CTA's tiles continue one ring: base counts the steps of its earlier tiles)."""
+
     @pl.loop(0, n_steps)
     def _(i):
         g = base + i
@@ -53,6 +55,7 @@ def stream(n_steps, steps: int, load, released, base=0):
 def wait_last_releases(total, steps: int, released):
     """The releases of the ring's last `steps` global steps (of `total`): nothing needs them, but
     every waiter then sees every phase, and no use of shared memory outlives the CTA."""
+
     @pl.loop(jnp.maximum(total - steps, 0), total)
     def _(g):
         for bars in released:

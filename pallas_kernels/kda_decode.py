@@ -43,18 +43,34 @@ def log_decay(rate, f, lower_bound: float | None):
     return lower_bound * jax.nn.sigmoid(rate * f)
 
 
-def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: int, w_conv, a_log,
-                   dt_bias, o_norm, lower_bound: float | None, eps: float, l2_eps: float = 1e-6, scale=None):
+def kda_decode_ref(
+    x_in,
+    fg,
+    conv_pool,
+    state_pool,
+    slots,
+    valid,
+    *,
+    beta_col: int,
+    w_conv,
+    a_log,
+    dt_bias,
+    o_norm,
+    lower_bound: float | None,
+    eps: float,
+    l2_eps: float = 1e-6,
+    scale=None,
+):
     """The reference: same arguments and results as `kda_decode`, in jnp."""
     f32 = jnp.float32
     b = x_in.shape[0]
     n_slots, taps, _, hk = conv_pool.shape
     h, dk = dt_bias.shape
     f, x_gate = fg[:, :hk].reshape(b, h, dk), fg[:, hk:].reshape(b, h, -1)
-    scale = dk ** -0.5 if scale is None else scale
+    scale = dk**-0.5 if scale is None else scale
     real = (jnp.ones((b,), jnp.int32) if valid is None else valid) > 0
     rows = conv_pool[slots].astype(f32)  # [B, W-1, 3, H*K]
-    ext = jnp.concatenate([rows, x_in[:, :3 * hk].reshape(b, 1, 3, hk).astype(f32)], axis=1)  # [B, W, 3, H*K]
+    ext = jnp.concatenate([rows, x_in[:, : 3 * hk].reshape(b, 1, 3, hk).astype(f32)], axis=1)  # [B, W, 3, H*K]
     taps_w = jnp.stack([w.astype(f32) for w in w_conv], axis=1)  # [W, 3, H*K]
     y = jnp.einsum("bwcn,wcn->bcn", ext, taps_w, precision=HIGHEST)
     y = (y * jax.nn.sigmoid(y)).reshape(b, 3, h, dk)
@@ -62,7 +78,7 @@ def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: i
     mask = lambda u: jnp.where(real.reshape((b,) + (1,) * (u.ndim - 1)), u, 0.0)
     q, k, v = mask(l2(y[:, 0])), mask(l2(y[:, 1])), mask(y[:, 2])
     g = log_decay(jnp.exp(a_log.astype(f32))[:, None], f.astype(f32) + dt_bias.astype(f32), lower_bound)
-    beta = jax.nn.sigmoid(x_in[:, beta_col:beta_col + h].astype(f32))
+    beta = jax.nn.sigmoid(x_in[:, beta_col : beta_col + h].astype(f32))
     o, s_new = kda_step(state_pool[slots], q, k, v, mask(g), mask(beta), scale)
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * o_norm.astype(f32)
     o = mask(o * jax.nn.sigmoid(x_gate.astype(f32))).astype(x_in.dtype)
@@ -72,9 +88,30 @@ def kda_decode_ref(x_in, fg, conv_pool, state_pool, slots, valid, *, beta_col: i
     return o, conv_pool.at[slots].set(new_rows), state_pool.at[slots].set(jnp.where(keep, s_new, state_pool[slots]))
 
 
-def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, fg_ref, a_ref, dtb_ref, norm_ref,
-                   conv_in_ref, state_in_ref, o_ref, conv_out_ref, state_out_ref, *,
-                   beta_col, block_v, lower_bound, eps, l2_eps, scale):
+def _decode_kernel(
+    slots_ref,
+    valid_ref,
+    x_ref,
+    wq_ref,
+    wk_ref,
+    wv_ref,
+    fg_ref,
+    a_ref,
+    dtb_ref,
+    norm_ref,
+    conv_in_ref,
+    state_in_ref,
+    o_ref,
+    conv_out_ref,
+    state_out_ref,
+    *,
+    beta_col,
+    block_v,
+    lower_bound,
+    eps,
+    l2_eps,
+    scale,
+):
     """One (row, head).  x [B, N] (q | k | v in its first 3*H*K columns); fg [B, H*K + H*V] (f,
     then the output gate's projection); w_* [W, H*K]; conv pool [S, W-1, 3, H*K]; state pool
     [S, H, K, V].  conv_out / state_out alias conv_in / state_in."""
@@ -138,20 +175,50 @@ def _decode_kernel(slots_ref, valid_ref, x_ref, wq_ref, wk_ref, wv_ref, fg_ref, 
                 conv_out_ref[slot, jj, c, lanes] = ext[jj + 1].astype(conv_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("beta_col", "lower_bound", "eps", "l2_eps", "scale", "block_v",
-                                             "num_warps", "interpret"),
-                   donate_argnames=("conv_pool", "state_pool"))
-def _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm, *,
-                 beta_col, lower_bound, eps, l2_eps, scale, block_v, num_warps, interpret):
+@functools.partial(
+    jax.jit,
+    static_argnames=("beta_col", "lower_bound", "eps", "l2_eps", "scale", "block_v", "num_warps", "interpret"),
+    donate_argnames=("conv_pool", "state_pool"),
+)
+def _decode_core(
+    x_in,
+    fg,
+    conv_pool,
+    state_pool,
+    slots,
+    valid,
+    w_conv,
+    a_log,
+    dt_bias,
+    o_norm,
+    *,
+    beta_col,
+    lower_bound,
+    eps,
+    l2_eps,
+    scale,
+    block_v,
+    num_warps,
+    interpret,
+):
     b = x_in.shape[0]
     h, dv = dt_bias.shape[0], state_pool.shape[-1]
     return pl.pallas_call(
-        functools.partial(_decode_kernel, beta_col=beta_col, block_v=block_v, lower_bound=lower_bound, eps=eps,
-                          l2_eps=l2_eps, scale=scale),
+        functools.partial(
+            _decode_kernel,
+            beta_col=beta_col,
+            block_v=block_v,
+            lower_bound=lower_bound,
+            eps=eps,
+            l2_eps=l2_eps,
+            scale=scale,
+        ),
         grid=(b, h),
-        out_shape=[jax.ShapeDtypeStruct((b, h, dv), x_in.dtype),
-                   jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, dv), x_in.dtype),
+            jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype),
+            jax.ShapeDtypeStruct(state_pool.shape, jnp.float32),
+        ],
         input_output_aliases={10: 1, 11: 2},
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -159,9 +226,27 @@ def _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, d
     )(slots, valid, x_in, *w_conv, fg, a_log, dt_bias, o_norm, conv_pool, state_pool)
 
 
-def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: int, w_conv, a_log, dt_bias,
-               o_norm, lower_bound: float | None, eps: float, l2_eps: float = 1e-6, scale=None, block_v=None,
-               num_warps=4, interpret=None):
+def kda_decode(
+    x_in,
+    fg,
+    conv_pool,
+    state_pool,
+    slots,
+    valid=None,
+    *,
+    beta_col: int,
+    w_conv,
+    a_log,
+    dt_bias,
+    o_norm,
+    lower_bound: float | None,
+    eps: float,
+    l2_eps: float = 1e-6,
+    scale=None,
+    block_v=None,
+    num_warps=4,
+    interpret=None,
+):
     """One decode token of a KDA layer on pooled conv rows and states, both updated in place.
 
     Args:
@@ -183,17 +268,29 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: 
     h, dk = dt_bias.shape
     dv = state_pool.shape[-1]
     w_conv = tuple(w_conv)
-    if (three != 3 or hk != h * dk or x_in.ndim != 2 or x_in.shape[1] < max(3 * hk, beta_col + h)
-            or len(w_conv) != 3 or any(w.shape != (taps + 1, hk) for w in w_conv)):
-        raise ValueError(f"kda_decode: x_in [B, >= 3*H*K = {3 * hk}] with beta at column {beta_col}, conv_pool "
-                         f"[S, W-1, 3, H*K] and three w_conv [W, H*K] disagree: {x_in.shape}, {conv_pool.shape}, "
-                         f"{[w.shape for w in w_conv]}")
+    if (
+        three != 3
+        or hk != h * dk
+        or x_in.ndim != 2
+        or x_in.shape[1] < max(3 * hk, beta_col + h)
+        or len(w_conv) != 3
+        or any(w.shape != (taps + 1, hk) for w in w_conv)
+    ):
+        raise ValueError(
+            f"kda_decode: x_in [B, >= 3*H*K = {3 * hk}] with beta at column {beta_col}, conv_pool "
+            f"[S, W-1, 3, H*K] and three w_conv [W, H*K] disagree: {x_in.shape}, {conv_pool.shape}, "
+            f"{[w.shape for w in w_conv]}"
+        )
     if state_pool.shape != (n_slots, h, dk, dv) or state_pool.dtype != jnp.float32:
-        raise ValueError(f"kda_decode: state_pool must be float32 [{n_slots}, {h}, {dk}, V]; "
-                         f"got {state_pool.dtype} {state_pool.shape}")
+        raise ValueError(
+            f"kda_decode: state_pool must be float32 [{n_slots}, {h}, {dk}, V]; "
+            f"got {state_pool.dtype} {state_pool.shape}"
+        )
     if fg.shape != (b, hk + h * dv) or o_norm.shape != (dv,) or a_log.shape != (h,):
-        raise ValueError(f"kda_decode: fg [B, H*K + H*V], o_norm [V], a_log [H] expected; got "
-                         f"{fg.shape}, {o_norm.shape}, {a_log.shape}")
+        raise ValueError(
+            f"kda_decode: fg [B, H*K + H*V], o_norm [V], a_log [H] expected; got "
+            f"{fg.shape}, {o_norm.shape}, {a_log.shape}"
+        )
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"kda_decode: head dims must be powers of two; got K={dk}, V={dv}")
     slots = jnp.asarray(slots, jnp.int32)
@@ -201,7 +298,23 @@ def kda_decode(x_in, fg, conv_pool, state_pool, slots, valid=None, *, beta_col: 
     if slots.shape != (b,) or valid.shape != (b,):
         raise ValueError(f"kda_decode: slots and valid must be [B] = [{b}]; got {slots.shape}, {valid.shape}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    return _decode_core(x_in, fg, conv_pool, state_pool, slots, valid, w_conv, a_log, dt_bias, o_norm,
-                        beta_col=int(beta_col), lower_bound=None if lower_bound is None else float(lower_bound), eps=float(eps), l2_eps=float(l2_eps),
-                        scale=float(dk ** -0.5 if scale is None else scale), block_v=block_v or min(dv, 64),
-                        num_warps=num_warps, interpret=interpret)
+    return _decode_core(
+        x_in,
+        fg,
+        conv_pool,
+        state_pool,
+        slots,
+        valid,
+        w_conv,
+        a_log,
+        dt_bias,
+        o_norm,
+        beta_col=int(beta_col),
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        eps=float(eps),
+        l2_eps=float(l2_eps),
+        scale=float(dk**-0.5 if scale is None else scale),
+        block_v=block_v or min(dv, 64),
+        num_warps=num_warps,
+        interpret=interpret,
+    )

@@ -66,8 +66,26 @@ def visible_keys(seq_len, n_queries: int, n_heads: int, last_row):
     return jnp.minimum(seq_len, seq_len - n_queries + last_row // n_heads + 1)
 
 
-def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *, n_heads, n_queries, rank,
-                   block_m, block_k, block_v, page, n_splits, scale, precision):
+def _decode_kernel(
+    bt_ref,
+    len_ref,
+    ql_ref,
+    qp_ref,
+    pages_ref,
+    o_ref,
+    lse_ref,
+    *,
+    n_heads,
+    n_queries,
+    rank,
+    block_m,
+    block_k,
+    block_v,
+    page,
+    n_splits,
+    scale,
+    precision,
+):
     """One (sequence, split, row block, value block): online softmax over this split's key
     blocks.  Scores use the whole latent (kv_lora + rope); the output accumulates only value
     columns [vb * block_v, (vb + 1) * block_v) of the latent (FlashMLA splits the 512 value
@@ -92,8 +110,10 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
         keys = pl.ds(pos0 % page, block_k)
         c = pages_ref[pg, keys, pl.ds(0, rank)]
         k_pe = pages_ref[pg, keys, pl.ds(rank, qp_ref.shape[-1])]
-        s = (jnp.dot(q_lat, c.T, preferred_element_type=f32, precision=precision)
-             + jnp.dot(q_pe, k_pe.T, preferred_element_type=f32, precision=precision)) * scale
+        s = (
+            jnp.dot(q_lat, c.T, preferred_element_type=f32, precision=precision)
+            + jnp.dot(q_pe, k_pe.T, preferred_element_type=f32, precision=precision)
+        ) * scale
         k_pos = pos0 + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         s = jnp.where(k_pos[None, :] < limit[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -109,29 +129,58 @@ def _decode_kernel(bt_ref, len_ref, ql_ref, qp_ref, pages_ref, o_ref, lse_ref, *
     m, l, acc = jax.lax.fori_loop(kb0, kb1, body, init)
     has = l > 0
     o_ref[b, split, pl.ds(mb * block_m, block_m), pl.ds(vb * block_v, block_v)] = jnp.where(
-        has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0)
+        has[:, None], acc / jnp.where(has, l, 1.0)[:, None], 0.0
+    )
+
     # every value block computed the same softmax statistics: value block 0 stores them
     @pl.when(vb == 0)
     def _():
-        lse_ref[b, split, pl.ds(mb * block_m, block_m)] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)),
-                                                                    -jnp.inf)
+        lse_ref[b, split, pl.ds(mb * block_m, block_m)] = jnp.where(has, m + jnp.log(jnp.where(has, l, 1.0)), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "n_splits", "block_m", "block_k", "block_v", "interpret",
-                                             "num_warps", "num_stages"))
-def _mla_decode_core(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits, block_m, block_k,
-                     block_v, interpret, num_warps, num_stages):
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "n_splits", "block_m", "block_k", "block_v", "interpret", "num_warps", "num_stages"),
+)
+def _mla_decode_core(
+    q_latent,
+    q_pe,
+    latent_pages,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    n_splits,
+    block_m,
+    block_k,
+    block_v,
+    interpret,
+    num_warps,
+    num_stages,
+):
     b, sq, h, r = q_latent.shape
     rows = sq * h
     rows_pad = -(-rows // block_m) * block_m
     fold = functools.partial(fold_rows, rows_pad=rows_pad)
     o_part, lse_part = pl.pallas_call(
-        functools.partial(_decode_kernel, n_heads=h, n_queries=sq, rank=r, block_m=block_m, block_k=block_k,
-                          block_v=block_v, page=latent_pages.shape[1], n_splits=n_splits, scale=scale,
-                          precision=_dot_precision(latent_pages.dtype, interpret)),
+        functools.partial(
+            _decode_kernel,
+            n_heads=h,
+            n_queries=sq,
+            rank=r,
+            block_m=block_m,
+            block_k=block_k,
+            block_v=block_v,
+            page=latent_pages.shape[1],
+            n_splits=n_splits,
+            scale=scale,
+            precision=_dot_precision(latent_pages.dtype, interpret),
+        ),
         grid=(b, n_splits, rows_pad // block_m, r // block_v),
-        out_shape=[jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
-                   jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n_splits, rows_pad, r), jnp.float32),
+            jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_decode",
@@ -153,7 +202,7 @@ def merge_splits_ref(o_part, lse_part, shape, dtype):
     lse = jax.nn.logsumexp(lse_part, axis=1)  # [B, rows_pad]
     weights = jnp.exp(lse_part - jnp.where(jnp.isfinite(lse), lse, 0.0)[:, None])
     o = jnp.sum(weights[..., None] * o_part.astype(jnp.float32), axis=1)
-    return o[:, :sq * h].reshape(b, sq, h, r).astype(dtype), lse[:, :sq * h].reshape(b, sq, h)
+    return o[:, : sq * h].reshape(b, sq, h, r).astype(dtype), lse[:, : sq * h].reshape(b, sq, h)
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, n_splits):
@@ -201,14 +250,16 @@ def merge_splits(o_part, lse_part, shape, dtype, *, kernel=None, interpret=None)
     o, lse = pl.pallas_call(
         functools.partial(_merge_kernel, n_splits=n_splits),
         grid=(b, rows_pad // _MERGE_ROWS, r // _MERGE_VALUES),
-        out_specs=[pl.BlockSpec((None, _MERGE_ROWS, _MERGE_VALUES), lambda bb, i, j: (bb, i, j)),
-                   pl.BlockSpec((None, _MERGE_ROWS), lambda bb, i, j: (bb, i))],
+        out_specs=[
+            pl.BlockSpec((None, _MERGE_ROWS, _MERGE_VALUES), lambda bb, i, j: (bb, i, j)),
+            pl.BlockSpec((None, _MERGE_ROWS), lambda bb, i, j: (bb, i)),
+        ],
         out_shape=[jax.ShapeDtypeStruct((b, rows_pad, r), dtype), jax.ShapeDtypeStruct((b, rows_pad), jnp.float32)],
         interpret=(not on_gpu) if interpret is None else interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="mla_merge_splits",
     )(o_part, lse_part)
-    return o[:, :sq * h].reshape(b, sq, h, r), lse[:, :sq * h].reshape(b, sq, h)
+    return o[:, : sq * h].reshape(b, sq, h, r), lse[:, : sq * h].reshape(b, sq, h)
 
 
 def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):
@@ -219,8 +270,9 @@ def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):
         raise ValueError(f"q_pe must be [B, Sq, H, rope] = [{b}, {sq}, {h}, rope]; got {tuple(q_pe.shape)}")
     p = q_pe.shape[-1]
     if latent_pages.ndim != 3 or latent_pages.shape[2] != r + p:
-        raise ValueError(f"latent_pages must be [num_pages, page, kv_lora + rope = {r + p}]; "
-                         f"got {tuple(latent_pages.shape)}")
+        raise ValueError(
+            f"latent_pages must be [num_pages, page, kv_lora + rope = {r + p}]; got {tuple(latent_pages.shape)}"
+        )
     page = latent_pages.shape[1]
     if block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(f"block_tables must be [B={b}, max_pages]; got {tuple(block_tables.shape)}")
@@ -229,8 +281,9 @@ def check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens):
     if _concrete(seq_lens) and _concrete(block_tables):
         lens, table = np.asarray(seq_lens), np.asarray(block_tables)
         if lens.min() < sq or lens.max() > table.shape[1] * page:
-            raise ValueError(f"seq_lens must lie in [Sq={sq}, max_pages * page = {table.shape[1] * page}]; "
-                             f"got {lens.tolist()}")
+            raise ValueError(
+                f"seq_lens must lie in [Sq={sq}, max_pages * page = {table.shape[1] * page}]; got {lens.tolist()}"
+            )
         used = np.arange(table.shape[1])[None, :] * page < lens[:, None]
         if (table[used] < 0).any() or (table[used] >= latent_pages.shape[0]).any():
             raise ValueError(f"block_tables hold page indices outside [0, {latent_pages.shape[0]})")
@@ -264,8 +317,22 @@ def _decode_blocking(rows: int, width: int = 576, itemsize: int = 2, num_stages:
     return block_m, block_k, warps
 
 
-def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_m=None,
-               block_k=None, block_v=None, interpret=None, num_warps=None, num_stages=2):
+def mla_decode(
+    q_latent,
+    q_pe,
+    latent_pages,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    n_splits=None,
+    block_m=None,
+    block_k=None,
+    block_v=None,
+    interpret=None,
+    num_warps=None,
+    num_stages=2,
+):
     """Paged absorbed MLA decode.
 
     Args:
@@ -301,19 +368,32 @@ def mla_decode(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n
         raise ValueError(f"page size {page} must be a multiple of block_k {block_k}")
     smem = decode_smem_bytes(block_m, block_k, num_stages, r + p, itemsize)
     if smem > SMEM_BYTES:
-        raise ValueError(f"mla_decode: block_m {block_m} x block_k {block_k} x {num_stages} stages needs {smem} "
-                         f"bytes of shared memory at kv_lora + rope = {r + p} ({latent_pages.dtype}); a block "
-                         f"has {SMEM_BYTES}")
+        raise ValueError(
+            f"mla_decode: block_m {block_m} x block_k {block_k} x {num_stages} stages needs {smem} "
+            f"bytes of shared memory at kv_lora + rope = {r + p} ({latent_pages.dtype}); a block "
+            f"has {SMEM_BYTES}"
+        )
     block_v = r if block_v is None else block_v
     if not (_is_pow2(block_v) and 16 <= block_v <= r):
         raise ValueError(f"block_v must be a power of two in [16, kv_lora={r}]; got {block_v}")
     if n_splits is None:
         n_splits = max(1, min(32, 132 // max(1, b * (-(-sq * h // block_m)) * (r // block_v))))
     interpret = _default_interpret() if interpret is None else interpret
-    return _mla_decode_core(q_latent, q_pe, latent_pages, jnp.asarray(block_tables, jnp.int32),
-                            jnp.asarray(seq_lens, jnp.int32), scale=float(scale), n_splits=int(n_splits),
-                            block_m=block_m, block_k=block_k, block_v=block_v, interpret=interpret,
-                            num_warps=num_warps, num_stages=num_stages)
+    return _mla_decode_core(
+        q_latent,
+        q_pe,
+        latent_pages,
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(seq_lens, jnp.int32),
+        scale=float(scale),
+        n_splits=int(n_splits),
+        block_m=block_m,
+        block_k=block_k,
+        block_v=block_v,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 def write_latent(latent_pages, new_latent, block_tables, positions, valid=None):
@@ -342,7 +422,12 @@ class LatentPrefix:
 
     def __init__(self, latent_pages, block_tables, lens, w_kb, w_vb):
         self.latent_pages, self.block_tables, self.lens, self.w_kb, self.w_vb = (
-            latent_pages, block_tables, lens, w_kb, w_vb)
+            latent_pages,
+            block_tables,
+            lens,
+            w_kb,
+            w_vb,
+        )
 
     def expand(self, max_len: int):
         """Per-head prefix keys [N, max_len, H, nope + rope] and values [N, max_len, H, v]."""
@@ -372,8 +457,8 @@ def mla_prefill_ref(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None =
         p_len = 0 if prefix is None else int(np.asarray(prefix.lens)[n])
         if p_len:
             pk, pv = prefix.expand(p_len)
-            kn = jnp.concatenate([pk[n:n + 1].astype(kn.dtype), kn], axis=1)
-            vn = jnp.concatenate([pv[n:n + 1].astype(vn.dtype), vn], axis=1)
+            kn = jnp.concatenate([pk[n : n + 1].astype(kn.dtype), kn], axis=1)
+            vn = jnp.concatenate([pv[n : n + 1].astype(vn.dtype), vn], axis=1)
         q_pos = (p_len + jnp.arange(hi - lo))[None]
         k_pos = jnp.arange(kn.shape[1])[None]
         o, lse = attend(qn, kn, vn, scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True)
@@ -388,8 +473,24 @@ _NEVER = 1 << 30  # key position of padding: visible to no query
 _LOG2E = 1.4426950408889634
 
 
-def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref, v_ref, o_ref, lse_ref, *,
-                    block_q, block_k, prefix_blocks, scale, precision):
+def _prefill_kernel(
+    plen_ref,
+    qpos_ref,
+    kpos_ref,
+    qn_ref,
+    qr_ref,
+    kn_ref,
+    kr_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    block_q,
+    block_k,
+    prefix_blocks,
+    scale,
+    precision,
+):
     """One (sequence, head, query block): the prefix's key blocks, then new key blocks up to
     the diagonal.  Only blocks that can hold an invisible key are masked: the prefix's last
     (padded) blocks and the new blocks that reach the diagonal; scores are kept in base 2
@@ -403,8 +504,10 @@ def _prefill_kernel(plen_ref, qpos_ref, kpos_ref, qn_ref, qr_ref, kn_ref, kr_ref
     def step(kb, carry, masked):
         m, l, acc = carry
         ks = pl.ds(kb * block_k, block_k)
-        s = (jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)
-             + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)) * (scale * _LOG2E)
+        s = (
+            jnp.dot(q_nope, kn_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)
+            + jnp.dot(q_rope, kr_ref[n, ks, h, :].T, preferred_element_type=f32, precision=precision)
+        ) * (scale * _LOG2E)
         if masked:
             s = jnp.where(kpos_ref[n, ks][None, :] <= q_pos[:, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -448,8 +551,10 @@ def _prefill_precision(dtype, interpret: bool, fp32_dots: str | None):
         return None
     fp32_dots = fp32_dots or "ieee"
     if fp32_dots == "tf32x3":
-        raise ValueError("mla_prefill: 3xTF32 tiles overflow the GPU's shared memory at two stages (the H200 asks "
-                         "344,320 of 232,448 bytes at small's dims); use fp32_dots='ieee' (exact, as fast) or 'tf32'")
+        raise ValueError(
+            "mla_prefill: 3xTF32 tiles overflow the GPU's shared memory at two stages (the H200 asks "
+            "344,320 of 232,448 bytes at small's dims); use fp32_dots='ieee' (exact, as fast) or 'tf32'"
+        )
     return dots.fp32_precision(interpret, fp32_dots)
 
 
@@ -479,15 +584,31 @@ def _prefill_stages(block: int, block_k: int, num_stages, dqk: int, dv: int, rop
     if num_stages is None:
         num_stages = next((n for n in (3, 2, 1) if fits(n)), 1)
     if not fits(num_stages):
-        raise ValueError(f"mla_prefill: block {block} x block_k {block_k} x {num_stages} stages needs "
-                         f"{prefill_smem_bytes(block, block_k, num_stages, *dims, itemsize)} bytes of shared memory "
-                         f"at qk {dqk} / v {dv} ({itemsize}-byte elements); a block has {SMEM_BYTES}: pass a "
-                         f"smaller block or block_k")
+        raise ValueError(
+            f"mla_prefill: block {block} x block_k {block_k} x {num_stages} stages needs "
+            f"{prefill_smem_bytes(block, block_k, num_stages, *dims, itemsize)} bytes of shared memory "
+            f"at qk {dqk} / v {dv} ({itemsize}-byte elements); a block has {SMEM_BYTES}: pass a "
+            f"smaller block or block_k"
+        )
     return num_stages
 
 
-def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | None = None, block=128,
-                block_k=64, interpret=None, num_warps=8, num_stages=None, fp32_dots=None):
+def mla_prefill(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens,
+    scale,
+    rope_dim,
+    prefix: LatentPrefix | None = None,
+    block=128,
+    block_k=64,
+    interpret=None,
+    num_warps=8,
+    num_stages=None,
+    fp32_dots=None,
+):
     """Causal flash attention (naive MLA form) over packed new tokens plus a cached prefix.
 
     Args:
@@ -510,19 +631,50 @@ def mla_prefill(q, k, v, *, cu_seqlens, scale, rope_dim, prefix: LatentPrefix | 
     block_k = block if block_k is None else block_k
     if not (_is_pow2(block) and _is_pow2(block_k) and 16 <= block_k <= block):
         raise ValueError(f"block and block_k must be powers of two with 16 <= block_k <= block; got {block}, {block_k}")
-    num_stages = _prefill_stages(block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim,
-                                 jnp.dtype(k.dtype).itemsize)
+    num_stages = _prefill_stages(
+        block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim, jnp.dtype(k.dtype).itemsize
+    )
     lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=block, k_multiple=block)
     keys, vals = lay.keys_values(k, v)
     q_pos, k_pos = lay.positions()
-    o, lse = _prefill_padded(lay.p_lens, q_pos, k_pos, lay.gather(q), keys, vals, lp=lay.lp, rope_dim=rope_dim,
-                             scale=scale, block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
-                             num_stages=num_stages, fp32_dots=fp32_dots)
+    o, lse = _prefill_padded(
+        lay.p_lens,
+        q_pos,
+        k_pos,
+        lay.gather(q),
+        keys,
+        vals,
+        lp=lay.lp,
+        rope_dim=rope_dim,
+        scale=scale,
+        block=block,
+        block_k=block_k,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        fp32_dots=fp32_dots,
+    )
     return lay.unpad(o, lse, v.shape[-1])
 
 
-def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale, block, block_k, interpret,
-                    num_warps, num_stages, fp32_dots):
+def _prefill_padded(
+    p_lens,
+    q_pos,
+    k_pos,
+    q,
+    keys,
+    vals,
+    *,
+    lp,
+    rope_dim,
+    scale,
+    block,
+    block_k,
+    interpret,
+    num_warps,
+    num_stages,
+    fp32_dots,
+):
     """The prefill kernel on padded operands: q [N, lq, H, Dqk], keys [N, lp + lq, H, Dqk], vals
     [N, lp + lq, H, Dv] (prefix then new tokens), positions q_pos [N, lq], k_pos [N, lp + lq],
     p_lens [N] (concrete or traced).  Head dims go to powers of two >= 16 (Triton's dot
@@ -532,14 +684,41 @@ def _prefill_padded(p_lens, q_pos, k_pos, q, keys, vals, *, lp, rope_dim, scale,
     split = lambda x: (_pad_last(x[..., :d_nope], dn), _pad_last(x[..., d_nope:], dr))
     (qn, qr), (kn, kr) = split(q), split(keys)
     i32 = lambda x: jnp.asarray(x, jnp.int32)
-    return _mla_prefill_core(i32(p_lens), i32(q_pos), i32(k_pos), qn, qr, kn, kr, _pad_last(vals, dv), block=block,
-                             block_k=block_k, prefix_blocks=lp // block_k, scale=float(scale), interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages,
-                             precision=_prefill_precision(keys.dtype, interpret, fp32_dots))
+    return _mla_prefill_core(
+        i32(p_lens),
+        i32(q_pos),
+        i32(k_pos),
+        qn,
+        qr,
+        kn,
+        kr,
+        _pad_last(vals, dv),
+        block=block,
+        block_k=block_k,
+        prefix_blocks=lp // block_k,
+        scale=float(scale),
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        precision=_prefill_precision(keys.dtype, interpret, fp32_dots),
+    )
 
 
-def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=128, block_k=64, interpret=None,
-                      num_warps=8, num_stages=None, fp32_dots=None):
+def mla_prefill_chunk(
+    q,
+    k,
+    v,
+    prefix: LatentPrefix,
+    *,
+    scale,
+    rope_dim,
+    block=128,
+    block_k=64,
+    interpret=None,
+    num_warps=8,
+    num_stages=None,
+    fp32_dots=None,
+):
     """A prefill chunk continuing a cache, as a serving step batches it: B sequences each adding
     the same T new tokens after `prefix.lens[b]` cached ones, whose length may be traced (a
     jitted step's cache view).  The prefix is expanded from its pages over the whole block
@@ -560,13 +739,28 @@ def mla_prefill_chunk(q, k, v, prefix: LatentPrefix, *, scale, rope_dim, block=1
     t = q.shape[1]
     block = min(block, max(16, 1 << (t - 1).bit_length()))  # a short chunk: one small query block
     block_k = min(block_k, block)
-    num_stages = _prefill_stages(block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim,
-                                 jnp.dtype(k.dtype).itemsize)
+    num_stages = _prefill_stages(
+        block, block_k, num_stages, q.shape[-1], v.shape[-1], rope_dim, jnp.dtype(k.dtype).itemsize
+    )
     lay = ChunkLayout(q, k, v, prefix, q_multiple=block, k_multiple=block_k)
-    o, lse = _prefill_padded(lay.p_lens, lay.q_pos, lay.k_pos, lay.q, lay.keys, lay.vals, lp=lay.lp,
-                             rope_dim=rope_dim, scale=scale, block=block, block_k=block_k, interpret=interpret,
-                             num_warps=num_warps, num_stages=num_stages, fp32_dots=fp32_dots)
-    return o[:, :t, :, :v.shape[-1]], lse[:, :t]
+    o, lse = _prefill_padded(
+        lay.p_lens,
+        lay.q_pos,
+        lay.k_pos,
+        lay.q,
+        lay.keys,
+        lay.vals,
+        lp=lay.lp,
+        rope_dim=rope_dim,
+        scale=scale,
+        block=block,
+        block_k=block_k,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        fp32_dots=fp32_dots,
+    )
+    return o[:, :t, :, : v.shape[-1]], lse[:, :t]
 
 
 class ChunkLayout:
@@ -579,12 +773,15 @@ class ChunkLayout:
 
     def __init__(self, q, k, v, prefix: LatentPrefix, *, q_multiple: int, k_multiple: int):
         if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:3] != q.shape[:3]:
-            raise ValueError(f"q, k must be [B, T, H, D] and v [B, T, H, Dv] with one B, T, H; got {q.shape}, "
-                             f"{k.shape}, {v.shape}")
+            raise ValueError(
+                f"q, k must be [B, T, H, D] and v [B, T, H, Dv] with one B, T, H; got {q.shape}, {k.shape}, {v.shape}"
+            )
         b, t = q.shape[:2]
         if prefix.block_tables.ndim != 2 or prefix.block_tables.shape[0] != b or jnp.shape(prefix.lens) != (b,):
-            raise ValueError(f"prefix.block_tables must be [B={b}, max_pages] and prefix.lens [B]; got "
-                             f"{tuple(prefix.block_tables.shape)}, {tuple(jnp.shape(prefix.lens))}")
+            raise ValueError(
+                f"prefix.block_tables must be [B={b}, max_pages] and prefix.lens [B]; got "
+                f"{tuple(prefix.block_tables.shape)}, {tuple(jnp.shape(prefix.lens))}"
+            )
         if _concrete(prefix.lens) and _concrete(prefix.block_tables):
             check_prefix_pages(prefix, np.asarray(prefix.lens))
         capacity = prefix.block_tables.shape[1] * prefix.latent_pages.shape[1]
@@ -597,8 +794,13 @@ class ChunkLayout:
         self.vals = jnp.concatenate([pad_to(pv.astype(v.dtype), lp), pad_to(v, lq)], axis=1)
         valid = jnp.arange(lq)[None] < t
         self.q_pos = jnp.where(valid, p_lens[:, None] + jnp.arange(lq)[None], -1)
-        self.k_pos = jnp.concatenate([jnp.where(jnp.arange(lp)[None] < p_lens[:, None], jnp.arange(lp)[None], _NEVER),
-                                      jnp.where(valid, self.q_pos, _NEVER)], axis=1)
+        self.k_pos = jnp.concatenate(
+            [
+                jnp.where(jnp.arange(lp)[None] < p_lens[:, None], jnp.arange(lp)[None], _NEVER),
+                jnp.where(valid, self.q_pos, _NEVER),
+            ],
+            axis=1,
+        )
 
 
 def check_prefix_pages(prefix: LatentPrefix, p_lens):
@@ -623,8 +825,9 @@ class PrefillLayout:
 
     def __init__(self, q, k, v, cu_seqlens, prefix: LatentPrefix | None, *, q_multiple: int, k_multiple: int):
         if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-            raise ValueError(f"q, k must be [T, H, D] and v [T, H, Dv] with one T, H; got {q.shape}, {k.shape}, "
-                             f"{v.shape}")
+            raise ValueError(
+                f"q, k must be [T, H, D] and v [T, H, Dv] with one T, H; got {q.shape}, {k.shape}, {v.shape}"
+            )
         t = q.shape[0]
         cu = np.asarray(cu_seqlens).astype(np.int64)
         if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) <= 0):
@@ -643,7 +846,7 @@ class PrefillLayout:
         self.lp = int(-(-p_lens.max() // k_multiple) * k_multiple)
         src = np.full((n_seq, lq), -1, np.int64)
         for i in range(n_seq):
-            src[i, :lens[i]] = cu[i] + np.arange(lens[i])
+            src[i, : lens[i]] = cu[i] + np.arange(lens[i])
         self.src, self.valid = src, src >= 0
         # every sequence exactly lq tokens (one prompt of a multiple of the tile, or equal ones):
         # the packed rows already are [N, lq] row-major, and the layout is a reshape, not a copy
@@ -686,17 +889,44 @@ class PrefillLayout:
         return o if o.shape[-1] == dv else o[..., :dv], lse
 
 
-@functools.partial(jax.jit, static_argnames=("block", "block_k", "prefix_blocks", "scale", "interpret", "num_warps",
-                                             "num_stages", "precision"))
-def _mla_prefill_core(p_lens, q_pos, k_pos, qn, qr, kn, kr, v, *, block, block_k, prefix_blocks, scale, interpret,
-                      num_warps, num_stages, precision):
+@functools.partial(
+    jax.jit,
+    static_argnames=("block", "block_k", "prefix_blocks", "scale", "interpret", "num_warps", "num_stages", "precision"),
+)
+def _mla_prefill_core(
+    p_lens,
+    q_pos,
+    k_pos,
+    qn,
+    qr,
+    kn,
+    kr,
+    v,
+    *,
+    block,
+    block_k,
+    prefix_blocks,
+    scale,
+    interpret,
+    num_warps,
+    num_stages,
+    precision,
+):
     n_seq, lq, h, _ = qn.shape
     return pl.pallas_call(
-        functools.partial(_prefill_kernel, block_q=block, block_k=block_k, prefix_blocks=prefix_blocks,
-                          scale=scale, precision=precision),
+        functools.partial(
+            _prefill_kernel,
+            block_q=block,
+            block_k=block_k,
+            prefix_blocks=prefix_blocks,
+            scale=scale,
+            precision=precision,
+        ),
         grid=(n_seq, h, lq // block),
-        out_shape=[jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
-                   jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n_seq, lq, h, v.shape[-1]), v.dtype),
+            jax.ShapeDtypeStruct((n_seq, lq, h), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="mla_prefill",

@@ -37,6 +37,7 @@ class DecodeCta:
     `split`, row tile rb (64 folded rows), its split's first key tile kb0 and tile count
     n_steps; the three column parts (value half 0, value half 1, rope) as (start, width) of a
     latent row and as (array, first column) of the queries."""
+
     b: jax.Array
     split: jax.Array
     rb: jax.Array
@@ -49,28 +50,40 @@ class DecodeCta:
     q_of: tuple
 
     @classmethod
-    def at(cls, len_ref, q_lat_ref, q_pe_ref, pages_ref, *, block_m, block_kv, n_heads, n_queries, n_splits, rank,
-           cluster):
+    def at(
+        cls, len_ref, q_lat_ref, q_pe_ref, pages_ref, *, block_m, block_kv, n_heads, n_queries, n_splits, rank, cluster
+    ):
         b, split, rb = lax.axis_index("b"), lax.axis_index("split"), lax.axis_index("rows")
         if cluster > 1:
             rb = rb * cluster + lax.axis_index("cluster")
         half = rank // 2
         seq_len = len_ref[b]
-        n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1),
-                           jnp.int32(block_kv))
+        n_blocks = pl.cdiv(visible_keys(seq_len, n_queries, n_heads, rb * block_m + block_m - 1), jnp.int32(block_kv))
         per_split = pl.cdiv(n_blocks, jnp.int32(n_splits))
         kb0 = split * per_split
         n_steps = jnp.maximum(jnp.minimum(n_blocks, kb0 + per_split) - kb0, 0)
-        return cls(b, split, rb, seq_len, kb0, n_steps, block_m, block_kv,
-                   cols_of=((0, half), (half, half), (rank, pages_ref.shape[-1] - rank)),
-                   q_of=((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0)))
+        return cls(
+            b,
+            split,
+            rb,
+            seq_len,
+            kb0,
+            n_steps,
+            block_m,
+            block_kv,
+            cols_of=((0, half), (half, half), (rank, pages_ref.shape[-1] - rank)),
+            q_of=((q_lat_ref, 0), (q_lat_ref, half), (q_pe_ref, 0)),
+        )
 
     def load_queries(self, q_parts, q_bars):
         """The row tile's queries into their three parts ([1, 64, width] each), each by its own
         TMA (never concatenated in HBM)."""
         for i, ((q_ref, c0), (_, width)) in enumerate(zip(self.q_of, self.cols_of)):
-            plgpu.copy_gmem_to_smem(q_ref.at[self.b, pl.ds(self.rb * self.block_m, self.block_m), pl.ds(c0, width)],
-                                    q_parts[i].at[0], q_bars.at[i])
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[self.b, pl.ds(self.rb * self.block_m, self.block_m), pl.ds(c0, width)],
+                q_parts[i].at[0],
+                q_bars.at[i],
+            )
 
     def load_keys(self, bt_ref, pages_ref, k_parts, k_bars, tile, slot, *, steps, cluster):
         """Key tile `tile` of the split (pages by the block table) into ring slot `slot`, its
@@ -80,8 +93,12 @@ class DecodeCta:
         pg = bt_ref[self.b, lax.div(pos, jnp.int32(page))]
         keys = pl.ds(lax.rem(pos, jnp.int32(page)), self.block_kv)
         for part, (c0, width) in enumerate(self.cols_of):
-            plgpu.copy_gmem_to_smem(pages_ref.at[pg, keys, pl.ds(c0, width)], k_parts[part].at[slot],
-                                    k_bars.at[part * steps + slot], collective_axes="cluster" if cluster > 1 else None)
+            plgpu.copy_gmem_to_smem(
+                pages_ref.at[pg, keys, pl.ds(c0, width)],
+                k_parts[part].at[slot],
+                k_bars.at[part * steps + slot],
+                collective_axes="cluster" if cluster > 1 else None,
+            )
 
     def mask(self, s, i, n_heads, n_queries):
         """s [64, block_kv] (the scores of the split's tile i) with every key its row cannot
@@ -118,9 +135,29 @@ def softmax_step(s, m_prev, scale_log2: float):
     return p, alpha, m_new
 
 
-def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, *, n_heads,
-                   n_queries, block_kv, steps, p_slots, n_splits, rank, scale_log2, interpret, stall_ns=0,
-                   cluster=1):
+def _decode_kernel(
+    bt_ref,
+    len_ref,
+    q_lat_ref,
+    q_pe_ref,
+    pages_ref,
+    o_ref,
+    lse_ref,
+    smem,
+    bars,
+    *,
+    n_heads,
+    n_queries,
+    block_kv,
+    steps,
+    p_slots,
+    n_splits,
+    rank,
+    scale_log2,
+    interpret,
+    stall_ns=0,
+    cluster=1,
+):
     """One CTA: sequence `b`, KV split `split`, 64 folded rows (heads x queries) `rows`.
 
     cluster 2: the CTAs of two neighbouring row tiles (the same query's heads, so the same keys)
@@ -140,13 +177,25 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
     block_m = q_parts[0].shape[1]
     half = rank // 2
     dtype = q_lat_ref.dtype
-    cta = DecodeCta.at(len_ref, q_lat_ref, q_pe_ref, pages_ref, block_m=block_m, block_kv=block_kv, n_heads=n_heads,
-                       n_queries=n_queries, n_splits=n_splits, rank=rank, cluster=cluster)
+    cta = DecodeCta.at(
+        len_ref,
+        q_lat_ref,
+        q_pe_ref,
+        pages_ref,
+        block_m=block_m,
+        block_kv=block_kv,
+        n_heads=n_heads,
+        n_queries=n_queries,
+        n_splits=n_splits,
+        rank=rank,
+        cluster=cluster,
+    )
     b, split, rb, n_steps = cta.b, cta.split, cta.rb, cta.n_steps
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def value_half(acc, step, slot, w):
         """acc [64, half] += P (from shared memory) @ value half w of the key tile."""
+
         def pv(acc_ref):
             plgpu.wgmma(acc_ref, p_smem.at[lax.rem(step, p_slots)], k_parts[w].at[slot])
 
@@ -159,8 +208,9 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         inv = jnp.where(has, 1.0 / jnp.where(has, l_i, 1.0), 0.0)  # a split with no keys: zeros
         q_parts[w].at[0][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_parts[w].at[0],
-                                o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)])
+        plgpu.copy_smem_to_gmem(
+            q_parts[w].at[0], o_ref.at[b, split, pl.ds(rb * block_m, block_m), pl.ds(w * half, half)]
+        )
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
@@ -221,9 +271,11 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             m_i, l_i = softmax_and_hand_over(s, i, m_i, l_i)
             return first_half(acc, handed_over_alpha(i), i), m_i, l_i
 
-        init = (plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout))
+        init = (
+            plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((block_m,), -jnp.inf, jnp.float32), row_layout),
+            plgpu.layout_cast(jnp.full((block_m,), 0, jnp.float32), row_layout),
+        )
         acc, m_i, l_i = lax.fori_loop(0, n_steps, step, init)
 
         @pl.loop(jnp.maximum(n_steps - p_slots, 0), n_steps)  # the P buffers' last releases
@@ -257,8 +309,9 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
             plgpu.barrier_arrive(k_used.at[slot])
             return acc
 
-        acc = lax.fori_loop(0, n_steps, step,
-                            plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA))
+        acc = lax.fori_loop(
+            0, n_steps, step, plgpu.layout_cast(jnp.full((block_m, half), 0, jnp.float32), plgpu.Layout.WGMMA)
+        )
         plgpu.barrier_wait(stats_ready)  # also: warpgroup 0's last score has read the queries
         store_half(1, acc, plgpu.load(stat_smem, layout=row_layout, optimized=False))
         plgpu.wait_smem_to_gmem(0)
@@ -274,49 +327,111 @@ def _decode_kernel(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_r
         _wait_last_releases(n_steps, steps, (k_used,))
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "n_queries", "rank", "block_kv", "steps", "p_slots",
-                                             "n_splits", "scale_log2", "interpret", "stall_ns", "cluster"))
-def _decode_core(block_tables, seq_lens, q_lat_rows, q_pe_rows, latent_pages, *, n_heads, n_queries, rank, block_kv,
-                 steps, p_slots, n_splits, scale_log2, interpret, stall_ns=0, cluster=1):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "n_heads",
+        "n_queries",
+        "rank",
+        "block_kv",
+        "steps",
+        "p_slots",
+        "n_splits",
+        "scale_log2",
+        "interpret",
+        "stall_ns",
+        "cluster",
+    ),
+)
+def _decode_core(
+    block_tables,
+    seq_lens,
+    q_lat_rows,
+    q_pe_rows,
+    latent_pages,
+    *,
+    n_heads,
+    n_queries,
+    rank,
+    block_kv,
+    steps,
+    p_slots,
+    n_splits,
+    scale_log2,
+    interpret,
+    stall_ns=0,
+    cluster=1,
+):
     """q_lat_rows [B, rows_pad, kv_lora = rank], q_pe_rows [B, rows_pad, rope] (heads x queries
     folded, padded to 64) -> o [B, splits, rows_pad, rank] (q's dtype), lse [B, splits,
     rows_pad] fp32 (natural log; -inf for a split with no keys).  cluster 2 (heads a multiple
     of 128): row tiles in pairs share each key tile, multicast."""
     b, rows_pad, _ = q_lat_rows.shape
     if cluster not in (1, 2) or (cluster == 2 and (n_heads % 128 or (rows_pad // 64) % 2)):
-        raise ValueError(f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
-                         f"cluster={cluster}, {n_heads} heads")
+        raise ValueError(
+            f"cluster 2 pairs row tiles of the same query (heads a multiple of 128); got "
+            f"cluster={cluster}, {n_heads} heads"
+        )
     block_m, half, rope = 64, rank // 2, q_pe_rows.shape[-1]
     dtype = q_lat_rows.dtype
     # wgmma wants one swizzle for both operands, and P's contraction (block_kv) must span the
     # swizzle: every 16-bit buffer takes min(64, block_kv) columns per tile.
     minor = min(64, block_kv)
-    tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(
-        plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor)))
+    tiled = lambda shape: plgpu.SMEM(
+        shape, dtype, transforms=(plgpu.TilingTransform((8, minor)), plgpu.SwizzleTransform(2 * minor))
+    )
     # the queries' leading dim of 1: an index `fresh` can make opaque (`hopper_ring.fresh`)
-    smem = ((tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),
-            (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
-            tiled((p_slots, block_m, block_kv)),
-            plgpu.SMEM((p_slots + 2, block_m), jnp.float32))
+    smem = (
+        (tiled((1, block_m, half)), tiled((1, block_m, half)), tiled((1, block_m, rope))),
+        (tiled((steps, block_kv, half)), tiled((steps, block_kv, half)), tiled((steps, block_kv, rope))),
+        tiled((p_slots, block_m, block_kv)),
+        plgpu.SMEM((p_slots + 2, block_m), jnp.float32),
+    )
 
     def entry(bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref):
         pl.run_scoped(
             lambda smem, bars: _decode_kernel(
-                bt_ref, len_ref, q_lat_ref, q_pe_ref, pages_ref, o_ref, lse_ref, smem, bars, n_heads=n_heads,
-                n_queries=n_queries, block_kv=block_kv, steps=steps, p_slots=p_slots, n_splits=n_splits,
-                rank=rank, scale_log2=scale_log2, interpret=interpret, stall_ns=stall_ns, cluster=cluster),
+                bt_ref,
+                len_ref,
+                q_lat_ref,
+                q_pe_ref,
+                pages_ref,
+                o_ref,
+                lse_ref,
+                smem,
+                bars,
+                n_heads=n_heads,
+                n_queries=n_queries,
+                block_kv=block_kv,
+                steps=steps,
+                p_slots=p_slots,
+                n_splits=n_splits,
+                rank=rank,
+                scale_log2=scale_log2,
+                interpret=interpret,
+                stall_ns=stall_ns,
+                cluster=cluster,
+            ),
             smem,
-            (plgpu.Barrier(num_barriers=3), plgpu.Barrier(num_barriers=3 * steps),
-             plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps) if cluster > 1
-             else plgpu.Barrier(num_arrivals=2, num_barriers=steps),
-             plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier(num_barriers=p_slots), plgpu.Barrier()),
+            (
+                plgpu.Barrier(num_barriers=3),
+                plgpu.Barrier(num_barriers=3 * steps),
+                plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=2, num_barriers=steps)
+                if cluster > 1
+                else plgpu.Barrier(num_arrivals=2, num_barriers=steps),
+                plgpu.Barrier(num_barriers=p_slots),
+                plgpu.Barrier(num_barriers=p_slots),
+                plgpu.Barrier(),
+            ),
             collective_axes="wg",
         )
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((b, n_splits, rows_pad, rank), dtype),
-                  jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((b, n_splits, rows_pad, rank), dtype),
+            jax.ShapeDtypeStruct((b, n_splits, rows_pad), jnp.float32),
+        ),
         grid=(b, n_splits, rows_pad // block_m // cluster),
         grid_names=("b", "split", "rows"),
         **(dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}),
@@ -354,8 +469,22 @@ def decode_splits(row_tiles: int, max_keys: int, block_kv: int, sms: int = 132) 
     return max(range(1, cap + 1), key=fill)
 
 
-def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale, n_splits=None, block_kv=None,
-                      steps=2, p_slots=None, interpret=None, stall_ns=0, cluster=1):
+def mla_decode_hopper(
+    q_latent,
+    q_pe,
+    latent_pages,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    n_splits=None,
+    block_kv=None,
+    steps=2,
+    p_slots=None,
+    interpret=None,
+    stall_ns=0,
+    cluster=1,
+):
     """`mla_decode` (same arguments and results) as a Hopper kernel: 64 folded rows (heads x
     query tokens) per CTA on wgmma, FlashMLA's split of the value columns over two warpgroups.
 
@@ -385,18 +514,23 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
     r, p, page = check_decode_inputs(q_latent, q_pe, latent_pages, block_tables, seq_lens)
     block_kv = block_kv or (64 if page % 64 == 0 else 32)
     if q_latent.dtype not in (jnp.bfloat16, jnp.float16) or latent_pages.dtype != q_latent.dtype:
-        raise ValueError(f"q_latent and latent_pages must share a 16-bit float dtype; got {q_latent.dtype}, "
-                         f"{latent_pages.dtype}")
+        raise ValueError(
+            f"q_latent and latent_pages must share a 16-bit float dtype; got {q_latent.dtype}, {latent_pages.dtype}"
+        )
     if r % 128 or p % 64 or block_kv not in (32, 64) or page % block_kv or steps < 2:
-        raise ValueError(f"need kv_lora % 128 == 0 (got {r}), rope % 64 == 0 (got {p}), block_kv 32 or 64 "
-                         f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})")
+        raise ValueError(
+            f"need kv_lora % 128 == 0 (got {r}), rope % 64 == 0 (got {p}), block_kv 32 or 64 "
+            f"dividing the page {page} (got {block_kv}) and steps >= 2 (got {steps})"
+        )
     # Two P slots let warpgroup 0 write the next P before warpgroup 1 is done with the last;
     # one is taken when two do not fit (block_kv 64 at kv_lora 512).
     itemsize = jnp.dtype(q_latent.dtype).itemsize
     smem_bytes = {n: decode_smem_bytes(r + p, block_kv, steps, n, itemsize) for n in (1, 2)}
     if smem_bytes[1] > _SMEM_BYTES:
-        raise ValueError(f"block_kv {block_kv} x {steps} steps needs {smem_bytes[1]} bytes of shared memory at "
-                         f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}")
+        raise ValueError(
+            f"block_kv {block_kv} x {steps} steps needs {smem_bytes[1]} bytes of shared memory at "
+            f"kv_lora + rope = {r + p}; a Hopper CTA has {_SMEM_BYTES}"
+        )
     p_slots = p_slots or (2 if smem_bytes[2] <= _SMEM_BYTES else 1)
     b, sq, h, _ = q_latent.shape
     rows_pad = -(-sq * h // 64) * 64
@@ -404,12 +538,24 @@ def mla_decode_hopper(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, s
         device = jax.devices()[0]
         sms = (getattr(device, "core_count", None) if device.platform == "gpu" else None) or 132
         n_splits = decode_splits(b * (rows_pad // 64), block_tables.shape[1] * page, block_kv, sms)
-    o_part, lse_part = _decode_core(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32),
-                                    fold_rows(q_latent, rows_pad), fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
-                                    latent_pages, n_heads=h, n_queries=sq, rank=r, block_kv=block_kv, steps=steps,
-                                    p_slots=p_slots, n_splits=int(n_splits), scale_log2=float(scale) * _LOG2E,
-                                    interpret=interpret, stall_ns=int(stall_ns), cluster=int(cluster))
+    o_part, lse_part = _decode_core(
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(seq_lens, jnp.int32),
+        fold_rows(q_latent, rows_pad),
+        fold_rows(q_pe.astype(q_latent.dtype), rows_pad),
+        latent_pages,
+        n_heads=h,
+        n_queries=sq,
+        rank=r,
+        block_kv=block_kv,
+        steps=steps,
+        p_slots=p_slots,
+        n_splits=int(n_splits),
+        scale_log2=float(scale) * _LOG2E,
+        interpret=interpret,
+        stall_ns=int(stall_ns),
+        cluster=int(cluster),
+    )
     if int(n_splits) == 1:  # one split's rows are the answer: normalized, zero with no keys (`merge_splits`' values)
-        return (o_part[:, 0, :sq * h].reshape(b, sq, h, r),
-                lse_part[:, 0, :sq * h].reshape(b, sq, h))
+        return (o_part[:, 0, : sq * h].reshape(b, sq, h, r), lse_part[:, 0, : sq * h].reshape(b, sq, h))
     return merge_splits(o_part, lse_part, q_latent.shape, q_latent.dtype)

@@ -66,8 +66,28 @@ def prefill_block_kv(dqk: int, dv: int, *, block_q: int = 64, steps: int = 2, it
     return 128 if tiles + _PREFILL_SMEM_RESERVE <= _SMEM_BYTES else 64
 
 
-def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, *, block_q, block_kv, steps,
-            prefix_blocks, lp_blocks, scale_log2, interpret, n_ctas, q_tiles_first=False):
+def _kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    plen_ref,
+    o_ref,
+    lse_ref,
+    smem,
+    bars,
+    used,
+    schedule,
+    *,
+    block_q,
+    block_kv,
+    steps,
+    prefix_blocks,
+    lp_blocks,
+    scale_log2,
+    interpret,
+    n_ctas,
+    q_tiles_first=False,
+):
     """One CTA: with n_ctas 0 (a CTA per tile) the tile (sequence `seq`, head `heads`, new-token
     rows [q_tile * 2 block_q, + 2 block_q)) of its grid index; else (persistent, n_ctas CTAs)
     every n_ctas-th tile of the list `tile_of` orders, its K / V ring running on from one tile
@@ -117,12 +137,20 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         share K / V blocks (`tile_order`)."""
         if q_tiles_first:
             rest = lax.div(item, jnp.int32(n_qt))
-            return Tile(lax.div(rest, jnp.int32(n_heads)), lax.rem(rest, jnp.int32(n_heads)),
-                        n_qt - 1 - lax.rem(item, jnp.int32(n_qt)), base)
+            return Tile(
+                lax.div(rest, jnp.int32(n_heads)),
+                lax.rem(rest, jnp.int32(n_heads)),
+                n_qt - 1 - lax.rem(item, jnp.int32(n_qt)),
+                base,
+            )
         per_tile_row = n_heads * n_seq
         rest = lax.rem(item, jnp.int32(per_tile_row))
-        return Tile(lax.div(rest, jnp.int32(n_heads)), lax.rem(rest, jnp.int32(n_heads)),
-                    n_qt - 1 - lax.div(item, jnp.int32(per_tile_row)), base)
+        return Tile(
+            lax.div(rest, jnp.int32(n_heads)),
+            lax.rem(rest, jnp.int32(n_heads)),
+            n_qt - 1 - lax.div(item, jnp.int32(per_tile_row)),
+            base,
+        )
 
     def for_each_tile(body):
         """body(tile) -> its steps, for this CTA's tiles; the steps of all of them."""
@@ -132,7 +160,8 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             # base a Python 0: a constant array closed over by `run_state` does not lower
             return body(Tile(lax.axis_index("seq"), lax.axis_index("heads"), n_qt - 1 - lax.axis_index("q_tile"), 0))
         return pl.loop(lax.axis_index("sm"), n_seq * n_heads * n_qt, step=n_ctas, init_carry=jnp.int32(0))(
-            lambda item, base: base + body(tile_of(item, base)))
+            lambda item, base: base + body(tile_of(item, base))
+        )
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -174,9 +203,12 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
             s = s * scale_log2
             cols = lambda: plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
             if masked == "prefix":  # only the partly filled prefix block (if any): keys before the prefix's end
-                s = lax.cond((kv_step == tile.n_full) & (tile.n_full < n_prefix),
-                             lambda s: jnp.where(cols() + kv_step * block_kv < tile.plen, s, -jnp.inf),
-                             lambda s: s, s)
+                s = lax.cond(
+                    (kv_step == tile.n_full) & (tile.n_full < n_prefix),
+                    lambda s: jnp.where(cols() + kv_step * block_kv < tile.plen, s, -jnp.inf),
+                    lambda s: s,
+                    s,
+                )
             elif masked:  # new-token block reaching the diagonal: key index <= query index
                 rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(rows + row0 >= cols() + (kv_step - n_prefix) * block_kv, s, -jnp.inf)
@@ -226,8 +258,12 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         # last prefix block's mask sits behind a branch in it, not in loops of its own (each loop
         # is a copy of the step that Mosaic GPU lowers again: four of them took 1.3 s of Python a
         # program, two 0.75 s)
-        carry = lax.fori_loop(0, clear_steps, functools.partial(step, masked="prefix" if prefix_blocks is None
-                                                                else False), (acc, m_i, l_i))
+        carry = lax.fori_loop(
+            0,
+            clear_steps,
+            functools.partial(step, masked="prefix" if prefix_blocks is None else False),
+            (acc, m_i, l_i),
+        )
         acc, m_i, l_i = lax.fori_loop(clear_steps, my_steps, functools.partial(step, masked="diagonal"), carry)
         lax.fori_loop(my_steps, tile.cta_steps, drain, None)
         if wg == 0:
@@ -262,10 +298,36 @@ def _kernel(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, sch
         _wait_last_releases(for_each_tile(stream_tile), steps, (k_used, v_used))
 
 
-@functools.partial(jax.jit, static_argnames=("block_q", "block_kv", "steps", "prefix_blocks", "lp_blocks",
-                                             "scale_log2", "interpret", "n_ctas", "q_tiles_first"))
-def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp_blocks, scale_log2, interpret,
-                 n_ctas=0, q_tiles_first=False):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "block_q",
+        "block_kv",
+        "steps",
+        "prefix_blocks",
+        "lp_blocks",
+        "scale_log2",
+        "interpret",
+        "n_ctas",
+        "q_tiles_first",
+    ),
+)
+def _hopper_core(
+    q,
+    k,
+    v,
+    p_lens,
+    *,
+    block_q,
+    block_kv,
+    steps,
+    prefix_blocks,
+    lp_blocks,
+    scale_log2,
+    interpret,
+    n_ctas=0,
+    q_tiles_first=False,
+):
     """q [N, lq, H, Dqk], k [N, lp + lq, H, Dqk], v [N, lp + lq, H, Dv], p_lens int32 [N] (read
     only when prefix_blocks is None) -> o [N, lq, H, Dv], lse base 2 [N, H, lq].  n_ctas: 0, a
     CTA per tile; else that many persistent CTAs (at most the tiles)."""
@@ -276,20 +338,43 @@ def _hopper_core(q, k, v, p_lens, *, block_q, block_kv, steps, prefix_blocks, lp
     tiled = lambda shape: plgpu.SMEM(shape, q.dtype, transforms=(tiling, swizzle))
     # each compute warpgroup's query and output tiles share one buffer (their lifetimes do not
     # overlap): 2 x block_q x dv of shared memory freed, what 128-key blocks with two slots need
-    smem = ([plgpu.RefUnion(tiled((block_q, dqk)), tiled((block_q, dv))) for _ in range(_COMPUTE_WGS)],
-            tiled((steps, block_kv, dqk)), tiled((steps, block_kv, dv)),
-            plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
-            tiled((_COMPUTE_WGS, block_q, block_kv)) if interpret else None)
+    smem = (
+        [plgpu.RefUnion(tiled((block_q, dqk)), tiled((block_q, dv))) for _ in range(_COMPUTE_WGS)],
+        tiled((steps, block_kv, dqk)),
+        tiled((steps, block_kv, dv)),
+        plgpu.SMEM((_COMPUTE_WGS, block_q), jnp.float32),
+        tiled((_COMPUTE_WGS, block_q, block_kv)) if interpret else None,
+    )
 
     def entry(q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref):
         pl.run_scoped(
             lambda smem, bars, used, schedule: _kernel(
-                q_ref, k_ref, v_ref, plen_ref, o_ref, lse_ref, smem, bars, used, schedule, block_q=block_q,
-                block_kv=block_kv, steps=steps, prefix_blocks=prefix_blocks, lp_blocks=lp_blocks,
-                scale_log2=scale_log2, interpret=interpret, n_ctas=n_ctas, q_tiles_first=q_tiles_first),
+                q_ref,
+                k_ref,
+                v_ref,
+                plen_ref,
+                o_ref,
+                lse_ref,
+                smem,
+                bars,
+                used,
+                schedule,
+                block_q=block_q,
+                block_kv=block_kv,
+                steps=steps,
+                prefix_blocks=prefix_blocks,
+                lp_blocks=lp_blocks,
+                scale_log2=scale_log2,
+                interpret=interpret,
+                n_ctas=n_ctas,
+                q_tiles_first=q_tiles_first,
+            ),
             smem,
-            (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-             plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+            (
+                plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_barriers=steps),
+                plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+            ),
             (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=steps),) * 2,
             plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
             collective_axes="wg",
@@ -331,8 +416,22 @@ def _q_tiles_first(tile_order: str) -> bool:
     return tile_order == "q_tiles"
 
 
-def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None, block_q=64,
-                       block_kv=64, steps=2, persistent=False, sms=None, tile_order="heads", interpret=None):
+def mla_prefill_hopper(
+    q,
+    k,
+    v,
+    *,
+    cu_seqlens,
+    scale,
+    prefix: LatentPrefix | None = None,
+    block_q=64,
+    block_kv=64,
+    steps=2,
+    persistent=False,
+    sms=None,
+    tile_order="heads",
+    interpret=None,
+):
     """`mla_prefill` (same arguments and results, no `rope_dim` needed: q / k keep nope and rope
     together) as a Hopper kernel.  bf16 / fp16 inputs; qk and v head dims multiples of 64 and
     prefix lengths multiples of `block_kv` (`supports`).  Raises ValueError otherwise, before
@@ -347,26 +446,52 @@ def mla_prefill_hopper(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | Non
     _check_16bit(q, k, v)
     q_tiles_first = _q_tiles_first(tile_order)
     if block_q % 64 or block_kv % 64 or steps < 2:
-        raise ValueError(f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, "
-                         f"{block_kv}, {steps}")
+        raise ValueError(
+            f"block_q and block_kv must be multiples of 64 and steps >= 2; got {block_q}, {block_kv}, {steps}"
+        )
     lay = PrefillLayout(q, k, v, cu_seqlens, prefix, q_multiple=_COMPUTE_WGS * block_q, k_multiple=block_kv)
     if lay.lq % block_kv:
         raise ValueError(f"block_kv {block_kv} must divide {_COMPUTE_WGS} x block_q = {_COMPUTE_WGS * block_q}")
     if not supports(q.shape[-1], v.shape[-1], lay.p_lens, block_kv=block_kv):
-        raise ValueError(f"head dims must be multiples of 64 (qk {q.shape[-1]}, v {v.shape[-1]}) and prefix "
-                         f"lengths multiples of block_kv {block_kv} (got {lay.p_lens.tolist()})")
+        raise ValueError(
+            f"head dims must be multiples of 64 (qk {q.shape[-1]}, v {v.shape[-1]}) and prefix "
+            f"lengths multiples of block_kv {block_kv} (got {lay.p_lens.tolist()})"
+        )
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     keys, vals = lay.keys_values(k, v)
-    o, lse2 = _hopper_core(lay.gather(q), keys, vals, jnp.asarray(lay.p_lens, jnp.int32), block_q=block_q,
-                           block_kv=block_kv, steps=steps,
-                           prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens), lp_blocks=lay.lp // block_kv,
-                           scale_log2=float(scale) * _LOG2E, interpret=interpret,
-                           n_ctas=_persistent_ctas(persistent, sms), q_tiles_first=q_tiles_first)
+    o, lse2 = _hopper_core(
+        lay.gather(q),
+        keys,
+        vals,
+        jnp.asarray(lay.p_lens, jnp.int32),
+        block_q=block_q,
+        block_kv=block_kv,
+        steps=steps,
+        prefix_blocks=tuple(int(n) // block_kv for n in lay.p_lens),
+        lp_blocks=lay.lp // block_kv,
+        scale_log2=float(scale) * _LOG2E,
+        interpret=interpret,
+        n_ctas=_persistent_ctas(persistent, sms),
+        q_tiles_first=q_tiles_first,
+    )
     return lay.unpad(o, jnp.swapaxes(lse2, 1, 2) / _LOG2E, v.shape[-1])
 
 
-def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64, block_kv=64, steps=2,
-                             persistent=False, sms=None, tile_order="heads", interpret=None):
+def mla_prefill_chunk_hopper(
+    q,
+    k,
+    v,
+    prefix: LatentPrefix,
+    *,
+    scale,
+    block_q=64,
+    block_kv=64,
+    steps=2,
+    persistent=False,
+    sms=None,
+    tile_order="heads",
+    interpret=None,
+):
     """`pallas_kernels.mla.mla_prefill_chunk` (same arguments and results, no `rope_dim`) as the
     Hopper prefill kernel: prefix lengths of any value, traced or concrete, read by the
     kernel (a partly filled last prefix block is one more step, masked by length).  bf16 /
@@ -376,15 +501,28 @@ def mla_prefill_chunk_hopper(q, k, v, prefix: LatentPrefix, *, scale, block_q=64
     GPU lowering is Python work, repeated in every program that holds it (RESULTS.md, serving)."""
     _check_16bit(q, k, v)
     if q.shape[-1] % 64 or v.shape[-1] % 64 or block_q % 64 or block_kv % 64 or steps < 2:
-        raise ValueError(f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "
-                         f"of 64 and steps >= 2; got {block_q}, {block_kv}, {steps}")
+        raise ValueError(
+            f"head dims (qk {q.shape[-1]}, v {v.shape[-1]}), block_q and block_kv must be multiples "
+            f"of 64 and steps >= 2; got {block_q}, {block_kv}, {steps}"
+        )
     lay = ChunkLayout(q, k, v, prefix, q_multiple=_COMPUTE_WGS * block_q, k_multiple=block_kv)
     if lay.lq % block_kv:
         raise ValueError(f"block_kv {block_kv} must divide {_COMPUTE_WGS} x block_q = {_COMPUTE_WGS * block_q}")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    o, lse2 = _hopper_core(lay.q, lay.keys, lay.vals, lay.p_lens, block_q=block_q, block_kv=block_kv, steps=steps,
-                           prefix_blocks=None, lp_blocks=lay.lp // block_kv, scale_log2=float(scale) * _LOG2E,
-                           interpret=interpret, n_ctas=_persistent_ctas(persistent, sms),
-                           q_tiles_first=_q_tiles_first(tile_order))
+    o, lse2 = _hopper_core(
+        lay.q,
+        lay.keys,
+        lay.vals,
+        lay.p_lens,
+        block_q=block_q,
+        block_kv=block_kv,
+        steps=steps,
+        prefix_blocks=None,
+        lp_blocks=lay.lp // block_kv,
+        scale_log2=float(scale) * _LOG2E,
+        interpret=interpret,
+        n_ctas=_persistent_ctas(persistent, sms),
+        q_tiles_first=_q_tiles_first(tile_order),
+    )
     t = q.shape[1]
     return o[:, :t], jnp.swapaxes(lse2, 1, 2)[:, :t] / _LOG2E

@@ -60,13 +60,20 @@ def grouped_matmul_ref(lhs_mk, rhs_gkn, group_sizes_g):
             w_mkn = rhs_gkn[jnp.minimum(group, g - 1)]
             out = jnp.einsum("mk,mkn->mn", lhs_mk, w_mkn, preferred_element_type=jnp.float32, precision=precision)
         else:  # row by row, each row's weights read in place
-            out = jax.lax.map(lambda a: jnp.dot(a[0][None], rhs_gkn[jnp.minimum(a[1], g - 1)],
-                                                preferred_element_type=jnp.float32, precision=precision)[0],
-                              (lhs_mk, group))
+            out = jax.lax.map(
+                lambda a: jnp.dot(
+                    a[0][None],
+                    rhs_gkn[jnp.minimum(a[1], g - 1)],
+                    preferred_element_type=jnp.float32,
+                    precision=precision,
+                )[0],
+                (lhs_mk, group),
+            )
         out = jnp.where((group < g)[:, None], out, 0.0)
     else:
-        out = jax.lax.ragged_dot(lhs_mk, rhs_gkn, group_sizes_g.astype(jnp.int32),
-                                 preferred_element_type=jnp.float32, precision=precision)
+        out = jax.lax.ragged_dot(
+            lhs_mk, rhs_gkn, group_sizes_g.astype(jnp.int32), preferred_element_type=jnp.float32, precision=precision
+        )
     return out.astype(lhs_mk.dtype)
 
 
@@ -114,15 +121,27 @@ def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=
 
             def load_x(start, width):
                 column = jax.lax.broadcasted_iota(jnp.int32, (bm, width), 1)
-                return pltriton.load(x_ref.at[jnp.broadcast_to(token[:, None], (bm, width)), start + column],
-                                     mask=jnp.broadcast_to(filled[:, None], (bm, width)), other=0)
+                return pltriton.load(
+                    x_ref.at[jnp.broadcast_to(token[:, None], (bm, width)), start + column],
+                    mask=jnp.broadcast_to(filled[:, None], (bm, width)),
+                    other=0,
+                )
 
         if mx_ptx is None:
+
             def body(kk, accs):
                 xs = load_x(kk * block_k, block_k)
-                return tuple(acc + jnp.dot(xs, w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
-                                           preferred_element_type=jnp.float32, precision=precision)
-                             for acc, c in zip(accs, cols))
+                return tuple(
+                    acc
+                    + jnp.dot(
+                        xs,
+                        w_ref[g, pl.ds(kk * block_k, block_k), pl.ds(c + j * bn, bn)],
+                        preferred_element_type=jnp.float32,
+                        precision=precision,
+                    )
+                    for acc, c in zip(accs, cols)
+                )
+
             n_acc, width = len(cols), bn
         else:
             half_cols = jax.lax.broadcasted_iota(jnp.int32, (bn // 2,), 0)
@@ -135,11 +154,14 @@ def _gmm_kernel(tile_group_ref, *refs, block_k, n_k, precision, act=None, top_k=
                     for a, c in enumerate(cols):
                         packed = wp_ref[g, pl.ds(k0, mxfp4.MX_BLOCK), pl.ds(c // 2 + j * (bn // 2), bn // 2)]
                         s_row = kk * (block_k // mxfp4.MX_BLOCK) + sub
-                        s_even, s_odd = (pltriton.load(ws_ref.at[g, s_row, c + j * bn + 2 * half_cols + h])
-                                         .astype(jnp.int32) for h in (0, 1))
+                        s_even, s_odd = (
+                            pltriton.load(ws_ref.at[g, s_row, c + j * bn + 2 * half_cols + h]).astype(jnp.int32)
+                            for h in (0, 1)
+                        )
                         for h, w in enumerate(mxfp4.decode_tile(packed, s_even, s_odd, xs.dtype, ptx=mx_ptx)):
                             accs[2 * a + h] = accs[2 * a + h] + jnp.dot(xs, w, preferred_element_type=jnp.float32)
                 return tuple(accs)
+
             n_acc, width = 2 * len(cols), bn // 2
 
         accs = jax.lax.fori_loop(0, n_k, body, tuple(jnp.zeros((bm, width), jnp.float32) for _ in range(n_acc)))
@@ -252,8 +274,10 @@ def _tiling(k: int, n: int, tiling: Tiling | None, mx: tuple[int, int, bool] | N
     if tiling is not None:
         bn, bk = tiling[:2]
         if n % bn or k % bk or (mx is not None and (bk % 32 or bn % 32)):
-            raise ValueError(f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}"
-                             + ("" if mx is None else " and be multiples of 32 (MXFP4)"))
+            raise ValueError(
+                f"grouped GEMM tiling {tiling}: block_n {bn} / block_k {bk} must divide N={n} / K={k}"
+                + ("" if mx is None else " and be multiples of 32 (MXFP4)")
+            )
         return tiling
     if mx is not None:
         return mx_tiling(*mx, k, n)
@@ -294,8 +318,17 @@ def few_rows_tiling(rows: int, k: int, n: int, dtype, act: bool) -> Tiling | Non
     return (bn, bk, 4, 4) if act else (bn, bk, 2, 3)
 
 
-def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tiling: Tiling | None = None, act=None,
-                gather=None, assignments: int | None = None):
+def _gmm_padded(
+    tile_group,
+    x_pad,
+    rhs_gkn,
+    block_m: int,
+    interpret: bool,
+    tiling: Tiling | None = None,
+    act=None,
+    gather=None,
+    assignments: int | None = None,
+):
     """The kernel on rows already in the group-aligned layout: x_pad [n_tiles * block_m, K],
     tile_group [n_tiles] (-1: a tile past the groups, written as zeros) -> [n_tiles * block_m, N],
     or with act (rhs [G, K, 2F], gate ++ up) act(gate, up) in the kernel's epilogue, [.., F].
@@ -312,10 +345,17 @@ def _gmm_padded(tile_group, x_pad, rhs_gkn, block_m: int, interpret: bool, tilin
         # two fp32 weight tiles a stage: half as wide, the shared memory of one unfused tile (Hopper: 227 KiB)
         block_n, num_stages = (block_n // 2, num_stages) if block_n >= 32 else (block_n, 2)
     precision = dots.fp32_precision(interpret) if x_pad.dtype == jnp.float32 else None
-    weights = ((rhs_gkn.values, jax.lax.bitcast_convert_type(rhs_gkn.scales, jnp.uint8)) if mx else (rhs_gkn,))
+    weights = (rhs_gkn.values, jax.lax.bitcast_convert_type(rhs_gkn.scales, jnp.uint8)) if mx else (rhs_gkn,)
     return pl.pallas_call(
-        functools.partial(_gmm_kernel, block_k=block_k, n_k=k // block_k, precision=precision, act=act,
-                          top_k=None if gather is None else gather[1], mx_ptx=(not interpret) if mx else None),
+        functools.partial(
+            _gmm_kernel,
+            block_k=block_k,
+            n_k=k // block_k,
+            precision=precision,
+            act=act,
+            top_k=None if gather is None else gather[1],
+            mx_ptx=(not interpret) if mx else None,
+        ),
         grid=(rows // block_m, n // block_n),
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((rows, n), x_pad.dtype),
@@ -359,11 +399,18 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     g = rhs_gkn.shape[0]
     _check_gmm("grouped_matmul", lhs_mk.shape[1], lhs_mk.dtype, rhs_gkn)
     if group_sizes_g.shape != (g,):
-        raise ValueError(f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match "
-                         f"([G], [G, K, N])")
+        raise ValueError(
+            f"grouped_matmul: group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} do not match ([G], [G, K, N])"
+        )
     block_m = block_m or layout_block_m(m)
-    return through_padded_layout(lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: _gmm_padded(
-        tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling, assignments=m))
+    return through_padded_layout(
+        lhs_mk,
+        group_sizes_g,
+        block_m,
+        lambda tile_group, x_pad: _gmm_padded(
+            tile_group, x_pad, rhs_gkn, block_m, _interpret(interpret), tiling, assignments=m
+        ),
+    )
 
 
 def through_padded_layout(lhs_mk, group_sizes_g, block_m: int, run):
@@ -406,8 +453,7 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
         order = jnp.argsort(flat_ids_m, stable=True)
         sizes = jnp.zeros((n_experts,), jnp.int32).at[flat_ids_m].add(1, mode="drop")
         starts = _running_sum(sizes) - sizes
-        rank = jnp.zeros((m,), jnp.int32).at[order].set(
-            jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
+        rank = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32) - starts[flat_ids_m[order]])
     starts, tile_group = _group_tiles(sizes.astype(jnp.int32), block_m, n_tiles)
     named = (flat_ids_m >= 0) & (flat_ids_m < n_experts)
     dest = starts[jnp.clip(flat_ids_m, 0, n_experts - 1)] + rank
@@ -415,9 +461,20 @@ def assignment_layout(flat_ids_m, n_experts: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling", "gather", "impl"))
-def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, interpret=None,
-                tiling: tuple[Tiling | None, Tiling | None] = (None, None), layout=None, gather: bool = True,
-                impl: str = "triton"):
+def grouped_ffn(
+    x_nl,
+    ids_nk,
+    w_gateup_elf,
+    w_out_efl,
+    *,
+    act,
+    block_m=None,
+    interpret=None,
+    tiling: tuple[Tiling | None, Tiling | None] = (None, None),
+    layout=None,
+    gather: bool = True,
+    impl: str = "triton",
+):
     """Every routed expert FFN of a batch in one group-aligned layout (Pallas).
 
     x_nl [N, L] rows, ids_nk [N, k] int32 experts (an id outside [0, E): no expert, output 0);
@@ -454,8 +511,10 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     hopper = impl == "hopper"
     mx_hopper = [isinstance(w, moe_mxfp4_hopper.HopperMXFP4) for w in (w_gateup_elf, w_out_efl)]
     if any(mx_hopper) and not (all(mx_hopper) and hopper):
-        raise ValueError("grouped_ffn: Hopper-layout MXFP4 experts (`moe_mxfp4_hopper.HopperMXFP4`) run on "
-                         "impl='hopper', gate/up and down both in that layout")
+        raise ValueError(
+            "grouped_ffn: Hopper-layout MXFP4 experts (`moe_mxfp4_hopper.HopperMXFP4`) run on "
+            "impl='hopper', gate/up and down both in that layout"
+        )
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
     hopper_mx = all(mx_hopper)  # (then `moe_mxfp4_hopper.gmm_padded` checks the weights and the rows)
@@ -465,13 +524,15 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
             raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
         if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
-            raise ValueError(f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 "
-                             "(`moe_hopper.fits`)")
+            raise ValueError(
+                f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 (`moe_hopper.fits`)"
+            )
     elif not hopper:
         _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
     if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
-        raise ValueError(f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up "
-                         f"{w_gateup_elf.shape}")
+        raise ValueError(
+            f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up {w_gateup_elf.shape}"
+        )
     if not hopper:
         _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
     block_m = block_m or (128 if hopper and not hopper_mx else layout_block_m(n * k))
@@ -482,6 +543,7 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
         dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], _n_tiles(n * k, e, block_m)
         if tile_group.shape[0] < n_tiles:
             raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
+
     def scattered():  # x's rows in the layout: assignment a is row a // k
         return jnp.take(x_nl, _layout_sources(dest, n_tiles * block_m) // k, axis=0, mode="fill", fill_value=0)
 
@@ -494,21 +556,31 @@ def grouped_ffn(x_nl, ids_nk, w_gateup_elf, w_out_efl, *, act, block_m=None, int
     elif hopper:  # (`moe_hopper.gmm_padded`: the activation in the gate/up epilogue)
         t_gu, t_down = tiling
         tile_group = tile_group[:n_tiles]
-        h = moe_hopper.gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, act=act, tiling=t_gu,
-                                  interpret=interpret)
+        h = moe_hopper.gmm_padded(
+            tile_group, scattered(), w_gateup_elf, block_m, act=act, tiling=t_gu, interpret=interpret
+        )
         y = moe_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, tiling=t_down, interpret=interpret)
     else:
         dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
         t_gu = tiling[0] or (few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
         t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
         if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
-            h = _gmm_padded(tile_group, x_nl, w_gateup_elf, block_m, interpret, t_gu, act=act,
-                            gather=(dest, k, n_tiles), assignments=n * k)
+            h = _gmm_padded(
+                tile_group,
+                x_nl,
+                w_gateup_elf,
+                block_m,
+                interpret,
+                t_gu,
+                act=act,
+                gather=(dest, k, n_tiles),
+                assignments=n * k,
+            )
         else:
-            h = _gmm_padded(tile_group, scattered(), w_gateup_elf, block_m, interpret, t_gu, act=act,
-                            assignments=n * k)  # [.., F]
+            h = _gmm_padded(
+                tile_group, scattered(), w_gateup_elf, block_m, interpret, t_gu, act=act, assignments=n * k
+            )  # [.., F]
         y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)
-

@@ -91,10 +91,18 @@ def combine_norm(y_rl, dest_nk, weights_nk, norm_l, *, eps: float, interpret=Non
     n, k = dest_nk.shape
     width = y_rl.shape[1]
     if y_rl.ndim != 2 or weights_nk.shape != (n, k) or norm_l.shape != (width,):
-        raise ValueError(f"combine_norm: y [R, L], dest and weights [N, k], norm [L] expected; got {y_rl.shape}, "
-                         f"{dest_nk.shape}, {weights_nk.shape}, {norm_l.shape}")
+        raise ValueError(
+            f"combine_norm: y [R, L], dest and weights [N, k], norm [L] expected; got {y_rl.shape}, "
+            f"{dest_nk.shape}, {weights_nk.shape}, {norm_l.shape}"
+        )
     if not combine_norm_fits(width):
         raise ValueError(f"combine_norm: L={width} must be a multiple of 16")
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-    return _combine_norm_core(y_rl, jnp.asarray(dest_nk, jnp.int32), weights_nk.astype(jnp.float32), norm_l,
-                              eps=float(eps), interpret=interpret)
+    return _combine_norm_core(
+        y_rl,
+        jnp.asarray(dest_nk, jnp.int32),
+        weights_nk.astype(jnp.float32),
+        norm_l,
+        eps=float(eps),
+        interpret=interpret,
+    )

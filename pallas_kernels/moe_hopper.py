@@ -65,8 +65,10 @@ class HopperTiling:
     @property
     def label(self) -> str:
         """Short name: m128 n128 k64 s4 w8 (M: row tiles fastest, N: column tiles fastest)."""
-        return (f"m{self.tile_m} n{self.tile_n} k{self.tile_k} s{self.steps} w{self.grid_width} "
-                f"{'M' if self.m_minor else 'N'}")
+        return (
+            f"m{self.tile_m} n{self.tile_n} k{self.tile_k} s{self.steps} w{self.grid_width} "
+            f"{'M' if self.m_minor else 'N'}"
+        )
 
     @property
     def epi_m(self) -> int:
@@ -97,24 +99,45 @@ def _check(x_pad, w_gkn, block_m: int | None, t: HopperTiling, act) -> int:
     if w_gkn.ndim != 3 or w_gkn.shape[1] != k:
         raise ValueError(f"grouped GEMM (Hopper): weights must be [G, K={k}, N]; got {w_gkn.shape}")
     if x_pad.dtype not in (jnp.bfloat16, jnp.float16) or w_gkn.dtype != x_pad.dtype:
-        raise ValueError(f"grouped GEMM (Hopper) multiplies 16-bit rows by weights of their dtype; got "
-                         f"{x_pad.dtype} x {w_gkn.dtype}")
+        raise ValueError(
+            f"grouped GEMM (Hopper) multiplies 16-bit rows by weights of their dtype; got {x_pad.dtype} x {w_gkn.dtype}"
+        )
     n = w_gkn.shape[2]
     if act is not None:
         if n % 2:
             raise ValueError(f"grouped GEMM (Hopper) with act: weights must be gate ++ up [G, K, 2F]; N={n} is odd")
         n //= 2
     block = t.tile_m if block_m is None else block_m
-    if (t.tile_m % 64 or block % t.tile_m or (block_m is not None and rows % block_m) or n % (2 * t.tile_n)
-            or t.tile_n % 64 or k % t.tile_k or t.tile_k % 64):
-        raise ValueError(f"grouped GEMM (Hopper): tile_m {t.tile_m} (a multiple of 64) must divide block_m "
-                         f"{block_m}, which divides rows {rows}; 2 x tile_n {t.tile_n} (tile_n a multiple of 64) "
-                         f"must divide N {n}; tile_k {t.tile_k} (a multiple of 64) must divide K {k}")
+    if (
+        t.tile_m % 64
+        or block % t.tile_m
+        or (block_m is not None and rows % block_m)
+        or n % (2 * t.tile_n)
+        or t.tile_n % 64
+        or k % t.tile_k
+        or t.tile_k % 64
+    ):
+        raise ValueError(
+            f"grouped GEMM (Hopper): tile_m {t.tile_m} (a multiple of 64) must divide block_m "
+            f"{block_m}, which divides rows {rows}; 2 x tile_n {t.tile_n} (tile_n a multiple of 64) "
+            f"must divide N {n}; tile_k {t.tile_k} (a multiple of 64) must divide K {k}"
+        )
     return n
 
 
-def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: int | None, n_out: int, act,
-            m_iters: int, n_iters: int):
+def _kernel(
+    work_gmem,
+    x_gmem,
+    w_gmem,
+    out_gmem,
+    *,
+    t: HopperTiling,
+    block_m: int | None,
+    n_out: int,
+    act,
+    m_iters: int,
+    n_iters: int,
+):
     """One CTA's loop over work items.  block_m an int: the group-aligned layout, work_gmem its
     tile_group (a work item is the row tile mi, whole); None: rows sorted by group, work_gmem
     the group sizes [G], from which `ragged_item` gives item mi (group, first row, lo, hi), or
@@ -130,17 +153,25 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
     swizzle = plgpu.find_swizzle(t.tile_k * jnp.dtype(dtype).itemsize * 8)
     transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
     out_swizzle = plgpu.find_swizzle(t.epi_n * jnp.dtype(dtype).itemsize * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(dtype).itemsize)),
-                      plgpu.SwizzleTransform(out_swizzle))
+    out_transforms = (
+        plgpu.TilingTransform((8, out_swizzle // jnp.dtype(dtype).itemsize)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
     epi_tiles = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
 
     def pipeline(body, context):
         spec = lambda shape, index: plgpu.BlockSpec(shape, index, transforms=transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(w_gmem.shape[1] // t.tile_k,), memory_registers=40, max_concurrent_steps=t.steps,
-            wg_axis="wg", num_compute_wgs=2, compute_context=context,
+            body,
+            grid=(w_gmem.shape[1] // t.tile_k,),
+            memory_registers=40,
+            max_concurrent_steps=t.steps,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            compute_context=context,
             in_specs=[spec((t.tile_m, t.tile_k), lambda k: (0, k))]
-            + [spec((t.tile_k, cta_n), lambda k: (k, 0))] * halves)
+            + [spec((t.tile_k, cta_n), lambda k: (k, 0))] * halves,
+        )
 
     ignore = lambda *_, **__: None
     w0 = w_gmem.at[0]
@@ -152,13 +183,17 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
     # (rows_per_wg x epi_n, consumer-major): the consumers may be an item apart in their
     # epilogues, and a store of one may not read what the other writes.
     rows_per_wg = max(t.tile_m, 2 * t.epi_m)
-    tiles_smem = plgpu.SMEM((2, rows_per_wg // t.epi_m if ragged else 2, t.epi_m, t.epi_n), dtype,
-                            transforms=out_transforms)
-    out_smem_type = (plgpu.RefUnion(tiles_smem, plgpu.SMEM((2, rows_per_wg, t.epi_n), dtype)) if ragged
-                     else tiles_smem)
+    tiles_smem = plgpu.SMEM(
+        (2, rows_per_wg // t.epi_m if ragged else 2, t.epi_m, t.epi_n), dtype, transforms=out_transforms
+    )
+    out_smem_type = plgpu.RefUnion(tiles_smem, plgpu.SMEM((2, rows_per_wg, t.epi_n), dtype)) if ragged else tiles_smem
 
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*reps),
-                       out_smem=out_smem_type, collective_axes="wg")
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(*reps),
+        out_smem=out_smem_type,
+        collective_axes="wg",
+    )
     def _(allocs, out_smem):
         tiles_out, rows_out = out_smem if ragged else (out_smem, None)
         wg = lax.axis_index("wg")
@@ -170,8 +205,9 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 0 if t.m_minor else 1, t.grid_width)
             if ragged:
                 if work_gmem.ndim == 1:  # the group sizes: the item from them (`ragged_item`)
-                    group, row0, lo, hi = ragged_item(lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0],
-                                                      t.tile_m, mi, zero_tail=True)
+                    group, row0, lo, hi = ragged_item(
+                        lambda i: work_gmem[i], w_gmem.shape[0], x_gmem.shape[0], t.tile_m, mi, zero_tail=True
+                    )
                 else:  # many groups: `ragged_work`'s table, built before the kernel
                     group, row0, lo, hi = (work_gmem[r, mi] for r in range(4))
                 row0 = pl.multiple_of(row0, 8)  # a multiple of 8: what the tiled TMA copies need
@@ -185,7 +221,7 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 for e, (ei, ej) in enumerate(epi_tiles):
                     slot = e % 2
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    tiles_out[wg, slot] = h[ei * t.epi_m:(ei + 1) * t.epi_m, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    tiles_out[wg, slot] = h[ei * t.epi_m : (ei + 1) * t.epi_m, ej * t.epi_n : (ej + 1) * t.epi_n]
                     plgpu.commit_smem()
                     dst = out_gmem.at[pl.ds(row0 + ei * t.epi_m, t.epi_m), pl.ds(col0 + ej * t.epi_n, t.epi_n)]
                     plgpu.copy_smem_to_gmem(tiles_out.at[wg, slot], dst)
@@ -196,14 +232,16 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
                 # where hi - lo has that bit
                 for ej in range(t.tile_n // t.epi_n):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    rows_out[wg, pl.ds(0, t.tile_m)] = h[:, ej * t.epi_n:(ej + 1) * t.epi_n]
+                    rows_out[wg, pl.ds(0, t.tile_m)] = h[:, ej * t.epi_n : (ej + 1) * t.epi_n]
                     plgpu.commit_smem()
                     start, size = lo, t.tile_m // 2
                     while size >= 1:
+
                         def put(start=start, size=size):
                             plgpu.copy_smem_to_gmem(
                                 rows_out.at[wg, pl.ds(start, size)],
-                                out_gmem.at[pl.ds(row0 + start, size), pl.ds(col0 + ej * t.epi_n, t.epi_n)])
+                                out_gmem.at[pl.ds(row0 + start, size), pl.ds(col0 + ej * t.epi_n, t.epi_n)],
+                            )
 
                         pl.when((hi - lo) & size != 0)(put)
                         start = start + ((hi - lo) & size)
@@ -236,6 +274,7 @@ def _kernel(work_gmem, x_gmem, w_gmem, out_gmem, *, t: HopperTiling, block_m: in
 
             n_groups = w_gmem.shape[0]
             if ragged:  # `ragged_item(zero_tail=True)`'s group G: rows past the groups' sum get zeros
+
                 @pl.when((group == n_groups) & (wg < 2))  # the two consumers, each its columns
                 def _():
                     store(jnp.zeros((t.tile_m, t.tile_n), dtype))
@@ -256,23 +295,43 @@ def num_sms() -> int:
     return getattr(device, "core_count", 132) if device.platform == "gpu" else 132
 
 
-def gmm_padded(tile_group, x_pad, w_gkn, block_m: int, *, act=None, tiling: HopperTiling | None = None,
-               sms: int | None = None, interpret: bool = False):
+def gmm_padded(
+    tile_group,
+    x_pad,
+    w_gkn,
+    block_m: int,
+    *,
+    act=None,
+    tiling: HopperTiling | None = None,
+    sms: int | None = None,
+    interpret: bool = False,
+):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles * block_m,
     K], tile_group [n_tiles] int32 (-1: past the groups), w [G, K, N] of x's 16-bit dtype ->
     [n_tiles * block_m, N]; with act (w gate ++ up, [G, K, 2F]) act(gate, up) [.., F], act taking
     and returning fp32 values elementwise.  Rows of tiles past the groups are not written.
     sms: CTAs at most (default `num_sms()`; never more than work items); interpret: run in Mosaic GPU's interpret mode (CPU)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     t = tiling or default_tiling(w_gkn.shape[2] // (1 if act is None else 2), act is not None)
     n_out = _check(x_pad, w_gkn, block_m, t, act)
     rows = x_pad.shape[0]
     if tile_group.shape != (rows // block_m,):
-        raise ValueError(f"grouped GEMM (Hopper): tile_group {tile_group.shape} must be [{rows // block_m}] "
-                         f"(rows {rows} / block_m {block_m})")
-    return _launch(tile_group.astype(jnp.int32), x_pad, w_gkn, t=t, block_m=block_m, n_out=n_out, act=act,
-                   m_iters=rows // t.tile_m, sms=sms, interpret=interpret)
+        raise ValueError(
+            f"grouped GEMM (Hopper): tile_group {tile_group.shape} must be [{rows // block_m}] "
+            f"(rows {rows} / block_m {block_m})"
+        )
+    return _launch(
+        tile_group.astype(jnp.int32),
+        x_pad,
+        w_gkn,
+        t=t,
+        block_m=block_m,
+        n_out=n_out,
+        act=act,
+        m_iters=rows // t.tile_m,
+        sms=sms,
+        interpret=interpret,
+    )
 
 
 def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
@@ -282,7 +341,10 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
     kernel = plgpu.kernel(
         functools.partial(_kernel, t=t, block_m=block_m, n_out=n_out, act=act, m_iters=m_iters, n_iters=n_iters),
         out_type=jax.ShapeDtypeStruct((x.shape[0], n_out), x.dtype),
-        grid=(min(sms or num_sms(), m_iters * n_iters),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(min(sms or num_sms(), m_iters * n_iters),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     if interpret:
@@ -358,8 +420,16 @@ def ragged_work(group_sizes_g, m: int, tile_m: int, zero_tail: bool = False):
     return jnp.stack([jnp.where(grp < g, gc, -1), row0, lo, hi]).astype(jnp.int32)
 
 
-def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling | None = None, sms: int | None = None,
-               interpret: bool = False):
+def gmm_ragged(
+    lhs_mk,
+    w_gkn,
+    group_sizes_g,
+    *,
+    act=None,
+    tiling: HopperTiling | None = None,
+    sms: int | None = None,
+    interpret: bool = False,
+):
     """Rows sorted by group, as they are (no padded copy): lhs [M, K] of a 16-bit dtype, w [G, K,
     N] of its dtype, group_sizes [G] -> [M, N] (act: as `gmm_padded`); rows past the groups' sum
     are zeros, stored by the kernel's own items (`ragged_item(zero_tail=True)`), not by a pass
@@ -369,18 +439,42 @@ def gmm_ragged(lhs_mk, w_gkn, group_sizes_g, *, act=None, tiling: HopperTiling |
     n_out = _check(lhs_mk, w_gkn, None, t, act)
     g = w_gkn.shape[0]
     if group_sizes_g.shape != (g,):
-        raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
-                         f"do not match ([G], [G, K, N])")
+        raise ValueError(
+            f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and weights {w_gkn.shape} "
+            f"do not match ([G], [G, K, N])"
+        )
     # up to INKERNEL_GROUPS groups each CTA finds its items itself (a loop over the groups,
     # unrolled, per item); past that the table is built once before the kernel
-    work = (group_sizes_g.astype(jnp.int32) if g <= INKERNEL_GROUPS
-            else ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m, zero_tail=True))
-    return _launch(work, lhs_mk, w_gkn, t=t, block_m=None, n_out=n_out, act=act,
-                   m_iters=ragged_items(g, lhs_mk.shape[0], t.tile_m, zero_tail=True), sms=sms, interpret=interpret)
+    work = (
+        group_sizes_g.astype(jnp.int32)
+        if g <= INKERNEL_GROUPS
+        else ragged_work(group_sizes_g, lhs_mk.shape[0], t.tile_m, zero_tail=True)
+    )
+    return _launch(
+        work,
+        lhs_mk,
+        w_gkn,
+        t=t,
+        block_m=None,
+        n_out=n_out,
+        act=act,
+        m_iters=ragged_items(g, lhs_mk.shape[0], t.tile_m, zero_tail=True),
+        sms=sms,
+        interpret=interpret,
+    )
 
 
-def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", block_m: int = 128,
-                   tiling: HopperTiling | None = None, sms: int | None = None, interpret: bool = False):
+def grouped_matmul(
+    lhs_mk,
+    rhs_gkn,
+    group_sizes_g,
+    *,
+    layout: str = "ragged",
+    block_m: int = 128,
+    tiling: HopperTiling | None = None,
+    sms: int | None = None,
+    interpret: bool = False,
+):
     """`moe.grouped_matmul`'s contract: lhs [M, K] rows sorted by group, rhs [G, K, N] of lhs's
     16-bit dtype, group_sizes [G] -> [M, N] (rows past the groups' sum give 0).  layout "ragged":
     the rows as they are (`gmm_ragged`); "padded": through the group-aligned layout (a scatter
@@ -389,11 +483,19 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, layout: str = "ragged", bl
 
     g = rhs_gkn.shape[0]
     if group_sizes_g.shape != (g,):
-        raise ValueError(f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
-                         f"do not match ([G], [G, K, N])")
+        raise ValueError(
+            f"grouped GEMM (Hopper): group_sizes {group_sizes_g.shape} and rhs {rhs_gkn.shape} "
+            f"do not match ([G], [G, K, N])"
+        )
     if layout == "ragged":  # rows past the groups' sum: zeros from the kernel itself
         return gmm_ragged(lhs_mk, rhs_gkn, group_sizes_g, tiling=tiling, sms=sms, interpret=interpret)
     if layout != "padded":
         raise ValueError(f"grouped GEMM (Hopper): layout must be 'ragged' or 'padded'; got {layout!r}")
-    return moe.through_padded_layout(lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: gmm_padded(
-        tile_group, x_pad, rhs_gkn, block_m, tiling=tiling, sms=sms, interpret=interpret))
+    return moe.through_padded_layout(
+        lhs_mk,
+        group_sizes_g,
+        block_m,
+        lambda tile_group, x_pad: gmm_padded(
+            tile_group, x_pad, rhs_gkn, block_m, tiling=tiling, sms=sms, interpret=interpret
+        ),
+    )

@@ -30,8 +30,10 @@ def check_operands(lhs_mk, values_gkp, scales_gbn, group_sizes_g):
     m, k = lhs_mk.shape
     g, k2, p = values_gkp.shape
     if k2 != k or values_gkp.dtype != jnp.uint8:
-        raise ValueError(f"MXFP4 grouped GEMM: rows [M, {k}] need packed uint8 weights [G, {k}, N / 2]; "
-                         f"got {values_gkp.dtype} {values_gkp.shape}")
+        raise ValueError(
+            f"MXFP4 grouped GEMM: rows [M, {k}] need packed uint8 weights [G, {k}, N / 2]; "
+            f"got {values_gkp.dtype} {values_gkp.shape}"
+        )
     mxfp4.check(mxfp4.PackedMXFP4(values_gkp, scales_gbn), "MXFP4 grouped GEMM")
     if group_sizes_g.shape != (g,):
         raise ValueError(f"MXFP4 grouped GEMM: group_sizes {group_sizes_g.shape} must be [G={g}]")
@@ -48,12 +50,17 @@ def grouped_matmul_mxfp4_ref(lhs_mk, values_gkp, scales_gbn, group_sizes_g):
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "interpret", "tiling"))
-def grouped_matmul_mxfp4(lhs_mk, values_gkp, scales_gbn, group_sizes_g, *, block_m=None, interpret=None,
-                         tiling=None):
+def grouped_matmul_mxfp4(lhs_mk, values_gkp, scales_gbn, group_sizes_g, *, block_m=None, interpret=None, tiling=None):
     """Pallas grouped GEMM on MXFP4 weights (see the module comment): lhs [M, K] (bf16 / fp16)
     rows sorted by group, values [G, K, N / 2] uint8, scales [G, K / 32, N] e8m0, group_sizes
     [G] int32 -> [M, N] in lhs's dtype (rows past the groups' sum give 0).  tiling: `moe.Tiling`
     (block_n and block_k multiples of 32), or None for `moe.mx_tiling`."""
     check_operands(lhs_mk, values_gkp, scales_gbn, group_sizes_g)
-    return moe.grouped_matmul(lhs_mk, mxfp4.PackedMXFP4(values_gkp, scales_gbn), group_sizes_g, block_m=block_m,
-                              interpret=interpret, tiling=tiling)
+    return moe.grouped_matmul(
+        lhs_mk,
+        mxfp4.PackedMXFP4(values_gkp, scales_gbn),
+        group_sizes_g,
+        block_m=block_m,
+        interpret=interpret,
+        tiling=tiling,
+    )

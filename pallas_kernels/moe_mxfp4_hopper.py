@@ -152,8 +152,10 @@ def check(w: HopperMXFP4, k: int, what: str = "MXFP4 grouped GEMM (Hopper)"):
     if w.codes.dtype != jnp.int4 or k2 != k:
         raise ValueError(f"{what}: codes must be int4 [G, N, K={k}]; got {w.codes.dtype} {w.codes.shape}")
     if w.scales.dtype != jnp.uint8 or w.scales.shape != (g, k // MX_BLOCK, n) or k % MX_BLOCK:
-        raise ValueError(f"{what}: scales must be uint8 [G, K / 32, N] = {(g, k // MX_BLOCK, n)}; "
-                         f"got {w.scales.dtype} {w.scales.shape}")
+        raise ValueError(
+            f"{what}: scales must be uint8 [G, K / 32, N] = {(g, k // MX_BLOCK, n)}; "
+            f"got {w.scales.dtype} {w.scales.shape}"
+        )
 
 
 def _scale_bf16(scale_u8, shape):
@@ -170,7 +172,7 @@ def _e2m1_bits(codes, scaled: bool = True):
     c = codes.astype(jnp.int16)
     bits = lax.shift_left(c & 8, jnp.int16(12)) | lax.shift_left(c & 7, jnp.int16(6))
     vals = lax.bitcast_convert_type(bits, jnp.bfloat16)
-    return vals * jnp.bfloat16(2.0 ** 126) if scaled else vals
+    return vals * jnp.bfloat16(2.0**126) if scaled else vals
 
 
 # e2m1 magnitude bits -> the bytes of the bf16 of the value times 2^-126 (`_e2m1_bits`' numbers):
@@ -210,8 +212,10 @@ def _e2m1_lut(codes, permuted: bool = False):
     if permuted:
         return _e2m1_lut_permuted(codes)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
     def lut(_, arr):
         import numpy as np
         from jax._src.lib.mlir import ir
@@ -227,7 +231,7 @@ def _e2m1_lut(codes, permuted: bool = False):
             raise ValueError(f"e2m1 table decode: {len(flat)} registers of {width} codes do not make 32-bit words")
         out = np.empty_like(arr.registers)
         for start in range(0, len(flat), per):
-            group = flat[start:start + per]
+            group = flat[start : start + per]
             word = utils.bitcast(utils.vector_concat([r for _, r in group]), i32)
             res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [word], _LUT_PTX, "=r,=r,=r,=r,r")
             vals = utils.vector_concat([utils.bitcast(llvm.extractvalue(i32, res, (q,)), pair) for q in range(4)])
@@ -246,8 +250,10 @@ def _e2m1_lut_permuted(codes):
     (a, 4c + j, ...), j its byte."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-                       return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    )
     def lut(_, arr):
         import numpy as np
         from jax._src.lib.mlir import ir
@@ -258,11 +264,14 @@ def _e2m1_lut_permuted(codes):
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(arr.shape)), dtype=object)
         if arr.registers.shape[1] * 4 != out.shape[1] or arr.registers.shape[2:] != out.shape[2:]:
-            raise ValueError(f"e2m1 table decode (permuted): registers {arr.registers.shape} do not map onto the "
-                             f"A layout's {out.shape}")
+            raise ValueError(
+                f"e2m1 table decode (permuted): registers {arr.registers.shape} do not map onto the "
+                f"A layout's {out.shape}"
+            )
         for idx, reg in np.ndenumerate(arr.registers):
-            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [utils.bitcast(reg, i32)], _LUT_PTX,
-                                  "=r,=r,=r,=r,r")
+            res = llvm.inline_asm(
+                llvm.StructType.get_literal([i32] * 4), [utils.bitcast(reg, i32)], _LUT_PTX, "=r,=r,=r,=r,r"
+            )
             for j in range(4):
                 out[(idx[0], 4 * idx[1] + j) + idx[2:]] = utils.bitcast(llvm.extractvalue(i32, res, (j,)), pair)
         return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
@@ -277,7 +286,7 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
     format's own decode (the interpreter runs no PTX; no subnormal on the way, which XLA:CPU
     would flush)."""
     if decode_ in ("lut", "lut_perm"):
-        vals = _e2m1_lut(codes_i4, permuted=decode_ == "lut_perm") * jnp.bfloat16(2.0 ** 126)
+        vals = _e2m1_lut(codes_i4, permuted=decode_ == "lut_perm") * jnp.bfloat16(2.0**126)
     elif decode_ in ("lut_interpret", "lut_perm_interpret"):
         vals = mxfp4.decode_e2m1(codes_i4.astype(jnp.int32) & 0xF).astype(jnp.bfloat16)
         if decode_ == "lut_perm_interpret":
@@ -288,8 +297,10 @@ def _decode_tiles(codes_i4, scales_u8, decode_: str):
         vals = codes_i4.astype(jnp.bfloat16)
     else:
         vals = decode(codes_i4.astype(jnp.bfloat16))
-    return [vals[:, h * MX_BLOCK:(h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
-            for h, s in enumerate(scales_u8)]
+    return [
+        vals[:, h * MX_BLOCK : (h + 1) * MX_BLOCK] * _scale_bf16(s, (vals.shape[0], MX_BLOCK))
+        for h, s in enumerate(scales_u8)
+    ]
 
 
 def _load_codes(codes_ref, load4x: bool, permuted: bool = False):
@@ -308,8 +319,20 @@ def _load_codes(codes_ref, load4x: bool, permuted: bool = False):
     return plgpu.layout_cast(plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X), plgpu.Layout.WGMMA)
 
 
-def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, decode_, rows=None, stage=None,
-              load4x=False, overlap=False):
+def _mma_step(
+    acc_ref,
+    x_smem,
+    codes_smem,
+    scales_smem,
+    *,
+    block_k,
+    code_tile,
+    decode_,
+    rows=None,
+    stage=None,
+    load4x=False,
+    overlap=False,
+):
     """One pipeline step of a warpgroup: its codes' rows (`rows`: a slice of the block's, or all)
     decoded 32 K at a time into wgmma's A operand, times the step's activations (B, transposed),
     accumulated into acc_ref; waits for its MMAs before the step's buffers are released, or
@@ -325,8 +348,11 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
         decode_ += "_interpret"
     for c in range(block_k // code_tile):
         scale_rows = [scales_smem[c * per + h] if rows is None else scales_smem[c * per + h, rows] for h in range(per)]
-        tiles = _decode_tiles(_load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x,
-                                          permuted=decode_.startswith("lut_perm")), scale_rows, decode_)
+        tiles = _decode_tiles(
+            _load_codes(codes.at[:, pl.ds(c * code_tile, code_tile)], load4x, permuted=decode_.startswith("lut_perm")),
+            scale_rows,
+            decode_,
+        )
         for h, w in enumerate(tiles):
             x_t = x_smem.at[:, pl.ds((c * per + h) * MX_BLOCK, MX_BLOCK)].T
             if stage is not None:
@@ -339,8 +365,25 @@ def _mma_step(acc_ref, x_smem, codes_smem, scales_smem, *, block_k, code_tile, d
     plgpu.wgmma_wait(block_k // MX_BLOCK if overlap and stage is None else 0)  # one group per wgmma call
 
 
-def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, stage=None, *, block_m, block_n,
-            block_k, n_k, steps, code_tile, decode_, load4x=False, overlap=False):
+def _kernel(
+    tile_group_gmem,
+    x_gmem,
+    codes_gmem,
+    scales_gmem,
+    out_gmem,
+    o_smem,
+    stage=None,
+    *,
+    block_m,
+    block_n,
+    block_k,
+    n_k,
+    steps,
+    code_tile,
+    decode_,
+    load4x=False,
+    overlap=False,
+):
     """One program: a row tile of one group times block_n columns.  stage: `_mma_step`'s (the
     interpreter's staging buffer, a scratch ref), or None on the GPU.  overlap: `_mma_step`'s, the
     activations' buffers released a step late."""
@@ -353,16 +396,35 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
     def _():
         def acc_scope(acc_ref):
             def step(_, x_smem, codes_smem, scales_smem):
-                _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                          decode_=decode_, stage=stage, load4x=load4x, overlap=overlap)
+                _mma_step(
+                    acc_ref,
+                    x_smem,
+                    codes_smem,
+                    scales_smem,
+                    block_k=block_k,
+                    code_tile=code_tile,
+                    decode_=decode_,
+                    stage=stage,
+                    load4x=load4x,
+                    overlap=overlap,
+                )
 
             plgpu.emit_pipeline(
-                step, grid=(n_k,), max_concurrent_steps=steps,
+                step,
+                grid=(n_k,),
+                max_concurrent_steps=steps,
                 in_specs=[
-                    plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k), delay_release=int(overlap),
-                                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))),
-                    plgpu.BlockSpec((block_n, block_k), lambda k: (ni, k),
-                                    transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2))),
+                    plgpu.BlockSpec(
+                        (block_m, block_k),
+                        lambda k: (mi, k),
+                        delay_release=int(overlap),
+                        transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64)),
+                    ),
+                    plgpu.BlockSpec(
+                        (block_n, block_k),
+                        lambda k: (ni, k),
+                        transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2)),
+                    ),
                     plgpu.BlockSpec((block_k // MX_BLOCK, block_n), lambda k: (k, ni)),
                 ],
             )(x_gmem, codes_gmem.at[group], scales_gmem.at[group])
@@ -376,8 +438,24 @@ def _kernel(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_smem, *, block_m, block_n, block_k,
-               n_k, steps, code_tile, decode_, interpret=False, load4x=False):
+def _kernel_ws(
+    tile_group_gmem,
+    x_gmem,
+    codes_gmem,
+    scales_gmem,
+    out_gmem,
+    o_smem,
+    *,
+    block_m,
+    block_n,
+    block_k,
+    n_k,
+    steps,
+    code_tile,
+    decode_,
+    interpret=False,
+    load4x=False,
+):
     """`_kernel` warp-specialized: a producer warpgroup issues the TMA copies and two consumer
     warpgroups each take half of the program's 2 * block_n columns, so one decodes while the
     other's MMAs run (JAX's own Hopper mixed-type matmul is built so)."""
@@ -388,21 +466,36 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(n_k,), memory_registers=40, max_concurrent_steps=steps, wg_axis="wg", num_compute_wgs=2,
+            body,
+            grid=(n_k,),
+            memory_registers=40,
+            max_concurrent_steps=steps,
+            wg_axis="wg",
+            num_compute_wgs=2,
             compute_context=context,
             in_specs=[
-                plgpu.BlockSpec((block_m, block_k), lambda k: (mi, k),
-                                transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64))),
-                plgpu.BlockSpec((2 * block_n, block_k), lambda k: (ni, k),
-                                transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2))),
+                plgpu.BlockSpec(
+                    (block_m, block_k),
+                    lambda k: (mi, k),
+                    transforms=(plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(64)),
+                ),
+                plgpu.BlockSpec(
+                    (2 * block_n, block_k),
+                    lambda k: (ni, k),
+                    transforms=(plgpu.TilingTransform((8, code_tile)), plgpu.SwizzleTransform(code_tile // 2)),
+                ),
                 plgpu.BlockSpec((block_k // MX_BLOCK, 2 * block_n), lambda k: (k, ni)),
-            ])
+            ],
+        )
 
     ignore = lambda *_, **__: None
 
-    @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(
-        x_gmem, codes_gmem.at[0], scales_gmem.at[0]),
-        stages=plgpu.SMEM((2, block_n, MX_BLOCK), x_gmem.dtype) if interpret else None, collective_axes="wg")
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, codes_gmem.at[0], scales_gmem.at[0]),
+        stages=plgpu.SMEM((2, block_n, MX_BLOCK), x_gmem.dtype) if interpret else None,
+        collective_axes="wg",
+    )
     def _(allocs, stages):
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * block_n, block_n)
@@ -413,13 +506,24 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
                 eval_pipeline(acc_ref)
                 o_smem[wg] = acc_ref[...].astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], out_gmem.at[pl.ds((2 * ni + wg) * block_n, block_n),
-                                                                   pl.ds(mi * block_m, block_m)])
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[wg], out_gmem.at[pl.ds((2 * ni + wg) * block_n, block_n), pl.ds(mi * block_m, block_m)]
+                )
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def body(_, x_smem, codes_smem, scales_smem, acc_ref):
-            _mma_step(acc_ref, x_smem, codes_smem, scales_smem, block_k=block_k, code_tile=code_tile,
-                      decode_=decode_, rows=rows, stage=None if stages is None else stages.at[wg], load4x=load4x)
+            _mma_step(
+                acc_ref,
+                x_smem,
+                codes_smem,
+                scales_smem,
+                block_k=block_k,
+                code_tile=code_tile,
+                decode_=decode_,
+                rows=rows,
+                stage=None if stages is None else stages.at[wg],
+                load4x=load4x,
+            )
             return acc_ref
 
         @pl.when(group >= 0)  # tiles past the last group hold no row anyone reads
@@ -427,9 +531,22 @@ def _kernel_ws(tile_group_gmem, x_gmem, codes_gmem, scales_gmem, out_gmem, o_sme
             pipeline(body, context)(x_gmem, codes_gmem.at[group], scales_gmem.at[group], allocations=allocs)
 
 
-def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int = 128, block_k: int = 256,
-               steps: int = 4, code_tile: int = 128, decode: str = DEFAULT_DECODE, warp_specialized: bool = False,
-               load4x: bool = False, overlap: bool = False, interpret: bool = False):
+def gmm_padded(
+    tile_group,
+    x_pad,
+    w: HopperMXFP4,
+    block_m: int,
+    *,
+    block_n: int = 128,
+    block_k: int = 256,
+    steps: int = 4,
+    code_tile: int = 128,
+    decode: str = DEFAULT_DECODE,
+    warp_specialized: bool = False,
+    load4x: bool = False,
+    overlap: bool = False,
+    interpret: bool = False,
+):
     """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
@@ -448,19 +565,39 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         raise ValueError(f"MXFP4 grouped GEMM (Hopper): decode must be one of {DECODES}; got {decode!r}")
     if x_pad.dtype != jnp.bfloat16:
         raise ValueError(f"MXFP4 grouped GEMM (Hopper) multiplies bf16 rows; got {x_pad.dtype}")
-    if (block_m % 8 or rows % block_m or n % block_n or block_n % 64 or k % block_k or block_k % code_tile
-            or code_tile not in (64, 128, 256)):
-        raise ValueError(f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
-                         f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
-                         f"64, 128 or 256) must divide")
+    if (
+        block_m % 8
+        or rows % block_m
+        or n % block_n
+        or block_n % 64
+        or k % block_k
+        or block_k % code_tile
+        or code_tile not in (64, 128, 256)
+    ):
+        raise ValueError(
+            f"MXFP4 grouped GEMM (Hopper): rows {rows} / block_m {block_m} (a multiple of 8), "
+            f"N {n} / block_n {block_n} (of 64), K {k} / block_k {block_k} (of code_tile {code_tile}: "
+            f"64, 128 or 256) must divide"
+        )
     if load4x and decode == "lut_perm":
-        raise ValueError("MXFP4 grouped GEMM (Hopper): load4x shuffles codes into the A layout; \"lut_perm\" "
-                         "codes load there as they are (take decode=\"lut\" for load4x)")
+        raise ValueError(
+            'MXFP4 grouped GEMM (Hopper): load4x shuffles codes into the A layout; "lut_perm" '
+            'codes load there as they are (take decode="lut" for load4x)'
+        )
     if overlap and (warp_specialized or steps < 2):
-        raise ValueError(f"MXFP4 grouped GEMM (Hopper): overlap needs steps >= 2 (got {steps}) and no warp "
-                         f"specialization")
-    kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, n_k=k // block_k, steps=steps, code_tile=code_tile,
-              decode_=decode, load4x=load4x)
+        raise ValueError(
+            f"MXFP4 grouped GEMM (Hopper): overlap needs steps >= 2 (got {steps}) and no warp specialization"
+        )
+    kw = dict(
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        n_k=k // block_k,
+        steps=steps,
+        code_tile=code_tile,
+        decode_=decode,
+        load4x=load4x,
+    )
     mode = dict(interpret=plgpu.InterpretGPUParams()) if interpret else {}
     if warp_specialized:
         if n % (2 * block_n):
@@ -468,16 +605,24 @@ def gmm_padded(tile_group, x_pad, w: HopperMXFP4, block_m: int, *, block_n: int 
         out_t = plgpu.kernel(
             functools.partial(_kernel_ws, interpret=interpret, **kw),
             out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
-            grid=(rows // block_m, n // (2 * block_n)), grid_names=("m", "n"), num_threads=3, thread_name="wg",
+            grid=(rows // block_m, n // (2 * block_n)),
+            grid_names=("m", "n"),
+            num_threads=3,
+            thread_name="wg",
             compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-            scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)), **mode,
+            scratch_types=dict(o_smem=plgpu.SMEM((2, block_n, block_m), x_pad.dtype)),
+            **mode,
         )(tile_group, x_pad, w.codes, w.scales)
     else:
         out_t = plgpu.kernel(
-            functools.partial(_kernel, overlap=overlap, **kw), out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
-            grid=(rows // block_m, n // block_n), grid_names=("m", "n"),
-            scratch_types=dict(o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype),
-                               **(dict(stage=plgpu.SMEM((block_n, MX_BLOCK), x_pad.dtype)) if interpret else {})),
+            functools.partial(_kernel, overlap=overlap, **kw),
+            out_type=jax.ShapeDtypeStruct((n, rows), x_pad.dtype),
+            grid=(rows // block_m, n // block_n),
+            grid_names=("m", "n"),
+            scratch_types=dict(
+                o_smem=plgpu.SMEM((block_n, block_m), x_pad.dtype),
+                **(dict(stage=plgpu.SMEM((block_n, MX_BLOCK), x_pad.dtype)) if interpret else {}),
+            ),
             **mode,
         )(tile_group, x_pad, w.codes, w.scales)
     return out_t.T
@@ -492,5 +637,6 @@ def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **til
 
     check(w, lhs_mk.shape[1])
     block_m = block_m or moe.layout_block_m(lhs_mk.shape[0])
-    return moe.through_padded_layout(lhs_mk, group_sizes_g, block_m,
-                                     lambda tile_group, x_pad: gmm_padded(tile_group, x_pad, w, block_m, **tiling))
+    return moe.through_padded_layout(
+        lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: gmm_padded(tile_group, x_pad, w, block_m, **tiling)
+    )

@@ -47,8 +47,14 @@ _MAX_SCORES = 1 << 14  # [N, E] scores one program holds in registers
 
 def route_layout_fits(n_tokens: int, n_experts: int, top_k: int) -> bool:
     """Whether `route_layout` serves this routing (one program: a decode step's few tokens)."""
-    return (_pow2(n_tokens) and _pow2(n_experts) and _pow2(top_k) and top_k <= n_experts
-            and n_tokens * n_experts <= _MAX_SCORES and n_tokens * top_k <= moe._PAIRWISE_LIMIT)
+    return (
+        _pow2(n_tokens)
+        and _pow2(n_experts)
+        and _pow2(top_k)
+        and top_k <= n_experts
+        and n_tokens * n_experts <= _MAX_SCORES
+        and n_tokens * top_k <= moe._PAIRWISE_LIMIT
+    )
 
 
 def _route_kernel(logits_ref, bias_ref, real_ref, w_ref, dest_ref, tiles_ref, *, top_k, block_m, past):
@@ -91,8 +97,11 @@ def _route_core(logits, bias, real, *, top_k, block_m, interpret):
     return pl.pallas_call(
         functools.partial(_route_kernel, top_k=top_k, block_m=block_m, past=n_tiles * block_m),
         grid=(1,),
-        out_shape=[jax.ShapeDtypeStruct((n, top_k), jnp.float32), jax.ShapeDtypeStruct((n, top_k), jnp.int32),
-                   jax.ShapeDtypeStruct((_next_pow2(n_tiles),), jnp.int32)],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, top_k), jnp.float32),
+            jax.ShapeDtypeStruct((n, top_k), jnp.int32),
+            jax.ShapeDtypeStruct((_next_pow2(n_tiles),), jnp.int32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         name="moe_route",
@@ -112,11 +121,14 @@ def route_layout(logits_ne, bias_e, real_n=None, *, top_k: int, block_m: int | N
     """
     n, e = logits_ne.shape
     if not route_layout_fits(n, e, top_k):
-        raise ValueError(f"route_layout: N={n}, E={e}, k={top_k} must be powers of two with N * E <= {_MAX_SCORES} "
-                         f"and N * k <= {moe._PAIRWISE_LIMIT} (route_layout_fits)")
+        raise ValueError(
+            f"route_layout: N={n}, E={e}, k={top_k} must be powers of two with N * E <= {_MAX_SCORES} "
+            f"and N * k <= {moe._PAIRWISE_LIMIT} (route_layout_fits)"
+        )
     if bias_e.shape != (e,):
         raise ValueError(f"route_layout: bias {bias_e.shape} must be [E={e}]")
     real = jnp.ones((n,), jnp.int32) if real_n is None else jnp.asarray(real_n, jnp.int32).reshape(n)
     block_m = block_m or moe.layout_block_m(n * top_k)
-    return _route_core(logits_ne.astype(jnp.float32), bias_e, real, top_k=top_k, block_m=block_m,
-                       interpret=moe._interpret(interpret))
+    return _route_core(
+        logits_ne.astype(jnp.float32), bias_e, real, top_k=top_k, block_m=block_m, interpret=moe._interpret(interpret)
+    )

@@ -46,8 +46,10 @@ def check(w: PackedMXFP4, what: str = "MXFP4 weights"):
     if w.values.dtype != jnp.uint8:
         raise ValueError(f"{what}: packed uint8 values [G, K, N / 2] expected; got {w.values.dtype} {w.values.shape}")
     if k % MX_BLOCK or w.scales.shape != (g, k // MX_BLOCK, 2 * p) or w.scales.dtype != jnp.float8_e8m0fnu:
-        raise ValueError(f"{what}: scales must be e8m0 [G, K / 32, N] = {(g, k // MX_BLOCK, 2 * p)}; "
-                         f"got {w.scales.dtype} {w.scales.shape}")
+        raise ValueError(
+            f"{what}: scales must be e8m0 [G, K / 32, N] = {(g, k // MX_BLOCK, 2 * p)}; "
+            f"got {w.scales.dtype} {w.scales.shape}"
+        )
 
 
 def decode_e2m1(code):
@@ -91,10 +93,15 @@ _EVEN_BITS = "shl.b32 t, a, 4;\nshr.b32 y, a, 2;\nand.b32 y, y, 0x01C001C0;\nlop
 
 
 def _decode_ptx(bits: str) -> str:
-    lanes = "".join(f"prmt.b32 a, $2, z, {sel};\n" + bits + f"fma.rn.bf16x2 d, d, k, nz;\nfma.rn.bf16x2 {out}, d, {s}, nz;\n"
-                    for sel, out, s in (("0x1404", "$0", "$3"), ("0x3424", "$1", "$4")))
-    return ("{\n.reg .b32 z, k, nz, a, t, y, d;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
-            + lanes + "}")
+    lanes = "".join(
+        f"prmt.b32 a, $2, z, {sel};\n" + bits + f"fma.rn.bf16x2 d, d, k, nz;\nfma.rn.bf16x2 {out}, d, {s}, nz;\n"
+        for sel, out, s in (("0x1404", "$0", "$3"), ("0x3424", "$1", "$4"))
+    )
+    return (
+        "{\n.reg .b32 z, k, nz, a, t, y, d;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
+        + lanes
+        + "}"
+    )
 
 
 _DECODE_PTX = (_decode_ptx(_EVEN_BITS), _decode_ptx(_ODD_BITS))
@@ -107,10 +114,18 @@ def decode_tile(packed_rp, s_even_p, s_odd_p, dtype, *, ptx: bool):
     r, p = packed_rp.shape
     if ptx and dtype == jnp.bfloat16:
         out = jax.ShapeDtypeStruct((r, p), jnp.bfloat16)
-        return tuple(pltriton.elementwise_inline_asm(
-            asm, args=[packed_rp, jnp.broadcast_to(_bf16_of_e8m0(s)[None, :], (r, p))], constraints="=r,=r,r,r,r",
-            pack=4, result_shape_dtypes=[out])[0] for asm, s in zip(_DECODE_PTX, (s_even_p, s_odd_p)))
+        return tuple(
+            pltriton.elementwise_inline_asm(
+                asm,
+                args=[packed_rp, jnp.broadcast_to(_bf16_of_e8m0(s)[None, :], (r, p))],
+                constraints="=r,=r,r,r,r",
+                pack=4,
+                result_shape_dtypes=[out],
+            )[0]
+            for asm, s in zip(_DECODE_PTX, (s_even_p, s_odd_p))
+        )
     code = packed_rp.astype(jnp.int32)
-    return tuple((decode_e2m1((code >> (4 * half)) & 0xF) * pow2_of_e8m0(s)[None, :]).astype(dtype)
-                 for half, s in ((0, s_even_p), (1, s_odd_p)))
-
+    return tuple(
+        (decode_e2m1((code >> (4 * half)) & 0xF) * pow2_of_e8m0(s)[None, :]).astype(dtype)
+        for half, s in ((0, s_even_p), (1, s_odd_p))
+    )

@@ -49,7 +49,9 @@ def check_operands(fmt: str, xq_mk, sx_mb, wq_kn, sw, col_block=None):
     bk = block_k(fmt)
     (m, k), (k2, n) = xq_mk.shape, wq_kn.shape
     if k != k2 or k % bk:
-        raise ValueError(f"{fmt} GEMM: x [M, K] {xq_mk.shape} and w [K, N] {wq_kn.shape} need one K, a multiple of {bk}")
+        raise ValueError(
+            f"{fmt} GEMM: x [M, K] {xq_mk.shape} and w [K, N] {wq_kn.shape} need one K, a multiple of {bk}"
+        )
     if xq_mk.dtype != jnp.float8_e4m3fn or wq_kn.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"{fmt} GEMM takes e4m3 operands; got {xq_mk.dtype} and {wq_kn.dtype}")
     if sx_mb.shape != (m, k // bk):
@@ -129,8 +131,7 @@ def tiling(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "interpret", "tiles"))
-def qmatmul(fmt: str, xq_mk, sx_mb, wq_kn, sw, col_block=None, *, out_dtype=jnp.bfloat16, interpret=None,
-            tiles=None):
+def qmatmul(fmt: str, xq_mk, sx_mb, wq_kn, sw, col_block=None, *, out_dtype=jnp.bfloat16, interpret=None, tiles=None):
     """Pallas (Triton backend) block-scaled GEMM, the contract of `qmatmul_ref` -> [M, N] out_dtype.
     tiles: `tiling`'s tuple, or None to pick by M.  interpret: None = off the GPU only."""
     check_operands(fmt, xq_mk, sx_mb, wq_kn, sw, col_block)

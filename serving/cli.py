@@ -1,28 +1,28 @@
 """The `kimik3` command line.
 
-    kimik3 generate --config tiny --prompt "Hello"      greedy generation
-    kimik3 info --config kimi_k3                         sizes of a config
-    kimik3 train --config mini --steps 3000 --out runs/mini
-                                                         train on Debian-shipped text (held-out perplexity)
-    kimik3 train-tokenizer --vocab-size 4096 --out runs/bpe
-                                                         a byte-level BPE (tokenizer.json) on Debian-shipped text
-    kimik3 train-eagle --checkpoint runs/mini/checkpoint --out runs/eagle
-                                                         an EAGLE-3 draft head for a trained target
-    kimik3 generate --checkpoint C --draft-checkpoint D --draft-tokens 3
-                                                         speculative decoding (reference): acceptance
-    kimik3 quantize --checkpoint runs/mini/checkpoint --out runs/mini/quantized
-                                                         one checkpoint for the fp8_attn / mxfp8_attn manifests
-    kimik3 generate --checkpoint runs/mini/quantized --manifest fp8_attn
-                                                         generation on the quantized weights
-    kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
-    kimik3 demo                                          the agent workload end to end, 4 serving setups
-    kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode dp16,ep16
-                                                         memory per rank and bytes per collective
-    kimik3 worker --role prefill|decode|both --port N    one engine in its own process (HTTP)
-    kimik3 router --port N --prefill URL... --decode URL...
-                                                         OpenAI-compatible, load-aware router
-    kimik3 launch --config tiny --port N --prefill 1 --decode 1
-                                                         store + workers + router in one command
+kimik3 generate --config tiny --prompt "Hello"      greedy generation
+kimik3 info --config kimi_k3                         sizes of a config
+kimik3 train --config mini --steps 3000 --out runs/mini
+                                                     train on Debian-shipped text (held-out perplexity)
+kimik3 train-tokenizer --vocab-size 4096 --out runs/bpe
+                                                     a byte-level BPE (tokenizer.json) on Debian-shipped text
+kimik3 train-eagle --checkpoint runs/mini/checkpoint --out runs/eagle
+                                                     an EAGLE-3 draft head for a trained target
+kimik3 generate --checkpoint C --draft-checkpoint D --draft-tokens 3
+                                                     speculative decoding (reference): acceptance
+kimik3 quantize --checkpoint runs/mini/checkpoint --out runs/mini/quantized
+                                                     one checkpoint for the fp8_attn / mxfp8_attn manifests
+kimik3 generate --checkpoint runs/mini/quantized --manifest fp8_attn
+                                                     generation on the quantized weights
+kimik3 coverage --engines 3                          cache coverage: GPU / + host / + shared store
+kimik3 demo                                          the agent workload end to end, 4 serving setups
+kimik3 plan --config kimi_k3 --prefill tp8,ep8 --decode dp16,ep16
+                                                     memory per rank and bytes per collective
+kimik3 worker --role prefill|decode|both --port N    one engine in its own process (HTTP)
+kimik3 router --port N --prefill URL... --decode URL...
+                                                     OpenAI-compatible, load-aware router
+kimik3 launch --config tiny --port N --prefill 1 --decode 1
+                                                     store + workers + router in one command
 """
 
 from __future__ import annotations
@@ -71,31 +71,44 @@ def _cmd_generate(args) -> int:
         if n_images:
             raise ValueError("--prompt-ids takes no --random-images (the ids hold no placeholders)")
     else:
-        prompt = tok.apply_chat_template([tokenizer.Message("user", args.prompt, n_images=n_images)],
-                                         tokens_per_image=tpi)
+        prompt = tok.apply_chat_template(
+            [tokenizer.Message("user", args.prompt, n_images=n_images)], tokens_per_image=tpi
+        )
     if args.draft_checkpoint:
         return _generate_speculative(args, params, cfg, prompt, images)
     t0 = time.perf_counter()
-    result = generate(params, cfg, prompt, args.max_new_tokens, images=images, use_cache=not args.oracle,
-                      stop_at_eos=not args.ignore_eos, eos_id=tok.eos_id)
+    result = generate(
+        params,
+        cfg,
+        prompt,
+        args.max_new_tokens,
+        images=images,
+        use_cache=not args.oracle,
+        stop_at_eos=not args.ignore_eos,
+        eos_id=tok.eos_id,
+    )
     dt = time.perf_counter() - t0
     if args.logits_out:
         np.save(args.logits_out, result.logits.astype(np.float32))
     if args.json:
         print(json.dumps({"tokens": result.tokens.tolist()}))
         return 0
-    print(f"config={cfg.name} prompt_tokens={len(prompt)} images={n_images} "
-          f"mode={'oracle (no cache, fp32)' if args.oracle else 'cached'}")
+    print(
+        f"config={cfg.name} prompt_tokens={len(prompt)} images={n_images} "
+        f"mode={'oracle (no cache, fp32)' if args.oracle else 'cached'}"
+    )
     print(f"tokens: {result.tokens.tolist()}")
     print(f"text: {tok.decode(result.tokens, skip_special=False)!r}")
-    print(f"{len(result.tokens)} tokens in {dt:.2f} s (compile included); weights are "
-          f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}"
-          f"{' as ' + args.manifest if args.manifest else ''}")
+    print(
+        f"{len(result.tokens)} tokens in {dt:.2f} s (compile included); weights are "
+        f"{'from ' + args.checkpoint if args.checkpoint else 'random (seed %d)' % args.seed}"
+        f"{' as ' + args.manifest if args.manifest else ''}"
+    )
     return 0
 
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
-    """"5,6,7" -> [5, 6, 7], each in [0, vocab_size); ValueError naming the bad entry."""
+    """ "5,6,7" -> [5, 6, 7], each in [0, vocab_size); ValueError naming the bad entry."""
     out = []
     for part in text.split(","):
         try:
@@ -116,16 +129,30 @@ def _generate_speculative(args, params, cfg, prompt, images) -> int:
         raise ValueError("speculative decoding takes text prompts (no --random-images)")
     draft, ecfg = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
     t0 = time.perf_counter()
-    r = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, args.max_new_tokens, args.draft_tokens,
-                                         temperature=args.temperature, seed=args.seed, stop_at_eos=True,
-                                         use_cache=not args.oracle)
+    r = speculative.speculative_generate(
+        params,
+        cfg,
+        draft,
+        ecfg,
+        prompt,
+        args.max_new_tokens,
+        args.draft_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_at_eos=True,
+        use_cache=not args.oracle,
+    )
     dt = time.perf_counter() - t0
-    print(f"config={cfg.name} prompt_tokens={len(prompt)} mode=speculative (EAGLE-3, k={r.k}, "
-          f"temperature={args.temperature:g}; {'no cache (the reference)' if args.oracle else 'cached'}, fp32)")
+    print(
+        f"config={cfg.name} prompt_tokens={len(prompt)} mode=speculative (EAGLE-3, k={r.k}, "
+        f"temperature={args.temperature:g}; {'no cache (the reference)' if args.oracle else 'cached'}, fp32)"
+    )
     print(f"tokens: {r.tokens.tolist()}")
     print(f"text: {tokenizer.decode(r.tokens, skip_special=False)!r}")
-    print(f"{len(r.tokens)} tokens in {len(r.accepted) + 1} target passes: draft acceptance {r.acceptance:.3f}, "
-          f"accept length {r.accept_length:.2f}; {dt:.2f} s (compile included)")
+    print(
+        f"{len(r.tokens)} tokens in {len(r.accepted) + 1} target passes: draft acceptance {r.acceptance:.3f}, "
+        f"accept length {r.accept_length:.2f}; {dt:.2f} s (compile included)"
+    )
     return 0
 
 
@@ -140,14 +167,25 @@ def _cmd_eagle_ab(args) -> int:
     draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
     if args.dtype:
         params = model.cast_params(params, jnp.dtype(args.dtype))
-    kw = {name: getattr(args, name) for name in ("questions", "max_new_tokens", "draft_tokens", "page_tokens",
-                                                  "num_slots", "bootstrap", "seed") if getattr(args, name) is not None}
+    kw = {
+        name: getattr(args, name)
+        for name in ("questions", "max_new_tokens", "draft_tokens", "page_tokens", "num_slots", "bootstrap", "seed")
+        if getattr(args, name) is not None
+    }
     ac = eagle_ab.ABConfig.quick(**kw) if args.quick else eagle_ab.ABConfig(**kw)
-    result = eagle_ab.run(params, cfg, draft, ac, questions_path=args.questions_file,
-                          progress=lambda arm, n: print(f"  {arm}: {n} conversations", file=sys.stderr, flush=True))
-    print(f"two-turn MT-Bench A/B: {result['arms']['drop']['questions']} conversations, {cfg.name} "
-          f"({jnp.dtype(params['embed_vd'].dtype).name}), k={ac.draft_tokens}, greedy, {ac.max_new_tokens} tokens a "
-          f"turn, {ac.page_tokens}-token pages; second turns:")
+    result = eagle_ab.run(
+        params,
+        cfg,
+        draft,
+        ac,
+        questions_path=args.questions_file,
+        progress=lambda arm, n: print(f"  {arm}: {n} conversations", file=sys.stderr, flush=True),
+    )
+    print(
+        f"two-turn MT-Bench A/B: {result['arms']['drop']['questions']} conversations, {cfg.name} "
+        f"({jnp.dtype(params['embed_vd'].dtype).name}), k={ac.draft_tokens}, greedy, {ac.max_new_tokens} tokens a "
+        f"turn, {ac.page_tokens}-token pages; second turns:"
+    )
     print(eagle_ab.report(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -160,43 +198,66 @@ def _cmd_train_eagle(args) -> int:
     from kimik3 import checkpoint, eagle, eagle_train
 
     params, cfg = checkpoint.restore(args.checkpoint)
-    dc = eagle_train.DraftTrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-                                      prompt_len=args.prompt_len, pool=args.pool, data=args.data,
-                                      ttt_steps=args.ttt_steps, lr=args.lr,
-                                      warmup_steps=args.warmup_steps if args.warmup_steps is not None
-                                      else args.steps // 10, seed=args.seed, corpus=args.corpus,
-                                      max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6),
-                                      out=args.out)
+    dc = eagle_train.DraftTrainConfig(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        prompt_len=args.prompt_len,
+        pool=args.pool,
+        data=args.data,
+        ttt_steps=args.ttt_steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
+        seed=args.seed,
+        corpus=args.corpus,
+        max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6),
+        out=args.out,
+    )
     ecfg = eagle.default_config(cfg, ttt_steps=args.ttt_steps)
     if args.taps:
-        ecfg = eagle.EagleConfig(taps=tuple(int(t) for t in args.taps.split(",")), ffn_dim=ecfg.ffn_dim,
-                                 ttt_steps=args.ttt_steps)
+        ecfg = eagle.EagleConfig(
+            taps=tuple(int(t) for t in args.taps.split(",")), ffn_dim=ecfg.ffn_dim, ttt_steps=args.ttt_steps
+        )
     r, _ = eagle_train.train_draft(params, cfg, dc, ecfg)
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)
-    print(f"{r['corpus']}\ntrained the EAGLE-3 draft of {cfg.name} (taps {tuple(ecfg.taps)}) for {dc.steps} steps "
-          f"in {r['seconds']:.1f} s on {r['device']} ({r['data_seconds']:.1f} s building {dc.data} data)\n"
-          f"held-out top-1 agreement with the target per draft position: {fmt(r['held_out_before']['acc'])} -> "
-          f"{fmt(r['held_out_after']['acc'])}\n"
-          f"draft {os.path.join(dc.out, 'draft')}; {os.path.join(dc.out, 'eagle_train.json')}")
+    print(
+        f"{r['corpus']}\ntrained the EAGLE-3 draft of {cfg.name} (taps {tuple(ecfg.taps)}) for {dc.steps} steps "
+        f"in {r['seconds']:.1f} s on {r['device']} ({r['data_seconds']:.1f} s building {dc.data} data)\n"
+        f"held-out top-1 agreement with the target per draft position: {fmt(r['held_out_before']['acc'])} -> "
+        f"{fmt(r['held_out_after']['acc'])}\n"
+        f"draft {os.path.join(dc.out, 'draft')}; {os.path.join(dc.out, 'eagle_train.json')}"
+    )
     return 0
 
 
 def _cmd_train(args) -> int:
     from kimik3 import train
 
-    tc = train.TrainConfig(config=args.config, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                           warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
-                           eval_every=args.eval_every, eval_batches=args.eval_batches,
-                           checkpoint_every=args.checkpoint_every, seed=args.seed, corpus=args.corpus,
-                           max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6), out=args.out,
-                           max_seconds=args.max_minutes and args.max_minutes * 60)
+    tc = train.TrainConfig(
+        config=args.config,
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps if args.warmup_steps is not None else args.steps // 10,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        corpus=args.corpus,
+        max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6),
+        out=args.out,
+        max_seconds=args.max_minutes and args.max_minutes * 60,
+    )
     result, _ = train.train(tc)
     stopped = f" (time limit: stopped at step {result['steps_done']} of {tc.steps})" if result["stopped_early"] else ""
-    print(f"{result['corpus']}\ntrained {result['config']} for {result['steps_done']} steps{stopped} "
-          f"({result['tokens']:,} tokens) in "
-          f"{result['seconds']:.1f} s on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
-          f"{result['held_out_loss']:.3f} nats/byte (perplexity {result['held_out_ppl']:.2f})\n"
-          f"checkpoint {result['checkpoint']}; {os.path.join(tc.out, 'train.json')}, {os.path.join(tc.out, 'loss.png')}")
+    print(
+        f"{result['corpus']}\ntrained {result['config']} for {result['steps_done']} steps{stopped} "
+        f"({result['tokens']:,} tokens) in "
+        f"{result['seconds']:.1f} s on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
+        f"{result['held_out_loss']:.3f} nats/byte (perplexity {result['held_out_ppl']:.2f})\n"
+        f"checkpoint {result['checkpoint']}; {os.path.join(tc.out, 'train.json')}, {os.path.join(tc.out, 'loss.png')}"
+    )
     return 0
 
 
@@ -216,9 +277,11 @@ def _cmd_train_tokenizer(args) -> int:
     tok = train_bpe(texts(), args.vocab_size, out)
     sample = open(files[0], encoding="utf-8", errors="replace").read()
     ratio = len(sample.encode()) / max(1, len(tok.encode(sample)))
-    print(f"{out}: a byte-level BPE of {tok.vocab_size} ids on {source} ({len(files)} files); {ratio:.2f} bytes per "
-          f"token on {os.path.basename(files[0])}.  Serve it with --tokenizer {args.out} (ids 0..266 are the byte "
-          f"tokenizer's: a model's vocab_size must cover {tok.vocab_size})")
+    print(
+        f"{out}: a byte-level BPE of {tok.vocab_size} ids on {source} ({len(files)} files); {ratio:.2f} bytes per "
+        f"token on {os.path.basename(files[0])}.  Serve it with --tokenizer {args.out} (ids 0..266 are the byte "
+        f"tokenizer's: a model's vocab_size must cover {tok.vocab_size})"
+    )
     return 0
 
 
@@ -251,11 +314,14 @@ def _cmd_quantize(args) -> int:
     from kimik3.quant import store
 
     with tqdm(desc="quantize", unit="tensor") as bar:
+
         def progress(done, total):
             bar.total = total
             bar.update(done - bar.n)
-        record = store.quantize_checkpoint(args.checkpoint, args.out, keep_bf16_experts=args.keep_bf16_experts,
-                                           progress=progress)
+
+        record = store.quantize_checkpoint(
+            args.checkpoint, args.out, keep_bf16_experts=args.keep_bf16_experts, progress=progress
+        )
     print(f"wrote {args.out}: {record['config']} for the manifests {', '.join(record['manifests'])}")
     for name, n in record["bytes"].items():
         print(f"  {name:22s} {n / 2**20:10.1f} MiB of weights")
@@ -267,8 +333,14 @@ def _cmd_quantize(args) -> int:
 def _cmd_media_bench(args) -> int:
     from serving import media_bench
 
-    spec = media_bench.MediaBenchSpec(config=args.config, sessions=args.sessions, turns=args.turns,
-                                      fetch_latency_ms=args.fetch_latency_ms, seed=args.seed, dtype=args.dtype)
+    spec = media_bench.MediaBenchSpec(
+        config=args.config,
+        sessions=args.sessions,
+        turns=args.turns,
+        fetch_latency_ms=args.fetch_latency_ms,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
     print(media_bench.main(spec, args.json))
     return 0
 
@@ -284,8 +356,9 @@ def _cmd_coverage(args) -> int:
     from serving.workload import WorkloadSpec
 
     cfg = config.get_config(args.config)
-    workload = WorkloadSpec.scaled(args.scale, sessions=args.sessions, seed=args.seed,
-                                   turns=(args.min_turns, args.max_turns))
+    workload = WorkloadSpec.scaled(
+        args.scale, sessions=args.sessions, seed=args.seed, turns=(args.min_turns, args.max_turns)
+    )
     spec = coverage.CoverageSpec(engines=args.engines, seed=args.seed)
     rows = []
     services = None
@@ -296,18 +369,22 @@ def _cmd_coverage(args) -> int:
                 services = MooncakeServices(segment_bytes=args.store_mb << 20).start()
                 shared = MooncakeHostKVTier(services.master_addr, services.metadata_url)
             with tqdm(desc=f"coverage [{name}]", unit="turn", leave=False) as bar:
+
                 def progress(done, total, bar=bar):
                     bar.total = total
                     bar.update(done - bar.n)
+
                 rows.append(coverage.replay(cfg, workload, spec, name, shared, progress))
             if shared is not None:
                 shared.close()
     finally:
         if services is not None:
             services.stop()
-    print(f"workload: {args.sessions} sessions, {rows[0].turns} turns, token counts / {args.scale:g} of docs/design.md; "
-          f"{args.engines} engines; GPU pool = {rows[0].gpu_pages_per_engine} pages of "
-          f"128 tokens per engine (about half of its share of the working set)")
+    print(
+        f"workload: {args.sessions} sessions, {rows[0].turns} turns, token counts / {args.scale:g} of docs/design.md; "
+        f"{args.engines} engines; GPU pool = {rows[0].gpu_pages_per_engine} pages of "
+        f"128 tokens per engine (about half of its share of the working set)"
+    )
     print(coverage.format_table(rows))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "coverage.png")
@@ -319,8 +396,14 @@ def _cmd_coverage(args) -> int:
 def _cmd_demo(args) -> int:
     from serving import demo
 
-    spec = demo.DemoSpec(config=args.config, sessions=args.sessions, seed=args.seed, checkpoint=args.checkpoint,
-                         manifest=args.manifest, num_pages=args.num_pages)
+    spec = demo.DemoSpec(
+        config=args.config,
+        sessions=args.sessions,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+        manifest=args.manifest,
+        num_pages=args.num_pages,
+    )
     print(demo.main(spec, args.out))
     return 0
 
@@ -347,8 +430,10 @@ def standalone_main(prog: str, doc: str | None, add_arguments, run, argv=None) -
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     gpu_memory_on_demand()
     compile_cache.enable()
     return run(args)
@@ -369,12 +454,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The `kimik3` parser; `command`: the subcommand being run (its module's arguments are added;
     the other module-owned subcommands are listed without importing their modules)."""
     # no abbreviated options: `_command_of` finds the subcommand in argv before parsing
-    parser = argparse.ArgumentParser(prog="kimik3", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kimik3", description=__doc__, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR",
-                        help=f"persistent XLA compilation cache (default ${compile_cache.ENV} or "
-                             f"{compile_cache.DEFAULT_DIR}; 'off' disables)")
+    parser.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR",
+        help=f"persistent XLA compilation cache (default ${compile_cache.ENV} or "
+        f"{compile_cache.DEFAULT_DIR}; 'off' disables)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     # every subcommand: -v after it too, defaults shown in --help, its docstring's layout kept
     common = argparse.ArgumentParser(add_help=False)
@@ -383,27 +473,50 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     g = add("generate", help="greedy generation from a config (random weights) or a checkpoint")
     g.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
-    g.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory, or a Hugging Face Kimi-Linear model directory (overrides --config)")
-    g.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
-                   help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
+    g.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory, or a Hugging Face Kimi-Linear model directory (overrides --config)",
+    )
+    g.add_argument(
+        "--manifest",
+        default=None,
+        choices=SERVING_MANIFESTS,
+        help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest",
+    )
     g.add_argument("--prompt", default="Hello, Kimi!", help="user message")
-    g.add_argument("--tokenizer", default=None, metavar="SPEC",
-                   help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
-                        "checkpoint's if it has one, else 'byte')")
-    g.add_argument("--prompt-ids", default=None, metavar="IDS",
-                   help="the prompt as comma-separated token ids (no chat template), e.g. 5,6,7")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+        "checkpoint's if it has one, else 'byte')",
+    )
+    g.add_argument(
+        "--prompt-ids",
+        default=None,
+        metavar="IDS",
+        help="the prompt as comma-separated token ids (no chat template), e.g. 5,6,7",
+    )
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens even past the EOS token")
     g.add_argument("--json", action="store_true", help='print only {"tokens": [...]} (the generated ids)')
-    g.add_argument("--logits-out", default=None, metavar="FILE.npy",
-                   help="write the fp32 logits [N, vocab] that chose each token (row 0: after the prompt)")
+    g.add_argument(
+        "--logits-out",
+        default=None,
+        metavar="FILE.npy",
+        help="write the fp32 logits [N, vocab] that chose each token (row 0: after the prompt)",
+    )
     g.add_argument("--random-images", type=int, default=0, help="attach N random images to the message")
     g.add_argument("--seed", type=int, default=0, help="random weights' seed (without --checkpoint)")
     g.add_argument("--oracle", action="store_true", help="use the no-cache fp32 oracle")
-    g.add_argument("--draft-checkpoint", default=None, metavar="DIR",
-                   help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding (the target on a cache; "
-                        "with --oracle the no-cache reference)")
+    g.add_argument(
+        "--draft-checkpoint",
+        default=None,
+        metavar="DIR",
+        help="an EAGLE-3 draft (`kimik3 train-eagle`): speculative decoding (the target on a cache; "
+        "with --oracle the no-cache reference)",
+    )
     g.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per target pass")
     g.add_argument("--temperature", type=float, default=0.0, help="with a draft: 0 greedy, else rejection sampling")
     g.set_defaults(func=_cmd_generate)
@@ -411,21 +524,32 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     d = add("demo", help="the multi-turn agent workload end to end: colocated vs P/D, +/- host tier")
     d.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
     d.add_argument("--sessions", type=int, default=8, help="multi-turn agent sessions (all arrive at once)")
-    d.add_argument("--num-pages", type=int, default=48,
-                   help="GPU pool pages per engine (32 tokens each): below the sessions' histories, so turns are "
-                        "evicted and the host tier's hits show")
+    d.add_argument(
+        "--num-pages",
+        type=int,
+        default=48,
+        help="GPU pool pages per engine (32 tokens each): below the sessions' histories, so turns are "
+        "evicted and the host tier's hits show",
+    )
     d.add_argument("--seed", type=int, default=0, help="weights' and workload's seed")
     d.add_argument("--out", default="out", help="the report's JSON and plot go here")
     d.add_argument("--checkpoint", default=None, help="serve these weights (overrides --config; default random)")
-    d.add_argument("--manifest", default=None, choices=SERVING_MANIFESTS,
-                   help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
+    d.add_argument(
+        "--manifest",
+        default=None,
+        choices=SERVING_MANIFESTS,
+        help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest",
+    )
     d.set_defaults(func=_cmd_demo)
 
     q = add("quantize", help="one quantized checkpoint for the fp8_attn and mxfp8_attn manifests")
     q.add_argument("--checkpoint", required=True, help="the bf16 / fp32 checkpoint (`kimik3 train`'s out/checkpoint)")
     q.add_argument("--out", required=True, help="the quantized checkpoint's directory (new)")
-    q.add_argument("--keep-bf16-experts", action="store_true",
-                   help="also keep the routed experts unquantized: the *_bf16_moe manifests load too")
+    q.add_argument(
+        "--keep-bf16-experts",
+        action="store_true",
+        help="also keep the routed experts unquantized: the *_bf16_moe manifests load too",
+    )
     q.set_defaults(func=_cmd_quantize)
 
     c = add("coverage", help="replay the agent workload through the cache tiers")
@@ -446,8 +570,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--turns", type=int, default=4, help="turns per session")
     m.add_argument("--fetch-latency-ms", type=float, default=50.0, help="the local image server's answer delay")
     m.add_argument("--seed", type=int, default=0, help="workload seed")
-    m.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                   help="the params' dtype (default the config's); tokens must agree across tiers only in exact fp32")
+    m.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="the params' dtype (default the config's); tokens must agree across tiers only in exact fp32",
+    )
     m.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
     m.set_defaults(func=_cmd_media_bench)
 
@@ -461,19 +589,29 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, default=250, help="held-out loss every this many steps")
     t.add_argument("--eval-batches", type=int, default=16, help="held-out batches per evaluation (fixed)")
     t.add_argument("--checkpoint-every", type=int, default=0, help="0: the final checkpoint only")
-    t.add_argument("--corpus", default="auto",
-                   help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory")
+    t.add_argument(
+        "--corpus",
+        default="auto",
+        help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory",
+    )
     t.add_argument("--max-corpus-mb", type=float, default=None, help="read at most this much text")
     t.add_argument("--seed", type=int, default=0, help="init and shuffle seed")
-    t.add_argument("--max-minutes", type=float, default=None,
-                   help="stop the loop after this long (the schedule stays the one for --steps)")
+    t.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop the loop after this long (the schedule stays the one for --steps)",
+    )
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
 
     tt = add("train-tokenizer", help="train a byte-level BPE (tokenizer.json) on Debian-shipped text")
     tt.add_argument("--vocab-size", type=int, default=4096, help="ids in all (bytes, special tokens and merges)")
-    tt.add_argument("--corpus", default="auto",
-                    help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory")
+    tt.add_argument(
+        "--corpus",
+        default="auto",
+        help="python-doc (Debian's python3.11-doc) | licenses | auto (the first present) | a directory",
+    )
     tt.add_argument("--out", default="runs/tokenizer", help="tokenizer.json goes here")
     tt.set_defaults(func=_cmd_train_tokenizer)
 
@@ -513,10 +651,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     i = add("info", help="parameter count and weight bytes of a config")
     i.add_argument("--config", default="kimi_k3", help="tiny | small | kimi_k3 | kimi_linear | ... (kimik3.config)")
-    i.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="a checkpoint or Hugging Face model directory: its config (overrides --config)")
-    i.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(MANIFEST_NAMES),
-                   help="the storage format of each weight (kimik3.quantization)")
+    i.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="a checkpoint or Hugging Face model directory: its config (overrides --config)",
+    )
+    i.add_argument(
+        "--manifest",
+        default="kimi_k3_mxfp4",
+        choices=sorted(MANIFEST_NAMES),
+        help="the storage format of each weight (kimik3.quantization)",
+    )
     i.set_defaults(func=_cmd_info)
 
     # Subcommands whose modules own their arguments: only the one being run is imported (the
@@ -562,8 +708,11 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 def _missing(command: str, module: str, args) -> int:
-    print(f"kimik3: error: `kimik3 {command}` needs the Python package {module!r}, which is not installed "
-          f"(pip install 'kimik3[serve]', or ./run.sh test to set up the full environment)", file=sys.stderr)
+    print(
+        f"kimik3: error: `kimik3 {command}` needs the Python package {module!r}, which is not installed "
+        f"(pip install 'kimik3[serve]', or ./run.sh test to set up the full environment)",
+        file=sys.stderr,
+    )
     return 2
 
 
@@ -573,8 +722,10 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and getattr(args.func, "func", None) is not _missing:  # only an unavailable command takes anything
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     gpu_memory_on_demand()
     compile_cache.enable(args.compile_cache)
     try:

@@ -67,8 +67,14 @@ def _shapes(cfg: ModelConfig, page_tokens: int):
     return page, snap
 
 
-def replay(cfg: ModelConfig, workload: WorkloadSpec, spec: CoverageSpec, config: str,
-           shared_tier: HostKVTier | None = None, progress=None) -> CoverageRow:
+def replay(
+    cfg: ModelConfig,
+    workload: WorkloadSpec,
+    spec: CoverageSpec,
+    config: str,
+    shared_tier: HostKVTier | None = None,
+    progress=None,
+) -> CoverageRow:
     """Run the workload once in one configuration; returns its row."""
     turns = interleave(generate_sessions(workload))
     page_shape, snap_shape = _shapes(cfg, spec.page_tokens)
@@ -88,9 +94,16 @@ def replay(cfg: ModelConfig, workload: WorkloadSpec, spec: CoverageSpec, config:
     engines = []
     for _ in range(spec.engines):
         host = {"gpu": None, "host": EmbeddedHostKVTier(host_bytes), "shared": shared_tier}[config]
-        engines.append(PagedKVManager(CacheSpec(f"{cfg.name}/{dtype.name}", spec.page_tokens, spec.kda_block_tokens),
-                                      ArrayBlockStore(gpu_pages, page_shape, dtype), gpu_pages,
-                                      ArrayBlockStore(snaps, snap_shape, np.float32), snaps, host))
+        engines.append(
+            PagedKVManager(
+                CacheSpec(f"{cfg.name}/{dtype.name}", spec.page_tokens, spec.kda_block_tokens),
+                ArrayBlockStore(gpu_pages, page_shape, dtype),
+                gpu_pages,
+                ArrayBlockStore(snaps, snap_shape, np.float32),
+                snaps,
+                host,
+            )
+        )
     busy_until = [0.0] * spec.engines
     for i, turn in enumerate(turns):
         # Router: the engine that frees up first (least outstanding work); no session affinity.
@@ -102,7 +115,7 @@ def replay(cfg: ModelConfig, workload: WorkloadSpec, spec: CoverageSpec, config:
         except NoFreeBlocks:
             log.warning("turn %s does not fit engine %d; skipped", rid, e)
             continue
-        new_pages = req.page_table[req.hit.tokens // spec.page_tokens:]
+        new_pages = req.page_table[req.hit.tokens // spec.page_tokens :]
         mgr.pages.write(new_pages, [junk_page] * len(new_pages))
         mgr.commit_pages(rid, len(turn.prompt))
         for boundary in mgr.snapshot_boundaries(rid):
@@ -110,25 +123,36 @@ def replay(cfg: ModelConfig, workload: WorkloadSpec, spec: CoverageSpec, config:
         mgr.extend(rid, len(turn.prompt) + len(turn.output))
         mgr.finish(rid)
         # Prefill of the missed tokens plus decode dominates the turn's duration.
-        busy_until[e] = max(busy_until[e], turn.arrival_s) + 1e-4 * (len(turn.prompt) - req.hit.tokens) + \
-            0.02 * len(turn.output)
+        busy_until[e] = (
+            max(busy_until[e], turn.arrival_s) + 1e-4 * (len(turn.prompt) - req.hit.tokens) + 0.02 * len(turn.output)
+        )
         if progress is not None:
             progress(i + 1, len(turns))
     total = lambda f: sum(f(m.stats) for m in engines)
     return CoverageRow(
-        config=config, prompt_tokens=total(lambda s: s.prompt_tokens),
-        hit_tokens_gpu=total(lambda s: s.hit_tokens_gpu), hit_tokens_host=total(lambda s: s.hit_tokens_host),
-        bytes_offloaded=total(lambda s: s.offloaded_pages) * page_bytes + total(lambda s: s.offloaded_snapshots) * snap_bytes,
+        config=config,
+        prompt_tokens=total(lambda s: s.prompt_tokens),
+        hit_tokens_gpu=total(lambda s: s.hit_tokens_gpu),
+        hit_tokens_host=total(lambda s: s.hit_tokens_host),
+        bytes_offloaded=total(lambda s: s.offloaded_pages) * page_bytes
+        + total(lambda s: s.offloaded_snapshots) * snap_bytes,
         bytes_loaded=total(lambda s: s.loaded_pages) * page_bytes + total(lambda s: s.loaded_snapshots) * snap_bytes,
-        gpu_pages_per_engine=gpu_pages, turns=len(turns))
+        gpu_pages_per_engine=gpu_pages,
+        turns=len(turns),
+    )
 
 
 def format_table(rows: list[CoverageRow]) -> str:
-    lines = ["| configuration | token cache rate | GPU-pool hit tokens | host-tier hit tokens | bytes offloaded | "
-             "bytes loaded | GPU pages / engine |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| configuration | token cache rate | GPU-pool hit tokens | host-tier hit tokens | bytes offloaded | "
+        "bytes loaded | GPU pages / engine |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r.config} | {r.cache_rate:.1%} | {r.hit_tokens_gpu:,} | {r.hit_tokens_host:,} | "
-                     f"{r.bytes_offloaded:,} | {r.bytes_loaded:,} | {r.gpu_pages_per_engine} |")
+        lines.append(
+            f"| {r.config} | {r.cache_rate:.1%} | {r.hit_tokens_gpu:,} | {r.hit_tokens_host:,} | "
+            f"{r.bytes_offloaded:,} | {r.bytes_loaded:,} | {r.gpu_pages_per_engine} |"
+        )
     return "\n".join(lines)
 
 

@@ -41,9 +41,11 @@ log = logging.getLogger(__name__)
 MODES = ("colocated", "colocated+host", "pd-direct", "pd-store")
 # What the P/D rows' TPOT measures here, said under the table: both engines share this process
 # and device and step in turn, so a decode token also waits for the prefill engine's step.
-PD_NOTE = ("pd-*: both engines in this process on one device, stepped in turn (`DisaggregatedServer`, serial): "
-           "a decode token waits for the prefill engine's step, so these TPOTs are not a disaggregated "
-           "deployment's (separate instances, or `concurrent=True` with an engine per device)")
+PD_NOTE = (
+    "pd-*: both engines in this process on one device, stepped in turn (`DisaggregatedServer`, serial): "
+    "a decode token waits for the prefill engine's step, so these TPOTs are not a disaggregated "
+    "deployment's (separate instances, or `concurrent=True` with an engine per device)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +68,15 @@ class DemoSpec:
 
 def engine_config(spec: DemoSpec, max_pages: int) -> EngineConfig:
     """Every setup's engine configuration (roles and tiers apart)."""
-    return EngineConfig(num_pages=spec.num_pages, num_slots=spec.num_slots, num_snapshots=spec.num_slots * 4,
-                        page_tokens=spec.page_tokens, kda_block_tokens=spec.kda_block_tokens,
-                        max_pages_per_request=max_pages, prefill_chunk_tokens=256)
+    return EngineConfig(
+        num_pages=spec.num_pages,
+        num_slots=spec.num_slots,
+        num_snapshots=spec.num_slots * 4,
+        page_tokens=spec.page_tokens,
+        kda_block_tokens=spec.kda_block_tokens,
+        max_pages_per_request=max_pages,
+        prefill_chunk_tokens=256,
+    )
 
 
 def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
@@ -83,8 +91,11 @@ def _engines(params, cfg, spec: DemoSpec, mode: str, max_pages: int):
 
 
 def _workload(spec: DemoSpec):
-    return generate_sessions(WorkloadSpec.scaled(spec.scale, sessions=spec.sessions, turns=spec.turns,
-                                                 seed=spec.seed, vocab=256, burst_size=spec.burst_size))
+    return generate_sessions(
+        WorkloadSpec.scaled(
+            spec.scale, sessions=spec.sessions, turns=spec.turns, seed=spec.seed, vocab=256, burst_size=spec.burst_size
+        )
+    )
 
 
 def _max_pages(spec: DemoSpec) -> int:
@@ -131,12 +142,14 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | 
                         bar.update(1)
     wall = time.monotonic() - t0
     records = server.records()
-    profile = " | ".join(f"{e.role}: {e.profile.summary()}" if len(engines) > 1 else e.profile.summary()
-                         for e in engines)
+    profile = " | ".join(
+        f"{e.role}: {e.profile.summary()}" if len(engines) > 1 else e.profile.summary() for e in engines
+    )
     log.info("%s steps: %s", mode, profile)
     if watch.count:  # expected in a warm-up's short run; the demo reports the measured runs' counts
-        log.info("%s built %d XLA programs while measuring (%.2f s): %s", mode, watch.count, watch.seconds,
-                 dict(watch.names))
+        log.info(
+            "%s built %d XLA programs while measuring (%.2f s): %s", mode, watch.count, watch.seconds, dict(watch.names)
+        )
     return metrics.summarize(mode, records, wall), records, watch.count, profile
 
 
@@ -213,23 +226,34 @@ def main(spec: DemoSpec, out_dir: str) -> str:
         summaries.append(metrics.summarize(demo_store.MODE, records, wall))
         all_records[demo_store.MODE] = records
     for phase, (cur, peak) in rss.items():
-        log.info("host RSS after %s: %.2f GiB (peak %.2f)%s", phase, cur, peak,
-                 f"; {seconds[phase]:.1f} s" if phase in seconds else "")
+        log.info(
+            "host RSS after %s: %.2f GiB (peak %.2f)%s",
+            phase,
+            cur,
+            peak,
+            f"; {seconds[phase]:.1f} s" if phase in seconds else "",
+        )
     table = metrics.format_table(summaries)
     os.makedirs(out_dir, exist_ok=True)
     metrics.plot(all_records, os.path.join(out_dir, "demo_latency.png"))
     weights = f"{spec.checkpoint} as {spec.manifest}" if spec.manifest else spec.checkpoint or "random"
-    header = (f"config={cfg.name} ({jax.default_backend()}, weights {weights}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
-              f"turns, docs/design.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
-              f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
-              f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
-              f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
-              f"warm-up (compiles) {warmup_s:.1f} s (engine warm-up {seconds['warm-up compiles']:.1f} s, then one "
-              f"short run per setup {seconds['warm-up runs']:.1f} s; params {seconds['params']:.1f} s before it); "
-              f"new compiles while measuring (every XLA program built, helpers too): {compiles}; "
-              f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
-              + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items()) + ")")
+    header = (
+        f"config={cfg.name} ({jax.default_backend()}, weights {weights}), {spec.sessions} sessions x {spec.turns[0]}-{spec.turns[1]} "
+        f"turns, docs/design.md token counts / {spec.scale:g}, pages of {spec.page_tokens} tokens, "
+        f"{spec.num_pages} pages per engine; capacity per engine: {cap['kv_tokens']} KV tokens, "
+        f"{cap['sessions']} concurrent sessions, {cap['pool_bytes'] / 2**20:.1f} MiB of pools, "
+        f"{cap['checkpoint_block_bytes_per_request'] / 2**10:.0f} KiB checkpoint block per request; "
+        f"warm-up (compiles) {warmup_s:.1f} s (engine warm-up {seconds['warm-up compiles']:.1f} s, then one "
+        f"short run per setup {seconds['warm-up runs']:.1f} s; params {seconds['params']:.1f} s before it); "
+        f"new compiles while measuring (every XLA program built, helpers too): {compiles}; "
+        f"peak RSS of this process {_rss_gib()[1]:.2f} GiB (current / peak GiB after each phase: "
+        + ", ".join(f"{k} {c:.2f}/{p:.2f}" for k, (c, p) in rss.items())
+        + ")"
+    )
     steps = "".join(f"  {mode}: {line}\n" for mode, line in profiles.items())
-    return (header + "\n" + table + "\n" + PD_NOTE + "\nengine steps by kind (host time, then the wait on the "
-            "device: `metrics.StepProfile`; XLA:CPU may compute inside a dispatch):\n" + steps
-            + f"plot: {os.path.join(out_dir, 'demo_latency.png')}")
+    return (
+        header + "\n" + table + "\n" + PD_NOTE + "\nengine steps by kind (host time, then the wait on the "
+        "device: `metrics.StepProfile`; XLA:CPU may compute inside a dispatch):\n"
+        + steps
+        + f"plot: {os.path.join(out_dir, 'demo_latency.png')}"
+    )

@@ -49,8 +49,19 @@ def run(spec, timeout_s: float = 900.0):
 
     with MooncakeServices(segment_bytes=256 << 20) as services, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, "-m", "serving.demo_store", "--spec", json.dumps(dataclasses.asdict(spec)),
-                "--master", services.master_addr, "--metadata", services.metadata_url, "--out", out]
+        argv = [
+            sys.executable,
+            "-m",
+            "serving.demo_store",
+            "--spec",
+            json.dumps(dataclasses.asdict(spec)),
+            "--master",
+            services.master_addr,
+            "--metadata",
+            services.metadata_url,
+            "--out",
+            out,
+        ]
         proc = subprocess.run(argv, env=loopback_env(child_env()), capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"the {MODE} run failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
@@ -78,7 +89,10 @@ def _child(args) -> int:
             common = demo.engine_config(s, max_pages).replace(namespace=namespace)
             return DisaggregatedServer(
                 Engine(params, cfg, common.replace(role="prefill", publish_to_host=True), host=tier),
-                Engine(params, cfg, common.replace(role="decode"), host=tier), "store")
+                Engine(params, cfg, common.replace(role="decode"), host=tier),
+                "store",
+            )
+
         return make
 
     max_pages = demo._max_pages(spec)
@@ -89,15 +103,28 @@ def _child(args) -> int:
     warm = engines("demo-warm-up")(spec, max_pages)
     for engine in (warm.prefill, warm.decode):
         engine.warmup()
-    demo.run_mode(params, cfg, dataclasses.replace(spec, sessions=1, turns=(2, 2)), MODE, max_pages=max_pages,
-                  engines=lambda *_: warm)
+    demo.run_mode(
+        params,
+        cfg,
+        dataclasses.replace(spec, sessions=1, turns=(2, 2)),
+        MODE,
+        max_pages=max_pages,
+        engines=lambda *_: warm,
+    )
     t0 = time.monotonic()
     _, records, compiles, profile = demo.run_mode(params, cfg, spec, MODE, engines=engines("demo"))
     wall = time.monotonic() - t0
     tier.close()
     with open(args.out, "w") as f:
-        json.dump({"records": [dataclasses.asdict(r) for r in records], "wall_s": wall, "compiles": compiles,
-                   "profile": profile}, f)
+        json.dump(
+            {
+                "records": [dataclasses.asdict(r) for r in records],
+                "wall_s": wall,
+                "compiles": compiles,
+                "profile": profile,
+            },
+            f,
+        )
     return 0
 
 

@@ -35,8 +35,15 @@ from serving.engine import Engine, Request
 
 
 class DisaggregatedServer:
-    def __init__(self, prefill: Engine, decode: Engine, handoff: str = "direct", *, concurrent: bool = False,
-                 devices=(None, None)):
+    def __init__(
+        self,
+        prefill: Engine,
+        decode: Engine,
+        handoff: str = "direct",
+        *,
+        concurrent: bool = False,
+        devices=(None, None),
+    ):
         if handoff not in ("direct", "store"):
             raise ValueError(f"handoff must be 'direct' or 'store'; got {handoff!r}")
         if handoff == "store" and (prefill.manager.host is None or prefill.manager.host is not decode.manager.host):
@@ -44,9 +51,12 @@ class DisaggregatedServer:
         if prefill.role != "prefill" or decode.role == "prefill":
             raise ValueError("engines must have roles 'prefill' and 'decode'")
         if (prefill.spec is None) != (decode.spec is None) or (
-                prefill.spec is not None and prefill.spec.fingerprint != decode.spec.fingerprint):
-            raise ValueError("speculative P/D needs the same draft on both engines (the prefill engine writes "
-                             "the draft's rows the decode engine reads)")
+            prefill.spec is not None and prefill.spec.fingerprint != decode.spec.fingerprint
+        ):
+            raise ValueError(
+                "speculative P/D needs the same draft on both engines (the prefill engine writes "
+                "the draft's rows the decode engine reads)"
+            )
         self.prefill, self.decode, self.handoff = prefill, decode, handoff
         self.requests: dict[str, Request] = {}  # the client's view: filled as tokens arrive
         self._pending: list[tuple] = []  # handoffs waiting for decode capacity
@@ -98,17 +108,33 @@ class DisaggregatedServer:
         for item in waiting:
             req, pages, state = item
             if pages is not None:
-                new = self.decode.adopt(req.prompt, req.output[0], req.max_new_tokens, pages, state[0],
-                                        request_id=req.request_id, arrival_s=req.arrival_s,
-                                        stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
-                                        cache_salt=req.cache_salt, draft_feature=state[1],
-                                        first_logprobs=req.logprobs[0] if req.logprobs else None)
+                new = self.decode.adopt(
+                    req.prompt,
+                    req.output[0],
+                    req.max_new_tokens,
+                    pages,
+                    state[0],
+                    request_id=req.request_id,
+                    arrival_s=req.arrival_s,
+                    stop_at_eos=req.stop_at_eos,
+                    sampling=req.sampling,
+                    images=req.images,
+                    cache_salt=req.cache_salt,
+                    draft_feature=state[1],
+                    first_logprobs=req.logprobs[0] if req.logprobs else None,
+                )
                 if new is None:
                     continue  # no room yet: it waits
             else:
-                new = self.decode.submit(req.prompt, req.max_new_tokens, request_id=req.request_id,
-                                         stop_at_eos=req.stop_at_eos, sampling=req.sampling, images=req.images,
-                                         cache_salt=req.cache_salt)
+                new = self.decode.submit(
+                    req.prompt,
+                    req.max_new_tokens,
+                    request_id=req.request_id,
+                    stop_at_eos=req.stop_at_eos,
+                    sampling=req.sampling,
+                    images=req.images,
+                    cache_salt=req.cache_salt,
+                )
                 new.arrival_s = req.arrival_s
             with self._pending_lock:
                 self._prefilled[req.request_id] = req
@@ -129,13 +155,29 @@ class DisaggregatedServer:
             p = self._prefilled.get(r.request_id)
             if r.error is not None or p is None:
                 continue
-            out.append(RequestRecord(p.arrival_s, p.token_times_s[:1] + r.token_times_s[1:], len(p.prompt),
-                                     p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s,
-                                     p.token_mixed[:1] + r.token_mixed[1:]))
+            out.append(
+                RequestRecord(
+                    p.arrival_s,
+                    p.token_times_s[:1] + r.token_times_s[1:],
+                    len(p.prompt),
+                    p.cached_tokens - p.cached_tokens_host,
+                    p.cached_tokens_host,
+                    p.admitted_s,
+                    p.token_mixed[:1] + r.token_mixed[1:],
+                )
+            )
         for p in prefill_finished:  # single-token requests never reach the decode engine
             if p.error is None and p.max_new_tokens == 1:
-                out.append(RequestRecord(p.arrival_s, p.token_times_s, len(p.prompt),
-                                         p.cached_tokens - p.cached_tokens_host, p.cached_tokens_host, p.admitted_s))
+                out.append(
+                    RequestRecord(
+                        p.arrival_s,
+                        p.token_times_s,
+                        len(p.prompt),
+                        p.cached_tokens - p.cached_tokens_host,
+                        p.cached_tokens_host,
+                        p.admitted_s,
+                    )
+                )
         return out
 
     def done(self, request_id: str) -> bool:
@@ -192,8 +234,10 @@ class DisaggregatedServer:
 
     def _start(self) -> None:
         self._stop.clear()
-        self._threads = [threading.Thread(target=self._loop, args=(name, device), name=f"pd-{name}", daemon=True)
-                         for name, device in zip(("prefill", "decode"), self.devices)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(name, device), name=f"pd-{name}", daemon=True)
+            for name, device in zip(("prefill", "decode"), self.devices)
+        ]
         for t in self._threads:
             t.start()
 

@@ -53,8 +53,20 @@ class ABConfig:
     @classmethod
     def quick(cls, **kw) -> "ABConfig":
         """A CPU run: a few questions, short answers, 16-token pages (so short prompts have pages)."""
-        return cls(**dict(dict(questions=4, max_new_tokens=24, page_tokens=16, kda_block_tokens=64, num_slots=4,
-                               prefill_chunk_tokens=256, bootstrap=500), **kw))
+        return cls(
+            **dict(
+                dict(
+                    questions=4,
+                    max_new_tokens=24,
+                    page_tokens=16,
+                    kda_block_tokens=64,
+                    num_slots=4,
+                    prefill_chunk_tokens=256,
+                    bootstrap=500,
+                ),
+                **kw,
+            )
+        )
 
 
 def load_questions(path: str | None = None, n: int | None = None) -> list[tuple[str, str]]:
@@ -84,10 +96,20 @@ def _engine(params, cfg, draft, arm: str, ac: ABConfig):
     # a group's conversations whole (turn 1's pages must outlive its answer until turn 2 hits them),
     # twice over: the free list is LRU, so the previous group's cached pages are what goes first
     pages = 2 * ac.num_slots * -(-min(cfg.max_seq_len, 4096) // ac.page_tokens) + 8
-    return Engine(params, cfg, num_pages=pages, num_slots=ac.num_slots, num_snapshots=8 * ac.num_slots,
-                  page_tokens=ac.page_tokens, kda_block_tokens=ac.kda_block_tokens,
-                  prefill_chunk_tokens=ac.prefill_chunk_tokens, kernels=ac.kernels, draft=draft,
-                  draft_tokens=ac.draft_tokens, eagle_tail=arm)
+    return Engine(
+        params,
+        cfg,
+        num_pages=pages,
+        num_slots=ac.num_slots,
+        num_snapshots=8 * ac.num_slots,
+        page_tokens=ac.page_tokens,
+        kda_block_tokens=ac.kda_block_tokens,
+        prefill_chunk_tokens=ac.prefill_chunk_tokens,
+        kernels=ac.kernels,
+        draft=draft,
+        draft_tokens=ac.draft_tokens,
+        eagle_tail=arm,
+    )
 
 
 def _tpot_ms(req) -> float | None:
@@ -101,8 +123,8 @@ def run_arm(params, cfg, draft, arm: str, questions, ac: ABConfig, progress=None
     limit = min(cfg.max_seq_len, eng.max_pages * ac.page_tokens) - 2 * (ac.max_new_tokens + ac.draft_tokens) - 8
     out = []
     for g in range(0, len(questions), ac.num_slots):
-        group = questions[g:g + ac.num_slots]
-        t1 = [turn1_tokens(q1)[:limit // 2] for q1, _ in group]
+        group = questions[g : g + ac.num_slots]
+        t1 = [turn1_tokens(q1)[: limit // 2] for q1, _ in group]
         r1 = [eng.submit(t, ac.max_new_tokens, stop_at_eos=True) for t in t1]
         eng.run()
         t2 = [turn2_tokens(t, r.output, q2)[:limit] for t, r, (_, q2) in zip(t1, r1, group)]
@@ -112,12 +134,21 @@ def run_arm(params, cfg, draft, arm: str, questions, ac: ABConfig, progress=None
             if a.error or b.error:
                 raise RuntimeError(f"arm {arm}: a request failed ({a.error or b.error})")
             tail = len(p1) // ac.page_tokens * ac.page_tokens  # turn 1's last full page ends here
-            out.append(dict(turn1_tokens=len(p1), turn2_tokens=len(p2), any_hit=b.cached_tokens > 0,
-                            hit=0 < tail <= b.cached_tokens,
-                            cached_tokens=b.cached_tokens, dropped_tokens=b.tail_dropped_tokens,
-                            tail_recomputed=b.tail_recomputed, accepted=list(b.accepted),
-                            accepted_turn1=list(a.accepted), tpot_ms=_tpot_ms(b),
-                            output=(list(a.output), list(b.output))))
+            out.append(
+                dict(
+                    turn1_tokens=len(p1),
+                    turn2_tokens=len(p2),
+                    any_hit=b.cached_tokens > 0,
+                    hit=0 < tail <= b.cached_tokens,
+                    cached_tokens=b.cached_tokens,
+                    dropped_tokens=b.tail_dropped_tokens,
+                    tail_recomputed=b.tail_recomputed,
+                    accepted=list(b.accepted),
+                    accepted_turn1=list(a.accepted),
+                    tpot_ms=_tpot_ms(b),
+                    output=(list(a.output), list(b.output)),
+                )
+            )
         if progress is not None:
             progress(arm, len(out))
     return out
@@ -126,15 +157,18 @@ def run_arm(params, cfg, draft, arm: str, questions, ac: ABConfig, progress=None
 def _metrics(recs: list[dict], k: int) -> dict:
     acc = [a for r in recs for a in r["accepted"]]
     tp = [r["tpot_ms"] for r in recs if r["tpot_ms"] is not None]
-    return dict(hits=sum(r["hit"] for r in recs), any_hits=sum(r["any_hit"] for r in recs), questions=len(recs),
-                cached_tokens_mean=float(np.mean([r["cached_tokens"] for r in recs])) if recs else 0.0,
-                acceptance=sum(acc) / (k * len(acc)) if acc else 0.0,
-                accept_length=float(np.mean([a + 1 for a in acc])) if acc else 0.0,
-                acceptance_by_position=[float(np.mean([a >= j for a in acc])) if acc else 0.0
-                                        for j in range(1, k + 1)],
-                tpot_ms_p50=statistics.median(tp) if tp else None,
-                tail_recomputed=sum(r["tail_recomputed"] for r in recs),
-                dropped_tokens_mean=float(np.mean([r["dropped_tokens"] for r in recs])) if recs else 0.0)
+    return dict(
+        hits=sum(r["hit"] for r in recs),
+        any_hits=sum(r["any_hit"] for r in recs),
+        questions=len(recs),
+        cached_tokens_mean=float(np.mean([r["cached_tokens"] for r in recs])) if recs else 0.0,
+        acceptance=sum(acc) / (k * len(acc)) if acc else 0.0,
+        accept_length=float(np.mean([a + 1 for a in acc])) if acc else 0.0,
+        acceptance_by_position=[float(np.mean([a >= j for a in acc])) if acc else 0.0 for j in range(1, k + 1)],
+        tpot_ms_p50=statistics.median(tp) if tp else None,
+        tail_recomputed=sum(r["tail_recomputed"] for r in recs),
+        dropped_tokens_mean=float(np.mean([r["dropped_tokens"] for r in recs])) if recs else 0.0,
+    )
 
 
 DIFF_KEYS = ("hits", "acceptance", "accept_length", "tpot_ms_p50")
@@ -156,7 +190,7 @@ def paired_bootstrap(a: list[dict], b: list[dict], k: int, n: int, seed: int) ->
     out = {}
     for key in DIFF_KEYS:
         s = samples[key]
-        lo, hi = (np.percentile(s, [2.5, 97.5]).tolist() if s else (None, None))
+        lo, hi = np.percentile(s, [2.5, 97.5]).tolist() if s else (None, None)
         out[key] = dict(value=point[key], ci_low=lo, ci_high=hi)
     return out
 
@@ -178,29 +212,47 @@ def run(params, cfg, draft, ac: ABConfig, *, questions_path: str | None = None, 
             raise RuntimeError(f"arms emitted different tokens for questions {mismatched}")
         # below fp32 (bf16 weights, or TF32 matmuls on a GPU) a recomputed page and a hit round
         # differently: near-tied argmaxes can flip; the arms' metrics are kept and the questions named
-        log.warning("arms emitted different tokens for questions %s (%s weights, matmul precision %s: a prefix "
-                    "hit and its recompute round differently)", mismatched, params["embed_vd"].dtype,
-                    arithmetic.matmul_precision())
+        log.warning(
+            "arms emitted different tokens for questions %s (%s weights, matmul precision %s: a prefix "
+            "hit and its recompute round differently)",
+            mismatched,
+            params["embed_vd"].dtype,
+            arithmetic.matmul_precision(),
+        )
     k = ac.draft_tokens
-    result = dict(workload=dict(dataclasses.asdict(ac), questions_file=questions_path or QUESTIONS,
-                                config=cfg.name, turn2_prompt_tokens_mean=float(np.mean([r["turn2_tokens"] for r in first]))),
-                  token_mismatches=mismatched,
-                  arms={arm: _metrics(per_arm[arm], k) for arm in arms},
-                  differences={f"{x}-{y}": paired_bootstrap(per_arm[x], per_arm[y], k, ac.bootstrap, ac.seed)
-                               for x, y in PAIRS if x in per_arm and y in per_arm},
-                  per_question={arm: [{key: v for key, v in r.items() if key != "output"} for r in recs]
-                                for arm, recs in per_arm.items()})
+    result = dict(
+        workload=dict(
+            dataclasses.asdict(ac),
+            questions_file=questions_path or QUESTIONS,
+            config=cfg.name,
+            turn2_prompt_tokens_mean=float(np.mean([r["turn2_tokens"] for r in first])),
+        ),
+        token_mismatches=mismatched,
+        arms={arm: _metrics(per_arm[arm], k) for arm in arms},
+        differences={
+            f"{x}-{y}": paired_bootstrap(per_arm[x], per_arm[y], k, ac.bootstrap, ac.seed)
+            for x, y in PAIRS
+            if x in per_arm and y in per_arm
+        },
+        per_question={
+            arm: [{key: v for key, v in r.items() if key != "output"} for r in recs] for arm, recs in per_arm.items()
+        },
+    )
     return result
 
 
 def report(result: dict) -> str:
     """The arms and the differences as two markdown tables."""
-    lines = ["| arm | tail-block hits | any hit | cached tokens (mean) | acceptance | accept length | acceptance by position | TPOT p50 ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| arm | tail-block hits | any hit | cached tokens (mean) | acceptance | accept length | acceptance by position | TPOT p50 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for arm, m in result["arms"].items():
         tp = "-" if m["tpot_ms_p50"] is None else f"{m['tpot_ms_p50']:.1f}"
-        lines.append(f"| {arm} | {m['hits']}/{m['questions']} | {m['any_hits']} | {m['cached_tokens_mean']:.1f} | {m['acceptance']:.4f} | "
-                     f"{m['accept_length']:.3f} | {' '.join(f'{p:.3f}' for p in m['acceptance_by_position'])} | {tp} |")
+        lines.append(
+            f"| {arm} | {m['hits']}/{m['questions']} | {m['any_hits']} | {m['cached_tokens_mean']:.1f} | {m['acceptance']:.4f} | "
+            f"{m['accept_length']:.3f} | {' '.join(f'{p:.3f}' for p in m['acceptance_by_position'])} | {tp} |"
+        )
     lines += ["", "| difference | hits | acceptance | accept length | TPOT p50 ms |", "| --- | --- | --- | --- | --- |"]
     fmt = lambda d: "-" if d["value"] is None else f"{d['value']:+.4g} [{d['ci_low']:+.4g}, {d['ci_high']:+.4g}]"
     for name, d in result["differences"].items():

@@ -83,9 +83,18 @@ __all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt", "check_hando
 
 
 class Engine:
-    def __init__(self, params, cfg: ModelConfig, config: EngineConfig | None = None, *,
-                 host: HostKVTier | None = None, mesh=None,
-                 on_prefilled: Callable[["Engine", Request], None] | None = None, draft=None, **overrides):
+    def __init__(
+        self,
+        params,
+        cfg: ModelConfig,
+        config: EngineConfig | None = None,
+        *,
+        host: HostKVTier | None = None,
+        mesh=None,
+        on_prefilled: Callable[["Engine", Request], None] | None = None,
+        draft=None,
+        **overrides,
+    ):
         """config: an `EngineConfig` (keyword `overrides` replace its fields; without one they build it).
         host: the host KV tier (embedded or Mooncake) behind the pools, or None.
         mesh: None (one device), or the mesh(es) the model steps run on: a `prefill_mesh` for role
@@ -95,9 +104,11 @@ class Engine:
         params (`kimik3.eagle_train.load_draft`), with config.draft_tokens = k > 0."""
         config = EngineConfig(**overrides) if config is None else config.replace(**overrides)
         if (draft is None) != (config.draft_tokens == 0):
-            raise ValueError("speculative decoding needs both a draft (draft=(params, EagleConfig)) and "
-                             f"draft_tokens > 0; got draft={'given' if draft is not None else None}, "
-                             f"draft_tokens={config.draft_tokens}")
+            raise ValueError(
+                "speculative decoding needs both a draft (draft=(params, EagleConfig)) and "
+                f"draft_tokens > 0; got draft={'given' if draft is not None else None}, "
+                f"draft_tokens={config.draft_tokens}"
+            )
         if draft is not None and mesh is not None:
             raise ValueError("speculative decoding runs on engines without a mesh for now")
         if draft is not None and config.scan_layers != "none":
@@ -121,19 +132,38 @@ class Engine:
         if draft is not None:
             from serving.spec_decode import SpecDecoder
 
-            self.spec = SpecDecoder(draft[0], draft[1], cfg, k=config.draft_tokens, tail=config.eagle_tail,
-                                    kernels=self.kernels, page_tokens=config.page_tokens)
-        self.runner = ModelRunner(params, cfg, kernels=self.kernels, role=config.role, mesh=mesh,
-                                  dispatch=config.dispatch, num_slots=config.num_slots,
-                                  page_tokens=config.page_tokens, prefill_chunk_tokens=config.prefill_chunk_tokens,
-                                  max_step_tokens=self.max_step_tokens, export_slots=export_slots,
-                                  scan_layers=config.scan_layers, taps=self.spec.taps if self.spec else (),
-                                  prefill_batch=config.prefill_batch)
+            self.spec = SpecDecoder(
+                draft[0],
+                draft[1],
+                cfg,
+                k=config.draft_tokens,
+                tail=config.eagle_tail,
+                kernels=self.kernels,
+                page_tokens=config.page_tokens,
+            )
+        self.runner = ModelRunner(
+            params,
+            cfg,
+            kernels=self.kernels,
+            role=config.role,
+            mesh=mesh,
+            dispatch=config.dispatch,
+            num_slots=config.num_slots,
+            page_tokens=config.page_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            max_step_tokens=self.max_step_tokens,
+            export_slots=export_slots,
+            scan_layers=config.scan_layers,
+            taps=self.spec.taps if self.spec else (),
+            prefill_batch=config.prefill_batch,
+        )
         pre = self.runner.prefill_step
         cap = config.prefill_tokens_while_decoding
         if pre is not None and cap is not None and cap < pre.size:
-            raise ValueError(f"prefill_tokens_while_decoding ({cap}) is below tp={pre.size}: sharded "
-                             f"prefill chunks could never run beside decode rows")
+            raise ValueError(
+                f"prefill_tokens_while_decoding ({cap}) is below tp={pre.size}: sharded "
+                f"prefill chunks could never run beside decode rows"
+            )
         # Under DP decode each rank owns a share of the pools on its own device, and a manager over
         # them (`sharding.rank_pools`); without a decode mesh there is one rank.
         # In a process group whose decode mesh spans every process (`sharding.distributed`), this
@@ -154,10 +184,20 @@ class Engine:
         for name in ("num_pages", "num_snapshots"):
             if getattr(config, name) // dp < 2:
                 raise ValueError(f"{name} ({getattr(config, name)}) leaves fewer than 2 per rank over dp={dp}")
-        self.kvs = [KVPools(cfg, num_pages=config.num_pages // dp, num_slots=config.num_slots // dp,
-                            num_snapshots=config.num_snapshots // dp, page_tokens=config.page_tokens, dtype=self.dtype,
-                            commit=bool(pre or dec), draft_tokens=config.draft_tokens, device=device)
-                    for device in devices]
+        self.kvs = [
+            KVPools(
+                cfg,
+                num_pages=config.num_pages // dp,
+                num_slots=config.num_slots // dp,
+                num_snapshots=config.num_snapshots // dp,
+                page_tokens=config.page_tokens,
+                dtype=self.dtype,
+                commit=bool(pre or dec),
+                draft_tokens=config.draft_tokens,
+                device=device,
+            )
+            for device in devices
+        ]
         self.kv = self.kvs[0]
         # the layout version keeps blocks a store kept for an older packing from ever being read
         ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
@@ -167,20 +207,30 @@ class Engine:
             ns += f"/eagle-{self.spec.fingerprint}"
         spec = CacheSpec(ns, config.page_tokens, config.kda_block_tokens)
         # one host tier for every rank: its entries are content-addressed, any rank may load them
-        self.managers = [PagedKVManager(spec, kv.pages, config.num_pages // dp, kv.snapshots,
-                                        config.num_snapshots // dp, host) for kv in self.kvs]
+        self.managers = [
+            PagedKVManager(spec, kv.pages, config.num_pages // dp, kv.snapshots, config.num_snapshots // dp, host)
+            for kv in self.kvs
+        ]
         self.manager = self.managers[0]
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_slots=config.num_slots, page_tokens=config.page_tokens,
-            prefill_chunk_tokens=config.prefill_chunk_tokens, max_step_tokens=self.max_step_tokens,
-            export_slots=export_slots, kda_chunk_tokens=cfg.kda_chunk_size,
-            sharded_prefill=None if pre is None else pre.size,
-            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
-            prefix_caching=config.prefix_caching, lookahead_tokens=config.draft_tokens,
-            drop_tail=self.spec is not None and config.eagle_tail == "drop", offload_preempted=self.spec is None,
-            eos_id=config.eos_id),
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_slots=config.num_slots,
+                page_tokens=config.page_tokens,
+                prefill_chunk_tokens=config.prefill_chunk_tokens,
+                max_step_tokens=self.max_step_tokens,
+                export_slots=export_slots,
+                kda_chunk_tokens=cfg.kda_chunk_size,
+                sharded_prefill=None if pre is None else pre.size,
+                prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
+                prefix_caching=config.prefix_caching,
+                lookahead_tokens=config.draft_tokens,
+                drop_tail=self.spec is not None and config.eagle_tail == "drop",
+                offload_preempted=self.spec is None,
+                eos_id=config.eos_id,
+            ),
             self.managers,
-            publish_to_host=config.publish_to_host)
+            publish_to_host=config.publish_to_host,
+        )
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes) if config.encoder_cache_bytes > 0 else None
         self.image_rows = ImageRows(self)
         self.compiles = 0
@@ -234,9 +284,18 @@ class Engine:
     bytes_per_state = staticmethod(kv_pools.bytes_per_state)
 
     @classmethod
-    def from_memory_budget(cls, params, cfg: ModelConfig, budget_bytes: int | None = None, *,
-                           fraction: float = 0.5, page_tokens: int = 128, num_slots: int = 8,
-                           snapshots_per_slot: int = 4, **kw) -> "Engine":
+    def from_memory_budget(
+        cls,
+        params,
+        cfg: ModelConfig,
+        budget_bytes: int | None = None,
+        *,
+        fraction: float = 0.5,
+        page_tokens: int = 128,
+        num_slots: int = 8,
+        snapshots_per_slot: int = 4,
+        **kw,
+    ) -> "Engine":
         """Size the pools from a byte budget (default: `fraction` of the device's free memory on
         GPU; required on CPU).  Slots and snapshots are carved out first, pages get the rest."""
         if budget_bytes is None:
@@ -246,13 +305,29 @@ class Engine:
             budget_bytes = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
         num_snapshots = num_slots * snapshots_per_slot
         k = kw["draft_tokens"] if "draft_tokens" in kw else getattr(kw.get("config"), "draft_tokens", 0)
-        num_pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget_bytes, num_slots=num_slots,
-                                             num_snapshots=num_snapshots, page_tokens=page_tokens, draft_tokens=k)
+        num_pages = kv_pools.pages_in_budget(
+            cfg,
+            params["embed_vd"].dtype,
+            budget_bytes,
+            num_slots=num_slots,
+            num_snapshots=num_snapshots,
+            page_tokens=page_tokens,
+            draft_tokens=k,
+        )
         if num_pages < 2:
-            raise ValueError(f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
-                             f"{num_snapshots} snapshots and two pages")
-        return cls(params, cfg, num_pages=int(num_pages), num_slots=num_slots, num_snapshots=num_snapshots,
-                   page_tokens=page_tokens, **kw)
+            raise ValueError(
+                f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
+                f"{num_snapshots} snapshots and two pages"
+            )
+        return cls(
+            params,
+            cfg,
+            num_pages=int(num_pages),
+            num_slots=num_slots,
+            num_snapshots=num_snapshots,
+            page_tokens=page_tokens,
+            **kw,
+        )
 
     def capacity(self) -> dict:
         """What the pools hold: tokens of KV, concurrent sessions, and the per-request
@@ -262,17 +337,33 @@ class Engine:
         slot_extra = kv_pools.bytes_per_draft_slot(self.cfg, self.config.draft_tokens)
         n_pages = sum(m.page_pool.num_blocks - 1 for m in self.managers)  # each rank keeps a null page
         snaps = sum(m.snap_pool.num_blocks for m in self.managers)
-        return {"kv_tokens": n_pages * self.page_tokens, "pages": n_pages,
-                "sessions": len(self.scheduler.free_slots) + len(self.running),
-                "snapshots": snaps - len(self.managers), "ranks": len(self.managers),
-                "page_bytes": page, "state_bytes": state, "checkpoint_block_bytes_per_request": state,
-                "pool_bytes": (n_pages + len(self.managers)) * page
-                + len(self.kvs) * (self.scratch_slot + 1) * (state + slot_extra) + snaps * state}
+        return {
+            "kv_tokens": n_pages * self.page_tokens,
+            "pages": n_pages,
+            "sessions": len(self.scheduler.free_slots) + len(self.running),
+            "snapshots": snaps - len(self.managers),
+            "ranks": len(self.managers),
+            "page_bytes": page,
+            "state_bytes": state,
+            "checkpoint_block_bytes_per_request": state,
+            "pool_bytes": (n_pages + len(self.managers)) * page
+            + len(self.kvs) * (self.scratch_slot + 1) * (state + slot_extra)
+            + snaps * state,
+        }
 
     # ---- requests ----------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, *, request_id: str | None = None,
-               stop_at_eos: bool = False, sampling: SamplingParams = GREEDY, images=None,
-               cache_salt: str | None = None, prior_output: int = 0) -> Request:
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        request_id: str | None = None,
+        stop_at_eos: bool = False,
+        sampling: SamplingParams = GREEDY,
+        images=None,
+        cache_salt: str | None = None,
+        prior_output: int = 0,
+    ) -> Request:
         """Queue a request.  Raises ValueError for a prompt the engine can never serve.
         `sampling`: greedy by default; temperature / top-p draws are seeded per position
         (serving.sampling), so preemption and handoffs do not change them.
@@ -294,22 +385,33 @@ class Engine:
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         if not (isinstance(prior_output, int) and 0 <= prior_output < len(prompt)):
-            raise ValueError(f"prior_output must lie in [0, {len(prompt)}) (the prompt's own output tail); "
-                             f"got {prior_output!r}")
+            raise ValueError(
+                f"prior_output must lie in [0, {len(prompt)}) (the prompt's own output tail); got {prior_output!r}"
+            )
         # an <|image|> in the request's own output tail is one the model generated: a text token
         # (`model.splice_image_embeddings`), not a slot missing its image
-        images, mm_items = self._check_images(prompt[:len(prompt) - prior_output], images)
+        images, mm_items = self._check_images(prompt[: len(prompt) - prior_output], images)
         self._check_sampling(sampling)
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond a rank's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
         limit = min(self.cfg.max_seq_len, min(self.max_pages, usable_pages) * self.page_tokens)
         if total > limit:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                             f"context limit of {limit} tokens")
-        req = Request(request_id or f"req-{next(self._ids)}", prompt, max_new_tokens, stop_at_eos,
-                      sampling=sampling, images=images, mm_items=mm_items, cache_salt=cache_salt,
-                      prior_output=prior_output)
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"context limit of {limit} tokens"
+            )
+        req = Request(
+            request_id or f"req-{next(self._ids)}",
+            prompt,
+            max_new_tokens,
+            stop_at_eos,
+            sampling=sampling,
+            images=images,
+            mm_items=mm_items,
+            cache_salt=cache_salt,
+            prior_output=prior_output,
+        )
         self.waiting.append(req)
         return req
 
@@ -317,11 +419,15 @@ class Engine:
         if self.spec is None:
             return
         if not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
-            raise ValueError("top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
-                             "rule keeps the full distribution at the temperature)")
+            raise ValueError(
+                "top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
+                "rule keeps the full distribution at the temperature)"
+            )
         if sampling.penalized or sampling.logprobs is not None:
-            raise ValueError("presence / frequency penalties and logprobs are not supported with speculative "
-                             "decoding (its verify pass scores drafts without them)")
+            raise ValueError(
+                "presence / frequency penalties and logprobs are not supported with speculative "
+                "decoding (its verify pass scores drafts without them)"
+            )
 
     def _check_images(self, prompt: list[int], images) -> tuple[np.ndarray | None, tuple]:
         """(images as an array, one MMItem per image) for a prompt, or ValueError."""
@@ -361,10 +467,16 @@ class Engine:
         total = sum(m.page_pool.num_blocks - 1 for m in self.managers)
         free = sum(m.page_pool.num_free for m in self.managers)
         free_slots = len(self.scheduler.free_slots)
-        return {"waiting": len(self.waiting), "running": len(self.running), "free_slots": free_slots,
-                "sessions": free_slots + len(self.running), "free_pages": free,
-                "total_pages": total, "kv_use": (total - free) / total if total else 0.0,
-                "preemptions": self.preemptions}
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "free_slots": free_slots,
+            "sessions": free_slots + len(self.running),
+            "free_pages": free,
+            "total_pages": total,
+            "kv_use": (total - free) / total if total else 0.0,
+            "preemptions": self.preemptions,
+        }
 
     def pop_finished(self) -> list[Request]:
         """The requests finished since the last call (and forget them: a long-running server
@@ -376,9 +488,19 @@ class Engine:
         """Metrics records of the finished requests (serving.metrics)."""
         from serving.metrics import RequestRecord
 
-        return [RequestRecord(r.arrival_s, r.token_times_s, len(r.prompt), r.cached_tokens - r.cached_tokens_host,
-                              r.cached_tokens_host, r.admitted_s, r.token_mixed)
-                for r in self.finished if r.error is None]
+        return [
+            RequestRecord(
+                r.arrival_s,
+                r.token_times_s,
+                len(r.prompt),
+                r.cached_tokens - r.cached_tokens_host,
+                r.cached_tokens_host,
+                r.admitted_s,
+                r.token_mixed,
+            )
+            for r in self.finished
+            if r.error is None
+        ]
 
     # ---- the loop: plan -> run -> update ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -461,7 +583,7 @@ class Engine:
                 self._run_chunk(chunk)
         for chunks in batches.values():
             for i in range(0, len(chunks), self.config.prefill_batch):
-                self._run_sharded_batch(chunks[i:i + self.config.prefill_batch])
+                self._run_sharded_batch(chunks[i : i + self.config.prefill_batch])
         if not plan.decode_only:  # read this step's decode tokens now (no step is chained on them)
             self._settle_decode()
 
@@ -477,9 +599,16 @@ class Engine:
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
-        logits, exports, *tapped = self.runner.forward(self.kv_of(req), tokens, [self._table(req)], [req._slot],
-                                                       [start], step=step, images=images,
-                                                       export_offsets=[b - start for b in chunk.export])
+        logits, exports, *tapped = self.runner.forward(
+            self.kv_of(req),
+            tokens,
+            [self._table(req)],
+            [req._slot],
+            [start],
+            step=step,
+            images=images,
+            export_offsets=[b - start for b in chunk.export],
+        )
         if self.spec is not None:
             self.spec.after_chunk(self, req, start, end, tapped[0])
         self._chunk_done(chunk, self._last_logits(chunk.last, logits)[0], exports)
@@ -489,13 +618,15 @@ class Engine:
         power of two with rows of the scratch slot and null pages (which write only those)."""
         pad = (1 << (len(chunks) - 1).bit_length()) - len(chunks)
         reqs = [c.request for c in chunks]
-        tokens = np.asarray([r._context[c.start:c.end] for r, c in zip(reqs, chunks)]
-                            + [[0] * chunks[0].tokens] * pad, np.int32)
+        tokens = np.asarray(
+            [r._context[c.start : c.end] for r, c in zip(reqs, chunks)] + [[0] * chunks[0].tokens] * pad, np.int32
+        )
         tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
         slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
         starts = [c.start for c in chunks] + [0] * pad
-        logits, _ = self.runner.forward(self.kv_of(reqs[0]), tokens, tables, slots, starts,
-                                        step=self.runner.prefill_step)
+        logits, _ = self.runner.forward(
+            self.kv_of(reqs[0]), tokens, tables, slots, starts, step=self.runner.prefill_step
+        )
         self.prefill_batches[len(chunks)] += 1
         for chunk, row in zip(chunks, self._last_logits(any(c.last for c in chunks), logits)):
             self._chunk_done(chunk, row, None)
@@ -553,8 +684,9 @@ class Engine:
             return
         rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
         # the penalties count the output before the step's input token (output[-1]: the step counts it)
-        self.pools, tokens, did, lp = self.runner.decode.dispatch(self.params, self.pools, rows,
-                                                                  histories=self._histories(reqs, chained=False))
+        self.pools, tokens, did, lp = self.runner.decode.dispatch(
+            self.params, self.pools, rows, histories=self._histories(reqs, chained=False)
+        )
         for r in reqs:
             r._cached_len += 1
         self._inflight = (reqs, rows, (tokens, lp), did, mixed)  # read by the next step (or at this one's end)
@@ -581,10 +713,14 @@ class Engine:
             where += [(r, k * b + i) for i, r in enumerate(rs)]
         # greedy rows without penalties or logprobs need only the argmax the devices took
         plain = lambda r: r.sampling.greedy and not r.sampling.penalized and r.sampling.logprobs is None
-        greedy, logits = self.runner.decode_ranks(self.kvs, np.asarray(tokens, np.int32),
-                                                  np.asarray(tables, np.int32), np.asarray(slots, np.int32),
-                                                  np.asarray(lengths, np.int32),
-                                                  logits=not all(plain(r) for r, _ in where))
+        greedy, logits = self.runner.decode_ranks(
+            self.kvs,
+            np.asarray(tokens, np.int32),
+            np.asarray(tables, np.int32),
+            np.asarray(slots, np.int32),
+            np.asarray(lengths, np.int32),
+            logits=not all(plain(r) for r, _ in where),
+        )
         for r, row in where:
             r._cached_len += 1
             token, lp = (int(greedy[row]), None) if plain(r) else self._choose(r, logits[row])
@@ -629,8 +765,9 @@ class Engine:
         rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
         before = self.runner.programs()
         # the input token is the in-flight step's: the whole output so far comes before it
-        self.pools, tokens, did, lp = self.runner.decode.dispatch(self.params, self.pools, rows, tokens_on_device=True,
-                                                                  histories=self._histories(reqs, chained=True))
+        self.pools, tokens, did, lp = self.runner.decode.dispatch(
+            self.params, self.pools, rows, tokens_on_device=True, histories=self._histories(reqs, chained=True)
+        )
         self.compiles += self.runner.programs() - before
         for r in reqs:
             r._cached_len += 1
@@ -673,34 +810,56 @@ class Engine:
         input token, a function giving them) (`DecodeRunner.dispatch`; the list is built only when
         the slot's counts must be rewritten): all of them when the input is the in-flight step's
         token, all but the last otherwise."""
+
         def entry(r):
             n = r.prior_output + len(r.output) - (0 if chained else 1)
             return r, n, lambda: r.generated()[:n]
+
         return [entry(r) if r.sampling.penalized else None for r in reqs]
 
     def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
-        return DecodeRows.build(self._decode_bucket(len(reqs)), tokens, [self._table(r) for r in reqs],
-                                [r._slot for r in reqs], [r._cached_len for r in reqs], [r.sampling for r in reqs],
-                                max_pages=self.max_pages, null_page=NULL_BLOCK, scratch_slot=self.scratch_slot)
+        return DecodeRows.build(
+            self._decode_bucket(len(reqs)),
+            tokens,
+            [self._table(r) for r in reqs],
+            [r._slot for r in reqs],
+            [r._cached_len for r in reqs],
+            [r.sampling for r in reqs],
+            max_pages=self.max_pages,
+            null_page=NULL_BLOCK,
+            scratch_slot=self.scratch_slot,
+        )
 
     # ---- KV in and out (P/D handoff, offload) -------------------------------------------------------
     def _install_kv(self, req: Request, blocks, pages: list[np.ndarray], state: np.ndarray) -> None:
         """Write a request's page contents (those not already shared through its prefix hit) and
         its KDA state after `len(req._context)` tokens into the pools and its slot."""
         first_new = blocks.hit.tokens // self.page_tokens  # hit pages are shared: never written
-        new_pages = blocks.page_table[first_new:len(pages)]
+        new_pages = blocks.page_table[first_new : len(pages)]
         kv = self.kv_of(req)
         if new_pages:
-            kv.pages.write(new_pages, pages[first_new:first_new + len(new_pages)])
+            kv.pages.write(new_pages, pages[first_new : first_new + len(new_pages)])
         self.manager_of(req).commit_pages(req.request_id, len(req._context))
         kv.write_snapshot(blocks.checkpoint_block, state)
         kv.restore_state(req._slot, blocks.checkpoint_block)
 
-    def adopt(self, prompt: Sequence[int], first_token: int, max_new_tokens: int, pages: list[np.ndarray],
-              state: np.ndarray, *, request_id: str, arrival_s: float, stop_at_eos: bool = False,
-              sampling: SamplingParams = GREEDY, images=None, cache_salt: str | None = None,
-              draft_feature: np.ndarray | None = None,
-              first_logprobs: TokenLogprobs | None = None) -> Request | None:
+    def adopt(
+        self,
+        prompt: Sequence[int],
+        first_token: int,
+        max_new_tokens: int,
+        pages: list[np.ndarray],
+        state: np.ndarray,
+        *,
+        request_id: str,
+        arrival_s: float,
+        stop_at_eos: bool = False,
+        sampling: SamplingParams = GREEDY,
+        images=None,
+        cache_salt: str | None = None,
+        draft_feature: np.ndarray | None = None,
+        first_logprobs: TokenLogprobs | None = None,
+    ) -> Request | None:
         """Take over a request another engine prefilled (direct P/D handoff): its prompt's
         page contents and its KDA state after the whole prompt (and, for a speculative engine,
         its draft's rows in the pages and `draft_feature`, the fused target feature of the last
@@ -714,17 +873,29 @@ class Engine:
             raise ValueError("a speculative handoff (with a draft feature) needs a decode engine with the same draft")
         if self.spec is not None:
             if draft_feature is None or np.shape(draft_feature) != (self.cfg.d_model,):
-                raise ValueError(f"a speculative engine adopts a handoff with its draft feature [{self.cfg.d_model}] "
-                                 "(from an engine with the same draft)")
+                raise ValueError(
+                    f"a speculative engine adopts a handoff with its draft feature [{self.cfg.d_model}] "
+                    "(from an engine with the same draft)"
+                )
             if not np.isfinite(draft_feature).all():
                 raise ValueError("the draft feature holds values that are not finite")
-        check_handoff(list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size,
-                      page_tokens=self.page_tokens)
+        check_handoff(
+            list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size, page_tokens=self.page_tokens
+        )
         if not self.scheduler.free_slots:
             return None
         images, mm_items = self._check_images(list(prompt), images)
-        req = Request(request_id, list(prompt), max_new_tokens, stop_at_eos, arrival_s=arrival_s, sampling=sampling,
-                      images=images, mm_items=mm_items, cache_salt=cache_salt)
+        req = Request(
+            request_id,
+            list(prompt),
+            max_new_tokens,
+            stop_at_eos,
+            arrival_s=arrival_s,
+            sampling=sampling,
+            images=images,
+            mm_items=mm_items,
+            cache_salt=cache_salt,
+        )
         # placed on a rank and given its blocks and slot there; the tail rule's drop applies to
         # handoffs too (exact: kept as written, as no_drop)
         blocks = self.scheduler.begin(req, list(prompt))
@@ -762,7 +933,8 @@ class Engine:
     def _choose(req: Request, logits_v: np.ndarray) -> tuple[int, TokenLogprobs | None]:
         """The next token of `req` (its absolute position seeds a sampled draw; its output so far
         counts for the penalties), and its logprobs if the request asked for them."""
-        token = choose_token(logits_v, req.sampling, len(req.prompt) + len(req.output),
-                             req.generated() if req.sampling.penalized else ())
+        token = choose_token(
+            logits_v, req.sampling, len(req.prompt) + len(req.output), req.generated() if req.sampling.penalized else ()
+        )
         k = req.sampling.logprobs
         return token, None if k is None else logprobs_of(logits_v, token, k)

@@ -98,9 +98,11 @@ class EngineConfig:
         if self.num_slots < 1 or self.num_pages < 2:
             raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 and num_pages ({self.num_pages}) >= 2")
         if self.step_tokens <= self.num_slots * (1 + self.draft_tokens):
-            raise ValueError(f"max_step_tokens ({self.step_tokens}) must exceed num_slots ({self.num_slots}) x "
-                             f"(1 + draft_tokens ({self.draft_tokens})): a step with every slot decoding must "
-                             f"leave room for prefill")
+            raise ValueError(
+                f"max_step_tokens ({self.step_tokens}) must exceed num_slots ({self.num_slots}) x "
+                f"(1 + draft_tokens ({self.draft_tokens})): a step with every slot decoding must "
+                f"leave room for prefill"
+            )
         if self.scan_layers not in SCAN_CHOICES:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
@@ -111,8 +113,9 @@ class EngineConfig:
         from serving.spec_decode import TAIL_MODES
 
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens must be in [0, {MAX_DRAFT_TOKENS}] (0: no speculation); "
-                             f"got {self.draft_tokens}")
+            raise ValueError(
+                f"draft_tokens must be in [0, {MAX_DRAFT_TOKENS}] (0: no speculation); got {self.draft_tokens}"
+            )
         if self.eagle_tail not in TAIL_MODES:
             raise ValueError(f"eagle_tail must be one of {TAIL_MODES}; got {self.eagle_tail!r}")
 

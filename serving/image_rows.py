@@ -57,8 +57,11 @@ class ImageRows:
         if not (self.eng.config.encoder_cache_to_host and self.eng.manager.host is not None):
             return None
         tenant, content = key
-        return make_key(self.eng.manager.spec.namespace, "vit",
-                        hashlib.blake2b(tenant.encode() + b"\0" + content, digest_size=16).digest())
+        return make_key(
+            self.eng.manager.spec.namespace,
+            "vit",
+            hashlib.blake2b(tenant.encode() + b"\0" + content, digest_size=16).digest(),
+        )
 
     def _from_host(self, key: tuple):
         hk = self._host_key(key)
@@ -66,8 +69,11 @@ class ImageRows:
             return None
         if self._vit_rows is None:  # what one image's rows are, without running the ViT
             s = self.eng.cfg.vit.image_size
-            self._vit_rows = jax.eval_shape(lambda: model.image_embeddings(
-                self.eng.params, self.eng.cfg, np.zeros((1, s, s, self.eng.cfg.vit.channels), np.float32)))
+            self._vit_rows = jax.eval_shape(
+                lambda: model.image_embeddings(
+                    self.eng.params, self.eng.cfg, np.zeros((1, s, s, self.eng.cfg.vit.channels), np.float32)
+                )
+            )
         out = np.empty(self._vit_rows.shape, self._vit_rows.dtype)
         try:
             found = self.eng.manager.host.batch_get_into([hk], [out])[0]

@@ -40,8 +40,13 @@ def unpack(raw: bytes):
     """(prompt list, token, pages list, state, images or None); ValueError for bytes that are not one."""
     try:
         with np.load(io.BytesIO(raw)) as z:
-            return ([int(t) for t in z["prompt"]], int(z["token"]), list(z["pages"]), z["state"],
-                    z["images"] if "images" in z.files else None)
+            return (
+                [int(t) for t in z["prompt"]],
+                int(z["token"]),
+                list(z["pages"]),
+                z["state"],
+                z["images"] if "images" in z.files else None,
+            )
     except (ValueError, KeyError, OSError, EOFError) as err:
         raise ValueError(f"not a KV handoff: {err}") from None
 
@@ -92,8 +97,12 @@ class HeldKV:
     def stats(self) -> dict:
         with self._lock:
             self._expire()
-            return {"kv_held": len(self._held), "kv_held_bytes": self.bytes_held, "kv_served": self.served,
-                    "kv_dropped": self.dropped}
+            return {
+                "kv_held": len(self._held),
+                "kv_held_bytes": self.bytes_held,
+                "kv_served": self.served,
+                "kv_dropped": self.dropped,
+            }
 
 
 async def pull(client, source: str, handle: str, *, headers: dict, timeout_s: float, max_bytes: int) -> bytes:
@@ -104,11 +113,11 @@ async def pull(client, source: str, handle: str, *, headers: dict, timeout_s: fl
     if not source.startswith(("http://", "https://")) or not handle.replace("-", "").replace("_", "").isalnum():
         raise HandoffError(f"not a KV source: {source!r} / {handle!r}")
     try:
-        async with client.stream("GET", f"{source.rstrip('/')}/kv/{handle}", headers=headers,
-                                 timeout=timeout_s) as r:
+        async with client.stream("GET", f"{source.rstrip('/')}/kv/{handle}", headers=headers, timeout=timeout_s) as r:
             if r.status_code != 200:
-                raise HandoffError(f"{source} answered {r.status_code} for the KV: "
-                                   f"{(await r.aread()).decode(errors='replace')[:200]}")
+                raise HandoffError(
+                    f"{source} answered {r.status_code} for the KV: {(await r.aread()).decode(errors='replace')[:200]}"
+                )
             chunks, n = [], 0
             async for chunk in r.aiter_bytes():
                 n += len(chunk)

@@ -42,7 +42,9 @@ def padded_index(blocks) -> np.ndarray:
 def padded_rows(arrays, rows: int) -> np.ndarray:
     """np.stack(arrays), zero rows appended up to `rows` (`padded_index`'s length)."""
     data = np.stack(arrays)
-    return np.concatenate([data, np.zeros((rows - len(data),) + data.shape[1:], data.dtype)]) if rows > len(data) else data
+    return (
+        np.concatenate([data, np.zeros((rows - len(data),) + data.shape[1:], data.dtype)]) if rows > len(data) else data
+    )
 
 
 @jax.jit
@@ -81,7 +83,7 @@ def _restore_slot(kda_pool, slot, packed, *, n_kda):
     for k in sorted(kda_pool):
         shape = (n_kda,) + kda_pool[k].shape[1:]
         n = int(np.prod(shape))
-        out[k] = kda_pool[k].at[rows].set(packed[off:off + n].reshape(shape).astype(kda_pool[k].dtype))
+        out[k] = kda_pool[k].at[rows].set(packed[off : off + n].reshape(shape).astype(kda_pool[k].dtype))
         off += n
     return out
 
@@ -106,8 +108,7 @@ def _save_slot(snapshots, block, kda_pool, slot, *, n_kda):
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _save_export(snapshots, block, exports, index):
     """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed."""
-    return snapshots.at[block].set(_pack({k: jnp.stack([layer[k][0, index] for layer in exports])
-                                          for k in exports[0]}))
+    return snapshots.at[block].set(_pack({k: jnp.stack([layer[k][0, index] for layer in exports]) for k in exports[0]}))
 
 
 _slot_rows = jax.jit(_slot_packed, static_argnames=("n_kda",))
@@ -149,8 +150,16 @@ def bytes_per_state(cfg: ModelConfig, dtype) -> int:
     return cfg.mixer_kinds.count("kda") * per_layer
 
 
-def pages_in_budget(cfg: ModelConfig, dtype, budget_bytes: float, *, num_slots: int, num_snapshots: int,
-                    page_tokens: int, draft_tokens: int = 0) -> int:
+def pages_in_budget(
+    cfg: ModelConfig,
+    dtype,
+    budget_bytes: float,
+    *,
+    num_slots: int,
+    num_snapshots: int,
+    page_tokens: int,
+    draft_tokens: int = 0,
+) -> int:
     """KV pages a byte budget holds once the slots' states (and an EAGLE-3 draft's pending
     features) and the snapshots are carved out; a draft's rows ride on every page."""
     state = bytes_per_state(cfg, dtype)
@@ -176,8 +185,9 @@ class MLAPageStore:
         index = padded_index(blocks)
         stacked = np.asarray(_read_pages(self.kv.pools["mla"]["pages"], index, n_mla=len(self.kv.mla_layers)))
         if self.kv.dpools is not None:
-            stacked = np.concatenate([stacked, np.asarray(_read_pages(self.kv.dpools["pages"], index, n_mla=1))],
-                                     axis=1)
+            stacked = np.concatenate(
+                [stacked, np.asarray(_read_pages(self.kv.dpools["pages"], index, n_mla=1))], axis=1
+            )
         return [stacked[j].astype(self.dtype) for j in range(len(blocks))]
 
     def write(self, blocks, arrays):
@@ -191,8 +201,9 @@ class MLAPageStore:
         self.kv.pools = dict(self.kv.pools, mla={"pages": pages})
         if self.kv.dpools is not None:
             self.kv.tail_known[np.asarray(blocks, np.int64)] = False
-            self.kv.dpools = dict(self.kv.dpools, pages=_write_pages(self.kv.dpools["pages"], index,
-                                                                     data[:, n_mla:], n_mla=1))
+            self.kv.dpools = dict(
+                self.kv.dpools, pages=_write_pages(self.kv.dpools["pages"], index, data[:, n_mla:], n_mla=1)
+            )
 
 
 class SnapshotStore:
@@ -208,7 +219,7 @@ class SnapshotStore:
     def read(self, blocks):
         if not len(blocks):
             return []
-        return list(np.asarray(_take_rows(self.data, padded_index(blocks)))[:len(blocks)])
+        return list(np.asarray(_take_rows(self.data, padded_index(blocks)))[: len(blocks)])
 
     def write(self, blocks, arrays):
         if not len(blocks):
@@ -220,16 +231,30 @@ class SnapshotStore:
 class KVPools:
     """The paged pools, the snapshot pool and the moves between them (see the module comment)."""
 
-    def __init__(self, cfg: ModelConfig, *, num_pages: int, num_slots: int, num_snapshots: int, page_tokens: int,
-                 dtype, commit: bool = False, draft_tokens: int = 0, device=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        num_pages: int,
+        num_slots: int,
+        num_snapshots: int,
+        page_tokens: int,
+        dtype,
+        commit: bool = False,
+        draft_tokens: int = 0,
+        device=None,
+    ):
         """commit: place the pools on the default device explicitly (sharded steps compile their
         gather / write-back programs per placement).  device: place them (and the snapshots) on
         this device instead: a DP rank's own (`sharding.rank_pools`).  draft_tokens: k > 0 adds
         an EAGLE-3 draft's pools (`serving.spec_decode.init_draft_pools`) as `dpools`."""
         from serving import spec_decode
 
-        self.dpools = (spec_decode.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
-                       if draft_tokens else None)
+        self.dpools = (
+            spec_decode.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
+            if draft_tokens
+            else None
+        )
         # pages whose dpools["tail_g"] holds their last slot's feature (blocks written from the
         # host tier or a handoff do not carry it)
         self.tail_known = np.zeros(num_pages, bool)
@@ -264,16 +289,18 @@ class KVPools:
                 self._zeros = jnp.zeros((self.snapshot_size,), jnp.float32)
             kda = _restore_slot(self.pools["kda"], np.int32(slot), self._zeros, n_kda=n_kda)
         else:
-            kda = _restore_block(self.pools["kda"], np.int32(slot), self.snapshots.data, np.int32(snapshot_block),
-                                 n_kda=n_kda)
+            kda = _restore_block(
+                self.pools["kda"], np.int32(slot), self.snapshots.data, np.int32(snapshot_block), n_kda=n_kda
+            )
         self.pools = dict(self.pools, kda=kda)
 
     def packed_state(self, slot: int):
         return _slot_rows(self.pools["kda"], np.int32(slot), n_kda=len(self.kda_layers))
 
     def save_state(self, slot: int, snapshot_block: int) -> None:
-        self.snapshots.data = _save_slot(self.snapshots.data, np.int32(snapshot_block), self.pools["kda"],
-                                         np.int32(slot), n_kda=len(self.kda_layers))
+        self.snapshots.data = _save_slot(
+            self.snapshots.data, np.int32(snapshot_block), self.pools["kda"], np.int32(slot), n_kda=len(self.kda_layers)
+        )
 
     def warm_moves(self, max_blocks: int) -> None:
         """Compile (and run, on the null page and snapshot block and the scratch slot) the page and
@@ -293,12 +320,13 @@ class KVPools:
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
         (`kimik3.model.paged_view`'s exports; packed as `packed_state` packs a state row)."""
-        self.snapshots.data = _save_export(self.snapshots.data, np.int32(snapshot_block), tuple(exports),
-                                           np.int32(index))
+        self.snapshots.data = _save_export(
+            self.snapshots.data, np.int32(snapshot_block), tuple(exports), np.int32(index)
+        )
 
     def write_snapshot(self, snapshot_block: int, packed: np.ndarray) -> None:
         self.snapshots.write([snapshot_block], [packed])  # the bucketed move `warm_moves` compiled
 
     def read_kv(self, page_table: list[int], n_tokens: int, slot: int) -> tuple[list[np.ndarray], np.ndarray]:
         """(contents of the pages holding the first `n_tokens` of a table, the slot's packed KDA state)."""
-        return self.pages.read(page_table[:-(-n_tokens // self.page_tokens)]), np.asarray(self.packed_state(slot))
+        return self.pages.read(page_table[: -(-n_tokens // self.page_tokens)]), np.asarray(self.packed_state(slot))

@@ -51,8 +51,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float,
-                 stop: threading.Event | None = None) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen | None, timeout_s: float, stop: threading.Event | None = None
+) -> None:
     """Poll `url`/health until it answers 200; RuntimeError if the process exits, time runs out
     or `stop` is set."""
     import httpx
@@ -138,8 +139,14 @@ class Child:
 
     def spawn(self) -> None:
         out = open(self.log_path, "a")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=dict(child_env(self.port), **self.env),
-                                     cwd=_ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(child_env(self.port), **self.env),
+            cwd=_ROOT,
+            start_new_session=True,
+        )
         out.close()
 
 
@@ -162,8 +169,23 @@ class Deployment:
 
     def _worker_argv(self, role: str, index: int, port: int) -> list[str]:
         a = self.args
-        argv = [sys.executable, "-m", "serving.worker", "--role", role, "--port", str(port), "--config", a.config,
-                "--seed", str(a.seed), "--worker-id", f"{role}-{index}", "--log-level", a.log_level]
+        argv = [
+            sys.executable,
+            "-m",
+            "serving.worker",
+            "--role",
+            role,
+            "--port",
+            str(port),
+            "--config",
+            a.config,
+            "--seed",
+            str(a.seed),
+            "--worker-id",
+            f"{role}-{index}",
+            "--log-level",
+            a.log_level,
+        ]
         if a.dtype:
             argv += ["--dtype", a.dtype]
         if self.services is not None:
@@ -185,9 +207,18 @@ class Deployment:
             per = 1 if self.gpus else self.args.group_devices
             for i, w in enumerate(members):
                 if "--coordinator" in w.argv:
-                    del w.argv[w.argv.index("--coordinator"):]  # the group options come last
-                w.argv += ["--coordinator", coordinator, "--num-processes", str(len(members)), "--process-id", str(i),
-                           "--data-parallel-size", str(per * len(members)), "--enable-expert-parallel"]
+                    del w.argv[w.argv.index("--coordinator") :]  # the group options come last
+                w.argv += [
+                    "--coordinator",
+                    coordinator,
+                    "--num-processes",
+                    str(len(members)),
+                    "--process-id",
+                    str(i),
+                    "--data-parallel-size",
+                    str(per * len(members)),
+                    "--enable-expert-parallel",
+                ]
                 if not self.gpus:
                     w.argv += ["--cpu-devices", str(per)]
 
@@ -201,8 +232,10 @@ class Deployment:
         n_workers = self.args.prefill + self.args.decode
         gpu = gpus[index % len(gpus)]
         sharing = sum(1 for i in range(n_workers) if gpus[i % len(gpus)] == gpu)
-        return {"CUDA_VISIBLE_DEVICES": gpu,
-                "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{self.args.gpu_memory_utilization / sharing:.4f}"}
+        return {
+            "CUDA_VISIBLE_DEVICES": gpu,
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{self.args.gpu_memory_utilization / sharing:.4f}",
+        }
 
     @functools.cached_property
     def gpus(self) -> list[str]:
@@ -219,8 +252,11 @@ class Deployment:
             out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             return []
-        return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")] \
-            if out.returncode == 0 else []
+        return (
+            [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+            if out.returncode == 0
+            else []
+        )
 
     def _router_env(self) -> dict:
         """Secrets the router reads from its environment (never its command line, which `ps` shows):
@@ -238,8 +274,9 @@ class Deployment:
         if not a.no_store:
             from cache.mooncake_tier import MooncakeServices
 
-            self.services = MooncakeServices(segment_bytes=a.store_mb << 20,
-                                             log_dir=os.path.join(self.log_dir, "mooncake"))
+            self.services = MooncakeServices(
+                segment_bytes=a.store_mb << 20, log_dir=os.path.join(self.log_dir, "mooncake")
+            )
             os.makedirs(self.services.log_dir, exist_ok=True)
             self.services.start()
             log.info("mooncake store at %s", self.services.master_addr)
@@ -257,23 +294,44 @@ class Deployment:
             for i in range(n):
                 port = free_port()
                 grouped = role == "decode" and a.decode_group
-                self.workers.append(Child(f"{role}-{i}", self._worker_argv(role, i, port), port,
-                                          os.path.join(self.log_dir, f"{role}-{i}.log"),
-                                          env=self.worker_env(len(self.workers)), group="decode" if grouped else None))
+                self.workers.append(
+                    Child(
+                        f"{role}-{i}",
+                        self._worker_argv(role, i, port),
+                        port,
+                        os.path.join(self.log_dir, f"{role}-{i}.log"),
+                        env=self.worker_env(len(self.workers)),
+                        group="decode" if grouped else None,
+                    )
+                )
         self._join_groups()
         for w in self.workers:
             w.spawn()
         t0 = time.monotonic()
-        self.progress(f"starting {len(self.workers)} worker(s): each loads its weights and compiles its steps "
-                      f"(logs in {self.log_dir})")
+        self.progress(
+            f"starting {len(self.workers)} worker(s): each loads its weights and compiles its steps "
+            f"(logs in {self.log_dir})"
+        )
         for w in self.workers:
             wait_healthy(w.url, w.proc, a.startup_timeout_s, self.stop_event)
             log.info("%s ready at %s (pid %d)", w.name, w.url, w.proc.pid)
             self.progress(f"{w.name} ready after {time.monotonic() - t0:.1f} s")
-        argv = [sys.executable, "-m", "serving.router", "--port", str(a.port), "--config", a.config,
-                "--log-level", a.log_level] + (["--checkpoint", a.checkpoint] if a.checkpoint else []) \
-            + (["--model-name", a.served_model_name] if a.served_model_name else []) \
+        argv = (
+            [
+                sys.executable,
+                "-m",
+                "serving.router",
+                "--port",
+                str(a.port),
+                "--config",
+                a.config,
+                "--log-level",
+                a.log_level,
+            ]
+            + (["--checkpoint", a.checkpoint] if a.checkpoint else [])
+            + (["--model-name", a.served_model_name] if a.served_model_name else [])
             + (["--tokenizer", a.tokenizer] if a.tokenizer else [])
+        )
         pre = [w.url for w in self.workers if w.name.startswith("prefill")]
         dec = [w.url for w in self.workers if w.name.startswith("decode")]
         if pre:
@@ -282,10 +340,14 @@ class Deployment:
             argv += ["--decode", *dec]
         if self.services is not None:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
-        self.router = Child("router", argv + shlex.split(a.router_args or ""), a.port,
-                            os.path.join(self.log_dir, "router.log"),
-                            # the L1's URL holds its password: in the environment, not on the command line
-                            env=self._router_env())
+        self.router = Child(
+            "router",
+            argv + shlex.split(a.router_args or ""),
+            a.port,
+            os.path.join(self.log_dir, "router.log"),
+            # the L1's URL holds its password: in the environment, not on the command line
+            env=self._router_env(),
+        )
         self.router.spawn()
         wait_healthy(self.router.url, self.router.proc, a.startup_timeout_s, self.stop_event)
         return self
@@ -298,11 +360,14 @@ class Deployment:
             pids["mooncake_metadata_server"] = self.services.metadata.pid
         if self.redis is not None:
             pids["redis"] = self.redis.proc.pid
-        return {"router": self.router.url + "/v1" if self.router else None,
-                "prefill": [w.url for w in self.workers if w.name.startswith("prefill")],
-                "decode": [w.url for w in self.workers if w.name.startswith("decode")],
-                "store": self.services.master_addr if self.services else None, "pids": pids,
-                "log_dir": self.log_dir}
+        return {
+            "router": self.router.url + "/v1" if self.router else None,
+            "prefill": [w.url for w in self.workers if w.name.startswith("prefill")],
+            "decode": [w.url for w in self.workers if w.name.startswith("decode")],
+            "store": self.services.master_addr if self.services else None,
+            "pids": pids,
+            "log_dir": self.log_dir,
+        }
 
     def supervise(self) -> bool:
         """Restart children (workers, router) and store services (master, memory server, metadata
@@ -315,10 +380,16 @@ class Deployment:
             if not gone:
                 continue
             if max(w.restarts for w in members) >= self.args.max_restarts:
-                raise RuntimeError(f"process group {group!r} lost {gone[0].name} (code {gone[0].proc.returncode}) "
-                                   f"after {members[0].restarts} restarts")
-            log.warning("%s of process group %r exited with code %s; restarting the group", gone[0].name, group,
-                        gone[0].proc.returncode)
+                raise RuntimeError(
+                    f"process group {group!r} lost {gone[0].name} (code {gone[0].proc.returncode}) "
+                    f"after {members[0].restarts} restarts"
+                )
+            log.warning(
+                "%s of process group %r exited with code %s; restarting the group",
+                gone[0].name,
+                group,
+                gone[0].proc.returncode,
+            )
             for w in members:  # the others cannot step without it (and stop on the group's heartbeat anyway)
                 if w.proc.poll() is None:
                     with _suppress():
@@ -374,38 +445,73 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (without --checkpoint)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
-    parser.add_argument("--checkpoint", "--model", dest="checkpoint", default=None, metavar="DIR",
-                        help="serve these weights: a Hugging Face Kimi-Linear directory, or `kimik3 train` / "
-                             "`kimik3 quantize`'s (overrides --config)")
-    parser.add_argument("--manifest", default=None,
-                        choices=SERVING_MANIFESTS,
-                        help="load --checkpoint's quantized weights as this manifest")
-    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
-                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one, for the router "
-                             "and every worker (default: the checkpoint's if it has one, else 'byte')")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model id clients send, and the model_name of every vllm:* metric "
-                             "(default: a Hugging Face directory's name, else kimik3-<config>)")
-    parser.add_argument("--gpus", default="auto",
-                        help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi "
-                             "lists) or none")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="the share of each GPU its workers may take (split between workers on one GPU)")
-    parser.add_argument("--decode-group", action="store_true",
-                        help="the decode workers form one process group: one DP / EP engine over all their devices "
-                             "(JAX's multi-controller runtime), each serving its own requests, all decoding together")
-    parser.add_argument("--group-devices", type=int, default=1,
-                        help="devices per group member on CPU (--decode-group without GPUs); one GPU each on GPUs")
+    parser.add_argument(
+        "--checkpoint",
+        "--model",
+        dest="checkpoint",
+        default=None,
+        metavar="DIR",
+        help="serve these weights: a Hugging Face Kimi-Linear directory, or `kimik3 train` / "
+        "`kimik3 quantize`'s (overrides --config)",
+    )
+    parser.add_argument(
+        "--manifest",
+        default=None,
+        choices=SERVING_MANIFESTS,
+        help="load --checkpoint's quantized weights as this manifest",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one, for the router "
+        "and every worker (default: the checkpoint's if it has one, else 'byte')",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send, and the model_name of every vllm:* metric "
+        "(default: a Hugging Face directory's name, else kimik3-<config>)",
+    )
+    parser.add_argument(
+        "--gpus",
+        default="auto",
+        help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi lists) or none",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="the share of each GPU its workers may take (split between workers on one GPU)",
+    )
+    parser.add_argument(
+        "--decode-group",
+        action="store_true",
+        help="the decode workers form one process group: one DP / EP engine over all their devices "
+        "(JAX's multi-controller runtime), each serving its own requests, all decoding together",
+    )
+    parser.add_argument(
+        "--group-devices",
+        type=int,
+        default=1,
+        help="devices per group member on CPU (--decode-group without GPUs); one GPU each on GPUs",
+    )
     parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
-    parser.add_argument("--redis", action="store_true",
-                        help="start a redis-server on 127.0.0.1 as the router's shared L1 fetch cache for image URLs")
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="start a redis-server on 127.0.0.1 as the router's shared L1 fetch cache for image URLs",
+    )
     parser.add_argument("--redis-mb", type=int, default=256, help="its memory (LRU past it)")
-    parser.add_argument("--worker-args", default="", help="extra worker options, e.g. \"--num-pages 128\"")
-    parser.add_argument("--router-args", default="", help="extra router options, e.g. \"--max-inflight 8\"")
-    parser.add_argument("--api-key", default=None,
-                        help="clients must send 'Authorization: Bearer KEY' (or set $KIMIK3_API_KEY); handed to the "
-                             "router in its environment, not on its command line")
+    parser.add_argument("--worker-args", default="", help='extra worker options, e.g. "--num-pages 128"')
+    parser.add_argument("--router-args", default="", help='extra router options, e.g. "--max-inflight 8"')
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (or set $KIMIK3_API_KEY); handed to the "
+        "router in its environment, not on its command line",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="wait this long for each child's health")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts of a child that exits on its own")
     parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")
@@ -441,9 +547,12 @@ def run(args) -> int:
         state = dep.state()
         if args.state_file:
             dep.write_state(args.state_file)
-        print(f"kimik3: serving {args.checkpoint or args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
-              f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
-              f"Ctrl-C stops", flush=True)
+        print(
+            f"kimik3: serving {args.checkpoint or args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
+            f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
+            f"Ctrl-C stops",
+            flush=True,
+        )
         while not stop.wait(0.5):
             if dep.supervise() and args.state_file:  # restarted children have new pids
                 dep.write_state(args.state_file)

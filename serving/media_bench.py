@@ -115,8 +115,7 @@ def workload(spec: MediaBenchSpec, cfg) -> tuple[list[list[tuple[list[int], list
                 paths.append(path)
                 new.append(path)
             msgs.append(tokenizer.Message("user", f"turn {t}: what changed on the screen?", n_images=len(new)))
-            turns.append((tokenizer.apply_chat_template(msgs, tokens_per_image=cfg.vit.tokens_per_image),
-                          list(paths)))
+            turns.append((tokenizer.apply_chat_template(msgs, tokens_per_image=cfg.vit.tokens_per_image), list(paths)))
         sessions.append(turns)
     return sessions, images
 
@@ -126,18 +125,30 @@ def engine_config(spec: MediaBenchSpec, sessions) -> EngineConfig:
     the same for every configuration (one set of compiled programs)."""
     longest = max(len(p) for turns in sessions for p, _ in turns) + spec.output_tokens
     per_request = -(-longest // spec.page_tokens) + 1
-    return EngineConfig(num_pages=len(sessions) * spec.turns * per_request + 8, num_slots=2,
-                        num_snapshots=len(sessions) * spec.turns * (longest // (4 * spec.page_tokens) + 2) + 8,
-                        page_tokens=spec.page_tokens, kda_block_tokens=4 * spec.page_tokens,
-                        max_pages_per_request=per_request, prefill_chunk_tokens=64)
+    return EngineConfig(
+        num_pages=len(sessions) * spec.turns * per_request + 8,
+        num_slots=2,
+        num_snapshots=len(sessions) * spec.turns * (longest // (4 * spec.page_tokens) + 2) + 8,
+        page_tokens=spec.page_tokens,
+        kda_block_tokens=4 * spec.page_tokens,
+        max_pages_per_request=per_request,
+        prefill_chunk_tokens=64,
+    )
 
 
-def run_config(name: str, tiers: tuple, params, cfg, spec: MediaBenchSpec, sessions, server,
-               engine_cfg: EngineConfig) -> tuple[dict, list]:
-    fetcher = MediaFetcher(FetchPolicy(allow_networks=("127.0.0.1/32",)),
-                           EmbeddedFetchCache() if 1 in tiers else None, pixels=PixelCache() if 2 in tiers else None)
-    eng = Engine(params, cfg, dataclasses.replace(engine_cfg, encoder_cache_bytes=(64 << 20) if 3 in tiers else 0,
-                                                  prefix_caching=4 in tiers))
+def run_config(
+    name: str, tiers: tuple, params, cfg, spec: MediaBenchSpec, sessions, server, engine_cfg: EngineConfig
+) -> tuple[dict, list]:
+    fetcher = MediaFetcher(
+        FetchPolicy(allow_networks=("127.0.0.1/32",)),
+        EmbeddedFetchCache() if 1 in tiers else None,
+        pixels=PixelCache() if 2 in tiers else None,
+    )
+    eng = Engine(
+        params,
+        cfg,
+        dataclasses.replace(engine_cfg, encoder_cache_bytes=(64 << 20) if 3 in tiers else 0, prefix_caching=4 in tiers),
+    )
     size = cfg.vit.image_size
     ttft, outputs, cached, prompt_tokens = [], [], 0, 0
     before = server.requests
@@ -145,8 +156,9 @@ def run_config(name: str, tiers: tuple, params, cfg, spec: MediaBenchSpec, sessi
         for s, turns in enumerate(sessions):
             prompt, paths = turns[t]
             t0 = time.perf_counter()
-            pixels = [fetcher.decoded(fetcher.get(server.url(p), f"s{s}"), size, f"s{s}", decode_image_bytes)
-                      for p in paths]
+            pixels = [
+                fetcher.decoded(fetcher.get(server.url(p), f"s{s}"), size, f"s{s}", decode_image_bytes) for p in paths
+            ]
             req = eng.submit(prompt, spec.output_tokens, images=np.stack(pixels), cache_salt=f"s{s}")
             while not req.output:
                 eng.step()
@@ -160,14 +172,20 @@ def run_config(name: str, tiers: tuple, params, cfg, spec: MediaBenchSpec, sessi
     rate = lambda h, m: h / (h + m) if h + m else 0.0  # noqa: E731
     ec = eng.encoder_cache.stats if eng.encoder_cache is not None else None
     images_seen = sum(len(paths) for turns in sessions for _, paths in turns)
-    row = {"config": name, "turns": len(ttft), "images": images_seen,
-           "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)), "ttft_p90_ms": 1e3 * float(np.percentile(ttft, 90)),
-           "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
-           "l1_hit_rate": rate(st.get("l1_hits", 0), st.get("l1_misses", 0)) if 1 in tiers else 0.0,
-           "l2_hit_rate": rate(st.get("l2_hits", 0), st.get("l2_misses", 0)) if 2 in tiers else 0.0,
-           "l3_hit_rate": rate(ec.hits, ec.misses) if ec else 0.0,
-           "l4_hit_rate": cached / prompt_tokens,  # prompt tokens served from the prefix cache
-           "fetches": server.requests - before, "fetch_latency_ms": spec.fetch_latency_ms}
+    row = {
+        "config": name,
+        "turns": len(ttft),
+        "images": images_seen,
+        "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+        "ttft_p90_ms": 1e3 * float(np.percentile(ttft, 90)),
+        "ttft_p99_ms": 1e3 * float(np.percentile(ttft, 99)),
+        "l1_hit_rate": rate(st.get("l1_hits", 0), st.get("l1_misses", 0)) if 1 in tiers else 0.0,
+        "l2_hit_rate": rate(st.get("l2_hits", 0), st.get("l2_misses", 0)) if 2 in tiers else 0.0,
+        "l3_hit_rate": rate(ec.hits, ec.misses) if ec else 0.0,
+        "l4_hit_rate": cached / prompt_tokens,  # prompt tokens served from the prefix cache
+        "fetches": server.requests - before,
+        "fetch_latency_ms": spec.fetch_latency_ms,
+    }
     return row, outputs
 
 
@@ -183,8 +201,7 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
     cfg = config.get_config(spec.config)
     if cfg.vit is None:
         raise ValueError(f"config {cfg.name!r} has no vision encoder")
-    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed), spec.dtype), cfg,
-                                    scan=False)
+    params = stacked.serving_layout(model.init_params(cfg, jax.random.PRNGKey(spec.seed), spec.dtype), cfg, scan=False)
     sessions, images = workload(spec, cfg)
     server = SlowImageServer(images, spec.fetch_latency_ms / 1e3)
     try:
@@ -192,7 +209,9 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
         # one image at a time in both: `serving.image_rows`).
         engine_cfg = engine_config(spec, sessions)
         for name, tiers in (CONFIGS[0], CONFIGS[-1]):
-            run_config(name, tiers, params, cfg, dataclasses.replace(spec, sessions=1), sessions[:1], server, engine_cfg)
+            run_config(
+                name, tiers, params, cfg, dataclasses.replace(spec, sessions=1), sessions[:1], server, engine_cfg
+            )
         rows, outs = [], {}
         for name, tiers in CONFIGS:
             row, outs[name] = run_config(name, tiers, params, cfg, spec, sessions, server, engine_cfg)
@@ -205,21 +224,33 @@ def main(spec: MediaBenchSpec, json_path: str | None = None) -> str:
     same = all(o == outs["none"] for o in outs.values())
     if json_path:
         _write_rows(json_path, rows, outs)
-    head = ("| config | TTFT p50 / p90 / p99 ms | L1 hit | L2 hit | L3 hit | L4 (prompt tokens cached) | fetches |\n"
-            "| --- | --- | --- | --- | --- | --- | --- |")
-    lines = [f"| {r['config']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-             f"{r['l1_hit_rate']:.0%} | {r['l2_hit_rate']:.0%} | {r['l3_hit_rate']:.0%} | "
-             f"{r['l4_hit_rate']:.0%} | {r['fetches']} |" for r in rows]
-    text = (f"config={cfg.name}, {spec.sessions} sessions x {spec.turns} turns, {rows[0]['images']} images "
-            f"({spec.image_px[0]}x{spec.image_px[1]} JPEG), fetch latency {spec.fetch_latency_ms:g} ms "
-            f"(127.0.0.1), {params['embed_vd'].dtype} weights; tokens equal across configurations: {same}\n"
-            + head + "\n" + "\n".join(lines))
+    head = (
+        "| config | TTFT p50 / p90 / p99 ms | L1 hit | L2 hit | L3 hit | L4 (prompt tokens cached) | fetches |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    lines = [
+        f"| {r['config']} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+        f"{r['l1_hit_rate']:.0%} | {r['l2_hit_rate']:.0%} | {r['l3_hit_rate']:.0%} | "
+        f"{r['l4_hit_rate']:.0%} | {r['fetches']} |"
+        for r in rows
+    ]
+    text = (
+        f"config={cfg.name}, {spec.sessions} sessions x {spec.turns} turns, {rows[0]['images']} images "
+        f"({spec.image_px[0]}x{spec.image_px[1]} JPEG), fetch latency {spec.fetch_latency_ms:g} ms "
+        f"(127.0.0.1), {params['embed_vd'].dtype} weights; tokens equal across configurations: {same}\n"
+        + head
+        + "\n"
+        + "\n".join(lines)
+    )
     if not same:
         if arithmetic.exact_arithmetic(params):
             raise RuntimeError("a cache tier changed the tokens:\n" + text)
         # below exact fp32 a prefix hit (L4) and its recompute round differently: near-tied
         # greedy tokens can flip; the rows are kept, the configurations named
-        log.warning("configurations %s gave other tokens than none (%s weights, matmul precision %s)",
-                    [r["config"] for r in rows if not r["tokens_equal_none"]], params["embed_vd"].dtype,
-                    arithmetic.matmul_precision())
+        log.warning(
+            "configurations %s gave other tokens than none (%s weights, matmul precision %s)",
+            [r["config"] for r in rows if not r["tokens_equal_none"]],
+            params["embed_vd"].dtype,
+            arithmetic.matmul_precision(),
+        )
     return text

@@ -117,13 +117,17 @@ class StepProfile:
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """{kind: {"steps": n, "host_ms": mean host ms a step, "wait_ms": mean wait ms a step}}."""
-        return {k: {"steps": n, "host_ms": 1e3 * self.host_s[k] / n, "wait_ms": 1e3 * self.wait_s[k] / n}
-                for k, n in self.steps.items()}
+        return {
+            k: {"steps": n, "host_ms": 1e3 * self.host_s[k] / n, "wait_ms": 1e3 * self.wait_s[k] / n}
+            for k, n in self.steps.items()
+        }
 
     def summary(self) -> str:
         """One line: each kind's steps and mean host / wait ms a step, the most frequent first."""
-        return "; ".join(f"{k} {v['steps']} steps (host {v['host_ms']:.2f} + wait {v['wait_ms']:.2f} ms a step)"
-                         for k, v in sorted(self.as_dict().items(), key=lambda kv: -kv[1]["steps"]))
+        return "; ".join(
+            f"{k} {v['steps']} steps (host {v['host_ms']:.2f} + wait {v['wait_ms']:.2f} ms a step)"
+            for k, v in sorted(self.as_dict().items(), key=lambda kv: -kv[1]["steps"])
+        )
 
 
 def percentiles(values: Sequence[float | None]) -> dict[str, float]:
@@ -157,24 +161,38 @@ def summarize(name: str, records: Sequence[RequestRecord], wall_s: float) -> Sum
     prompt = max(1, sum(r.prompt_tokens for r in records))
     gpu = sum(r.cached_tokens_gpu for r in records)
     host = sum(r.cached_tokens_host for r in records)
-    return Summary(name, len(records), sum(len(r.token_times_s) for r in records), wall_s,
-                   percentiles([r.ttft_s for r in records]), percentiles([r.tpot_s for r in records]),
-                   percentiles([r.queue_s for r in records]), (gpu + host) / prompt, gpu / prompt, host / prompt,
-                   percentiles([r.tpot_decode_only_s for r in records]), percentiles([r.tpot_mixed_s for r in records]))
+    return Summary(
+        name,
+        len(records),
+        sum(len(r.token_times_s) for r in records),
+        wall_s,
+        percentiles([r.ttft_s for r in records]),
+        percentiles([r.tpot_s for r in records]),
+        percentiles([r.queue_s for r in records]),
+        (gpu + host) / prompt,
+        gpu / prompt,
+        host / prompt,
+        percentiles([r.tpot_decode_only_s for r in records]),
+        percentiles([r.tpot_mixed_s for r in records]),
+    )
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
     ms = lambda d, q: f"{1e3 * d[q]:.1f}"
-    lines = ["| mode | requests | throughput tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
-             "TPOT p50 decode-only / mixed ms | queue p50 / p99 ms | cache rate (GPU + host) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| mode | requests | throughput tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
+        "TPOT p50 decode-only / mixed ms | queue p50 / p99 ms | cache rate (GPU + host) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for s in summaries:
-        lines.append(f"| {s.name} | {s.requests} | {s.throughput_tok_s:.1f} | "
-                     f"{ms(s.ttft_s, 'p50')} / {ms(s.ttft_s, 'p90')} / {ms(s.ttft_s, 'p99')} | "
-                     f"{ms(s.tpot_s, 'p50')} / {ms(s.tpot_s, 'p90')} / {ms(s.tpot_s, 'p99')} | "
-                     f"{ms(s.tpot_decode_only_s, 'p50')} / {ms(s.tpot_mixed_s, 'p50')} | "
-                     f"{ms(s.queue_s, 'p50')} / {ms(s.queue_s, 'p99')} | "
-                     f"{s.cache_rate:.1%} ({s.cache_rate_gpu:.1%} + {s.cache_rate_host:.1%}) |")
+        lines.append(
+            f"| {s.name} | {s.requests} | {s.throughput_tok_s:.1f} | "
+            f"{ms(s.ttft_s, 'p50')} / {ms(s.ttft_s, 'p90')} / {ms(s.ttft_s, 'p99')} | "
+            f"{ms(s.tpot_s, 'p50')} / {ms(s.tpot_s, 'p90')} / {ms(s.tpot_s, 'p99')} | "
+            f"{ms(s.tpot_decode_only_s, 'p50')} / {ms(s.tpot_mixed_s, 'p50')} | "
+            f"{ms(s.queue_s, 'p50')} / {ms(s.queue_s, 'p99')} | "
+            f"{s.cache_rate:.1%} ({s.cache_rate_gpu:.1%} + {s.cache_rate_host:.1%}) |"
+        )
     return "\n".join(lines)
 
 

@@ -57,8 +57,20 @@ from serving.sampling import SamplingParams, TokenLogprobs, output_counts, sampl
 
 log = logging.getLogger(__name__)
 
-IO_KEYS = ("tokens", "lengths", "tables", "slots", "active", "temperature", "top_p", "seed", "top_k", "min_p",
-           "presence", "frequency")
+IO_KEYS = (
+    "tokens",
+    "lengths",
+    "tables",
+    "slots",
+    "active",
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence",
+    "frequency",
+)
 
 
 @dataclasses.dataclass
@@ -80,23 +92,39 @@ class DecodeRows:
     logprobs: tuple = ()  # per request row: how many top logprobs it reports (None: none); host-only
 
     @classmethod
-    def build(cls, bucket: int, tokens, tables, slots, lengths, sampling: list[SamplingParams], *,
-              max_pages: int, null_page: int, scratch_slot: int) -> "DecodeRows":
+    def build(
+        cls,
+        bucket: int,
+        tokens,
+        tables,
+        slots,
+        lengths,
+        sampling: list[SamplingParams],
+        *,
+        max_pages: int,
+        null_page: int,
+        scratch_slot: int,
+    ) -> "DecodeRows":
         n, pad = len(tokens), bucket - len(tokens)
         table = np.full((bucket, max_pages), null_page, np.int32)
         for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+            table[i, : len(t)] = t
         as_i32 = lambda xs, fill: np.asarray(list(xs) + [fill] * pad, np.int32)
-        return cls(tokens=as_i32(tokens, 0), lengths=as_i32(lengths, 0), tables=table,
-                   slots=as_i32(slots, scratch_slot), active=as_i32([1] * n, 0),
-                   temperature=np.asarray([s.temperature for s in sampling] + [0.0] * pad, np.float32),
-                   top_p=np.asarray([s.top_p for s in sampling] + [1.0] * pad, np.float32),
-                   seed=np.asarray([seed_words(s.seed) for s in sampling] + [(0, 0)] * pad, np.uint32),
-                   top_k=np.asarray([s.top_k for s in sampling] + [0] * pad, np.int32),
-                   min_p=np.asarray([s.min_p for s in sampling] + [0.0] * pad, np.float32),
-                   presence=np.asarray([s.presence_penalty for s in sampling] + [0.0] * pad, np.float32),
-                   frequency=np.asarray([s.frequency_penalty for s in sampling] + [0.0] * pad, np.float32),
-                   logprobs=tuple(s.logprobs for s in sampling))
+        return cls(
+            tokens=as_i32(tokens, 0),
+            lengths=as_i32(lengths, 0),
+            tables=table,
+            slots=as_i32(slots, scratch_slot),
+            active=as_i32([1] * n, 0),
+            temperature=np.asarray([s.temperature for s in sampling] + [0.0] * pad, np.float32),
+            top_p=np.asarray([s.top_p for s in sampling] + [1.0] * pad, np.float32),
+            seed=np.asarray([seed_words(s.seed) for s in sampling] + [(0, 0)] * pad, np.uint32),
+            top_k=np.asarray([s.top_k for s in sampling] + [0] * pad, np.int32),
+            min_p=np.asarray([s.min_p for s in sampling] + [0.0] * pad, np.float32),
+            presence=np.asarray([s.presence_penalty for s in sampling] + [0.0] * pad, np.float32),
+            frequency=np.asarray([s.frequency_penalty for s in sampling] + [0.0] * pad, np.float32),
+            logprobs=tuple(s.logprobs for s in sampling),
+        )
 
     @property
     def greedy(self) -> bool:
@@ -118,23 +146,45 @@ class DecodeRows:
 
     def advanced(self, new_tokens: np.ndarray) -> "DecodeRows":
         """What the buffers hold after a step that sampled `new_tokens`."""
-        return dataclasses.replace(self, tokens=np.where(self.active > 0, new_tokens, self.tokens).astype(np.int32),
-                                   lengths=(self.lengths + self.active).astype(np.int32))
+        return dataclasses.replace(
+            self,
+            tokens=np.where(self.active > 0, new_tokens, self.tokens).astype(np.int32),
+            lengths=(self.lengths + self.active).astype(np.int32),
+        )
 
 
-def _decode_body(params, pools, io, counts=None, *, cfg: ModelConfig, kernels: str, greedy: bool,
-                 logprobs: bool = False):
+def _decode_body(
+    params, pools, io, counts=None, *, cfg: ModelConfig, kernels: str, greedy: bool, logprobs: bool = False
+):
     # valid = active: an idle row of the bucket writes no state and is routed to no expert
     view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
-    logits, view = model._forward_impl(params, io["tokens"][:, None], io["lengths"][:, None], view, None, cfg=cfg,
-                                       expert_path="grouped", kernels=kernels, logits_tail=1)
+    logits, view = model._forward_impl(
+        params,
+        io["tokens"][:, None],
+        io["lengths"][:, None],
+        view,
+        None,
+        cfg=cfg,
+        expert_path="grouped",
+        kernels=kernels,
+        logits_tail=1,
+    )
     pen = {}
     if counts is not None:  # the input token is the row's latest output token: count it first
         counts = counts.at[io["slots"], io["tokens"]].add(io["active"])
         pen = dict(counts_bv=counts[io["slots"]], presence_b=io["presence"], frequency_b=io["frequency"])
     # the chosen token sits at position lengths + 1 (the input token is at lengths)
-    new = sample_tokens(logits[:, -1], io["temperature"], io["top_p"], io["seed"], io["lengths"] + 1, greedy=greedy,
-                        top_k_b=io["top_k"], min_p_b=io["min_p"], **pen)
+    new = sample_tokens(
+        logits[:, -1],
+        io["temperature"],
+        io["top_p"],
+        io["seed"],
+        io["lengths"] + 1,
+        greedy=greedy,
+        top_k_b=io["top_k"],
+        min_p_b=io["min_p"],
+        **pen,
+    )
     lp = token_logprobs(logits[:, -1], new) if logprobs else None
     active = io["active"] > 0
     io = dict(io, tokens=jnp.where(active, new, io["tokens"]), lengths=io["lengths"] + io["active"])
@@ -159,10 +209,10 @@ def decode_program_ext(params, pools, io, counts, *, cfg: ModelConfig, kernels: 
     return _decode_body(params, pools, io, counts, cfg=cfg, kernels=kernels, greedy=greedy, logprobs=True)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "n_steps"),
-                   donate_argnames=("pools", "io"))
-def multi_decode_program(params, pools, io, stop_at_eos_b, eos_id, *, cfg: ModelConfig, kernels: str, greedy: bool,
-                         n_steps: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "greedy", "n_steps"), donate_argnames=("pools", "io"))
+def multi_decode_program(
+    params, pools, io, stop_at_eos_b, eos_id, *, cfg: ModelConfig, kernels: str, greedy: bool, n_steps: int
+):
     """`n_steps` decode steps in one program (a decode-only phase: no host between steps).
 
     The caller has extended every active row's pages for n_steps more tokens and none may reach
@@ -215,8 +265,10 @@ def decode_logprobs(rows: "DecodeRows", lp) -> list[TokenLogprobs | None]:
     """Per request row of `rows`, its tokens' `TokenLogprobs` from a step's device output (None for
     a row that asked for none)."""
     chosen, ids, lps = (np.asarray(a) for a in lp)
-    return [None if k is None else TokenLogprobs.from_arrays(chosen[i], ids[i], lps[i], k)
-            for i, k in enumerate(rows.logprobs)]
+    return [
+        None if k is None else TokenLogprobs.from_arrays(chosen[i], ids[i], lps[i], k)
+        for i, k in enumerate(rows.logprobs)
+    ]
 
 
 class DecodeRunner:
@@ -275,7 +327,7 @@ class DecodeRunner:
         if self._counts is None:
             self._counts = jnp.zeros((self.num_slots + 1, self.cfg.vocab_size), jnp.int32)
             self._counted = {}
-        for i, slot in enumerate(rows.slots[:len(rows.logprobs)].tolist()):
+        for i, slot in enumerate(rows.slots[: len(rows.logprobs)].tolist()):
             entry = histories[i] if i < len(histories) else None
             if entry is None:
                 self._counted.pop(slot, None)
@@ -283,8 +335,9 @@ class DecodeRunner:
             owner, n, tokens = entry
             held = self._counted.get(slot)
             if held is None or held[0] is not owner or held[1] != n:
-                self._counts = _write_counts(self._counts, jnp.int32(slot), output_counts(tokens(),
-                                                                                          self.cfg.vocab_size))
+                self._counts = _write_counts(
+                    self._counts, jnp.int32(slot), output_counts(tokens(), self.cfg.vocab_size)
+                )
                 self.count_writes += 1
             self._counted[slot] = (owner, n + 1)  # what the row holds after the step
 
@@ -300,13 +353,15 @@ class DecodeRunner:
                 raise ValueError("rows with penalties need their outputs so far (histories)")
             self._sync_counts(rows, histories or [])
             counts, self._counts = self._counts, None
-            pools, io, self._counts, lp = decode_program_ext(params, pools, io, counts, cfg=self.cfg,
-                                                             kernels=self.kernels, greedy=rows.greedy)
+            pools, io, self._counts, lp = decode_program_ext(
+                params, pools, io, counts, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy
+            )
         else:
             pools, io = decode_program(params, pools, io, cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy)
         self._io[bucket] = io
-        self._holds[bucket] = dataclasses.replace(rows, tokens=None, lengths=(rows.lengths + rows.active)
-                                                  .astype(np.int32))
+        self._holds[bucket] = dataclasses.replace(
+            rows, tokens=None, lengths=(rows.lengths + rows.active).astype(np.int32)
+        )
         self._dispatched += 1
         self._last[bucket] = self._dispatched
         return pools, _read_tokens(io), self._dispatched, lp
@@ -320,9 +375,17 @@ class DecodeRunner:
             raise ValueError("multi-step decode takes rows without penalties or logprobs")
         bucket = len(rows.tokens)
         io = self._buffers(rows, False)
-        pools, io, tokens = multi_decode_program(params, pools, io, jnp.asarray(stop_at_eos, bool),
-                                                 jnp.int32(eos_id), cfg=self.cfg, kernels=self.kernels,
-                                                 greedy=rows.greedy, n_steps=n_steps)
+        pools, io, tokens = multi_decode_program(
+            params,
+            pools,
+            io,
+            jnp.asarray(stop_at_eos, bool),
+            jnp.int32(eos_id),
+            cfg=self.cfg,
+            kernels=self.kernels,
+            greedy=rows.greedy,
+            n_steps=n_steps,
+        )
         self._io[bucket], self._holds[bucket] = io, None
         self._dispatched += 1
         self._last[bucket] = self._dispatched
@@ -337,14 +400,20 @@ class DecodeRunner:
 
     def programs(self) -> int:
         # _overwrite is shared with the speculative rounds' rows (`serving.spec_decode`)
-        return (decode_program._cache_size() + decode_program_ext._cache_size() + multi_decode_program._cache_size()
-                + _overwrite._cache_size() + _write_counts._cache_size())
+        return (
+            decode_program._cache_size()
+            + decode_program_ext._cache_size()
+            + multi_decode_program._cache_size()
+            + _overwrite._cache_size()
+            + _write_counts._cache_size()
+        )
 
     def lower(self, params, pools, rows: DecodeRows):
         """Lower (ahead of time) the program for `rows`' bucket (`.compile()` it next); it neither
         runs nor donates."""
-        return decode_program.lower(params, pools, rows.as_dict(), cfg=self.cfg, kernels=self.kernels,
-                                    greedy=rows.greedy)
+        return decode_program.lower(
+            params, pools, rows.as_dict(), cfg=self.cfg, kernels=self.kernels, greedy=rows.greedy
+        )
 
 
 def prefill_buckets(limit: int, smallest: int = 64) -> list[int]:
@@ -371,8 +440,9 @@ def _available_bytes() -> int | None:
     return None
 
 
-def compile_threads(jobs: int, *, cpu_count: int | None = None, available_bytes: int | None = -1,
-                    bytes_per_compile: int | None = None) -> int:
+def compile_threads(
+    jobs: int, *, cpu_count: int | None = None, available_bytes: int | None = -1, bytes_per_compile: int | None = None
+) -> int:
     """Threads for a warm-up's concurrent compiles: at most one per job, half the cores, and no more
     than the host's available memory holds at `bytes_per_compile` each ($KIMIK3_COMPILE_GIB, default
     1.5 GiB: whole-model compiles of `small` on 8 threads peaked at 12.4 GiB of host RSS).
@@ -412,22 +482,39 @@ class ModelRunner:
     rank's device); every call threads `kv.pools` through.  Unsharded chunks run where their
     pools are, on a copy of the params placed there once (`params_on`)."""
 
-    def __init__(self, params, cfg: ModelConfig, *, kernels: str, role: str, mesh, dispatch: str, num_slots: int,
-                 page_tokens: int, prefill_chunk_tokens: int, max_step_tokens: int, export_slots: int,
-                 scan_layers: str = "prefill", taps: tuple[int, ...] = (), prefill_batch: int = 1):
+    def __init__(
+        self,
+        params,
+        cfg: ModelConfig,
+        *,
+        kernels: str,
+        role: str,
+        mesh,
+        dispatch: str,
+        num_slots: int,
+        page_tokens: int,
+        prefill_chunk_tokens: int,
+        max_step_tokens: int,
+        export_slots: int,
+        scan_layers: str = "prefill",
+        taps: tuple[int, ...] = (),
+        prefill_batch: int = 1,
+    ):
         """taps: layers whose residual stream the unsharded prefill chunks return too (an EAGLE-3
         draft's input, `serving.spec_decode`, whose rounds then replace the decode program)."""
         self.cfg, self.kernels, self.role, self.num_slots, self.taps = cfg, kernels, role, num_slots, tuple(taps)
         self.prefill_chunk_tokens, self.export_slots = prefill_chunk_tokens, export_slots
         self.prefill_batch = prefill_batch  # requests per sharded prefill call, at most (powers of two)
         if mesh is not None and qformats.tree_formats(params):
-            raise ValueError(f"sharded steps take unquantized params; these hold {qformats.tree_formats(params)} "
-                             f"weights (a quantized manifest serves unsharded engines)")
+            raise ValueError(
+                f"sharded steps take unquantized params; these hold {qformats.tree_formats(params)} "
+                f"weights (a quantized manifest serves unsharded engines)"
+            )
         if mesh is not None and (fused.is_fused(params) or stacked.is_stacked(params)):
-            raise ValueError("sharded steps take the checkpoint layout of the params, not kimik3.fused's or "
-                             "kimik3.stacked's")
-        self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens,
-                                                               max_step_tokens)
+            raise ValueError(
+                "sharded steps take the checkpoint layout of the params, not kimik3.fused's or kimik3.stacked's"
+            )
+        self.prefill_step, self.decode_step = self._mesh_steps(mesh, dispatch, num_slots, page_tokens, max_step_tokens)
         self.mesh_params = {s.mode: s.place_params(params) for s in (self.prefill_step, self.decode_step) if s}
         # The unsharded programs read the serving layout: one GEMM per shared input (`kimik3.fused`).
         # scan_layers "prefill": decode programs read the layers unrolled (inside a scan each
@@ -439,10 +526,14 @@ class ModelRunner:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {scan_layers!r}")
         # MXFP4 experts move into the Hopper kernel's layout once, here, where `KIMIK3_MOE_MXFP4`
         # names that kernel (`ops.hopper_mxfp4_experts`; the prefill copy stacks the moved ones)
-        self.params = params if mesh is not None else ops.hopper_mxfp4_experts(
-            stacked.serving_layout(params, cfg, scan=scan_layers == "all"), cfg.dtype)
-        self.prefill_params = (stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None
-                               else self.params)
+        self.params = (
+            params
+            if mesh is not None
+            else ops.hopper_mxfp4_experts(stacked.serving_layout(params, cfg, scan=scan_layers == "all"), cfg.dtype)
+        )
+        self.prefill_params = (
+            stacked.stack_periods(self.params, cfg) if scan_layers != "none" and mesh is None else self.params
+        )
         self.decode = DecodeRunner(cfg, kernels, num_slots)
         self._placed = {}  # device -> the unsharded prefill params there (`params_on`)
 
@@ -455,8 +546,10 @@ class ModelRunner:
             return None, None
         if self.role == "both":
             if not (isinstance(mesh, (tuple, list)) and len(mesh) == 2):
-                raise ValueError("role 'both' takes mesh=(prefill_mesh, decode_mesh) (either may be None); "
-                                 f"got {type(mesh).__name__}")
+                raise ValueError(
+                    "role 'both' takes mesh=(prefill_mesh, decode_mesh) (either may be None); "
+                    f"got {type(mesh).__name__}"
+                )
             pm, dm = mesh
         elif isinstance(mesh, (tuple, list)):
             raise ValueError(f"role {self.role!r} takes one mesh (its {self.role} mesh), not a pair")
@@ -465,30 +558,48 @@ class ModelRunner:
         pre = None if pm is None else PagedStep(self.cfg, pm, "prefill", dispatch=dispatch, kernels=self.kernels)
         dec = None if dm is None else PagedDecode(self.cfg, dm, dispatch=dispatch, kernels=self.kernels)
         if dec is not None and num_slots % dec.size:
-            raise ValueError(f"num_slots ({num_slots}) must split evenly over dp={dec.size} (each rank owns "
-                             f"its requests' slots and pages)")
+            raise ValueError(
+                f"num_slots ({num_slots}) must split evenly over dp={dec.size} (each rank owns "
+                f"its requests' slots and pages)"
+            )
         if pre is not None:
             tp = pre.size
             if page_tokens % tp:
-                raise ValueError(f"tp={tp} must divide page_tokens={page_tokens} (prefix hits and KDA "
-                                 f"snapshot boundaries are page multiples; sharded chunks are tp multiples)")
+                raise ValueError(
+                    f"tp={tp} must divide page_tokens={page_tokens} (prefix hits and KDA "
+                    f"snapshot boundaries are page multiples; sharded chunks are tp multiples)"
+                )
             if self.prefill_chunk_tokens < tp:
                 raise ValueError(f"prefill_chunk_tokens={self.prefill_chunk_tokens} is below tp={tp}")
             if max_step_tokens - num_slots < tp:
-                raise ValueError(f"max_step_tokens ({max_step_tokens}) must leave tp={tp} prefill tokens "
-                                 f"beside a decode row for each of the {num_slots} slots")
+                raise ValueError(
+                    f"max_step_tokens ({max_step_tokens}) must leave tp={tp} prefill tokens "
+                    f"beside a decode row for each of the {num_slots} slots"
+                )
         for s in (pre, dec):
             if s is not None:
-                log.info("engine (%s): %s steps on %s=%d ep=%d over devices %s", self.role, s.mode,
-                         s.shape.group_axis, s.size, s.shape.ep, [d.id for d in s.mesh.devices.flat])
+                log.info(
+                    "engine (%s): %s steps on %s=%d ep=%d over devices %s",
+                    self.role,
+                    s.mode,
+                    s.shape.group_axis,
+                    s.size,
+                    s.shape.ep,
+                    [d.id for d in s.mesh.devices.flat],
+                )
         return pre, dec
 
     # ---- shapes ------------------------------------------------------------------------------------
     def step_static(self) -> dict:
         """The unsharded prefill step's static arguments (warm-up compiles exactly these): logits
         for the last position only, which is all a step samples from."""
-        return dict(cfg=self.cfg, expert_path="grouped", kernels=self.kernels, logits_tail=1,
-                    **({"taps": self.taps} if self.taps else {}))
+        return dict(
+            cfg=self.cfg,
+            expert_path="grouped",
+            kernels=self.kernels,
+            logits_tail=1,
+            **({"taps": self.taps} if self.taps else {}),
+        )
 
     def export_at(self, chunk_tokens: int, offsets=()) -> list[int] | None:
         """The export positions an unsharded prefill chunk of `chunk_tokens` (its compiled
@@ -505,8 +616,9 @@ class ModelRunner:
         if pre is None:
             return [(t, None) for t in prefill_buckets(c)]
         tp = pre.size
-        return ([(t, None) for t in (prefill_buckets(tp - 1) if tp > 1 else [])]
-                + [(tp << i, pre) for i in range((c // tp).bit_length())])
+        return [(t, None) for t in (prefill_buckets(tp - 1) if tp > 1 else [])] + [
+            (tp << i, pre) for i in range((c // tp).bit_length())
+        ]
 
     def prefill_bucket(self, n: int) -> int:
         """The compiled length an unsharded chunk of n tokens runs at (padded)."""
@@ -549,8 +661,13 @@ class ModelRunner:
         from sharding.paged import helper_programs
 
         steps = [s for s in (self.prefill_step, self.decode_step) if s]
-        return (model._forward._cache_size() + model.forward_step._cache_size() + sum(s.programs() for s in steps)
-                + (helper_programs() if steps else 0) + self.decode.programs())
+        return (
+            model._forward._cache_size()
+            + model.forward_step._cache_size()
+            + sum(s.programs() for s in steps)
+            + (helper_programs() if steps else 0)
+            + self.decode.programs()
+        )
 
     # ---- calls -------------------------------------------------------------------------------------
     def forward(self, kv, tokens, tables, slots, lengths, *, step=None, images=None, export_offsets=None):
@@ -572,8 +689,9 @@ class ModelRunner:
         b, n = tokens.shape
         bucket = self.prefill_bucket(n)  # padded: a few compiled lengths serve every chunk
         tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, bucket - n)))
-        view = model.paged_view(kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()),
-                                valid=[n] * b)
+        view = model.paged_view(
+            kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()), valid=[n] * b
+        )
         positions = view["lengths"][:, None] + np.arange(bucket, dtype=np.int32)[None]  # host: no eager op
         # uncommitted inputs follow the pools to their device; the params are placed there once
         device = next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices()))
@@ -646,16 +764,16 @@ class ModelRunner:
             return params, np.zeros((b, t), np.int32), positions, view, None
 
         def decode_rows(b, sampling: bool = False):  # padding only: writes land in the scratch slot and the null page
-            rows = DecodeRows.build(b, [], [], [], [], [], max_pages=max_pages, null_page=null_page,
-                                    scratch_slot=scratch)
+            rows = DecodeRows.build(
+                b, [], [], [], [], [], max_pages=max_pages, null_page=null_page, scratch_slot=scratch
+            )
             return dataclasses.replace(rows, temperature=np.ones(b, np.float32)) if sampling else rows
 
         variants = (False, True) if sampled else (False,)
 
         for b, t, step in shapes:
             for one in kvs if step is not None else ():  # writes land in the scratch slot and the null page only
-                logits, one.pools = step(self.mesh_params[step.mode], one.pools, jnp.zeros((b, t), jnp.int32),
-                                         *rows(b))
+                logits, one.pools = step(self.mesh_params[step.mode], one.pools, jnp.zeros((b, t), jnp.int32), *rows(b))
                 jax.block_until_ready(logits)
         if self.decode_step is not None:  # every rank runs b / dp padding rows
             for b in buckets:
@@ -665,10 +783,16 @@ class ModelRunner:
         decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
         static = self.step_static()
         # the longest chunks first: their programs' compiles are the longest, so they start first
-        lowerings = [functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static), one, s)
-                     for one in kvs for s in sorted(unsharded, key=lambda s: (-s[1], -s[0]))]
-        lowerings += [functools.partial(lambda b, v: self.decode.lower(self.params, kv.pools, decode_rows(b, v)), b, v)
-                      for b in decode for v in variants]
+        lowerings = [
+            functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static), one, s)
+            for one in kvs
+            for s in sorted(unsharded, key=lambda s: (-s[1], -s[0]))
+        ]
+        lowerings += [
+            functools.partial(lambda b, v: self.decode.lower(self.params, kv.pools, decode_rows(b, v)), b, v)
+            for b in decode
+            for v in variants
+        ]
         workers = threads or compile_threads(len(lowerings))
         # Tracing and lowering are Python, under the GIL (a Mosaic GPU kernel's lowering alone is
         # seconds: RESULTS.md, serving); XLA's compile is not.  So this thread lowers

@@ -41,8 +41,16 @@ from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -116,7 +124,7 @@ class _Common(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's: 0 or -1 off
     min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)  # vLLM's: 0 off
-    seed: StrictInt | None = Field(None, ge=0, lt=2 ** 63)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     n: StrictInt = 1
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's
@@ -186,9 +194,13 @@ UNSUPPORTED = {
 def sampling_options(req: _Common) -> dict:
     """The workers' sampling parameters of a request (a fresh seed if the client gave none)."""
     seed = req.seed if req.seed is not None else random.getrandbits(63)
-    opts = {"temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "seed": seed,
-            "top_k": req.top_k or 0, "min_p": req.min_p or 0.0}
+    opts = {
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "seed": seed,
+        "top_k": req.top_k or 0,
+        "min_p": req.min_p or 0.0,
+    }
     if req.presence_penalty or req.frequency_penalty:
         opts.update(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0)
     k = logprobs_count(req)
@@ -226,8 +238,7 @@ def chat_logprobs(tok, tokens: list[int], entries: list) -> dict:
     for t, e in zip(tokens, entries):
         if e is None:
             continue
-        content.append({**token_entry(tok, t, e.logprob),
-                        "top_logprobs": [token_entry(tok, i, lp) for i, lp in e.top]})
+        content.append({**token_entry(tok, t, e.logprob), "top_logprobs": [token_entry(tok, i, lp) for i, lp in e.top]})
     return {"content": content, "refusal": None}
 
 
@@ -236,9 +247,12 @@ def completion_logprobs(tok, tokens: list[int], entries: list, offsets: list[int
     per token) and text_offset (each token's start in the completion's text)."""
     kept = [(t, e, o) for t, e, o in zip(tokens, entries, offsets) if e is not None]
     text = lambda t: _token_text(tok.token_bytes(t))
-    return {"tokens": [text(t) for t, _, _ in kept], "token_logprobs": [e.logprob for _, e, _ in kept],
-            "top_logprobs": [{text(i): lp for i, lp in e.top} for _, e, _ in kept],
-            "text_offset": [o for _, _, o in kept]}
+    return {
+        "tokens": [text(t) for t, _, _ in kept],
+        "token_logprobs": [e.logprob for _, e, _ in kept],
+        "top_logprobs": [{text(i): lp for i, lp in e.top} for _, e, _ in kept],
+        "text_offset": [o for _, _, o in kept],
+    }
 
 
 def stop_strings(req: _Common) -> list[str]:
@@ -258,16 +272,25 @@ def tenant_salt(req: _Common) -> str | None:
 
 
 # the same for fields of a chat message (None is neutral for all)
-MESSAGE_UNSUPPORTED = {"tool_calls": lambda v: v == [], "function_call": lambda v: False,
-                       "refusal": lambda v: False, "audio": lambda v: False, "annotations": lambda v: v == []}
+MESSAGE_UNSUPPORTED = {
+    "tool_calls": lambda v: v == [],
+    "function_call": lambda v: False,
+    "refusal": lambda v: False,
+    "audio": lambda v: False,
+    "annotations": lambda v: v == [],
+}
 
 
 def _refuse_unsupported(obj, table: dict, where: str = "") -> None:
     for name, neutral in table.items():
         value = getattr(obj, name, None)
         if value is not None and not neutral(value):
-            raise APIError(400, f"'{where}{name}' is not supported by this server (got {json.dumps(value)[:80]}); "
-                                f"leave it out", param=where + name, code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"'{where}{name}' is not supported by this server (got {json.dumps(value)[:80]}); leave it out",
+                param=where + name,
+                code="unsupported_parameter",
+            )
 
 
 def check_common(req: _Common, vocab_size: int | None = None) -> None:
@@ -288,8 +311,9 @@ def check_common(req: _Common, vocab_size: int | None = None) -> None:
         raise APIError(400, f"stop sequences must be 1 to {MAX_STOP_CHARS} characters long", param="stop")
     bad = [t for t in req.stop_token_ids or [] if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
-        raise APIError(400, f"stop_token_ids: {bad[0]} is not a token id (ids lie in [0, {vocab_size}))",
-                       param="stop_token_ids")
+        raise APIError(
+            400, f"stop_token_ids: {bad[0]} is not a token id (ids lie in [0, {vocab_size}))", param="stop_token_ids"
+        )
 
 
 MAX_IMAGE_BYTES = 16 << 20
@@ -336,16 +360,27 @@ def decode_image_bytes(raw: bytes, size: int) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(raw)) as im:  # reads the header only
             if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
-                raise APIError(400, f"image of {im.size[0]} x {im.size[1]} pixels; at most {MAX_IMAGE_PIXELS} "
-                                    f"pixels are accepted", param="messages", code="image_too_large")
+                raise APIError(
+                    400,
+                    f"image of {im.size[0]} x {im.size[1]} pixels; at most {MAX_IMAGE_PIXELS} pixels are accepted",
+                    param="messages",
+                    code="image_too_large",
+                )
             return np.asarray(im.convert("RGB").resize((size, size), Image.BILINEAR), np.uint8)
     except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
         raise APIError(400, f"broken image: {type(e).__name__}: {e}", param="messages", code="invalid_image") from None
 
 
-def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image: int,
-                image_size: int = 0, fetcher=None, tenant: str | None = None,
-                tok=None) -> tuple[list[int], list[np.ndarray]]:
+def chat_prompt(
+    req: ChatCompletionRequest,
+    *,
+    max_images: int,
+    tokens_per_image: int,
+    image_size: int = 0,
+    fetcher=None,
+    tenant: str | None = None,
+    tok=None,
+) -> tuple[list[int], list[np.ndarray]]:
     """Token ids of the conversation through `tok`'s chat template (a `kimik3.text.Tokenizer`;
     None: the byte tokenizer) with the assistant prompt appended, and its images (uint8
     [image_size, image_size, 3] each, in placeholder order); http(s) image URLs are fetched
@@ -356,19 +391,34 @@ def chat_prompt(req: ChatCompletionRequest, *, max_images: int, tokens_per_image
         n_images += n
         messages.append(tokenizer.Message("system" if m.role == "developer" else m.role, text, n_images=n))
     if n_images > max_images:
-        raise APIError(400, f"too many images: {n_images} in the request, at most {max_images} allowed",
-                       param="messages", code="too_many_images")
+        raise APIError(
+            400,
+            f"too many images: {n_images} in the request, at most {max_images} allowed",
+            param="messages",
+            code="too_many_images",
+        )
     if n_images and not tokens_per_image:
-        raise APIError(400, "this model has no vision encoder: image inputs are not accepted", param="messages",
-                       code="unsupported_content")
+        raise APIError(
+            400,
+            "this model has no vision encoder: image inputs are not accepted",
+            param="messages",
+            code="unsupported_content",
+        )
     if n_images and tok is not None and tok.image_id != tokenizer.IMAGE_ID:
-        raise APIError(400, f"this server's tokenizer ({tok.name}) has no image placeholder at the model's id "
-                            f"{tokenizer.IMAGE_ID}: image inputs are not accepted", param="messages",
-                       code="unsupported_content")
+        raise APIError(
+            400,
+            f"this server's tokenizer ({tok.name}) has no image placeholder at the model's id "
+            f"{tokenizer.IMAGE_ID}: image inputs are not accepted",
+            param="messages",
+            code="unsupported_content",
+        )
     for m in req.messages:  # the template places a message's images before its text, in order
         if isinstance(m.content, list):
-            images += [decode_image(p.image_url.url, image_size, fetcher, tenant)
-                       for p in m.content if isinstance(p, ImagePart)]
+            images += [
+                decode_image(p.image_url.url, image_size, fetcher, tenant)
+                for p in m.content
+                if isinstance(p, ImagePart)
+            ]
     try:
         ids = (tok or _byte()).apply_chat_template(messages, tokens_per_image=tokens_per_image)
     except UnicodeEncodeError:  # text that is not valid Unicode: the caller names it
@@ -398,8 +448,9 @@ def completion_prompt(req: CompletionRequest, *, vocab_size: int, tok=None) -> l
         raise APIError(400, "prompt is empty", param="prompt")
     bad = [t for t in p if t < 0 or t >= vocab_size or t == tokenizer.IMAGE_ID]
     if bad:
-        raise APIError(400, f"token id {bad[0]} is not a valid text token (ids lie in [0, {vocab_size}))",
-                       param="prompt")
+        raise APIError(
+            400, f"token id {bad[0]} is not a valid text token (ids lie in [0, {vocab_size}))", param="prompt"
+        )
     return list(p)
 
 
@@ -407,16 +458,26 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_context: int,
     """The completion budget, or a 400 for a prompt over the context or a budget out of range."""
     room = max_context - prompt_len
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {max_context} tokens; the prompt has "
-                            f"{prompt_len} tokens, leaving no room for a completion", param="messages",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens; the prompt has "
+            f"{prompt_len} tokens, leaving no room for a completion",
+            param="messages",
+            code="context_length_exceeded",
+        )
     if requested is None:
         return min(default, room)
     if requested < 1:
-        raise APIError(400, f"max_tokens must be at least 1 (got {requested})", param="max_tokens",
-                       code="invalid_value")
+        raise APIError(
+            400, f"max_tokens must be at least 1 (got {requested})", param="max_tokens", code="invalid_value"
+        )
     if requested > room:
-        raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, you requested "
-                            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
-                            f"completion)", param="max_tokens", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the "
+            f"completion)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return requested

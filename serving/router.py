@@ -67,9 +67,22 @@ from kimik3.text import load_serving_tokenizer
 from serving import internal_auth
 from serving.sampling import TokenLogprobs
 from serving.stop import StopMatcher
-from serving.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, chat_prompt,
-                                check_common, completion_logprobs, completion_prompt, logprobs_count,
-                                resolve_max_tokens, sampling_options, stop_strings, tenant_salt, validation_error)
+from serving.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    chat_prompt,
+    check_common,
+    completion_logprobs,
+    completion_prompt,
+    logprobs_count,
+    resolve_max_tokens,
+    sampling_options,
+    stop_strings,
+    tenant_salt,
+    validation_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +143,29 @@ class Worker:
     last_error: str | None = None
 
     def available(self) -> bool:
-        return self.healthy is not False and not self.draining and not self.drained_by_router and \
-            self.breaker.available()
+        return (
+            self.healthy is not False and not self.draining and not self.drained_by_router and self.breaker.available()
+        )
 
     def score(self) -> float:
         return self.inflight + self.load.get("waiting", 0) + self.load.get("kv_use", 0.0)
 
     def describe(self) -> dict:
-        return {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining or
-                self.drained_by_router, "circuit": self.breaker.state, "inflight": self.inflight,
-                "score": self.score(), "load": self.load, "last_error": self.last_error,
-                "worker_id": self.info.get("worker_id"), "pid": self.info.get("pid"),
-                "status": self.info.get("status"), "store_health": self.info.get("store_health")}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "draining": self.draining or self.drained_by_router,
+            "circuit": self.breaker.state,
+            "inflight": self.inflight,
+            "score": self.score(),
+            "load": self.load,
+            "last_error": self.last_error,
+            "worker_id": self.info.get("worker_id"),
+            "pid": self.info.get("pid"),
+            "status": self.info.get("status"),
+            "store_health": self.info.get("store_health"),
+        }
 
 
 @dataclasses.dataclass
@@ -224,8 +248,9 @@ async def read_body(request, limit: int, timeout_s: float | None = None) -> byte
     try:
         await asyncio.wait_for(read(), timeout_s)
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s ({n} bytes read)",
-                       code="request_timeout") from None
+        raise APIError(
+            408, f"the request body did not arrive within {timeout_s:g} s ({n} bytes read)", code="request_timeout"
+        ) from None
     return b"".join(chunks)
 
 
@@ -248,43 +273,74 @@ class _Metrics:
 
         r = self.registry = CollectorRegistry()
         self.vllm = VLLMMetrics(r, model_name)
-        self.requests = Counter("kimik3_router_requests", "HTTP API requests by endpoint and status",
-                                ["endpoint", "status"], registry=r)
-        self.latency = Histogram("kimik3_router_request_seconds", "request wall time", ["endpoint"], registry=r,
-                                 buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.ttft = Histogram("kimik3_router_ttft_seconds", "arrival to first token", registry=r,
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-        self.tpot = Histogram("kimik3_router_tpot_seconds", "mean gap between output tokens", registry=r,
-                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
-        self.abandoned = Counter("kimik3_router_abandoned", "non-streamed requests whose client left before the "
-                                 "answer (their worker requests were cancelled)", registry=r)
+        self.requests = Counter(
+            "kimik3_router_requests", "HTTP API requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "kimik3_router_request_seconds",
+            "request wall time",
+            ["endpoint"],
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.ttft = Histogram(
+            "kimik3_router_ttft_seconds",
+            "arrival to first token",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.tpot = Histogram(
+            "kimik3_router_tpot_seconds",
+            "mean gap between output tokens",
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+        )
+        self.abandoned = Counter(
+            "kimik3_router_abandoned",
+            "non-streamed requests whose client left before the answer (their worker requests were cancelled)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("kimik3_router_prompt_tokens", "prompt tokens", registry=r)
         self.completion_tokens = Counter("kimik3_router_completion_tokens", "completion tokens", registry=r)
-        self.cached_tokens = Counter("kimik3_router_cached_prompt_tokens", "prompt tokens served from cache",
-                                     ["tier"], registry=r)
-        self.handoff_cached = Counter("kimik3_router_handoff_cached_tokens",
-                                      "tokens a decode worker found in cache when taking over", registry=r)
+        self.cached_tokens = Counter(
+            "kimik3_router_cached_prompt_tokens", "prompt tokens served from cache", ["tier"], registry=r
+        )
+        self.handoff_cached = Counter(
+            "kimik3_router_handoff_cached_tokens", "tokens a decode worker found in cache when taking over", registry=r
+        )
         self.inflight = Gauge("kimik3_router_inflight", "admitted requests", registry=r)
         self.queued = Gauge("kimik3_router_queued", "requests waiting for admission", registry=r)
         self.rejected = Counter("kimik3_router_rejected", "requests refused before any worker", ["reason"], registry=r)
-        self.worker_requests = Counter("kimik3_router_worker_requests", "attempts sent to workers",
-                                       ["worker", "role", "outcome"], registry=r)
+        self.worker_requests = Counter(
+            "kimik3_router_worker_requests", "attempts sent to workers", ["worker", "role", "outcome"], registry=r
+        )
         self.retries = Counter("kimik3_router_retries", "attempts retried on another worker", ["role"], registry=r)
         self.failovers = Counter("kimik3_router_failovers", "streams continued on another decode worker", registry=r)
-        self.handoffs = Counter("kimik3_router_handoffs", "prefill -> decode handoffs by how the KV moved",
-                                ["mode"], registry=r)
-        self.handoff_bytes = Counter("kimik3_router_direct_handoff_bytes",
-                                     "KV bytes direct handoffs moved worker to worker (never through the router)",
-                                     registry=r)
-        self.affinity = Counter("kimik3_router_prefill_choice", "how the prefill worker was chosen", ["decision"],
-                                registry=r)
-        self.circuit = Gauge("kimik3_router_circuit_open", "1 when the worker's circuit is open", ["worker"],
-                             registry=r)
-        self.healthy = Gauge("kimik3_router_worker_healthy", "1 when the last health check passed", ["worker"],
-                             registry=r)
+        self.handoffs = Counter(
+            "kimik3_router_handoffs", "prefill -> decode handoffs by how the KV moved", ["mode"], registry=r
+        )
+        self.handoff_bytes = Counter(
+            "kimik3_router_direct_handoff_bytes",
+            "KV bytes direct handoffs moved worker to worker (never through the router)",
+            registry=r,
+        )
+        self.affinity = Counter(
+            "kimik3_router_prefill_choice", "how the prefill worker was chosen", ["decision"], registry=r
+        )
+        self.circuit = Gauge(
+            "kimik3_router_circuit_open", "1 when the worker's circuit is open", ["worker"], registry=r
+        )
+        self.healthy = Gauge(
+            "kimik3_router_worker_healthy", "1 when the last health check passed", ["worker"], registry=r
+        )
         self.worker_load = Gauge("kimik3_router_worker_score", "load score", ["worker"], registry=r)
-        self.media = Gauge("kimik3_router_media", "remote images: fetches, seconds fetching, and the L1 fetch "
-                           "cache's hits / misses / puts / corrupt / errors / bytes_hit", ["stat"], registry=r)
+        self.media = Gauge(
+            "kimik3_router_media",
+            "remote images: fetches, seconds fetching, and the L1 fetch "
+            "cache's hits / misses / puts / corrupt / errors / bytes_hit",
+            ["stat"],
+            registry=r,
+        )
 
 
 class Overloaded(Exception):
@@ -375,10 +431,16 @@ class Router:
         self.admission = Admission(cfg.max_inflight, cfg.max_queue, cfg.queue_timeout_s)
         self.affinity: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self.store: StoreProbe | None = None
-        self.media = build_fetcher(enabled=cfg.fetch_images, allow_hosts=cfg.fetch_allow_hosts,
-                                   allow_networks=cfg.fetch_allow_networks, timeout_s=cfg.fetch_timeout_s,
-                                   max_bytes=cfg.fetch_max_bytes, l1_bytes=cfg.l1_bytes, l1_redis=cfg.l1_redis,
-                                   l2_bytes=cfg.l2_bytes)
+        self.media = build_fetcher(
+            enabled=cfg.fetch_images,
+            allow_hosts=cfg.fetch_allow_hosts,
+            allow_networks=cfg.fetch_allow_networks,
+            timeout_s=cfg.fetch_timeout_s,
+            max_bytes=cfg.fetch_max_bytes,
+            l1_bytes=cfg.l1_bytes,
+            l1_redis=cfg.l1_redis,
+            l2_bytes=cfg.l2_bytes,
+        )
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self.created = int(time.time())
@@ -386,9 +448,11 @@ class Router:
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.cfg.read_timeout_s,
-                                                                              connect=self.cfg.connect_timeout_s),
-                                        headers=internal_auth.headers(internal_auth.token()))
+        self.client = httpx.AsyncClient(
+            limits=limits,
+            timeout=httpx.Timeout(self.cfg.read_timeout_s, connect=self.cfg.connect_timeout_s),
+            headers=internal_auth.headers(internal_auth.token()),
+        )
         if self.cfg.mooncake_master:
             try:
                 self.store = await asyncio.to_thread(StoreProbe, self.cfg.mooncake_master, self.cfg.mooncake_metadata)
@@ -434,8 +498,10 @@ class Router:
             theirs = (body.get("tokenizer") or {}).get("eos_id", self.tok.eos_id)
             if theirs != self.tok.eos_id:  # its EOS would not end our requests: keep it out of the pools
                 w.healthy = False
-                w.last_error = (f"tokenizer mismatch: the worker's end of sequence is id {theirs}, this router's "
-                                f"({self.tok.name}) {self.tok.eos_id}")
+                w.last_error = (
+                    f"tokenizer mismatch: the worker's end of sequence is id {theirs}, this router's "
+                    f"({self.tok.name}) {self.tok.eos_id}"
+                )
                 log.error("%s: %s", w.url, w.last_error)
             elif r.status_code == 200 or status == "draining":
                 w.healthy = True
@@ -462,8 +528,14 @@ class Router:
         low = min(w.score() for w in cands)
         return random.choice([w for w in cands if w.score() == low])
 
-    async def pick(self, pool: list[Worker], tried: set[str], prompt: list[int] | None,
-                   salt: str | None = None, images_b64: list[str] | None = None) -> Worker | None:
+    async def pick(
+        self,
+        pool: list[Worker],
+        tried: set[str],
+        prompt: list[int] | None,
+        salt: str | None = None,
+        images_b64: list[str] | None = None,
+    ) -> Worker | None:
         cands = [w for w in pool if w.available()]
         cands = [w for w in cands if w.url not in tried] or cands
         if not cands:
@@ -509,8 +581,9 @@ class Router:
             items = tuple(it for it in items if it.offset + it.length <= len(prompt))
         return block_hashes(prompt, block_size=page, namespace=ns, salt=salt, mm_items=items)
 
-    def _affinity_holder(self, prompt: list[int], salt: str | None = None,
-                         images_b64: list[str] | None = None) -> tuple[str | None, bytes | None]:
+    def _affinity_holder(
+        self, prompt: list[int], salt: str | None = None, images_b64: list[str] | None = None
+    ) -> tuple[str | None, bytes | None]:
         hashes = self._hashes(prompt[:-1], salt, images_b64)  # hits are capped at n - 1 tokens
         for h in reversed(hashes):
             if h in self.affinity:
@@ -518,8 +591,9 @@ class Router:
                 return self.affinity[h], h
         return None, None
 
-    def _remember(self, prompt: list[int], url: str, salt: str | None = None,
-                  images_b64: list[str] | None = None) -> None:
+    def _remember(
+        self, prompt: list[int], url: str, salt: str | None = None, images_b64: list[str] | None = None
+    ) -> None:
         for h in self._hashes(prompt, salt, images_b64):
             self.affinity[h] = url
             self.affinity.move_to_end(h)
@@ -527,8 +601,9 @@ class Router:
             self.affinity.popitem(last=False)
 
     # ---- one request through the pools ----------------------------------------------------------------
-    async def _attempt(self, w: Worker, context: list[int], want: int, opts: dict, rid: str, out: list[int],
-                       adopt: dict | None = None):
+    async def _attempt(
+        self, w: Worker, context: list[int], want: int, opts: dict, rid: str, out: list[int], adopt: dict | None = None
+    ):
         """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each);
         with `adopt` ({"kv_from", "kv_handle"}: a direct handoff's KV, held by the prefill worker)
         the worker pulls and takes over the KV instead of computing it.  `opts`: stop_at_eos and the sampling parameters (temperature, top_p, seed:
@@ -537,15 +612,29 @@ class Router:
         if adopt is not None:
             # the decode worker pulls the KV from the prefill worker by handle (`serving.kv_handoff`);
             # the images travel inside the handoff's KV file, not in the query string
-            kw = {"params": {"max_tokens": want + len(out), "request_id": rid, **adopt,
-                             **{k: v for k, v in opts.items() if k != "images"}}}
+            kw = {
+                "params": {
+                    "max_tokens": want + len(out),
+                    "request_id": rid,
+                    **adopt,
+                    **{k: v for k, v in opts.items() if k != "images"},
+                }
+            }
         else:
             # out: what earlier workers generated, now the prompt's tail (the penalties count it)
-            kw = {"json": {"prompt": context, "max_tokens": want, "request_id": rid, **opts,
-                           **({"prior_output": len(out)} if out else {})}}
+            kw = {
+                "json": {
+                    "prompt": context,
+                    "max_tokens": want,
+                    "request_id": rid,
+                    **opts,
+                    **({"prior_output": len(out)} if out else {}),
+                }
+            }
         try:
-            async with self.client.stream("POST", w.url + ("/adopt" if adopt is not None else "/generate"),
-                                          **kw) as resp:
+            async with self.client.stream(
+                "POST", w.url + ("/adopt" if adopt is not None else "/generate"), **kw
+            ) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:500]
                     if resp.status_code == 429:
@@ -574,8 +663,17 @@ class Router:
         except (httpx.TransportError, json.JSONDecodeError) as e:
             raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
 
-    async def _run_pool(self, pool: list[Worker], prompt: list[int], out: list[int], total: int, opts: dict,
-                        rid: str, affinity: bool, adopt: dict | None = None):
+    async def _run_pool(
+        self,
+        pool: list[Worker],
+        prompt: list[int],
+        out: list[int],
+        total: int,
+        opts: dict,
+        rid: str,
+        affinity: bool,
+        adopt: dict | None = None,
+    ):
         """Generate until `out` holds `total` tokens (or EOS), failing over between workers (the
         first attempt adopts `adopt`'s KV if given; later ones recompute).
         Yields ("token", t) and finally ("done", event)."""
@@ -584,17 +682,20 @@ class Router:
         failures = 0
         no_worker_since = None
         while True:
-            w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"),
-                                opts.get("images"))
+            w = await self.pick(pool, tried, prompt if affinity else None, opts.get("cache_salt"), opts.get("images"))
             if w is None:
                 # Every worker of the role is down, drained or tripped: wait for one to come back
                 # (a restart takes 10-20 s) rather than fail within a few backoffs.
                 now = time.monotonic()
                 no_worker_since = no_worker_since or now
                 if now - no_worker_since >= self.cfg.no_worker_wait_s:
-                    raise APIError(503, f"no healthy {role} worker was available for {self.cfg.no_worker_wait_s:g} s; "
-                                        f"retry later", type="service_unavailable", code="no_worker",
-                                   headers=RETRY_AFTER)
+                    raise APIError(
+                        503,
+                        f"no healthy {role} worker was available for {self.cfg.no_worker_wait_s:g} s; retry later",
+                        type="service_unavailable",
+                        code="no_worker",
+                        headers=RETRY_AFTER,
+                    )
                 await asyncio.sleep(min(self.cfg.health_interval_s, self.cfg.no_worker_wait_s))
                 continue
             no_worker_since = None
@@ -630,9 +731,14 @@ class Router:
                 if len(out) > before or (role == "decode" and out):
                     self.metrics.failovers.inc()
                 if failures > self.cfg.retries:
-                    raise APIError(503, f"the request failed on {failures} {role} workers after {len(out)} "
-                                        f"tokens; retry later (last error: {e})", type="service_unavailable",
-                                   code="worker_failure", headers=RETRY_AFTER) from e
+                    raise APIError(
+                        503,
+                        f"the request failed on {failures} {role} workers after {len(out)} "
+                        f"tokens; retry later (last error: {e})",
+                        type="service_unavailable",
+                        code="worker_failure",
+                        headers=RETRY_AFTER,
+                    ) from e
                 self.metrics.retries.labels(role).inc()
                 await self._backoff(failures)
             finally:
@@ -659,35 +765,48 @@ class Router:
                 tried.add(w.url)
                 w.inflight += 1
                 try:
-                    r = await self.client.post(w.url + "/prefill", json=body, timeout=httpx.Timeout(
-                        self.cfg.prefill_timeout_s, connect=self.cfg.connect_timeout_s))
+                    r = await self.client.post(
+                        w.url + "/prefill",
+                        json=body,
+                        timeout=httpx.Timeout(self.cfg.prefill_timeout_s, connect=self.cfg.connect_timeout_s),
+                    )
                     if r.status_code == 200:
                         w.breaker.success()
                         self.metrics.worker_requests.labels(w.url, "prefill", "ok").inc()
                         self._remember(prompt, w.url, opts.get("cache_salt"), opts.get("images"))
                         a = r.json()
-                        info = {"cached_tokens": int(a["cached_tokens"]), "cached_tokens_host": int(a["cached_tokens_host"])}
+                        info = {
+                            "cached_tokens": int(a["cached_tokens"]),
+                            "cached_tokens_host": int(a["cached_tokens_host"]),
+                        }
                         if "logprobs" in a:
                             info["logprobs"] = TokenLogprobs.from_json(a["logprobs"])
                         self.metrics.handoff_bytes.inc(int(a["kv_bytes"]))
                         return int(a["token"]), {"kv_from": w.url, "kv_handle": a["kv_handle"]}, info
                     if 400 <= r.status_code < 500 and r.status_code != 429:
                         raise APIError(400, f"the prefill worker refused the request: {r.text[:500]}")
-                    err = WorkerFailure(f"{w.url} answered {r.status_code}: {r.text[:200]}",
-                                        count_failure=r.status_code >= 500 and "draining" not in r.text)
+                    err = WorkerFailure(
+                        f"{w.url} answered {r.status_code}: {r.text[:200]}",
+                        count_failure=r.status_code >= 500 and "draining" not in r.text,
+                    )
                 except httpx.TransportError as e:
                     err = WorkerFailure(f"{w.url}: {type(e).__name__}: {e}")
                 finally:
                     w.inflight -= 1
                 w.last_error = str(err)
-                self.metrics.worker_requests.labels(w.url, "prefill", "failed" if err.count_failure else
-                                                    "refused").inc()
+                self.metrics.worker_requests.labels(
+                    w.url, "prefill", "failed" if err.count_failure else "refused"
+                ).inc()
                 if err.count_failure:
                     w.breaker.failure()
             failures += 1 if (w is None or err.count_failure) else 0
             if failures > self.cfg.retries:
-                raise APIError(503, f"prefill failed on {failures} attempts; retry later (last error: {err})",
-                               type="service_unavailable", code="worker_failure")
+                raise APIError(
+                    503,
+                    f"prefill failed on {failures} attempts; retry later (last error: {err})",
+                    type="service_unavailable",
+                    code="worker_failure",
+                )
             self.metrics.retries.labels("prefill").inc()
             await self._backoff(max(1, failures))
 
@@ -695,9 +814,16 @@ class Router:
         delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** max(0, attempt - 1))
         await asyncio.sleep(random.uniform(0, delay))  # full jitter
 
-    async def generate(self, prompt: list[int], max_tokens: int, stop_at_eos: bool, rid: str,
-                       sampling: dict | None = None, images_b64: list[str] | None = None,
-                       cache_salt: str | None = None):
+    async def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        stop_at_eos: bool,
+        rid: str,
+        sampling: dict | None = None,
+        images_b64: list[str] | None = None,
+        cache_salt: str | None = None,
+    ):
         """Yields ("token", id) for every output token (after ("logprobs", `TokenLogprobs`) for it when
         `sampling` asks for logprobs), ("info", {"cached_tokens", "cached_tokens_host"})
         once the first stage's prefix-cache share is known (before its first token), and a final
@@ -731,8 +857,7 @@ class Router:
         for pool, upto, first_stage in stages:
             if len(out) >= max_tokens or stopped():
                 break
-            async for kind, ev in self._run_pool(pool, prompt, out, upto, opts, rid, affinity=first_stage,
-                                                 adopt=adopt):
+            async for kind, ev in self._run_pool(pool, prompt, out, upto, opts, rid, affinity=first_stage, adopt=adopt):
                 if kind in ("token", "logprobs"):
                     yield kind, ev
                 elif first_stage:
@@ -765,23 +890,33 @@ class Router:
         except ValidationError as e:
             raise validation_error(e) from None
         if req.model not in self.aliases:
-            raise APIError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         check_common(req, self.model_cfg.vocab_size)
         try:
             if kind == "chat":
                 vit = self.model_cfg.vit
-                prompt, images = chat_prompt(req, max_images=self.cfg.max_images,
-                                             tokens_per_image=vit.tokens_per_image if vit else 0,
-                                             image_size=vit.image_size if vit else 0, fetcher=self.media,
-                                             tenant=tenant_salt(req), tok=self.tok)
+                prompt, images = chat_prompt(
+                    req,
+                    max_images=self.cfg.max_images,
+                    tokens_per_image=vit.tokens_per_image if vit else 0,
+                    image_size=vit.image_size if vit else 0,
+                    fetcher=self.media,
+                    tenant=tenant_salt(req),
+                    tok=self.tok,
+                )
                 requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             else:
                 prompt, images = completion_prompt(req, vocab_size=self.model_cfg.vocab_size, tok=self.tok), []
                 requested = req.max_tokens
         except UnicodeEncodeError as e:  # a lone surrogate (valid JSON, not valid UTF-8)
-            raise APIError(400, f"text that is not valid Unicode: {e.reason} at {e.start}",
-                           code="invalid_text") from None
+            raise APIError(
+                400, f"text that is not valid Unicode: {e.reason} at {e.start}", code="invalid_text"
+            ) from None
         max_tokens = resolve_max_tokens(requested, len(prompt), self.max_context, self.cfg.default_max_tokens)
         return req, prompt, max_tokens, [base64.b64encode(im.tobytes()).decode() for im in images] or None
 
@@ -812,8 +947,10 @@ class Router:
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request, exc):
-            return JSONResponse(APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
-                                status_code=exc.status_code)
+            return JSONResponse(
+                APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
+                status_code=exc.status_code,
+            )
 
         @app.exception_handler(RequestValidationError)
         async def validation(request, exc):
@@ -834,9 +971,14 @@ class Router:
             if hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
                 return None
             self.metrics.rejected.labels("unauthorized").inc()
-            what = "Incorrect API key provided" if given else "You didn't provide an API key (Authorization: Bearer KEY)"
-            return JSONResponse(APIError(401, what, code="invalid_api_key").body(), status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+            what = (
+                "Incorrect API key provided" if given else "You didn't provide an API key (Authorization: Bearer KEY)"
+            )
+            return JSONResponse(
+                APIError(401, what, code="invalid_api_key").body(),
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
         async def handle(request: Request, kind: str):
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -859,9 +1001,16 @@ class Router:
                 await self.admission.acquire()
             except Overloaded as e:
                 self.metrics.rejected.labels("overloaded").inc()
-                return error_response(APIError(429, f"the server is at capacity ({e}); retry later",
-                                               type="rate_limit_error", code="rate_limit_exceeded",
-                                               headers={"Retry-After": "1"}), endpoint)
+                return error_response(
+                    APIError(
+                        429,
+                        f"the server is at capacity ({e}); retry later",
+                        type="rate_limit_error",
+                        code="rate_limit_exceeded",
+                        headers={"Retry-After": "1"},
+                    ),
+                    endpoint,
+                )
             finally:
                 self.metrics.queued.dec()
             self.metrics.inflight.inc()
@@ -887,8 +1036,9 @@ class Router:
                         yield chunk
 
                 # closes the stream (and so the worker's request) even when the client leaves mid-way
-                return ClosingStreamingResponse(body(), stream.close, media_type="text/event-stream",
-                                                headers={"Cache-Control": "no-cache"})
+                return ClosingStreamingResponse(
+                    body(), stream.close, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                )
             return await collect_unless_gone(request, stream, first)
 
         async def collect_unless_gone(request: Request, stream: "_Stream", first):
@@ -923,17 +1073,33 @@ class Router:
         async def models(request: Request):
             if (refused := unauthorized(request)) is not None:
                 return refused
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                                "owned_by": "kimik3", "max_model_len": self.max_context}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kimik3",
+                        "max_model_len": self.max_context,
+                    }
+                ],
+            }
 
         @app.get("/health")
         async def health():
-            ok = (any(w.available() for w in self.prefill) or not self.prefill) and \
-                 (any(w.available() for w in self.decode) or not self.decode)
+            ok = (any(w.available() for w in self.prefill) or not self.prefill) and (
+                any(w.available() for w in self.decode) or not self.decode
+            )
             degraded = any(w.info.get("status") == "degraded" for w in self.workers if w.available())
-            return JSONResponse({"status": ("degraded" if degraded else "ok") if ok else "unavailable",
-                                 "model": self.model_name,
-                                 "workers": [w.describe() for w in self.workers]}, status_code=200 if ok else 503)
+            return JSONResponse(
+                {
+                    "status": ("degraded" if degraded else "ok") if ok else "unavailable",
+                    "model": self.model_name,
+                    "workers": [w.describe() for w in self.workers],
+                },
+                status_code=200 if ok else 503,
+            )
 
         @app.get("/metrics")
         async def metrics():
@@ -944,14 +1110,21 @@ class Router:
 
         @app.get("/admin/workers")
         async def workers():
-            return {"workers": [w.describe() for w in self.workers], "admission": {
-                "running": self.admission.running, "waiting": self.admission.waiting}}
+            return {
+                "workers": [w.describe() for w in self.workers],
+                "admission": {"running": self.admission.running, "waiting": self.admission.waiting},
+            }
 
         async def set_drain(request: Request, drain: bool):
             if not internal_auth.authorized(request.headers.get("authorization"), internal_auth.token()):
-                return JSONResponse(APIError(401, "the admin routes need the deployment's internal token "
-                                                  "(`kimik3 launch --state-file`)", type="authentication_error")
-                                    .body(), status_code=401)
+                return JSONResponse(
+                    APIError(
+                        401,
+                        "the admin routes need the deployment's internal token (`kimik3 launch --state-file`)",
+                        type="authentication_error",
+                    ).body(),
+                    status_code=401,
+                )
             try:
                 url = json.loads(await request.body())["url"].rstrip("/")
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -1007,16 +1180,30 @@ class _Stream:
     async def _produce(self, stop_at_eos: bool) -> None:
         try:
             async with asyncio.timeout(self.r.cfg.request_timeout_s):
-                async for item in self.r.generate(self.prompt, self.max_tokens, stop_at_eos, self.rid,
-                                                  sampling_options(self.req), self.images_b64,
-                                                  tenant_salt(self.req)):
+                async for item in self.r.generate(
+                    self.prompt,
+                    self.max_tokens,
+                    stop_at_eos,
+                    self.rid,
+                    sampling_options(self.req),
+                    self.images_b64,
+                    tenant_salt(self.req),
+                ):
                     await self._queue.put(item)
         except APIError as e:
             await self._queue.put(("error", e))
         except TimeoutError:
-            await self._queue.put(("error", APIError(504, f"the request did not finish within "
-                                                          f"{self.r.cfg.request_timeout_s:g} s", type="timeout",
-                                                     code="timeout")))
+            await self._queue.put(
+                (
+                    "error",
+                    APIError(
+                        504,
+                        f"the request did not finish within {self.r.cfg.request_timeout_s:g} s",
+                        type="timeout",
+                        code="timeout",
+                    ),
+                )
+            )
         except Exception:  # noqa: BLE001 - a bug must not leave the client waiting
             log.exception("request %s failed", self.rid)
             await self._queue.put(("error", APIError(500, "internal router error", type="server_error")))
@@ -1060,14 +1247,23 @@ class _Stream:
             if tpot is not None:
                 m.tpot.observe(tpot)
         if self.status == "200":  # vLLM counts the requests its engine ran: finished, stopped or aborted
-            m.vllm.finished(prompt_tokens=len(self.prompt), generation_tokens=len(self.tokens),
-                            finished_reason=self.summary["finish_reason"] if self.summary else "abort",
-                            ttft_s=ttft, tpot_s=tpot, e2e_s=time.monotonic() - self.t0)
+            m.vllm.finished(
+                prompt_tokens=len(self.prompt),
+                generation_tokens=len(self.tokens),
+                finished_reason=self.summary["finish_reason"] if self.summary else "abort",
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=time.monotonic() - self.t0,
+            )
 
     def _usage(self) -> dict:
         cached = self.summary["cached_tokens"] if self.summary else 0
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
-                "total_tokens": len(self.prompt) + len(self.tokens), "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": len(self.tokens),
+            "total_tokens": len(self.prompt) + len(self.tokens),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     async def _events(self, first):
         """(text piece, token) per token, then (tail text, None) once done.  A stop sequence or a
@@ -1125,19 +1321,30 @@ class _Stream:
         finally:
             await self.close()
         text = self.text
-        choice = {"index": 0, "finish_reason": self.summary["finish_reason"], "token_ids": self.tokens,
-                  "logprobs": self._logprobs(slice(None))}
+        choice = {
+            "index": 0,
+            "finish_reason": self.summary["finish_reason"],
+            "token_ids": self.tokens,
+            "logprobs": self._logprobs(slice(None)),
+        }
         if self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
             obj = "chat.completion"
         else:
             choice["text"] = text
             obj = "text_completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.r.model_name,
-                "choices": [choice], "usage": self._usage()}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.r.model_name,
+            "choices": [choice],
+            "usage": self._usage(),
+        }
 
-    def _chunk(self, delta: dict | None = None, text: str | None = None, token: int | None = None,
-               finish: str | None = None) -> str:
+    def _chunk(
+        self, delta: dict | None = None, text: str | None = None, token: int | None = None, finish: str | None = None
+    ) -> str:
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
         if token is not None:
             choice["token_ids"] = [token]
@@ -1148,8 +1355,19 @@ class _Stream:
         else:
             choice["text"] = text or ""
             obj = "text_completion"
-        return "data: " + json.dumps({"id": self.rid, "object": obj, "created": self.created,
-                                      "model": self.r.model_name, "choices": [choice]}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps(
+                {
+                    "id": self.rid,
+                    "object": obj,
+                    "created": self.created,
+                    "model": self.r.model_name,
+                    "choices": [choice],
+                }
+            )
+            + "\n\n"
+        )
 
     def _logprobs(self, tokens: slice) -> dict | None:
         """OpenAI's logprobs object for self.tokens[tokens], or None when the request asked for none."""
@@ -1169,10 +1387,20 @@ class _Stream:
             yield self._chunk(finish=self.summary["finish_reason"])
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
-                yield "data: " + json.dumps({"id": self.rid, "object": "chat.completion.chunk" if self.kind == "chat"
-                                             else "text_completion", "created": self.created,
-                                             "model": self.r.model_name, "choices": [],
-                                             "usage": self._usage()}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": self.rid,
+                            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                            "created": self.created,
+                            "model": self.r.model_name,
+                            "choices": [],
+                            "usage": self._usage(),
+                        }
+                    )
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
         except APIError as e:
             body = e.body()
@@ -1191,47 +1419,105 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="the port to serve on")
     parser.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill worker URLs")
     parser.add_argument("--decode", nargs="*", default=[], metavar="URL", help="decode (or both) worker URLs")
-    parser.add_argument("--config-file", default=None,
-                        help="JSON file with any of these options (prefill, decode, max_inflight, ...); "
-                             "command-line values win")
+    parser.add_argument(
+        "--config-file",
+        default=None,
+        help="JSON file with any of these options (prefill, decode, max_inflight, ...); command-line values win",
+    )
     parser.add_argument("--config", default=None, help=f"model config (default {d.config})")
-    parser.add_argument("--checkpoint", default=None, metavar="DIR",
-                        help="the workers' checkpoint: the model's config is read from it (overrides --config)")
-    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
-                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
-                             "checkpoint's tokenizer if it has one, else 'byte'); the workers' must match")
-    parser.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
-                        help="the model id clients send and metrics carry (default kimik3-<config>)")
-    for name in ("max_inflight", "max_queue", "retries", "breaker_threshold", "max_images", "default_max_tokens",
-                 "max_body_bytes", "image_decoders"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                            help=f"default {getattr(d, name)}")
-    for name in ("queue_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s", "read_timeout_s",
-                 "request_timeout_s", "health_interval_s", "health_timeout_s", "breaker_cooldown_s",
-                 "breaker_max_cooldown_s", "affinity_slack", "prefill_timeout_s", "body_timeout_s",
-                 "no_worker_wait_s"):
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None,
-                            help=f"default {getattr(d, name)}")
-    parser.add_argument("--handoff", choices=("auto", "store", "direct"), default=None,
-                        help="how KV moves from prefill to decode workers: through the shared store, or "
-                             "directly (the router carries it); auto: store when the workers have one")
-    parser.add_argument("--no-fetch-images", dest="fetch_images", action="store_false", default=None,
-                        help="refuse http(s) image URLs (only data: URLs)")
-    parser.add_argument("--fetch-allow-hosts", nargs="*", default=None, metavar="HOST",
-                        help="fetch images only from these hosts (NAME or .SUFFIX); default any public host")
-    parser.add_argument("--fetch-allow-networks", nargs="*", default=None, metavar="CIDR",
-                        help="non-public networks image fetches may reach (default none)")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="the workers' checkpoint: the model's config is read from it (overrides --config)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+        "checkpoint's tokenizer if it has one, else 'byte'); the workers' must match",
+    )
+    parser.add_argument(
+        "--model-name",
+        "--served-model-name",
+        dest="model_name",
+        default=None,
+        help="the model id clients send and metrics carry (default kimik3-<config>)",
+    )
+    for name in (
+        "max_inflight",
+        "max_queue",
+        "retries",
+        "breaker_threshold",
+        "max_images",
+        "default_max_tokens",
+        "max_body_bytes",
+        "image_decoders",
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
+    for name in (
+        "queue_timeout_s",
+        "backoff_base_s",
+        "backoff_max_s",
+        "connect_timeout_s",
+        "read_timeout_s",
+        "request_timeout_s",
+        "health_interval_s",
+        "health_timeout_s",
+        "breaker_cooldown_s",
+        "breaker_max_cooldown_s",
+        "affinity_slack",
+        "prefill_timeout_s",
+        "body_timeout_s",
+        "no_worker_wait_s",
+    ):
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=None, help=f"default {getattr(d, name)}")
+    parser.add_argument(
+        "--handoff",
+        choices=("auto", "store", "direct"),
+        default=None,
+        help="how KV moves from prefill to decode workers: through the shared store, or "
+        "directly (the router carries it); auto: store when the workers have one",
+    )
+    parser.add_argument(
+        "--no-fetch-images",
+        dest="fetch_images",
+        action="store_false",
+        default=None,
+        help="refuse http(s) image URLs (only data: URLs)",
+    )
+    parser.add_argument(
+        "--fetch-allow-hosts",
+        nargs="*",
+        default=None,
+        metavar="HOST",
+        help="fetch images only from these hosts (NAME or .SUFFIX); default any public host",
+    )
+    parser.add_argument(
+        "--fetch-allow-networks",
+        nargs="*",
+        default=None,
+        metavar="CIDR",
+        help="non-public networks image fetches may reach (default none)",
+    )
     parser.add_argument("--fetch-timeout-s", type=float, default=None, help=f"default {d.fetch_timeout_s}")
     parser.add_argument("--fetch-max-bytes", type=int, default=None, help=f"default {d.fetch_max_bytes}")
     parser.add_argument("--l1-bytes", type=int, default=None, help=f"embedded L1 fetch cache (default {d.l1_bytes})")
-    parser.add_argument("--l1-redis", default=None,
-                        help="redis://:PASSWORD@127.0.0.1:PORT/0: a shared L1 fetch cache (or $KIMIK3_L1_REDIS)")
+    parser.add_argument(
+        "--l1-redis",
+        default=None,
+        help="redis://:PASSWORD@127.0.0.1:PORT/0: a shared L1 fetch cache (or $KIMIK3_L1_REDIS)",
+    )
     parser.add_argument("--l2-bytes", type=int, default=None, help=f"decoded-pixel cache (default {d.l2_bytes})")
     parser.add_argument("--mooncake-master", default=None, help="shared store, for the prefix-affinity check")
     parser.add_argument("--mooncake-metadata", default=None, help="the store's HTTP metadata URL")
-    parser.add_argument("--api-key", default=None,
-                        help=f"clients of /v1/* must send 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, "
-                             f"which keeps the key out of the process list); default: no key (loopback)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"clients of /v1/* must send 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, "
+        f"which keeps the key out of the process list); default: no key (loopback)",
+    )
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
@@ -1259,8 +1545,9 @@ def run(args) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     router = Router(config_from_args(args))
-    uvicorn.run(router.create_app(), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        router.create_app(), host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
     return 0
 
 

@@ -55,7 +55,7 @@ class SamplingParams:
             raise ValueError(f"temperature must lie in [0, 2]; got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1]; got {self.top_p!r}")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63):
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2^63); got {self.seed!r}")
         if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1):
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off); got {self.top_k!r}")
@@ -65,8 +65,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must lie in [-2, 2]; got {v!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
-                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int)
+            and not isinstance(self.logprobs, bool)
+            and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]; got {self.logprobs!r}")
 
     @property
@@ -113,8 +116,20 @@ def token_logprobs(logits_bv, tokens_b):
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
-def sample_tokens(logits_bv, temperature_b, top_p_b, seed_b2, position_b, *, greedy: bool, top_k_b=None,
-                  min_p_b=None, counts_bv=None, presence_b=None, frequency_b=None):
+def sample_tokens(
+    logits_bv,
+    temperature_b,
+    top_p_b,
+    seed_b2,
+    position_b,
+    *,
+    greedy: bool,
+    top_k_b=None,
+    min_p_b=None,
+    counts_bv=None,
+    presence_b=None,
+    frequency_b=None,
+):
     """Next tokens int32 [B] from logits [B, V] (fp32), on the device.
 
     temperature_b f32 [B] (0: greedy row), top_p_b f32 [B], seed_b2 uint32 [B, 2] (`seed_words`),
@@ -192,14 +207,22 @@ def choose_token(logits_v: np.ndarray, params: SamplingParams, position: int, ou
         return int(np.argmax(logits_v))
     pen = {}
     if params.penalized:
-        pen = dict(counts_bv=output_counts(output, logits_v.shape[-1])[None],
-                   presence_b=np.asarray([params.presence_penalty], np.float32),
-                   frequency_b=np.asarray([params.frequency_penalty], np.float32))
-    out = _sample_one()(logits_v[None], np.asarray([params.temperature], np.float32),
-                        np.asarray([params.top_p], np.float32), np.asarray([seed_words(params.seed)], np.uint32),
-                        np.asarray([position], np.int32), greedy=params.greedy,
-                        top_k_b=np.asarray([params.top_k], np.int32), min_p_b=np.asarray([params.min_p], np.float32),
-                        **pen)
+        pen = dict(
+            counts_bv=output_counts(output, logits_v.shape[-1])[None],
+            presence_b=np.asarray([params.presence_penalty], np.float32),
+            frequency_b=np.asarray([params.frequency_penalty], np.float32),
+        )
+    out = _sample_one()(
+        logits_v[None],
+        np.asarray([params.temperature], np.float32),
+        np.asarray([params.top_p], np.float32),
+        np.asarray([seed_words(params.seed)], np.uint32),
+        np.asarray([position], np.int32),
+        greedy=params.greedy,
+        top_k_b=np.asarray([params.top_k], np.int32),
+        min_p_b=np.asarray([params.min_p], np.float32),
+        **pen,
+    )
     return int(out[0])
 
 
@@ -221,7 +244,8 @@ class TokenLogprobs:
     def from_json(cls, d: dict) -> "TokenLogprobs":
         top = d.get("top_logprobs") or []
         if not isinstance(d.get("logprob"), (int, float)) or not all(
-                isinstance(t, (list, tuple)) and len(t) == 2 for t in top):
+            isinstance(t, (list, tuple)) and len(t) == 2 for t in top
+        ):
             raise ValueError(f"not a token's logprobs: {str(d)[:120]}")
         return cls(float(d["logprob"]), tuple((int(i), float(lp)) for i, lp in top))
 

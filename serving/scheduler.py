@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself: `in` / `remove` on the queues compare identity, not
-class Request:                     # ~35 fields (an O(rows^2) cost each decode step at 32 rows)
+class Request:  # ~35 fields (an O(rows^2) cost each decode step at 32 rows)
     request_id: str
     prompt: list[int]
     max_new_tokens: int
@@ -85,11 +85,10 @@ class Request:                     # ~35 fields (an O(rows^2) cost each decode s
     _draft_table: list[int] | None = None  # the draft's block table where it differs from the target's
     _extra_pages: list[int] = dataclasses.field(default_factory=list)  # pages held beside the table, freed at release
 
-
     def generated(self) -> list[int]:
         """Every token this request generated so far (what the penalties count): the prompt's
         `prior_output` tail, then `output`."""
-        return self.prompt[len(self.prompt) - self.prior_output:] + self.output
+        return self.prompt[len(self.prompt) - self.prior_output :] + self.output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +196,18 @@ class Scheduler:
     every page, slot and snapshot it takes is its rank's, and preemption frees room within a
     rank.  `free_slots` lists the free slots of all ranks as ``rank * slots_per_rank + slot``."""
 
-    def __init__(self, config: SchedulerConfig, manager: PagedKVManager | Sequence[PagedKVManager], *,
-                 publish_to_host: bool = False):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        manager: PagedKVManager | Sequence[PagedKVManager],
+        *,
+        publish_to_host: bool = False,
+    ):
         self.managers = list(manager) if isinstance(manager, (list, tuple)) else [manager]
         if not self.managers or config.num_slots % len(self.managers):
-            raise ValueError(f"num_slots ({config.num_slots}) must split evenly over the {len(self.managers)} "
-                             f"ranks' pools")
+            raise ValueError(
+                f"num_slots ({config.num_slots}) must split evenly over the {len(self.managers)} ranks' pools"
+            )
         self.config, self.publish_to_host = config, publish_to_host
         self.manager = self.managers[0]  # rank 0's (the only one without DP); per request: `manager_of`
         self.slots_per_rank = config.num_slots // len(self.managers)
@@ -236,6 +241,7 @@ class Scheduler:
             while n < max_pages and pool.lookup(hashes[n]) is not None:
                 n += 1
             return n, pool.num_free
+
         return sorted(free, key=on_rank, reverse=True)
 
     def begin(self, req: Request, token_ids) -> RequestBlocks | None:
@@ -244,8 +250,9 @@ class Scheduler:
         salt = self._salt(req)
         for rank in self.placements(token_ids, req.mm_items, salt):
             try:
-                blocks = self.managers[rank].begin(req.request_id, token_ids, req.mm_items, salt=salt,
-                                                   drop_tail=self.config.drop_tail)
+                blocks = self.managers[rank].begin(
+                    req.request_id, token_ids, req.mm_items, salt=salt, drop_tail=self.config.drop_tail
+                )
             except NoFreeBlocks:
                 continue
             slot = [g for g in self.free_slots if g // self.slots_per_rank == rank][-1]
@@ -261,8 +268,10 @@ class Scheduler:
 
     def fits(self, reqs: list[Request], extra: int = 0) -> bool:
         """Whether every rank's free pages cover its requests' next decode step (`pages_short`)."""
-        return all(self.pages_short([r for r in reqs if r._rank == rank], extra) <= m.page_pool.num_free
-                   for rank, m in enumerate(self.managers))
+        return all(
+            self.pages_short([r for r in reqs if r._rank == rank], extra) <= m.page_pool.num_free
+            for rank, m in enumerate(self.managers)
+        )
 
     def _salt(self, req: Request) -> str | None:
         if self.config.prefix_caching:
@@ -319,8 +328,7 @@ class Scheduler:
                 req._computed = blocks.hit.tokens
                 if req.output:
                     self.recomputed_tokens += len(req._context) - req._computed
-            req._boundaries = [b for b in self.manager_of(req).snapshot_boundaries(req.request_id)
-                               if b > req._computed]
+            req._boundaries = [b for b in self.manager_of(req).snapshot_boundaries(req.request_id) if b > req._computed]
             self.running.append(req)
             plan.admitted.append(Admission(req, blocks, resume))
 
@@ -363,7 +371,8 @@ class Scheduler:
             victim = newest(movable)
             reqs.remove(victim)
             if not reqs and need([victim]) > manager.page_pool.num_free + len(
-                    manager.requests[victim.request_id].page_table):
+                manager.requests[victim.request_id].page_table
+            ):
                 self.running.remove(victim)
                 self.release(victim, error="out of KV capacity")
                 plan.failed.append((victim, "out of KV capacity"))
@@ -381,8 +390,14 @@ class Scheduler:
 
     def pages_short(self, reqs: list[Request], extra: int = 0) -> int:
         """New pages `reqs` need for their next decode step (`decode_reach`)."""
-        return sum(max(0, self.manager_of(r).pages_needed(self.decode_reach(r, extra))
-                       - len(self.manager_of(r).requests[r.request_id].page_table)) for r in reqs)
+        return sum(
+            max(
+                0,
+                self.manager_of(r).pages_needed(self.decode_reach(r, extra))
+                - len(self.manager_of(r).requests[r.request_id].page_table),
+            )
+            for r in reqs
+        )
 
     def _preempt(self, req: Request) -> Preemption:
         """Free a running request's pages and slot and queue it first to resume.  With a host
@@ -392,13 +407,15 @@ class Scheduler:
         self.running.remove(req)
         req._context = list(req.prompt) + list(req.output)
         keys, manager = None, self.manager_of(req)
-        if (manager.host is not None and self.config.offload_preempted
-                and req._cached_len == len(req._context) - 1):
+        if manager.host is not None and self.config.offload_preempted and req._cached_len == len(req._context) - 1:
             tag = f"{req.request_id}/{self.preemptions}"
             n_pages = -(-req._cached_len // self.config.page_tokens)
-            keys = tuple(make_key(manager.spec.namespace, "preempt",
-                                  hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest())
-                         for i in range(n_pages + 1))
+            keys = tuple(
+                make_key(
+                    manager.spec.namespace, "preempt", hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest()
+                )
+                for i in range(n_pages + 1)
+            )
         table = tuple(manager.requests[req.request_id].page_table)
         out = Preemption(req, table, req._slot, req._cached_len, keys, req._rank)
         manager.finish(req.request_id)

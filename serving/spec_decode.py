@@ -77,19 +77,33 @@ def init_draft_pools(cfg: ModelConfig, num_pages: int, num_slots: int, page_toke
     """{"pages": [num_pages, page, kv_lora + rope] the draft's latent rows (the target's page ids),
     "tail_g": f32 [num_pages, D] the fused feature of each page's last slot,
     "pending": f32 [num_slots, k + 1, D] per KDA slot, the features of its slots not yet written}."""
-    return {"pages": jnp.zeros((num_pages, page_tokens, cfg.mla_latent_dim), dtype),
-            "tail_g": jnp.zeros((num_pages, cfg.d_model), jnp.float32),
-            "pending": jnp.zeros((num_slots, k + 1, cfg.d_model), jnp.float32)}
+    return {
+        "pages": jnp.zeros((num_pages, page_tokens, cfg.mla_latent_dim), dtype),
+        "tail_g": jnp.zeros((num_pages, cfg.d_model), jnp.float32),
+        "pending": jnp.zeros((num_slots, k + 1, cfg.d_model), jnp.float32),
+    }
 
 
-def _draft_rows(draft, embed_vd, dpools, feats_btd, tokens_bt, positions_bt, tables, valid_b, *, cfg, kernels,
-                page_tokens, store_tail: bool):
+def _draft_rows(
+    draft,
+    embed_vd,
+    dpools,
+    feats_btd,
+    tokens_bt,
+    positions_bt,
+    tables,
+    valid_b,
+    *,
+    cfg,
+    kernels,
+    page_tokens,
+    store_tail: bool,
+):
     """The draft layer over slots [B, T] on its paged rows (only each row's first valid_b slots
     are written).  With store_tail, the features of slots that end a page go to tail_g.
     Returns (hidden [B, T, D], dpools)."""
     cache = {"pages": dpools["pages"], "block_tables": tables, "valid": valid_b}
-    hidden, cache = eagle.draft_layer(draft, cfg, feats_btd, embed_vd[tokens_bt], positions_bt, cache,
-                                      kernels=kernels)
+    hidden, cache = eagle.draft_layer(draft, cfg, feats_btd, embed_vd[tokens_bt], positions_bt, cache, kernels=kernels)
     dpools = dict(dpools, pages=cache["pages"])
     if store_tail:
         real = jnp.arange(positions_bt.shape[1])[None] < valid_b[:, None]
@@ -101,8 +115,9 @@ def _draft_rows(draft, embed_vd, dpools, feats_btd, tokens_bt, positions_bt, tab
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "page_tokens"), donate_argnames=("dpools",))
-def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, from_prev, slot, table, *, cfg,
-                  kernels, page_tokens):
+def prefill_draft(
+    draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, from_prev, slot, table, *, cfg, kernels, page_tokens
+):
     """The draft rows a prefill chunk makes known, for one request.
 
     taps_btld [1, T, 3, D]: the chunk's target taps (positions start .. start + T - 1, the first
@@ -115,8 +130,20 @@ def prefill_draft(draft, embed_vd, dpools, taps_btld, tokens_bt, start, n_real, 
     first = jnp.where(from_prev, start - 1, start)
     count = jnp.where(from_prev, n_real, n_real - 1)
     positions = first + jnp.arange(g.shape[0], dtype=jnp.int32)
-    _, dpools = _draft_rows(draft, embed_vd, dpools, feats[None], tokens_bt, positions[None], table[None],
-                            count[None], cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
+    _, dpools = _draft_rows(
+        draft,
+        embed_vd,
+        dpools,
+        feats[None],
+        tokens_bt,
+        positions[None],
+        table[None],
+        count[None],
+        cfg=cfg,
+        kernels=kernels,
+        page_tokens=page_tokens,
+        store_tail=True,
+    )
     last = jax.lax.dynamic_index_in_dim(g, n_real - 1, keepdims=False)
     return dict(dpools, pending=dpools["pending"].at[slot, 0].set(last))
 
@@ -127,9 +154,20 @@ def write_slot(draft, embed_vd, dpools, slot, position, token, table, *, cfg, ke
     into its page of `table` [max_pages]: a prefill engine's last prompt slot, once it has
     sampled the token after the prompt.  Returns dpools."""
     feats = dpools["pending"][slot, :1][None]  # [1, 1, D]
-    _, dpools = _draft_rows(draft, embed_vd, dpools, feats, token[None, None], position[None, None], table[None],
-                            jnp.ones((1,), jnp.int32), cfg=cfg, kernels=kernels, page_tokens=page_tokens,
-                            store_tail=True)
+    _, dpools = _draft_rows(
+        draft,
+        embed_vd,
+        dpools,
+        feats,
+        token[None, None],
+        position[None, None],
+        table[None],
+        jnp.ones((1,), jnp.int32),
+        cfg=cfg,
+        kernels=kernels,
+        page_tokens=page_tokens,
+        store_tail=True,
+    )
     return dpools
 
 
@@ -167,14 +205,29 @@ def _draft_body(draft, embed, dpools, rows, *, cfg, kernels, k, page_tokens):
     c = rows["catch_n"]
     pos_c = (lengths - c)[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
     feats = dpools["pending"][slots]
-    hidden, dpools = _draft_rows(draft, embed, dpools, feats, rows["catch_tokens"], pos_c, rows["draft_tables"],
-                                 c * active, cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=True)
+    hidden, dpools = _draft_rows(
+        draft,
+        embed,
+        dpools,
+        feats,
+        rows["catch_tokens"],
+        pos_c,
+        rows["draft_tables"],
+        c * active,
+        cfg=cfg,
+        kernels=kernels,
+        page_tokens=page_tokens,
+        store_tail=True,
+    )
     h = hidden[jnp.arange(b), jnp.maximum(c - 1, 0)]  # slot L - 1
     # a round's draws from (the request's 63-bit seed, L): reproducible under preemption and
     # handoffs (a function of the sequence, not of the batch); k draft draws, then the
     # acceptance's uniforms and its resample
-    keys = jax.vmap(lambda sd, p: jax.random.split(jax.random.fold_in(jax.random.fold_in(
-        jax.random.PRNGKey(sd[0]), sd[1]), p), k + 2))(rows["seed"], lengths)
+    keys = jax.vmap(
+        lambda sd, p: jax.random.split(
+            jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(sd[0]), sd[1]), p), k + 2
+        )
+    )(rows["seed"], lengths)
     drafts, qs = [], []
     for s in range(k):
         lg = eagle.draft_logits(draft, cfg, h[:, None])[:, 0]
@@ -184,8 +237,20 @@ def _draft_body(draft, embed, dpools, rows, *, cfg, kernels, k, page_tokens):
         if s == k - 1:
             break
         pos = (lengths - 1 + s + 1)[:, None]  # slot L - 1 + s + 1 reads (o of the slot before, d_{s+1})
-        hidden, dpools = _draft_rows(draft, embed, dpools, h[:, None], d[:, None], pos, rows["draft_tables"], active,
-                                     cfg=cfg, kernels=kernels, page_tokens=page_tokens, store_tail=False)
+        hidden, dpools = _draft_rows(
+            draft,
+            embed,
+            dpools,
+            h[:, None],
+            d[:, None],
+            pos,
+            rows["draft_tables"],
+            active,
+            cfg=cfg,
+            kernels=kernels,
+            page_tokens=page_tokens,
+            store_tail=False,
+        )
         h = hidden[:, 0]
     return dpools, jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), keys
 
@@ -195,11 +260,13 @@ def _verify_body(params, draft, pools, rows, drafts, *, cfg, kernels, taps, k):
     logits [B, k + 1, V], exports, g f32 [B, k + 1, D])."""
     lengths, active, slots = rows["lengths"], rows["active"], rows["slots"]
     tokens = jnp.concatenate([rows["t0"][:, None], drafts], axis=1)  # [B, k + 1] at L .. L + k
-    view = model.paged_view(pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32),
-                            valid=active * (k + 1))
+    view = model.paged_view(
+        pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32), valid=active * (k + 1)
+    )
     positions = lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-    logits, view, vtaps = model._forward_impl(params, tokens, positions, view, None, cfg=verify_config(cfg),
-                                              expert_path="grouped", kernels=kernels, taps=taps)
+    logits, view, vtaps = model._forward_impl(
+        params, tokens, positions, view, None, cfg=verify_config(cfg), expert_path="grouped", kernels=kernels, taps=taps
+    )
     g = eagle.fuse(draft, vtaps).astype(jnp.float32)
     return model.pools_of(view), logits, view["exports"], g
 
@@ -214,10 +281,12 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
     Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
     [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
     the verified positions' fused features, keys)."""
-    dpools, drafts, qs, keys = _draft_body(draft, params["embed_vd"], dpools, rows, cfg=cfg, kernels=kernels, k=k,
-                                           page_tokens=page_tokens)
-    pools, logits, exports, g = _verify_body(params, draft, pools, rows, drafts, cfg=cfg, kernels=kernels, taps=taps,
-                                             k=k)
+    dpools, drafts, qs, keys = _draft_body(
+        draft, params["embed_vd"], dpools, rows, cfg=cfg, kernels=kernels, k=k, page_tokens=page_tokens
+    )
+    pools, logits, exports, g = _verify_body(
+        params, draft, pools, rows, drafts, cfg=cfg, kernels=kernels, taps=taps, k=k
+    )
     return pools, dpools, logits, drafts, qs, exports, g, keys
 
 
@@ -251,15 +320,17 @@ def accept_on_device(logits_bkv, drafts_bk, qs_bkv, temperature_b, key_u, key_r)
 DEVICE_KEYS = ("t0", "lengths", "catch_n", "catch_tokens")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"),
-                   donate_argnames=("pools", "dpools", "rows"))
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "kernels", "taps", "k", "page_tokens"), donate_argnames=("pools", "dpools", "rows")
+)
 def spec_step(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
     """One whole round in one program: `_round_body`, `accept_on_device`, `_commit_body`.  Returns
     (pools, dpools, rows for the next round (`advance_rows`: the next round can run on them
     before the host has read this one), out int32 [B, k + 2]: row b's kept drafts then its next
     token, then padding, and in the last column a, the drafts kept)."""
     pools, dpools, logits, drafts, qs, exports, g, keys = _round_body(
-        params, draft, pools, dpools, rows, cfg=cfg, kernels=kernels, taps=taps, k=k, page_tokens=page_tokens)
+        params, draft, pools, dpools, rows, cfg=cfg, kernels=kernels, taps=taps, k=k, page_tokens=page_tokens
+    )
     a, nxt = accept_on_device(logits, drafts, qs, rows["temperature"], keys[:, k], keys[:, k + 1])
     pools, dpools = _commit_body(pools, dpools, exports, g, rows["slots"], a + 1, cfg=cfg)
     drafts_pad = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
@@ -274,12 +345,15 @@ def _advance(rows, out, k: int, xp):
     0, as `catch_up_tokens` pads); padding rows unchanged."""
     a = out[:, k + 1]
     act = rows["active"] > 0
-    tokens = out[:, :k + 1]
+    tokens = out[:, : k + 1]
     emitted = xp.where(xp.arange(k + 1)[None] <= a[:, None], tokens, 0)
-    return dict(rows, t0=xp.where(act, xp.take_along_axis(tokens, a[:, None], axis=1)[:, 0], rows["t0"]),
-                lengths=(rows["lengths"] + (a + 1) * rows["active"]).astype(rows["lengths"].dtype),
-                catch_n=xp.where(act, a + 1, rows["catch_n"]).astype(rows["catch_n"].dtype),
-                catch_tokens=xp.where(act[:, None], emitted, rows["catch_tokens"]).astype(rows["catch_tokens"].dtype))
+    return dict(
+        rows,
+        t0=xp.where(act, xp.take_along_axis(tokens, a[:, None], axis=1)[:, 0], rows["t0"]),
+        lengths=(rows["lengths"] + (a + 1) * rows["active"]).astype(rows["lengths"].dtype),
+        catch_n=xp.where(act, a + 1, rows["catch_n"]).astype(rows["catch_n"].dtype),
+        catch_tokens=xp.where(act[:, None], emitted, rows["catch_tokens"]).astype(rows["catch_tokens"].dtype),
+    )
 
 
 def advance_rows(rows: dict, out: np.ndarray, k: int) -> dict:
@@ -302,21 +376,22 @@ def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
     return dict(pools, kda=kda), dict(dpools, pending=dpools["pending"].at[slots].set(g))
 
 
-
 def catch_up_tokens(prompt: list[int], output: list[int], lengths: int, catch_n: int, width: int) -> list[int]:
     """x_{i+1} for the catch-up slots L - c .. L - 1 of a request whose tokens are prompt + output
     (position L holds t0), padded to `width`; the k + 1 tokens are sliced, never the whole
     sequence copied (a round's host side stays O(k) per request at any context length)."""
     lo, hi, n = lengths - catch_n + 1, lengths + 1, len(prompt)
-    toks = list(prompt[lo:min(hi, n)]) + list(output[max(lo - n, 0):max(hi - n, 0)])
+    toks = list(prompt[lo : min(hi, n)]) + list(output[max(lo - n, 0) : max(hi - n, 0)])
     return toks + [0] * (width - len(toks))
 
 
-def prefill_draft_tokens(context: list[int], start: int, end: int, from_prev: bool, width: int) -> tuple[list[int], int]:
+def prefill_draft_tokens(
+    context: list[int], start: int, end: int, from_prev: bool, width: int
+) -> tuple[list[int], int]:
     """(the tokens x_{i+1} of `prefill_draft`'s width slots, padded; the slots to write) for the
     chunk [start, end) of `context`."""
     first = start - 1 if from_prev else start
-    toks = list(context[first + 1:end])  # slots first .. end - 2 read x_{first+1} .. x_{end-1}
+    toks = list(context[first + 1 : end])  # slots first .. end - 2 read x_{first+1} .. x_{end-1}
     return toks + [0] * (width - len(toks)), len(toks)
 
 
@@ -353,8 +428,9 @@ class SpecDecoder:
     the module docstring).  The engine calls `on_admit` after a request's slot is restored,
     `after_chunk` after each prefill chunk, and `decode` for the decode rows of a step."""
 
-    def __init__(self, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, *, k: int, tail: str, kernels: str,
-                 page_tokens: int):
+    def __init__(
+        self, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, *, k: int, tail: str, kernels: str, page_tokens: int
+    ):
         from kimik3 import speculative
 
         speculative.check_draft(cfg, ecfg, draft, k)
@@ -393,12 +469,23 @@ class SpecDecoder:
 
         before = self.programs()
         # a P/D prefill engine never decodes: no rounds to compile
-        buckets = [] if eng.role == "prefill" else sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
+        buckets = (
+            [] if eng.role == "prefill" else sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
+        )
         for bucket in buckets:
             rows = self._rows(eng, [], bucket)
             eng.kv.pools, eng.kv.dpools, io, out = spec_step(
-                eng.params, self.draft, eng.kv.pools, eng.kv.dpools, self._place(eng, rows), cfg=self.cfg,
-                kernels=self.kernels, taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+                eng.params,
+                self.draft,
+                eng.kv.pools,
+                eng.kv.dpools,
+                self._place(eng, rows),
+                cfg=self.cfg,
+                kernels=self.kernels,
+                taps=self.taps,
+                k=self.k,
+                page_tokens=self.page_tokens,
+            )
             # the two writes `_buffers` makes (a chained round's entries, every entry); the
             # buffers are left holding `rows`
             io = _overwrite(io, self._place(eng, {key: v for key, v in rows.items() if key not in DEVICE_KEYS}))
@@ -407,17 +494,39 @@ class SpecDecoder:
         null = jnp.full((eng.max_pages,), NULL_BLOCK, jnp.int32)
         for t, step in eng.runner.prefill_lengths():
             if step is None:
-                taps = jax.device_put(jnp.zeros((1, t, len(self.taps), self.cfg.d_model), eng.dtype),
-                                      eng.kv.dpools["pending"].devices().pop())  # committed, as a chunk's are
-                eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
-                                              jnp.zeros((1, t), jnp.int32), jnp.int32(0), jnp.int32(0),
-                                              jnp.bool_(False), jnp.int32(eng.scratch_slot), null, cfg=self.cfg,
-                                              kernels=self.kernels, page_tokens=self.page_tokens)
+                taps = jax.device_put(
+                    jnp.zeros((1, t, len(self.taps), self.cfg.d_model), eng.dtype),
+                    eng.kv.dpools["pending"].devices().pop(),
+                )  # committed, as a chunk's are
+                eng.kv.dpools = prefill_draft(
+                    self.draft,
+                    eng.params["embed_vd"],
+                    eng.kv.dpools,
+                    taps,
+                    jnp.zeros((1, t), jnp.int32),
+                    jnp.int32(0),
+                    jnp.int32(0),
+                    jnp.bool_(False),
+                    jnp.int32(eng.scratch_slot),
+                    null,
+                    cfg=self.cfg,
+                    kernels=self.kernels,
+                    page_tokens=self.page_tokens,
+                )
         scratch, page = jnp.int32(eng.scratch_slot), jnp.int32(NULL_BLOCK)  # the exact rule's and adopt's moves
         if eng.role == "prefill":  # its last prompt slots (`write_last_slot`)
-            eng.kv.dpools = write_slot(self.draft, eng.params["embed_vd"], eng.kv.dpools, scratch, jnp.int32(0),
-                                       jnp.int32(0), null, cfg=self.cfg, kernels=self.kernels,
-                                       page_tokens=self.page_tokens)
+            eng.kv.dpools = write_slot(
+                self.draft,
+                eng.params["embed_vd"],
+                eng.kv.dpools,
+                scratch,
+                jnp.int32(0),
+                jnp.int32(0),
+                null,
+                cfg=self.cfg,
+                kernels=self.kernels,
+                page_tokens=self.page_tokens,
+            )
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, page, page)
         eng.kv.dpools = set_pending(eng.kv.dpools, scratch, jnp.zeros((self.cfg.d_model,), jnp.float32))
         jax.block_until_ready(eng.kv.dpools["pending"])
@@ -457,7 +566,7 @@ class SpecDecoder:
     def draft_table(self, eng, req) -> list[int]:
         table = eng._table(req)
         if req._draft_table is not None:
-            table[:len(req._draft_table)] = req._draft_table
+            table[: len(req._draft_table)] = req._draft_table
         return table
 
     # ---- prefill -----------------------------------------------------------------------------
@@ -467,11 +576,22 @@ class SpecDecoder:
         toks, count = prefill_draft_tokens(req._context, start, end, from_prev, taps.shape[1])
         table = self.draft_table(eng, req)
         p = self.page_tokens
-        eng.kv.tail_known[np.asarray(table[start // p:-(-end // p)], np.int64)] = False  # written anew here
-        eng.kv.dpools = prefill_draft(self.draft, eng.params["embed_vd"], eng.kv.dpools, taps,
-                                      jnp.asarray([toks], jnp.int32), jnp.int32(start), jnp.int32(end - start),
-                                      jnp.bool_(from_prev), jnp.int32(req._slot), jnp.asarray(table, jnp.int32),
-                                      cfg=self.cfg, kernels=self.kernels, page_tokens=self.page_tokens)
+        eng.kv.tail_known[np.asarray(table[start // p : -(-end // p)], np.int64)] = False  # written anew here
+        eng.kv.dpools = prefill_draft(
+            self.draft,
+            eng.params["embed_vd"],
+            eng.kv.dpools,
+            taps,
+            jnp.asarray([toks], jnp.int32),
+            jnp.int32(start),
+            jnp.int32(end - start),
+            jnp.bool_(from_prev),
+            jnp.int32(req._slot),
+            jnp.asarray(table, jnp.int32),
+            cfg=self.cfg,
+            kernels=self.kernels,
+            page_tokens=self.page_tokens,
+        )
         self._mark_tails(eng.kv, table, start - 1 if from_prev else start, count)
         req._catch_n = 1
 
@@ -485,9 +605,18 @@ class SpecDecoder:
         if n % self.page_tokens:
             return  # the slot lies in a partial page, which no prefix hit can reach
         table = self.draft_table(eng, req)
-        eng.kv.dpools = write_slot(self.draft, eng.params["embed_vd"], eng.kv.dpools, jnp.int32(req._slot),
-                                   jnp.int32(n - 1), jnp.int32(token), jnp.asarray(table, jnp.int32), cfg=self.cfg,
-                                   kernels=self.kernels, page_tokens=self.page_tokens)
+        eng.kv.dpools = write_slot(
+            self.draft,
+            eng.params["embed_vd"],
+            eng.kv.dpools,
+            jnp.int32(req._slot),
+            jnp.int32(n - 1),
+            jnp.int32(token),
+            jnp.asarray(table, jnp.int32),
+            cfg=self.cfg,
+            kernels=self.kernels,
+            page_tokens=self.page_tokens,
+        )
         self._mark_tails(eng.kv, table, n - 1, 1)
 
     # ---- decode ------------------------------------------------------------------------------
@@ -501,8 +630,11 @@ class SpecDecoder:
             "t0": np.asarray([r.output[-1] for r in reqs] + [0] * pad, np.int32),
             "lengths": np.asarray([r._cached_len for r in reqs] + [1] * pad, np.int32),
             "catch_n": np.asarray([r._catch_n for r in reqs] + [1] * pad, np.int32),
-            "catch_tokens": np.asarray([catch_up_tokens(r.prompt, r.output, r._cached_len, r._catch_n, k + 1)
-                                        for r in reqs] + [[0] * (k + 1)] * pad, np.int32),
+            "catch_tokens": np.asarray(
+                [catch_up_tokens(r.prompt, r.output, r._cached_len, r._catch_n, k + 1) for r in reqs]
+                + [[0] * (k + 1)] * pad,
+                np.int32,
+            ),
             "tables": np.asarray([eng._table(r) for r in reqs] + [null] * pad, np.int32),
             "draft_tables": np.asarray([self.draft_table(eng, r) for r in reqs] + [null] * pad, np.int32),
             "slots": np.asarray([r._slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
@@ -543,16 +675,31 @@ class SpecDecoder:
             rows = dict(rows, **{key: None for key in DEVICE_KEYS})  # filled when the round before is read
         io = self._buffers(eng, rows, chained)
         eng.kv.pools, eng.kv.dpools, io, out = spec_step(
-            eng.params, self.draft, eng.kv.pools, eng.kv.dpools, io, cfg=self.cfg, kernels=self.kernels,
-            taps=self.taps, k=self.k, page_tokens=self.page_tokens)
+            eng.params,
+            self.draft,
+            eng.kv.pools,
+            eng.kv.dpools,
+            io,
+            cfg=self.cfg,
+            kernels=self.kernels,
+            taps=self.taps,
+            k=self.k,
+            page_tokens=self.page_tokens,
+        )
         bucket = len(rows["slots"])
         self._dispatched += 1
         self.stats.chained += int(chained)
         # the round advances DEVICE_KEYS: unknown until it is read
         self._io[bucket], self._last[bucket] = io, self._dispatched
         self._held[bucket] = dict(rows, **{key: None for key in DEVICE_KEYS})
-        return {"reqs": list(reqs), "rows": rows, "out": out, "id": self._dispatched, "chained": chained,
-                "t": time.perf_counter()}
+        return {
+            "reqs": list(reqs),
+            "rows": rows,
+            "out": out,
+            "id": self._dispatched,
+            "chained": chained,
+            "t": time.perf_counter(),
+        }
 
     def resolve(self, eng, rnd: dict, successor: dict | None = None, mixed: bool = False) -> None:
         """Read a dispatched round (its one wait on the device) and emit each request's kept drafts
@@ -577,7 +724,7 @@ class SpecDecoder:
             self.stats.rounds += 1
             self.stats.drafted += k
             self.stats.kept += int(keep[i]) - 1
-            for tok in out[i, :keep[i]].tolist():
+            for tok in out[i, : keep[i]].tolist():
                 if r.done or r not in eng.running:
                     break
                 eng.scheduler.emit(r, int(tok), mixed)

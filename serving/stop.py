@@ -35,10 +35,10 @@ class StopMatcher:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self._held = True, ""
-            return text[:min(hits)], True
+            return text[: min(hits)], True
         keep = self._partial_suffix(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
 
     @property
     def held(self) -> str:

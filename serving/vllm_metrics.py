@@ -12,12 +12,74 @@ scrape target do not double count.  Units are vLLM's: seconds, and KV use as a f
 from __future__ import annotations
 
 # vLLM's histogram buckets (seconds)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
@@ -36,25 +98,57 @@ class VLLMMetrics:
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", **kw)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", **kw)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", **kw)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.", **kw)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.", **kw)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               labelnames=m + ["finished_reason"], registry=registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              buckets=TTFT_BUCKETS, **kw)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
-                              buckets=TPOT_BUCKETS, **kw)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             buckets=E2E_BUCKETS, **kw)
-        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                     buckets=_token_buckets(), **kw)
-        self.generation_hist = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                         buckets=_token_buckets(), **kw)
-        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens, self.prefix_queries, self.prefix_hits, self.ttft, self.tpot, self.e2e,
-                       self.prompt_hist, self.generation_hist):  # every series present from the start, as vLLM's
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", **kw
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", **kw
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labelnames=m + ["finished_reason"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=TTFT_BUCKETS,
+            **kw,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            buckets=TPOT_BUCKETS,
+            **kw,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            buckets=E2E_BUCKETS,
+            **kw,
+        )
+        self.prompt_hist = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", buckets=_token_buckets(), **kw
+        )
+        self.generation_hist = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", buckets=_token_buckets(), **kw
+        )
+        for metric in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.ttft,
+            self.tpot,
+            self.e2e,
+            self.prompt_hist,
+            self.generation_hist,
+        ):  # every series present from the start, as vLLM's
             metric.labels(model_name)
         for reason in FINISHED_REASONS:
             self.success.labels(model_name, reason)
@@ -70,8 +164,16 @@ class VLLMMetrics:
             self.preemptions.labels(self.model_name).inc(preemptions - self._preemptions_seen)
             self._preemptions_seen = preemptions
 
-    def finished(self, *, prompt_tokens: int, generation_tokens: int, finished_reason: str,
-                 ttft_s: float | None = None, tpot_s: float | None = None, e2e_s: float | None = None) -> None:
+    def finished(
+        self,
+        *,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finished_reason: str,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        e2e_s: float | None = None,
+    ) -> None:
         """One request done at the API (`finished_reason`: stop, length or abort); the prefix
         cache's series are the engines' (`prefix_cache`)."""
         name = self.model_name
@@ -83,7 +185,6 @@ class VLLMMetrics:
         for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s)):
             if value is not None:
                 hist.labels(name).observe(value)
-
 
     def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         """An engine's prefix-cache lookup for one request: prompt tokens asked, tokens found."""

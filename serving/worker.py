@@ -81,8 +81,16 @@ class _Sub:
 class EngineLoop:
     """The single thread that owns an `Engine`.  Thread-safe `submit` / `cancel` / `load`."""
 
-    def __init__(self, engine, *, max_waiting: int = 32, step_delay_s: float = 0.0, worker_id: str = "worker",
-                 registry=None, model_name: str = "kimik3"):
+    def __init__(
+        self,
+        engine,
+        *,
+        max_waiting: int = 32,
+        step_delay_s: float = 0.0,
+        worker_id: str = "worker",
+        registry=None,
+        model_name: str = "kimik3",
+    ):
         self.engine = engine
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
@@ -96,8 +104,17 @@ class EngineLoop:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
-        self.counters = {"submitted": 0, "finished": 0, "cancelled": 0, "errors": 0, "rejected": 0,
-                         "output_tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "cached_tokens_host": 0}
+        self.counters = {
+            "submitted": 0,
+            "finished": 0,
+            "cancelled": 0,
+            "errors": 0,
+            "rejected": 0,
+            "output_tokens": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "cached_tokens_host": 0,
+        }
         self._adopts: list = []  # direct handoffs waiting for a slot and pages (engine thread only)
         self._load = self._snapshot()
         self._metrics = _WorkerMetrics(registry, model_name) if registry is not None else None
@@ -129,21 +146,48 @@ class EngineLoop:
             self.counters["submitted"] += 1
             return None
 
-    def submit(self, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool, request_id: str,
-               export: bool = False, sampling: SamplingParams = GREEDY, images=None, cache_salt=None,
-               prior_output: int = 0) -> _Sub:
+    def submit(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool,
+        request_id: str,
+        export: bool = False,
+        sampling: SamplingParams = GREEDY,
+        images=None,
+        cache_salt=None,
+        prior_output: int = 0,
+    ) -> _Sub:
         """Queue a request (after `try_reserve`).  Its events arrive on the returned queue."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue(), export=export)
-        self._cmds.put(("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images, cache_salt,
-                                   prior_output)))
+        self._cmds.put(
+            ("submit", (sub, prompt, max_new_tokens, stop_at_eos, sampling, images, cache_salt, prior_output))
+        )
         return sub
 
-    def adopt(self, prompt: list[int], first_token: int, max_new_tokens: int, pages, state, *, stop_at_eos: bool,
-              request_id: str, sampling: SamplingParams = GREEDY, images=None, cache_salt=None) -> _Sub:
+    def adopt(
+        self,
+        prompt: list[int],
+        first_token: int,
+        max_new_tokens: int,
+        pages,
+        state,
+        *,
+        stop_at_eos: bool,
+        request_id: str,
+        sampling: SamplingParams = GREEDY,
+        images=None,
+        cache_salt=None,
+    ) -> _Sub:
         """Take over a request another worker prefilled (direct handoff), after `try_reserve`."""
         sub = _Sub(f"{request_id}#{next(self._ids)}", asyncio.get_running_loop(), asyncio.Queue())
-        self._cmds.put(("adopt", (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling,
-                                  images, cache_salt)))
+        self._cmds.put(
+            (
+                "adopt",
+                (sub, prompt, first_token, max_new_tokens, pages, state, stop_at_eos, sampling, images, cache_salt),
+            )
+        )
         return sub
 
     def cancel(self, sub: _Sub) -> None:
@@ -152,8 +196,13 @@ class EngineLoop:
     def load(self) -> dict:
         with self._lock:
             out = dict(self._load)
-            out.update(inflight=self._pending, draining=self.draining, failed=self.failed,
-                       max_waiting=self.max_waiting, **self.counters)
+            out.update(
+                inflight=self._pending,
+                draining=self.draining,
+                failed=self.failed,
+                max_waiting=self.max_waiting,
+                **self.counters,
+            )
         out["waiting"] = max(out["waiting"], out["inflight"] - out["running"])
         return out
 
@@ -184,8 +233,16 @@ class EngineLoop:
         if kind == "submit":
             sub, prompt, n, stop_at_eos, sampling, images, cache_salt, prior_output = payload
             try:
-                sub.req = e.submit(prompt, n, request_id=sub.internal_id, stop_at_eos=stop_at_eos, sampling=sampling,
-                                   images=images, cache_salt=cache_salt, prior_output=prior_output)
+                sub.req = e.submit(
+                    prompt,
+                    n,
+                    request_id=sub.internal_id,
+                    stop_at_eos=stop_at_eos,
+                    sampling=sampling,
+                    images=images,
+                    cache_salt=cache_salt,
+                    prior_output=prior_output,
+                )
             except ValueError as err:
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -211,9 +268,19 @@ class EngineLoop:
         for item in self._adopts:
             sub, prompt, first, n, pages, state, stop_at_eos, sampling, images, cache_salt = item
             try:
-                req = self.engine.adopt(prompt, first, n, pages, state, request_id=sub.internal_id,
-                                        arrival_s=time.monotonic(), stop_at_eos=stop_at_eos, sampling=sampling,
-                                        images=images, cache_salt=cache_salt)
+                req = self.engine.adopt(
+                    prompt,
+                    first,
+                    n,
+                    pages,
+                    state,
+                    request_id=sub.internal_id,
+                    arrival_s=time.monotonic(),
+                    stop_at_eos=stop_at_eos,
+                    sampling=sampling,
+                    images=images,
+                    cache_salt=cache_salt,
+                )
             except ValueError as err:  # images that do not match the prompt
                 self._push(sub, {"error": str(err), "status": 400, "retriable": False})
                 self._finish(sub, "errors")
@@ -250,9 +317,15 @@ class EngineLoop:
                     continue
                 eos = self.engine.config.eos_id
                 reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == eos else "length"
-                done = {"done": True, "finish_reason": reason, "prompt_tokens": len(req.prompt),
-                        "completion_tokens": len(req.output), "cached_tokens": req.cached_tokens,
-                        "cached_tokens_host": req.cached_tokens_host, "worker": self.worker_id}
+                done = {
+                    "done": True,
+                    "finish_reason": reason,
+                    "prompt_tokens": len(req.prompt),
+                    "completion_tokens": len(req.output),
+                    "cached_tokens": req.cached_tokens,
+                    "cached_tokens_host": req.cached_tokens_host,
+                    "worker": self.worker_id,
+                }
                 if sub.export:
                     done["kv"] = sub.kv
                 with self._lock:  # counted before the client hears "done" (it may read /load next)
@@ -335,13 +408,22 @@ class _WorkerMetrics:
         from serving.vllm_metrics import VLLMMetrics
 
         self.vllm = VLLMMetrics(registry, model_name)
-        self.ttft = Histogram("kimik3_worker_ttft_seconds", "arrival to first token", registry=registry,
-                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-        self.tpot = Histogram("kimik3_worker_tpot_seconds", "mean gap between output tokens", registry=registry,
-                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.ttft = Histogram(
+            "kimik3_worker_ttft_seconds",
+            "arrival to first token",
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.tpot = Histogram(
+            "kimik3_worker_tpot_seconds",
+            "mean gap between output tokens",
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+        )
         self.tokens = Counter("kimik3_worker_output_tokens", "output tokens", registry=registry)
-        self.cached = Counter("kimik3_worker_cached_prompt_tokens", "prompt tokens served from cache",
-                              ["tier"], registry=registry)
+        self.cached = Counter(
+            "kimik3_worker_cached_prompt_tokens", "prompt tokens served from cache", ["tier"], registry=registry
+        )
         self.prompt = Counter("kimik3_worker_prompt_tokens", "prompt tokens", registry=registry)
         self.waiting = Gauge("kimik3_worker_waiting", "requests waiting for admission", registry=registry)
         self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
@@ -369,8 +451,16 @@ class _WorkerMetrics:
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------
-def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S, registry=None,
-               held_kv_bytes: int = 1 << 30, held_kv_ttl_s: float = 60.0, pull_timeout_s: float = 30.0):
+def create_app(
+    loop: EngineLoop,
+    info: dict,
+    *,
+    keepalive_s: float = KEEPALIVE_S,
+    registry=None,
+    held_kv_bytes: int = 1 << 30,
+    held_kv_ttl_s: float = 60.0,
+    pull_timeout_s: float = 30.0,
+):
     """FastAPI app around a started or startable `EngineLoop`.  `info` goes out on /health.
     held_kv_bytes / held_kv_ttl_s: the KV a prefill worker keeps for decode workers to pull
     (`serving.kv_handoff.HeldKV`); pull_timeout_s: a decode worker's pull of one handoff."""
@@ -406,7 +496,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         hold_kv: StrictBool = False  # keep the KV for a decode worker to pull; answer with its handle
         temperature: float = Field(0.0, ge=0.0, le=2.0)
         top_p: float = Field(1.0, gt=0.0, le=1.0)
-        seed: StrictInt = Field(0, ge=0, lt=2 ** 63)
+        seed: StrictInt = Field(0, ge=0, lt=2**63)
         top_k: StrictInt = Field(0, ge=-1)
         min_p: float = Field(0.0, ge=0.0, le=1.0)
         presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -417,8 +507,16 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # the tenant's
 
         def sampling(self) -> SamplingParams:
-            return SamplingParams(self.temperature, self.top_p, self.seed, self.top_k, self.min_p,
-                                  self.presence_penalty, self.frequency_penalty, self.logprobs)
+            return SamplingParams(
+                self.temperature,
+                self.top_p,
+                self.seed,
+                self.top_k,
+                self.min_p,
+                self.presence_penalty,
+                self.frequency_penalty,
+                self.logprobs,
+            )
 
     held = kv_handoff.HeldKV(held_kv_bytes, held_kv_ttl_s)
     clients = []
@@ -447,8 +545,7 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
 
     tok = internal_auth.token()
     if tok is None:
-        log.warning("no %s: this worker's endpoints take requests from anyone who reaches its port",
-                    internal_auth.ENV)
+        log.warning("no %s: this worker's endpoints take requests from anyone who reaches its port", internal_auth.ENV)
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
@@ -476,17 +573,30 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         if why:
             return None, refuse(why)
         if adopt is not None:
-            sub = loop.adopt(*adopt[:5], stop_at_eos=adopt[5], request_id=adopt[6], sampling=adopt[7],
-                             images=adopt[8], cache_salt=adopt[9])
+            sub = loop.adopt(
+                *adopt[:5],
+                stop_at_eos=adopt[5],
+                request_id=adopt[6],
+                sampling=adopt[7],
+                images=adopt[8],
+                cache_salt=adopt[9],
+            )
         else:
             try:
                 images = decode_images(body.images)
             except ValueError as err:
                 return None, error(400, str(err))
-            sub = loop.submit(body.prompt, body.max_tokens, stop_at_eos=body.stop_at_eos, request_id=body.request_id,
-                              sampling=body.sampling(), images=images, cache_salt=body.cache_salt,
-                              prior_output=body.prior_output,
-                              export=(body.export_kv or body.hold_kv) and loop.engine.role == "prefill")
+            sub = loop.submit(
+                body.prompt,
+                body.max_tokens,
+                stop_at_eos=body.stop_at_eos,
+                request_id=body.request_id,
+                sampling=body.sampling(),
+                images=images,
+                cache_salt=body.cache_salt,
+                prior_output=body.prior_output,
+                export=(body.export_kv or body.hold_kv) and loop.engine.role == "prefill",
+            )
         first = await sub.events.get()
         if "error" in first:
             return None, error(first.get("status", 500), first["error"], retriable=first.get("retriable", False))
@@ -524,10 +634,23 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/adopt")
-    async def adopt(request: Request, max_tokens: int, stop_at_eos: bool = False, request_id: str = "req",
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0, min_p: float = 0.0,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logprobs: int | None = None,
-                    cache_salt: str | None = None, kv_from: str | None = None, kv_handle: str | None = None):
+    async def adopt(
+        request: Request,
+        max_tokens: int,
+        stop_at_eos: bool = False,
+        request_id: str = "req",
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
+        cache_salt: str | None = None,
+        kv_from: str | None = None,
+        kv_handle: str | None = None,
+    ):
         """Direct handoff: the KV of a prefill worker's `/prefill` (npz: prompt, token, pages,
         state), pulled from `kv_from` by `kv_handle` (`hold_kv`), or the body itself (`export_kv`);
         streams like /generate from the second token.  A pull that fails is a 502 (retriable: the
@@ -536,8 +659,14 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
             return error(400, "kv_from and kv_handle go together")
         if kv_from is not None:
             try:
-                raw = await kv_handoff.pull(puller(), kv_from, kv_handle, headers=internal_auth.headers(tok),
-                                            timeout_s=pull_timeout_s, max_bytes=held.max_bytes)
+                raw = await kv_handoff.pull(
+                    puller(),
+                    kv_from,
+                    kv_handle,
+                    headers=internal_auth.headers(tok),
+                    timeout_s=pull_timeout_s,
+                    max_bytes=held.max_bytes,
+                )
             except kv_handoff.HandoffError as err:
                 return error(502, f"could not pull the KV: {err}", retriable=True)
         else:
@@ -554,15 +683,23 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
         try:
             # what /adopt commits becomes the cached KV of the prompt's prefix: check it as /generate
             # checks a prompt, and that every value is finite (NaN pages would poison every later hit)
-            check_handoff(prompt, token, pages, state, vocab_size=info.get("vocab_size", 1 << 31),
-                          page_tokens=loop.engine.page_tokens)
-            sampling = SamplingParams(temperature, top_p, seed, top_k, min_p, presence_penalty, frequency_penalty,
-                                      logprobs)
+            check_handoff(
+                prompt,
+                token,
+                pages,
+                state,
+                vocab_size=info.get("vocab_size", 1 << 31),
+                page_tokens=loop.engine.page_tokens,
+            )
+            sampling = SamplingParams(
+                temperature, top_p, seed, top_k, min_p, presence_penalty, frequency_penalty, logprobs
+            )
             check_cache_salt(cache_salt)
         except ValueError as err:
             return error(400, str(err))
-        sub, first = await start(None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling,
-                                        images, cache_salt))
+        sub, first = await start(
+            None, (prompt, token, max_tokens, pages, state, stop_at_eos, request_id, sampling, images, cache_salt)
+        )
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/prefill")
@@ -590,15 +727,19 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
                     return answer
                 if kv is None:
                     return error(400, "this worker cannot export KV (only prefill workers do)")
-                packed = kv_handoff.pack(body.prompt, tokens[0], kv[0], kv[1],
-                                         decode_images(body.images) if body.images else None)
+                packed = kv_handoff.pack(
+                    body.prompt, tokens[0], kv[0], kv[1], decode_images(body.images) if body.images else None
+                )
                 if body.hold_kv:  # the decode worker pulls it (GET /kv/<handle>): the router sees the handle
                     try:
                         return {**answer, "kv_handle": held.put(packed), "kv_bytes": len(packed)}
                     except ValueError as err:
                         return error(503, str(err), retriable=True)
-                headers = {"x-kimik3-token": str(tokens[0]), "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
-                           "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"])}
+                headers = {
+                    "x-kimik3-token": str(tokens[0]),
+                    "x-kimik3-cached-tokens": str(ev["cached_tokens"]),
+                    "x-kimik3-cached-tokens-host": str(ev["cached_tokens_host"]),
+                }
                 if first_lp is not None:  # the first token's logprobs: the router sends them (the adopter starts after)
                     headers["x-kimik3-logprobs"] = json.dumps(first_lp)
                 return Response(packed, media_type="application/octet-stream", headers=headers)
@@ -618,12 +759,21 @@ def create_app(loop: EngineLoop, info: dict, *, keepalive_s: float = KEEPALIVE_S
     async def health():
         tier = getattr(loop.engine.manager, "host", None)
         store = tier.health() if hasattr(tier, "health") else None
-        status = "failed" if loop.failed else "draining" if loop.draining else \
-            "degraded" if store and store["status"] != "ok" else "ok"
+        status = (
+            "failed"
+            if loop.failed
+            else "draining"
+            if loop.draining
+            else "degraded"
+            if store and store["status"] != "ok"
+            else "ok"
+        )
         extra = {"store_health": store} if store else {}
         # degraded: serving, with store lookups answered as misses until the store is back
-        return JSONResponse({"status": status, "pid": os.getpid(), **info, **extra, "load": loop.load()},
-                            status_code=200 if status in ("ok", "degraded") else 503)
+        return JSONResponse(
+            {"status": status, "pid": os.getpid(), **info, **extra, "load": loop.load()},
+            status_code=200 if status in ("ok", "degraded") else 503,
+        )
 
     @app.get("/load")
     async def load():
@@ -714,30 +864,60 @@ def build_engine(args):
         from cache.guarded_tier import GuardedHostKVTier
 
         # behind a deadline and a breaker: a dead store turns into misses, not stalled steps
-        host = GuardedHostKVTier(MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata,
-                                                    staging_bytes=args.staging_mb << 20),
-                                 timeout_s=args.store_timeout_s, cooldown_s=args.store_cooldown_s)
+        host = GuardedHostKVTier(
+            MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata, staging_bytes=args.staging_mb << 20),
+            timeout_s=args.store_timeout_s,
+            cooldown_s=args.store_cooldown_s,
+        )
     role = args.role
     from kimik3.text import load_serving_tokenizer
 
     tok = load_serving_tokenizer(getattr(args, "tokenizer", None), getattr(args, "checkpoint", None), cfg.vocab_size)
-    engine = Engine(params, cfg, EngineConfig(
-        num_pages=num_pages, num_slots=args.num_slots, num_snapshots=args.num_snapshots or 4 * args.num_slots,
-        page_tokens=page, kda_block_tokens=block, max_pages_per_request=max_pages,
-        prefill_chunk_tokens=args.prefill_chunk_tokens, kernels=args.kernels, namespace=namespace, role=role,
-        publish_to_host=host is not None, draft_tokens=args.draft_tokens if draft is not None else 0,
-        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail,
-        eos_id=tok.eos_id), host=host, draft=draft,
-        mesh=meshes(args, cfg))
-    info = {"role": role, "worker_id": args.worker_id or f"{role}-{args.port}", "model": cfg.name,
-            "config": cfg.name, "dtype": dtype, "seed": args.seed, "namespace": namespace, "page_tokens": page,
-            "kda_block_tokens": block, "max_context": min(max_len, max_pages * page),
-            "vocab_size": cfg.vocab_size, "store": bool(host), "capacity": engine.capacity(),
-            "tokenizer": tok.describe(),  # the router checks that its tokenizer ends requests at the same id
-            # a KV handoff's layout (/adopt): one page block, and the packed KDA state
-            "page_shape": list(engine.pages.block_shape), "snapshot_size": int(engine.snapshot_size),
-            "speculative": None if draft is None else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens,
-                                                       "eagle_tail": engine.config.eagle_tail}}
+    engine = Engine(
+        params,
+        cfg,
+        EngineConfig(
+            num_pages=num_pages,
+            num_slots=args.num_slots,
+            num_snapshots=args.num_snapshots or 4 * args.num_slots,
+            page_tokens=page,
+            kda_block_tokens=block,
+            max_pages_per_request=max_pages,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
+            kernels=args.kernels,
+            namespace=namespace,
+            role=role,
+            publish_to_host=host is not None,
+            draft_tokens=args.draft_tokens if draft is not None else 0,
+            eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail,
+            eos_id=tok.eos_id,
+        ),
+        host=host,
+        draft=draft,
+        mesh=meshes(args, cfg),
+    )
+    info = {
+        "role": role,
+        "worker_id": args.worker_id or f"{role}-{args.port}",
+        "model": cfg.name,
+        "config": cfg.name,
+        "dtype": dtype,
+        "seed": args.seed,
+        "namespace": namespace,
+        "page_tokens": page,
+        "kda_block_tokens": block,
+        "max_context": min(max_len, max_pages * page),
+        "vocab_size": cfg.vocab_size,
+        "store": bool(host),
+        "capacity": engine.capacity(),
+        "tokenizer": tok.describe(),  # the router checks that its tokenizer ends requests at the same id
+        # a KV handoff's layout (/adopt): one page block, and the packed KDA state
+        "page_shape": list(engine.pages.block_shape),
+        "snapshot_size": int(engine.snapshot_size),
+        "speculative": None
+        if draft is None
+        else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens, "eagle_tail": engine.config.eagle_tail},
+    }
     return engine, host, info
 
 
@@ -761,20 +941,29 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
 
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
-        raise ValueError(f"--gpu-memory-utilization needs a device that reports its memory ({jax.default_backend()} "
-                         f"does not): pass --num-pages")
+        raise ValueError(
+            f"--gpu-memory-utilization needs a device that reports its memory ({jax.default_backend()} "
+            f"does not): pass --num-pages"
+        )
     # what the steps' activations and workspaces need is left out of the pool: 10% of the share
     budget = 0.9 * util * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     dp = max(1, getattr(args, "data_parallel_size", 1)) if args.role != "prefill" else 1
     dp //= max(1, getattr(args, "num_processes", None) or 1)  # in a process group: this process's ranks
     slots = args.num_slots // dp
-    pages = kv_pools.pages_in_budget(cfg, params["embed_vd"].dtype, budget, num_slots=slots,
-                                     num_snapshots=(args.num_snapshots or 4 * args.num_slots) // dp,
-                                     page_tokens=page_tokens,
-                                     draft_tokens=args.draft_tokens if getattr(args, "speculative", None) else 0)
+    pages = kv_pools.pages_in_budget(
+        cfg,
+        params["embed_vd"].dtype,
+        budget,
+        num_slots=slots,
+        num_snapshots=(args.num_snapshots or 4 * args.num_slots) // dp,
+        page_tokens=page_tokens,
+        draft_tokens=args.draft_tokens if getattr(args, "speculative", None) else 0,
+    )
     if pages < 2:
-        raise ValueError(f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
-                         f"hold {slots} slots' states and two pages")
+        raise ValueError(
+            f"--gpu-memory-utilization {util}: {budget / 2**30:.2f} GiB left after the weights do not "
+            f"hold {slots} slots' states and two pages"
+        )
     return pages * dp
 
 
@@ -794,17 +983,23 @@ def meshes(args, cfg, devices=None):
         import jax
 
         if args.role == "prefill" or tp > 1:
-            raise ValueError("a process group serves DP decode (--role decode or both, --data-parallel-size); "
-                             "tensor-parallel prefill runs within one process")
+            raise ValueError(
+                "a process group serves DP decode (--role decode or both, --data-parallel-size); "
+                "tensor-parallel prefill runs within one process"
+            )
         if dp != len(jax.devices()):
-            raise ValueError(f"a process group's decode mesh spans all its {len(jax.devices())} devices: pass "
-                             f"--data-parallel-size {len(jax.devices())}")
+            raise ValueError(
+                f"a process group's decode mesh spans all its {len(jax.devices())} devices: pass "
+                f"--data-parallel-size {len(jax.devices())}"
+            )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if args.role == "decode" and tp > 1:
         raise ValueError("a decode worker runs data-parallel attention: use --data-parallel-size")
     if args.role == "prefill" and dp > 1:
         raise ValueError("a prefill worker runs tensor-parallel attention: use --tensor-parallel-size")
-    pre = mesh_lib.prefill_mesh(tp, tp if ep else 1, devices, cfg) if tp > 1 or (ep and args.role == "prefill") else None
+    pre = (
+        mesh_lib.prefill_mesh(tp, tp if ep else 1, devices, cfg) if tp > 1 or (ep and args.role == "prefill") else None
+    )
     dec = mesh_lib.decode_mesh(dp, dp if ep else 1, devices, cfg) if dp > 1 or (ep and args.role == "decode") else None
     if pre is None and dec is None:
         return None
@@ -812,71 +1007,137 @@ def meshes(args, cfg, devices=None):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
-                        help="prefill: the first token and the KV; decode: the rest; both: colocated")
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "both"),
+        default="both",
+        help="prefill: the first token and the KV; decode: the rest; both: colocated",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True, help="the port to serve on")
     parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (every worker alike)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
-    parser.add_argument("--checkpoint", "--model", dest="checkpoint", default=None,
-                        help="weights: a Hugging Face Kimi-Linear directory or `kimik3 train`'s (overrides --config)")
-    parser.add_argument("--tokenizer", default=None, metavar="SPEC",
-                        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
-                             "checkpoint's tokenizer if it has one, else 'byte'): its end-of-sequence id ends requests")
-    parser.add_argument("--manifest", default=None,
-                        choices=SERVING_MANIFESTS,
-                        help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest")
-    parser.add_argument("--speculative", choices=("eagle3",), default=None,
-                        help="speculative decoding with an EAGLE-3 draft (colocated role 'both')")
+    parser.add_argument(
+        "--checkpoint",
+        "--model",
+        dest="checkpoint",
+        default=None,
+        help="weights: a Hugging Face Kimi-Linear directory or `kimik3 train`'s (overrides --config)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="'byte', a tokenizer.json, a tiktoken file or a directory holding one (default: the "
+        "checkpoint's tokenizer if it has one, else 'byte'): its end-of-sequence id ends requests",
+    )
+    parser.add_argument(
+        "--manifest",
+        default=None,
+        choices=SERVING_MANIFESTS,
+        help="load --checkpoint's quantized weights (`kimik3 quantize`) as this manifest",
+    )
+    parser.add_argument(
+        "--speculative",
+        choices=("eagle3",),
+        default=None,
+        help="speculative decoding with an EAGLE-3 draft (colocated role 'both')",
+    )
     parser.add_argument("--draft-checkpoint", default=None, metavar="DIR", help="the draft (`kimik3 train-eagle`)")
     parser.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per verify pass")
-    parser.add_argument("--eagle-tail", choices=("drop", "no_drop", "exact"), default="drop",
-                        help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot")
+    parser.add_argument(
+        "--eagle-tail",
+        choices=("drop", "no_drop", "exact"),
+        default="drop",
+        help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot",
+    )
     parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages in the device pool (default 256)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="size the KV pool to fill this share of the memory JAX may use on the GPU (in place "
-                             "of --num-pages; under `kimik3 launch`, whose --gpu-memory-utilization already caps "
-                             "that memory, a share of the cap)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + completion a request may have (default: the config's positions)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="prefill attention tensor-parallel over this many devices")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="decode attention data-parallel over this many devices")
-    parser.add_argument("--enable-expert-parallel", action="store_true",
-                        help="split the routed experts over the same devices (EP = TP for prefill, DP for decode)")
-    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                        help="join a process group (JAX's multi-controller runtime) whose process 0 serves the "
-                             "coordination service here; with --num-processes and --process-id.  The group serves "
-                             "as one DP engine: the decode mesh spans every process's devices, each process serves "
-                             "its own requests on its own devices' ranks, and all step together")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="size the KV pool to fill this share of the memory JAX may use on the GPU (in place "
+        "of --num-pages; under `kimik3 launch`, whose --gpu-memory-utilization already caps "
+        "that memory, a share of the cap)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion a request may have (default: the config's positions)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="prefill attention tensor-parallel over this many devices"
+    )
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1, help="decode attention data-parallel over this many devices"
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts over the same devices (EP = TP for prefill, DP for decode)",
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="join a process group (JAX's multi-controller runtime) whose process 0 serves the "
+        "coordination service here; with --num-processes and --process-id.  The group serves "
+        "as one DP engine: the decode mesh spans every process's devices, each process serves "
+        "its own requests on its own devices' ranks, and all step together",
+    )
     parser.add_argument("--num-processes", type=int, default=None, help="processes in the group")
     parser.add_argument("--process-id", type=int, default=None, help="this process's id in [0, num-processes)")
     parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU (a group on CPU)")
-    parser.add_argument("--group-heartbeat-s", type=int, default=10,
-                        help="a group process silent this long is dead: the others stop too (their requests fail "
-                             "over at the router) and `kimik3 launch` restarts them")
-    parser.add_argument("--num-slots", type=int, default=8,
-                        help="concurrent sessions (split evenly over the data-parallel ranks this process owns)")
-    parser.add_argument("--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)")
+    parser.add_argument(
+        "--group-heartbeat-s",
+        type=int,
+        default=10,
+        help="a group process silent this long is dead: the others stop too (their requests fail "
+        "over at the router) and `kimik3 launch` restarts them",
+    )
+    parser.add_argument(
+        "--num-slots",
+        type=int,
+        default=8,
+        help="concurrent sessions (split evenly over the data-parallel ranks this process owns)",
+    )
+    parser.add_argument(
+        "--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)"
+    )
     parser.add_argument("--page-tokens", type=int, default=None, help="tokens per KV page (default: the config's)")
-    parser.add_argument("--kda-block-tokens", type=int, default=None, help="tokens per KDA state snapshot (default: the config's)")
-    parser.add_argument("--max-pages-per-request", type=int, default=None, help="a request's page-table length (default: the pool)")
+    parser.add_argument(
+        "--kda-block-tokens", type=int, default=None, help="tokens per KDA state snapshot (default: the config's)"
+    )
+    parser.add_argument(
+        "--max-pages-per-request", type=int, default=None, help="a request's page-table length (default: the pool)"
+    )
     parser.add_argument("--prefill-chunk-tokens", type=int, default=64, help="prompt tokens per prefill chunk")
     parser.add_argument("--kernels", default="auto", help="auto | pallas | reference (kimik3.ops)")
     parser.add_argument("--mooncake-master", default=None, help="host:port of a mooncake_master (the shared store)")
     parser.add_argument("--mooncake-metadata", default=None, help="its HTTP metadata URL")
     parser.add_argument("--staging-mb", type=int, default=16, help="the store client's staging buffer")
-    parser.add_argument("--store-timeout-s", type=float, default=1.0,
-                        help="longest wait for one store call; one overrun opens the store's breaker")
-    parser.add_argument("--store-cooldown-s", type=float, default=5.0,
-                        help="while the breaker is open, store lookups are misses; then one call probes")
+    parser.add_argument(
+        "--store-timeout-s",
+        type=float,
+        default=1.0,
+        help="longest wait for one store call; one overrun opens the store's breaker",
+    )
+    parser.add_argument(
+        "--store-cooldown-s",
+        type=float,
+        default=5.0,
+        help="while the breaker is open, store lookups are misses; then one call probes",
+    )
     parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
     parser.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-PORT)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model_name label of its vllm:* metrics, as the router's (default kimik3-<config>)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model_name label of its vllm:* metrics, as the router's (default kimik3-<config>)",
+    )
     parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")
     parser.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step (testing)")
@@ -900,8 +1161,10 @@ def run(args) -> int:
 
         if args.num_processes is None or args.process_id is None:
             raise ValueError("--coordinator needs --num-processes and --process-id")
-        distributed.initialize(distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id,
-                                                        args.cpu_devices), heartbeat_timeout_s=args.group_heartbeat_s)
+        distributed.initialize(
+            distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id, args.cpu_devices),
+            heartbeat_timeout_s=args.group_heartbeat_s,
+        )
     elif args.num_processes or args.process_id is not None:
         raise ValueError("--num-processes and --process-id join a group: pass its --coordinator too")
     engine, host, info = build_engine(args)
@@ -909,9 +1172,14 @@ def run(args) -> int:
         engine.warmup(sampled=True)  # API clients sample by default (temperature 1)
     log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
     registry = CollectorRegistry()
-    loop = EngineLoop(engine, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s,
-                      worker_id=info["worker_id"], registry=registry,
-                      model_name=args.served_model_name or f"kimik3-{info['config']}")
+    loop = EngineLoop(
+        engine,
+        max_waiting=args.max_waiting,
+        step_delay_s=args.step_delay_s,
+        worker_id=info["worker_id"],
+        registry=registry,
+        model_name=args.served_model_name or f"kimik3-{info['config']}",
+    )
     app = create_app(loop, info, registry=registry)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -32,8 +32,12 @@ class WorkloadSpec:
         """The docs/design.md shape with token counts divided by `factor` (for CPU runs)."""
         base = cls(**overrides)
         div = lambda r: (max(1, int(r[0] / factor)), max(1, int(r[1] / factor)))
-        return dataclasses.replace(base, input_tokens=div(base.input_tokens), output_tokens=div(base.output_tokens),
-                                   system_prompt_tokens=max(1, int(base.system_prompt_tokens / factor)))
+        return dataclasses.replace(
+            base,
+            input_tokens=div(base.input_tokens),
+            output_tokens=div(base.output_tokens),
+            system_prompt_tokens=max(1, int(base.system_prompt_tokens / factor)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

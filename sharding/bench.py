@@ -115,8 +115,17 @@ def _engine_decode_tok_s(engine, requests: int, context: int, steps: int, rng) -
     return {"requests": requests, "tokens": made, "seconds": dt, "tok_s": made / dt, "step_ms": 1e3 * dt / steps}
 
 
-def engine_scaling(n: int, cfg_name: str, per_gpu_batch: int, context: int, steps: int, kernels: str,
-                   page_tokens: int = 128, dtype=None, devices=None) -> dict:
+def engine_scaling(
+    n: int,
+    cfg_name: str,
+    per_gpu_batch: int,
+    context: int,
+    steps: int,
+    kernels: str,
+    page_tokens: int = 128,
+    dtype=None,
+    devices=None,
+) -> dict:
     """The serving engine's decode on one device vs a dp n / ep n decode mesh with n times the
     requests (`per_gpu_batch` per device, `context`-token prompts): tokens/s, per GPU, efficiency."""
     from serving.engine import Engine
@@ -125,21 +134,39 @@ def engine_scaling(n: int, cfg_name: str, per_gpu_batch: int, context: int, step
     params = model.init_params(cfg, jax.random.PRNGKey(0), dtype)
     devices = list(devices or jax.devices())[:n]
     pages = per_gpu_batch * (-(-(context + steps + 16) // page_tokens) + 1) + 1
-    kw = dict(page_tokens=page_tokens, kda_block_tokens=max(page_tokens, 4 * page_tokens),
-              prefill_chunk_tokens=min(2048, max(page_tokens, context)), kernels=kernels,
-              max_pages_per_request=-(-(context + steps + 16) // page_tokens))
+    kw = dict(
+        page_tokens=page_tokens,
+        kda_block_tokens=max(page_tokens, 4 * page_tokens),
+        prefill_chunk_tokens=min(2048, max(page_tokens, context)),
+        kernels=kernels,
+        max_pages_per_request=-(-(context + steps + 16) // page_tokens),
+    )
     out = {"config": cfg.name, "gpus": n, "per_gpu_batch": per_gpu_batch, "context": context, "steps": steps}
     rng = np.random.default_rng(0)
     with jax.default_device(devices[0]):
-        one = Engine(params, cfg, num_pages=pages, num_slots=per_gpu_batch, num_snapshots=2 * per_gpu_batch,
-                     max_step_tokens=kw["prefill_chunk_tokens"] + per_gpu_batch, **kw)
+        one = Engine(
+            params,
+            cfg,
+            num_pages=pages,
+            num_slots=per_gpu_batch,
+            num_snapshots=2 * per_gpu_batch,
+            max_step_tokens=kw["prefill_chunk_tokens"] + per_gpu_batch,
+            **kw,
+        )
         out["1gpu"] = _engine_decode_tok_s(one, per_gpu_batch, context, steps, rng)
     del one
     print(json.dumps(out), flush=True)  # a run cut short still reports one GPU
     mesh = decode_mesh(n, n, devices=devices, cfg=cfg)
-    many = Engine(params, cfg, mesh=(None, mesh), num_pages=n * pages, num_slots=n * per_gpu_batch,
-                  num_snapshots=2 * n * per_gpu_batch, max_step_tokens=kw["prefill_chunk_tokens"] + n * per_gpu_batch,
-                  **kw)
+    many = Engine(
+        params,
+        cfg,
+        mesh=(None, mesh),
+        num_pages=n * pages,
+        num_slots=n * per_gpu_batch,
+        num_snapshots=2 * n * per_gpu_batch,
+        max_step_tokens=kw["prefill_chunk_tokens"] + n * per_gpu_batch,
+        **kw,
+    )
     out[f"{n}gpu"] = _engine_decode_tok_s(many, n * per_gpu_batch, context, steps, rng)
     out["tok_s_per_gpu_1gpu"] = out["1gpu"]["tok_s"]
     out[f"tok_s_per_gpu_{n}gpu"] = out[f"{n}gpu"]["tok_s"] / n
@@ -166,22 +193,27 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kernels", default="auto")
     p.add_argument("--skip-exact", action="store_true")
-    p.add_argument("--engine", action="store_true",
-                   help="only the serving engine's decode scaling (one device vs dp n / ep n, pools per rank)")
+    p.add_argument(
+        "--engine",
+        action="store_true",
+        help="only the serving engine's decode scaling (one device vs dp n / ep n, pools per rank)",
+    )
     p.add_argument("--per-gpu-batch", type=int, default=32, help="requests per device (--engine)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps (--engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     result = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
     if args.engine:
-        result["engine_scaling"] = engine_scaling(args.n, args.config, args.per_gpu_batch, args.context, args.steps,
-                                                  args.kernels)
+        result["engine_scaling"] = engine_scaling(
+            args.n, args.config, args.per_gpu_batch, args.context, args.steps, args.kernels
+        )
         return _report(result, args.out)
     if not args.skip_exact:
         result["exact"] = check_exact(args.n, args.kernels)
         print(json.dumps(result["exact"], indent=1), flush=True)
-    result["throughput"] = throughput(args.n, args.config, args.seq, args.decode_batch, args.context, args.reps,
-                                      args.kernels)
+    result["throughput"] = throughput(
+        args.n, args.config, args.seq, args.decode_batch, args.context, args.reps, args.kernels
+    )
     return _report(result, args.out)
 
 

@@ -82,8 +82,13 @@ class ShardedDecode:
         self.dispatch = layers.resolve_dispatch(dispatch)
         self.kernels = ops.resolve(kernels)
         self._jitted = jax.jit(self._run)
-        log.info("decode on dp=%d ep=%d (%s dispatch, %s kernels)", self.shape.size, self.shape.ep,
-                 self.dispatch, self.kernels)
+        log.info(
+            "decode on dp=%d ep=%d (%s dispatch, %s kernels)",
+            self.shape.size,
+            self.shape.ep,
+            self.dispatch,
+            self.kernels,
+        )
 
     def place_params(self, params):
         return shard_params(params, self.mesh, self.rules)
@@ -96,10 +101,16 @@ class ShardedDecode:
         x = embed_inputs(params, self.cfg, tokens)
         rows = P(ALL, None, None)
         cache_spec = cache_specs(cache, self.rules)
-        body = functools.partial(_contiguous_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch,
-                                 kernels=self.kernels)
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(param_specs(params, self.rules), rows, cache_spec),
-                           out_specs=(rows, cache_spec), check_vma=False)
+        body = functools.partial(
+            _contiguous_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch, kernels=self.kernels
+        )
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs(params, self.rules), rows, cache_spec),
+            out_specs=(rows, cache_spec),
+            check_vma=False,
+        )
         return fn(params, x, cache)
 
     def _check(self, tokens, cache):
@@ -107,8 +118,10 @@ class ShardedDecode:
             raise ValueError("decode needs a cache (kimik3.model.init_cache layout)")
         tokens, _, _ = model.prepare_inputs(self.cfg, tokens, cache=cache)
         if tokens.shape[0] % self.shape.size:
-            raise ValueError(f"decode batch of {tokens.shape[0]} requests is not a multiple of dp={self.shape.size} "
-                             f"(requests are split over the dp ranks)")
+            raise ValueError(
+                f"decode batch of {tokens.shape[0]} requests is not a multiple of dp={self.shape.size} "
+                f"(requests are split over the dp ranks)"
+            )
         return tokens
 
     def lower(self, params, tokens, cache):
@@ -141,16 +154,22 @@ class PagedDecode:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, *, dispatch: str = "auto", kernels: str = "auto"):
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"decode mesh must be a jax.sharding.Mesh (sharding.mesh.decode_mesh); "
-                            f"got {type(mesh).__name__}")
+            raise TypeError(
+                f"decode mesh must be a jax.sharding.Mesh (sharding.mesh.decode_mesh); got {type(mesh).__name__}"
+            )
         self.cfg, self.mesh = cfg, mesh
         self.shape = mesh_shape(mesh, "decode")
         check_config(cfg, self.shape)
         self.dispatch = layers.resolve_dispatch(dispatch)
         self.kernels = ops.resolve(kernels)
         self._jitted = jax.jit(self._run, donate_argnums=(1,))
-        log.info("decode over the ranks' own pools on dp=%d ep=%d (%s dispatch, %s kernels)", self.shape.size,
-                 self.shape.ep, self.dispatch, self.kernels)
+        log.info(
+            "decode over the ranks' own pools on dp=%d ep=%d (%s dispatch, %s kernels)",
+            self.shape.size,
+            self.shape.ep,
+            self.dispatch,
+            self.kernels,
+        )
 
     def programs(self) -> int:
         """Compiled programs so far (one per batch bucket)."""
@@ -166,11 +185,16 @@ class PagedDecode:
     def _run(self, params, pools, tokens, tables, slots, lengths):
         x = embed_inputs(params, self.cfg, tokens)
         split = lambda tree: jax.tree_util.tree_map(lambda _: P(ALL), tree)
-        body = functools.partial(_paged_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch,
-                                 kernels=self.kernels)
-        fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(param_specs(params, self.rules), P(ALL), split(pools), P(ALL), P(ALL), P(ALL)),
-                           out_specs=(P(ALL), split(pools)), check_vma=False)
+        body = functools.partial(
+            _paged_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch, kernels=self.kernels
+        )
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs(params, self.rules), P(ALL), split(pools), P(ALL), P(ALL), P(ALL)),
+            out_specs=(P(ALL), split(pools)),
+            check_vma=False,
+        )
         return fn(params, x, pools, tables, slots, lengths)
 
     def lower(self, params, pools, tokens, tables, slots, lengths):
@@ -185,8 +209,14 @@ class PagedDecode:
         tokens = jnp.asarray(tokens, jnp.int32)
         if tokens.ndim != 2 or tokens.shape[0] % self.size:
             raise ValueError(f"decode tokens must be [dp * b, T] with dp={self.size}; got {tokens.shape}")
-        return self._jitted(params, pools, tokens, jnp.asarray(tables, jnp.int32), jnp.asarray(slots, jnp.int32),
-                            jnp.asarray(lengths, jnp.int32))
+        return self._jitted(
+            params,
+            pools,
+            tokens,
+            jnp.asarray(tables, jnp.int32),
+            jnp.asarray(slots, jnp.int32),
+            jnp.asarray(lengths, jnp.int32),
+        )
 
 
 def decode(params, cfg: ModelConfig, mesh: Mesh, tokens, cache, *, dispatch: str = "auto", kernels: str = "auto"):

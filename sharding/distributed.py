@@ -31,6 +31,7 @@ import os
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
     """coordinator: "host:port" of process 0's coordination service; num_processes; process_id
@@ -53,8 +54,9 @@ class ProcessGroup:
             raise ValueError(f"cpu_devices must be >= 1; got {self.cpu_devices}")
 
 
-def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120,
-               heartbeat_timeout_s: int | None = None) -> None:
+def initialize(
+    group: ProcessGroup, *, bind: str | None = None, timeout_s: int = 120, heartbeat_timeout_s: int | None = None
+) -> None:
     """Join `group` (before any JAX computation in this process).  bind: the coordinator
     service's listening address (default: `group.coordinator`, so a loopback group stays on
     loopback).  heartbeat_timeout_s: a process silent this long counts as dead and the
@@ -71,12 +73,22 @@ def initialize(group: ProcessGroup, *, bind: str | None = None, timeout_s: int =
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU backend's, wherever it runs
     if group.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", group.cpu_devices)
-    jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
-                               process_id=group.process_id, coordinator_bind_address=bind or group.coordinator,
-                               initialization_timeout=timeout_s,
-                               **({} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}))
-    log.info("process %d of %d joined %s: %d devices, %d local", group.process_id, group.num_processes,
-             group.coordinator, len(jax.devices()), len(jax.local_devices()))
+    jax.distributed.initialize(
+        coordinator_address=group.coordinator,
+        num_processes=group.num_processes,
+        process_id=group.process_id,
+        coordinator_bind_address=bind or group.coordinator,
+        initialization_timeout=timeout_s,
+        **({} if heartbeat_timeout_s is None else {"heartbeat_timeout_seconds": heartbeat_timeout_s}),
+    )
+    log.info(
+        "process %d of %d joined %s: %d devices, %d local",
+        group.process_id,
+        group.num_processes,
+        group.coordinator,
+        len(jax.devices()),
+        len(jax.local_devices()),
+    )
 
 
 def agree_max(values) -> list[int]:

@@ -81,14 +81,21 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: s
     """
     b, t, d = h_btd.shape
     x_nd = h_btd.reshape(b * t, d)
-    ids_nk, weights_nk = route(x_nd, p_moe["w_router_de"], p_moe["router_bias_e"], cfg.n_active_experts,
-                               cfg.moe_biased_weights)
+    ids_nk, weights_nk = route(
+        x_nd, p_moe["w_router_de"], p_moe["router_bias_e"], cfg.n_active_experts, cfg.moe_biased_weights
+    )
     x_nl = x_nd @ p_moe["w_down_dl"] if cfg.moe_latent else x_nd
     experts = (p_moe["w_gate_elf"], p_moe["w_up_elf"], p_moe["w_out_efl"])
     caps = glu_activation(cfg)
     if ep == 1:
-        y_nkl = _expert_rows(x_nl[:, None, :].repeat(ids_nk.shape[1], 1).reshape(-1, x_nl.shape[-1]),
-                             ids_nk.reshape(-1), jnp.ones(ids_nk.size, bool), experts, caps, kernels)
+        y_nkl = _expert_rows(
+            x_nl[:, None, :].repeat(ids_nk.shape[1], 1).reshape(-1, x_nl.shape[-1]),
+            ids_nk.reshape(-1),
+            jnp.ones(ids_nk.size, bool),
+            experts,
+            caps,
+            kernels,
+        )
         y_nkl = y_nkl.reshape(ids_nk.shape + (-1,))
     elif dispatch == "dense":
         y_nkl = _dispatch_dense(x_nl, ids_nk, experts, caps, ep, kernels)
@@ -152,15 +159,36 @@ def _dispatch_ragged(x_nl, ids_nk, experts, caps, ep: int, kernels: str):
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     # where my rows land in each destination's buffer: after the rows of lower-ranked sources
     out_offsets = (jnp.cumsum(sizes_sd, axis=0) - sizes_sd)[me]
-    recv_x = jax.lax.ragged_all_to_all(rows, jnp.zeros((ep * cap, rows.shape[-1]), rows.dtype), send_offsets,
-                                       send_sizes, out_offsets, recv_sizes, axis_name=EXPERT)
-    recv_e = jax.lax.ragged_all_to_all(local_ids, jnp.zeros((ep * cap,), jnp.int32), send_offsets, send_sizes,
-                                       out_offsets, recv_sizes, axis_name=EXPERT)
+    recv_x = jax.lax.ragged_all_to_all(
+        rows,
+        jnp.zeros((ep * cap, rows.shape[-1]), rows.dtype),
+        send_offsets,
+        send_sizes,
+        out_offsets,
+        recv_sizes,
+        axis_name=EXPERT,
+    )
+    recv_e = jax.lax.ragged_all_to_all(
+        local_ids,
+        jnp.zeros((ep * cap,), jnp.int32),
+        send_offsets,
+        send_sizes,
+        out_offsets,
+        recv_sizes,
+        axis_name=EXPERT,
+    )
     valid = jnp.arange(ep * cap) < jnp.sum(recv_sizes)
     out = _expert_rows(recv_x, recv_e, valid, experts, caps, kernels)
     # back: my received chunk from source s returns to s at the offset s used to send it to me
     back_offsets = (jnp.cumsum(sizes_sd, axis=1) - sizes_sd)[:, me]
-    back = jax.lax.ragged_all_to_all(out, jnp.zeros((cap, out.shape[-1]), out.dtype), recv_offsets, recv_sizes,
-                                     back_offsets, send_sizes, axis_name=EXPERT)
+    back = jax.lax.ragged_all_to_all(
+        out,
+        jnp.zeros((cap, out.shape[-1]), out.dtype),
+        recv_offsets,
+        recv_sizes,
+        back_offsets,
+        send_sizes,
+        axis_name=EXPERT,
+    )
     y = jnp.zeros_like(back).at[order].set(back)
     return y.reshape(n, k, -1)

@@ -48,8 +48,10 @@ def _validate(shape: MeshShape, n_devices: int | None, cfg: ModelConfig | None) 
     if shape.ep < 1:
         raise ValueError(f"ep={shape.ep} must be >= 1")
     if shape.size % shape.ep:
-        raise ValueError(f"ep={shape.ep} must divide {g}={shape.size} (experts are split over ep ranks "
-                         f"and copied over {g}/ep groups of the same devices)")
+        raise ValueError(
+            f"ep={shape.ep} must divide {g}={shape.size} (experts are split over ep ranks "
+            f"and copied over {g}/ep groups of the same devices)"
+        )
     if n_devices is not None and n_devices != shape.size:
         raise ValueError(f"{g}={shape.size} needs exactly {shape.size} devices; got {n_devices}")
     if cfg is not None:
@@ -64,17 +66,20 @@ def check_config(cfg: ModelConfig, shape: MeshShape) -> None:
             if heads % shape.size:
                 raise ValueError(f"tp={shape.size} does not divide {name}={heads} of config {cfg.name!r}")
     if cfg.n_layers > 1 and cfg.n_routed_experts % shape.ep:
-        raise ValueError(f"ep={shape.ep} does not divide n_routed_experts={cfg.n_routed_experts} "
-                         f"of config {cfg.name!r}")
+        raise ValueError(
+            f"ep={shape.ep} does not divide n_routed_experts={cfg.n_routed_experts} of config {cfg.name!r}"
+        )
 
 
 def _devices(shape: MeshShape, devices: Sequence | None) -> list:
     if devices is None:
         available = jax.devices()
         if len(available) < shape.size:
-            raise ValueError(f"{shape.group_axis}={shape.size} needs {shape.size} devices; only "
-                             f"{len(available)} available ({jax.default_backend()})")
-        return list(available[:shape.size])
+            raise ValueError(
+                f"{shape.group_axis}={shape.size} needs {shape.size} devices; only "
+                f"{len(available)} available ({jax.default_backend()})"
+            )
+        return list(available[: shape.size])
     devices = list(devices)
     _validate(shape, len(devices), None)
     return devices
@@ -112,7 +117,7 @@ def parse_spec(text: str, mode: str) -> MeshShape:
         name = part.rstrip("0123456789")
         if name not in (group, "ep") or name == part:
             raise ValueError(f"bad {mode} mesh {text!r}: expected parts like '{group}8' and 'ep8'")
-        sizes[name] = int(part[len(name):])
+        sizes[name] = int(part[len(name) :])
     if group not in sizes:
         raise ValueError(f"bad {mode} mesh {text!r}: the {group} size is missing")
     shape = MeshShape(mode, sizes[group], sizes.get("ep", 1))

@@ -46,13 +46,18 @@ def run(args) -> dict:
     sp = ShardedPrefill(cfg, prefill_mesh(2, 2, devices=firsts, cfg=cfg), dispatch="dense", kernels="reference")
     logits, cache = sp(sp.place_params(params), prompts, sp.place_cache(model.init_cache(cfg, BATCH, MAX_LEN)))
     dp = len(devices)
-    sd = ShardedDecode(cfg, decode_mesh(dp, math.gcd(dp, cfg.n_routed_experts), devices=devices, cfg=cfg),
-                       dispatch="dense", kernels="reference")
+    sd = ShardedDecode(
+        cfg,
+        decode_mesh(dp, math.gcd(dp, cfg.n_routed_experts), devices=devices, cfg=cfg),
+        dispatch="dense",
+        kernels="reference",
+    )
     # the handoff between meshes of different processes goes through the host here
     cache = sd.place_cache(distributed.gather(cache))
     dparams = sd.place_params(params)
-    ref_logits, ref_cache = model.forward(params, cfg, prompts, cache=model.init_cache(cfg, BATCH, MAX_LEN),
-                                          kernels="reference")
+    ref_logits, ref_cache = model.forward(
+        params, cfg, prompts, cache=model.init_cache(cfg, BATCH, MAX_LEN), kernels="reference"
+    )
     errors = [float(np.abs(distributed.gather(logits) - np.asarray(ref_logits)).max())]
     tokens, ref_tokens = [], []
     nxt = distributed.gather(logits)[:, -1].argmax(-1)[:, None].astype(np.int32)
@@ -67,15 +72,27 @@ def run(args) -> dict:
         ref_nxt = np.asarray(ref_logits)[:, -1].argmax(-1)[:, None].astype(np.int32)
     tokens.append(nxt[:, 0].tolist())
     ref_tokens.append(ref_nxt[:, 0].tolist())
-    cache_err = max(float(np.abs(distributed.gather(g[k]) - np.asarray(w[k])).max())
-                    for g, w in zip(cache["layers"], ref_cache["layers"]) for k in w)
+    cache_err = max(
+        float(np.abs(distributed.gather(g[k]) - np.asarray(w[k])).max())
+        for g, w in zip(cache["layers"], ref_cache["layers"])
+        for k in w
+    )
     # what this process holds of the decode cache: its own devices' requests only
     held = sorted({s.index[0].start for g in cache["layers"] for k in g for s in g[k].addressable_shards})
     oracle = generate(params, cfg, prompts[0], STEPS + 1).tokens.tolist()
-    out = {"process": jax.process_index(), "processes": jax.process_count(), "devices": len(devices),
-           "local_devices": len(jax.local_devices()), "prefill_ranks": [d.process_index for d in firsts],
-           "logit_errors": errors, "cache_error": cache_err, "tokens": tokens, "ref_tokens": ref_tokens,
-           "oracle_row0": oracle, "decode_rows_held": held}
+    out = {
+        "process": jax.process_index(),
+        "processes": jax.process_count(),
+        "devices": len(devices),
+        "local_devices": len(jax.local_devices()),
+        "prefill_ranks": [d.process_index for d in firsts],
+        "logit_errors": errors,
+        "cache_error": cache_err,
+        "tokens": tokens,
+        "ref_tokens": ref_tokens,
+        "oracle_row0": oracle,
+        "decode_rows_held": held,
+    }
     if args.engine:  # and the serving engine as the same group (`sharding.multiprocess_engine_check`)
         from sharding import multiprocess_engine_check
 
@@ -85,19 +102,29 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sharding.multiprocess_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sharding.multiprocess_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
     parser.add_argument("--num-processes", type=int, required=True, help="processes in the group")
     parser.add_argument("--process-id", type=int, required=True, help="this process's id in [0, num-processes)")
     parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
     parser.add_argument("--config", default="tiny", help="model config")
     parser.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
-    parser.add_argument("--engine", action="store_true",
-                        help="then serve requests with the engine as the same group (multiprocess_engine_check)")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="then serve requests with the engine as the same group (multiprocess_engine_check)",
+    )
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the engine's decode mesh")
-    parser.add_argument("--engine-devices", type=int, default=None,
-                        help="devices of each process in the engine's decode mesh (default: all)")
+    parser.add_argument(
+        "--engine-devices",
+        type=int,
+        default=None,
+        help="devices of each process in the engine's decode mesh (default: all)",
+    )
     parser.add_argument("--out", required=True, help="process-I.json goes here")
     args = parser.parse_args(argv)
     result = run(args)

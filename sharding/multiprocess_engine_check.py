@@ -43,13 +43,28 @@ def serve(args) -> dict:
     params = model.init_params(cfg, jax.random.PRNGKey(args.seed), "float32")  # the same on every process
     # the first `engine_devices` devices of each process, each process's ranks together
     local = args.engine_devices or len(jax.local_devices())
-    devices = [d for p in range(jax.process_count())
-               for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]]
+    devices = [
+        d
+        for p in range(jax.process_count())
+        for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:local]
+    ]
     mesh = decode_mesh(len(devices), args.ep, devices=devices, cfg=cfg)
-    eng = Engine(params, cfg, mesh=(None, mesh), num_slots=2 * local, num_pages=9 * local,
-                 num_snapshots=6 * local, page_tokens=PAGE, kda_block_tokens=4 * PAGE, max_pages_per_request=8,
-                 prefill_chunk_tokens=32, max_step_tokens=32 + 2 * local, kernels="reference", dispatch="dense",
-                 host=EmbeddedHostKVTier(1 << 26))
+    eng = Engine(
+        params,
+        cfg,
+        mesh=(None, mesh),
+        num_slots=2 * local,
+        num_pages=9 * local,
+        num_snapshots=6 * local,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        max_pages_per_request=8,
+        prefill_chunk_tokens=32,
+        max_step_tokens=32 + 2 * local,
+        kernels="reference",
+        dispatch="dense",
+        host=EmbeddedHostKVTier(1 << 26),
+    )
     me = jax.process_index()
     tag = lambda kind: f"{kind}{me}"
     sessions = local if me == 0 else 1  # the other engine idles through most of process 0's steps
@@ -65,16 +80,32 @@ def serve(args) -> dict:
 
     def record(kind, r):
         oracle = generate(params, cfg, r.prompt, r.max_new_tokens).tokens.tolist()
-        return {"kind": kind, "rank": first_rank + r._rank, "error": r.error, "equal": r.output == oracle,
-                "cached": r.cached_tokens, "cached_host": r.cached_tokens_host}
+        return {
+            "kind": kind,
+            "rank": first_rank + r._rank,
+            "error": r.error,
+            "equal": r.output == oracle,
+            "cached": r.cached_tokens,
+            "cached_host": r.cached_tokens_host,
+        }
 
-    out = {"process": me, "processes": jax.process_count(), "devices": len(devices), "local_devices": local,
-           "ranks": rank_pools.local_ranks(mesh), "preemptions": eng.preemptions,
-           "offloaded_resumes": eng.offloaded_resumes, "decode_programs": eng._decode_step.programs(),
-           "requests": [record("first", r) for r in first] + [record("second", r) for r in second]
-           + [record("grown", r) for r in grown] + [record("third", third)],
-           "sessions_kept_their_rank": [a._rank == b._rank for a, b in zip(first, second)],
-           "pools_on_own_devices": all(leaf.devices() <= set(jax.local_devices())
-                                       for kv in eng.kvs for leaf in jax.tree_util.tree_leaves(kv.pools)),
-           "released": not any(m.requests for m in eng.managers)}
+    out = {
+        "process": me,
+        "processes": jax.process_count(),
+        "devices": len(devices),
+        "local_devices": local,
+        "ranks": rank_pools.local_ranks(mesh),
+        "preemptions": eng.preemptions,
+        "offloaded_resumes": eng.offloaded_resumes,
+        "decode_programs": eng._decode_step.programs(),
+        "requests": [record("first", r) for r in first]
+        + [record("second", r) for r in second]
+        + [record("grown", r) for r in grown]
+        + [record("third", third)],
+        "sessions_kept_their_rank": [a._rank == b._rank for a, b in zip(first, second)],
+        "pools_on_own_devices": all(
+            leaf.devices() <= set(jax.local_devices()) for kv in eng.kvs for leaf in jax.tree_util.tree_leaves(kv.pools)
+        ),
+        "released": not any(m.requests for m in eng.managers),
+    }
     return out

@@ -45,6 +45,7 @@ from jax.sharding import Mesh
 from kimik3 import model
 from kimik3.caches import kind_index
 from kimik3.config import ModelConfig
+
 # The MLA layer's own paged read / write (pallas_kernels.mla, re-exported where the layer uses them).
 from kimik3.layers.mla import gather_pages, write_latent
 from sharding.decode import ShardedDecode
@@ -63,9 +64,12 @@ def contiguous_cache(view, *, cfg: ModelConfig):
     KDA state / conv rows of each row's slot, lengths [B]."""
     tables, slots = view["block_tables"], view["slots"]
     num_slots, num_pages = model.pool_offsets(cfg, view)
-    layers = tuple({k: v[slots + kind_index(cfg, i) * num_slots] for k, v in view["kda"].items()} if kind == "kda"
-                   else {"latent": gather_pages(view["mla"]["pages"], tables + kind_index(cfg, i) * num_pages)}
-                   for i, kind in enumerate(cfg.mixer_kinds))
+    layers = tuple(
+        {k: v[slots + kind_index(cfg, i) * num_slots] for k, v in view["kda"].items()}
+        if kind == "kda"
+        else {"latent": gather_pages(view["mla"]["pages"], tables + kind_index(cfg, i) * num_pages)}
+        for i, kind in enumerate(cfg.mixer_kinds)
+    )
     return {"lengths": view["lengths"], "layers": layers}
 
 
@@ -76,8 +80,10 @@ def new_entries(cache, *, cfg: ModelConfig, t: int):
     its whole state / conv rows (they are replaced, not appended)."""
     start = cache["lengths"] - t
     take = jax.vmap(lambda lat, s: jax.lax.dynamic_slice_in_dim(lat, s, t, axis=0))
-    return tuple(dict(layer) if kind == "kda" else {"rows": take(layer["latent"], start)}
-                 for kind, layer in zip(cfg.mixer_kinds, cache["layers"]))
+    return tuple(
+        dict(layer) if kind == "kda" else {"rows": take(layer["latent"], start)}
+        for kind, layer in zip(cfg.mixer_kinds, cache["layers"])
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -104,13 +110,16 @@ def helper_programs() -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def sharded_step(cfg: ModelConfig, mesh: Mesh, mode: str, dispatch: str = "auto",
-                 kernels: str = "auto") -> ShardedPrefill | ShardedDecode:
+def sharded_step(
+    cfg: ModelConfig, mesh: Mesh, mode: str, dispatch: str = "auto", kernels: str = "auto"
+) -> ShardedPrefill | ShardedDecode:
     """The `ShardedPrefill` (mode 'prefill') or `ShardedDecode` ('decode') of `cfg` on `mesh`, one
     per (cfg, mesh, mode, dispatch, kernels): engines on the same mesh share its compiled programs."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r} (decode over paged pools runs on the "
-                         f"ranks' own pools: sharding.decode.PagedDecode)")
+        raise ValueError(
+            f"mode must be one of {MODES}; got {mode!r} (decode over paged pools runs on the "
+            f"ranks' own pools: sharding.decode.PagedDecode)"
+        )
     cls = ShardedPrefill if mode == "prefill" else ShardedDecode
     return cls(cfg, mesh, dispatch=dispatch, kernels=kernels)
 
@@ -126,8 +135,9 @@ class PagedStep:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, mode: str, *, dispatch: str = "auto", kernels: str = "auto"):
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"{mode} mesh must be a jax.sharding.Mesh (sharding.mesh.{mode}_mesh); "
-                            f"got {type(mesh).__name__}")
+            raise TypeError(
+                f"{mode} mesh must be a jax.sharding.Mesh (sharding.mesh.{mode}_mesh); got {type(mesh).__name__}"
+            )
         self.cfg, self.mesh, self.mode = cfg, mesh, mode
         self.sharded = sharded_step(cfg, mesh, mode, dispatch, kernels)
         self.shape = self.sharded.shape

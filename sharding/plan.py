@@ -71,8 +71,9 @@ def local_tokens(shape: MeshShape, batch: int, seq: int) -> int:
     return batch // shape.size * seq
 
 
-def collectives(cfg: ModelConfig, shape: MeshShape, batch: int, seq: int, act_dtype: str = "bfloat16",
-                dispatch: str = "dense") -> list[Collective]:
+def collectives(
+    cfg: ModelConfig, shape: MeshShape, batch: int, seq: int, act_dtype: str = "bfloat16", dispatch: str = "dense"
+) -> list[Collective]:
     """Every collective the sharded forward issues for `batch` sequences of `seq` new tokens.
 
     Prefill: per layer an all-gather of the normed activations [B, T, D] before QKV and a
@@ -88,8 +89,11 @@ def collectives(cfg: ModelConfig, shape: MeshShape, batch: int, seq: int, act_dt
     for i in range(cfg.n_layers):
         if shape.mode == "prefill" and shape.size > 1:
             out.append(Collective(i, "all-gather", "activations before QKV", (batch, seq, d), act_dtype, shape.size))
-            out.append(Collective(i, "reduce-scatter", "o_proj partial sums over tokens", (batch, seq, d), act_dtype,
-                                  shape.size))
+            out.append(
+                Collective(
+                    i, "reduce-scatter", "o_proj partial sums over tokens", (batch, seq, d), act_dtype, shape.size
+                )
+            )
         if cfg.ffn_kind(i) == "moe" and ep > 1:
             if dispatch == "dense":
                 out.append(Collective(i, "all-to-all", "dispatch expert ids", (ep, cap), "int32", ep))
@@ -114,15 +118,18 @@ class Memory:
 
     weights: int
     weights_by_format: dict
-    kv_per_request: int        # MLA latent rows (all MLA layers) at the planned length, on one rank
-    kda_per_request: int       # KDA recurrent + conv state (all KDA layers), on one rank
+    kv_per_request: int  # MLA latent rows (all MLA layers) at the planned length, on one rank
+    kda_per_request: int  # KDA recurrent + conv state (all KDA layers), on one rank
     requests_per_rank: float
     buffers: dict
 
     @property
     def total(self) -> float:
-        return (self.weights + self.requests_per_rank * (self.kv_per_request + self.kda_per_request)
-                + sum(self.buffers.values()))
+        return (
+            self.weights
+            + self.requests_per_rank * (self.kv_per_request + self.kda_per_request)
+            + sum(self.buffers.values())
+        )
 
 
 def weight_bytes_per_rank(cfg: ModelConfig, shape: MeshShape, manifest) -> tuple[int, dict]:
@@ -138,7 +145,7 @@ def weight_bytes_per_rank(cfg: ModelConfig, shape: MeshShape, manifest) -> tuple
         fmt = manifest.format_of(name)
         split = 1
         for entry in spec:
-            for ax in (entry if isinstance(entry, tuple) else (entry,)):
+            for ax in entry if isinstance(entry, tuple) else (entry,):
                 if ax is not None:
                     split *= axis_size[ax]
         bits = math.prod(leaf.shape) * quantization.BITS_PER_VALUE[fmt] / split
@@ -146,24 +153,35 @@ def weight_bytes_per_rank(cfg: ModelConfig, shape: MeshShape, manifest) -> tuple
     return int(sum(by_format.values())), {k: int(v) for k, v in by_format.items()}
 
 
-def memory(cfg: ModelConfig, shape: MeshShape, batch: int, seq: int, context: int, manifest,
-           act_dtype: str = "bfloat16", dispatch: str = "dense") -> Memory:
+def memory(
+    cfg: ModelConfig,
+    shape: MeshShape,
+    batch: int,
+    seq: int,
+    context: int,
+    manifest,
+    act_dtype: str = "bfloat16",
+    dispatch: str = "dense",
+) -> Memory:
     """Per-rank memory of `shape` running `batch` requests: `seq` new tokens each, caches of `context` tokens."""
     s = np.dtype(act_dtype).itemsize
     weights, by_format = weight_bytes_per_rank(cfg, shape, manifest)
     n_mla = cfg.mixer_kinds.count("mla")
     n_kda = cfg.mixer_kinds.count("kda")
     kv = n_mla * context * cfg.mla_latent_dim * s
-    kda_state = n_kda * (cfg.kda_heads * cfg.kda_head_dim ** 2 * 4
-                         + 3 * (cfg.kda_conv_size - 1) * cfg.kda_heads * cfg.kda_head_dim * s)
+    kda_state = n_kda * (
+        cfg.kda_heads * cfg.kda_head_dim**2 * 4 + 3 * (cfg.kda_conv_size - 1) * cfg.kda_heads * cfg.kda_head_dim * s
+    )
     n_loc = local_tokens(shape, batch, seq)
     ep_buffer = shape.ep * n_loc * cfg.n_active_experts * cfg.moe_latent_dim * s
     if shape.mode == "prefill":
         kda_state //= shape.size  # heads split over tp; the MLA latent is replicated over tp
         requests = batch
-        buffers = {"gathered activations [B,T,D]": batch * seq * cfg.d_model * s,
-                   "mixer partial sums [B,T,D]": batch * seq * cfg.d_model * s,
-                   "logits [B,T/tp,V] fp32": n_loc * cfg.vocab_size * 4}
+        buffers = {
+            "gathered activations [B,T,D]": batch * seq * cfg.d_model * s,
+            "mixer partial sums [B,T,D]": batch * seq * cfg.d_model * s,
+            "logits [B,T/tp,V] fp32": n_loc * cfg.vocab_size * 4,
+        }
     else:
         requests = batch / shape.size
         buffers = {"logits [B/dp,T,V] fp32": n_loc * cfg.vocab_size * 4}
@@ -179,30 +197,48 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:,.3f} MB"
 
 
-def report(cfg: ModelConfig, shape: MeshShape, *, batch: int, seq: int, context: int, manifest_name: str,
-           gpu: str, dispatch: str, act_dtype: str = "bfloat16") -> str:
+def report(
+    cfg: ModelConfig,
+    shape: MeshShape,
+    *,
+    batch: int,
+    seq: int,
+    context: int,
+    manifest_name: str,
+    gpu: str,
+    dispatch: str,
+    act_dtype: str = "bfloat16",
+) -> str:
     """A text report of one mode's plan."""
     check_config(cfg, shape)
     manifest = quantization.MANIFESTS[manifest_name]
     mem = memory(cfg, shape, batch, seq, context, manifest, act_dtype, dispatch)
     hbm = GPUS[gpu]
     g = shape.group_axis
-    lines = [f"== {shape.mode}: {g}{shape.size},ep{shape.ep} ({shape.size} ranks, {shape.replicas} expert "
-             f"replica group(s)); batch {batch} x {seq} new tokens, caches of {context} tokens; "
-             f"{dispatch} dispatch, activations {act_dtype}"]
-    lines.append(f"weights per rank      {_gb(mem.weights)}  (" +
-                 ", ".join(f"{k}: {_gb(v)}" for k, v in sorted(mem.weights_by_format.items())) +
-                 f"; manifest {manifest_name})")
+    lines = [
+        f"== {shape.mode}: {g}{shape.size},ep{shape.ep} ({shape.size} ranks, {shape.replicas} expert "
+        f"replica group(s)); batch {batch} x {seq} new tokens, caches of {context} tokens; "
+        f"{dispatch} dispatch, activations {act_dtype}"
+    ]
+    lines.append(
+        f"weights per rank      {_gb(mem.weights)}  ("
+        + ", ".join(f"{k}: {_gb(v)}" for k, v in sorted(mem.weights_by_format.items()))
+        + f"; manifest {manifest_name})"
+    )
     where = "replicated over tp" if shape.mode == "prefill" else "on the owning rank only"
     lines.append(f"MLA KV per request    {_gb(mem.kv_per_request)}  ({context} tokens, {where})")
-    lines.append(f"KDA state per request {_gb(mem.kda_per_request)}  "
-                 f"({'split over tp' if shape.mode == 'prefill' else 'on the owning rank only'}; "
-                 f"independent of length)")
+    lines.append(
+        f"KDA state per request {_gb(mem.kda_per_request)}  "
+        f"({'split over tp' if shape.mode == 'prefill' else 'on the owning rank only'}; "
+        f"independent of length)"
+    )
     lines.append(f"requests per rank     {mem.requests_per_rank:g}")
     for name, b in mem.buffers.items():
         lines.append(f"buffer                {_gb(b)}  {name}")
     fits = mem.total <= hbm
-    lines.append(f"total per rank        {_gb(mem.total)} of {_gb(hbm)} ({gpu}) -> {'fits' if fits else 'DOES NOT FIT'}")
+    lines.append(
+        f"total per rank        {_gb(mem.total)} of {_gb(hbm)} ({gpu}) -> {'fits' if fits else 'DOES NOT FIT'}"
+    )
     free = hbm - mem.weights - sum(mem.buffers.values())
     per_req = mem.kv_per_request + mem.kda_per_request
     if free > 0 and per_req > 0:
@@ -216,20 +252,30 @@ def report(cfg: ModelConfig, shape: MeshShape, *, batch: int, seq: int, context:
     for layer in shown:
         kind = f"{cfg.mixer_kind(layer)} + {cfg.ffn_kind(layer)}"
         for c in (c for c in colls if c.layer == layer):
-            lines.append(f"  layer {layer:<3} {kind:<10} {c.kind:<15} {str(c.shape):<22} {c.dtype:<9} "
-                         f"buffer {_mb(c.bytes):>14}  wire {_mb(c.wire_bytes):>14}  {c.what}")
+            lines.append(
+                f"  layer {layer:<3} {kind:<10} {c.kind:<15} {str(c.shape):<22} {c.dtype:<9} "
+                f"buffer {_mb(c.bytes):>14}  wire {_mb(c.wire_bytes):>14}  {c.what}"
+            )
     total = sum(c.bytes for c in colls)
     wire = sum(c.wire_bytes for c in colls)
-    lines.append(f"all {cfg.n_layers} layers: {len(colls)} collectives, buffers {_gb(total)}, wire {_gb(wire)} per rank "
-                 f"per step")
+    lines.append(
+        f"all {cfg.n_layers} layers: {len(colls)} collectives, buffers {_gb(total)}, wire {_gb(wire)} per rank per step"
+    )
     return "\n".join(lines)
 
 
 CAPACITY_MANIFESTS = ("bf16", "kimi_k3_mxfp4") + quantization.SERVING_MANIFESTS
 
 
-def manifest_capacity(cfg: ModelConfig, shape: MeshShape, batch: int, context: int, gpu: str,
-                      act_dtype: str = "bfloat16", dispatch: str = "dense") -> list[str]:
+def manifest_capacity(
+    cfg: ModelConfig,
+    shape: MeshShape,
+    batch: int,
+    context: int,
+    gpu: str,
+    act_dtype: str = "bfloat16",
+    dispatch: str = "dense",
+) -> list[str]:
     """Lines: per manifest, the weights one decode rank stores, what that frees against bf16, and
     the KV (MLA latent) tokens and requests of `context` tokens the rest of the GPU holds."""
     hbm = GPUS[gpu]
@@ -241,32 +287,50 @@ def manifest_capacity(cfg: ModelConfig, shape: MeshShape, batch: int, context: i
         free = hbm - mem.weights - sum(mem.buffers.values())
         per_token = cfg.mixer_kinds.count("mla") * cfg.mla_latent_dim * np.dtype(act_dtype).itemsize
         per_req = mem.kv_per_request + mem.kda_per_request
-        cap = (f"{int(max(free, 0) // per_token):,} KV tokens, {int(max(free, 0) // per_req):,} requests of {context}"
-               if per_req > 0 else "-")
+        cap = (
+            f"{int(max(free, 0) // per_token):,} KV tokens, {int(max(free, 0) // per_req):,} requests of {context}"
+            if per_req > 0
+            else "-"
+        )
         lines.append(f"  {name:22s} weights {_gb(mem.weights):>12}  freed {_gb(base - mem.weights):>12}  {cap}")
     return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kimik3 plan` options (for serving/cli.py's subparser)."""
-    parser.add_argument("--config", default="kimi_k3",
-                        help="a preset of kimik3.config: tiny, small, kimi_k3, k3_slice, kimi_linear, ...")
-    parser.add_argument("--checkpoint", default=None, metavar="DIR",
-                        help="plan a checkpoint's or a Hugging Face model directory's config (overrides --config)")
+    parser.add_argument(
+        "--config",
+        default="kimi_k3",
+        help="a preset of kimik3.config: tiny, small, kimi_k3, k3_slice, kimi_linear, ...",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="plan a checkpoint's or a Hugging Face model directory's config (overrides --config)",
+    )
     parser.add_argument("--prefill", default="tp8,ep8", help="prefill mesh, e.g. tp8,ep8 ('' to skip)")
     parser.add_argument("--decode", default="dp16,ep16", help="decode mesh, e.g. dp16,ep16 ('' to skip)")
     parser.add_argument("--batch", type=int, default=1, help="prefill sequences per step")
     parser.add_argument("--seq-len", type=int, default=8192, help="prefill tokens per sequence")
     parser.add_argument("--decode-batch", type=int, default=256, help="decode requests per step (all dp ranks)")
     parser.add_argument("--context", type=int, default=32768, help="KV length per request")
-    parser.add_argument("--manifest", default="kimi_k3_mxfp4", choices=sorted(quantization.MANIFESTS),
-                        help="the storage format of each weight (kimik3.quantization)")
-    parser.add_argument("--gpu", default="gb300", choices=sorted(GPUS),
-                        help="the GPU whose memory and links the plan is sized for")
-    parser.add_argument("--dispatch", default="ragged", choices=("ragged", "dense"),
-                        help="expert dispatch: ragged (GPU) or dense fixed-capacity (CPU)")
-    parser.add_argument("--act-dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="activations' dtype")
+    parser.add_argument(
+        "--manifest",
+        default="kimi_k3_mxfp4",
+        choices=sorted(quantization.MANIFESTS),
+        help="the storage format of each weight (kimik3.quantization)",
+    )
+    parser.add_argument(
+        "--gpu", default="gb300", choices=sorted(GPUS), help="the GPU whose memory and links the plan is sized for"
+    )
+    parser.add_argument(
+        "--dispatch",
+        default="ragged",
+        choices=("ragged", "dense"),
+        help="expert dispatch: ragged (GPU) or dense fixed-capacity (CPU)",
+    )
+    parser.add_argument("--act-dtype", default="bfloat16", choices=("bfloat16", "float32"), help="activations' dtype")
 
 
 def run(args) -> int:
@@ -283,26 +347,49 @@ def run(args) -> int:
         check_config(cfg, shape)
         if args.seq_len % shape.size:
             raise ValueError(f"--seq-len {args.seq_len} is not a multiple of tp={shape.size}")
-        parts.append(report(cfg, shape, batch=args.batch, seq=args.seq_len, context=args.seq_len,
-                            manifest_name=args.manifest, gpu=args.gpu, dispatch=args.dispatch,
-                            act_dtype=args.act_dtype))
+        parts.append(
+            report(
+                cfg,
+                shape,
+                batch=args.batch,
+                seq=args.seq_len,
+                context=args.seq_len,
+                manifest_name=args.manifest,
+                gpu=args.gpu,
+                dispatch=args.dispatch,
+                act_dtype=args.act_dtype,
+            )
+        )
     if args.decode:
         shape = parse_spec(args.decode, "decode")
         check_config(cfg, shape)
         if args.decode_batch % shape.size:
             raise ValueError(f"--decode-batch {args.decode_batch} is not a multiple of dp={shape.size}")
-        parts.append(report(cfg, shape, batch=args.decode_batch, seq=1, context=args.context,
-                            manifest_name=args.manifest, gpu=args.gpu, dispatch=args.dispatch,
-                            act_dtype=args.act_dtype))
-    print(f"config {cfg.name}: {cfg.n_layers} layers ({cfg.mixer_kinds.count('kda')} KDA, "
-          f"{cfg.mixer_kinds.count('mla')} MLA), {cfg.n_routed_experts} experts, top-{cfg.n_active_experts}")
+        parts.append(
+            report(
+                cfg,
+                shape,
+                batch=args.decode_batch,
+                seq=1,
+                context=args.context,
+                manifest_name=args.manifest,
+                gpu=args.gpu,
+                dispatch=args.dispatch,
+                act_dtype=args.act_dtype,
+            )
+        )
+    print(
+        f"config {cfg.name}: {cfg.n_layers} layers ({cfg.mixer_kinds.count('kda')} KDA, "
+        f"{cfg.mixer_kinds.count('mla')} MLA), {cfg.n_routed_experts} experts, top-{cfg.n_active_experts}"
+    )
     print("\n\n".join(parts))
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kimik3 plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kimik3 plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

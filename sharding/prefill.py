@@ -98,8 +98,13 @@ class ShardedPrefill:
         self.dispatch = layers.resolve_dispatch(dispatch)
         self.kernels = ops.resolve(kernels)
         self._jitted = jax.jit(self._run)
-        log.info("prefill on tp=%d ep=%d (%s dispatch, %s kernels)", self.shape.size, self.shape.ep,
-                 self.dispatch, self.kernels)
+        log.info(
+            "prefill on tp=%d ep=%d (%s dispatch, %s kernels)",
+            self.shape.size,
+            self.shape.ep,
+            self.dispatch,
+            self.kernels,
+        )
 
     def place_params(self, params):
         return shard_params(params, self.mesh, self.rules)
@@ -111,10 +116,16 @@ class ShardedPrefill:
         x = embed_inputs(params, self.cfg, tokens, images)
         seq = P(None, ALL, None)
         cache_spec = None if cache is None else cache_specs(cache, self.rules)
-        body = functools.partial(_body, cfg=self.cfg, tp=self.shape.size, ep=self.shape.ep,
-                                 dispatch=self.dispatch, kernels=self.kernels)
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(param_specs(params, self.rules), seq, cache_spec),
-                           out_specs=(seq, cache_spec), check_vma=False)
+        body = functools.partial(
+            _body, cfg=self.cfg, tp=self.shape.size, ep=self.shape.ep, dispatch=self.dispatch, kernels=self.kernels
+        )
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs(params, self.rules), seq, cache_spec),
+            out_specs=(seq, cache_spec),
+            check_vma=False,
+        )
         return fn(params, x, cache)
 
     def lower(self, params, tokens, cache=None, images=None):
@@ -125,8 +136,10 @@ class ShardedPrefill:
     def _check(self, tokens, cache, images):
         tokens, positions, images = model.prepare_inputs(self.cfg, tokens, images=images, cache=cache)
         if tokens.shape[1] % self.shape.size:
-            raise ValueError(f"prefill span of {tokens.shape[1]} tokens is not a multiple of tp={self.shape.size} "
-                             f"(the sequence is split over the tp ranks)")
+            raise ValueError(
+                f"prefill span of {tokens.shape[1]} tokens is not a multiple of tp={self.shape.size} "
+                f"(the sequence is split over the tp ranks)"
+            )
         return tokens, positions, images
 
     def __call__(self, params, tokens, cache=None, images=None):
@@ -140,8 +153,17 @@ class ShardedPrefill:
         return self._jitted(params, tokens, cache, images)
 
 
-def prefill(params, cfg: ModelConfig, mesh: Mesh, tokens, *, cache=None, images=None, dispatch: str = "auto",
-            kernels: str = "auto"):
+def prefill(
+    params,
+    cfg: ModelConfig,
+    mesh: Mesh,
+    tokens,
+    *,
+    cache=None,
+    images=None,
+    dispatch: str = "auto",
+    kernels: str = "auto",
+):
     """One-shot convenience: `ShardedPrefill(cfg, mesh)(params, tokens, cache, images)`."""
     return ShardedPrefill(cfg, mesh, dispatch=dispatch, kernels=kernels)(params, tokens, cache, images)
 

@@ -43,8 +43,10 @@ def local_ranks(mesh: Mesh) -> list[int]:
     me = jax.process_index()
     ranks = [r for r, d in enumerate(rank_devices(mesh)) if d.process_index == me]
     if ranks and ranks != list(range(ranks[0], ranks[0] + len(ranks))):
-        raise ValueError(f"this process's devices are ranks {ranks} of the decode mesh; they must be consecutive "
-                         f"(order the mesh's devices by process)")
+        raise ValueError(
+            f"this process's devices are ranks {ranks} of the decode mesh; they must be consecutive "
+            f"(order the mesh's devices by process)"
+        )
     return ranks
 
 
@@ -60,15 +62,18 @@ def assemble(rank_pools: Sequence, mesh: Mesh):
     all_devices = rank_devices(mesh)
     ranks = local_ranks(mesh)
     if len(rank_pools) != len(ranks):
-        raise ValueError(f"{len(rank_pools)} ranks' pools for the {len(ranks)} ranks of this process "
-                         f"(of {len(all_devices)} in the mesh)")
+        raise ValueError(
+            f"{len(rank_pools)} ranks' pools for the {len(ranks)} ranks of this process "
+            f"(of {len(all_devices)} in the mesh)"
+        )
     sharding = pool_sharding(mesh)
 
     def leaf(*parts):
         for r, x in zip(ranks, parts):
             if x.devices() != {all_devices[r]}:
-                raise ValueError(f"rank {r}'s pool is on {sorted(map(str, x.devices()))}, not its device "
-                                 f"{all_devices[r]}")
+                raise ValueError(
+                    f"rank {r}'s pool is on {sorted(map(str, x.devices()))}, not its device {all_devices[r]}"
+                )
         shape = (parts[0].shape[0] * len(all_devices),) + parts[0].shape[1:]
         return jax.make_array_from_single_device_arrays(shape, sharding, list(parts))
 

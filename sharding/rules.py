@@ -53,12 +53,24 @@ class Rules:
 # kv_latent (MLA c_kv ++ k_pe and the q-LoRA rank), rank (KDA low-rank gate projections),
 # experts, latent (LatentMoE latent width), expert_mlp, mlp (dense / shared FFN width),
 # vocab, router (expert scores: every rank routes over all experts), conv (conv taps), vit.
-PREFILL_RULES = Rules("prefill", (
-    ("batch", None), ("seq", ALL), ("heads", ALL), ("experts", EXPERT),
-))
-DECODE_RULES = Rules("decode", (
-    ("batch", ALL), ("seq", None), ("heads", None), ("experts", EXPERT),
-))
+PREFILL_RULES = Rules(
+    "prefill",
+    (
+        ("batch", None),
+        ("seq", ALL),
+        ("heads", ALL),
+        ("experts", EXPERT),
+    ),
+)
+DECODE_RULES = Rules(
+    "decode",
+    (
+        ("batch", ALL),
+        ("seq", None),
+        ("heads", None),
+        ("experts", EXPERT),
+    ),
+)
 RULES = {"prefill": PREFILL_RULES, "decode": DECODE_RULES}
 
 # (regex over the param path "layer_3/mla/w_kb_rhn", logical axes); first match wins.
@@ -133,9 +145,11 @@ def param_specs(params, rules: Rules) -> Any:
 
 def cache_specs(cache, rules: Rules) -> Any:
     """Tree like a contiguous cache (`kimik3.model.init_cache`) of PartitionSpecs."""
+
     def spec(path, x):
         key = path[-1].key
         return rules.spec(CACHE_AXES[key])
+
     return jax.tree_util.tree_map_with_path(spec, cache)
 
 

@@ -25,8 +25,9 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 _FAST_COMPILE = {"xla_backend_optimization_level": "0", "xla_llvm_disable_expensive_passes": "true"}
 if os.environ["JAX_PLATFORMS"] == "cpu":  # a flag already in XLA_FLAGS wins
     _flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _FAST_COMPILE.items()
-                                                   if f"--{k}=" not in _flags]).strip()
+    os.environ["XLA_FLAGS"] = " ".join(
+        [_flags] + [f"--{k}={v}" for k, v in _FAST_COMPILE.items() if f"--{k}=" not in _flags]
+    ).strip()
 
 import jax
 
@@ -139,8 +140,19 @@ def trained_tiny(tmp_path_factory):
         corpus.find_sources("licenses")
     except FileNotFoundError:
         pytest.skip("no /usr/share/common-licenses (not a Debian system)")
-    tc_at = lambda out: train.TrainConfig(config="tiny", steps=60, batch=8, seq_len=64, lr=3e-3, warmup_steps=6,
-                                          eval_every=30, eval_batches=4, corpus="licenses", out=out, progress=False)
+    tc_at = lambda out: train.TrainConfig(
+        config="tiny",
+        steps=60,
+        batch=8,
+        seq_len=64,
+        lr=3e-3,
+        warmup_steps=6,
+        eval_every=30,
+        eval_batches=4,
+        corpus="licenses",
+        out=out,
+        progress=False,
+    )
 
     def load(out):
         with open(os.path.join(out, "train.json")) as f:
@@ -162,8 +174,9 @@ def trained_draft(trained_tiny, tmp_path_factory):
     _, _, params = trained_tiny
 
     def build(out):
-        dc = eagle_train.DraftTrainConfig(steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses",
-                                          out=out, progress=False)
+        dc = eagle_train.DraftTrainConfig(
+            steps=60, batch=8, seq_len=64, prompt_len=16, pool=32, corpus="licenses", out=out, progress=False
+        )
         result, draft = eagle_train.train_draft(params, config.tiny(), dc)
         return params, result, draft, out
 

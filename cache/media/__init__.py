@@ -57,14 +57,25 @@ class MediaFetcher:
         if self.cache is not None:
             out.update({f"l1_{k}": v for k, v in self.cache.stats.as_dict().items()})
         if self.pixels is not None:
-            out.update({f"l2_{k}": v for k, v in self.pixels.stats.as_dict().items() if k in ("hits", "misses", "bytes_hit")})
+            out.update(
+                {f"l2_{k}": v for k, v in self.pixels.stats.as_dict().items() if k in ("hits", "misses", "bytes_hit")}
+            )
             out["l2_bytes_held"] = self.pixels.bytes_held
         return out
 
 
-def build_fetcher(*, enabled: bool = True, allow_hosts=None, allow_networks=(), timeout_s: float = 10.0,
-                  max_bytes: int = 16 << 20, l1_bytes: int = 256 << 20, l1_redis: str | None = None,
-                  l1_ttl_s: float = 3600.0, l2_bytes: int = 256 << 20) -> MediaFetcher | None:
+def build_fetcher(
+    *,
+    enabled: bool = True,
+    allow_hosts=None,
+    allow_networks=(),
+    timeout_s: float = 10.0,
+    max_bytes: int = 16 << 20,
+    l1_bytes: int = 256 << 20,
+    l1_redis: str | None = None,
+    l1_ttl_s: float = 3600.0,
+    l2_bytes: int = 256 << 20,
+) -> MediaFetcher | None:
     """The serving layer's fetcher from its options: None when remote fetching is off; L1 in
     Redis with `l1_redis` (a URL), else embedded with `l1_bytes` (0: no L1); L2 pixels under
     `l2_bytes` (0: none)."""
@@ -73,8 +84,12 @@ def build_fetcher(*, enabled: bool = True, allow_hosts=None, allow_networks=(), 
     from cache.media.l1 import EmbeddedFetchCache, RedisFetchCache
     from cache.media.l2 import PixelCache
 
-    policy = FetchPolicy(allow_hosts=tuple(allow_hosts) if allow_hosts else None,
-                         allow_networks=tuple(allow_networks or ()), timeout_s=timeout_s, max_bytes=max_bytes)
+    policy = FetchPolicy(
+        allow_hosts=tuple(allow_hosts) if allow_hosts else None,
+        allow_networks=tuple(allow_networks or ()),
+        timeout_s=timeout_s,
+        max_bytes=max_bytes,
+    )
     if l1_redis:
         cache = RedisFetchCache(l1_redis, ttl_s=l1_ttl_s)
     else:

@@ -45,12 +45,38 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"
 # Refused whatever `is_global` says (its answers changed between Python releases): networks that
 # are not the public internet, and IPv6 forms that carry an IPv4 address inside (NAT64, 6to4,
 # Teredo, IPv4-compatible and SIIT), which reach an IPv4 host that must be checked as such.
-_DENY = tuple(ipaddress.ip_network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12", "192.0.0.0/24",
-    "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24", "203.0.113.0/24",
-    "224.0.0.0/4", "240.0.0.0/4",
-    "::/128", "::1/128", "::/96", "::ffff:0:0:0/96", "64:ff9b:1::/48", "100::/64", "2001::/32", "2001:db8::/32",
-    "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8"))
+_DENY = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.0.2.0/24",
+        "192.88.99.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "198.51.100.0/24",
+        "203.0.113.0/24",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::/128",
+        "::1/128",
+        "::/96",
+        "::ffff:0:0:0/96",
+        "64:ff9b:1::/48",
+        "100::/64",
+        "2001::/32",
+        "2001:db8::/32",
+        "fc00::/7",
+        "fe80::/10",
+        "fec0::/10",
+        "ff00::/8",
+    )
+)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
@@ -140,8 +166,9 @@ def check_addresses(host: str, infos, policy: FetchPolicy) -> list[str]:
         raise FetchError(f"image host {host!r} does not resolve")
     refused = [ip for ip in ips if not address_allowed(ip, policy.allow_networks)]
     if refused:
-        raise FetchError(f"image host {host!r} resolves to a non-public address ({refused[0]}): refused before "
-                         f"connecting")
+        raise FetchError(
+            f"image host {host!r} resolves to a non-public address ({refused[0]}): refused before connecting"
+        )
     return ips
 
 
@@ -162,8 +189,11 @@ def _pinned_request(client: httpx.AsyncClient, parts, ip: str):
     netloc = literal + (f":{parts.port}" if parts.port else "")
     target = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
     host = parts.hostname.encode("idna").decode()
-    headers = {"Host": host + (f":{parts.port}" if parts.port else ""), "Accept": ", ".join(IMAGE_TYPES),
-               "Accept-Encoding": "identity"}
+    headers = {
+        "Host": host + (f":{parts.port}" if parts.port else ""),
+        "Accept": ", ".join(IMAGE_TYPES),
+        "Accept-Encoding": "identity",
+    }
     extensions = {"sni_hostname": host} if parts.scheme.lower() == "https" else {}
     return client.build_request("GET", target, headers=headers, extensions=extensions)
 
@@ -176,8 +206,9 @@ async def _read_image(r: httpx.Response, policy: FetchPolicy) -> bytes:
         raise FetchError(f"image URL sent a {encoding!r}-encoded body; only unencoded images are fetched")
     ctype = r.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if ctype not in policy.content_types:
-        raise FetchError(f"image URL content type {ctype or 'missing'!r} is not an image type "
-                         f"({', '.join(policy.content_types)})")
+        raise FetchError(
+            f"image URL content type {ctype or 'missing'!r} is not an image type ({', '.join(policy.content_types)})"
+        )
     length = r.headers.get("content-length")
     if length and length.isdigit() and int(length) > policy.max_bytes:
         raise FetchError(f"image of {int(length)} bytes; at most {policy.max_bytes} are fetched")
@@ -195,8 +226,9 @@ async def _fetch(url: str, policy: FetchPolicy, resolve) -> bytes:
         for _ in range(policy.max_redirects + 1):
             parts, host, port = check_url(url, policy)
             try:
-                infos = await loop.run_in_executor(None, functools.partial(resolve, host, port,
-                                                                           type=socket.SOCK_STREAM))
+                infos = await loop.run_in_executor(
+                    None, functools.partial(resolve, host, port, type=socket.SOCK_STREAM)
+                )
             except (socket.gaierror, UnicodeError) as e:
                 raise FetchError(f"image host {host!r} does not resolve: {e}") from None
             ips = check_addresses(host, infos, policy)

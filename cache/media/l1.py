@@ -63,8 +63,9 @@ class CacheStats:
 class EmbeddedFetchCache:
     """In-process L1: an LRU of blobs under `budget_bytes`, URL entries expiring after `ttl_s`."""
 
-    def __init__(self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic,
-                 max_urls: int = 100_000):
+    def __init__(
+        self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic, max_urls: int = 100_000
+    ):
         self.budget_bytes, self.ttl_s, self.clock, self.max_urls = budget_bytes, ttl_s, clock, max_urls
         self._urls: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
         self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
@@ -122,13 +123,20 @@ class RedisFetchCache:
     """L1 in Redis (`redis_url`, e.g. redis://127.0.0.1:6379/0), shared across processes.
     Keys live under `prefix`; both maps expire after `ttl_s`."""
 
-    def __init__(self, redis_url: str, ttl_s: float = 3600.0, timeout_s: float = 0.25, prefix: str = "kimik3:l1",
-                 max_entry_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        redis_url: str,
+        ttl_s: float = 3600.0,
+        timeout_s: float = 0.25,
+        prefix: str = "kimik3:l1",
+        max_entry_bytes: int = 64 << 20,
+    ):
         import redis  # optional dependency: only a deployment with a shared L1 needs it
 
         self._errors = (redis.exceptions.RedisError, OSError)
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                           retry_on_timeout=False)
+        self._redis = redis.Redis.from_url(
+            redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
         self.ttl_s, self.prefix, self.max_entry_bytes = ttl_s, prefix, max_entry_bytes
         self.stats = CacheStats()
 

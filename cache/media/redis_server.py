@@ -41,11 +41,14 @@ class RedisServer:
         if not binary:
             raise RedisUnavailable("redis-server not found (Debian: apt-get install redis-server)")
         out = open(os.path.join(self.log_dir, "redis.log"), "a")
-        conf = (f"bind 127.0.0.1\nport {self.port}\nprotected-mode yes\nrequirepass {self.password}\n"
-                f"save \"\"\nappendonly no\ndir {self.log_dir}\nmaxmemory {self.max_memory_mb}mb\n"
-                f"maxmemory-policy allkeys-lru\n")
-        self.proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        conf = (
+            f"bind 127.0.0.1\nport {self.port}\nprotected-mode yes\nrequirepass {self.password}\n"
+            f'save ""\nappendonly no\ndir {self.log_dir}\nmaxmemory {self.max_memory_mb}mb\n'
+            f"maxmemory-policy allkeys-lru\n"
+        )
+        self.proc = subprocess.Popen(
+            [binary, "-"], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.proc.stdin.write(conf.encode())
         self.proc.stdin.close()
         out.close()

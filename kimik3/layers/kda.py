@@ -84,10 +84,12 @@ class KDA(nn.Module):
         # serving layout (one batched GEMM for both)
         w_fb = None if fused else p("w_fb_rhk", (k, h, k), k)
         dt_bias = self.param("dt_bias_hk", nn.initializers.zeros, (h, k))
-        a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)),
-                           (h,))
+        a_log = self.param("a_log_h", lambda key, s: jnp.log(jax.random.uniform(key, s, minval=1.0, maxval=16.0)), (h,))
         if not fused:
-            w_b, w_ga = qparam(self, "w_beta_dh", fan_in_init(d), (d, h)), qparam(self, "w_ga_dr", fan_in_init(d), (d, k))
+            w_b, w_ga = (
+                qparam(self, "w_beta_dh", fan_in_init(d), (d, h)),
+                qparam(self, "w_ga_dr", fan_in_init(d), (d, k)),
+            )
             w_in = (gemm_form(w_q, 1), gemm_form(w_k, 1), gemm_form(w_v, 1), w_fa, w_b, w_ga)
         w_gb = None if fused else p("w_gb_rhv", (k, h, k), k)
         w_fg = self.param("w_fg_srn", fan_in_init(k), (2, k, h * k)) if fused else None
@@ -126,12 +128,26 @@ class KDA(nn.Module):
             # a decode token: convs, gates, recurrence and gated norm in one kernel on both pools
             # (it reads q | k | v and beta from the projection's output as it is, f | x_gate whole)
             x_in = jnp.concatenate([x_qkv, xb], axis=-1) if x_in is None else x_in  # q | k | v, then beta
-            fg = (fg.reshape(b, t, -1) if fused
-                  else jnp.concatenate([f.reshape(b, t, -1), x_gate.reshape(b, t, -1)], axis=-1))
+            fg = (
+                fg.reshape(b, t, -1)
+                if fused
+                else jnp.concatenate([f.reshape(b, t, -1), x_gate.reshape(b, t, -1)], axis=-1)
+            )
             o, conv_pool, state_pool = ops.kda_decode(
-                x_in[:, 0], fg[:, 0], conv_state, cache["state"], slots, valid, beta_col=beta_col,
-                w_conv=tuple(conv[n] for n in "qkv"), a_log=a_log, dt_bias=dt_bias, o_norm=o_norm,
-                lower_bound=gate_lower_bound(cfg), eps=cfg.kda_eps)
+                x_in[:, 0],
+                fg[:, 0],
+                conv_state,
+                cache["state"],
+                slots,
+                valid,
+                beta_col=beta_col,
+                w_conv=tuple(conv[n] for n in "qkv"),
+                a_log=a_log,
+                dt_bias=dt_bias,
+                o_norm=o_norm,
+                lower_bound=gate_lower_bound(cfg),
+                eps=cfg.kda_eps,
+            )
             return ops.linear_heads(o, w_o, kernels=self.kernels)[:, None], {"conv": conv_pool, "state": state_pool}
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
@@ -152,16 +168,28 @@ class KDA(nn.Module):
         beta = jax.nn.sigmoid(xb.astype(jnp.float32))
         if real is not None:
             beta = jnp.where(real[..., 0], beta, 0.0)
-        out = ops.kda(q, kk, v, g, beta, initial_state=cache.get("state"), chunk_size=cfg.kda_chunk_size,
-                      kernels=self.kernels, export_at=export_at, slots=slots, gate_bounded=cfg.kda_gate == "bounded")
+        out = ops.kda(
+            q,
+            kk,
+            v,
+            g,
+            beta,
+            initial_state=cache.get("state"),
+            chunk_size=cfg.kda_chunk_size,
+            kernels=self.kernels,
+            export_at=export_at,
+            slots=slots,
+            gate_bounded=cfg.kda_gate == "bounded",
+        )
         o, new_cache["state"] = out[:2]
         if export_at is not None:
             named = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)[None]  # [1, E]
             if valid is not None:  # a position among a row's pad tokens names no state either
                 named = named & (export_at[None] <= valid[:, None])
             exports = dict(exports, state=out[2])
-            new_cache["exports"] = {n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
-                                    for n, s in exports.items()}
+            new_cache["exports"] = {
+                n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0) for n, s in exports.items()
+            }
         gate = jax.nn.sigmoid(x_gate.astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.kda_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
         return ops.linear_heads(o, w_o, kernels=self.kernels), new_cache

@@ -157,8 +157,9 @@ class MLA(nn.Module):
             latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
         else:
             if "pages" in cache:
-                pages = write_latent(cache["pages"], latent_new, cache["block_tables"], positions_bt,
-                                     cache.get("valid"))
+                pages = write_latent(
+                    cache["pages"], latent_new, cache["block_tables"], positions_bt, cache.get("valid")
+                )
                 new_cache = {"pages": pages, "block_tables": cache["block_tables"]}
                 paged = (pages, cache["block_tables"])
                 latent = gather_pages(pages, cache["block_tables"])
@@ -167,7 +168,18 @@ class MLA(nn.Module):
                 new_cache = {"latent": latent}
             k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2])
             absorbed = t <= cfg.mla_absorb_max_tokens
-        o = ops.mla_attention(q, latent.astype(q.dtype), w_kb, w_vb, kv_lora=r, scale=cfg.mla_qk_dim ** -0.5,
-                              q_pos_bt=positions_bt, k_pos_bs=k_pos, absorbed=absorbed,
-                              contiguous_cache=cache is not None, paged=paged, kernels=self.kernels)
+        o = ops.mla_attention(
+            q,
+            latent.astype(q.dtype),
+            w_kb,
+            w_vb,
+            kv_lora=r,
+            scale=cfg.mla_qk_dim**-0.5,
+            q_pos_bt=positions_bt,
+            k_pos_bs=k_pos,
+            absorbed=absorbed,
+            contiguous_cache=cache is not None,
+            paged=paged,
+            kernels=self.kernels,
+        )
         return mla_output(w, o, xg, x_btd.dtype, self.kernels), new_cache

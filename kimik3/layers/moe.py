@@ -61,7 +61,7 @@ def _gate_up(x, w_gate, w_up, dot):
     """(gate, up) projections of x; w_up None: w_gate holds both, [..., 2F] (`kimik3.fused`)."""
     if w_up is None:
         h = dot(x, w_gate)
-        return h[..., :h.shape[-1] // 2], h[..., h.shape[-1] // 2:]
+        return h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :]
     return dot(x, w_gate), dot(x, w_up)
 
 
@@ -148,7 +148,7 @@ class LatentMoE(nn.Module):
             down = l if latent else 0
             if down + 2 * fs:
                 x_in = x_nd @ self.param("w_in_dx", fan_in_init(d), (d, down + 2 * fs))
-                shared_gate, shared_up = x_in[:, down:down + fs], x_in[:, down + fs:]
+                shared_gate, shared_up = x_in[:, down : down + fs], x_in[:, down + fs :]
             x_nl = x_in[:, :l] if latent else x_nd
             w_gate, w_up = qparam(self, "w_gateup_elf", fan_in_init(l), (e, l, 2 * f)), None
         else:
@@ -161,12 +161,27 @@ class LatentMoE(nn.Module):
             w_upproj = self.param("w_up_ld", fan_in_init(l), (l, d))
 
         logits = router_logits(x_nd, w_router)
-        if (latent and not cfg.moe_biased_weights and self.expert_path == "grouped" and w_up is None
-                and ops.routed_ffn_fits(x_nl, w_gate, w_out, cfg.n_active_experts, self.kernels)):
+        if (
+            latent
+            and not cfg.moe_biased_weights
+            and self.expert_path == "grouped"
+            and w_up is None
+            and ops.routed_ffn_fits(x_nl, w_gate, w_out, cfg.n_active_experts, self.kernels)
+        ):
             # a decode step's few tokens: routing and layout in one kernel, the grouped FFN, then
             # the combine and the latent norm in one kernel
-            z_normed = ops.routed_ffn(x_nl, logits, bias, None if real_bt is None else real_bt.reshape(-1),
-                                      w_gate, w_out, act, cfg.n_active_experts, latent_norm, cfg.norm_eps)
+            z_normed = ops.routed_ffn(
+                x_nl,
+                logits,
+                bias,
+                None if real_bt is None else real_bt.reshape(-1),
+                w_gate,
+                w_out,
+                act,
+                cfg.n_active_experts,
+                latent_norm,
+                cfg.norm_eps,
+            )
         else:
             ids, weights = route_logits(logits, bias, cfg.n_active_experts, cfg.moe_biased_weights)
             if real_bt is not None:

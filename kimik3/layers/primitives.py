@@ -64,12 +64,13 @@ def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
     if state_bwc is None:
         state_bwc = jnp.zeros((b, width - 1, c), x_btc.dtype)
     ext = jnp.concatenate([state_bwc.astype(x_btc.dtype), x_btc], axis=1)  # [B, T+W-1, C]
-    y = sum(ext[:, j:j + t].astype(jnp.float32) * w_wc[j].astype(jnp.float32) for j in range(width))
+    y = sum(ext[:, j : j + t].astype(jnp.float32) * w_wc[j].astype(jnp.float32) for j in range(width))
     if valid_b is None:
         new_state = ext[:, t:]
     else:
         new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, width - 1, axis=0))(
-            ext, jnp.clip(valid_b, 0, t))
+            ext, jnp.clip(valid_b, 0, t)
+        )
     if export_at is None:
         return y.astype(x_btc.dtype), new_state
     at = jnp.clip(export_at, 0, t)
@@ -97,7 +98,7 @@ def gemm_form(w, contracted: int):
 
 def fan_in_init(fan_in: int):
     """Normal(0, 1/sqrt(fan_in)) for einsum-shaped weights."""
-    return nn.initializers.normal(stddev=fan_in ** -0.5)
+    return nn.initializers.normal(stddev=fan_in**-0.5)
 
 
 class RMSNorm(nn.Module):

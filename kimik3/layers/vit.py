@@ -53,7 +53,7 @@ class _EncoderLayer(nn.Module):
         hd = w // h
         y = _LayerNorm(w, name="ln_attn")(x_npw)
         qkv = jnp.einsum("npw,wshd->npshd", y, self.param("w_qkv_wshd", fan_in_init(w), (w, 3, h, hd)))
-        o = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], scale=hd ** -0.5)
+        o = attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], scale=hd**-0.5)
         x_npw = x_npw + jnp.einsum("nphd,hdw->npw", o, self.param("w_o_hdw", fan_in_init(w), (h, hd, w)))
         y = _LayerNorm(w, name="ln_mlp")(x_npw)
         y = jax.nn.gelu(y @ self.param("w_in_wm", fan_in_init(w), (w, self.cfg.mlp_dim)))
@@ -67,7 +67,7 @@ class ViT(nn.Module):
     @nn.compact
     def __call__(self, images_nhwc):
         cfg = self.cfg
-        patch_dim = cfg.patch_size ** 2 * cfg.channels
+        patch_dim = cfg.patch_size**2 * cfg.channels
         x = patchify(images_nhwc, cfg.patch_size)
         x = x @ self.param("w_patch_pw", fan_in_init(patch_dim), (patch_dim, cfg.width))
         x = x + self.param("pos_embed_pw", nn.initializers.normal(0.02), (cfg.n_patches, cfg.width))
@@ -75,7 +75,7 @@ class ViT(nn.Module):
             x = _EncoderLayer(cfg, name=f"encoder_{i}")(x)
         x = _LayerNorm(cfg.width, name="ln_final")(x)
         x = merge_patches(x, cfg.patches_per_side, cfg.merge)
-        merged = cfg.merge ** 2 * cfg.width
+        merged = cfg.merge**2 * cfg.width
         x = _LayerNorm(merged, name="ln_proj")(x)
         x = jax.nn.gelu(x @ self.param("w_proj1", fan_in_init(merged), (merged, self.d_model)))
         return x @ self.param("w_proj2", fan_in_init(self.d_model), (self.d_model, self.d_model))

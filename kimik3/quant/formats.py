@@ -65,8 +65,7 @@ class QTensor:
     @property
     def bits_per_value(self) -> float:
         n = math.prod(self.shape)
-        return 8.0 * (self.values.size * self.values.dtype.itemsize
-                      + self.scales.size * self.scales.dtype.itemsize) / n
+        return 8.0 * (self.values.size * self.values.dtype.itemsize + self.scales.size * self.scales.dtype.itemsize) / n
 
 
 def tree_formats(tree) -> tuple[str, ...]:
@@ -75,8 +74,15 @@ def tree_formats(tree) -> tuple[str, ...]:
     from pallas_kernels.moe_mxfp4_hopper import HopperMXFP4  # MXFP4 experts in the Hopper kernel's layout
 
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, (QTensor, HopperMXFP4)))
-    return tuple(sorted({"mxfp4" if isinstance(leaf, HopperMXFP4) else leaf.fmt
-                         for leaf in leaves if isinstance(leaf, (QTensor, HopperMXFP4))}))
+    return tuple(
+        sorted(
+            {
+                "mxfp4" if isinstance(leaf, HopperMXFP4) else leaf.fmt
+                for leaf in leaves
+                if isinstance(leaf, (QTensor, HopperMXFP4))
+            }
+        )
+    )
 
 
 def _require(ok: bool, msg: str):
@@ -115,8 +121,10 @@ def _fp8_block_scales(w):
 
 def _segments(n: int, segments: tuple) -> tuple:
     segments = tuple(segments) or (n,)
-    _require(sum(segments) == n and all(w > 0 for w in segments),
-             f"fp8 segments {segments} must be positive widths summing to N={n}")
+    _require(
+        sum(segments) == n and all(w > 0 for w in segments),
+        f"fp8 segments {segments} must be positive widths summing to N={n}",
+    )
     return segments
 
 
@@ -199,8 +207,9 @@ def quantize(w, fmt: str, segments: tuple = ()) -> QTensor:
         scales = jnp.concatenate([_fp8_block_scales(w[..., a:b]) for a, b in zip(bounds[:-1], bounds[1:])], axis=-1)
         # amax / scale is 448 up to one rounding: clip so that it cannot overflow e4m3 into NaN
         values = jnp.clip(w / _expand_fp8_scales(scales, k, n, segments), -E4M3_MAX, E4M3_MAX)
-        return QTensor(values.astype(jnp.float8_e4m3fn), scales, fmt, tuple(w.shape),
-                       segments if len(segments) > 1 else ())
+        return QTensor(
+            values.astype(jnp.float8_e4m3fn), scales, fmt, tuple(w.shape), segments if len(segments) > 1 else ()
+        )
     _require(not segments or len(segments) == 1, f"{fmt} scales run along K per column: it takes no segments")
     x = _mx_exponents(w, fmt)
     scaled = w / _per_element(_pow2(x))
@@ -223,8 +232,10 @@ def concat(qs) -> QTensor:
     scales as they are: fp8 keeps each member's blocks as a segment)."""
     qs = list(qs)
     fmt, lead = qs[0].fmt, tuple(qs[0].shape[:-1])
-    _require(all(q.fmt == fmt and tuple(q.shape[:-1]) == lead for q in qs),
-             f"concat: members must share a format and [..., K]; got {[(q.fmt, q.shape) for q in qs]}")
+    _require(
+        all(q.fmt == fmt and tuple(q.shape[:-1]) == lead for q in qs),
+        f"concat: members must share a format and [..., K]; got {[(q.fmt, q.shape) for q in qs]}",
+    )
     values = jnp.concatenate([q.values for q in qs], axis=-1)
     scales = jnp.concatenate([q.scales for q in qs], axis=-1)
     shape = lead + (sum(q.shape[-1] for q in qs),)
@@ -260,19 +271,25 @@ def check(q: QTensor) -> QTensor:
     shape = tuple(q.shape)
     want_values = shape if q.fmt != "mxfp4" else shape[:-1] + (shape[-1] // 2,)
     want_vdtype = jnp.uint8 if q.fmt == "mxfp4" else jnp.float8_e4m3fn
-    _require(tuple(q.values.shape) == want_values and q.values.dtype == want_vdtype,
-             f"{q.fmt} values for a {shape} weight must be {jnp.dtype(want_vdtype).name} {want_values}; "
-             f"got {q.values.dtype} {tuple(q.values.shape)}")
+    _require(
+        tuple(q.values.shape) == want_values and q.values.dtype == want_vdtype,
+        f"{q.fmt} values for a {shape} weight must be {jnp.dtype(want_vdtype).name} {want_values}; "
+        f"got {q.values.dtype} {tuple(q.values.shape)}",
+    )
     _require(q.fmt == "fp8" or not q.segments, f"{q.fmt} takes no segments; got {q.segments}")
     want_scales = _scale_shape(q.fmt, shape, q.segments)
     want_sdtype = jnp.float32 if q.fmt == "fp8" else jnp.float8_e8m0fnu
-    _require(tuple(q.scales.shape) == want_scales and q.scales.dtype == want_sdtype,
-             f"{q.fmt} scales for a {shape} weight must be {jnp.dtype(want_sdtype).name} {want_scales}; "
-             f"got {q.scales.dtype} {tuple(q.scales.shape)}")
+    _require(
+        tuple(q.scales.shape) == want_scales and q.scales.dtype == want_sdtype,
+        f"{q.fmt} scales for a {shape} weight must be {jnp.dtype(want_sdtype).name} {want_scales}; "
+        f"got {q.scales.dtype} {tuple(q.scales.shape)}",
+    )
     s = np.asarray(q.scales, np.float32)
-    _require(bool(np.all(np.isfinite(s) & (s > 0))),
-             f"{q.fmt} scales hold {int(np.sum(~(np.isfinite(s) & (s > 0))))} non-finite or non-positive entries "
-             f"(a corrupt scale tensor)")
+    _require(
+        bool(np.all(np.isfinite(s) & (s > 0))),
+        f"{q.fmt} scales hold {int(np.sum(~(np.isfinite(s) & (s > 0))))} non-finite or non-positive entries "
+        f"(a corrupt scale tensor)",
+    )
     if q.fmt != "mxfp4":
         _require(bool(np.all(np.isfinite(np.asarray(q.values, np.float32)))), f"{q.fmt} values hold NaN")
     return q

@@ -85,8 +85,9 @@ def _get(tree: dict, path: str):
 def manifest_formats(cfg: ModelConfig, names) -> dict:
     """{manifest: {param path: format}} over the config's params."""
     abstract = model.abstract_params(cfg, "float32")
-    return {name: {path: quantization.MANIFESTS[name].format_of(path) for path, _ in _paths(abstract)}
-            for name in names}
+    return {
+        name: {path: quantization.MANIFESTS[name].format_of(path) for path, _ in _paths(abstract)} for name in names
+    }
 
 
 def served_manifests(keep_bf16_experts: bool) -> tuple[str, ...]:
@@ -116,8 +117,9 @@ def _bits(q: formats.QTensor) -> dict:
     return {"values": np.asarray(as_bytes(q.values)), "scales": np.asarray(as_bytes(q.scales))}
 
 
-def quantize_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, keep_bf16_experts: bool = False,
-                        progress=None) -> dict:
+def quantize_checkpoint(
+    src: str | os.PathLike, out: str | os.PathLike, *, keep_bf16_experts: bool = False, progress=None
+) -> dict:
     """Write the quantized checkpoint of `src` to `out` (see the module comment).  Returns the
     quant.json record.  progress(done, total) after each tensor, if given."""
     src, out = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(out))
@@ -149,10 +151,16 @@ def quantize_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, keep_
             ckptr.save(os.path.join(out, fmt), tree)
     with open(os.path.join(out, "config.json"), "w") as f:
         f.write(cfg.to_json())
-    record = {"version": VERSION, "source": src, "config": cfg.name,
-              "config_sha256": hashlib.sha256(cfg.to_json().encode()).hexdigest(),
-              "keep_bf16_experts": keep_bf16_experts, "manifests": list(names), "entries": entries,
-              "bytes": {m: sum(_entry_bytes(formats_of[m][p], leaves[p].shape) for p in leaves) for m in names}}
+    record = {
+        "version": VERSION,
+        "source": src,
+        "config": cfg.name,
+        "config_sha256": hashlib.sha256(cfg.to_json().encode()).hexdigest(),
+        "keep_bf16_experts": keep_bf16_experts,
+        "manifests": list(names),
+        "entries": entries,
+        "bytes": {m: sum(_entry_bytes(formats_of[m][p], leaves[p].shape) for p in leaves) for m in names},
+    }
     with open(os.path.join(out, "quant.json"), "w") as f:
         json.dump(record, f, indent=1)
     log.info("wrote the %s quantized checkpoint of %s to %s (manifests %s)", cfg.name, src, out, ", ".join(names))
@@ -166,8 +174,10 @@ def _entry_bytes(fmt: str, shape) -> int:
 def read_record(path: str | os.PathLike) -> dict:
     path = os.fspath(path)
     if not is_quantized(path):
-        raise ValueError(f"{path} is not a quantized checkpoint (no quant.json): write one with "
-                         f"`kimik3 quantize --checkpoint {path} --out DIR`")
+        raise ValueError(
+            f"{path} is not a quantized checkpoint (no quant.json): write one with "
+            f"`kimik3 quantize --checkpoint {path} --out DIR`"
+        )
     with open(os.path.join(path, "quant.json")) as f:
         record = json.load(f)
     if record.get("version") != VERSION:
@@ -188,8 +198,11 @@ def _qtensor(path: str, fmt: str, arrays: dict, want_shape: tuple) -> formats.QT
     values, scales = arrays.get("values"), arrays.get("scales")
     if values is None or scales is None:
         raise ValueError(f"{path}: the {fmt} entry lacks its values or scales")
-    as_type = lambda a, dtype: (jax.lax.bitcast_convert_type(jnp.asarray(a), dtype)
-                                if jnp.dtype(dtype).itemsize == 1 and a.dtype == jnp.uint8 else jnp.asarray(a))
+    as_type = lambda a, dtype: (
+        jax.lax.bitcast_convert_type(jnp.asarray(a), dtype)
+        if jnp.dtype(dtype).itemsize == 1 and a.dtype == jnp.uint8
+        else jnp.asarray(a)
+    )
     q = formats.QTensor(as_type(values, _VALUE_DTYPES[fmt]), as_type(scales, _SCALE_DTYPES[fmt]), fmt, want_shape)
     try:
         return formats.check(q)
@@ -222,16 +235,19 @@ def load(path: str | os.PathLike, manifest: str, *, fuse: bool = True):
             try:
                 leaf = _get(plain, p)
             except KeyError:
-                raise ValueError(f"{path}: manifest {manifest} keeps {p} unquantized, but the checkpoint "
-                                 f"holds no plain copy") from None
+                raise ValueError(
+                    f"{path}: manifest {manifest} keeps {p} unquantized, but the checkpoint holds no plain copy"
+                ) from None
             if tuple(leaf.shape) != tuple(abstract[p].shape):
                 raise ValueError(f"{path}: {p} is {tuple(leaf.shape)}; {cfg.name} needs {tuple(abstract[p].shape)}")
             _set(params, p, jnp.asarray(leaf))
             continue
         shape = gemm_shape(p.rsplit("/", 1)[-1], tuple(abstract[p].shape))
         if record["entries"].get(fmt, {}).get(p) != list(shape):
-            raise ValueError(f"{path}: manifest {manifest} needs {p} in {fmt} {shape}; the checkpoint has "
-                             f"{[f for f, e in record['entries'].items() if p in e] or 'no quantized copy'}")
+            raise ValueError(
+                f"{path}: manifest {manifest} needs {p} in {fmt} {shape}; the checkpoint has "
+                f"{[f for f, e in record['entries'].items() if p in e] or 'no quantized copy'}"
+            )
         try:
             arrays = _get(stored[fmt], p)
         except KeyError:
@@ -246,6 +262,8 @@ def load_params(path: str | os.PathLike, manifest: str | None = None):
     with one (clear errors where the two do not match)."""
     if manifest is None:
         if is_quantized(path):
-            raise ValueError(f"{path} is a quantized checkpoint: pass --manifest, one of {read_record(path)['manifests']}")
+            raise ValueError(
+                f"{path} is a quantized checkpoint: pass --manifest, one of {read_record(path)['manifests']}"
+            )
         return checkpoint.restore(path)
     return load(path, manifest)

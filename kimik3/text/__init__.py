@@ -23,5 +23,14 @@ from kimik3.text.byte import ByteTokenizer
 from kimik3.text.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from kimik3.text.load import holds_tokenizer, load_serving_tokenizer, load_tokenizer
 
-__all__ = ["BaseTokenizer", "ByteTokenizer", "ChatTemplate", "DEFAULT_TEMPLATE", "IncrementalDetokenizer", "Tokenizer",
-           "holds_tokenizer", "load_serving_tokenizer", "load_tokenizer"]
+__all__ = [
+    "BaseTokenizer",
+    "ByteTokenizer",
+    "ChatTemplate",
+    "DEFAULT_TEMPLATE",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "holds_tokenizer",
+    "load_serving_tokenizer",
+    "load_tokenizer",
+]

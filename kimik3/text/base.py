@@ -10,9 +10,17 @@ from kimik3 import tokenizer as byte_level
 
 # What each special token is for -> its name in the byte tokenizer (the default names).
 ROLES_OF_SPECIALS = {
-    "pad": "<|pad|>", "bos": "<|bos|>", "eos": "<|eos|>", "system": "<|system|>", "user": "<|user|>",
-    "assistant": "<|assistant|>", "tool": "<|tool|>", "end_turn": "<|end_turn|>",
-    "image_start": "<|image_start|>", "image": "<|image|>", "image_end": "<|image_end|>",
+    "pad": "<|pad|>",
+    "bos": "<|bos|>",
+    "eos": "<|eos|>",
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "tool": "<|tool|>",
+    "end_turn": "<|end_turn|>",
+    "image_start": "<|image_start|>",
+    "image": "<|image|>",
+    "image_end": "<|image_end|>",
 }
 assert tuple(ROLES_OF_SPECIALS.values()) == byte_level.SPECIAL_TOKENS
 
@@ -29,8 +37,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def detokenizer(self) -> "IncrementalDetokenizer": ...
-    def apply_chat_template(self, messages, *, tokens_per_image: int = 0,
-                            add_generation_prompt: bool = True) -> list[int]: ...
+    def apply_chat_template(
+        self, messages, *, tokens_per_image: int = 0, add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
 
 class IncrementalDetokenizer:
@@ -68,8 +77,10 @@ class BaseTokenizer:
 
         self.specials = {r: self.special_names[n] for r, n in self.role_names.items() if n in self.special_names}
         if "eos" not in self.specials:
-            raise ValueError(f"{self.name}: no end-of-sequence token {self.role_names.get('eos')!r} among its special "
-                             f"tokens (name it with roles={{'eos': ...}} in tokenizer_config.json)")
+            raise ValueError(
+                f"{self.name}: no end-of-sequence token {self.role_names.get('eos')!r} among its special "
+                f"tokens (name it with roles={{'eos': ...}} in tokenizer_config.json)"
+            )
         self._special_ids = {i: n for n, i in self.special_names.items()}
         bad = [i for i in self._special_ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -143,11 +154,13 @@ class BaseTokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
 
-    def apply_chat_template(self, messages, *, tokens_per_image: int = 0,
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages, *, tokens_per_image: int = 0, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Ids of a conversation (`kimik3.tokenizer.Message`s) through the chat template."""
-        return self.template.render(messages, tokens_per_image=tokens_per_image,
-                                    add_generation_prompt=add_generation_prompt)
+        return self.template.render(
+            messages, tokens_per_image=tokens_per_image, add_generation_prompt=add_generation_prompt
+        )
 
     def describe(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id, "image_id": self.image_id}

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 @functools.cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -85,8 +86,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(byte_level.SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(byte_level.SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tok.train_from_iterator(texts, trainer)
     spec = json.loads(tok.to_str())
     learnt = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -95,10 +100,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     vocab.update(byte_level.SPECIAL_IDS)  # in the model's vocabulary too, or the library renumbers them
     vocab.update((p, n_fixed + k) for k, (p, _) in enumerate(q for q in learnt if q[0] not in vocab))
     spec["model"]["vocab"] = vocab
-    spec["added_tokens"] = [{"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for name, i in byte_level.SPECIAL_IDS.items()]
+    spec["added_tokens"] = [
+        {
+            "id": i,
+            "content": name,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for name, i in byte_level.SPECIAL_IDS.items()
+    ]
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False)
-    log.info("trained a byte-level BPE of %d ids (%d merges) into %s", len(vocab),
-             len(spec["model"]["merges"]), out_path)
+    log.info(
+        "trained a byte-level BPE of %d ids (%d merges) into %s", len(vocab), len(spec["model"]["merges"]), out_path
+    )
     return BPETokenizer(out_path)

@@ -24,7 +24,8 @@ DEFAULT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}{{ special[m.role] }}{{ image_block * m.n_images }}{{ m.content }}"
     "{{ special.end_turn }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ special.assistant }}{% endif %}")
+    "{% if add_generation_prompt %}{{ special.assistant }}{% endif %}"
+)
 
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
@@ -55,20 +56,31 @@ class ChatTemplate:
             ctx_messages.append({"role": m.role, "content": f"\ue000{len(contents)}\ue001", "n_images": m.n_images})
             contents.append(m.content)
         names = {role: tok.role_names[role] for role in tok.specials}
-        needed = ({"bos", "end_turn", "assistant"} | {m.role for m in messages} if self.source == DEFAULT_TEMPLATE
-                  else set()) | ({"image_start", "image", "image_end"} if tokens_per_image > 0 else set())
+        needed = (
+            {"bos", "end_turn", "assistant"} | {m.role for m in messages} if self.source == DEFAULT_TEMPLATE else set()
+        ) | ({"image_start", "image", "image_end"} if tokens_per_image > 0 else set())
         missing = sorted(needed - set(names))
         if missing:
-            raise ValueError(f"{tok.name} has no special token for {missing}: give it a chat_template "
-                             f"(tokenizer_config.json) or name them (\"roles\")")
-        image_block = (names["image_start"] + names["image"] * tokens_per_image + names["image_end"]
-                       if tokens_per_image > 0 else "")
-        text = self._template.render(messages=ctx_messages, add_generation_prompt=add_generation_prompt,
-                                     special=names, bos_token=names.get("bos", ""), eos_token=names["eos"],
-                                     image_block=image_block)
+            raise ValueError(
+                f"{tok.name} has no special token for {missing}: give it a chat_template "
+                f'(tokenizer_config.json) or name them ("roles")'
+            )
+        image_block = (
+            names["image_start"] + names["image"] * tokens_per_image + names["image_end"]
+            if tokens_per_image > 0
+            else ""
+        )
+        text = self._template.render(
+            messages=ctx_messages,
+            add_generation_prompt=add_generation_prompt,
+            special=names,
+            bos_token=names.get("bos", ""),
+            eos_token=names["eos"],
+            image_block=image_block,
+        )
         ids, at = [], 0
         for match in _SENTINEL.finditer(text):
-            ids += tok.encode_with_specials(text[at:match.start()])
+            ids += tok.encode_with_specials(text[at : match.start()])
             ids += tok.encode(contents[int(match.group(1))])
             at = match.end()
         return ids + tok.encode_with_specials(text[at:])

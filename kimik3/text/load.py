@@ -23,7 +23,7 @@ def _config(directory: str) -> dict:
 
 
 def load_tokenizer(spec: str | None) -> BaseTokenizer:
-    """"byte" (or None): `ByteTokenizer`; a ``tokenizer.json``: `BPETokenizer`; a ``*.tiktoken`` or
+    """ "byte" (or None): `ByteTokenizer`; a ``tokenizer.json``: `BPETokenizer`; a ``*.tiktoken`` or
     ``tiktoken.model`` file: `TiktokenTokenizer`; a directory holding one of them.  A
     ``tokenizer_config.json`` beside it may give "chat_template" (Jinja), "roles" (role -> special
     token name, e.g. {"eos": "<|im_end|>"}), and for tiktoken files "pat_str" and
@@ -31,8 +31,9 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if spec is None or spec == "byte":
         return ByteTokenizer()
     if not os.path.exists(spec):
-        raise FileNotFoundError(f"no tokenizer at {spec!r} (give 'byte', a tokenizer.json, a tiktoken file or a "
-                                f"directory holding one)")
+        raise FileNotFoundError(
+            f"no tokenizer at {spec!r} (give 'byte', a tokenizer.json, a tiktoken file or a directory holding one)"
+        )
     if os.path.isdir(spec):
         directory, path = spec, _tokenizer_file(spec)
     else:
@@ -40,8 +41,10 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
     if path is None:
         raise FileNotFoundError(f"{directory} holds no tokenizer.json, tiktoken.model or *.tiktoken")
     cfg = _config(directory)
-    kw = {"chat_template": cfg.get("chat_template") or _template_file(directory),
-          "role_names": cfg.get("roles") or _hf_roles(directory, cfg)}
+    kw = {
+        "chat_template": cfg.get("chat_template") or _template_file(directory),
+        "role_names": cfg.get("roles") or _hf_roles(directory, cfg),
+    }
     if path.endswith(".json"):
         from kimik3.text.bpe import BPETokenizer
 
@@ -110,6 +113,7 @@ def load_serving_tokenizer(spec: str | None, checkpoint: str | None, model_vocab
         spec = checkpoint if checkpoint and holds_tokenizer(checkpoint) else "byte"
     tok = load_tokenizer(spec)
     if tok.vocab_size > model_vocab_size:
-        raise ValueError(f"the tokenizer {tok.name} has {tok.vocab_size} ids; the model's vocabulary only "
-                         f"{model_vocab_size}")
+        raise ValueError(
+            f"the tokenizer {tok.name} has {tok.vocab_size} ids; the model's vocabulary only {model_vocab_size}"
+        )
     return tok

@@ -10,8 +10,10 @@ from kimik3 import tokenizer as byte_level
 from kimik3.text.base import ROLES_OF_SPECIALS, BaseTokenizer
 
 # cl100k's pre-tokenizer pattern; a tokenizer_config.json's "pat_str" replaces it (Kimi's is its own)
-DEFAULT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
-                   r"""\s*[\r\n]|\s+(?!\S)|\s+""")
+DEFAULT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+    r"""\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -36,8 +38,15 @@ class TiktokenTokenizer(BaseTokenizer):
     """A tiktoken file.  special: name -> id (default: `kimik3.tokenizer`'s names after the last
     rank); pattern: the pre-tokenizer's regex."""
 
-    def __init__(self, path: str, *, pattern: str = DEFAULT_PATTERN, special: dict[str, int] | None = None,
-                 role_names: dict[str, str] | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        *,
+        pattern: str = DEFAULT_PATTERN,
+        special: dict[str, int] | None = None,
+        role_names: dict[str, str] | None = None,
+        chat_template: str | None = None,
+    ):
         import tiktoken
 
         ranks = read_ranks(path)

@@ -32,12 +32,34 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda.common import CHUNK, _default_interpret, _fast_dot, _is_pow2
 from pallas_kernels.kda.naive import _check_shapes, export_mask
-from pallas_kernels.kda.prepare import (_chunk_output, _chunk_prepare_kernel, _intra_solve_kernel,
-                                        _split_intra_kernel, _split_solve_kernel)
+from pallas_kernels.kda.prepare import (
+    _chunk_output,
+    _chunk_prepare_kernel,
+    _intra_solve_kernel,
+    _split_intra_kernel,
+    _split_solve_kernel,
+)
 
 
-def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref,
-                        o_ref, ht_ref, ckpt_ref, *, block_v, scale, low_precision, interpret):
+def _chunk_state_kernel(
+    chunk_start_ref,
+    ckpt_slot_ref,
+    h0_ref,
+    w_ref,
+    u_ref,
+    qd_ref,
+    ke_ref,
+    aqk_ref,
+    de_ref,
+    o_ref,
+    ht_ref,
+    ckpt_ref,
+    *,
+    block_v,
+    scale,
+    low_precision,
+    interpret,
+):
     """One (sequence, head, V block): the sequential pass over the sequence's chunks, o computed
     in its loop (four dots a chunk).  fla's structure instead (each chunk's state and v_new
     written, o in a parallel pass after) was 24-39% slower: the HBM round trip costs more than
@@ -80,9 +102,19 @@ def _chunk_state_kernel(chunk_start_ref, ckpt_slot_ref, h0_ref, w_ref, u_ref, qd
 # tokens ~0.2 vs ~0.4 ms more; B8 T4096 H32 3.03 at 64 vs 3.51; B4 T8192 H12 1.32 vs 1.54.
 # "state_fp32": the state kernel for fp32 inputs, whose pipelined chunk operands
 # would need ~350 KiB of shared memory at 3 stages (H200 has 227 KiB).
-TUNING = {"prepare": (4, 1), "intra": (8, 1), "solve": (4, 1), "state": (4, 3), "state_fp32": (4, 1),
-          "prepare_dot": "auto", "prepare_impl": "split", "state_block_v": "auto", "intra_chunks": 1,
-          "solve_chunks": 1, "intra_solve": (8, 1)}
+TUNING = {
+    "prepare": (4, 1),
+    "intra": (8, 1),
+    "solve": (4, 1),
+    "state": (4, 3),
+    "state_fp32": (4, 1),
+    "prepare_dot": "auto",
+    "prepare_impl": "split",
+    "state_block_v": "auto",
+    "intra_chunks": 1,
+    "solve_chunks": 1,
+    "intra_solve": (8, 1),
+}
 PREPARE_IMPLS = ("fused", "split", "intra_solve")
 
 
@@ -150,14 +182,25 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     in_blk, _ = _looped_blocks(1)  # one chunk of one head: [C, d] / [C]
     sds = jax.ShapeDtypeStruct
     return pl.pallas_call(
-        _functools.partial(_chunk_prepare_kernel, interpret=interpret,
-                           algorithm=_prepare_algorithm(q.dtype, tuning)),
+        _functools.partial(_chunk_prepare_kernel, interpret=interpret, algorithm=_prepare_algorithm(q.dtype, tuning)),
         grid=(nt, h),
         in_specs=[in_blk(dk), in_blk(dk), in_blk(dv), in_blk(dk), in_blk()],
-        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dv), _out_blk(CHUNK, dk), _out_blk(CHUNK, dk),
-                   _out_blk(CHUNK, CHUNK), _out_blk(dk)],
-        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter), sds((nt, h, CHUNK, dk), inter),
-                   sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter), sds((nt, h, dk), jnp.float32)],
+        out_specs=[
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, dv),
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, CHUNK),
+            _out_blk(dk),
+        ],
+        out_shape=[
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, dv), inter),
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, CHUNK), inter),
+            sds((nt, h, dk), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=_params("prepare", tuning),
         name="kda_chunk_prepare",
@@ -176,15 +219,27 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
     solve_in = jnp.bfloat16 if algorithm == "bf16" else jnp.float32
     n_chunks = _loop_chunks(nt, "intra_chunks", tuning)
     sds = jax.ShapeDtypeStruct
-    out_shape = [sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
-                 sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, CHUNK), solve_in), sds((nt, h, CHUNK, dk), solve_in)]
+    out_shape = [
+        sds((nt, h, CHUNK, dk), inter),
+        sds((nt, h, CHUNK, dk), inter),
+        sds((nt, h, CHUNK, CHUNK), inter),
+        sds((nt, h, dk), jnp.float32),
+        sds((nt, h, CHUNK, CHUNK), solve_in),
+        sds((nt, h, CHUNK, dk), solve_in),
+    ]
     in_blk, out_blk = _looped_blocks(n_chunks)
     return pl.pallas_call(
         _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm, n_chunks=n_chunks),
         grid=(nt // n_chunks, h),
         in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk()],
-        out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dk), out_blk(CHUNK, CHUNK), out_blk(dk),
-                   out_blk(CHUNK, CHUNK), out_blk(CHUNK, dk)],
+        out_specs=[
+            out_blk(CHUNK, dk),
+            out_blk(CHUNK, dk),
+            out_blk(CHUNK, CHUNK),
+            out_blk(dk),
+            out_blk(CHUNK, CHUNK),
+            out_blk(CHUNK, dk),
+        ],
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=_params("intra", tuning),
@@ -204,8 +259,9 @@ def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=Non
     sds = jax.ShapeDtypeStruct
     in_blk, out_blk = _looped_blocks(n_chunks)
     return pl.pallas_call(
-        _functools.partial(_split_solve_kernel, interpret=interpret,
-                           algorithm=_prepare_algorithm(in_dtype, tuning), n_chunks=n_chunks),
+        _functools.partial(
+            _split_solve_kernel, interpret=interpret, algorithm=_prepare_algorithm(in_dtype, tuning), n_chunks=n_chunks
+        ),
         grid=(nt // n_chunks, h),
         in_specs=[out_blk(CHUNK, CHUNK), out_blk(CHUNK, dk), in_blk(dv), in_blk()],
         out_specs=[out_blk(CHUNK, dk), out_blk(CHUNK, dv)],
@@ -230,10 +286,22 @@ def _intra_solve_call(q, k, v, g, beta, *, interpret, tuning=None):
         _functools.partial(_intra_solve_kernel, interpret=interpret, algorithm=algorithm, solve_in=solve_in),
         grid=(nt, h),
         in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk(), in_blk(dv)],
-        out_specs=[_out_blk(CHUNK, dk), _out_blk(CHUNK, dk), _out_blk(CHUNK, CHUNK), _out_blk(dk),
-                   _out_blk(CHUNK, dk), _out_blk(CHUNK, dv)],
-        out_shape=[sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, CHUNK), inter),
-                   sds((nt, h, dk), jnp.float32), sds((nt, h, CHUNK, dk), inter), sds((nt, h, CHUNK, dv), inter)],
+        out_specs=[
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, CHUNK),
+            _out_blk(dk),
+            _out_blk(CHUNK, dk),
+            _out_blk(CHUNK, dv),
+        ],
+        out_shape=[
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, CHUNK), inter),
+            sds((nt, h, dk), jnp.float32),
+            sds((nt, h, CHUNK, dk), inter),
+            sds((nt, h, CHUNK, dv), inter),
+        ],
         interpret=interpret,
         compiler_params=_params("intra_solve", tuning),
         name="kda_intra_solve",
@@ -248,8 +316,7 @@ def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     return w, u, qd, ke, aqk, de
 
 
-def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret,
-                      tuning=None):
+def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, scale, block_v, interpret, tuning=None):
     """The sequential pass.  Returns o [NT, C, H, V], ht [N, H, K, V], checkpoints
     [max(n_ckpt, 1), H, K, V]."""
     w, u, qd, ke, aqk, de = prep
@@ -259,11 +326,15 @@ def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, sc
     sds = jax.ShapeDtypeStruct
     low_precision = bool(w.dtype != jnp.float32)
     return pl.pallas_call(
-        _functools.partial(_chunk_state_kernel, block_v=block_v, scale=scale, low_precision=low_precision,
-                           interpret=interpret),
+        _functools.partial(
+            _chunk_state_kernel, block_v=block_v, scale=scale, low_precision=low_precision, interpret=interpret
+        ),
         grid=(n_seq, h, dv // block_v),
-        out_shape=[sds((nt, CHUNK, h, dv), out_dtype), sds((n_seq, h, dk, dv), jnp.float32),
-                   sds((max(n_ckpt, 1), h, dk, dv), jnp.float32)],
+        out_shape=[
+            sds((nt, CHUNK, h, dv), out_dtype),
+            sds((n_seq, h, dk, dv), jnp.float32),
+            sds((max(n_ckpt, 1), h, dk, dv), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=_params("state_fp32" if w.dtype == jnp.float32 else "state", tuning),
         name="kda_chunk_state",
@@ -271,15 +342,24 @@ def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, sc
 
 
 @_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning"))
-def _chunk_kda_core(q, k, v, g, beta, h0, chunk_start, ckpt_slot, *, n_ckpt, scale, block_v, interpret,
-                    tuning=None):
+def _chunk_kda_core(q, k, v, g, beta, h0, chunk_start, ckpt_slot, *, n_ckpt, scale, block_v, interpret, tuning=None):
     """q/k/g [1, T, H, K], v [1, T, H, V], beta [1, T, H] with T a multiple of CHUNK and
     sequences starting at chunk boundaries.  Returns o [1, T, H, V], ht [N, H, K, V],
     checkpoints [max(n_ckpt, 1), H, K, V]."""
     _, t, h, _ = q.shape
     prep = _chunk_prepare_call(q[0], k[0], v[0], g[0], beta[0], interpret=interpret, tuning=tuning)
-    o, ht, ckpt = _chunk_state_call(prep, h0, chunk_start, ckpt_slot, out_dtype=v.dtype, n_ckpt=n_ckpt,
-                                    scale=scale, block_v=block_v, interpret=interpret, tuning=tuning)
+    o, ht, ckpt = _chunk_state_call(
+        prep,
+        h0,
+        chunk_start,
+        ckpt_slot,
+        out_dtype=v.dtype,
+        n_ckpt=n_ckpt,
+        scale=scale,
+        block_v=block_v,
+        interpret=interpret,
+        tuning=tuning,
+    )
     return o.reshape(1, t, h, v.shape[-1]), ht, ckpt
 
 
@@ -303,9 +383,23 @@ def _plan_layout(seq_lens, checkpoint_positions):
     return chunk_start, ckpt_slot, slot
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              checkpoint_positions=None, cu_seqlens=None, interpret=None, block_v=None, tuning=None,
-              export_at=None):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    checkpoint_positions=None,
+    cu_seqlens=None,
+    interpret=None,
+    block_v=None,
+    tuning=None,
+    export_at=None,
+):
     """Chunked KDA prefill (Pallas) exporting states at `checkpoint_positions` in the same pass.
 
     Args:
@@ -351,14 +445,18 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         else:
             per_seq_positions = [list(p) for p in checkpoint_positions]
             if len(per_seq_positions) != len(seq_lens):
-                raise ValueError(f"with cu_seqlens give one list of checkpoint positions per sequence "
-                                 f"({len(seq_lens)}); got {len(per_seq_positions)}")
+                raise ValueError(
+                    f"with cu_seqlens give one list of checkpoint positions per sequence "
+                    f"({len(seq_lens)}); got {len(per_seq_positions)}"
+                )
     n_seq = len(seq_lens)
     if initial_state is None:
         initial_state = jnp.zeros((n_seq, h, dk, dv), jnp.float32)
     elif initial_state.shape != (n_seq, h, dk, dv) or initial_state.dtype != jnp.float32:
-        raise ValueError(f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
-                         f"got {initial_state.dtype} {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
+            f"got {initial_state.dtype} {tuple(initial_state.shape)}"
+        )
     chunk_start, ckpt_slot, n_ckpt = _plan_layout(seq_lens, per_seq_positions)
     if export_at is not None:
         if cu_seqlens is not None or checkpoint_positions is not None:
@@ -367,12 +465,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         export_valid = export_mask(export_at, t, CHUNK)
         chunk_of = jnp.asarray(chunk_start[:-1])[:, None] + export_at[None, :] // CHUNK - 1  # [B, E]
         chunk_of = jnp.where(export_valid[None, :], chunk_of, ckpt_slot.shape[0])  # invalid: dropped
-        ckpt_slot = jnp.asarray(ckpt_slot).at[chunk_of].set(jnp.arange(b * e, dtype=jnp.int32).reshape(b, e),
-                                                            mode="drop")
+        ckpt_slot = (
+            jnp.asarray(ckpt_slot).at[chunk_of].set(jnp.arange(b * e, dtype=jnp.int32).reshape(b, e), mode="drop")
+        )
         n_ckpt = b * e
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or _state_block_v(n_seq, h, dv, tuning)
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = float(dk**-0.5 if scale is None else scale)
 
     # Pad every sequence to whole chunks (zero k/v/g/beta leave the state unchanged).
     padded_len = int(chunk_start[-1]) * CHUNK
@@ -383,7 +482,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         starts = _np.concatenate([[0], _np.cumsum(seq_lens)])
         src = _np.full(padded_len, -1, _np.int64)
         for i, n in enumerate(seq_lens):
-            src[chunk_start[i] * CHUNK: chunk_start[i] * CHUNK + n] = starts[i] + _np.arange(n)
+            src[chunk_start[i] * CHUNK : chunk_start[i] * CHUNK + n] = starts[i] + _np.arange(n)
         valid = jnp.asarray(src >= 0)
         gather_idx = jnp.asarray(_np.maximum(src, 0))
         dst = jnp.asarray(_np.flatnonzero(src >= 0))
@@ -394,10 +493,21 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
         unflat = lambda o: o[0][dst].reshape(b, t, h, dv)
 
-    o, ht, ckpt = _chunk_kda_core(flat(q), flat(k), flat(v), flat(g.astype(jnp.float32)), flat(beta),
-                                  initial_state, jnp.asarray(chunk_start), jnp.asarray(ckpt_slot),
-                                  n_ckpt=n_ckpt, scale=scale, block_v=block_v, interpret=interpret,
-                                  tuning=tuple(sorted(dict(tuning or {}).items())) or None)
+    o, ht, ckpt = _chunk_kda_core(
+        flat(q),
+        flat(k),
+        flat(v),
+        flat(g.astype(jnp.float32)),
+        flat(beta),
+        initial_state,
+        jnp.asarray(chunk_start),
+        jnp.asarray(ckpt_slot),
+        n_ckpt=n_ckpt,
+        scale=scale,
+        block_v=block_v,
+        interpret=interpret,
+        tuning=tuple(sorted(dict(tuning or {}).items())) or None,
+    )
     o = unflat(o)
     checkpoints = None
     if export_at is not None:

@@ -15,8 +15,23 @@ from pallas_kernels.kda.common import _default_interpret, _is_pow2
 from pallas_kernels.kda.naive import _check_shapes
 
 
-def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool_in_ref,
-                      o_ref, pool_out_ref, *states_ref, n_tokens, block_v, scale, cache_hints=False):
+def _recurrent_kernel(
+    slots_ref,
+    n_acc_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    beta_ref,
+    pool_in_ref,
+    o_ref,
+    pool_out_ref,
+    *states_ref,
+    n_tokens,
+    block_v,
+    scale,
+    cache_hints=False,
+):
     """One (sequence, head, V block): T tokens of the recurrence on the pooled state.
     pool_out_ref aliases pool_in_ref: only this program's (slot, head, V block) is touched.
     states_ref (optional): [B, T, H, K, V] the state after each token.
@@ -46,8 +61,9 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
         pred = jnp.sum(k_t[:, None] * s, axis=0)
         v_t = load(v_ref, (b, t, h, vs), "evict_first").astype(f32)
         s = s + (beta_ref[b, t, h].astype(f32) * k_t)[:, None] * (v_t - pred)[None, :]
-        o_t = (scale * jnp.sum(load(q_ref, (b, t, h, slice(None)), "evict_last").astype(f32)[:, None] * s,
-                               axis=0)).astype(o_ref.dtype)
+        o_t = (
+            scale * jnp.sum(load(q_ref, (b, t, h, slice(None)), "evict_last").astype(f32)[:, None] * s, axis=0)
+        ).astype(o_ref.dtype)
         store(o_ref, (b, t, h, vs), o_t, "evict_first")
         if states_ref:
             states_ref[0][b, t, h, :, vs] = s
@@ -61,11 +77,28 @@ def _recurrent_kernel(slots_ref, n_acc_ref, q_ref, k_ref, v_ref, g_ref, beta_ref
             pool_out_ref[slot, h, :, vs] = s
 
 
-@_functools.partial(jax.jit, static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps",
-                                             "cache_hints"),
-                    donate_argnames=("state_pool",))
-def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, block_v, interpret,
-                          export_states=False, num_warps=4, cache_hints=False):
+@_functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_v", "interpret", "export_states", "num_warps", "cache_hints"),
+    donate_argnames=("state_pool",),
+)
+def _fused_recurrent_core(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state_pool,
+    slots,
+    n_acc,
+    *,
+    scale,
+    block_v,
+    interpret,
+    export_states=False,
+    num_warps=4,
+    cache_hints=False,
+):
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     states = [jax.ShapeDtypeStruct((b, t, h, dk, dv), jnp.float32)] if export_states else []
@@ -83,8 +116,23 @@ def _fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, *, scale, 
     )(slots, n_acc, q, k, v, g, beta, state_pool)
 
 
-def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_accepted=None,
-                        interpret=None, block_v=None, export_states=False, num_warps=8, cache_hints=False):
+def fused_recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    state_pool,
+    slots,
+    scale=None,
+    num_accepted=None,
+    interpret=None,
+    block_v=None,
+    export_states=False,
+    num_warps=8,
+    cache_hints=False,
+):
     """Decode / speculative verify on pooled states, updated in place.
 
     Args:
@@ -135,10 +183,24 @@ def fused_recurrent_kda(q, k, v, g, beta, *, state_pool, slots, scale=None, num_
             raise ValueError(f"num_accepted must lie in [0, T={t}]; got {a_np.tolist()}")
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or min(dv, 64)
-    scale = float(dk ** -0.5 if scale is None else scale)
+    scale = float(dk**-0.5 if scale is None else scale)
     if dv % block_v:
         raise ValueError(f"block_v {block_v} must divide V={dv}")
-    return tuple(_fused_recurrent_core(q, k, v, g, beta, state_pool, slots, n_acc, scale=scale, block_v=block_v,
-                                       interpret=interpret, export_states=export_states, num_warps=num_warps,
-                                       cache_hints=bool(cache_hints)))
-
+    return tuple(
+        _fused_recurrent_core(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state_pool,
+            slots,
+            n_acc,
+            scale=scale,
+            block_v=block_v,
+            interpret=interpret,
+            export_states=export_states,
+            num_warps=num_warps,
+            cache_hints=bool(cache_hints),
+        )
+    )

@@ -60,8 +60,7 @@ def kda_step(s_bhkv, q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, scale):
     """One token of the recurrence (fp32).  Returns (o [B, H, V], new state [B, H, K, V])."""
     s_bhkv = s_bhkv * jnp.exp(g_bhk)[..., None]
     pred_bhv = jnp.einsum("bhk,bhkv->bhv", k_bhk, s_bhkv, precision=HIGHEST)
-    s_bhkv = s_bhkv + jnp.einsum("bhk,bhv->bhkv", k_bhk * beta_bh[..., None], v_bhv - pred_bhv,
-                                 precision=HIGHEST)
+    s_bhkv = s_bhkv + jnp.einsum("bhk,bhv->bhkv", k_bhk * beta_bh[..., None], v_bhv - pred_bhv, precision=HIGHEST)
     o_bhv = jnp.einsum("bhk,bhkv->bhv", q_bhk * scale, s_bhkv, precision=HIGHEST)
     return o_bhv, s_bhkv
 
@@ -85,8 +84,7 @@ def kda_recurrent_ref(q, k, v, g, beta, *, scale=None, initial_state=None):
         o, s = kda_step(s, *xs, scale)
         return s, o
 
-    s_final, o_tbhv = jax.lax.scan(body, _initial(q, v, initial_state),
-                                   (f32(q), f32(k), f32(v), f32(g), f32(beta)))
+    s_final, o_tbhv = jax.lax.scan(body, _initial(q, v, initial_state), (f32(q), f32(k), f32(v), f32(g), f32(beta)))
     return jnp.moveaxis(o_tbhv, 0, 1).astype(v.dtype), s_final
 
 
@@ -126,8 +124,12 @@ def kda_chunk_prepare(q, k, v, g, beta, *, chunk_size):
     u = solve(beta_c[..., None] * v_c)
     g_end = gcum[..., -1:, :]  # [N, B, H, 1, K]
     return dict(
-        q_decayed=q_c * jnp.exp(gcum), w=w, u=u, a_qk=a_qk,
-        k_to_end=k_c * jnp.exp(g_end - gcum), decay_end=jnp.exp(g_end[..., 0, :]),
+        q_decayed=q_c * jnp.exp(gcum),
+        w=w,
+        u=u,
+        a_qk=a_qk,
+        k_to_end=k_c * jnp.exp(g_end - gcum),
+        decay_end=jnp.exp(g_end[..., 0, :]),
     )
 
 
@@ -135,10 +137,13 @@ def kda_chunk_step(s_bhkv, prep, scale):
     """Advance the state over one chunk.  `prep` holds one chunk of
     `kda_chunk_prepare`'s arrays ([B, H, C, ...]).  Returns (o [B, H, C, V], state)."""
     v_new = prep["u"] - jnp.einsum("bhck,bhkv->bhcv", prep["w"], s_bhkv, precision=HIGHEST)
-    o = scale * (jnp.einsum("bhck,bhkv->bhcv", prep["q_decayed"], s_bhkv, precision=HIGHEST)
-                 + jnp.einsum("bhcs,bhsv->bhcv", prep["a_qk"], v_new, precision=HIGHEST))
-    s_bhkv = (prep["decay_end"][..., None] * s_bhkv
-              + jnp.einsum("bhck,bhcv->bhkv", prep["k_to_end"], v_new, precision=HIGHEST))
+    o = scale * (
+        jnp.einsum("bhck,bhkv->bhcv", prep["q_decayed"], s_bhkv, precision=HIGHEST)
+        + jnp.einsum("bhcs,bhsv->bhcv", prep["a_qk"], v_new, precision=HIGHEST)
+    )
+    s_bhkv = prep["decay_end"][..., None] * s_bhkv + jnp.einsum(
+        "bhck,bhcv->bhkv", prep["k_to_end"], v_new, precision=HIGHEST
+    )
     return o, s_bhkv
 
 

@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.common import CHUNK, SUB, _precise_dot
 
+
 def _unit_lower_inverse(a, dot, n: int):
     """(I + a)^-1 for a [m, m] with a^n = 0 (n a power of two), e.g. strictly
     lower-triangular n x n, or block-diagonal with strictly lower n x n blocks:
@@ -65,8 +66,9 @@ def _w_rhs(k, gcum, beta):
     return beta[:, None] * jnp.exp(gcum) * k
 
 
-def _chunk_prepare_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                          w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref, *, interpret, algorithm):
+def _chunk_prepare_kernel(
+    q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, qd_ref, ke_ref, aqk_ref, de_ref, *, interpret, algorithm
+):
     """One (chunk, head): refs are [C, K] / [C, V] / [C] in, intermediates out.
 
     Works in 16-token sub-blocks: A's blocks (i, j <= i) are dots of row block i
@@ -181,8 +183,9 @@ def _split_intra_chunk(load, dot, store):
     store(1, k * jnp.exp(g_end[None, :] - g_all))
     store(5, beta[:, None] * exp_g * k)
     # R_i = G just before row block i (0 for i = 0), and each row's own R.
-    refs = [jnp.zeros_like(g_end)] + [jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0)
-                                      for i in range(1, CHUNK // SUB)]
+    refs = [jnp.zeros_like(g_end)] + [
+        jnp.sum(jnp.where(row == i * SUB - 1, g_all, 0.0), axis=0) for i in range(1, CHUNK // SUB)
+    ]
     ref_rows = sum(jnp.where(block == i, r[None, :], 0.0) for i, r in enumerate(refs))
     row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
     kd, qd = k * row_decay, q * row_decay
@@ -196,8 +199,22 @@ def _split_intra_chunk(load, dot, store):
     store(2, jnp.where(s <= t, aqk, 0.0))
 
 
-def _split_intra_kernel(q_ref, k_ref, g_ref, beta_ref, qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref, *,
-                        interpret, algorithm, n_chunks=1):
+def _split_intra_kernel(
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    qd_ref,
+    ke_ref,
+    aqk_ref,
+    de_ref,
+    akk_ref,
+    kbg_ref,
+    *,
+    interpret,
+    algorithm,
+    n_chunks=1,
+):
     """One head's `n_chunks` chunks: q, k, g [n C, K], beta [n C] in; q exp(G), k exp(G_C - G)
     [n, C, K], A_qk [n, C, C], exp(G_C) [n, K] out, plus A_kk [n, C, C] (times beta, strictly
     lower) and beta exp(G) k [n, C, K] for `_split_solve_kernel`.
@@ -257,8 +274,23 @@ def _split_solve_kernel(akk_ref, kbg_ref, v_ref, beta_ref, w_ref, u_ref, *, inte
     _each_chunk(n_chunks, one)
 
 
-def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aqk_ref, de_ref, w_ref, u_ref, *,
-                        interpret, algorithm, solve_in):
+def _intra_solve_kernel(
+    q_ref,
+    k_ref,
+    g_ref,
+    beta_ref,
+    v_ref,
+    qd_ref,
+    ke_ref,
+    aqk_ref,
+    de_ref,
+    w_ref,
+    u_ref,
+    *,
+    interpret,
+    algorithm,
+    solve_in,
+):
     """One (chunk, head), TUNING["prepare_impl"] = "intra_solve": `_split_intra_kernel` and
     `_split_solve_kernel` in one program, so A_kk and beta exp(G) k never go through HBM (nor
     beta and the launch of a second kernel).  They are rounded to `solve_in` (the split's HBM
@@ -282,4 +314,3 @@ def _intra_solve_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, qd_ref, ke_ref, aq
     t = _inverse_t(held[4].astype(f32), dot)
     w_ref[...] = dot(t, held[5].astype(f32)).astype(w_ref.dtype)
     u_ref[...] = dot(t, load("beta")[:, None] * v_ref[...].astype(f32)).astype(u_ref.dtype)
-

@@ -21,7 +21,7 @@ def _replay_states(q, k, v, g, beta, segment, n_tokens, initial_state, scale, in
     """States after every `segment` tokens up to `n_tokens`, by running the kernel
     segment after segment (each launch returns only its final state)."""
     n_seg = n_tokens // segment
-    seg = lambda x: jnp.moveaxis(x[:, :n_seg * segment].reshape((x.shape[0], n_seg, segment) + x.shape[2:]), 1, 0)
+    seg = lambda x: jnp.moveaxis(x[:, : n_seg * segment].reshape((x.shape[0], n_seg, segment) + x.shape[2:]), 1, 0)
 
     def step(s, xs):
         _, s, _ = chunk_kda(*xs, scale=scale, initial_state=s, output_final_state=True, interpret=interpret)
@@ -31,8 +31,9 @@ def _replay_states(q, k, v, g, beta, segment, n_tokens, initial_state, scale, in
     return jnp.moveaxis(states, 0, 1)  # [B, n_seg, H, K, V]
 
 
-def chunk_kda_replay(q, k, v, g, beta, *, mode, block_tokens=1536, unit_tokens=128, scale=None,
-                     initial_state=None, interpret=None):
+def chunk_kda_replay(
+    q, k, v, g, beta, *, mode, block_tokens=1536, unit_tokens=128, scale=None, initial_state=None, interpret=None
+):
     """The replay baselines.  Returns (o, block_states [B, n_blocks, ...],
     unit_states [B, n_units, ...] or None for mode 'align')."""
     if mode not in ("align", "partial"):

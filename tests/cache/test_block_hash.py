@@ -36,11 +36,21 @@ def test_extras_change_the_hash():
 
 
 def test_identical_in_a_fresh_process():
-    code = ("from cache.block_hash import block_hashes, MMItem;"
-            "print([h.hex() for h in block_hashes(list(range(300)), namespace='tiny/float32', salt='t',"
-            " mm_items=[MMItem(bytes(16), 5, 3)])])")
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."}).stdout for seed in ("1", "2")}
+    code = (
+        "from cache.block_hash import block_hashes, MMItem;"
+        "print([h.hex() for h in block_hashes(list(range(300)), namespace='tiny/float32', salt='t',"
+        " mm_items=[MMItem(bytes(16), 5, 3)])])"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."},
+        ).stdout
+        for seed in ("1", "2")
+    }
     here = str([h.hex() for h in block_hashes(TOKENS, namespace=NS, salt="t", mm_items=[MMItem(bytes(16), 5, 3)])])
     assert outs == {here + "\n"}
 

@@ -71,8 +71,12 @@ def test_a_killed_master_opens_the_breaker_and_a_restarted_one_serves_again(serv
 
 def test_a_failed_probe_reopens_the_breaker(services, rng):
     clock = Clock()
-    tier = GuardedHostKVTier(MooncakeHostKVTier(services.master_addr, services.metadata_url, staging_bytes=1 << 20),
-                             timeout_s=2.0, cooldown_s=5.0, clock=clock)
+    tier = GuardedHostKVTier(
+        MooncakeHostKVTier(services.master_addr, services.metadata_url, staging_bytes=1 << 20),
+        timeout_s=2.0,
+        cooldown_s=5.0,
+        clock=clock,
+    )
     try:
         services.kill_master()
         page = rng.standard_normal((4, 8)).astype(np.float32)

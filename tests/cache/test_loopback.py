@@ -36,8 +36,9 @@ def env():
 
 
 def _run(env, *args):
-    out = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, env=env,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, args)], capture_output=True, text=True, env=env, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -70,7 +71,11 @@ def test_the_env_advertises_loopback_and_keeps_other_preloads(tmp_path):
 
 
 def test_the_command_line_runs_a_command_under_the_shim(env):
-    out = subprocess.run([sys.executable, "-m", "cache.loopback", "--", sys.executable, "-c", PROBE],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "cache.loopback", "--", sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["127.0.0.1", "::ffff:127.0.0.1", "::1", "127.0.0.1"]

@@ -12,8 +12,14 @@ SPEC = CacheSpec(namespace="test/f32", page_tokens=PAGE, kda_block_tokens=4 * PA
 
 
 def make(num_pages=32, num_snaps=8, host=None):
-    return PagedKVManager(SPEC, ArrayBlockStore(num_pages, (2, PAGE, 4), np.float32), num_pages,
-                          ArrayBlockStore(num_snaps, (3, 4, 4), np.float32), num_snaps, host)
+    return PagedKVManager(
+        SPEC,
+        ArrayBlockStore(num_pages, (2, PAGE, 4), np.float32),
+        num_pages,
+        ArrayBlockStore(num_snaps, (3, 4, 4), np.float32),
+        num_snaps,
+        host,
+    )
 
 
 def run_prefill(mgr, rid, tokens, rng, contents=None):
@@ -21,8 +27,9 @@ def run_prefill(mgr, rid, tokens, rng, contents=None):
     req = mgr.begin(rid, tokens)
     first_new = req.hit.tokens // PAGE
     new_pages = req.page_table[first_new:]
-    data = contents if contents is not None else [rng.standard_normal((2, PAGE, 4)).astype(np.float32)
-                                                  for _ in new_pages]
+    data = (
+        contents if contents is not None else [rng.standard_normal((2, PAGE, 4)).astype(np.float32) for _ in new_pages]
+    )
     mgr.pages.write(new_pages, data)
     mgr.commit_pages(rid, len(tokens))
     for boundary in mgr.snapshot_boundaries(rid):
@@ -49,7 +56,7 @@ def test_a_missing_kda_snapshot_shortens_the_hit(rng):
     mgr.commit_pages("a", len(tokens))  # pages shared, but no snapshot committed at all
     mgr.finish("a")
     assert mgr.lookup(tokens + [1]).tokens == 0
-    run_prefill(mgr, "b", tokens[:4 * PAGE] + [7] * PAGE, rng)  # snapshot at 4 pages (KDA block) and 5
+    run_prefill(mgr, "b", tokens[: 4 * PAGE] + [7] * PAGE, rng)  # snapshot at 4 pages (KDA block) and 5
     mgr.finish("b")
     hit = mgr.lookup(tokens + [1])
     assert hit.tokens == 4 * PAGE  # pages 5-6 exist, but the only matching snapshot is at 4 pages
@@ -64,8 +71,8 @@ def test_mid_pass_states_never_touch_shared_blocks(rng):
     shared_before = {b: mgr.snapshots.read([b])[0].copy() for b in shared_snaps}
     req = mgr.begin("b", tokens + list(range(3 * PAGE)))
     assert req.checkpoint_block not in shared_snaps and req.snapshot_block in shared_snaps
-    hit_pages = set(req.page_table[:req.hit.tokens // PAGE])
-    assert not hit_pages & set(req.page_table[req.hit.tokens // PAGE:])
+    hit_pages = set(req.page_table[: req.hit.tokens // PAGE])
+    assert not hit_pages & set(req.page_table[req.hit.tokens // PAGE :])
     mgr.snapshots.write([req.checkpoint_block], [np.full((3, 4, 4), -1.0, np.float32)])  # a mid-pass export
     for b, before in shared_before.items():
         np.testing.assert_array_equal(mgr.snapshots.read([b])[0], before)

@@ -78,12 +78,33 @@ def test_the_default_policy_refuses_loopback_before_connecting(server):
     assert server.requests == 0
 
 
-@pytest.mark.parametrize("ip", ["127.0.0.1", "10.1.2.3", "172.16.0.9", "192.168.1.1", "169.254.169.254",
-                                "100.64.0.1", "0.0.0.0", "224.0.0.1", "::1", "fe80::1", "fc00::1",
-                                "::ffff:127.0.0.1", "::ffff:10.0.0.1",
-                                # IPv6 forms that carry a private IPv4 address, and old site-local
-                                "64:ff9b::a00:1", "64:ff9b::a9fe:a9fe", "2002:7f00:1::", "::7f00:1",
-                                "::ffff:0:7f00:1", "64:ff9b:1::1", "2001::1", "fec0::1"])
+@pytest.mark.parametrize(
+    "ip",
+    [
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.9",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "::1",
+        "fe80::1",
+        "fc00::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        # IPv6 forms that carry a private IPv4 address, and old site-local
+        "64:ff9b::a00:1",
+        "64:ff9b::a9fe:a9fe",
+        "2002:7f00:1::",
+        "::7f00:1",
+        "::ffff:0:7f00:1",
+        "64:ff9b:1::1",
+        "2001::1",
+        "fec0::1",
+    ],
+)
 def test_non_public_addresses_are_refused(ip):
     assert not address_allowed(ip)
 
@@ -96,6 +117,7 @@ def test_public_addresses_are_allowed(ip):
 def test_a_name_is_refused_if_any_address_it_resolves_to_is_private():
     """A name resolving to a public and a private address (a rebinding setup) is refused; no
     connection is attempted (the resolver is the only thing called)."""
+
     def resolve(host, port, type=None):
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("93.184.216.34", "10.0.0.7")]
 
@@ -103,11 +125,18 @@ def test_a_name_is_refused_if_any_address_it_resolves_to_is_private():
         resolve_checked("https://images.example/x.png", FetchPolicy(), resolve)
 
 
-@pytest.mark.parametrize("url, match", [
-    ("file:///etc/passwd", "scheme"), ("ftp://example.com/x.png", "scheme"), ("gopher://x/", "scheme"),
-    ("http://user:pw@example.com/x.png", "user info"), ("http:///x.png", "no host"),
-    ("http://[::1/x.png", "malformed"), ("http://example.com:99999/x.png", "malformed"),
-])
+@pytest.mark.parametrize(
+    "url, match",
+    [
+        ("file:///etc/passwd", "scheme"),
+        ("ftp://example.com/x.png", "scheme"),
+        ("gopher://x/", "scheme"),
+        ("http://user:pw@example.com/x.png", "user info"),
+        ("http:///x.png", "no host"),
+        ("http://[::1/x.png", "malformed"),
+        ("http://example.com:99999/x.png", "malformed"),
+    ],
+)
 def test_bad_urls_are_refused(url, match):
     with pytest.raises(FetchError, match=match):
         resolve_checked(url, FetchPolicy(), lambda *a, **k: pytest.fail("resolved a refused URL"))
@@ -162,12 +191,15 @@ def test_redirects_are_followed_and_bounded(server):
         fetch(server.url("/loop"), LOCAL)
 
 
-@pytest.mark.parametrize("route, match", [
-    ((200, {"Content-Type": "text/html"}, b"<html>"), "content type"),
-    ((200, {}, b"\x89PNG"), "content type"),
-    ((404, {"Content-Type": "image/png"}, b""), "answered 404"),
-    ((200, {"Content-Type": "image/png"}, b"x" * 5000), "at most 4096"),
-])
+@pytest.mark.parametrize(
+    "route, match",
+    [
+        ((200, {"Content-Type": "text/html"}, b"<html>"), "content type"),
+        ((200, {}, b"\x89PNG"), "content type"),
+        ((404, {"Content-Type": "image/png"}, b""), "answered 404"),
+        ((200, {"Content-Type": "image/png"}, b"x" * 5000), "at most 4096"),
+    ],
+)
 def test_bad_answers_are_refused(server, route, match):
     server.routes["/x"] = route
     with pytest.raises(FetchError, match=match):
@@ -209,6 +241,7 @@ def test_a_policy_with_a_malformed_network_is_an_error_at_once():
 def test_headers_dripped_a_byte_at_a_time_are_cut_at_the_deadline(server):
     """The deadline covers the whole fetch, not each read: a server that sends its status line
     and headers one byte every 0.2 s is cut at timeout_s."""
+
     def drip(req):
         try:
             for b in b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Pad: " + b"a" * 200:

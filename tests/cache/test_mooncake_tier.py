@@ -34,7 +34,9 @@ def test_batched_round_trip_is_bit_exact(tier, rng):
     keys = _keys("rt", 5)
     assert tier.batch_put(keys, pages) == [True] * 5
     outs = [np.empty_like(p) for p in pages]
-    assert tier.batch_get_into(keys + _keys("absent", 1), outs + [np.empty((128, 48), np.float32)]) == [True] * 5 + [False]
+    assert tier.batch_get_into(keys + _keys("absent", 1), outs + [np.empty((128, 48), np.float32)]) == [True] * 5 + [
+        False
+    ]
     for a, b in zip(outs, pages):
         np.testing.assert_array_equal(a, b)
     assert tier.exists(keys[:1] + _keys("absent", 1)) == [True, False]
@@ -64,10 +66,12 @@ def test_a_corrupt_entry_is_a_counted_miss(tier, rng):
 def test_kv_written_by_one_process_is_found_by_a_new_one(services, rng):
     page = rng.standard_normal((64, 32)).astype(np.float32)
     key = _keys("xproc", 1)[0]
-    writer = ("import numpy as np, sys; from cache.mooncake_tier import MooncakeHostKVTier as T;"
-              f"t = T('{services.master_addr}', '{services.metadata_url}', staging_bytes=1 << 20);"
-              f"sys.exit(0 if t.batch_put(['{key}'], [np.frombuffer(bytes.fromhex('{page.tobytes().hex()}'),"
-              " np.float32).reshape(64, 32)]) == [True] else 1)")
+    writer = (
+        "import numpy as np, sys; from cache.mooncake_tier import MooncakeHostKVTier as T;"
+        f"t = T('{services.master_addr}', '{services.metadata_url}', staging_bytes=1 << 20);"
+        f"sys.exit(0 if t.batch_put(['{key}'], [np.frombuffer(bytes.fromhex('{page.tobytes().hex()}'),"
+        " np.float32).reshape(64, 32)]) == [True] else 1)"
+    )
     subprocess.run([sys.executable, "-c", writer], check=True, timeout=120, env=dict(os.environ, PYTHONPATH="."))
     reader = MooncakeHostKVTier(services.master_addr, services.metadata_url, staging_bytes=1 << 20)
     out = np.empty_like(page)
@@ -125,14 +129,21 @@ def test_a_store_client_started_with_the_loopback_env_listens_on_loopback_and_ro
 
     key = _keys("loopback", 1)[0]
     page = rng.standard_normal((64, 32)).astype(np.float32)
-    child = ("import os, sys, time, numpy as np, psutil; from cache.mooncake_tier import MooncakeHostKVTier as T;"
-             f"t = T('{services.master_addr}', '{services.metadata_url}', staging_bytes=1 << 20);"
-             f"ok = t.batch_put(['{key}'], [np.frombuffer(bytes.fromhex('{page.tobytes().hex()}'), np.float32)"
-             ".reshape(64, 32)]) == [True];"
-             "ips = {c.laddr.ip for c in psutil.Process().net_connections(kind='inet') if c.status == 'LISTEN'};"
-             "print(sorted(ips)); sys.exit(0 if ok and ips else 1)")
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
-                         env=loopback_env(dict(os.environ, PYTHONPATH=".")))
+    child = (
+        "import os, sys, time, numpy as np, psutil; from cache.mooncake_tier import MooncakeHostKVTier as T;"
+        f"t = T('{services.master_addr}', '{services.metadata_url}', staging_bytes=1 << 20);"
+        f"ok = t.batch_put(['{key}'], [np.frombuffer(bytes.fromhex('{page.tobytes().hex()}'), np.float32)"
+        ".reshape(64, 32)]) == [True];"
+        "ips = {c.laddr.ip for c in psutil.Process().net_connections(kind='inet') if c.status == 'LISTEN'};"
+        "print(sorted(ips)); sys.exit(0 if ok and ips else 1)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=loopback_env(dict(os.environ, PYTHONPATH=".")),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     listening = set(eval(out.stdout.strip().splitlines()[-1]))
     assert listening <= LOOPBACK, listening
@@ -170,7 +181,9 @@ def test_a_master_that_fails_to_start_leaves_no_service_behind(monkeypatch, tmp_
     from cache.mooncake_tier import MooncakeServices, TierError
 
     real = mooncake_tier._binary
-    monkeypatch.setattr(mooncake_tier, "_binary", lambda name: "/bin/false" if name == "mooncake_master" else real(name))
+    monkeypatch.setattr(
+        mooncake_tier, "_binary", lambda name: "/bin/false" if name == "mooncake_master" else real(name)
+    )
     svc = MooncakeServices(log_dir=str(tmp_path))
     with pytest.raises(TierError, match="exited"):
         svc.start()

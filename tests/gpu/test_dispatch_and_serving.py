@@ -26,8 +26,19 @@ def _oracle(params, cfg, prompt, n):
 
 
 def _bf16_engine(params, cfg):
-    return Engine(params, cfg, EngineConfig(num_pages=64, num_slots=4, num_snapshots=16, page_tokens=16,
-                                            kda_block_tokens=64, max_pages_per_request=16, prefill_chunk_tokens=64))
+    return Engine(
+        params,
+        cfg,
+        EngineConfig(
+            num_pages=64,
+            num_slots=4,
+            num_snapshots=16,
+            page_tokens=16,
+            kda_block_tokens=64,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=64,
+        ),
+    )
 
 
 def test_a_bf16_engine_with_ragged_batches_and_padded_rows_gives_each_request_its_own_tokens():
@@ -77,9 +88,21 @@ def test_speculative_rounds_on_the_pallas_kernels_give_the_oracles_tokens():
     prompts = [rng.integers(32, 127, n).tolist() for n in (21, 70)]
     with jax.default_matmul_precision("highest"):
         want = [_oracle(params, cfg, p, 20) for p in prompts]
-        eng = Engine(params, cfg, EngineConfig(num_pages=64, num_slots=2, num_snapshots=16, page_tokens=16,
-                                               kda_block_tokens=64, max_pages_per_request=16,
-                                               prefill_chunk_tokens=64, draft_tokens=3), draft=(draft, ecfg))
+        eng = Engine(
+            params,
+            cfg,
+            EngineConfig(
+                num_pages=64,
+                num_slots=2,
+                num_snapshots=16,
+                page_tokens=16,
+                kda_block_tokens=64,
+                max_pages_per_request=16,
+                prefill_chunk_tokens=64,
+                draft_tokens=3,
+            ),
+            draft=(draft, ecfg),
+        )
         reqs = [eng.submit(p, 20) for p in prompts]
         eng.run(max_steps=200)
     for req, w in zip(reqs, want):
@@ -143,8 +166,10 @@ def test_small_mxfp4_experts_in_the_hopper_layout_are_as_close_to_fp32_as_the_tr
     params = store.quantize_params(model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg, "fp8_attn")
     served = stacked.serving_layout(params, cfg, scan=False)
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, (1, 201)), jnp.int32)
-    is_moved = lambda tree: any(isinstance(x, moe_mxfp4_hopper.HopperMXFP4) for x in jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, moe_mxfp4_hopper.HopperMXFP4)))
+    is_moved = lambda tree: any(
+        isinstance(x, moe_mxfp4_hopper.HopperMXFP4)
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, moe_mxfp4_hopper.HopperMXFP4))
+    )
 
     def logits(p, c, kernels):
         cache = model.init_cache(c, 1, 256)

@@ -29,8 +29,9 @@ def softplus_gates(rng, b, t, shift=0.0, scale=3.0):
 
 
 def _close(got, want, what):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=ATOL, rtol=RTOL,
-                               err_msg=what)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=ATOL, rtol=RTOL, err_msg=what
+    )
 
 
 @pytest.mark.parametrize("shift, scale", [(-5.0, 0.3), (0.0, 3.0)], ids=["gates above -5", "gates far below -5"])
@@ -67,8 +68,9 @@ def test_decode_with_the_unbounded_gate_equals_the_reference_and_fla():
     fla = pytest.importorskip("fla.ops.kda")
     torch = pytest.importorskip("torch")
     t = lambda x: torch.from_numpy(np.asarray(x, np.float32)).cuda()
-    o_fla, s_fla = fla.fused_recurrent_kda(t(q), t(k), t(v), t(g), t(beta), initial_state=t(s_in),
-                                           output_final_state=True)
+    o_fla, s_fla = fla.fused_recurrent_kda(
+        t(q), t(k), t(v), t(g), t(beta), initial_state=t(s_in), output_final_state=True
+    )
     _close(o, o_fla.float().cpu().numpy(), "output against fla's fused_recurrent_kda")
     _close(pool[slots], s_fla.float().cpu().numpy(), "state against fla's fused_recurrent_kda")
 
@@ -77,9 +79,15 @@ def test_the_fused_decode_kernels_softplus_gate_equals_its_reference():
     rng = np.random.default_rng(2)
     b, hk = 8, H * D
     r = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
-    args = dict(beta_col=3 * hk, w_conv=tuple(r(4, hk, scale=0.5) for _ in "qkv"),
-                a_log=jnp.log(jnp.asarray(rng.uniform(1, 16, H), jnp.float32)), dt_bias=r(H, D, scale=0.5),
-                o_norm=r(D, scale=0.1) + 1, lower_bound=None, eps=1e-5)
+    args = dict(
+        beta_col=3 * hk,
+        w_conv=tuple(r(4, hk, scale=0.5) for _ in "qkv"),
+        a_log=jnp.log(jnp.asarray(rng.uniform(1, 16, H), jnp.float32)),
+        dt_bias=r(H, D, scale=0.5),
+        o_norm=r(D, scale=0.1) + 1,
+        lower_bound=None,
+        eps=1e-5,
+    )
     x_in, fg = r(b, 3 * hk + H), r(b, 2 * hk, scale=3.0)
     conv, state = r(b + 2, 3, 3, hk), r(b + 2, H, D, D, scale=0.1)
     slots = jnp.asarray(rng.permutation(b + 2)[:b], jnp.int32)
@@ -93,14 +101,36 @@ def test_an_engine_on_a_kimi_linear_of_the_checkpoints_head_dims_gives_the_oracl
     """Five layers of Kimi-Linear's widths per head (KDA 32 x 128, MLA 32 heads, 512 + 64 latent,
     no q-LoRA, no output gate), fp32, through the Pallas kernels, with a prefix hit."""
     cfg = config.kimi_linear().replace(
-        name="kimi_linear_5", vocab_size=4096, d_model=1024, n_layers=5, max_seq_len=8192, n_routed_experts=16,
-        n_active_experts=4, moe_latent_dim=1024, moe_expert_dim=256, moe_shared_dim=256, dense_ffn_dim=2048,
-        mixer_layout=("kda", "kda", "kda", "mla", "mla"), dtype="float32")
+        name="kimi_linear_5",
+        vocab_size=4096,
+        d_model=1024,
+        n_layers=5,
+        max_seq_len=8192,
+        n_routed_experts=16,
+        n_active_experts=4,
+        moe_latent_dim=1024,
+        moe_expert_dim=256,
+        moe_shared_dim=256,
+        dense_ffn_dim=2048,
+        mixer_layout=("kda", "kda", "kda", "mla", "mla"),
+        dtype="float32",
+    )
     params = model.init_params(cfg, jax.random.PRNGKey(0), "float32")
     rng = np.random.default_rng(3)
     turn1 = rng.integers(0, cfg.vocab_size, 200).tolist()
-    eng = Engine(params, cfg, EngineConfig(num_pages=64, num_slots=4, num_snapshots=16, page_tokens=64,
-                                           kda_block_tokens=64, max_pages_per_request=16, prefill_chunk_tokens=128))
+    eng = Engine(
+        params,
+        cfg,
+        EngineConfig(
+            num_pages=64,
+            num_slots=4,
+            num_snapshots=16,
+            page_tokens=64,
+            kda_block_tokens=64,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=128,
+        ),
+    )
     with jax.default_matmul_precision("highest"):
         r1 = eng.submit(turn1, 4)
         eng.run(max_steps=100)

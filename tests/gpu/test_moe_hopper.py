@@ -15,7 +15,7 @@ from tests.gpu.conftest import sm90
 
 pytestmark = pytest.mark.skipif(not sm90(), reason="Mosaic GPU wgmma kernels need compute capability 9.x")
 ACT = _SituGLU((8.0, 8.0))
-BF16_ULP = 2.0 ** -8
+BF16_ULP = 2.0**-8
 
 
 def _case(seed, m, k, n, g):
@@ -23,7 +23,7 @@ def _case(seed, m, k, n, g):
     sizes = rng.multinomial(m - m // 16, np.ones(g) / g).astype(np.int32)  # the last rows in no group
     sizes[1] = 0
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, jnp.bfloat16)
     return x, w, jnp.asarray(sizes)
 
 
@@ -33,19 +33,22 @@ def test_grouped_matmul_at_prefill_shapes(m, k, n, g, layout):
     x, w, sizes = _case(m, m, k, n, g)
     ref = np.asarray(jax.jit(moe.grouped_matmul_ref)(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
     for t in hopper_tilings(m, n, False, quick=False):
-        got = np.asarray(jax.jit(lambda a, b, s: moe_hopper.grouped_matmul(a, b, s, layout=layout, block_m=t.tile_m,
-                                                                           tiling=t))(x, w, sizes).astype(jnp.float32))
+        got = np.asarray(
+            jax.jit(lambda a, b, s: moe_hopper.grouped_matmul(a, b, s, layout=layout, block_m=t.tile_m, tiling=t))(
+                x, w, sizes
+            ).astype(jnp.float32)
+        )
         np.testing.assert_allclose(got, ref, rtol=2 * BF16_ULP, atol=1e-5, err_msg=t.label)
         assert np.mean(got == np.asarray(jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))) > 0.98, t.label
-        assert not np.any(got[int(np.sum(np.asarray(sizes))):]), t.label
+        assert not np.any(got[int(np.sum(np.asarray(sizes))) :]), t.label
 
 
 @pytest.mark.parametrize("t, l, f, e", [(2048, 768, 768, 32), (4096, 1024, 1024, 24)])
 def test_grouped_ffn_hopper_against_triton(t, l, f, e):
     rng = np.random.default_rng(t)
     x = jnp.asarray(rng.standard_normal((t, l)), jnp.bfloat16)
-    w_gu = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.bfloat16)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.bfloat16)
+    w_gu = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.bfloat16)
     ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :4], jnp.int32)
     ids = ids.at[:7, 0].set(e)  # a few assignments to no expert
     got = np.asarray(moe.grouped_ffn(x, ids, w_gu, w_out, act=ACT, impl="hopper").astype(jnp.float32))
@@ -64,8 +67,10 @@ def test_smalls_bf16_prefill_takes_the_hopper_experts_by_default_and_agrees_with
 
     cfg = config.small()  # bf16 serving dtype
     w_gu = jnp.zeros((cfg.n_routed_experts, cfg.moe_latent_dim, 2 * cfg.moe_expert_dim), jnp.bfloat16)
-    assert ops.moe_gmm_impl(jnp.bfloat16, ((w_gu, True),), 512 * cfg.n_active_experts,
-                            ops._compute_capability()) == "hopper"
+    assert (
+        ops.moe_gmm_impl(jnp.bfloat16, ((w_gu, True),), 512 * cfg.n_active_experts, ops._compute_capability())
+        == "hopper"
+    )
     params = model.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 512)), jnp.int32)
     positions = jnp.arange(512, dtype=jnp.int32)[None]

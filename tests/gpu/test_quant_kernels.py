@@ -33,7 +33,7 @@ def test_block_scaled_gemm_against_its_reference(fmt, m):
     # Hopper's FP8 MMA adds products in a narrower-than-fp32 accumulator within one instruction
     # (DeepSeek-V3 measured ~14 bits); each K block's sum is promoted to fp32 after at most bk
     # products, so the error stays under 2^-12 of the block sums' magnitudes
-    assert np.all(np.abs(got - ref) <= 2.0 ** -12 * scale * s_max + 1e-30), (fmt, m, bk)
+    assert np.all(np.abs(got - ref) <= 2.0**-12 * scale * s_max + 1e-30), (fmt, m, bk)
     assert np.mean(np.abs(got - ref)) < 1e-3 * np.mean(np.abs(ref))
 
 
@@ -43,15 +43,14 @@ def test_block_scaled_gemm_against_its_reference(fmt, m):
 def test_fused_groups_equal_their_members_bit_for_bit_on_the_gpu(fmt, group, m):
     rng = np.random.default_rng(7)
     widths = GROUPS[group]
-    members = [formats.quantize(rng.standard_normal((SMALL.d_model, w)).astype(np.float32) * 0.02, fmt)
-               for w in widths]
+    members = [formats.quantize(rng.standard_normal((SMALL.d_model, w)).astype(np.float32) * 0.02, fmt) for w in widths]
     fused = formats.concat(members)
     x = jnp.asarray(rng.standard_normal((m, SMALL.d_model)), jnp.bfloat16)
     y = np.asarray(ops.linear(x, fused, kernels="pallas"), np.float32)
     start = 0
     for q in members:
         y_m = np.asarray(ops.linear(x, q, kernels="pallas"), np.float32)
-        np.testing.assert_array_equal(y[:, start:start + q.shape[1]], y_m)
+        np.testing.assert_array_equal(y[:, start : start + q.shape[1]], y_m)
         start += q.shape[1]
 
 
@@ -94,7 +93,9 @@ def test_mxfp4_decode_in_ptx_is_the_formats_bit_for_bit():
 def test_grouped_ffn_on_mxfp4_experts_against_the_bf16_experts(tokens):
     rng = np.random.default_rng(tokens)
     e, l, f, top_k = SMALL.n_routed_experts, SMALL.moe_latent_dim, SMALL.moe_expert_dim, SMALL.n_active_experts
-    qs = [formats.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, "mxfp4") for s in ((e, l, 2 * f), (e, f, l))]
+    qs = [
+        formats.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, "mxfp4") for s in ((e, l, 2 * f), (e, f, l))
+    ]
     x = jnp.asarray(rng.standard_normal((tokens, l)), jnp.bfloat16)
     ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]), jnp.int32)
     act = lambda gate, up: jax.nn.silu(gate) * up
@@ -108,25 +109,31 @@ def test_grouped_ffn_on_mxfp4_experts_against_the_bf16_experts(tokens):
 hopper = pytest.mark.skipif(not sm90(), reason="Hopper (sm_90) kernels")
 
 
-_HOPPER_TILINGS = [dict(block_m=16, block_n=128, block_k=128, code_tile=64),
-                   dict(block_m=8, block_n=64, block_k=256, code_tile=128),
-                   dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3),
-                   dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True),
-                   dict(block_m=16, block_n=128, block_k=128, code_tile=128, load4x=True),
-                   dict(block_m=16, block_n=64, block_k=128, code_tile=64, warp_specialized=True,
-                        load4x=True),
-                   dict(block_m=16, block_n=128, block_k=256, code_tile=128, overlap=True),
-                   dict(block_m=16, block_n=128, block_k=128, code_tile=128, steps=2, overlap=True)]
+_HOPPER_TILINGS = [
+    dict(block_m=16, block_n=128, block_k=128, code_tile=64),
+    dict(block_m=8, block_n=64, block_k=256, code_tile=128),
+    dict(block_m=16, block_n=256, block_k=128, code_tile=128, steps=3),
+    dict(block_m=16, block_n=128, block_k=128, code_tile=64, warp_specialized=True),
+    dict(block_m=16, block_n=128, block_k=128, code_tile=128, load4x=True),
+    dict(block_m=16, block_n=64, block_k=128, code_tile=64, warp_specialized=True, load4x=True),
+    dict(block_m=16, block_n=128, block_k=256, code_tile=128, overlap=True),
+    dict(block_m=16, block_n=128, block_k=128, code_tile=128, steps=2, overlap=True),
+]
 
 
 @hopper
-@pytest.mark.parametrize("tiling, decode", [(t, d) for t in _HOPPER_TILINGS for d in moe_mxfp4_hopper.DECODES
-                                            if not (t.get("load4x") and d == "lut_perm")])  # lut_perm loads so itself
+@pytest.mark.parametrize(
+    "tiling, decode",
+    [(t, d) for t in _HOPPER_TILINGS for d in moe_mxfp4_hopper.DECODES if not (t.get("load4x") and d == "lut_perm")],
+)  # lut_perm loads so itself
 def test_mxfp4_hopper_decode_is_the_formats_bit_for_bit(tiling, decode):
     """The Hopper kernel's register decode, read back through identity rows (under overlap, rows
     released a step late: an early release would hand a step the next one's rows)."""
-    _read_back_through(lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(
-        x, moe_mxfp4_hopper.to_hopper(w, decode), sizes, **tiling, decode=decode))
+    _read_back_through(
+        lambda x, w, sizes: moe_mxfp4_hopper.grouped_matmul(
+            x, moe_mxfp4_hopper.to_hopper(w, decode), sizes, **tiling, decode=decode
+        )
+    )
 
 
 @hopper
@@ -141,8 +148,12 @@ def test_mxfp4_hopper_grouped_gemm_against_the_bf16_path(rows, k, n, decode, war
     sizes = jnp.asarray(np.bincount(rng.integers(0, g, rows), minlength=g).astype(np.int32))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = moe_mxfp4_hopper.to_hopper(mxfp4.PackedMXFP4(q.values, q.scales), decode)
-    got = np.asarray(moe_mxfp4_hopper.grouped_matmul(x, w, sizes, decode=decode, block_n=64 if warp_specialized else 128,
-                                                     warp_specialized=warp_specialized), np.float32)
+    got = np.asarray(
+        moe_mxfp4_hopper.grouped_matmul(
+            x, w, sizes, decode=decode, block_n=64 if warp_specialized else 128, warp_specialized=warp_specialized
+        ),
+        np.float32,
+    )
     ref = np.asarray(moe_mxfp4.grouped_matmul_mxfp4_ref(x, q.values, q.scales, sizes), np.float32)
     np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * float(np.abs(ref).max()))
 
@@ -165,13 +176,28 @@ def test_smalls_mxfp4_experts_in_the_hopper_layout_give_the_triton_kernels_outpu
     act = _SituGLU((8.0, 8.0))
     monkeypatch.setenv("KIMIK3_MOE_MXFP4", "auto")
     moved = ops.hopper_mxfp4_experts(params, "bfloat16")
-    assert isinstance(moved["gu"], moe_mxfp4_hopper.HopperMXFP4) and isinstance(moved["out"], moe_mxfp4_hopper.HopperMXFP4)
+    assert isinstance(moved["gu"], moe_mxfp4_hopper.HopperMXFP4) and isinstance(
+        moved["out"], moe_mxfp4_hopper.HopperMXFP4
+    )
     outs = []
     for w in (params, moved):
         y = ops.grouped_ffn(x, ids, w["gu"], w["out"], act)
-        r = (ops.routed_ffn(x, logits, jnp.zeros((e,), jnp.float32), None, w["gu"], w["out"], act, top_k,
-                            jnp.ones((l,), jnp.float32), 1e-6)
-             if ops.routed_ffn_fits(x, w["gu"], w["out"], top_k) else y)
+        r = (
+            ops.routed_ffn(
+                x,
+                logits,
+                jnp.zeros((e,), jnp.float32),
+                None,
+                w["gu"],
+                w["out"],
+                act,
+                top_k,
+                jnp.ones((l,), jnp.float32),
+                1e-6,
+            )
+            if ops.routed_ffn_fits(x, w["gu"], w["out"], top_k)
+            else y
+        )
         outs.append([np.asarray(a, np.float32) for a in (y, r)])
     for want, got in zip(*outs):
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))

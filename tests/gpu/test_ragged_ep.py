@@ -17,8 +17,10 @@ from sharding.decode import ShardedDecode
 from sharding.mesh import decode_mesh, prefill_mesh
 from sharding.prefill import ShardedPrefill
 
-pytestmark = pytest.mark.skipif(len([d for d in jax.devices() if d.platform == "gpu"]) < 2
-                                if jax.default_backend() == "gpu" else True, reason="needs 2 GPUs")
+pytestmark = pytest.mark.skipif(
+    len([d for d in jax.devices() if d.platform == "gpu"]) < 2 if jax.default_backend() == "gpu" else True,
+    reason="needs 2 GPUs",
+)
 BATCH, PROMPT, MAX_LEN, STEPS = 4, 24, 64, 4
 TOL = dict(rtol=1e-4, atol=1e-4)
 

@@ -48,13 +48,16 @@ def test_weight_bytes_follow_the_manifest(tiny_cfg):
     assert sizing.weight_bytes(tiny_cfg, quantization.KIMI_K3_MXFP4) < sizing.weight_bytes(tiny_cfg, quantization.BF16)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_active_experts=9), "n_active_experts"),
-    (dict(d_model=0), "d_model"),
-    (dict(kda_gate_lower_bound=1.0), "kda_gate_lower_bound"),
-    (dict(vocab_size=100), "vocab_size"),
-    (dict(dtype="int8"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_active_experts=9), "n_active_experts"),
+        (dict(d_model=0), "d_model"),
+        (dict(kda_gate_lower_bound=1.0), "kda_gate_lower_bound"),
+        (dict(vocab_size=100), "vocab_size"),
+        (dict(dtype="int8"), "dtype"),
+    ],
+)
 def test_inconsistent_config_raises_a_clear_error(change, message):
     with pytest.raises(ValueError, match=message):
         config.tiny().replace(**change)

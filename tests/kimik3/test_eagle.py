@@ -11,7 +11,6 @@ from kimik3 import config, eagle, eagle_train, model, speculative, tokenizer
 from kimik3.generate import generate
 
 
-
 def test_ttt_step_j_at_slot_i_is_the_chain_started_at_slot_i(tiny_cfg, tiny_params):
     """Training-time test computes, for every slot at once, what the chained draft computes one
     slot at a time: step 0 on the target's features, step j on the draft's own step j - 1."""
@@ -24,8 +23,9 @@ def test_ttt_step_j_at_slot_i_is_the_chain_started_at_slot_i(tiny_cfg, tiny_para
     assert ttt.shape == (4, 2, 20, tiny_cfg.vocab_size)
     for b, i in [(0, 0), (1, 13)]:
         n = i + 2  # the chain's first slot i reads (h_i, x_{i+1})
-        chain = chain_fn(draft, tiny_cfg, tiny_params["embed_vd"], taps[b], toks[b, :n], 4,
-                         greedy_tokens=toks[b, n:n + 3])
+        chain = chain_fn(
+            draft, tiny_cfg, tiny_params["embed_vd"], taps[b], toks[b, :n], 4, greedy_tokens=toks[b, n : n + 3]
+        )
         np.testing.assert_allclose(np.asarray(chain), np.asarray(ttt[:, b, i]), rtol=1e-5, atol=1e-5)
 
 
@@ -41,15 +41,16 @@ def test_the_drafts_own_kv_cache_gives_the_no_cache_chain(tiny_cfg, tiny_params)
     toks = jax.random.randint(jax.random.PRNGKey(6), (1, 14), 0, 256)
     _, taps = model.forward_taps(tiny_params, tiny_cfg, toks, ecfg.taps, kernels="reference")
     n, k = 11, 3
-    want = jax.jit(eagle.draft_chain, static_argnums=(1, 5))(draft, tiny_cfg, embed, taps[0], toks[0, :n], k,
-                                                           greedy_tokens=toks[0, n:n + k - 1])
+    want = jax.jit(eagle.draft_chain, static_argnums=(1, 5))(
+        draft, tiny_cfg, embed, taps[0], toks[0, :n], k, greedy_tokens=toks[0, n : n + k - 1]
+    )
     step = jax.jit(lambda feat, tok, pos, cache: eagle.draft_layer(draft, tiny_cfg, feat, embed[tok], pos, cache))
     cache = init_mla_cache(tiny_cfg, 1, 32, jnp.float32)
-    feat = eagle.fuse(draft, taps[:, :n - 1])
+    feat = eagle.fuse(draft, taps[:, : n - 1])
     hidden, cache = step(feat, toks[:, 1:n], jnp.arange(n - 1)[None], cache)
     got = [eagle.draft_logits(draft, tiny_cfg, hidden[:, -1:])[0, 0]]
     for s in range(1, k):
-        hidden, cache = step(hidden[:, -1:], toks[:, n + s - 1:n + s], jnp.full((1, 1), n - 2 + s), cache)
+        hidden, cache = step(hidden[:, -1:], toks[:, n + s - 1 : n + s], jnp.full((1, 1), n - 2 + s), cache)
         got.append(eagle.draft_logits(draft, tiny_cfg, hidden)[0, 0])
     np.testing.assert_allclose(np.stack(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -94,8 +95,9 @@ def test_sampling_with_a_draft_is_reproducible_and_stops_at_max_tokens(trained_d
     a = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
     b = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5)
     np.testing.assert_array_equal(a.tokens, b.tokens)
-    c = speculative.speculative_generate(params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5,
-                                         use_cache=True)  # the same logits (to fp32 rounding), the same draws
+    c = speculative.speculative_generate(
+        params, cfg, draft, ecfg, prompt, 20, 3, temperature=0.8, seed=5, use_cache=True
+    )  # the same logits (to fp32 rounding), the same draws
     np.testing.assert_array_equal(c.tokens, a.tokens)
     assert a.tokens.shape == (20,) and ((0 <= a.tokens) & (a.tokens < cfg.vocab_size)).all()
 
@@ -109,8 +111,9 @@ def test_a_verify_pass_committed_to_its_first_tokens_is_the_cache_of_those_token
     prompt = jnp.asarray(rng.integers(1, tiny_cfg.vocab_size, (1, 11)), jnp.int32)
     new = jnp.asarray(rng.integers(1, tiny_cfg.vocab_size, (1, 5)), jnp.int32)
     taps = (0, 1, 2)
-    run = lambda toks, cache, per_token: speculative._cached_pass(tiny_params, toks, cache, cfg=tiny_cfg,
-                                                                  layers=taps, per_token=per_token)
+    run = lambda toks, cache, per_token: speculative._cached_pass(
+        tiny_params, toks, cache, cfg=tiny_cfg, layers=taps, per_token=per_token
+    )
     _, _, cache0, _ = run(prompt, model.init_cache(tiny_cfg, 1, 32, jnp.float32), False)
     _, _, after, exports = run(new, cache0, True)
     got = speculative.commit(cache0, after, exports, jnp.asarray([keep], jnp.int32), cfg=tiny_cfg)
@@ -124,13 +127,15 @@ def test_a_verify_pass_committed_to_its_first_tokens_is_the_cache_of_those_token
             for name in ("state", "conv"):
                 np.testing.assert_allclose(np.asarray(g[name]), np.asarray(w[name]), **tol)
         else:
-            np.testing.assert_allclose(np.asarray(g["latent"][:, :11 + keep]), np.asarray(w["latent"][:, :11 + keep]),
-                                       **tol)
+            np.testing.assert_allclose(
+                np.asarray(g["latent"][:, : 11 + keep]), np.asarray(w["latent"][:, : 11 + keep]), **tol
+            )
     nxt = jnp.asarray([[7]], jnp.int32)
     # the logits sum those rows' differences through every layer: tests/kimik3/test_model.py's fp32
     # tolerance for logits of caches built in other orders (O(1) logits, ~2e-5 seen)
-    np.testing.assert_allclose(np.asarray(run(nxt, got, False)[0]), np.asarray(run(nxt, want, False)[0]),
-                               rtol=0, atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(run(nxt, got, False)[0]), np.asarray(run(nxt, want, False)[0]), rtol=0, atol=2e-4
+    )
 
 
 def _markov_two_tokens(target, draft, k, n, seed):
@@ -217,12 +222,51 @@ def test_the_cli_trains_a_draft_and_decodes_with_it(trained_tiny, trained_draft,
 
     target = trained_tiny[1]["checkpoint"]
     out = str(tmp_path / "e")
-    assert cli.main(["train-eagle", "--checkpoint", target, "--out", out, "--steps", "3", "--batch", "4",
-                     "--seq-len", "32", "--prompt-len", "8", "--pool", "4", "--data", "text", "--corpus",
-                     "licenses"]) == 0
+    assert (
+        cli.main(
+            [
+                "train-eagle",
+                "--checkpoint",
+                target,
+                "--out",
+                out,
+                "--steps",
+                "3",
+                "--batch",
+                "4",
+                "--seq-len",
+                "32",
+                "--prompt-len",
+                "8",
+                "--pool",
+                "4",
+                "--data",
+                "text",
+                "--corpus",
+                "licenses",
+            ]
+        )
+        == 0
+    )
     assert "held-out top-1 agreement" in capsys.readouterr().out
-    assert cli.main(["generate", "--checkpoint", target, "--draft-checkpoint", trained_draft[3] + "/draft",
-                     "--draft-tokens", "2", "--prompt", "Hi", "--max-new-tokens", "6"]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--checkpoint",
+                target,
+                "--draft-checkpoint",
+                trained_draft[3] + "/draft",
+                "--draft-tokens",
+                "2",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "draft acceptance" in text and "k=2" in text and "cached" in text
     # a draft without its target, and a draft of other weights: refused before any decoding

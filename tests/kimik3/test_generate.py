@@ -10,8 +10,10 @@ from kimik3.generate import generate
 
 
 def _chat(cfg, n_images=0):
-    msgs = [tokenizer.Message("system", "You are Kimi."),
-            tokenizer.Message("user", "Describe the picture, then count to five.", n_images=n_images)]
+    msgs = [
+        tokenizer.Message("system", "You are Kimi."),
+        tokenizer.Message("user", "Describe the picture, then count to five.", n_images=n_images),
+    ]
     return tokenizer.apply_chat_template(msgs, tokens_per_image=cfg.vit.tokens_per_image)
 
 
@@ -50,7 +52,7 @@ def test_bf16_cached_path_agrees_with_the_bf16_forward_at_every_step(tiny_cfg, t
     bf16 = model.cast_params(tiny_params, jnp.bfloat16)
     cached = generate(bf16, tiny_cfg, prompt, 4, use_cache=True)
     seq = np.concatenate([prompt, cached.tokens[:3]])
-    full = model.forward(bf16, tiny_cfg, jnp.asarray([seq]), kernels="reference")[0][0, len(prompt) - 1:]
+    full = model.forward(bf16, tiny_cfg, jnp.asarray([seq]), kernels="reference")[0][0, len(prompt) - 1 :]
     np.testing.assert_allclose(cached.logits, np.asarray(full, np.float32), atol=0.15, rtol=0)
 
 
@@ -71,10 +73,16 @@ def test_cached_generate_through_the_pallas_kernels_equals_the_oracle(tiny_cfg, 
 
     jax.clear_caches()  # a cached trace would bypass the spies below
     calls = []
-    for module, name in [(kda, "chunk_kda"), (kda, "fused_recurrent_kda"), (mla, "mla_decode"),
-                         (mla, "mla_prefill_chunk")]:
+    for module, name in [
+        (kda, "chunk_kda"),
+        (kda, "fused_recurrent_kda"),
+        (mla, "mla_decode"),
+        (mla, "mla_prefill_chunk"),
+    ]:
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        monkeypatch.setattr(
+            module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)
+        )
     prompt = _chat(tiny_cfg)
     oracle = generate(tiny_params, tiny_cfg, prompt, 12)
     cached = generate(tiny_params, tiny_cfg, prompt, 12, use_cache=True, kernels="pallas")

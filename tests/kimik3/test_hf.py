@@ -22,10 +22,28 @@ from kimik3.generate import generate
 def small_kimi_linear() -> config.ModelConfig:
     """Kimi-Linear's switches at tiny sizes: MLA at 1-based 3 and 5 (the last), two dense layers."""
     return config.kimi_linear().replace(
-        name="kl_small", vocab_size=300, d_model=32, n_layers=5, max_seq_len=4096, kda_heads=2, kda_head_dim=8,
-        mla_heads=2, kv_lora_rank=16, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8, n_routed_experts=4,
-        n_active_experts=2, moe_latent_dim=32, moe_expert_dim=16, moe_shared_dim=16, dense_ffn_dim=48,
-        mixer_layout=("kda", "kda", "mla", "kda", "mla"), dense_layers=2, dtype="float32")
+        name="kl_small",
+        vocab_size=300,
+        d_model=32,
+        n_layers=5,
+        max_seq_len=4096,
+        kda_heads=2,
+        kda_head_dim=8,
+        mla_heads=2,
+        kv_lora_rank=16,
+        qk_nope_dim=8,
+        qk_rope_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        n_active_experts=2,
+        moe_latent_dim=32,
+        moe_expert_dim=16,
+        moe_shared_dim=16,
+        dense_ffn_dim=48,
+        mixer_layout=("kda", "kda", "mla", "kda", "mla"),
+        dense_layers=2,
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +102,40 @@ def _first_with(d, shards, fragment):
 
 CASES = {
     "missing shard": (lambda d, s: os.remove(d / s[1]), r"shard missing"),
-    "renamed tensor": (lambda d, s: _rewrite(d, _first_with(d, s, "kv_a_layernorm")[0], lambda t: _rename(
-        t, _first_with(d, s, "kv_a_layernorm")[1], "model.layers.2.self_attn.kv_a_norm.weight")),
-        r"unknown tensor model\.layers\.2\.self_attn\.kv_a_norm\.weight \(layer 2 is MLA"),
-    "wrong shape": (lambda d, s: _rewrite(d, _first_with(d, s, "b_proj")[0], lambda t: {
-        n: (np.zeros((3, 32), np.float32) if "b_proj" in n else x) for n, x in t.items()}),
-        r"tensor model\.layers\.\d+\.self_attn\.b_proj\.weight has shape \(3, 32\); the config needs \(2, 32\)"),
-    "corrupt header": (lambda d, s: (d / s[0]).write_bytes(struct.pack("<Q", 999) + b"{not json" + b" " * 990),
-                       r"unreadable safetensors file"),
-    "missing expert": (lambda d, s: _rewrite(d, _first_with(d, s, "layers.4.block_sparse_moe.experts.3.w2")[0], lambda t: {
-        n: x for n, x in t.items() if "layers.4.block_sparse_moe.experts.3.w2" not in n}),
-        r"tensor model\.layers\.4\.block_sparse_moe\.experts\.3\.w2\.weight is missing"),
-    "missing tensor": (lambda d, s: _rewrite(d, _first_with(d, s, "model.norm")[0], lambda t: {
-        n: x for n, x in t.items() if n != "model.norm.weight"}), r"tensor model\.norm\.weight is missing"),
+    "renamed tensor": (
+        lambda d, s: _rewrite(
+            d,
+            _first_with(d, s, "kv_a_layernorm")[0],
+            lambda t: _rename(t, _first_with(d, s, "kv_a_layernorm")[1], "model.layers.2.self_attn.kv_a_norm.weight"),
+        ),
+        r"unknown tensor model\.layers\.2\.self_attn\.kv_a_norm\.weight \(layer 2 is MLA",
+    ),
+    "wrong shape": (
+        lambda d, s: _rewrite(
+            d,
+            _first_with(d, s, "b_proj")[0],
+            lambda t: {n: (np.zeros((3, 32), np.float32) if "b_proj" in n else x) for n, x in t.items()},
+        ),
+        r"tensor model\.layers\.\d+\.self_attn\.b_proj\.weight has shape \(3, 32\); the config needs \(2, 32\)",
+    ),
+    "corrupt header": (
+        lambda d, s: (d / s[0]).write_bytes(struct.pack("<Q", 999) + b"{not json" + b" " * 990),
+        r"unreadable safetensors file",
+    ),
+    "missing expert": (
+        lambda d, s: _rewrite(
+            d,
+            _first_with(d, s, "layers.4.block_sparse_moe.experts.3.w2")[0],
+            lambda t: {n: x for n, x in t.items() if "layers.4.block_sparse_moe.experts.3.w2" not in n},
+        ),
+        r"tensor model\.layers\.4\.block_sparse_moe\.experts\.3\.w2\.weight is missing",
+    ),
+    "missing tensor": (
+        lambda d, s: _rewrite(
+            d, _first_with(d, s, "model.norm")[0], lambda t: {n: x for n, x in t.items() if n != "model.norm.weight"}
+        ),
+        r"tensor model\.norm\.weight is missing",
+    ),
 }
 
 
@@ -117,8 +156,11 @@ def test_the_dense_first_layers_load_under_either_prefix(tmp_path, cfg_params):
     write them under ``block_sparse_moe.``: both load."""
     cfg, params = cfg_params
     hf.save(str(tmp_path), params, cfg, names="hub")
-    _rewrite(tmp_path, hf.SINGLE, lambda t: {n.replace("layers.1.mlp.", "layers.1.block_sparse_moe."): x
-                                             for n, x in t.items()})
+    _rewrite(
+        tmp_path,
+        hf.SINGLE,
+        lambda t: {n.replace("layers.1.mlp.", "layers.1.block_sparse_moe."): x for n, x in t.items()},
+    )
     loaded, _ = hf.load(str(tmp_path), dtype="float32")
     _same(loaded, params)
 
@@ -131,8 +173,21 @@ def test_generate_prints_the_tokens_and_writes_the_logits(tmp_path, cfg_params, 
     with open(tmp_path / "m" / "config.json") as f:
         assert json.load(f)["architectures"] == ["KimiLinearForCausalLM"]
     prompt = [5, 6, 7, 40, 41]
-    rc = main(["generate", "--checkpoint", str(tmp_path / "m"), "--prompt-ids", ",".join(map(str, prompt)),
-               "--max-new-tokens", "6", "--ignore-eos", "--json", "--logits-out", str(tmp_path / "l.npy")])
+    rc = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(tmp_path / "m"),
+            "--prompt-ids",
+            ",".join(map(str, prompt)),
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+            "--logits-out",
+            str(tmp_path / "l.npy"),
+        ]
+    )
     assert rc == 0
     want = generate(params, cfg, prompt, 6, use_cache=True)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"tokens": want.tokens.tolist()}
@@ -160,9 +215,11 @@ def test_mxfp4_experts_quantized_on_the_way_in_are_what_quantize_stores(tmp_path
         np.testing.assert_array_equal(np.asarray(q.scales, np.float32), np.asarray(want.scales, np.float32))
     _same(quant["layer_0"], plain["layer_0"])
     # the model on them is the model on their dequantized values
-    dequantized = jax.tree.map(lambda x: formats.dequantize(x).astype(jax.numpy.bfloat16)
-                               if isinstance(x, formats.QTensor) else x, quant,
-                               is_leaf=lambda x: isinstance(x, formats.QTensor))
+    dequantized = jax.tree.map(
+        lambda x: formats.dequantize(x).astype(jax.numpy.bfloat16) if isinstance(x, formats.QTensor) else x,
+        quant,
+        is_leaf=lambda x: isinstance(x, formats.QTensor),
+    )
     prompt = np.asarray([[5, 6, 7, 8]])
     logits_q, _ = model.forward(quant, cfg, prompt, kernels="reference")
     logits_d, _ = model.forward(dequantized, cfg, prompt, kernels="reference")

@@ -43,13 +43,34 @@ CONFIGS = {
 
 def reference_config(kinds: str, dense: int, q_lora: int | None):
     return transformers.KimiLinearConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=len(kinds),
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=q_lora, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-        routed_scaling_factor=2.446, first_k_dense_replace=dense, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        linear_attn_config={"kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "k"],
-                            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "m"],
-                            "head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4})
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=len(kinds),
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=32,
+        q_lora_rank=q_lora,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.446,
+        first_k_dense_replace=dense,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        linear_attn_config={
+            "kda_layers": [i + 1 for i, k in enumerate(kinds) if k == "k"],
+            "full_attn_layers": [i + 1 for i, k in enumerate(kinds) if k == "m"],
+            "head_dim": 16,
+            "num_heads": 2,
+            "short_conv_kernel_size": 4,
+        },
+    )
 
 
 def randomize(m, seed: int) -> None:
@@ -109,8 +130,11 @@ def reference_greedy(m, prompt, steps: int):
             row = out.logits[0, -1].numpy()
             rows.append(row)
             tokens.append(int(np.argmax(row)))
-            out = m(torch.tensor([[tokens[-1]]]), cache=out.cache if hasattr(out, "cache") else out.past_key_values,
-                    use_cache=True)
+            out = m(
+                torch.tensor([[tokens[-1]]]),
+                cache=out.cache if hasattr(out, "cache") else out.past_key_values,
+                use_cache=True,
+            )
     return tokens, np.stack(rows)
 
 
@@ -146,8 +170,9 @@ def test_the_scanned_layout_with_an_irregular_tail_equals_transformers(checkpoin
     params, cfg = hf.load(directory, dtype="float32")
     assert stacked.scan_layout(cfg) == (4, 2)  # layers 4..11 scanned, 12 (MLA) unrolled after them
     ids = _prompt(cfg, 37, 11)
-    ours, _ = model.forward(stacked.serving_layout(params, cfg), cfg, np.asarray([ids]), kernels="reference",
-                            programs="whole")
+    ours, _ = model.forward(
+        stacked.serving_layout(params, cfg), cfg, np.asarray([ids]), kernels="reference", programs="whole"
+    )
     np.testing.assert_allclose(np.asarray(ours[0]), reference_logits(m, ids), atol=TOL, rtol=0)
 
 
@@ -170,8 +195,16 @@ def test_the_engine_serves_transformers_tokens_from_a_prefix_hit_and_a_pd_handof
 
     directory, m = checkpoints["mla_last"]
     params, cfg = hf.load(directory, dtype="float32")
-    kw = dict(num_pages=48, num_slots=4, num_snapshots=12, page_tokens=16, kda_block_tokens=64,
-              max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference")
+    kw = dict(
+        num_pages=48,
+        num_slots=4,
+        num_snapshots=12,
+        page_tokens=16,
+        kda_block_tokens=64,
+        max_pages_per_request=16,
+        prefill_chunk_tokens=40,
+        kernels="reference",
+    )
     sp = SamplingParams(logprobs=1)
     eng = Engine(params, cfg, **kw)
     turn1 = _prompt(cfg, 100, 1)
@@ -184,8 +217,9 @@ def test_the_engine_serves_transformers_tokens_from_a_prefix_hit_and_a_pd_handof
     _check_request(r1, m, turn1, DECODE_STEPS)
     _check_request(r2, m, turn2, DECODE_STEPS)
 
-    server = DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), Engine(params, cfg, role="decode", **kw),
-                                 handoff="direct")
+    server = DisaggregatedServer(
+        Engine(params, cfg, role="prefill", **kw), Engine(params, cfg, role="decode", **kw), handoff="direct"
+    )
     pd = server.submit(turn1, DECODE_STEPS, sampling=sp)
     server.run(max_steps=200)
     _check_request(server.requests[pd.request_id], m, turn1, DECODE_STEPS)

@@ -41,8 +41,10 @@ def test_layerwise_gives_the_whole_programs_numbers(rng, deep_cfg, deep_params, 
     cache entry equal to the whole program's (fp32 on the CPU: the same ops, fused apart)."""
     params = deep_params if layout == "checkpoint" else fused.fuse_projections(deep_params, deep_cfg)
     toks = _tokens(rng, 2, 11)
-    _assert_same(model.forward(params, deep_cfg, toks, programs="layerwise"),
-                 model.forward(params, deep_cfg, toks, programs="whole"))
+    _assert_same(
+        model.forward(params, deep_cfg, toks, programs="layerwise"),
+        model.forward(params, deep_cfg, toks, programs="whole"),
+    )
     outs = {}
     for programs in ("layerwise", "whole"):
         cache = model.init_cache(deep_cfg, 2, 32, jnp.float32)
@@ -55,10 +57,12 @@ def test_layerwise_gives_the_whole_programs_numbers(rng, deep_cfg, deep_params, 
 def test_images_ride_the_embedding_program(rng, deep_cfg, deep_params):
     v = deep_cfg.vit
     toks = _tokens(rng, 1, 4 + v.tokens_per_image)
-    toks[0, 2:2 + v.tokens_per_image] = tokenizer.IMAGE_ID
+    toks[0, 2 : 2 + v.tokens_per_image] = tokenizer.IMAGE_ID
     images = rng.random((1, v.image_size, v.image_size, v.channels)).astype(np.float32)
-    _assert_same(model.forward(deep_params, deep_cfg, toks, images=images, programs="layerwise"),
-                 model.forward(deep_params, deep_cfg, toks, images=images, programs="whole"))
+    _assert_same(
+        model.forward(deep_params, deep_cfg, toks, images=images, programs="layerwise"),
+        model.forward(deep_params, deep_cfg, toks, images=images, programs="whole"),
+    )
 
 
 def test_each_kind_compiles_once_whatever_the_depth(rng, deep_cfg, deep_params):
@@ -68,8 +72,12 @@ def test_each_kind_compiles_once_whatever_the_depth(rng, deep_cfg, deep_params):
     model.forward(deep_params, deep_cfg, _tokens(rng, 1, 13), programs="layerwise")  # T=13: no other test's shape
     after = layerwise.programs_compiled()
     grew = {k: after[k] - before[k] for k in after}
-    assert grew == {"embed": 1, "mixer": len(set(deep_cfg.mixer_kinds)),
-                    "ffn": len({deep_cfg.ffn_kind(i) for i in range(deep_cfg.n_layers)}), "head": 1}
+    assert grew == {
+        "embed": 1,
+        "mixer": len(set(deep_cfg.mixer_kinds)),
+        "ffn": len({deep_cfg.ffn_kind(i) for i in range(deep_cfg.n_layers)}),
+        "head": 1,
+    }
     assert deep_cfg.n_layers == 8 and grew["mixer"] == 2 and grew["ffn"] == 2
 
 
@@ -98,14 +106,23 @@ def test_pad_tokens_reach_no_expert(rng, deep_cfg, deep_params, monkeypatch):
     route as before."""
     seen = []
     real_path = moe.EXPERT_PATHS["grouped"]
-    monkeypatch.setitem(moe.EXPERT_PATHS, "grouped", lambda x, ids, *a: seen.append(np.asarray(ids)) or
-                        real_path(x, ids, *a))
+    monkeypatch.setitem(
+        moe.EXPERT_PATHS, "grouped", lambda x, ids, *a: seen.append(np.asarray(ids)) or real_path(x, ids, *a)
+    )
     pools = model.init_paged_cache(deep_cfg, num_pages=8, num_slots=3, page_tokens=16, dtype=jnp.float32)
     toks = _tokens(rng, 2, 8)
     view = model.paged_view(pools, np.array([[1], [2]], np.int32), [0, 1], [0, 0], valid=[8, 5])
     positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-    model._forward_impl(deep_params, jnp.asarray(toks), jnp.asarray(positions), view, None, cfg=deep_cfg,
-                        expert_path="grouped", kernels="reference")
+    model._forward_impl(
+        deep_params,
+        jnp.asarray(toks),
+        jnp.asarray(positions),
+        view,
+        None,
+        cfg=deep_cfg,
+        expert_path="grouped",
+        kernels="reference",
+    )
     e = deep_cfg.n_routed_experts
     moe_layers = sum(deep_cfg.ffn_kind(i) == "moe" for i in range(deep_cfg.n_layers))
     assert len(seen) == moe_layers

@@ -34,10 +34,20 @@ def test_logits_tail_gives_the_last_positions_logits_and_the_same_cache(rng, tin
     toks = _prompt(rng, 40, tiny_cfg)
     positions = jnp.arange(40, dtype=jnp.int32)[None]
     cache = lambda: model.init_cache(tiny_cfg, 1, 64, jnp.float32)
-    full, c_full = model._forward(tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped",
-                                  kernels="reference")
-    tail, c_tail = model._forward(tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped",
-                                  kernels="reference", logits_tail=1)
+    full, c_full = model._forward(
+        tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped", kernels="reference"
+    )
+    tail, c_tail = model._forward(
+        tiny_params,
+        toks,
+        positions,
+        cache(),
+        None,
+        cfg=tiny_cfg,
+        expert_path="grouped",
+        kernels="reference",
+        logits_tail=1,
+    )
     assert tail.shape == (1, 1, tiny_cfg.vocab_size)
     np.testing.assert_allclose(tail[:, 0], full[:, -1], atol=1e-6, rtol=0)
     jax.tree.map(np.testing.assert_array_equal, c_tail, c_full)
@@ -49,9 +59,11 @@ def test_batched_cache_equals_each_sequence_alone(rng, tiny_cfg, tiny_params):
     batched, cache = model.forward(tiny_params, tiny_cfg, toks, cache=cache)
     step, _ = model.forward(tiny_params, tiny_cfg, toks[:, :1], cache=cache)
     for b in range(2):
-        alone, c = model.forward(tiny_params, tiny_cfg, toks[b:b + 1], cache=model.init_cache(tiny_cfg, 1, 32, jnp.float32))
+        alone, c = model.forward(
+            tiny_params, tiny_cfg, toks[b : b + 1], cache=model.init_cache(tiny_cfg, 1, 32, jnp.float32)
+        )
         np.testing.assert_allclose(batched[b], alone[0], atol=LOGIT_ATOL, rtol=0)
-        alone_step, _ = model.forward(tiny_params, tiny_cfg, toks[b:b + 1, :1], cache=c)
+        alone_step, _ = model.forward(tiny_params, tiny_cfg, toks[b : b + 1, :1], cache=c)
         np.testing.assert_allclose(step[b], alone_step[0], atol=LOGIT_ATOL, rtol=0)
 
 
@@ -114,12 +126,15 @@ class TestBadInput:
         with pytest.raises(ValueError, match="positions"):
             model.forward(tiny_params, tiny_cfg, np.zeros((1, 3), np.int32), positions=np.array([[1, 2, 3]]))
 
-    @pytest.mark.parametrize("shape, dtype, message", [
-        ((1, 15, 16, 3), np.float32, "images must be"),
-        ((1, 16, 16, 4), np.float32, "images must be"),
-        ((16, 16, 3), np.float32, "images must be"),
-        ((1, 16, 16, 3), np.int32, "dtype"),
-    ])
+    @pytest.mark.parametrize(
+        "shape, dtype, message",
+        [
+            ((1, 15, 16, 3), np.float32, "images must be"),
+            ((1, 16, 16, 4), np.float32, "images must be"),
+            ((16, 16, 3), np.float32, "images must be"),
+            ((1, 16, 16, 3), np.int32, "dtype"),
+        ],
+    )
     def test_image_of_wrong_shape_or_dtype(self, tiny_cfg, tiny_params, shape, dtype, message):
         toks = np.array([tokenizer.image_tokens(tiny_cfg.vit.tokens_per_image)], np.int32)
         with pytest.raises(ValueError, match=message):
@@ -155,8 +170,10 @@ def test_init_params_draws_the_whole_models_tree_per_block_kind(tiny_cfg):
     of the whole model declares, every block its own values, the same for the same key."""
     key = jax.random.PRNGKey(3)
     params = model.init_params(tiny_cfg, key)
-    declared = model.cast_params(jax.eval_shape(
-        lambda: model.KimiK3(tiny_cfg).init(key, *model._example_inputs(tiny_cfg))["params"]), tiny_cfg.dtype)
+    declared = model.cast_params(
+        jax.eval_shape(lambda: model.KimiK3(tiny_cfg).init(key, *model._example_inputs(tiny_cfg))["params"]),
+        tiny_cfg.dtype,
+    )
     assert jax.tree.structure(params) == jax.tree.structure(declared)
     for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(declared)):
         assert got.shape == want.shape and got.dtype == want.dtype
@@ -180,8 +197,10 @@ def test_the_prefill_steps_xla_options_are_switched_by_one_variable_each():
     assert model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "1"}) == {}
     assert model.step_compiler_options({"KIMIK3_PREFILL_TRITON_GEMM": "0"}) == {"xla_gpu_enable_triton_gemm": False}
     both = {"KIMIK3_PREFILL_TRITON_GEMM": "0", "KIMIK3_PREFILL_COMMAND_BUFFER": "0"}
-    assert model.step_compiler_options(both) == {"xla_gpu_enable_triton_gemm": False,
-                                                 "xla_gpu_enable_command_buffer": ""}
+    assert model.step_compiler_options(both) == {
+        "xla_gpu_enable_triton_gemm": False,
+        "xla_gpu_enable_command_buffer": "",
+    }
     for name in both:
         with pytest.raises(ValueError, match=name):
             model.step_compiler_options({name: "off"})

@@ -19,9 +19,14 @@ def test_auto_means_references_off_the_gpu_and_bad_choices_are_refused(monkeypat
         ops.resolve("cuda")
 
 
-@pytest.mark.parametrize("k, n, dtypes", [(32, 48, ("float32", "float32")),   # the Pallas kernel's tiling
-                                          (24, 48, ("float32", "float32")),   # K not a multiple of 16
-                                          (32, 48, ("float32", "bfloat16"))])  # mixed dtypes
+@pytest.mark.parametrize(
+    "k, n, dtypes",
+    [
+        (32, 48, ("float32", "float32")),  # the Pallas kernel's tiling
+        (24, 48, ("float32", "float32")),  # K not a multiple of 16
+        (32, 48, ("float32", "bfloat16")),
+    ],
+)  # mixed dtypes
 def test_grouped_matmul_takes_the_kernel_where_it_tiles_and_the_reference_elsewhere(rng, k, n, dtypes):
     lhs = jnp.asarray(rng.standard_normal((30, k)), dtypes[0])
     rhs = jnp.asarray(rng.standard_normal((3, k, n)), dtypes[1])
@@ -31,14 +36,17 @@ def test_grouped_matmul_takes_the_kernel_where_it_tiles_and_the_reference_elsewh
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype, dqk, dv, cc, want", [
-    (jnp.bfloat16, 192, 128, "9.0", "hopper"),   # H100 / H200, the model's MLA dims
-    (jnp.float16, 192, 128, "9.0", "hopper"),
-    (jnp.float32, 192, 128, "9.0", "triton"),    # wgmma here takes 16-bit operands
-    (jnp.bfloat16, 24, 16, "9.0", "triton"),     # tiny dims: not multiples of 64
-    (jnp.bfloat16, 192, 128, "8.0", "triton"),   # no wgmma / TMA before Hopper
-    (jnp.bfloat16, 192, 128, None, "triton"),    # off the GPU (interpret mode)
-])
+@pytest.mark.parametrize(
+    "dtype, dqk, dv, cc, want",
+    [
+        (jnp.bfloat16, 192, 128, "9.0", "hopper"),  # H100 / H200, the model's MLA dims
+        (jnp.float16, 192, 128, "9.0", "hopper"),
+        (jnp.float32, 192, 128, "9.0", "triton"),  # wgmma here takes 16-bit operands
+        (jnp.bfloat16, 24, 16, "9.0", "triton"),  # tiny dims: not multiples of 64
+        (jnp.bfloat16, 192, 128, "8.0", "triton"),  # no wgmma / TMA before Hopper
+        (jnp.bfloat16, 192, 128, None, "triton"),  # off the GPU (interpret mode)
+    ],
+)
 def test_mla_prefill_takes_the_hopper_kernel_only_where_it_runs(dtype, dqk, dv, cc, want):
     assert ops.mla_prefill_impl(dtype, dqk, dv, cc) == want
 
@@ -73,8 +81,10 @@ def test_a_chunk_over_a_cache_takes_the_hopper_kernel_where_the_hopper_prefill_r
             monkeypatch.setenv("KIMIK3_MLA_CHUNK", choice)
         assert [ops.mla_chunk_impl(bf, 192, 128, "9.0", t) for t in (128, 256, 2048)] == ["hopper"] * 3
         assert [ops.mla_chunk_impl(bf, 192, 128, "9.0", t) for t in (1, 64, 127)] == ["triton"] * 3
-        assert [ops.mla_chunk_impl(*a, 256) for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None),
-                                                       (jnp.float32, 192, 128, "9.0"), (bf, 24, 16, "9.0")]] == ["triton"] * 4
+        assert [
+            ops.mla_chunk_impl(*a, 256)
+            for a in [(bf, 192, 128, "8.0"), (bf, 192, 128, None), (jnp.float32, 192, 128, "9.0"), (bf, 24, 16, "9.0")]
+        ] == ["triton"] * 4
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
     assert ops.mla_chunk_impl(bf, 192, 128, "9.0", 256) == "triton"
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "hopper")
@@ -98,8 +108,19 @@ def test_the_hopper_chunk_kernel_serves_mla_attention_as_the_triton_one_does(mon
     w_kb, w_vb = f(r, h, nope) * 0.2, f(r, h, dv) * 0.2
     q_pos = jnp.asarray([37, 0], jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    run = lambda: ops.mla_attention(q, latent, w_kb, w_vb, kv_lora=r, scale=(nope + rope) ** -0.5, q_pos_bt=q_pos,
-                                    k_pos_bs=k_pos, absorbed=False, contiguous_cache=True, kernels="pallas")
+    run = lambda: ops.mla_attention(
+        q,
+        latent,
+        w_kb,
+        w_vb,
+        kv_lora=r,
+        scale=(nope + rope) ** -0.5,
+        q_pos_bt=q_pos,
+        k_pos_bs=k_pos,
+        absorbed=False,
+        contiguous_cache=True,
+        kernels="pallas",
+    )
     monkeypatch.setenv("KIMIK3_MLA_CHUNK", "triton")
     triton = np.asarray(run(), np.float32)
     calls = []
@@ -112,17 +133,20 @@ def test_the_hopper_chunk_kernel_serves_mla_attention_as_the_triton_one_does(mon
     np.testing.assert_allclose(hopper, triton, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("dtype, kv_lora, rope, page, rows, max_keys, cc, want", [
-    (jnp.bfloat16, 512, 64, 128, 96, 2048, "9.0", "hopper"),    # 96 heads, one query: two 64-row tiles
-    (jnp.bfloat16, 512, 64, 128, 64, 2048, "9.0", "hopper"),    # 16 heads x 4 speculative tokens
-    (jnp.bfloat16, 512, 64, 128, 16, 2048, "9.0", "triton"),    # 16 rows over a short context
-    (jnp.bfloat16, 512, 64, 128, 16, 32768, "9.0", "hopper"),   # ... over a long one
-    (jnp.float32, 512, 64, 128, 96, 2048, "9.0", "triton"),
-    (jnp.bfloat16, 32, 16, 128, 96, 2048, "9.0", "triton"),     # tiny dims
-    (jnp.bfloat16, 512, 64, 16, 96, 2048, "9.0", "triton"),     # pages shorter than a key tile
-    (jnp.bfloat16, 512, 64, 128, 96, 2048, "8.0", "triton"),
-    (jnp.bfloat16, 512, 64, 128, 96, 2048, None, "triton"),
-])
+@pytest.mark.parametrize(
+    "dtype, kv_lora, rope, page, rows, max_keys, cc, want",
+    [
+        (jnp.bfloat16, 512, 64, 128, 96, 2048, "9.0", "hopper"),  # 96 heads, one query: two 64-row tiles
+        (jnp.bfloat16, 512, 64, 128, 64, 2048, "9.0", "hopper"),  # 16 heads x 4 speculative tokens
+        (jnp.bfloat16, 512, 64, 128, 16, 2048, "9.0", "triton"),  # 16 rows over a short context
+        (jnp.bfloat16, 512, 64, 128, 16, 32768, "9.0", "hopper"),  # ... over a long one
+        (jnp.float32, 512, 64, 128, 96, 2048, "9.0", "triton"),
+        (jnp.bfloat16, 32, 16, 128, 96, 2048, "9.0", "triton"),  # tiny dims
+        (jnp.bfloat16, 512, 64, 16, 96, 2048, "9.0", "triton"),  # pages shorter than a key tile
+        (jnp.bfloat16, 512, 64, 128, 96, 2048, "8.0", "triton"),
+        (jnp.bfloat16, 512, 64, 128, 96, 2048, None, "triton"),
+    ],
+)
 def test_mla_decode_takes_the_hopper_kernel_where_it_is_faster(dtype, kv_lora, rope, page, rows, max_keys, cc, want):
     assert ops.mla_decode_impl(dtype, kv_lora, rope, page, rows, max_keys, cc) == want
 
@@ -137,8 +161,18 @@ def test_a_verify_pass_on_the_pallas_path_exports_what_the_reference_does(rng):
     pool = rng.standard_normal((5, 2, 16, 16)).astype(np.float32)  # a fresh copy per call: the kernel donates it
     slots = jnp.asarray([4, 1], jnp.int32)
     export_at = jnp.asarray([1, 2, 3, 4, 0, 6], jnp.int32)
-    run = lambda kernels: ops.kda(q, k, v, g, beta, initial_state=jnp.asarray(pool), chunk_size=1, kernels=kernels,
-                                  export_at=export_at, slots=slots)
+    run = lambda kernels: ops.kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=jnp.asarray(pool),
+        chunk_size=1,
+        kernels=kernels,
+        export_at=export_at,
+        slots=slots,
+    )
     got, want = run("pallas"), run("reference")
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

@@ -25,8 +25,9 @@ def test_paged_pieces_equal_the_contiguous_cache(rng, tiny_cfg, tiny_params, ker
     lengths = np.zeros(2, np.int32)
     for lo, hi in [(0, 40), (40, 41), (41, 70)]:  # chunked prefill, decode, naive continuation
         want, contiguous = model.forward(tiny_params, tiny_cfg, toks[:, lo:hi], cache=contiguous, kernels="reference")
-        got, view = model.forward(tiny_params, tiny_cfg, toks[:, lo:hi], kernels=kernels,
-                                  cache=model.paged_view(pools, table, slots, lengths))
+        got, view = model.forward(
+            tiny_params, tiny_cfg, toks[:, lo:hi], kernels=kernels, cache=model.paged_view(pools, table, slots, lengths)
+        )
         pools, lengths = model.pools_of(view), np.asarray(view["lengths"])
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     assert lengths.tolist() == [70, 70]
@@ -38,8 +39,9 @@ def test_second_request_resumes_from_shared_pages_and_a_kda_snapshot(rng, tiny_c
     table_a = np.array([[3, 6, 9]], np.int32)
     # Request A: the shared prefix (2 full pages), snapshot its KDA state, then its own tail.
     _, view = model.forward(tiny_params, tiny_cfg, prefix, cache=model.paged_view(pools, table_a, [0], [0]))
-    snapshot = {i: dict(layer) for i, layer in enumerate(model.pool_layers(tiny_cfg, view))
-                if tiny_cfg.mixer_kind(i) == "kda"}
+    snapshot = {
+        i: dict(layer) for i, layer in enumerate(model.pool_layers(tiny_cfg, view)) if tiny_cfg.mixer_kind(i) == "kda"
+    }
     _, view = model.forward(tiny_params, tiny_cfg, tail_a, cache=model.paged_view(view, table_a, [0], [2 * PAGE]))
     pools = model.pools_of(view)
     # Request B: same prefix pages (shared, read-only), its KDA slot 2 restored from A's snapshot row 0
@@ -48,19 +50,21 @@ def test_second_request_resumes_from_shared_pages_and_a_kda_snapshot(rng, tiny_c
     for k, snap in enumerate(snapshot.values()):
         kda = {key: kda[key].at[k * 4 + 2].set(snap[key][0]) for key in kda}
     table_b = np.array([[3, 6, 1]], np.int32)  # pages 3 and 6 shared with A; page 1 its own
-    logits_b, _ = model.forward(tiny_params, tiny_cfg, tail_b,
-                                cache=model.paged_view(dict(pools, kda=kda), table_b, [2], [2 * PAGE]))
+    logits_b, _ = model.forward(
+        tiny_params, tiny_cfg, tail_b, cache=model.paged_view(dict(pools, kda=kda), table_b, [2], [2 * PAGE])
+    )
     # The oracle for B: its whole prompt with no cache at all.
     want, _ = model.forward(tiny_params, tiny_cfg, np.concatenate([prefix, tail_b], 1))
-    np.testing.assert_allclose(logits_b, want[:, 2 * PAGE:], atol=ATOL, rtol=0)
-    np.testing.assert_array_equal(logits_b.argmax(-1), want[:, 2 * PAGE:].argmax(-1))
+    np.testing.assert_allclose(logits_b, want[:, 2 * PAGE :], atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(logits_b.argmax(-1), want[:, 2 * PAGE :].argmax(-1))
 
 
 def test_paged_capacity_is_checked(tiny_cfg, tiny_params):
     pools = model.init_paged_cache(tiny_cfg, num_pages=4, num_slots=2, page_tokens=PAGE, dtype=jnp.float32)
     with pytest.raises(ValueError, match="cache capacity=32"):
-        model.forward(tiny_params, tiny_cfg, np.zeros((1, 33), np.int32),
-                      cache=model.paged_view(pools, [[1, 2]], [0], [0]))
+        model.forward(
+            tiny_params, tiny_cfg, np.zeros((1, 33), np.int32), cache=model.paged_view(pools, [[1, 2]], [0], [0])
+        )
 
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
@@ -71,17 +75,24 @@ def test_one_pass_exports_every_kda_layer_as_a_replay_leaves_it(rng, tiny_cfg, t
     toks = _tokens(rng, 200)
     pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
     table, slot = [list(range(1, 14)) + [0] * 3], [1]
-    _, out = model.forward(tiny_params, tiny_cfg, toks, kernels=kernels,
-                           cache=model.paged_view(pools, table, slot, [0], export_at=[64, 128, 100]))
+    _, out = model.forward(
+        tiny_params,
+        tiny_cfg,
+        toks,
+        kernels=kernels,
+        cache=model.paged_view(pools, table, slot, [0], export_at=[64, 128, 100]),
+    )
     kda_layers = [i for i, kind in enumerate(tiny_cfg.mixer_kinds) if kind == "kda"]
     assert len(out["exports"]) == len(kda_layers)
     for e, n in enumerate((64, 128)):
-        _, replay = model.forward(tiny_params, tiny_cfg, toks[:, :n], kernels=kernels,
-                                  cache=model.paged_view(pools, table, slot, [0]))
+        _, replay = model.forward(
+            tiny_params, tiny_cfg, toks[:, :n], kernels=kernels, cache=model.paged_view(pools, table, slot, [0])
+        )
         for exported, i in zip(out["exports"], kda_layers):
             for key, rows in exported.items():
-                np.testing.assert_allclose(rows[0, e], model.pool_layers(tiny_cfg, replay)[i][key][1], atol=ATOL,
-                                           rtol=ATOL)
+                np.testing.assert_allclose(
+                    rows[0, e], model.pool_layers(tiny_cfg, replay)[i][key][1], atol=ATOL, rtol=ATOL
+                )
     assert all(not np.asarray(rows[0, 2]).any() for exported in out["exports"] for rows in exported.values())
 
 
@@ -100,17 +111,29 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
     pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
     # the jitted core, as the engine calls it: a padded call may run past a row's table
     positions = np.broadcast_to(np.arange(96, dtype=np.int32), (2, 96))
-    got, out = model._forward(tiny_params, toks, positions,
-                              model.paged_view(pools, tables, slots, [0, 0], export_at=[64, -1], valid=valid), None,
-                              cfg=tiny_cfg, expert_path="grouped", kernels=kernels, logits_tail=1)
+    got, out = model._forward(
+        tiny_params,
+        toks,
+        positions,
+        model.paged_view(pools, tables, slots, [0, 0], export_at=[64, -1], valid=valid),
+        None,
+        cfg=tiny_cfg,
+        expert_path="grouped",
+        kernels=kernels,
+        logits_tail=1,
+    )
     assert np.asarray(out["lengths"]).tolist() == valid
     used = set()
     for b, n in enumerate(valid):
-        pages = tables[b, :-(-n // PAGE)]
+        pages = tables[b, : -(-n // PAGE)]
         used |= set(pages.tolist())
-        want, alone = model.forward(tiny_params, tiny_cfg, toks[b:b + 1, :n], kernels=kernels,
-                                    cache=model.paged_view(pools, tables[b:b + 1], slots[b:b + 1], [0],
-                                                           export_at=[64, -1]))
+        want, alone = model.forward(
+            tiny_params,
+            tiny_cfg,
+            toks[b : b + 1, :n],
+            kernels=kernels,
+            cache=model.paged_view(pools, tables[b : b + 1], slots[b : b + 1], [0], export_at=[64, -1]),
+        )
         np.testing.assert_allclose(got[b, -1], want[0, -1], atol=ATOL, rtol=0)
         out_layers, alone_layers = model.pool_layers(tiny_cfg, out), model.pool_layers(tiny_cfg, alone)
         for i, kind in enumerate(tiny_cfg.mixer_kinds):
@@ -119,8 +142,9 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
                     np.testing.assert_allclose(pool[slots[b]], alone_layers[i][key][slots[b]], atol=ATOL, rtol=0)
                 else:
                     rows = np.asarray(pool[pages]).reshape(-1, pool.shape[-1])[:n]
-                    np.testing.assert_allclose(rows, np.asarray(alone_layers[i][key][pages])
-                                               .reshape(-1, pool.shape[-1])[:n], atol=ATOL, rtol=0)
+                    np.testing.assert_allclose(
+                        rows, np.asarray(alone_layers[i][key][pages]).reshape(-1, pool.shape[-1])[:n], atol=ATOL, rtol=0
+                    )
         for padded, single in zip(out["exports"], alone["exports"]):
             for key in padded:
                 np.testing.assert_allclose(padded[key][b], single[key][0], atol=ATOL, rtol=0)
@@ -131,4 +155,4 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
             assert not np.asarray(pages_i[np.array(untouched)]).any()
             for b, n in enumerate(valid):  # the last real page holds nothing past the real tokens
                 last = tables[b, (n - 1) // PAGE]
-                assert not np.asarray(pages_i[last, n % PAGE or PAGE:]).any()
+                assert not np.asarray(pages_i[last, n % PAGE or PAGE :]).any()

@@ -37,7 +37,7 @@ def test_round_trip_within_the_formats_bound(rng, fmt, kind):
     assert np.all(err <= bound), (fmt, kind, float((err - bound).max()))
     assert np.all(back[w == 0] == 0)
     # the bound is tight enough to mean something: relative RMS error of the element type
-    rel = np.sqrt(np.mean(err ** 2) / np.mean(w ** 2))
+    rel = np.sqrt(np.mean(err**2) / np.mean(w**2))
     assert rel < {"fp8": 0.04, "mxfp8": 0.06, "mxfp4": 0.25}[fmt], rel
 
 
@@ -85,9 +85,10 @@ def test_members_quantized_apart_are_the_group_quantized_whole(rng, fmt):
     whole = qf.quantize(np.concatenate(ws, axis=1), fmt)
     parts = [qf.quantize(w, fmt) for w in ws]
     for field in ("values", "scales"):
-        np.testing.assert_array_equal(np.asarray(getattr(whole, field)).view(np.uint8),
-                                      np.concatenate([np.asarray(getattr(p, field)) for p in parts], axis=-1)
-                                      .view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(getattr(whole, field)).view(np.uint8),
+            np.concatenate([np.asarray(getattr(p, field)) for p in parts], axis=-1).view(np.uint8),
+        )
 
 
 def test_bad_inputs_and_corrupt_entries_are_refused(rng):

@@ -62,8 +62,10 @@ def test_fused_quantized_groups_equal_their_members_bit_for_bit(rng, quantized, 
     root, _ = quantized
     fused_params, _ = store.load(root / "q", manifest)
     apart, _ = store.load(root / "q", manifest, fuse=False)
-    groups = {"kda": ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr"),
-              "mla": ("w_qa_dq", "w_kva_dr", "w_gate_dhv")}
+    groups = {
+        "kda": ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr"),
+        "mla": ("w_qa_dq", "w_kva_dr", "w_gate_dhv"),
+    }
     x = jnp.asarray(rng.standard_normal((2, 7, tiny_cfg.d_model)) * 3, jnp.float32)
     seen = set()
     for i in range(tiny_cfg.n_layers):
@@ -77,7 +79,7 @@ def test_fused_quantized_groups_equal_their_members_bit_for_bit(rng, quantized, 
             for name in members:
                 member = apart[f"layer_{i}"][kind][name]
                 y_m = ops.linear(x, member, kernels=kernels)
-                np.testing.assert_array_equal(np.asarray(y[..., start:start + member.shape[1]]), np.asarray(y_m))
+                np.testing.assert_array_equal(np.asarray(y[..., start : start + member.shape[1]]), np.asarray(y_m))
                 start += member.shape[1]
             assert start == fused_w.shape[1]
             seen.add(kind)
@@ -88,8 +90,18 @@ def test_fused_quantized_groups_equal_their_members_bit_for_bit(rng, quantized, 
 def test_the_engine_on_quantized_weights_gives_the_oracles_tokens(rng, quantized, tiny_cfg, manifest):
     root, _ = quantized
     params, cfg = store.load(root / "q", manifest)
-    eng = Engine(params, cfg, num_pages=48, num_slots=4, num_snapshots=12, page_tokens=16, kda_block_tokens=64,
-                 max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference")
+    eng = Engine(
+        params,
+        cfg,
+        num_pages=48,
+        num_slots=4,
+        num_snapshots=12,
+        page_tokens=16,
+        kda_block_tokens=64,
+        max_pages_per_request=16,
+        prefill_chunk_tokens=40,
+        kernels="reference",
+    )
     assert "/q-" in eng.manager.spec.namespace and "mxfp4" in eng.manager.spec.namespace
     prompts = [rng.integers(0, 256, n).tolist() for n in (37, 70)]
     reqs = [eng.submit(p, 6) for p in prompts]
@@ -147,8 +159,13 @@ def test_a_manifest_that_does_not_match_is_a_clear_error(quantized, tiny_cfg):
         store.load(other_cfg, "fp8_attn")
 
 
-@pytest.mark.parametrize("damage, match", [(lambda s: s.at[0, 0].set(0.0), "non-finite or non-positive"),
-                                           (lambda s: jnp.concatenate([s, s]), "scales for a")])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda s: s.at[0, 0].set(0.0), "non-finite or non-positive"),
+        (lambda s: jnp.concatenate([s, s]), "scales for a"),
+    ],
+)
 def test_a_corrupt_scale_tensor_is_refused_at_load(quantized, damage, match):
     root, _ = quantized
     bad = _copy(root, "bad")
@@ -175,7 +192,8 @@ def test_each_manifest_caches_under_its_own_namespace(quantized):
     spaces = set()
     for argv in ([], ["--manifest", "fp8_attn"], ["--manifest", "mxfp8_attn"]):
         path = root / ("ckpt" if not argv else "q")
-        args = parser.parse_args(["--port", "1", "--num-pages", "8", "--kernels", "reference",
-                                  "--checkpoint", str(path), *argv])
+        args = parser.parse_args(
+            ["--port", "1", "--num-pages", "8", "--kernels", "reference", "--checkpoint", str(path), *argv]
+        )
         spaces.add(worker.build_engine(args)[2]["namespace"])
     assert len(spaces) == 3, spaces

@@ -54,8 +54,10 @@ def test_contiguous_cache_scanned_equals_unrolled(rng, deep_cfg, deep_params):
     caches = [model.init_cache(deep_cfg, 2, 32, jnp.float32)] * 2
     # prefill, a continuation over the cache (the same chunk length: one compile for both), decode
     for lo, hi in ((0, 8), (8, 16), (16, 17)):
-        (want, caches[0]), (got, caches[1]) = (model.forward(p, deep_cfg, toks[:, lo:hi], cache=c, kernels="reference")
-                                               for p, c in ((deep_params, caches[0]), (s, caches[1])))
+        (want, caches[0]), (got, caches[1]) = (
+            model.forward(p, deep_cfg, toks[:, lo:hi], cache=c, kernels="reference")
+            for p, c in ((deep_params, caches[0]), (s, caches[1]))
+        )
         np.testing.assert_array_equal(got, want)
     jax.tree.map(np.testing.assert_array_equal, caches[1], caches[0])
 
@@ -76,11 +78,29 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
     outs = []
     for p in (deep_params, s):
         view = model.paged_view(pools, tables, slots, [0, 0], export_at=[32, -1], valid=valid)
-        logits, out = model.forward_step(p, toks, positions, jax.tree.map(jnp.copy, view), None, cfg=deep_cfg,
-                                         expert_path="grouped", kernels=kernels, logits_tail=1)
+        logits, out = model.forward_step(
+            p,
+            toks,
+            positions,
+            jax.tree.map(jnp.copy, view),
+            None,
+            cfg=deep_cfg,
+            expert_path="grouped",
+            kernels=kernels,
+            logits_tail=1,
+        )
         view = model.paged_view(model.pools_of(out), tables, slots, out["lengths"])
-        step, after = model.forward_step(p, toks[:, -1:], np.asarray(out["lengths"])[:, None], view, None,
-                                         cfg=deep_cfg, expert_path="grouped", kernels=kernels, logits_tail=1)
+        step, after = model.forward_step(
+            p,
+            toks[:, -1:],
+            np.asarray(out["lengths"])[:, None],
+            view,
+            None,
+            cfg=deep_cfg,
+            expert_path="grouped",
+            kernels=kernels,
+            logits_tail=1,
+        )
         outs.append((logits, out["exports"], step, model.pools_of(after)))
     (want_logits, want_exports, want_step, want_pools), *scanned = outs
     for logits, exports, step, got_pools in scanned:
@@ -92,6 +112,6 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
     # and the rows moved: every KDA layer's slots and every MLA layer's first pages were written
     for i, layer in enumerate(model.pool_layers(deep_cfg, got_pools)):
         before = model.pool_layers(deep_cfg, pools)[i]
-        changed = (layer["state"][slots] if "state" in layer else layer["pages"][tables[:, 0]])
-        unchanged = (before["state"][slots] if "state" in layer else before["pages"][tables[:, 0]])
+        changed = layer["state"][slots] if "state" in layer else layer["pages"][tables[:, 0]]
+        unchanged = before["state"][slots] if "state" in layer else before["pages"][tables[:, 0]]
         assert not np.array_equal(changed, unchanged), f"layer {i} wrote nothing"

@@ -5,18 +5,23 @@ text into a special token; the streaming detokenizer."""
 import json
 import os
 
-import numpy as np
 import pytest
 
 from kimik3 import corpus, tokenizer as byte_level
 from kimik3.text import ByteTokenizer, Tokenizer, load_tokenizer
 from kimik3.tokenizer import Message
 
-CONVERSATION = [Message("system", "Answer <|eos|> in kind."), Message("user", "h\u00e9llo \u2603 <|assistant|>", 1),
-                Message("assistant", "ok"), Message("tool", "42")]
-TEXTS = ["The licence grants you the right to copy, modify and distribute.",
-         "na\u00efve caf\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001F600 tabs\tand\nnewlines  ",
-         "print('<|eos|>') # a special token's name is text"]
+CONVERSATION = [
+    Message("system", "Answer <|eos|> in kind."),
+    Message("user", "h\u00e9llo \u2603 <|assistant|>", 1),
+    Message("assistant", "ok"),
+    Message("tool", "42"),
+]
+TEXTS = [
+    "The licence grants you the right to copy, modify and distribute.",
+    "na\u00efve caf\u00e9 \u2014 \u65e5\u672c\u8a9e \U0001f600 tabs\tand\nnewlines  ",
+    "print('<|eos|>') # a special token's name is text",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,8 @@ def test_the_byte_tokenizer_behind_the_protocol_is_the_modules(rng):
     assert isinstance(tok, Tokenizer) and tok.vocab_size == byte_level.VOCAB_SIZE
     assert (tok.eos_id, tok.image_id, tok.bos_id) == (byte_level.EOS_ID, byte_level.IMAGE_ID, byte_level.BOS_ID)
     assert tok.apply_chat_template(CONVERSATION, tokens_per_image=3) == byte_level.apply_chat_template(
-        CONVERSATION, tokens_per_image=3)  # the Jinja template gives the hand-written one's ids
+        CONVERSATION, tokens_per_image=3
+    )  # the Jinja template gives the hand-written one's ids
     # split characters, invalid bytes, specials, and ids past the tokenizer's (a model's vocab may be larger)
     ids = rng.integers(0, byte_level.VOCAB_SIZE + 20, 400).tolist()
     assert _pieces(tok, ids) == tok.decode(ids) == byte_level.decode(ids)
@@ -68,8 +74,9 @@ def test_a_trained_bpe_keeps_the_byte_layout_round_trips_and_compresses(bpe):
         assert not any(tok.is_special(i) for i in ids)  # "<|eos|>" in text is text
     conv = tok.apply_chat_template(CONVERSATION, tokens_per_image=2)
     specials = [i for i in conv if tok.is_special(i)]
-    assert specials == [i for i in byte_level.apply_chat_template(CONVERSATION, tokens_per_image=2)
-                        if i >= byte_level.N_BYTES]  # the same turns, images and ends as the byte template
+    assert specials == [
+        i for i in byte_level.apply_chat_template(CONVERSATION, tokens_per_image=2) if i >= byte_level.N_BYTES
+    ]  # the same turns, images and ends as the byte template
 
 
 def test_the_same_bpe_as_a_tiktoken_file_encodes_identically(bpe):
@@ -89,11 +96,21 @@ def test_the_same_bpe_as_a_tiktoken_file_encodes_identically(bpe):
         assert tik.encode(text) == tok.encode(text)
         assert tik.decode(tik.encode(text)) == text
     assert tik.apply_chat_template(CONVERSATION, tokens_per_image=2) == tok.apply_chat_template(
-        CONVERSATION, tokens_per_image=2)
+        CONVERSATION, tokens_per_image=2
+    )
     template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end_turn|>{% endfor %}<|assistant|>"
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": template, "pat_str": GPT2_PATTERN, "roles": {"eos": "<|end_turn|>"},
-        "added_tokens_decoder": {str(i): {"content": n, "special": True} for n, i in byte_level.SPECIAL_IDS.items()}}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": template,
+                "pat_str": GPT2_PATTERN,
+                "roles": {"eos": "<|end_turn|>"},
+                "added_tokens_decoder": {
+                    str(i): {"content": n, "special": True} for n, i in byte_level.SPECIAL_IDS.items()
+                },
+            }
+        )
+    )
     loaded = load_tokenizer(str(d))
     assert isinstance(loaded, TiktokenTokenizer) and loaded.eos_id == byte_level.END_TURN_ID
     ids = loaded.apply_chat_template([Message("user", "  hi <|assistant|> ")])

@@ -18,8 +18,10 @@ def test_chat_template_structure():
     assert ids[0] == tok.BOS_ID and ids[-1] == tok.SPECIAL_IDS["<|assistant|>"]
     assert ids.count(tok.IMAGE_ID) == 4 and ids.count(tok.END_TURN_ID) == 2
     assert tok.decode(ids, skip_special=False) == (
-        "<|bos|><|system|>be brief<|end_turn|><|user|><|image_start|>" + "<|image|>" * 4
-        + "<|image_end|>hi<|end_turn|><|assistant|>")
+        "<|bos|><|system|>be brief<|end_turn|><|user|><|image_start|>"
+        + "<|image|>" * 4
+        + "<|image_end|>hi<|end_turn|><|assistant|>"
+    )
     assert ids == tok.apply_chat_template(msgs, tokens_per_image=4)  # deterministic
 
 

@@ -18,8 +18,10 @@ def _write(tmp_path, docs):
 
 
 def test_the_split_is_by_block_deterministic_and_keeps_every_byte(tmp_path, rng):
-    texts = {f"doc{i}.txt": "".join(chr(97 + c) for c in rng.integers(0, 26, 3 * corpus.BLOCK_BYTES + 17 * i))
-             for i in range(12)}
+    texts = {
+        f"doc{i}.txt": "".join(chr(97 + c) for c in rng.integers(0, 26, 3 * corpus.BLOCK_BYTES + 17 * i))
+        for i in range(12)
+    }
     d = _write(tmp_path, texts)
     a, b = corpus.load(d, held_out_fraction=0.3), corpus.load(d, held_out_fraction=0.3)
     np.testing.assert_array_equal(a.train, b.train)
@@ -30,7 +32,7 @@ def test_the_split_is_by_block_deterministic_and_keeps_every_byte(tmp_path, rng)
     blocks = sum(-(-len(t) // corpus.BLOCK_BYTES) for t in texts.values())
     assert a.train.size + a.held_out.size == total + blocks
     assert (np.concatenate([a.train, a.held_out]) == tokenizer.EOS_ID).sum() == blocks
-    first = a.train[:a.train.tolist().index(tokenizer.EOS_ID)]
+    first = a.train[: a.train.tolist().index(tokenizer.EOS_ID)]
     assert tokenizer.decode(first.tolist()) in "".join(texts.values())
 
 
@@ -88,8 +90,18 @@ def test_train_config_refuses_what_cannot_run():
 
 
 def test_a_time_limit_stops_the_loop_with_an_evaluation_and_a_checkpoint(tmp_path):
-    tc = train.TrainConfig(config="tiny", steps=500, batch=2, seq_len=16, eval_every=100, eval_batches=1,
-                           corpus="licenses", out=str(tmp_path), progress=False, max_seconds=1e-3)
+    tc = train.TrainConfig(
+        config="tiny",
+        steps=500,
+        batch=2,
+        seq_len=16,
+        eval_every=100,
+        eval_batches=1,
+        corpus="licenses",
+        out=str(tmp_path),
+        progress=False,
+        max_seconds=1e-3,
+    )
     result, _ = train.train(tc)
     assert result["stopped_early"] and result["steps_done"] == 1 and result["tokens"] == 2 * 16
     assert [e["step"] for e in result["evals"]] == [0, 1]

@@ -11,8 +11,10 @@ from nbclient import NotebookClient
 # (tests/serving/test_eagle_ab.py, tests/serving/test_media_bench.py), so they run with the slow
 # tests only (KIMIK3_SLOW=1).
 SLOW = {"eagle_ab.ipynb", "media_cache_ablation.ipynb"}
-NOTEBOOKS = [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
-             for p in sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))]
+NOTEBOOKS = [
+    pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p
+    for p in sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
+]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: getattr(p, "name", None))

@@ -17,17 +17,32 @@ BETA_COL = 3 * H * K + 5  # the projection's output holds other columns between 
 def decode_inputs(rng, b, n_slots, dtype=jnp.float32):
     r = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, dtype)
     return dict(
-        x_in=r(b, BETA_COL + H + 3), fg=r(b, 2 * H * K),  # f | x_gate
+        x_in=r(b, BETA_COL + H + 3),
+        fg=r(b, 2 * H * K),  # f | x_gate
         conv_pool=r(n_slots, W - 1, 3, H * K),
         state_pool=jnp.asarray(rng.standard_normal((n_slots, H, K, K)) * 0.3, jnp.float32),
-    ), dict(w_conv=tuple(r(W, H * K, scale=0.5) for _ in "qkv"), a_log=jnp.log(jnp.asarray([2.0, 9.0])),
-            dt_bias=r(H, K, scale=0.1), o_norm=r(K, scale=0.2) + 1.0, lower_bound=-5.0, eps=1e-6, beta_col=BETA_COL)
+    ), dict(
+        w_conv=tuple(r(W, H * K, scale=0.5) for _ in "qkv"),
+        a_log=jnp.log(jnp.asarray([2.0, 9.0])),
+        dt_bias=r(H, K, scale=0.1),
+        o_norm=r(K, scale=0.2) + 1.0,
+        lower_bound=-5.0,
+        eps=1e-6,
+        beta_col=BETA_COL,
+    )
 
 
 def run(fn, arrays, params, slots, valid):
     a = dict(arrays)
-    return fn(a["x_in"], a["fg"], a["conv_pool"], a["state_pool"],
-              jnp.asarray(slots, jnp.int32), None if valid is None else jnp.asarray(valid, jnp.int32), **params)
+    return fn(
+        a["x_in"],
+        a["fg"],
+        a["conv_pool"],
+        a["state_pool"],
+        jnp.asarray(slots, jnp.int32),
+        None if valid is None else jnp.asarray(valid, jnp.int32),
+        **params,
+    )
 
 
 def test_kernel_equals_reference_over_non_contiguous_slots(rng):
@@ -44,7 +59,7 @@ def test_kernel_equals_reference_over_non_contiguous_slots(rng):
     np.testing.assert_array_equal(np.asarray(conv)[untouched], before["conv_pool"][untouched])
     # the new conv rows are the last W-1 inputs: two old rows, then this token's
     np.testing.assert_array_equal(np.asarray(conv)[5, :2], before["conv_pool"][5, 1:])
-    np.testing.assert_array_equal(np.asarray(conv)[5, 2].reshape(-1), before["x_in"][0, :3 * H * K])
+    np.testing.assert_array_equal(np.asarray(conv)[5, 2].reshape(-1), before["x_in"][0, : 3 * H * K])
 
 
 def test_idle_rows_change_nothing_and_give_zero(rng):
@@ -112,9 +127,12 @@ def test_layer_decode_fused_equals_the_unfused_path(rng, tiny_cfg, layout):
     params = jax.tree.map(lambda p: p + 0.1 * jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
     if layout == "serving":
         params = fuse_in_projections(params)
-    cache = {"state": jnp.asarray(rng.standard_normal((n_slots, h, d, d)) * 0.3, jnp.float32),
-             "conv": jnp.asarray(rng.standard_normal((n_slots, w - 1, 3, h * d)), jnp.float32),
-             "slots": jnp.asarray([4, 1, 2], jnp.int32), "valid": jnp.asarray([1, 1, 0], jnp.int32)}
+    cache = {
+        "state": jnp.asarray(rng.standard_normal((n_slots, h, d, d)) * 0.3, jnp.float32),
+        "conv": jnp.asarray(rng.standard_normal((n_slots, w - 1, 3, h * d)), jnp.float32),
+        "slots": jnp.asarray([4, 1, 2], jnp.int32),
+        "valid": jnp.asarray([1, 1, 0], jnp.int32),
+    }
     y_ref, new_ref = KDA(tiny_cfg, "reference").apply(params, x, cache)
     y, new = KDA(tiny_cfg, "pallas").apply(params, x, cache)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
@@ -128,7 +146,7 @@ def test_the_unbounded_softplus_gate_equals_its_reference_far_below_the_bounded_
     +8 and exp(A_log) = 9 a token's log-decay reaches about -70 per channel (the bounded gate
     stops at -5); the kernel's softplus stays finite and equals the jnp reference's."""
     arrays, params = decode_inputs(rng, 3, 5)
-    arrays["fg"] = arrays["fg"].at[:, :H * K].add(8.0)
+    arrays["fg"] = arrays["fg"].at[:, : H * K].add(8.0)
     params = dict(params, lower_bound=None, eps=1e-5)
     o_ref, _, state_ref = run(kda_decode_ref, arrays, params, [4, 0, 2], None)
     o, _, state = run(kda_decode, arrays, params, [4, 0, 2], None)
@@ -143,5 +161,6 @@ def test_the_softplus_gate_is_the_written_formula():
     f = jnp.asarray([-30.0, -1.0, 0.0, 0.5, 19.0, 25.0, 80.0])
     want = -3.0 * np.where(np.asarray(f) > 20, np.asarray(f), np.log1p(np.exp(np.asarray(f, np.float64))))
     np.testing.assert_allclose(log_decay(3.0, f, None), want, rtol=1e-6)
-    np.testing.assert_allclose(log_decay(3.0, f, -5.0), -5.0 / (1 + np.exp(-3.0 * np.asarray(f, np.float64))),
-                               rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(
+        log_decay(3.0, f, -5.0), -5.0 / (1 + np.exp(-3.0 * np.asarray(f, np.float64))), rtol=1e-6, atol=1e-30
+    )

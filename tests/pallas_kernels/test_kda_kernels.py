@@ -24,15 +24,22 @@ def replay_state(q, k, v, g, beta, n, initial_state=None):
 
 # gate_scale 0.05: weak decay (cumulative gate ~-8 over a chunk), so every block of
 # A_kk matters, not only the ones near the diagonal.
-@pytest.mark.parametrize("b, t, h, dk, dv, impl, gate_scale", [
-    (2, 150, 2, 16, 32, "fused", 1.0), (1, 64, 3, 32, 16, "fused", 1.0), (3, 37, 1, 16, 16, "fused", 1.0),
-    (2, 150, 2, 16, 32, "split", 0.05), (1, 64, 3, 32, 16, "split", 1.0), (2, 150, 2, 16, 32, "intra_solve", 0.05)])
+@pytest.mark.parametrize(
+    "b, t, h, dk, dv, impl, gate_scale",
+    [
+        (2, 150, 2, 16, 32, "fused", 1.0),
+        (1, 64, 3, 32, 16, "fused", 1.0),
+        (3, 37, 1, 16, 16, "fused", 1.0),
+        (2, 150, 2, 16, 32, "split", 0.05),
+        (1, 64, 3, 32, 16, "split", 1.0),
+        (2, 150, 2, 16, 32, "intra_solve", 0.05),
+    ],
+)
 def test_chunk_kda_equals_the_recurrence(rng, b, t, h, dk, dv, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, b, t, h, dk, dv)
     g = g * gate_scale
     s0 = jnp.asarray(rng.standard_normal((b, h, dk, dv)), jnp.float32)
-    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                         tuning={"prepare_impl": impl})
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, tuning={"prepare_impl": impl})
     o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=s0)
     assert np.isfinite(o).all() and np.isfinite(s).all() and ck is None
     np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
@@ -43,8 +50,7 @@ def test_checkpoints_at_128_and_1536_multiples_equal_replayed_prefixes(rng):
     q, k, v, g, beta = kda_inputs(rng, 1, 1600, 1, 16, 16)
     s0 = jnp.asarray(rng.standard_normal((1, 1, 16, 16)), jnp.float32)
     positions = [128, 256, 1408, 1536]
-    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                         checkpoint_positions=positions)
+    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, checkpoint_positions=positions)
     assert ck.shape == (1, 4, 1, 16, 16) and np.isfinite(ck).all()
     for i, p in enumerate(positions):
         np.testing.assert_allclose(ck[0, i], replay_state(q, k, v, g, beta, p, s0)[0], atol=ATOL, rtol=RTOL)
@@ -61,31 +67,52 @@ def test_varlen_batch_in_one_call_with_own_initial_states_and_checkpoints(rng, i
     s0 = jnp.asarray(rng.standard_normal((4, 2, 16, 16)), jnp.float32)
     cu = np.concatenate([[0], np.cumsum(lens)])
     positions = [[64], [128, 192], [64], []]
-    o, s, ck = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                         checkpoint_positions=positions, cu_seqlens=cu, tuning={"prepare_impl": impl})
+    o, s, ck = chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=s0,
+        output_final_state=True,
+        checkpoint_positions=positions,
+        cu_seqlens=cu,
+        tuning={"prepare_impl": impl},
+    )
     assert ck.shape == (4, 2, 16, 16)
     slot = 0
     for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
         seq = [x[:, lo:hi] for x in (q, k, v, g, beta)]
-        o_ref, s_ref = kda_recurrent_ref(*seq, initial_state=s0[i:i + 1])
+        o_ref, s_ref = kda_recurrent_ref(*seq, initial_state=s0[i : i + 1])
         np.testing.assert_allclose(o[:, lo:hi], o_ref, atol=ATOL, rtol=RTOL)
         np.testing.assert_allclose(s[i], s_ref[0], atol=ATOL, rtol=RTOL)
         for p in positions[i]:
-            np.testing.assert_allclose(ck[slot], replay_state(*seq, p, s0[i:i + 1])[0], atol=ATOL, rtol=RTOL)
+            np.testing.assert_allclose(ck[slot], replay_state(*seq, p, s0[i : i + 1])[0], atol=ATOL, rtol=RTOL)
             slot += 1
 
 
-@pytest.mark.parametrize("prepare_dot, impl, gate_scale", [("tf32x3", "fused", 1.0), ("bf16", "fused", 1.0),
-                                                           ("tf32x3", "split", 1.0), ("auto", "split", 0.05)])
+@pytest.mark.parametrize(
+    "prepare_dot, impl, gate_scale",
+    [("tf32x3", "fused", 1.0), ("bf16", "fused", 1.0), ("tf32x3", "split", 1.0), ("auto", "split", 0.05)],
+)
 def test_bf16_inputs_keep_fp32_state(rng, prepare_dot, impl, gate_scale):
     q, k, v, g, beta = kda_inputs(rng, 1, 130, 2, 16, 16)
     g = g * gate_scale
     s0 = jnp.asarray(rng.standard_normal((1, 2, 16, 16)), jnp.float32)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v, beta)]
-    o, s, _ = chunk_kda(bf[0], bf[1], bf[2], g, bf[3], initial_state=s0, output_final_state=True,
-                        tuning={"prepare_dot": prepare_dot, "prepare_impl": impl})
-    o_ref, s_ref = kda_recurrent_ref(*(x.astype(jnp.float32) for x in (bf[0], bf[1], bf[2], g, bf[3])),
-                                     initial_state=s0)
+    o, s, _ = chunk_kda(
+        bf[0],
+        bf[1],
+        bf[2],
+        g,
+        bf[3],
+        initial_state=s0,
+        output_final_state=True,
+        tuning={"prepare_dot": prepare_dot, "prepare_impl": impl},
+    )
+    o_ref, s_ref = kda_recurrent_ref(
+        *(x.astype(jnp.float32) for x in (bf[0], bf[1], bf[2], g, bf[3])), initial_state=s0
+    )
     assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     # bf16 intermediates and operands: bf16-level agreement (relative L2 below 1e-2).
     rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
@@ -161,8 +188,18 @@ class TestFusedRecurrent:
         pool = jnp.asarray(rng.standard_normal((9, 2, 16, 32)), jnp.float32)
         before = np.asarray(pool).copy()
         slots = np.array([7, 0, 4])
-        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, block_v=block_v,
-                                      num_warps=num_warps, cache_hints=cache_hints)
+        o, pool = fused_recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state_pool=pool,
+            slots=slots,
+            block_v=block_v,
+            num_warps=num_warps,
+            cache_hints=cache_hints,
+        )
         o_ref, s_ref = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(pool)[slots], s_ref, atol=1e-5, rtol=1e-5)
@@ -176,12 +213,13 @@ class TestFusedRecurrent:
         before = np.asarray(pool).copy()
         slots = np.array([3, 1])
         accepted = np.array([2, 4])
-        o, pool = fused_recurrent_kda(q, k, v, g, beta, state_pool=pool, slots=slots, num_accepted=accepted,
-                                      cache_hints=cache_hints)
+        o, pool = fused_recurrent_kda(
+            q, k, v, g, beta, state_pool=pool, slots=slots, num_accepted=accepted, cache_hints=cache_hints
+        )
         o_ref, _ = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(before[slots]))
         np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=1e-5)  # outputs for every drafted token
         for i, n in enumerate(accepted):
-            want = replay_state(*(x[i:i + 1] for x in (q, k, v, g, beta)), n, jnp.asarray(before[slots[i]][None]))
+            want = replay_state(*(x[i : i + 1] for x in (q, k, v, g, beta)), n, jnp.asarray(before[slots[i]][None]))
             np.testing.assert_allclose(np.asarray(pool)[slots[i]], want[0], atol=1e-5, rtol=1e-5)
 
     def test_a_verify_pass_exports_the_state_after_every_token(self, rng):

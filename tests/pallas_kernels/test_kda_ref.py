@@ -71,7 +71,7 @@ def test_matches_the_definition_on_one_token():
     s = np.exp(np.asarray(g[0, 0, 0]))[:, None] * s0[0, 0]
     kk, vv = np.asarray(k[0, 0, 0]), np.asarray(v[0, 0, 0])
     s = s + float(beta[0, 0, 0]) * np.outer(kk, vv - s.T @ kk)
-    o_expected = s.T @ (np.asarray(q[0, 0, 0]) * 4 ** -0.5)
+    o_expected = s.T @ (np.asarray(q[0, 0, 0]) * 4**-0.5)
     o, s_final = kda_recurrent_ref(q, k, v, g, beta, initial_state=jnp.asarray(s0))
     np.testing.assert_allclose(o[0, 0, 0], o_expected, atol=1e-6, rtol=1e-5)
     np.testing.assert_allclose(s_final[0, 0], s, atol=1e-6, rtol=1e-5)

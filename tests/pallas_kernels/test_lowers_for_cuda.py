@@ -16,8 +16,12 @@ from pallas_kernels import kda, kda_decode, mla, moe, moe_combine, moe_mxfp4, mo
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
-H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
-                    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+H200 = AbstractMesh(
+    (1,),
+    ("x",),
+    (AxisType.Explicit,),
+    abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
+)
 
 
 def lowered_triton_calls(fn, *shapes) -> int:
@@ -40,32 +44,78 @@ def test_kda_decode_at_small_dims(rows, lower_bound):
     """The bounded gate (Kimi-K3) and the unbounded softplus gate (Kimi-Linear, lower_bound None)."""
     h, k, n_slots = 12, 128, 2 * rows + 2
     fn = lambda x, fg, cp, sp, sl, va, wq, wk, wv, a, dt, on: kda_decode._decode_core(
-        x, fg, cp, sp, sl, va, (wq, wk, wv), a, dt, on, beta_col=3 * h * k + k, lower_bound=lower_bound, eps=1e-6,
-        l2_eps=1e-6, scale=k ** -0.5, block_v=64, num_warps=4, interpret=False)
-    assert lowered_triton_calls(
-        fn, S((rows, 3 * h * k + 2 * k + h), BF16), S((rows, 2 * h * k), BF16),
-        S((n_slots, 3, 3, h * k), BF16), S((n_slots, h, k, k), F32), S((rows,), I32), S((rows,), I32),
-        *[S((4, h * k), BF16)] * 3, S((h,), F32), S((h, k), F32), S((k,), F32)) == 1
+        x,
+        fg,
+        cp,
+        sp,
+        sl,
+        va,
+        (wq, wk, wv),
+        a,
+        dt,
+        on,
+        beta_col=3 * h * k + k,
+        lower_bound=lower_bound,
+        eps=1e-6,
+        l2_eps=1e-6,
+        scale=k**-0.5,
+        block_v=64,
+        num_warps=4,
+        interpret=False,
+    )
+    assert (
+        lowered_triton_calls(
+            fn,
+            S((rows, 3 * h * k + 2 * k + h), BF16),
+            S((rows, 2 * h * k), BF16),
+            S((n_slots, 3, 3, h * k), BF16),
+            S((n_slots, h, k, k), F32),
+            S((rows,), I32),
+            S((rows,), I32),
+            *[S((4, h * k), BF16)] * 3,
+            S((h,), F32),
+            S((h, k), F32),
+            S((k,), F32),
+        )
+        == 1
+    )
 
 
-@pytest.mark.parametrize("block_v, num_warps, cache_hints", [(64, 8, False), (64, 8, True), (32, 4, False),
-                                                         (64, 4, False), (16, 1, False), (128, 8, False)])
+@pytest.mark.parametrize(
+    "block_v, num_warps, cache_hints",
+    [(64, 8, False), (64, 8, True), (32, 4, False), (64, 4, False), (16, 1, False), (128, 8, False)],
+)
 def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps, cache_hints):
     """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (64 columns on 8
     warps is the default, 32 on 4 fla 0.6's), and the default with fla's eviction hints."""
     b, h, d = 64, 32, 128
     fn = lambda q, k, v, g, beta, pool, slots, n_acc: kda._fused_recurrent_core(
-        q, k, v, g, beta, pool, slots, n_acc, scale=d ** -0.5, block_v=block_v, interpret=False, num_warps=num_warps,
-        cache_hints=cache_hints)
-    assert lowered_triton_calls(fn, *[S((b, 1, h, d), BF16)] * 4, S((b, 1, h), BF16), S((2 * b, h, d, d), F32),
-                                S((b,), I32), S((b,), I32)) == 1
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        slots,
+        n_acc,
+        scale=d**-0.5,
+        block_v=block_v,
+        interpret=False,
+        num_warps=num_warps,
+        cache_hints=cache_hints,
+    )
+    assert (
+        lowered_triton_calls(
+            fn, *[S((b, 1, h, d), BF16)] * 4, S((b, 1, h), BF16), S((2 * b, h, d, d), F32), S((b,), I32), S((b,), I32)
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("rows", [8, 32])
 def test_moe_combine_norm_at_small_dims(rows):
     fn = lambda y, dest, w, norm: moe_combine._combine_norm_core(y, dest, w, norm, eps=1e-6, interpret=False)
-    assert lowered_triton_calls(fn, S((32 * 16, 768), BF16), S((rows, 4), I32), S((rows, 4), F32),
-                                S((768,), BF16)) == 1
+    assert lowered_triton_calls(fn, S((32 * 16, 768), BF16), S((rows, 4), I32), S((rows, 4), F32), S((768,), BF16)) == 1
 
 
 @pytest.mark.parametrize("rows", [8, 32])
@@ -78,9 +128,12 @@ def test_moe_route_at_small_dims(rows):
 def test_grouped_ffn_with_the_activation_in_the_epilogue(dtype, tokens):
     act = lambda gate, up: jax.nn.silu(gate) * up
     fn = lambda x, ids, w_gateup, w_out: moe.grouped_ffn(x, ids, w_gateup, w_out, act=act, interpret=False)
-    assert lowered_triton_calls(fn, S((tokens, 768), dtype), S((tokens, 4), I32), S((32, 768, 1536), dtype),
-                                S((32, 768, 768), dtype)) == 2
-
+    assert (
+        lowered_triton_calls(
+            fn, S((tokens, 768), dtype), S((tokens, 4), I32), S((32, 768, 1536), dtype), S((32, 768, 768), dtype)
+        )
+        == 2
+    )
 
 
 @pytest.mark.parametrize("b, splits, rows", [(8, 4, 16), (32, 1, 16), (4, 6, 64)])
@@ -98,15 +151,23 @@ def test_block_scaled_gemm_at_small_dims(fmt, rows):
     sw = S((k // bk, 39), F32) if fmt == "fp8" else S((k // bk, n), jnp.float8_e8m0fnu)
     col_block = S((n,), I32) if fmt == "fp8" else None
     fn = lambda xq, sx, wq, sw, cb: qgemm.qmatmul(fmt, xq, sx, wq, sw, cb, interpret=False)
-    assert lowered_triton_calls(fn, S((rows, k), jnp.float8_e4m3fn), S((rows, k // bk), F32),
-                                S((k, n), jnp.float8_e4m3fn), sw, col_block) == 1
+    assert (
+        lowered_triton_calls(
+            fn, S((rows, k), jnp.float8_e4m3fn), S((rows, k // bk), F32), S((k, n), jnp.float8_e4m3fn), sw, col_block
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("rows", [32, 4096])  # a decode step's assignments, a prefill chunk's
 def test_mxfp4_grouped_gemm_at_small_dims(rows):
     fn = lambda x, values, scales, sizes: moe_mxfp4.grouped_matmul_mxfp4(x, values, scales, sizes, interpret=False)
-    assert lowered_triton_calls(fn, S((rows, 768), BF16), S((32, 768, 768), jnp.uint8),
-                                S((32, 24, 1536), jnp.float8_e8m0fnu), S((32,), I32)) == 1
+    assert (
+        lowered_triton_calls(
+            fn, S((rows, 768), BF16), S((32, 768, 768), jnp.uint8), S((32, 24, 1536), jnp.float8_e8m0fnu), S((32,), I32)
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("tokens", [4, 32, 128])  # gathered decode rows (few-row and wide tiles), the padded copy
@@ -114,11 +175,22 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
     """The decode step's routed experts with MXFP4 gate/up and down: the inline-PTX decode and the
     even / odd column stores lower."""
     act = lambda gate, up: jax.nn.silu(gate) * up
-    fn = lambda x, ids, vg, sg, vo, so: moe.grouped_ffn(x, ids, mxfp4.PackedMXFP4(vg, sg), mxfp4.PackedMXFP4(vo, so),
-                                                        act=act, interpret=False)
+    fn = lambda x, ids, vg, sg, vo, so: moe.grouped_ffn(
+        x, ids, mxfp4.PackedMXFP4(vg, sg), mxfp4.PackedMXFP4(vo, so), act=act, interpret=False
+    )
     e8 = jnp.float8_e8m0fnu
-    assert lowered_triton_calls(fn, S((tokens, 768), BF16), S((tokens, 8), I32), S((32, 768, 768), jnp.uint8),
-                                S((32, 24, 1536), e8), S((32, 768, 384), jnp.uint8), S((32, 24, 768), e8)) == 2
+    assert (
+        lowered_triton_calls(
+            fn,
+            S((tokens, 768), BF16),
+            S((tokens, 8), I32),
+            S((32, 768, 768), jnp.uint8),
+            S((32, 24, 1536), e8),
+            S((32, 768, 384), jnp.uint8),
+            S((32, 24, 768), e8),
+        )
+        == 2
+    )
 
 
 @pytest.mark.parametrize("impl, kernels", [("split", 3), ("intra_solve", 2)])
@@ -127,9 +199,18 @@ def test_chunk_kda_prefill_lowers_as_its_triton_kernels(impl, kernels):
     the split prepare (intra, solve) and the state pass with o in its loop, three Triton calls;
     with the intra and solve in one program, two."""
     t, h, d = 1024, 4, 128
-    fn = lambda q, k, v, g, beta: kda.chunk_kda(q, k, v, g, beta, output_final_state=True,
-                                                checkpoint_positions=list(range(128, t + 1, 128)), interpret=False,
-                                                tuning={"prepare_impl": impl})
-    calls = lowered_triton_calls(fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32),
-                                 S((1, t, h), BF16))
+    fn = lambda q, k, v, g, beta: kda.chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        output_final_state=True,
+        checkpoint_positions=list(range(128, t + 1, 128)),
+        interpret=False,
+        tuning={"prepare_impl": impl},
+    )
+    calls = lowered_triton_calls(
+        fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32), S((1, t, h), BF16)
+    )
     assert calls == kernels

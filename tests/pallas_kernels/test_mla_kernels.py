@@ -11,8 +11,16 @@ import pytest
 
 import jax
 
-from pallas_kernels.mla import (LatentPrefix, gather_pages, mla_decode, mla_decode_ref, mla_prefill,
-                                mla_prefill_chunk, mla_prefill_ref, write_latent)
+from pallas_kernels.mla import (
+    LatentPrefix,
+    gather_pages,
+    mla_decode,
+    mla_decode_ref,
+    mla_prefill,
+    mla_prefill_chunk,
+    mla_prefill_ref,
+    write_latent,
+)
 from pallas_kernels.attention import attend
 
 ATOL, RTOL = 2e-5, 2e-5  # fp32 inputs, fp32 accumulation; online softmax reorders sums
@@ -32,7 +40,7 @@ def _rand(rng, *shape):
 
 def _paged(rng, b, n_pages, page, width, max_pages):
     pages = _rand(rng, n_pages, page, width)
-    table = jnp.asarray(rng.permutation(n_pages)[:b * max_pages].reshape(b, max_pages), jnp.int32)
+    table = jnp.asarray(rng.permutation(n_pages)[: b * max_pages].reshape(b, max_pages), jnp.int32)
     return pages, table
 
 
@@ -48,18 +56,22 @@ def test_decode_equals_naive_attention_on_expanded_kv(rng, sq, n_splits, block_v
     w_kb, w_vb = _rand(rng, r, h, nope) * 0.3, _rand(rng, r, h, dv) * 0.3
     q_nope, q_pe = _rand(rng, b, sq, h, nope), _rand(rng, b, sq, h, p)
     q_latent = jnp.einsum("bshn,rhn->bshr", q_nope, w_kb)
-    o_lat, lse = mla_decode(q_latent, q_pe, pages, table, lens, scale=0.2, n_splits=n_splits, block_k=16,
-                            block_v=block_v)
+    o_lat, lse = mla_decode(
+        q_latent, q_pe, pages, table, lens, scale=0.2, n_splits=n_splits, block_k=16, block_v=block_v
+    )
     assert np.isfinite(o_lat).all() and np.isfinite(lse).all()
     # naive form on expanded keys and values
     kv = gather_pages(pages, table)
-    k = jnp.concatenate([jnp.einsum("bsr,rhn->bshn", kv[..., :r], w_kb),
-                         jnp.broadcast_to(kv[:, :, None, r:], kv.shape[:2] + (h, p))], -1)
+    k = jnp.concatenate(
+        [jnp.einsum("bsr,rhn->bshn", kv[..., :r], w_kb), jnp.broadcast_to(kv[:, :, None, r:], kv.shape[:2] + (h, p))],
+        -1,
+    )
     v = jnp.einsum("bsr,rhv->bshv", kv[..., :r], w_vb)
     q_pos = lens[:, None] - sq + jnp.arange(sq)[None]
     k_pos = jnp.broadcast_to(jnp.arange(kv.shape[1])[None], kv.shape[:2])
-    o_naive, lse_naive = attend(jnp.concatenate([q_nope, q_pe], -1), k, v, scale=0.2, q_pos_bt=q_pos,
-                                k_pos_bs=k_pos, return_lse=True)
+    o_naive, lse_naive = attend(
+        jnp.concatenate([q_nope, q_pe], -1), k, v, scale=0.2, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True
+    )
     np.testing.assert_allclose(jnp.einsum("bshr,rhv->bshv", o_lat, w_vb), o_naive, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(lse, lse_naive, atol=1e-4, rtol=1e-4)
     o_ref, lse_ref = mla_decode_ref(q_latent, q_pe, pages, table, lens, scale=0.2)
@@ -101,7 +113,9 @@ def test_prefill_with_cached_prefix_equals_reference(rng, with_prefix, block, bl
     prefix = None
     if with_prefix:
         pages, table = _paged(rng, 3, 12, page, r + p, 4)
-        prefix = LatentPrefix(pages, table, jnp.asarray(p_lens), _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2)
+        prefix = LatentPrefix(
+            pages, table, jnp.asarray(p_lens), _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2
+        )
     o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=block, block_k=block_k)
     assert o.shape == (t, h, dv) and np.isfinite(o).all() and np.isfinite(lse).all()
     o_ref, lse_ref = mla_prefill_ref(q, k, v, cu_seqlens=cu, scale=0.2, prefix=prefix)
@@ -125,8 +139,10 @@ def test_sequences_of_whole_query_tiles_are_laid_out_by_a_reshape_and_give_the_r
     np.testing.assert_array_equal(lay.gather(q), slow)
     assert "gather" not in str(jax.make_jaxpr(lay.gather)(q))
     pages, table = _paged(rng, 2, 8, page, r + p, 4)
-    for prefix in (None, LatentPrefix(pages, table, jnp.asarray([40, 0]), _rand(rng, r, h, nope) * 0.2,
-                                      _rand(rng, r, h, dv) * 0.2)):
+    for prefix in (
+        None,
+        LatentPrefix(pages, table, jnp.asarray([40, 0]), _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2),
+    ):
         o, lse = mla_prefill(q, k, v, cu_seqlens=cu, scale=0.2, rope_dim=p, prefix=prefix, block=16, block_k=16)
         o_ref, lse_ref = mla_prefill_ref(q, k, v, cu_seqlens=cu, scale=0.2, prefix=prefix)
         assert o.shape == (64, h, dv)
@@ -144,13 +160,20 @@ def test_prefill_chunk_with_traced_prefix_lengths_equals_reference(rng, t):
     q, k, v = _rand(rng, b, t, h, nope + p), _rand(rng, b, t, h, nope + p), _rand(rng, b, t, h, dv)
     pages, table = _paged(rng, b, 14, page, r + p, 4)
     w_kb, w_vb = _rand(rng, r, h, nope) * 0.2, _rand(rng, r, h, dv) * 0.2
-    chunk = jax.jit(lambda lens: mla_prefill_chunk(q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb), scale=0.2,
-                                                   rope_dim=p))
+    chunk = jax.jit(
+        lambda lens: mla_prefill_chunk(q, k, v, LatentPrefix(pages, table, lens, w_kb, w_vb), scale=0.2, rope_dim=p)
+    )
     o, lse = chunk(p_lens)
     assert o.shape == (b, t, h, dv) and lse.shape == (b, t, h) and np.isfinite(o).all() and np.isfinite(lse).all()
     pack = lambda x: x.reshape((b * t,) + x.shape[2:])
-    o_ref, lse_ref = mla_prefill_ref(pack(q), pack(k), pack(v), cu_seqlens=np.arange(b + 1) * t, scale=0.2,
-                                     prefix=LatentPrefix(pages, table, p_lens, w_kb, w_vb))
+    o_ref, lse_ref = mla_prefill_ref(
+        pack(q),
+        pack(k),
+        pack(v),
+        cu_seqlens=np.arange(b + 1) * t,
+        scale=0.2,
+        prefix=LatentPrefix(pages, table, p_lens, w_kb, w_vb),
+    )
     np.testing.assert_allclose(pack(o), o_ref, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(pack(lse), lse_ref, atol=ATOL, rtol=RTOL)
 
@@ -169,8 +192,14 @@ class TestBadInput:
         pages, table = _paged(rng, 1, 4, 16, 48, 2)
         x = _rand(rng, 1, 4, 2, 24)
         with pytest.raises(ValueError, match="covering prefix.lens"):
-            mla_prefill_chunk(x, x, x, LatentPrefix(pages, table, jnp.asarray([40]), _rand(rng, 32, 2, 8),
-                                                    _rand(rng, 32, 2, 24)), scale=0.1, rope_dim=16)
+            mla_prefill_chunk(
+                x,
+                x,
+                x,
+                LatentPrefix(pages, table, jnp.asarray([40]), _rand(rng, 32, 2, 8), _rand(rng, 32, 2, 24)),
+                scale=0.1,
+                rope_dim=16,
+            )
 
     def test_seq_len_beyond_the_table(self, rng):
         ql, qp, pages, table = self._decode_args(rng)
@@ -219,8 +248,11 @@ def test_prefill_stages_fit_shared_memory_at_model_dims():
 
 
 def test_prefill_refuses_stages_over_shared_memory(rng):
-    q, k, v = _rand(rng, 64, 2, 192).astype(jnp.float32), _rand(rng, 64, 2, 192).astype(jnp.float32), \
-        _rand(rng, 64, 2, 128).astype(jnp.float32)
+    q, k, v = (
+        _rand(rng, 64, 2, 192).astype(jnp.float32),
+        _rand(rng, 64, 2, 192).astype(jnp.float32),
+        _rand(rng, 64, 2, 128).astype(jnp.float32),
+    )
     with pytest.raises(ValueError, match="shared memory"):
         mla_prefill(q, k, v, cu_seqlens=[0, 64], scale=0.1, rope_dim=64, num_stages=3)
 
@@ -245,8 +277,9 @@ def test_the_split_merge_kernel_equals_its_reference(rng, b, splits, sq, h, r):
     if splits == 1:
         lse[0, 0, :4] = -np.inf  # rows with no keys at all: o 0, lse -inf
     o = jnp.where(jnp.isfinite(jnp.asarray(lse))[..., None], o, 0.0)
-    got = merge_splits(o, jnp.asarray(lse), (b, sq, h, r), jnp.float32, kernel=True,
-                       interpret=jax.default_backend() != "gpu")
+    got = merge_splits(
+        o, jnp.asarray(lse), (b, sq, h, r), jnp.float32, kernel=True, interpret=jax.default_backend() != "gpu"
+    )
     want = merge_splits_ref(o, jnp.asarray(lse), (b, sq, h, r), jnp.float32)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)

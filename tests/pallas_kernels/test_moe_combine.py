@@ -2,7 +2,6 @@
 reference, and the reference equals what `LatentMoE` computes unfused: `combine` of the
 gathered rows, then `rms_norm`."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from pallas_kernels.moe_combine import combine_norm, combine_norm_ref
 
 def inputs(rng, n, k, rows, width, dtype, dead=()):
     y = jnp.asarray(rng.standard_normal((rows, width)), dtype)
-    dest = rng.permutation(rows)[:n * k].reshape(n, k).astype(np.int32)
+    dest = rng.permutation(rows)[: n * k].reshape(n, k).astype(np.int32)
     for token in dead:  # a token routed to no expert: every dest past the rows
         dest[token] = rows + 3
     w = jnp.asarray(rng.random((n, k)), jnp.float32)
@@ -43,8 +42,9 @@ def test_bf16_rounds_where_the_unfused_path_does(rng):
     assert got.dtype == jnp.bfloat16
     want = combine_norm_ref(y, dest, w, norm, eps=1e-6)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2, rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(unfused(y, dest, w, norm, 1e-6), np.float32),
-                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(want, np.float32), np.asarray(unfused(y, dest, w, norm, 1e-6), np.float32), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_bad_shapes_are_named_before_any_launch(rng):

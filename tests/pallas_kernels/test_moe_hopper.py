@@ -14,7 +14,7 @@ from pallas_kernels import moe, moe_hopper, mxfp4
 
 S = jax.ShapeDtypeStruct
 ACT = _SituGLU((8.0, 8.0))
-BF16_ULP = 2.0 ** -8  # a bf16's rounding, relative
+BF16_ULP = 2.0**-8  # a bf16's rounding, relative
 
 
 def _operands(seed, m, k, n, g, empty=(1,)):
@@ -38,16 +38,22 @@ def _layout(x, sizes, g, block_m):
     m = x.shape[0]
     n_tiles = moe._n_tiles(m, g, block_m)
     dest, tile_group = moe._padded_layout(sizes, m, block_m, n_tiles)
-    x_pad = jnp.zeros((n_tiles * block_m, x.shape[1]), x.dtype).at[
-        jnp.where(dest >= 0, dest, n_tiles * block_m)].set(x, mode="drop")
+    x_pad = (
+        jnp.zeros((n_tiles * block_m, x.shape[1]), x.dtype)
+        .at[jnp.where(dest >= 0, dest, n_tiles * block_m)]
+        .set(x, mode="drop")
+    )
     return dest, tile_group, x_pad
 
 
-@pytest.mark.parametrize("tiling, layout", [
-    (moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2), "ragged"),
-    (moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False), "ragged"),
-    (moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4), "padded"),
-])
+@pytest.mark.parametrize(
+    "tiling, layout",
+    [
+        (moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2), "ragged"),
+        (moe_hopper.HopperTiling(tile_m=128, tile_n=128, steps=3, grid_width=1, m_minor=False), "ragged"),
+        (moe_hopper.HopperTiling(tile_m=64, tile_n=64, tile_k=128, steps=2, grid_width=4), "padded"),
+    ],
+)
 def test_grouped_matmul_equals_the_reference(tiling, layout):
     """Fresh random rows over 4 groups (one empty, some rows in none), M not a multiple of the
     row tile: every row is its group's product rounded once to bf16 (fp32 accumulation in
@@ -55,8 +61,7 @@ def test_grouped_matmul_equals_the_reference(tiling, layout):
     loop over many work items.  Ragged: blocks two groups share are stored row-exactly by each."""
     x, w, sizes = _operands(0, 300, 256, 256, 4)
     block_m = 128
-    got = moe_hopper.grouped_matmul(x, w, sizes, layout=layout, block_m=block_m, tiling=tiling, sms=3,
-                                    interpret=True)
+    got = moe_hopper.grouped_matmul(x, w, sizes, layout=layout, block_m=block_m, tiling=tiling, sms=3, interpret=True)
     ref = np.asarray(moe.grouped_matmul_ref(x.astype(jnp.float32), w.astype(jnp.float32), sizes))
     np.testing.assert_allclose(_f32(got), ref, rtol=2 * BF16_ULP, atol=1e-6)
     assert np.mean(_f32(got) == _f32(jnp.asarray(ref).astype(jnp.bfloat16))) > 0.99
@@ -94,31 +99,35 @@ def test_the_ragged_work_table_covers_every_row_once():
     cdiv(M + 7 G, tile) + G, whatever the sizes (empty groups, groups inside one tile, rows past
     the groups)."""
     rng = np.random.default_rng(5)
-    for m, tile, sizes in [(300, 64, [0, 100, 0, 70, 96]), (128, 64, [128, 0]), (64, 64, [0, 0, 0, 1]),
-                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24))), (256, 64, [256]),
-                           (4000, 64, [1] * 60 + [3000])]:
+    for m, tile, sizes in [
+        (300, 64, [0, 100, 0, 70, 96]),
+        (128, 64, [128, 0]),
+        (64, 64, [0, 0, 0, 1]),
+        (1000, 128, list(rng.multinomial(900, np.ones(24) / 24))),
+        (256, 64, [256]),
+        (4000, 64, [1] * 60 + [3000]),
+    ]:
         work = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile))
         assert work.shape == (4, -(-(m + 7 * len(sizes)) // tile) + len(sizes))
         owner = np.full(m, -1)
         items = work[:, work[0] >= 0]
         starts = np.concatenate([[0], np.cumsum(sizes)])
-        assert items.shape[1] == sum(-(-(starts[i + 1] - starts[i] // 8 * 8) // tile)
-                                     for i, s in enumerate(sizes) if s)
+        assert items.shape[1] == sum(-(-(starts[i + 1] - starts[i] // 8 * 8) // tile) for i, s in enumerate(sizes) if s)
         for group, row0, lo, hi in items.T:
             assert row0 % 8 == 0 and (row0 - starts[group] // 8 * 8) % tile == 0
             assert 0 <= lo < hi <= tile
             span = np.arange(row0 + lo, row0 + hi)
             assert np.all(owner[span] == -1)
             owner[span] = group
-        assert np.array_equal(owner[:sum(sizes)], np.repeat(np.arange(len(sizes)), sizes))
-        assert np.all(owner[sum(sizes):] == -1)
+        assert np.array_equal(owner[: sum(sizes)], np.repeat(np.arange(len(sizes)), sizes))
+        assert np.all(owner[sum(sizes) :] == -1)
         # zero_tail: the rows past the groups become group G's, stored (as zeros) exactly once
         tail = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile, zero_tail=True))
         assert tail.shape == (4, -(-(m + 7 * (len(sizes) + 1)) // tile) + len(sizes) + 1)
         owner = np.full(m, -1)
         for group, row0, lo, hi in tail[:, tail[0] >= 0].T:
-            assert row0 % 8 == 0 and 0 <= lo < hi <= tile and np.all(owner[row0 + lo:row0 + hi] == -1)
-            owner[row0 + lo:row0 + hi] = group
+            assert row0 % 8 == 0 and 0 <= lo < hi <= tile and np.all(owner[row0 + lo : row0 + hi] == -1)
+            owner[row0 + lo : row0 + hi] = group
         assert np.array_equal(owner, np.repeat(np.arange(len(sizes) + 1), list(sizes) + [m - sum(sizes)]))
 
 
@@ -126,14 +135,22 @@ def test_the_kernels_own_work_items_are_the_tables():
     """`ragged_item` (the kernel's unrolled loop over the groups, here on a vector of items)
     gives every item `ragged_work`'s table holds, and no other."""
     rng = np.random.default_rng(9)
-    for m, tile, sizes in [(300, 64, [0, 100, 0, 70, 96]), (64, 64, [0, 0, 0, 1]), (4000, 64, [1] * 60 + [3000]),
-                           (1000, 128, list(rng.multinomial(900, np.ones(24) / 24)))]:
+    for m, tile, sizes in [
+        (300, 64, [0, 100, 0, 70, 96]),
+        (64, 64, [0, 0, 0, 1]),
+        (4000, 64, [1] * 60 + [3000]),
+        (1000, 128, list(rng.multinomial(900, np.ones(24) / 24))),
+    ]:
         for zero_tail in (False, True):
             table = np.asarray(moe_hopper.ragged_work(jnp.asarray(sizes, jnp.int32), m, tile, zero_tail=zero_tail))
             item = jnp.arange(table.shape[1], dtype=jnp.int32)
             sz = jnp.asarray(sizes, jnp.int32)
-            got = np.stack([np.asarray(a) for a in moe_hopper.ragged_item(lambda i: sz[i], len(sizes), m, tile, item,
-                                                                          zero_tail=zero_tail)])
+            got = np.stack(
+                [
+                    np.asarray(a)
+                    for a in moe_hopper.ragged_item(lambda i: sz[i], len(sizes), m, tile, item, zero_tail=zero_tail)
+                ]
+            )
             assert np.array_equal(got[0], table[0])
             valid = table[0] >= 0
             assert np.array_equal(got[:, valid], table[:, valid])
@@ -165,8 +182,16 @@ def test_the_activation_runs_in_the_gate_up_epilogue():
     x, w, sizes = _operands(1, 200, 128, 256, 3)
     block_m = 128
     dest, tile_group, x_pad = _layout(x, sizes, 3, block_m)
-    out = moe_hopper.gmm_padded(tile_group, x_pad, w, block_m, act=ACT,
-                                tiling=moe_hopper.HopperTiling(tile_n=64, steps=2), sms=2, interpret=True)
+    out = moe_hopper.gmm_padded(
+        tile_group,
+        x_pad,
+        w,
+        block_m,
+        act=ACT,
+        tiling=moe_hopper.HopperTiling(tile_n=64, steps=2),
+        sms=2,
+        interpret=True,
+    )
     assert out.shape == (x_pad.shape[0], 128)
     h = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     ref = _f32(ACT(h[:, :128].astype(jnp.float32), h[:, 128:].astype(jnp.float32)).astype(jnp.bfloat16))
@@ -220,8 +245,14 @@ def test_bad_operands_are_named_before_any_launch():
     with pytest.raises(ValueError, match="odd"):
         moe_hopper.gmm_padded(tg, x, jnp.zeros((2, 128, 257), jnp.bfloat16), 128, act=ACT)
     with pytest.raises(ValueError, match="multiples of 128"):
-        moe.grouped_ffn(x, jnp.zeros((128, 1), jnp.int32), jnp.zeros((2, 128, 192), jnp.bfloat16),
-                        jnp.zeros((2, 96, 128), jnp.bfloat16), act=ACT, impl="hopper")
+        moe.grouped_ffn(
+            x,
+            jnp.zeros((128, 1), jnp.int32),
+            jnp.zeros((2, 128, 192), jnp.bfloat16),
+            jnp.zeros((2, 96, 128), jnp.bfloat16),
+            act=ACT,
+            impl="hopper",
+        )
 
 
 # (L, F, experts, assignments): `small`'s prefill chunk of 2048 tokens x 4, a full-scale EP rank's
@@ -237,16 +268,19 @@ def test_lowers_for_hopper_at_the_model_shapes(l, f, e, assignments):
     rows = moe._n_tiles(assignments, e, block_m) * block_m
     for w_shape, act in (((e, l, 2 * f), ACT), ((e, f, l), None)):
         fn = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, act=act)
-        jax.jit(fn).trace(S((rows // block_m,), jnp.int32), S((rows, w_shape[1]), jnp.bfloat16),
-                          S(w_shape, jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(
+            S((rows // block_m,), jnp.int32), S((rows, w_shape[1]), jnp.bfloat16), S(w_shape, jnp.bfloat16)
+        ).lower(lowering_platforms=("cuda",))
     for w_shape, act in (((e, l, 2 * f), ACT), ((e, f, l), None)):  # rows sorted by expert, as they are
         fn = lambda x, w, sizes: moe_hopper.gmm_ragged(x, w, sizes, act=act)
-        jax.jit(fn).trace(S((assignments, w_shape[1]), jnp.bfloat16), S(w_shape, jnp.bfloat16),
-                          S((e,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        jax.jit(fn).trace(
+            S((assignments, w_shape[1]), jnp.bfloat16), S(w_shape, jnp.bfloat16), S((e,), jnp.int32)
+        ).lower(lowering_platforms=("cuda",))
     deep = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, tiling=moe_hopper.HopperTiling(steps=8))
     with pytest.raises(ValueError, match="shared memory"):
-        jax.jit(deep).trace(S((rows // block_m,), jnp.int32), S((rows, f), jnp.bfloat16),
-                            S((e, f, l), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+        jax.jit(deep).trace(
+            S((rows // block_m,), jnp.int32), S((rows, f), jnp.bfloat16), S((e, f, l), jnp.bfloat16)
+        ).lower(lowering_platforms=("cuda",))
 
 
 def test_ops_chooses_the_hopper_kernels_only_where_asked_and_where_they_fit(monkeypatch):

@@ -21,15 +21,18 @@ def _groups(rng, m, g, empty=(1,)):
     return jnp.asarray(sizes, jnp.int32)
 
 
-@pytest.mark.parametrize("m, k, n, g, dtype, block_m", [
-    (37, 32, 48, 8, jnp.float32, None),      # decode-like: a few rows per expert, N not a multiple of 32
-    (300, 64, 128, 5, jnp.bfloat16, None),   # bf16 operands, fp32 accumulation
-    (700, 96, 32, 6, jnp.float32, None),     # M > 512: 64-row tiles; K by 32-wide steps
-    (5, 16, 16, 4, jnp.float32, 16),         # fewer rows than experts
-])
+@pytest.mark.parametrize(
+    "m, k, n, g, dtype, block_m",
+    [
+        (37, 32, 48, 8, jnp.float32, None),  # decode-like: a few rows per expert, N not a multiple of 32
+        (300, 64, 128, 5, jnp.bfloat16, None),  # bf16 operands, fp32 accumulation
+        (700, 96, 32, 6, jnp.float32, None),  # M > 512: 64-row tiles; K by 32-wide steps
+        (5, 16, 16, 4, jnp.float32, 16),  # fewer rows than experts
+    ],
+)
 def test_grouped_matmul_equals_ragged_dot(rng, m, k, n, g, dtype, block_m):
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, dtype)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, dtype)
     sizes = _groups(rng, m, g)
     out = grouped_matmul(lhs, rhs, sizes, block_m=block_m)
     ref = grouped_matmul_ref(lhs, rhs, sizes)
@@ -38,12 +41,15 @@ def test_grouped_matmul_equals_ragged_dot(rng, m, k, n, g, dtype, block_m):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("m, g, dtype, short", [
-    (5, 4, jnp.float32, 0),       # fewer rows than groups: the gather form
-    (16, 8, jnp.float32, 3),      # M = 2G, three rows past the groups' sum
-    (32, 32, jnp.bfloat16, 0),    # a decode step's B8 x top-4 over 32 experts, bf16 weights
-    (40, 8, jnp.float32, 5),      # M > GATHER_ROWS_PER_GROUP * G: lax.ragged_dot itself
-])
+@pytest.mark.parametrize(
+    "m, g, dtype, short",
+    [
+        (5, 4, jnp.float32, 0),  # fewer rows than groups: the gather form
+        (16, 8, jnp.float32, 3),  # M = 2G, three rows past the groups' sum
+        (32, 32, jnp.bfloat16, 0),  # a decode step's B8 x top-4 over 32 experts, bf16 weights
+        (40, 8, jnp.float32, 5),  # M > GATHER_ROWS_PER_GROUP * G: lax.ragged_dot itself
+    ],
+)
 @pytest.mark.parametrize("gather_bytes_limit", [None, 0])  # 0: the few rows one by one, never gathered
 def test_reference_is_ragged_dot_in_both_forms(rng, m, g, dtype, short, gather_bytes_limit, monkeypatch):
     """The reference's three forms (gathered weights for a few rows, or one row at a time where
@@ -53,20 +59,22 @@ def test_reference_is_ragged_dot_in_both_forms(rng, m, g, dtype, short, gather_b
         monkeypatch.setattr(moe_module, "GATHER_BYTES_LIMIT", gather_bytes_limit)
     k, n = 24, 40
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, dtype)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, dtype)
     sizes = np.asarray(_groups(rng, m - short, g))
-    want = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(sizes), preferred_element_type=jnp.float32,
-                              precision=jax.lax.Precision.HIGHEST).astype(dtype)
+    want = jax.lax.ragged_dot(
+        lhs, rhs, jnp.asarray(sizes), preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST
+    ).astype(dtype)
     got = grouped_matmul_ref(lhs, rhs, jnp.asarray(sizes))
     assert got.shape == (m, n) and got.dtype == dtype
     assert (m <= GATHER_ROWS_PER_GROUP * g) == (m != 40)  # the cases cover both forms
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16: one rounding of the output
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-    assert (np.asarray(got)[m - short:] == 0).all()
+    assert (np.asarray(got)[m - short :] == 0).all()
     row_group = np.repeat(np.arange(g), sizes)  # and row by row, with numpy's own matmul
-    mine = np.stack([np.asarray(lhs[r], np.float32) @ np.asarray(rhs[row_group[r]], np.float32)
-                     for r in range(m - short)])
-    np.testing.assert_allclose(np.asarray(got[:m - short], np.float32), mine, atol=5 * tol, rtol=5 * tol)
+    mine = np.stack(
+        [np.asarray(lhs[r], np.float32) @ np.asarray(rhs[row_group[r]], np.float32) for r in range(m - short)]
+    )
+    np.testing.assert_allclose(np.asarray(got[: m - short], np.float32), mine, atol=5 * tol, rtol=5 * tol)
 
 
 def test_rows_past_the_groups_sum_are_zero(rng):
@@ -78,12 +86,15 @@ def test_rows_past_the_groups_sum_are_zero(rng):
     assert (out[13:] == 0).all()
 
 
-@pytest.mark.parametrize("lhs_shape, rhs_shape, sizes_shape, dtype2, match", [
-    ((8, 16), (2, 32, 16), (2,), jnp.float32, "do not match"),
-    ((8, 16), (2, 16, 16), (3,), jnp.float32, "do not match"),
-    ((8, 16), (2, 16, 16), (2,), jnp.bfloat16, "share a dtype"),
-    ((8, 24), (2, 24, 16), (2,), jnp.float32, "multiples of 16"),
-])
+@pytest.mark.parametrize(
+    "lhs_shape, rhs_shape, sizes_shape, dtype2, match",
+    [
+        ((8, 16), (2, 32, 16), (2,), jnp.float32, "do not match"),
+        ((8, 16), (2, 16, 16), (3,), jnp.float32, "do not match"),
+        ((8, 16), (2, 16, 16), (2,), jnp.bfloat16, "share a dtype"),
+        ((8, 24), (2, 24, 16), (2,), jnp.float32, "multiples of 16"),
+    ],
+)
 def test_bad_shapes_are_refused_before_launch(lhs_shape, rhs_shape, sizes_shape, dtype2, match):
     with pytest.raises(ValueError, match=match):
         grouped_matmul(jnp.ones(lhs_shape, jnp.float32), jnp.ones(rhs_shape, dtype2), jnp.ones(sizes_shape, jnp.int32))
@@ -116,12 +127,15 @@ def _rank_path(monkeypatch, moe, path):
         monkeypatch.setattr(moe, "_ONE_HOT_RANK_LIMIT", 0)
 
 
-@pytest.mark.parametrize("n, k, e, path", [
-    (32, 4, 8, "pairwise"),  # a decode step
-    (32, 4, 8, "onehot"),
-    (9, 2, 6, "pairwise"),   # fewer rows than experts, some experts idle
-    (40, 3, 5, "sort"),      # the path large batches take
-])
+@pytest.mark.parametrize(
+    "n, k, e, path",
+    [
+        (32, 4, 8, "pairwise"),  # a decode step
+        (32, 4, 8, "onehot"),
+        (9, 2, 6, "pairwise"),  # fewer rows than experts, some experts idle
+        (40, 3, 5, "sort"),  # the path large batches take
+    ],
+)
 def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n, k, e, path):
     from pallas_kernels import moe
 
@@ -129,8 +143,8 @@ def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n,
     l, f = 32, 16
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
     ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(n)]).astype(np.int32)  # expert e-1 idle
-    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.float32)
     y = moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu)
     assert y.shape == (n, k, l) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), _ffn_ref(x, ids, w_gateup, w_out), atol=1e-4, rtol=1e-4)
@@ -179,8 +193,11 @@ def test_few_rows_over_many_groups_take_as_many_tiles_as_rows_need_not_as_groups
     assert n_tiles == -(-(m + min(g, m) * (block_m - 1)) // block_m) <= -(-(m + g * (block_m - 1)) // block_m)
     spread = np.zeros(g, np.int32)
     spread[rng.permutation(g)[:m]] = 1  # each row its own group
-    for sizes in (spread, np.bincount(np.zeros(m, int), minlength=g).astype(np.int32),
-                  np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32)):
+    for sizes in (
+        spread,
+        np.bincount(np.zeros(m, int), minlength=g).astype(np.int32),
+        np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32),
+    ):
         dest, tile_group = (np.asarray(a) for a in moe_module._padded_layout(jnp.asarray(sizes), m, block_m, n_tiles))
         assert dest.min() >= 0 and dest.max() < n_tiles * block_m and len(set(dest.tolist())) == m
         groups = np.repeat(np.arange(g), sizes)
@@ -223,8 +240,8 @@ def _check_assignments_to_no_expert(rng, moe, *, n, k, e, rows, slot):
     dropped = ids.copy()
     dropped[rows] = e
     dropped[slot] = e
-    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.float32)
     y = np.asarray(moe.grouped_ffn(x, jnp.asarray(dropped), w_gateup, w_out, act=_silu_glu))
     want = _ffn_ref(x, ids, w_gateup, w_out)
     assert (y[dropped == e] == 0).all()
@@ -243,12 +260,13 @@ def test_a_decode_steps_few_rows_take_narrow_tiles_and_give_the_wide_tiles_answe
     assert moe.few_rows_tiling(n * k, l, f, jnp.float32, act=True) is None
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.bfloat16)
     ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
-    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.bfloat16)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.bfloat16)
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.bfloat16)
     few = np.asarray(moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu), np.float32)
     wide_tiling = (moe._tiling(l, f, None), moe._tiling(f, l, None))
-    wide = np.asarray(moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu, tiling=wide_tiling),
-                      np.float32)
+    wide = np.asarray(
+        moe.grouped_ffn(x, jnp.asarray(ids), w_gateup, w_out, act=_silu_glu, tiling=wide_tiling), np.float32
+    )
     want = _ffn_ref(x.astype(jnp.float32), ids, w_gateup.astype(jnp.float32), w_out.astype(jnp.float32))
     # bf16 h and y (one rounding each, ~2^-8 relative) on fp32 accumulation in either blocking
     np.testing.assert_allclose(few, want, atol=3e-2, rtol=2e-2)

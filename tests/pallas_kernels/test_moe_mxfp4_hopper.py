@@ -30,12 +30,14 @@ def test_the_hopper_layout_holds_the_same_weights(decode):
     h = hopper.to_hopper(w, decode)
     if decode == "lut_perm":  # the code of K 32b + 8j + 2t + e stored at 32b + 8t + 2j + e
         plain = np.asarray(hopper.to_hopper(w, "lut").codes.astype(jnp.int8)).reshape(3, 96, 4, 4, 4, 2)
-        np.testing.assert_array_equal(np.asarray(h.codes.astype(jnp.int8)).reshape(3, 96, 4, 4, 4, 2),
-                                      plain.swapaxes(2 + 1, 2 + 2))
+        np.testing.assert_array_equal(
+            np.asarray(h.codes.astype(jnp.int8)).reshape(3, 96, 4, 4, 4, 2), plain.swapaxes(2 + 1, 2 + 2)
+        )
     assert h.codes.dtype == jnp.int4 and h.codes.shape == (3, 96, 128) and h.shape == (3, 128, 96)
     assert h.scales.dtype == jnp.uint8 and h.scales.shape == (3, 4, 96)
-    np.testing.assert_array_equal(np.asarray(hopper.dequantize(h, decode)),
-                                  np.asarray(mxfp4.dequantize(w.values, w.scales)))
+    np.testing.assert_array_equal(
+        np.asarray(hopper.dequantize(h, decode)), np.asarray(mxfp4.dequantize(w.values, w.scales))
+    )
     with pytest.raises(ValueError, match="decode must be one of"):
         hopper.to_hopper(w, "table")
 
@@ -62,8 +64,9 @@ def test_bad_operands_are_named_before_any_launch():
     with pytest.raises(ValueError, match="must divide"):
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_n=96)
     with pytest.raises(ValueError, match="2 x block_n"):
-        hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_n=128, block_k=64, code_tile=64,
-                          warp_specialized=True)
+        hopper.gmm_padded(
+            jnp.zeros((2,), jnp.int32), x, h, 16, block_n=128, block_k=64, code_tile=64, warp_specialized=True
+        )
     with pytest.raises(ValueError, match="scales must be uint8"):
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, hopper.HopperMXFP4(h.codes, h.scales[:, :2]), 16)
     with pytest.raises(ValueError, match="load4x"):
@@ -72,36 +75,64 @@ def test_bad_operands_are_named_before_any_launch():
         hopper.gmm_padded(jnp.zeros((2,), jnp.int32), x, h, 16, block_k=128, steps=1, overlap=True)
 
 
-_TILINGS = [(16, 128, 128, 4, 64, False, False, False), (8, 64, 256, 4, 256, False, False, False),
-            (16, 256, 128, 3, 128, False, False, False), (64, 128, 128, 4, 128, False, False, False),
-            (16, 128, 128, 4, 64, True, False, False), (8, 64, 256, 3, 128, True, False, False),
-            (16, 128, 128, 4, 128, False, True, False), (16, 64, 128, 4, 64, True, True, False),
-            (16, 128, 256, 4, 128, False, False, True), (16, 128, 256, 2, 128, False, True, True)]
+_TILINGS = [
+    (16, 128, 128, 4, 64, False, False, False),
+    (8, 64, 256, 4, 256, False, False, False),
+    (16, 256, 128, 3, 128, False, False, False),
+    (64, 128, 128, 4, 128, False, False, False),
+    (16, 128, 128, 4, 64, True, False, False),
+    (8, 64, 256, 3, 128, True, False, False),
+    (16, 128, 128, 4, 128, False, True, False),
+    (16, 64, 128, 4, 64, True, True, False),
+    (16, 128, 256, 4, 128, False, False, True),
+    (16, 128, 256, 2, 128, False, True, True),
+]
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode",
-                         # the default decode at every tiling ("lut" where load4x shuffles), the others at two
-                         [t + ("lut" if t[6] else "lut_perm",) for t in _TILINGS]
-                         + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut_perm"])
+@pytest.mark.parametrize(
+    "block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode",
+    # the default decode at every tiling ("lut" where load4x shuffles), the others at two
+    [t + ("lut" if t[6] else "lut_perm",) for t in _TILINGS]
+    + [t + (d,) for t in (_TILINGS[0], _TILINGS[4]) for d in hopper.DECODES if d != "lut_perm"],
+)
 def test_lowers_for_hopper(block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap, decode):
     """Mosaic GPU's own checks (layout inference of the int4 -> bf16 A operand, the inline PTX
     decode's registers, the operands' swizzles and tilings, the activations released a step late
     under overlap) run on this CPU machine."""
     g, k, n, m = 8, 1024, 512, 40
-    fn = lambda x, c, s, sz: hopper.grouped_matmul(x, hopper.HopperMXFP4(c, s), sz, block_m=block_m, block_n=block_n,
-                                                   block_k=block_k, steps=steps, code_tile=code_tile, decode=decode,
-                                                   warp_specialized=warp_specialized, load4x=load4x, overlap=overlap)
-    jax.jit(fn).trace(S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8),
-                      S((g,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    fn = lambda x, c, s, sz: hopper.grouped_matmul(
+        x,
+        hopper.HopperMXFP4(c, s),
+        sz,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        steps=steps,
+        code_tile=code_tile,
+        decode=decode,
+        warp_specialized=warp_specialized,
+        load4x=load4x,
+        overlap=overlap,
+    )
+    jax.jit(fn).trace(
+        S((m, k), jnp.bfloat16), S((g, n, k), jnp.int4), S((g, k // 32, n), jnp.uint8), S((g,), jnp.int32)
+    ).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x, overlap",
-                         [(16, 64, 64, 2, 64, False, "arith", False, True), (16, 64, 256, 2, 128, True, "arith", True, False),
-                          (8, 64, 128, 3, 64, True, "bits", False, False), (16, 64, 128, 2, 128, False, "bits", True, False),
-                          (16, 64, 128, 2, 64, False, "lut", True, False),
-                          (16, 64, 128, 2, 128, False, "lut_perm", False, True)])
-def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, steps, code_tile, warp_specialized,
-                                                   decode, load4x, overlap):
+@pytest.mark.parametrize(
+    "block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x, overlap",
+    [
+        (16, 64, 64, 2, 64, False, "arith", False, True),
+        (16, 64, 256, 2, 128, True, "arith", True, False),
+        (8, 64, 128, 3, 64, True, "bits", False, False),
+        (16, 64, 128, 2, 128, False, "bits", True, False),
+        (16, 64, 128, 2, 64, False, "lut", True, False),
+        (16, 64, 128, 2, 128, False, "lut_perm", False, True),
+    ],
+)
+def test_the_kernels_arithmetic_in_the_interpreter(
+    block_m, block_n, block_k, steps, code_tile, warp_specialized, decode, load4x, overlap
+):
     """Mosaic GPU's interpreter runs the kernel (both the single-warpgroup and the warp-specialized
     one: producer, two consumers on their own column halves; overlap: each step's activations
     released a step late, K in four steps through two buffers) with each decoded tile staged through
@@ -124,13 +155,26 @@ def test_the_kernels_arithmetic_in_the_interpreter(block_m, block_n, block_k, st
     w = mxfp4.PackedMXFP4(w.values, jnp.asarray(bits).view(jnp.float8_e8m0fnu))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     sizes = jnp.asarray([10, 0, 20, 7], jnp.int32)
-    got = np.asarray(hopper.grouped_matmul(
-        x, hopper.to_hopper(w, decode), sizes, block_m=block_m, block_n=block_n, block_k=block_k, steps=steps,
-        code_tile=code_tile, decode=decode, warp_specialized=warp_specialized, load4x=load4x, overlap=overlap,
-        interpret=True).astype(jnp.float32))
+    got = np.asarray(
+        hopper.grouped_matmul(
+            x,
+            hopper.to_hopper(w, decode),
+            sizes,
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            steps=steps,
+            code_tile=code_tile,
+            decode=decode,
+            warp_specialized=warp_specialized,
+            load4x=load4x,
+            overlap=overlap,
+            interpret=True,
+        ).astype(jnp.float32)
+    )
     wd = mxfp4.dequantize(w.values, w.scales).astype(jnp.float32)
     ref = np.asarray(jax.lax.ragged_dot(x.astype(jnp.float32), wd, sizes, precision=jax.lax.Precision.HIGHEST))
-    np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=1e-4 * np.max(np.abs(ref)))
+    np.testing.assert_allclose(got, ref, rtol=2**-7, atol=1e-4 * np.max(np.abs(ref)))
     assert np.mean(got == np.asarray(jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))) > 0.97
     assert not np.any(got[37:])
 
@@ -165,8 +209,10 @@ def test_the_table_decodes_ptx_gives_the_bits_decodes_numbers_for_every_code():
     the bf16s `_e2m1_bits` gives, code i of the word in half i % 2 of output word i // 2: every
     code in every position."""
     rng = np.random.default_rng(3)
-    words = [sum(int(c) << 4 * i for i, c in enumerate(codes))
-             for codes in [np.arange(8), np.arange(8, 16)] + [rng.integers(0, 16, 8) for _ in range(64)]]
+    words = [
+        sum(int(c) << 4 * i for i, c in enumerate(codes))
+        for codes in [np.arange(8), np.arange(8, 16)] + [rng.integers(0, 16, 8) for _ in range(64)]
+    ]
     for word in words:
         codes = [(word >> 4 * i) & 0xF for i in range(8)]
         want = np.asarray(hopper._e2m1_bits(jnp.asarray(codes, jnp.int8).astype(jnp.int4)[None], scaled=False))[0]
@@ -204,23 +250,40 @@ def test_the_serving_experts_on_the_hopper_mxfp4_kernel_equal_the_triton_ones():
         moved = ops.hopper_mxfp4_experts(params)
         assert isinstance(moved["w_gateup_elf"], hopper.HopperMXFP4) and moved["w_gateup_elf"].shape == (e, l, 2 * f)
         assert moved["small"] is params["small"]  # K 64: not the kernel's 256-wide steps
-        np.testing.assert_array_equal(np.asarray(ops.expert_weights(moved["w_out_efl"], jnp.float32)),
-                                      np.asarray(ops.expert_weights(params["w_out_efl"], jnp.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(ops.expert_weights(moved["w_out_efl"], jnp.float32)),
+            np.asarray(ops.expert_weights(params["w_out_efl"], jnp.float32)),
+        )
         assert ops.grouped_ffn_fits(x, moved["w_gateup_elf"], moved["w_out_efl"])
         assert not ops.grouped_ffn_fits(x.astype(jnp.float32), moved["w_gateup_elf"], moved["w_out_efl"])
         got = np.asarray(ops.grouped_ffn(x, ids, moved["w_gateup_elf"], moved["w_out_efl"], act), np.float32)
         got_gmm = np.asarray(ops.grouped_matmul(x, moved["w_gateup_elf"], sizes), np.float32)
         # a decode step's path: routing and layout in one kernel, the experts, combine + norm
         logits = jnp.asarray(rng.standard_normal((8, e)), jnp.float32)
-        routed = [np.asarray(ops.routed_ffn(x[:8], logits, jnp.zeros((e,), jnp.float32), None, w["w_gateup_elf"],
-                                            w["w_out_efl"], act, top_k, jnp.ones((l,), jnp.float32), 1e-6), np.float32)
-                  for w in (params, moved)]
+        routed = [
+            np.asarray(
+                ops.routed_ffn(
+                    x[:8],
+                    logits,
+                    jnp.zeros((e,), jnp.float32),
+                    None,
+                    w["w_gateup_elf"],
+                    w["w_out_efl"],
+                    act,
+                    top_k,
+                    jnp.ones((l,), jnp.float32),
+                    1e-6,
+                ),
+                np.float32,
+            )
+            for w in (params, moved)
+        ]
         assert ops.routed_ffn_fits(x[:8], moved["w_gateup_elf"], moved["w_out_efl"], top_k)
-    np.testing.assert_allclose(routed[1], routed[0], rtol=2 ** -6, atol=2 ** -6 * np.max(np.abs(routed[0])))
+    np.testing.assert_allclose(routed[1], routed[0], rtol=2**-6, atol=2**-6 * np.max(np.abs(routed[0])))
     scale = np.max(np.abs(want))
-    np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=2 ** -6 * scale)
+    np.testing.assert_allclose(got, want, rtol=2**-6, atol=2**-6 * scale)
     assert np.mean(got == want) > 0.9
-    np.testing.assert_allclose(got_gmm, want_gmm, rtol=2 ** -7, atol=2 ** -7 * np.max(np.abs(want_gmm)))
+    np.testing.assert_allclose(got_gmm, want_gmm, rtol=2**-7, atol=2**-7 * np.max(np.abs(want_gmm)))
 
 
 def test_a_model_on_moved_experts_computes_what_it_computes_on_the_quantized_ones(monkeypatch):
@@ -234,19 +297,27 @@ def test_a_model_on_moved_experts_computes_what_it_computes_on_the_quantized_one
     from kimik3.quant import formats, store
 
     cfg = config.tiny().replace(moe_latent_dim=256, moe_expert_dim=256, dtype="bfloat16")
-    params = store.quantize_params(model.init_params(cfg, jax.random.PRNGKey(0), "float32"), cfg, "fp8_attn",
-                                   fuse=False)
+    params = store.quantize_params(
+        model.init_params(cfg, jax.random.PRNGKey(0), "float32"), cfg, "fp8_attn", fuse=False
+    )
     served = stacked.serving_layout(params, cfg, scan=False)
     monkeypatch.setenv("KIMIK3_MOE_MXFP4", "hopper")
     moved = ops.hopper_mxfp4_experts(served, cfg.dtype)
-    kinds = lambda tree: sorted({type(leaf).__name__ for leaf in jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: isinstance(x, (formats.QTensor, hopper.HopperMXFP4)))})
+    kinds = lambda tree: sorted(
+        {
+            type(leaf).__name__
+            for leaf in jax.tree_util.tree_leaves(
+                tree, is_leaf=lambda x: isinstance(x, (formats.QTensor, hopper.HopperMXFP4))
+            )
+        }
+    )
     assert "HopperMXFP4" in kinds(moved) and "HopperMXFP4" not in kinds(served)
     assert formats.tree_formats(moved) == formats.tree_formats(served) == ("fp8", "mxfp4")
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
     want = model.forward(served, cfg, tokens, kernels="reference")[0]
-    np.testing.assert_array_equal(np.asarray(model.forward(moved, cfg, tokens, kernels="reference")[0]),
-                                  np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(model.forward(moved, cfg, tokens, kernels="reference")[0]), np.asarray(want)
+    )
     # the prefill copy stacks periods leaf by leaf (`stacked.stack_positions`): a stacked tensor
     # keeps its type, its shape led by the periods
     gu = jax.tree_util.tree_leaves(moved, is_leaf=lambda x: isinstance(x, hopper.HopperMXFP4))

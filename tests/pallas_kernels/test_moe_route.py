@@ -52,8 +52,8 @@ def test_grouped_ffn_on_the_kernels_layout_equals_on_ids(rng):
     real = jnp.ones((n,), jnp.int32).at[3].set(0)
     ids, *_ = composed(logits, bias, real, k)
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
-    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.float32)
+    w_gateup = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.float32)
     act = lambda g, u: jax.nn.silu(g) * u
     want = moe.grouped_ffn(x, ids, w_gateup, w_out, act=act)
     _, dest, tiles = route_layout(logits, bias, real, top_k=k)
@@ -69,8 +69,7 @@ def test_shapes_it_cannot_tile_are_named():
         route_layout(jnp.zeros((24, 32)), jnp.zeros((32,)), top_k=4)
 
 
-def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_reference(rng, tiny_cfg,
-                                                                                      monkeypatch):
+def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_reference(rng, tiny_cfg, monkeypatch):
     """LatentMoE with fused gate/up (`kimik3.fused`) and kernels="pallas" on 8 tokens takes
     `route_layout` (KIMIK3_MOE_ROUTE=kernel, the default; =xla keeps routing in XLA ops); its
     output equals the reference path's, idle tokens included."""
@@ -83,10 +82,18 @@ def test_layer_in_the_serving_layout_routes_through_the_kernel_and_equals_the_re
     x = jnp.asarray(rng.standard_normal((2, 4, tiny_cfg.d_model)), jnp.float32)
     params = LatentMoE(tiny_cfg).init(jax.random.PRNGKey(6), x)["params"]
     params = dict(params, router_bias_e=jnp.asarray(rng.standard_normal(tiny_cfg.n_routed_experts) * 0.1))
-    fused = {"params": fuse_projections({"layer_0": {"moe": params}}, dataclasses.replace(tiny_cfg, n_layers=1))
-             ["layer_0"]["moe"]}
-    fits = lambda: ops.routed_ffn_fits(jnp.zeros((8, tiny_cfg.moe_latent_dim)), fused["params"]["w_gateup_elf"],
-                                       fused["params"]["w_out_efl"], tiny_cfg.n_active_experts, "pallas")
+    fused = {
+        "params": fuse_projections({"layer_0": {"moe": params}}, dataclasses.replace(tiny_cfg, n_layers=1))["layer_0"][
+            "moe"
+        ]
+    }
+    fits = lambda: ops.routed_ffn_fits(
+        jnp.zeros((8, tiny_cfg.moe_latent_dim)),
+        fused["params"]["w_gateup_elf"],
+        fused["params"]["w_out_efl"],
+        tiny_cfg.n_active_experts,
+        "pallas",
+    )
     monkeypatch.delenv("KIMIK3_MOE_ROUTE", raising=False)
     assert fits()  # on by default
     monkeypatch.setenv("KIMIK3_MOE_ROUTE", "xla")

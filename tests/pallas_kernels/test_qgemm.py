@@ -39,21 +39,28 @@ def test_a_column_does_not_depend_on_its_neighbours(rng, fmt, gemm):
     m, k, widths = 5, 256, (136, 12, 96)  # widths off the 64 / 128 tiles, as KDA's beta is
     xq, sx, wq, sw, _ = qgemm.reference_inputs(rng, fmt, m, k, sum(widths))
     if fmt == "fp8":  # each member on its own 128-column blocks, as `formats.concat` lays them out
-        col_block = np.concatenate([first + np.arange(w) // 128 for first, w in
-                                    zip(np.cumsum([0] + [-(-w // 128) for w in widths[:-1]]), widths)])
+        col_block = np.concatenate(
+            [
+                first + np.arange(w) // 128
+                for first, w in zip(np.cumsum([0] + [-(-w // 128) for w in widths[:-1]]), widths)
+            ]
+        )
         sw = jnp.asarray(rng.uniform(1e-3, 1e-2, (k // 128, int(col_block.max()) + 1)), jnp.float32)
         col_block = jnp.asarray(col_block, jnp.int32)
     else:
         col_block = None
-    run = (lambda *a: qgemm.qmatmul_ref(fmt, *a)) if gemm == "reference" else (
-        lambda *a: qgemm.qmatmul(fmt, *a, out_dtype=jnp.float32, interpret=True))
+    run = (
+        (lambda *a: qgemm.qmatmul_ref(fmt, *a))
+        if gemm == "reference"
+        else (lambda *a: qgemm.qmatmul(fmt, *a, out_dtype=jnp.float32, interpret=True))
+    )
     fused = run(xq, sx, wq, sw, col_block)
     start = 0
     for w in widths:
         cols = slice(start, start + w)
         if fmt == "fp8":
             blocks = col_block[cols]
-            member = run(xq, sx, wq[:, cols], sw[:, int(blocks[0]):int(blocks[-1]) + 1], blocks - blocks[0])
+            member = run(xq, sx, wq[:, cols], sw[:, int(blocks[0]) : int(blocks[-1]) + 1], blocks - blocks[0])
         else:
             member = run(xq, sx, wq[:, cols], sw[:, cols], None)
         np.testing.assert_array_equal(np.asarray(fused[:, cols]), np.asarray(member))

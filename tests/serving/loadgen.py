@@ -17,8 +17,14 @@ import httpx
 
 
 async def one(client, url, i, args):
-    body = {"model": args.model, "prompt": f"request {i}: " + "load " * (5 + i % 7), "max_tokens": args.max_tokens,
-            "ignore_eos": True, "stream": bool(i % 2), "temperature": 0}
+    body = {
+        "model": args.model,
+        "prompt": f"request {i}: " + "load " * (5 + i % 7),
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "stream": bool(i % 2),
+        "temperature": 0,
+    }
     t0 = time.monotonic()
     row = {"i": i, "status": None, "tokens": 0, "error": None}
     try:

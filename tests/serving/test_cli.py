@@ -8,8 +8,10 @@ from serving import cli
 
 
 def test_generate_prints_tokens_and_text(capsys):
-    assert cli.main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "5",
-                     "--random-images", "1"]) == 0
+    assert (
+        cli.main(["generate", "--config", "tiny", "--prompt", "Hello", "--max-new-tokens", "5", "--random-images", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tokens: [" in out and "text: " in out and "config=tiny" in out
 
@@ -26,8 +28,9 @@ def test_bad_arguments_give_an_error_not_a_traceback(capsys):
 
 
 def test_console_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "serving.cli", "info", "--config", "tiny"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "info", "--config", "tiny"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "layers        4 (3 KDA, 1 MLA)" in out.stdout
 
@@ -35,12 +38,15 @@ def test_console_entry_point_runs():
 def test_commands_grow_gpu_memory_on_demand_unless_the_user_chose():
     """JAX reserves 75% of a GPU by default, ~3.4 GiB of host memory on an H200: the entry
     points (and the workers they start, through the environment) allocate on demand instead."""
-    code = ("import os, sys; from serving import cli; cli.main(['info', '--config', 'tiny']); "
-            "sys.stderr.write(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
+    code = (
+        "import os, sys; from serving import cli; cli.main(['info', '--config', 'tiny']); "
+        "sys.stderr.write(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
+    )
     for env, want in (({}, "false"), ({"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}, "true")):
         base = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                             env={**base, **env})
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**base, **env}
+        )
         assert out.returncode == 0 and out.stderr.endswith(want), out.stderr[-500:]
 
 
@@ -75,8 +81,10 @@ def test_quantize_then_generate_and_info_by_manifest(tmp_path, capsys):
     assert cli.main(["quantize", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
     assert "fp8_attn, mxfp8_attn" in out and "stored once each" in out
-    assert cli.main(["generate", "--checkpoint", str(tmp_path / "q"), "--manifest", "mxfp8_attn",
-                     "--max-new-tokens", "3"]) == 0
+    assert (
+        cli.main(["generate", "--checkpoint", str(tmp_path / "q"), "--manifest", "mxfp8_attn", "--max-new-tokens", "3"])
+        == 0
+    )
     assert "as mxfp8_attn" in capsys.readouterr().out
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "q")]) == 2
     assert "pass --manifest" in capsys.readouterr().err
@@ -108,8 +116,13 @@ sys.exit(rc)
 
 
 def _without_http(*argv):
-    return subprocess.run([sys.executable, "-c", _WITHOUT_HTTP, *argv], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    return subprocess.run(
+        [sys.executable, "-c", _WITHOUT_HTTP, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
 
 
 def test_help_and_info_run_without_the_http_stack_and_import_only_what_they_use():
@@ -127,8 +140,21 @@ def test_every_flag_has_help_and_v_works_after_the_command(capsys):
     """`kimik3 CMD --help` documents every flag; `-v` is accepted after the subcommand too."""
     import argparse
 
-    for command in ("generate", "demo", "quantize", "coverage", "media-bench", "train", "eagle-ab", "train-eagle",
-                    "info", "plan", "router", "launch", "worker"):
+    for command in (
+        "generate",
+        "demo",
+        "quantize",
+        "coverage",
+        "media-bench",
+        "train",
+        "eagle-ab",
+        "train-eagle",
+        "info",
+        "plan",
+        "router",
+        "launch",
+        "worker",
+    ):
         parser = cli.build_parser(command)
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
         undocumented = [a.option_strings for a in sub._actions if a.option_strings and not a.help]

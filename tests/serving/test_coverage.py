@@ -13,7 +13,7 @@ def test_workload_is_seeded_and_shaped_like_design():
     for session in a:
         assert 20 <= len(session) <= 30
         for prev, nxt in zip(session, session[1:]):
-            assert nxt.prompt[:len(prev.prompt) + len(prev.output)] == prev.prompt + prev.output  # history grows
+            assert nxt.prompt[: len(prev.prompt) + len(prev.output)] == prev.prompt + prev.output  # history grows
 
 
 def test_cache_rate_rises_gpu_then_host_then_shared(tmp_path, mooncake_services):
@@ -21,8 +21,11 @@ def test_cache_rate_rises_gpu_then_host_then_shared(tmp_path, mooncake_services)
     workload = WorkloadSpec.scaled(16, sessions=6, turns=(8, 10))
     spec = coverage.CoverageSpec(engines=3)
     shared = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
-    rows = [coverage.replay(cfg, workload, spec, "gpu"), coverage.replay(cfg, workload, spec, "host"),
-            coverage.replay(cfg, workload, spec, "shared", shared)]
+    rows = [
+        coverage.replay(cfg, workload, spec, "gpu"),
+        coverage.replay(cfg, workload, spec, "host"),
+        coverage.replay(cfg, workload, spec, "shared", shared),
+    ]
     shared.close()
     gpu, host, shared_row = rows
     assert gpu.hit_tokens_host == 0 and host.hit_tokens_host > 0 and shared_row.hit_tokens_host > 0

@@ -18,13 +18,20 @@ def test_the_packaged_questions_are_the_80_two_turn_mt_bench_questions():
 def test_turn_two_continues_turn_one_with_its_answer():
     t1 = eagle_ab.turn1_tokens("What is a list?")
     t2 = eagle_ab.turn2_tokens(t1, [65, 66, tokenizer.EOS_ID], "And a tuple?")
-    assert t2[:len(t1)] == t1 and t2[len(t1):len(t1) + 3] == [65, 66, tokenizer.SPECIAL_IDS["<|end_turn|>"]]
-    assert tokenizer.decode(t2[len(t1) + 3:], skip_special=False) == "<|user|>And a tuple?<|end_turn|><|assistant|>"
+    assert t2[: len(t1)] == t1 and t2[len(t1) : len(t1) + 3] == [65, 66, tokenizer.SPECIAL_IDS["<|end_turn|>"]]
+    assert tokenizer.decode(t2[len(t1) + 3 :], skip_special=False) == "<|user|>And a tuple?<|end_turn|><|assistant|>"
 
 
 def _rec(hit, accepted, tpot=1.0):
-    return dict(hit=hit, any_hit=hit, cached_tokens=16 * hit, dropped_tokens=0, tail_recomputed=False,
-                accepted=accepted, tpot_ms=tpot)
+    return dict(
+        hit=hit,
+        any_hit=hit,
+        cached_tokens=16 * hit,
+        dropped_tokens=0,
+        tail_recomputed=False,
+        accepted=accepted,
+        tpot_ms=tpot,
+    )
 
 
 def test_the_paired_bootstrap_brackets_a_known_difference_and_is_zero_for_equal_arms(rng):
@@ -63,8 +70,25 @@ def test_the_cli_writes_the_arms_and_the_differences(trained_tiny, trained_draft
     tc, _, _ = trained_tiny
     _, _, _, out = trained_draft
     path = tmp_path / "ab.json"
-    assert cli.main(["eagle-ab", "--checkpoint", tc.out + "/checkpoint", "--draft-checkpoint", out + "/draft",
-                     "--quick", "--questions", "2", "--bootstrap", "50", "--json", str(path)]) == 0
+    assert (
+        cli.main(
+            [
+                "eagle-ab",
+                "--checkpoint",
+                tc.out + "/checkpoint",
+                "--draft-checkpoint",
+                out + "/draft",
+                "--quick",
+                "--questions",
+                "2",
+                "--bootstrap",
+                "50",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert "tail-block hits" in capsys.readouterr().out
     got = json.loads(path.read_text())
     for arm in ("drop", "no_drop", "exact"):
@@ -80,9 +104,19 @@ def test_arms_that_emit_different_tokens_fail_in_fp32_and_are_named_below_it(mon
     import jax.numpy as jnp
 
     def fake_arm(params, cfg, draft, arm, questions, ac, progress=None):
-        rec = lambda out: dict(turn1_tokens=10, turn2_tokens=20, any_hit=True, hit=True, cached_tokens=16,
-                               dropped_tokens=0, tail_recomputed=False, accepted=[1, 2], accepted_turn1=[0],
-                               tpot_ms=1.0, output=out)
+        rec = lambda out: dict(
+            turn1_tokens=10,
+            turn2_tokens=20,
+            any_hit=True,
+            hit=True,
+            cached_tokens=16,
+            dropped_tokens=0,
+            tail_recomputed=False,
+            accepted=[1, 2],
+            accepted_turn1=[0],
+            tpot_ms=1.0,
+            output=out,
+        )
         return [rec(([1], [2])), rec(([1], [3] if arm == "exact" else [2]))]
 
     monkeypatch.setattr(eagle_ab, "run_arm", fake_arm)

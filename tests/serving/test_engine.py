@@ -18,8 +18,19 @@ PAGE = 16
 
 
 def _engine(params, cfg, **kw):
-    kw = dict(dict(num_pages=48, num_slots=4, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                   max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference"), **kw)
+    kw = dict(
+        dict(
+            num_pages=48,
+            num_slots=4,
+            num_snapshots=12,
+            page_tokens=PAGE,
+            kda_block_tokens=4 * PAGE,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=40,
+            kernels="reference",
+        ),
+        **kw,
+    )
     return Engine(params, cfg, **kw)
 
 
@@ -82,8 +93,9 @@ def test_bad_requests_are_refused_and_cancellation_frees_kv(tiny_cfg, tiny_param
     assert other.output == _oracle(tiny_params, tiny_cfg, list(range(30)), 3)
 
 
-@pytest.mark.parametrize("handoff, concurrent", [("direct", False), ("store", False), ("direct", True),
-                                                 ("store", True)])
+@pytest.mark.parametrize(
+    "handoff, concurrent", [("direct", False), ("store", False), ("direct", True), ("store", True)]
+)
 def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_params, handoff, concurrent):
     """Serial stepping, and concurrent (each engine in its own thread, as separate instances)."""
     from serving.disagg import DisaggregatedServer
@@ -182,8 +194,16 @@ def test_preemption_and_resume_give_the_oracles_tokens(rng, tiny_cfg, tiny_param
 def test_memory_budget_sizing_and_capacity_report(tiny_cfg, tiny_params):
     page = Engine.bytes_per_page(tiny_cfg, PAGE, np.float32)
     state = Engine.bytes_per_state(tiny_cfg, np.float32)
-    eng = Engine.from_memory_budget(tiny_params, tiny_cfg, budget_bytes=40 * page + 25 * state, page_tokens=PAGE,
-                                    num_slots=4, snapshots_per_slot=4, max_pages_per_request=16, kernels="reference")
+    eng = Engine.from_memory_budget(
+        tiny_params,
+        tiny_cfg,
+        budget_bytes=40 * page + 25 * state,
+        page_tokens=PAGE,
+        num_slots=4,
+        snapshots_per_slot=4,
+        max_pages_per_request=16,
+        kernels="reference",
+    )
     cap = eng.capacity()
     assert cap["pages"] + 1 == eng.manager.page_pool.num_blocks and cap["kv_tokens"] == cap["pages"] * PAGE
     # What the device holds, counted from the arrays themselves (not the formula that sized them):
@@ -286,8 +306,9 @@ def test_sampled_tokens_survive_preemption_and_pd_handoff_unchanged(tiny_cfg, ti
     got = [tight.submit(p, 40, sampling=sp) for p in prompts]
     tight.run(max_steps=400)
     assert tight.preemptions >= 1 and [r.output for r in got] == [r.output for r in want]
-    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
-                                 _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct")
+    server = DisaggregatedServer(
+        _engine(tiny_params, tiny_cfg, role="prefill"), _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct"
+    )
     pd = [server.submit(p, 40, sampling=sp) for p in prompts]
     server.run(max_steps=400)
     assert [server.requests[r.request_id].output for r in pd] == [r.output for r in want]
@@ -302,8 +323,10 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_tokens_in_the_decode_step(tiny_cf
 
     eng = _engine(tiny_params, tiny_cfg)
     prompt = np.random.default_rng(8).integers(0, 256, 40).tolist()
-    reqs = [eng.submit(prompt, 12, sampling=SamplingParams(temperature=1.0, seed=3, **kw))
-            for kw in (dict(top_k=1), dict(min_p=1.0), {})]
+    reqs = [
+        eng.submit(prompt, 12, sampling=SamplingParams(temperature=1.0, seed=3, **kw))
+        for kw in (dict(top_k=1), dict(min_p=1.0), {})
+    ]
     eng.run(max_steps=200)
     want = _oracle(tiny_params, tiny_cfg, prompt, 12)
     assert reqs[0].output == reqs[1].output == want != reqs[2].output
@@ -316,8 +339,9 @@ def test_parallel_warmup_compiles_every_shape_serving_then_uses(rng, tiny_cfg, t
     other tests ran in this process.)"""
     eng = _engine(tiny_params, tiny_cfg, num_pages=44, num_slots=3, num_snapshots=11, prefill_chunk_tokens=96)
     # one prefill program per chunk length, one decode program (greedy) per bucket
-    programs = {("prefill", t) for t, _ in eng._prefill_lengths()} | {("decode", eng._decode_bucket(n))
-                                                                     for n in range(1, 4)}
+    programs = {("prefill", t) for t, _ in eng._prefill_lengths()} | {
+        ("decode", eng._decode_bucket(n)) for n in range(1, 4)
+    }
     # and the rows' write programs (two per bucket; shared with other engines of the same
     # shapes, so counted apart): serving then compiles neither kind
     writes = _overwrite._cache_size()
@@ -345,9 +369,10 @@ def test_a_sampled_warmup_serves_sampled_requests_without_compiling(rng, tiny_cf
 
     eng = _engine(tiny_params, tiny_cfg, num_pages=46, num_slots=2, prefill_chunk_tokens=24)
     eng.warmup(threads=2, sampled=True)
-    reqs = [eng.submit(rng.integers(0, 256, n).tolist(), 5, sampling=SamplingParams(temperature=1.0, seed=n,
-                                                                                   top_k=5))
-            for n in (13, 30)]
+    reqs = [
+        eng.submit(rng.integers(0, 256, n).tolist(), 5, sampling=SamplingParams(temperature=1.0, seed=n, top_k=5))
+        for n in (13, 30)
+    ]
     eng.run(max_steps=200)
     assert eng.compiles == 0 and all(len(r.output) == 5 for r in reqs)
 
@@ -377,7 +402,9 @@ def test_snapshots_exported_inside_a_chunk_serve_hits_that_equal_the_oracle(rng,
     split = _engine(tiny_params, tiny_cfg, **dict(kw, prefill_chunk_tokens=64))
     split.submit(first, 1)
     split.run(max_steps=100)
-    snapshot = lambda e: np.asarray(e.snapshots.data[e.manager.snap_pool.lookup(e.manager.hashes(first)[64 // PAGE - 1])])
+    snapshot = lambda e: np.asarray(
+        e.snapshots.data[e.manager.snap_pool.lookup(e.manager.hashes(first)[64 // PAGE - 1])]
+    )
     np.testing.assert_allclose(snapshot(eng), snapshot(split), atol=1e-5, rtol=1e-5)
 
 
@@ -389,8 +416,7 @@ def test_prefix_hit_through_the_pallas_kernels_equals_the_oracle(rng, tiny_cfg, 
 
     chunk_prefixes = []
     real = mla.mla_prefill_chunk
-    monkeypatch.setattr(mla, "mla_prefill_chunk",
-                        lambda *a, **kw: chunk_prefixes.append(a[3].lens) or real(*a, **kw))
+    monkeypatch.setattr(mla, "mla_prefill_chunk", lambda *a, **kw: chunk_prefixes.append(a[3].lens) or real(*a, **kw))
     eng = _engine(tiny_params, tiny_cfg, kernels="pallas", prefill_chunk_tokens=64)  # one chunk a turn
     turn1 = rng.integers(0, 256, 4 * PAGE).tolist()
     r1 = eng.submit(turn1, 2)
@@ -465,8 +491,9 @@ def test_hit_snapshots_are_held_until_restored_when_admissions_load_from_the_hos
     """Three second turns admitted in one step, one of them hitting a snapshot the host tier
     loads back: a hit's snapshot block is not reused (by that load) before its slot is restored
     from it, so every turn equals the oracle."""
-    eng = _engine(tiny_params, tiny_cfg, num_pages=64, num_snapshots=5, prefill_chunk_tokens=64,
-                  host=EmbeddedHostKVTier(1 << 26))
+    eng = _engine(
+        tiny_params, tiny_cfg, num_pages=64, num_snapshots=5, prefill_chunk_tokens=64, host=EmbeddedHostKVTier(1 << 26)
+    )
     prompts = {k: rng.integers(0, 200, 33).tolist() for k in ("a", "b", "c")}
     for k in ("c", "a", "b"):  # c's snapshot is evicted to the host tier by the later ones
         eng.submit(prompts[k], 1, request_id=k)
@@ -488,8 +515,15 @@ def test_a_request_resumed_from_an_offload_is_not_preempted_before_its_kv_is_bac
     for _ in range(int(rng.integers(2, 5))):
         prompt = rng.integers(0, 200, int(rng.integers(10, 40))).tolist()
         work.append((prompt, int(rng.integers(10, 60))))
-    tight = _engine(tiny_params, tiny_cfg, num_pages=num_pages, num_snapshots=16, prefill_chunk_tokens=64,
-                    max_pages_per_request=None, host=EmbeddedHostKVTier(1 << 26))
+    tight = _engine(
+        tiny_params,
+        tiny_cfg,
+        num_pages=num_pages,
+        num_snapshots=16,
+        prefill_chunk_tokens=64,
+        max_pages_per_request=None,
+        host=EmbeddedHostKVTier(1 << 26),
+    )
     roomy = _engine(tiny_params, tiny_cfg, num_pages=64, num_snapshots=16, prefill_chunk_tokens=64)
     got = [tight.submit(p, n) for p, n in work]
     want = [roomy.submit(p, n) for p, n in work]
@@ -553,8 +587,9 @@ def test_concurrent_pd_serves_late_arrivals_and_surfaces_an_engine_failure(rng, 
     """Concurrent P/D: requests submitted while both engines' threads run (the client submits
     between `step` calls, as the demo does) equal the oracle; an exception in an engine's thread
     reaches the client's next call, names the engine thread, and stops both threads."""
-    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
-                                 _engine(tiny_params, tiny_cfg, role="decode"), concurrent=True)
+    server = DisaggregatedServer(
+        _engine(tiny_params, tiny_cfg, role="prefill"), _engine(tiny_params, tiny_cfg, role="decode"), concurrent=True
+    )
     prompts = [rng.integers(0, 256, n).tolist() for n in (50, 20, 37)]
     reqs = [server.submit(prompts[0], 6)]
     with server:

@@ -14,14 +14,26 @@ PAGE = 16
 
 def _engine(params, cfg, **kw):
     # Chunks of 8 tokens: an image's placeholders span several chunks.
-    kw = dict(dict(num_pages=48, num_slots=3, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                   max_pages_per_request=16, prefill_chunk_tokens=8, kernels="reference"), **kw)
+    kw = dict(
+        dict(
+            num_pages=48,
+            num_slots=3,
+            num_snapshots=12,
+            page_tokens=PAGE,
+            kda_block_tokens=4 * PAGE,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=8,
+            kernels="reference",
+        ),
+        **kw,
+    )
     return Engine(params, cfg, **kw)
 
 
 def _chat(cfg, text, n_images):
-    return tokenizer.apply_chat_template([tokenizer.Message("user", text, n_images=n_images)],
-                                         tokens_per_image=cfg.vit.tokens_per_image)
+    return tokenizer.apply_chat_template(
+        [tokenizer.Message("user", text, n_images=n_images)], tokens_per_image=cfg.vit.tokens_per_image
+    )
 
 
 def _oracle(params, cfg, prompt, n, images):
@@ -61,8 +73,9 @@ def test_a_second_turn_hits_only_with_the_same_image(rng, tiny_cfg, tiny_params)
 def test_pd_handoff_carries_the_images(rng, tiny_cfg, tiny_params):
     imgs = rng.random((1, 16, 16, 3)).astype(np.float32)
     prompt = _chat(tiny_cfg, "a picture", 1)
-    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
-                                 _engine(tiny_params, tiny_cfg, role="decode"), "direct")
+    server = DisaggregatedServer(
+        _engine(tiny_params, tiny_cfg, role="prefill"), _engine(tiny_params, tiny_cfg, role="decode"), "direct"
+    )
     req = server.submit(prompt, 5, images=imgs)
     done = server.run(max_steps=200)
     assert done[req.request_id].output == _oracle(tiny_params, tiny_cfg, prompt, 5, imgs)

@@ -19,9 +19,11 @@ def _log_softmax(x):
 def penalized_greedy(presence: float, frequency: float):
     """The oracle's choice with vLLM's penalties, written out on the host: logits minus
     frequency * count minus presence * (count > 0), the counts over the output so far."""
+
     def choose(logits, output):
-        counts = np.bincount(np.asarray(output, np.int64), minlength=len(logits))[:len(logits)]
+        counts = np.bincount(np.asarray(output, np.int64), minlength=len(logits))[: len(logits)]
         return int(np.argmax(logits - frequency * counts - presence * (counts > 0)))
+
     return choose
 
 
@@ -33,8 +35,9 @@ def test_logprobs_are_the_models_log_softmax_on_every_path(rng, tiny_cfg, tiny_p
     reqs = [eng.submit(p, 10, sampling=sp) for p in prompts] + [eng.submit(prompts[0], 10)]
     eng.run(max_steps=200)
     assert reqs[2].logprobs == []  # a request that asked for none gets none
-    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
-                                 _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct")
+    server = DisaggregatedServer(
+        _engine(tiny_params, tiny_cfg, role="prefill"), _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct"
+    )
     pd = server.submit(prompts[0], 10, sampling=sp)
     server.run(max_steps=200)
     for req, want in [(reqs[0], oracle[0]), (reqs[1], oracle[1]), (server.requests[pd.request_id], oracle[0])]:
@@ -52,10 +55,18 @@ def test_penalties_follow_vllms_formula_through_slot_reuse_preemption_and_handof
     rule.  Two slots for four requests, so later requests take slots whose counts another request
     left; a 9-page pool preempts (recompute); the handoff moves a penalized request mid-stream."""
     prompts = [rng.integers(0, 256, n).tolist() for n in (30, 12, 45, 20)]
-    params = [SamplingParams(frequency_penalty=1.5), SamplingParams(presence_penalty=2.0),
-              SamplingParams(), SamplingParams(presence_penalty=-0.5, frequency_penalty=0.75, logprobs=0)]
-    want = [generate(tiny_params, tiny_cfg, p, 24, choose=penalized_greedy(s.presence_penalty, s.frequency_penalty))
-            .tokens.tolist() for p, s in zip(prompts, params)]
+    params = [
+        SamplingParams(frequency_penalty=1.5),
+        SamplingParams(presence_penalty=2.0),
+        SamplingParams(),
+        SamplingParams(presence_penalty=-0.5, frequency_penalty=0.75, logprobs=0),
+    ]
+    want = [
+        generate(
+            tiny_params, tiny_cfg, p, 24, choose=penalized_greedy(s.presence_penalty, s.frequency_penalty)
+        ).tokens.tolist()
+        for p, s in zip(prompts, params)
+    ]
     assert want[0] != generate(tiny_params, tiny_cfg, prompts[0], 24).tokens.tolist()  # the penalty changed it
     eng = _engine(tiny_params, tiny_cfg, num_slots=2)
     got = [eng.submit(p, 24, sampling=s) for p, s in zip(prompts, params)]
@@ -78,8 +89,9 @@ def test_penalties_follow_vllms_formula_through_slot_reuse_preemption_and_handof
     got = [tight.submit(p, 40, sampling=s) for p, s in zip(long, params)]
     tight.run(max_steps=400)
     assert tight.preemptions >= 1 and [r.output for r in got] == want_long
-    server = DisaggregatedServer(_engine(tiny_params, tiny_cfg, role="prefill"),
-                                 _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct")
+    server = DisaggregatedServer(
+        _engine(tiny_params, tiny_cfg, role="prefill"), _engine(tiny_params, tiny_cfg, role="decode"), handoff="direct"
+    )
     pd = server.submit(prompts[3], 24, sampling=params[3])
     server.run(max_steps=400)
     assert server.requests[pd.request_id].output == want[3]
@@ -93,17 +105,28 @@ def test_sampled_rows_with_penalties_draw_from_the_penalized_distribution(tiny_c
 
     prompt = list(range(40, 80))
     sp = SamplingParams(temperature=1.0, seed=5, frequency_penalty=2.0, top_k=20)
-    want = generate(tiny_params, tiny_cfg, prompt, 16,
-                    choose=lambda logits, out: choose_token(logits, sp, len(prompt) + len(out), out)).tokens.tolist()
+    want = generate(
+        tiny_params,
+        tiny_cfg,
+        prompt,
+        16,
+        choose=lambda logits, out: choose_token(logits, sp, len(prompt) + len(out), out),
+    ).tokens.tolist()
     eng = _engine(tiny_params, tiny_cfg)
     req = eng.submit(prompt, 16, sampling=sp)
     eng.run(max_steps=200)
     assert req.output == want
 
 
-@pytest.mark.parametrize("kw, words", [(dict(presence_penalty=2.5), "presence_penalty"),
-                                       (dict(frequency_penalty=-3), "frequency_penalty"),
-                                       (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs")])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+    ],
+)
 def test_out_of_range_penalties_and_logprobs_are_refused(kw, words):
     with pytest.raises(ValueError, match=words):
         SamplingParams(**kw)

@@ -16,8 +16,11 @@ from serving.engine import Engine, EngineConfig
 from serving.sampling import SamplingParams
 
 PAGE = 16
-PROMPTS = ["Permission is hereby granted", "The licence grants you the right to",
-           "This program is free software; you can redistribute it and/or modify"]  # the last: two chunks
+PROMPTS = [
+    "Permission is hereby granted",
+    "The licence grants you the right to",
+    "This program is free software; you can redistribute it and/or modify",
+]  # the last: two chunks
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +32,20 @@ def target(trained_draft):
 
 def _engine(target, k=3, **kw):
     params, cfg, draft = target
-    kw = dict(dict(num_pages=64, num_slots=4, num_snapshots=16, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                   max_pages_per_request=16, prefill_chunk_tokens=40, kernels="reference", draft_tokens=k), **kw)
+    kw = dict(
+        dict(
+            num_pages=64,
+            num_slots=4,
+            num_snapshots=16,
+            page_tokens=PAGE,
+            kda_block_tokens=4 * PAGE,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=40,
+            kernels="reference",
+            draft_tokens=k,
+        ),
+        **kw,
+    )
     return Engine(params, cfg, draft=draft, **kw)
 
 
@@ -62,7 +77,7 @@ def test_greedy_speculative_decoding_in_the_engine_emits_the_oracles_tokens(targ
 
 # A branching prefix: P is one KDA block (a snapshot boundary), and the page that ends it ends
 # where A and B part, so its last draft slot read A's next token, not B's.
-P = tokenizer.encode("Permission is hereby granted, free of charge, to any person obtaining ")[:4 * PAGE]
+P = tokenizer.encode("Permission is hereby granted, free of charge, to any person obtaining ")[: 4 * PAGE]
 A = P + tokenizer.encode("a copy of this software")[1:]
 B = P + tokenizer.encode("the right to use, copy")[1:]
 
@@ -97,8 +112,11 @@ def test_prefill_decode_disaggregation_keeps_the_oracles_tokens(target, oracle, 
     verifies from them (direct: the pages, the state and the last slot's feature handed over;
     store: through the shared host tier, the tail prefilled again on the decode side)."""
     host = EmbeddedHostKVTier(1 << 26) if handoff == "store" else None
-    server = DisaggregatedServer(_engine(target, role="prefill", host=host, publish_to_host=host is not None),
-                                 _engine(target, role="decode", host=host), handoff=handoff)
+    server = DisaggregatedServer(
+        _engine(target, role="prefill", host=host, publish_to_host=host is not None),
+        _engine(target, role="decode", host=host),
+        handoff=handoff,
+    )
     reqs = [server.submit(tokenizer.encode(p), 24) for p in PROMPTS]
     server.run(max_steps=400)
     for req, p in zip(reqs, PROMPTS):
@@ -156,9 +174,19 @@ def test_a_hit_from_the_host_tier_carries_the_draft_rows(target):
     assert sum(r2.accepted) > 0
     # an engine without the draft keys its blocks apart: it never reads rows laid out for one
     params, cfg, _ = target
-    plain = Engine(params, cfg, num_pages=64, num_slots=4, num_snapshots=16, page_tokens=PAGE,
-                   kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=40,
-                   kernels="reference", host=host)
+    plain = Engine(
+        params,
+        cfg,
+        num_pages=64,
+        num_slots=4,
+        num_snapshots=16,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        max_pages_per_request=16,
+        prefill_chunk_tokens=40,
+        kernels="reference",
+        host=host,
+    )
     r3 = plain.submit(turn2, 2)
     plain.run(max_steps=50)
     assert r3.cached_tokens == 0
@@ -184,8 +212,9 @@ def test_sampling_through_the_engine_keeps_the_targets_distribution(target):
     for col in (1, 2):
         tokens, counts = np.unique(np.concatenate([spec[:, col], plain[:, col]]), return_counts=True)
         common = tokens[counts >= 10]  # rarer tokens pooled into one bin
-        table = [[np.sum(x[:, col] == t) for t in common] + [np.sum(~np.isin(x[:, col], common))]
-                 for x in (spec, plain)]
+        table = [
+            [np.sum(x[:, col] == t) for t in common] + [np.sum(~np.isin(x[:, col], common))] for x in (spec, plain)
+        ]
         table = np.asarray(table)[:, np.asarray(table).sum(0) > 0]
         assert stats.chi2_contingency(table)[1] > 1e-3, table
 
@@ -207,12 +236,20 @@ def test_bad_speculative_setups_get_clear_errors(target):
     with pytest.raises(ValueError, match="same draft"):  # P/D where only one side drafts
         DisaggregatedServer(Engine(params, cfg, role="prefill", **kw), _engine(target, role="decode"))
     with pytest.raises(ValueError, match="needs a decode engine with the same draft"):  # and the other way
-        Engine(params, cfg, role="decode", **kw).adopt(A, 1, 4, [np.zeros((2, PAGE, cfg.mla_latent_dim))] * 5,
-                                                       np.zeros(1), request_id="y", arrival_s=0.0,
-                                                       draft_feature=np.zeros(cfg.d_model))
+        Engine(params, cfg, role="decode", **kw).adopt(
+            A,
+            1,
+            4,
+            [np.zeros((2, PAGE, cfg.mla_latent_dim))] * 5,
+            np.zeros(1),
+            request_id="y",
+            arrival_s=0.0,
+            draft_feature=np.zeros(cfg.d_model),
+        )
     with pytest.raises(ValueError, match="draft feature"):  # a handoff from an engine without the draft
-        _engine(target, role="decode").adopt(A, 1, 4, [np.zeros((3, PAGE, cfg.mla_latent_dim))] * 5,
-                                            np.zeros(1), request_id="x", arrival_s=0.0)
+        _engine(target, role="decode").adopt(
+            A, 1, 4, [np.zeros((3, PAGE, cfg.mla_latent_dim))] * 5, np.zeros(1), request_id="x", arrival_s=0.0
+        )
     eng = _engine(target)
     with pytest.raises(ValueError, match="top_p"):
         eng.submit(A, 4, sampling=SamplingParams(temperature=0.7, top_p=0.9))
@@ -230,14 +267,47 @@ def test_a_worker_serves_speculatively_from_its_flags_and_refuses_half_a_setup(t
     parser = argparse.ArgumentParser()
     worker.add_arguments(parser)
     # the geometry of `_engine(target, eagle_tail="no_drop")`: its programs, from the run's compile cache
-    base = ["--port", "1", "--num-pages", "64", "--num-slots", "4", "--num-snapshots", "16", "--page-tokens", str(PAGE),
-            "--kda-block-tokens", str(4 * PAGE), "--max-pages-per-request", "16", "--prefill-chunk-tokens", "40",
-            "--kernels", "reference", "--checkpoint", tc.out + "/checkpoint"]
-    eng, _, info = worker.build_engine(parser.parse_args(base + ["--speculative", "eagle3", "--draft-checkpoint",
-                                                                 out + "/draft", "--draft-tokens", "3",
-                                                                 "--eagle-no-drop"]))
-    assert eng.spec is not None and info["speculative"] == {"method": "eagle3", "draft_tokens": 3,
-                                                            "eagle_tail": "no_drop"}
+    base = [
+        "--port",
+        "1",
+        "--num-pages",
+        "64",
+        "--num-slots",
+        "4",
+        "--num-snapshots",
+        "16",
+        "--page-tokens",
+        str(PAGE),
+        "--kda-block-tokens",
+        str(4 * PAGE),
+        "--max-pages-per-request",
+        "16",
+        "--prefill-chunk-tokens",
+        "40",
+        "--kernels",
+        "reference",
+        "--checkpoint",
+        tc.out + "/checkpoint",
+    ]
+    eng, _, info = worker.build_engine(
+        parser.parse_args(
+            base
+            + [
+                "--speculative",
+                "eagle3",
+                "--draft-checkpoint",
+                out + "/draft",
+                "--draft-tokens",
+                "3",
+                "--eagle-no-drop",
+            ]
+        )
+    )
+    assert eng.spec is not None and info["speculative"] == {
+        "method": "eagle3",
+        "draft_tokens": 3,
+        "eagle_tail": "no_drop",
+    }
     req = eng.submit(tokenizer.encode(PROMPTS[0]), 8)
     eng.run(max_steps=50)
     assert req.output == _oracle((eng.params, eng.cfg, None), tokenizer.encode(PROMPTS[0]), 8)
@@ -260,8 +330,20 @@ def _other_weights(parser, out):
     cfg = config.tiny()
     path = tempfile.mkdtemp() + "/ckpt"
     checkpoint.save(path, model.init_params(cfg, jax.random.PRNGKey(7), "float32"), cfg)
-    return parser.parse_args(["--port", "1", "--num-pages", "32", "--speculative", "eagle3", "--checkpoint", path,
-                              "--draft-checkpoint", out + "/draft"])
+    return parser.parse_args(
+        [
+            "--port",
+            "1",
+            "--num-pages",
+            "32",
+            "--speculative",
+            "eagle3",
+            "--checkpoint",
+            path,
+            "--draft-checkpoint",
+            out + "/draft",
+        ]
+    )
 
 
 def test_acceptance_on_the_device_is_the_reference_rule(rng):
@@ -277,16 +359,23 @@ def test_acceptance_on_the_device_is_the_reference_rule(rng):
     drafts = rng.integers(0, v, (64, k)).astype(np.int32)
     drafts[::2, 0] = logits[::2, 0].argmax(-1)  # half the rows agree at least once
     keys = jax.random.split(jax.random.PRNGKey(0), 64)
-    a, nxt = accept_on_device(jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros((64, k, v)), jnp.zeros(64),
-                              keys, keys)
+    a, nxt = accept_on_device(
+        jnp.asarray(logits), jnp.asarray(drafts), jnp.zeros((64, k, v)), jnp.zeros(64), keys, keys
+    )
     want = [speculative.accept(logits[i], drafts[i]) for i in range(64)]
     assert [(int(x), int(y)) for x, y in zip(a, nxt)] == want and int(np.asarray(a).max()) > 0
     p = rng.dirichlet(np.ones(v), size=k + 1)
     q = rng.dirichlet(0.3 * np.ones(v), size=k)
     d = np.stack([rng.choice(v, n, p=q[j]) for j in range(k)], axis=1).astype(np.int32)
     keys_u, keys_r = jax.random.split(jax.random.PRNGKey(1), 2 * n).reshape(2, n, 2)
-    a, nxt = accept_on_device(jnp.log(jnp.asarray(p, jnp.float32))[None].repeat(n, 0), jnp.asarray(d),
-                              jnp.asarray(q, jnp.float32)[None].repeat(n, 0), jnp.ones(n), keys_u, keys_r)
+    a, nxt = accept_on_device(
+        jnp.log(jnp.asarray(p, jnp.float32))[None].repeat(n, 0),
+        jnp.asarray(d),
+        jnp.asarray(q, jnp.float32)[None].repeat(n, 0),
+        jnp.ones(n),
+        keys_u,
+        keys_r,
+    )
     first = np.where(np.asarray(a) > 0, d[:, 0], np.asarray(nxt))
     counts = np.bincount(first, minlength=v)
     assert stats.chisquare(counts, p[0] * n).pvalue > 1e-3
@@ -301,9 +390,19 @@ def test_a_memory_budget_counts_the_drafts_rows_and_pending_features(target):
     page = Engine.bytes_per_page(cfg, PAGE, np.float32, draft=True)
     assert page > Engine.bytes_per_page(cfg, PAGE, np.float32)
     budget = 40 * page + 25 * Engine.bytes_per_state(cfg, np.float32)
-    eng = Engine.from_memory_budget(params, cfg, budget_bytes=budget, page_tokens=PAGE, num_slots=4,
-                                    snapshots_per_slot=4, max_pages_per_request=16, kda_block_tokens=4 * PAGE,
-                                    kernels="reference", draft=draft, draft_tokens=3)
+    eng = Engine.from_memory_budget(
+        params,
+        cfg,
+        budget_bytes=budget,
+        page_tokens=PAGE,
+        num_slots=4,
+        snapshots_per_slot=4,
+        max_pages_per_request=16,
+        kda_block_tokens=4 * PAGE,
+        kernels="reference",
+        draft=draft,
+        draft_tokens=3,
+    )
     held = sum(x.nbytes for x in jax.tree_util.tree_leaves((eng.kv.pools, eng.kv.dpools))) + eng.snapshots.data.nbytes
     assert budget - page < held <= budget
     assert eng.capacity()["pool_bytes"] == held
@@ -313,7 +412,7 @@ def test_a_prefill_engine_writes_its_last_prompt_slot_once_it_has_the_token_afte
     """A page-aligned prompt's last slot ends its last page.  A colocated engine writes that row in
     its first round; a P/D prefill engine, which decodes nothing, writes the same row when it
     samples the first token, so the page it caches is whole (and its tail feature known)."""
-    prompt = tokenizer.encode(PROMPTS[2])[:2 * PAGE]
+    prompt = tokenizer.encode(PROMPTS[2])[: 2 * PAGE]
     colocated = _engine(target)
     req = colocated.submit(prompt, 8)
     while len(req.output) < 2:  # the first round wrote slot 2 * PAGE - 1

@@ -24,8 +24,7 @@ def test_held_kv_is_taken_once_and_bounded_in_bytes_and_time():
     b, c = held.put(b"b" * 60), held.put(b"c" * 60)  # c needs b's room: the oldest goes
     assert held.take(b) is None and held.stats()["kv_dropped"] == 1 and held.stats()["kv_held_bytes"] == 60
     now[0] = 11
-    assert held.take(c) is None and held.stats() == {"kv_held": 0, "kv_held_bytes": 0, "kv_served": 1,
-                                                     "kv_dropped": 2}
+    assert held.take(c) is None and held.stats() == {"kv_held": 0, "kv_held_bytes": 0, "kv_served": 1, "kv_dropped": 2}
     with pytest.raises(ValueError, match="over the held budget"):
         held.put(b"x" * 101)
     assert len({held.put(b"") for _ in range(50)}) == 50  # handles do not repeat

@@ -63,8 +63,9 @@ def test_an_export_is_packed_as_the_slot_it_equals(rng, tiny_cfg, tiny_params):
     kv = _pools(tiny_cfg)
     toks = rng.integers(0, 256, (1, 128)).astype(np.int32)
     table, slot = [[1, 2, 3, 4, 5, 6, 7, 0]], [1]
-    _, out = model.forward(tiny_params, tiny_cfg, toks, cache=model.paged_view(kv.pools, table, slot, [0],
-                                                                                export_at=[64, -1]))
+    _, out = model.forward(
+        tiny_params, tiny_cfg, toks, cache=model.paged_view(kv.pools, table, slot, [0], export_at=[64, -1])
+    )
     kv.save_export(out["exports"], 0, 3)
     _, alone = model.forward(tiny_params, tiny_cfg, toks[:, :64], cache=model.paged_view(kv.pools, table, slot, [0]))
     kv.pools = model.pools_of(alone)

@@ -63,47 +63,96 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
     from kimik3.text.bpe import train_bpe
 
     _, files = corpus.find_sources("licenses")
-    tok = train_bpe([open(f, encoding="utf-8", errors="replace").read() for f in files], cfg.vocab_size,
-                    str(tmp_path / "ckpt" / "tokenizer.json"))
+    tok = train_bpe(
+        [open(f, encoding="utf-8", errors="replace").read() for f in files],
+        cfg.vocab_size,
+        str(tmp_path / "ckpt" / "tokenizer.json"),
+    )
     prompt = tok.apply_chat_template([tokenizer.Message("user", "launched the licence")])
     assert len(prompt) < len(tokenizer.apply_chat_template([tokenizer.Message("user", "launched the licence")]))
     want = generate(params, cfg, prompt, 4).tokens.tolist()  # what `kimik3 generate --checkpoint` prints
     port, state_file = free_port(), tmp_path / "state.json"
-    worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
-                   f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}")
-    proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
-                             "--prefill", "1", "--decode", "1", "--store-mb", "64", "--state-file", str(state_file),
-                             *(["--redis"] if shutil.which("redis-server") or os.environ.get("KIMIK3_REQUIRE_MOONCAKE") else []),
-                             "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args,
-                             "--checkpoint", str(tmp_path / "ckpt"), "--gpus", "0,1", "--gpu-memory-utilization", "0.8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
+    worker_args = (
+        f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
+        f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.launch",
+            "--config",
+            "tiny",
+            "--port",
+            str(port),
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--store-mb",
+            "64",
+            "--state-file",
+            str(state_file),
+            *(["--redis"] if shutil.which("redis-server") or os.environ.get("KIMIK3_REQUIRE_MOONCAKE") else []),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--worker-args",
+            worker_args,
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--gpus",
+            "0,1",
+            "--gpu-memory-utilization",
+            "0.8",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(child_env(), JAX_PLATFORMS="cpu"),
+        start_new_session=True,
+    )
     try:
         state = _wait_for_state(proc, state_file)
         base = f"http://127.0.0.1:{port}"
         assert state["router"] == base + "/v1" and len(state["prefill"]) == len(state["decode"]) == 1
         assert {"router", "prefill-0", "decode-0", "mooncake_master", "mooncake_memory_server"} <= set(state["pids"])
         wait_healthy(base, None, 30)
-        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "launched the licence"}], "max_tokens": 4,
-            "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "kimik3-tiny",
+                "messages": [{"role": "user", "content": "launched the licence"}],
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(prompt)  # the BPE encoded the conversation
         assert r.json()["choices"][0]["token_ids"] == want  # the checkpoint's weights, not random ones
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)  # and detokenized the stream
-        assert httpx.get(state["decode"][0] + "/health", timeout=10).json()["tokenizer"]["name"] \
-            .startswith("bpe:")
-        env_of = lambda pid: dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
-        assert [env_of(state["pids"][n]).get("CUDA_VISIBLE_DEVICES") for n in ("prefill-0", "decode-0", "router")] \
-            == ["0", "1", ""]
+        assert httpx.get(state["decode"][0] + "/health", timeout=10).json()["tokenizer"]["name"].startswith("bpe:")
+        env_of = lambda pid: dict(
+            kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv
+        )
+        assert [env_of(state["pids"][n]).get("CUDA_VISIBLE_DEVICES") for n in ("prefill-0", "decode-0", "router")] == [
+            "0",
+            "1",
+            "",
+        ]
         assert env_of(state["pids"]["decode-0"])["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8000"
         # every listening socket of the deployment is on loopback (the workers' and
         # the router's store clients and the memory server embed Mooncake's transfer engine, which
         # binds every interface unless `cache.loopback`'s shim is preloaded).
         import psutil
 
-        listening = {name: {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
-                            if c.status == psutil.CONN_LISTEN} for name, pid in state["pids"].items()}
+        listening = {
+            name: {
+                c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+            }
+            for name, pid in state["pids"].items()
+        }
         assert all(listening[n] for n in ("router", "prefill-0", "decode-0", "mooncake_memory_server")), listening
         assert "redis" in listening or not shutil.which("redis-server")  # the shared L1, on loopback too
         assert set().union(*listening.values()) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
@@ -117,9 +166,16 @@ def test_launch_serves_and_stops_everything_on_sigint(tmp_path):
             time.sleep(0.25)
         state = json.loads(state_file.read_text())
         assert not _alive(old_master) and _alive(state["pids"]["mooncake_master"])
-        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "model": "kimik3-tiny", "messages": [{"role": "user", "content": "after the store restarted"}],
-            "max_tokens": 3, "ignore_eos": True})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "kimik3-tiny",
+                "messages": [{"role": "user", "content": "after the store restarted"}],
+                "max_tokens": 3,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -148,7 +204,8 @@ def test_workers_share_the_gpus_in_turn_and_split_the_memory_of_a_shared_one(tmp
     assert [d.worker_env(i) for i in range(3)] == [
         {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4500"},
         {"CUDA_VISIBLE_DEVICES": "5", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9000"},
-        {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4500"}]
+        {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.4500"},
+    ]
     assert d._router_env()["CUDA_VISIBLE_DEVICES"] == ""
     assert Deployment(args("--gpus", "none")).worker_env(0) == {}
 
@@ -166,8 +223,9 @@ def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkey
     d = Deployment(parser.parse_args(["--port", "1", "--api-key", "s3cret", "--log-dir", str(tmp_path)]))
     assert d._router_env() == {"KIMIK3_API_KEY": "s3cret"}
     monkeypatch.setenv("KIMIK3_API_KEY", "from-env")
-    assert Deployment(parser.parse_args(["--port", "1", "--log-dir", str(tmp_path)]))._router_env() == \
-        {"KIMIK3_API_KEY": "from-env"}
+    assert Deployment(parser.parse_args(["--port", "1", "--log-dir", str(tmp_path)]))._router_env() == {
+        "KIMIK3_API_KEY": "from-env"
+    }
     assert "s3cret" not in " ".join(d._worker_argv("decode", 0, 2))
     # one served model name for the router and the workers' vllm:* metrics
     named = Deployment(parser.parse_args(["--log-dir", str(tmp_path), "--served-model-name", "kimi"]))
@@ -190,20 +248,53 @@ def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tm
     from serving import internal_auth
 
     port, state_file = free_port(), tmp_path / "state.json"
-    worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
-                   f"--num-pages 16 --num-slots 2 --kernels reference --no-warmup --group-heartbeat-s 5")
-    proc = subprocess.Popen([sys.executable, "-m", "serving.launch", "--config", "tiny", "--port", str(port),
-                             "--prefill", "0", "--decode", "2", "--decode-group", "--group-devices", "1", "--no-store",
-                             "--gpus", "none", "--state-file", str(state_file), "--log-dir", str(tmp_path / "logs"),
-                             "--worker-args", worker_args, "--max-restarts", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
+    worker_args = (
+        f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
+        f"--num-pages 16 --num-slots 2 --kernels reference --no-warmup --group-heartbeat-s 5"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.launch",
+            "--config",
+            "tiny",
+            "--port",
+            str(port),
+            "--prefill",
+            "0",
+            "--decode",
+            "2",
+            "--decode-group",
+            "--group-devices",
+            "1",
+            "--no-store",
+            "--gpus",
+            "none",
+            "--state-file",
+            str(state_file),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--worker-args",
+            worker_args,
+            "--max-restarts",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(child_env(), JAX_PLATFORMS="cpu"),
+        start_new_session=True,
+    )
     params = model.init_params(config.tiny(), jax.random.PRNGKey(0), "float32")  # the workers' weights (seed 0)
     base = f"http://127.0.0.1:{port}"
 
     def complete(ids, n):
-        r = httpx.post(base + "/v1/completions", timeout=300, json={
-            "model": "kimik3-tiny", "prompt": ids, "max_tokens": n, "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            base + "/v1/completions",
+            timeout=300,
+            json={"model": "kimik3-tiny", "prompt": ids, "max_tokens": n, "ignore_eos": True, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]
 
@@ -226,8 +317,15 @@ def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tm
         events = []
 
         def long_request():
-            with httpx.Client(timeout=300) as c, c.stream("POST", state["decode"][0] + "/generate", headers=auth,
-                                                          json={"prompt": prompts[0], "max_tokens": 150}) as r:
+            with (
+                httpx.Client(timeout=300) as c,
+                c.stream(
+                    "POST",
+                    state["decode"][0] + "/generate",
+                    headers=auth,
+                    json={"prompt": prompts[0], "max_tokens": 150},
+                ) as r,
+            ):
                 events.extend(json.loads(line) for line in r.iter_lines() if line)
 
         t = threading.Thread(target=long_request)

@@ -24,12 +24,14 @@ from .test_router import CACHE_DIR, PAGE
 
 # Kimi's special tokens after the ranks, and a template of its layout (<|im_user|>user<|im_middle|>...)
 SPECIALS = ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"]
-TEMPLATE = ("{%- for m in messages -%}"
-            "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>"
-            "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>"
-            "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
-            "{{ m.content }}<|im_end|>{%- endfor -%}"
-            "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}")
+TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif m.role == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{{ m.content }}<|im_end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
 
 
 def kimi_directory(path, seed=5):
@@ -39,9 +41,16 @@ def kimi_directory(path, seed=5):
     hf.save(str(path), params, cfg, names="hub", max_shard_bytes=20_000)
     write_ranks({bytes([i]): i for i in range(256)}, str(path / "tiktoken.model"))
     ids = {name: 256 + i for i, name in enumerate(SPECIALS)}
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "added_tokens_decoder": {str(i): {"content": n, "special": True} for n, i in ids.items()},
-        "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "added_tokens_decoder": {str(i): {"content": n, "special": True} for n, i in ids.items()},
+                "bos_token": "[BOS]",
+                "eos_token": "[EOS]",
+                "chat_template": TEMPLATE,
+            }
+        )
+    )
     conf = json.loads((path / "config.json").read_text())
     conf.update(bos_token_id=ids["[BOS]"], eos_token_id=ids["<|im_end|>"])  # Kimi stops on <|im_end|>
     (path / "config.json").write_text(json.dumps(conf))
@@ -49,13 +58,39 @@ def kimi_directory(path, seed=5):
 
 
 def _launch(model_dir, tmp_path, port, state_file):
-    worker_args = (f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
-                   f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}")
-    return subprocess.Popen([sys.executable, "-m", "serving.launch", "--model", str(model_dir), "--port", str(port),
-                             "--prefill", "0", "--decode", "1", "--no-store", "--state-file", str(state_file),
-                             "--log-dir", str(tmp_path / "logs"), "--worker-args", worker_args, "--gpus", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(child_env(), JAX_PLATFORMS="cpu"), start_new_session=True)
+    worker_args = (
+        f"--dtype float32 --page-tokens {PAGE} --kda-block-tokens {4 * PAGE} --prefill-chunk-tokens 16 "
+        f"--num-pages 48 --num-slots 2 --kernels reference --compile-cache {CACHE_DIR}"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.launch",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--prefill",
+            "0",
+            "--decode",
+            "1",
+            "--no-store",
+            "--state-file",
+            str(state_file),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--worker-args",
+            worker_args,
+            "--gpus",
+            "none",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(child_env(), JAX_PLATFORMS="cpu"),
+        start_new_session=True,
+    )
 
 
 def test_launch_serves_a_hf_directory_with_its_tokenizer_and_template(tmp_path):
@@ -75,9 +110,17 @@ def test_launch_serves_a_hf_directory_with_its_tokenizer_and_template(tmp_path):
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, None, 30)
         assert [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]] == ["Kimi-Linear-small"]
-        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
-            "model": "Kimi-Linear-small", "messages": [{"role": "user", "content": "hello Kimi"}], "max_tokens": 5,
-            "ignore_eos": True, "temperature": 0})
+        r = httpx.post(
+            base + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": "Kimi-Linear-small",
+                "messages": [{"role": "user", "content": "hello Kimi"}],
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["prompt_tokens"] == len(prompt)  # the checkpoint's template and tokenizer

@@ -10,7 +10,9 @@ def test_the_ablation_runs_and_every_configuration_gives_the_same_tokens(tmp_pat
     spec = media_bench.MediaBenchSpec(sessions=1, turns=2, image_px=(96, 64), fetch_latency_ms=5.0)
     text = media_bench.main(spec, str(tmp_path / "rows.json"))  # raises if any tier changed a token
     rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert list(rows) == [name for name, _ in media_bench.CONFIGS] and "tokens equal across configurations: True" in text
+    assert (
+        list(rows) == [name for name, _ in media_bench.CONFIGS] and "tokens equal across configurations: True" in text
+    )
     assert all(r["tokens_equal_none"] and r["ttft_p50_ms"] > 0 for r in rows.values())
     none, all4 = rows["none"], rows["all"]
     assert none["l1_hit_rate"] == none["l2_hit_rate"] == none["l3_hit_rate"] == none["l4_hit_rate"] == 0

@@ -6,8 +6,14 @@ from serving.metrics import CompileWatch, RequestRecord, StepProfile, percentile
 
 
 def test_definitions():
-    r = RequestRecord(arrival_s=10.0, token_times_s=[10.5, 10.7, 11.1], prompt_tokens=100, cached_tokens_gpu=40,
-                      cached_tokens_host=20, admitted_s=10.2)
+    r = RequestRecord(
+        arrival_s=10.0,
+        token_times_s=[10.5, 10.7, 11.1],
+        prompt_tokens=100,
+        cached_tokens_gpu=40,
+        cached_tokens_host=20,
+        admitted_s=10.2,
+    )
     assert math.isclose(r.ttft_s, 0.5) and math.isclose(r.tpot_s, 0.3) and math.isclose(r.queue_s, 0.2)
     s = summarize("x", [r, RequestRecord(0.0, [1.0], 100, 0, 0, 0.5)], wall_s=2.0)
     assert s.output_tokens == 4 and math.isclose(s.throughput_tok_s, 2.0)

@@ -18,8 +18,16 @@ N_STEPS = 4
 def prefilled(tiny_cfg, tiny_params):
     """An engine whose three requests (a decode bucket of 4: one padding row) just finished their
     prefill, with pages for N_STEPS more tokens each."""
-    eng = Engine(tiny_params, tiny_cfg, num_pages=48, num_slots=4, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                 prefill_chunk_tokens=64, kernels="reference")
+    eng = Engine(
+        tiny_params,
+        tiny_cfg,
+        num_pages=48,
+        num_slots=4,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        prefill_chunk_tokens=64,
+        kernels="reference",
+    )
     rng = np.random.default_rng(5)
     reqs = [eng.submit(rng.integers(0, 256, 16).tolist(), 20) for _ in range(3)]  # one 16-token chunk each
     while not all(r.output for r in reqs):
@@ -48,8 +56,9 @@ def test_multi_step_program_equals_single_steps(prefilled):
     want, pools_single, runner = single_steps(eng, rows, N_STEPS)
     assert runner.overwrites == 1  # the buffers were written once; each later step ran on them as they were
     multi = DecodeRunner(eng.cfg, "reference")
-    pools, got = multi.dispatch_multi(eng.params, jax.tree.map(jnp.copy, eng.pools), rows, N_STEPS,
-                                      [False] * 4, eos_id=0)
+    pools, got = multi.dispatch_multi(
+        eng.params, jax.tree.map(jnp.copy, eng.pools), rows, N_STEPS, [False] * 4, eos_id=0
+    )
     got = np.asarray(got)
     np.testing.assert_array_equal(got[:3], want[:3])
     assert (got[3] == -1).all()  # the padding row emits nothing
@@ -63,17 +72,19 @@ def test_a_row_that_samples_eos_stops_on_the_device(prefilled):
     want, _, _ = single_steps(eng, rows, N_STEPS)
     eos = int(want[0, 1])  # row 0's second token plays EOS
     stop = [True, False, False, False]
-    _, got = DecodeRunner(eng.cfg, "reference").dispatch_multi(eng.params, jax.tree.map(jnp.copy, eng.pools), rows,
-                                                              N_STEPS, stop, eos_id=eos)
+    _, got = DecodeRunner(eng.cfg, "reference").dispatch_multi(
+        eng.params, jax.tree.map(jnp.copy, eng.pools), rows, N_STEPS, stop, eos_id=eos
+    )
     got = np.asarray(got)
     first_eos = list(want[0]).index(eos)
-    assert got[0].tolist() == want[0, :first_eos + 1].tolist() + [-1] * (N_STEPS - first_eos - 1)
+    assert got[0].tolist() == want[0, : first_eos + 1].tolist() + [-1] * (N_STEPS - first_eos - 1)
     np.testing.assert_array_equal(got[1:3], want[1:3])
 
 
 def test_decode_rows_pad_to_the_bucket_and_advance_as_the_device_does():
-    rows = DecodeRows.build(4, [3, 4], [[1, 2], [3]], [0, 1], [10, 20], [GREEDY, GREEDY], max_pages=3, null_page=0,
-                            scratch_slot=9)
+    rows = DecodeRows.build(
+        4, [3, 4], [[1, 2], [3]], [0, 1], [10, 20], [GREEDY, GREEDY], max_pages=3, null_page=0, scratch_slot=9
+    )
     assert rows.tables.tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert rows.slots.tolist() == [0, 1, 9, 9] and rows.active.tolist() == [1, 1, 0, 0] and rows.greedy
     after = rows.advanced(np.asarray([7, 8, 5, 5]))

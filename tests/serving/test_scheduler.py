@@ -20,10 +20,22 @@ CHUNK = 64
 
 def make(num_pages=32, num_slots=4, num_snaps=16, host=None, **kw):
     spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
-    mgr = PagedKVManager(spec, ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32), num_pages,
-                         ArrayBlockStore(num_snaps, (8,), np.float32), num_snaps, host)
-    cfg = dict(num_slots=num_slots, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=CHUNK + num_slots,
-               export_slots=CHUNK // KDA_BLOCK + 2, kda_chunk_tokens=16)
+    mgr = PagedKVManager(
+        spec,
+        ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32),
+        num_pages,
+        ArrayBlockStore(num_snaps, (8,), np.float32),
+        num_snaps,
+        host,
+    )
+    cfg = dict(
+        num_slots=num_slots,
+        page_tokens=PAGE,
+        prefill_chunk_tokens=CHUNK,
+        max_step_tokens=CHUNK + num_slots,
+        export_slots=CHUNK // KDA_BLOCK + 2,
+        kda_chunk_tokens=16,
+    )
     cfg.update(kw)
     return Scheduler(SchedulerConfig(**cfg), mgr)
 
@@ -219,10 +231,25 @@ def test_eos_and_max_tokens_end_requests(n):
 def make_ranked(ranks=2, num_pages=9, num_slots=4, num_snaps=8, host=None):
     """One manager per rank (DP decode: each rank owns its pools), their host tier shared."""
     spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
-    mgrs = [PagedKVManager(spec, ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32), num_pages,
-                           ArrayBlockStore(num_snaps, (8,), np.float32), num_snaps, host) for _ in range(ranks)]
-    cfg = dict(num_slots=num_slots, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=CHUNK + num_slots,
-               export_slots=CHUNK // KDA_BLOCK + 2, kda_chunk_tokens=16)
+    mgrs = [
+        PagedKVManager(
+            spec,
+            ArrayBlockStore(num_pages, (1, PAGE, 4), np.float32),
+            num_pages,
+            ArrayBlockStore(num_snaps, (8,), np.float32),
+            num_snaps,
+            host,
+        )
+        for _ in range(ranks)
+    ]
+    cfg = dict(
+        num_slots=num_slots,
+        page_tokens=PAGE,
+        prefill_chunk_tokens=CHUNK,
+        max_step_tokens=CHUNK + num_slots,
+        export_slots=CHUNK // KDA_BLOCK + 2,
+        kda_chunk_tokens=16,
+    )
     return Scheduler(SchedulerConfig(**cfg), mgrs)
 
 
@@ -265,8 +292,19 @@ def test_preemption_frees_room_within_the_short_rank_only():
 
 def test_slots_must_split_evenly_over_the_ranks():
     spec = CacheSpec("test/f32", PAGE, KDA_BLOCK)
-    mgrs = [PagedKVManager(spec, ArrayBlockStore(9, (1, PAGE, 4), np.float32), 9,
-                           ArrayBlockStore(8, (8,), np.float32), 8) for _ in range(2)]
+    mgrs = [
+        PagedKVManager(spec, ArrayBlockStore(9, (1, PAGE, 4), np.float32), 9, ArrayBlockStore(8, (8,), np.float32), 8)
+        for _ in range(2)
+    ]
     with pytest.raises(ValueError, match="split evenly over the 2 ranks"):
-        Scheduler(SchedulerConfig(num_slots=3, page_tokens=PAGE, prefill_chunk_tokens=CHUNK, max_step_tokens=80,
-                                  export_slots=3, kda_chunk_tokens=16), mgrs)
+        Scheduler(
+            SchedulerConfig(
+                num_slots=3,
+                page_tokens=PAGE,
+                prefill_chunk_tokens=CHUNK,
+                max_step_tokens=80,
+                export_slots=3,
+                kda_chunk_tokens=16,
+            ),
+            mgrs,
+        )

@@ -26,17 +26,20 @@ def cuts(text, rng, n):
         yield [text[a:b] for a, b in zip([0] + idx, idx + [len(text)])]
 
 
-@pytest.mark.parametrize("text, stops, want, stopped", [
-    ("hello world. bye", ["."], "hello world", True),
-    ("hello world. bye", ["world", "."], "hello ", True),  # the earliest stop in the text wins
-    ("hello world. bye", ["wor", "world"], "hello ", True),
-    ("aaab", ["aab"], "a", True),  # a partial match that fails, then one that starts inside it
-    ("abcabd", ["abd"], "abc", True),
-    ("no stop here", ["stop!", "zz"], "no stop here", False),  # a held-back "stop" is released at the end
-    ("ends in a prefix st", ["stop"], "ends in a prefix st", False),
-    ("\ufffd\ufffdx", ["\ufffdx"], "\ufffd", True),
-    ("plain", [], "plain", False),
-])
+@pytest.mark.parametrize(
+    "text, stops, want, stopped",
+    [
+        ("hello world. bye", ["."], "hello world", True),
+        ("hello world. bye", ["world", "."], "hello ", True),  # the earliest stop in the text wins
+        ("hello world. bye", ["wor", "world"], "hello ", True),
+        ("aaab", ["aab"], "a", True),  # a partial match that fails, then one that starts inside it
+        ("abcabd", ["abd"], "abc", True),
+        ("no stop here", ["stop!", "zz"], "no stop here", False),  # a held-back "stop" is released at the end
+        ("ends in a prefix st", ["stop"], "ends in a prefix st", False),
+        ("\ufffd\ufffdx", ["\ufffdx"], "\ufffd", True),
+        ("plain", [], "plain", False),
+    ],
+)
 def test_pieces_concatenate_to_the_text_cut_before_the_first_stop(rng, text, stops, want, stopped):
     for pieces in cuts(text, rng, 50):
         out, got_stopped = run(stops, pieces)

@@ -9,8 +9,11 @@ from serving.vllm_metrics import VLLMMetrics
 
 def samples(registry) -> dict:
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def test_vllms_names_carry_model_name_and_follow_the_load_and_the_requests():
@@ -19,8 +22,7 @@ def test_vllms_names_carry_model_name_and_follow_the_load_and_the_requests():
     model = (("model_name", "kimik3-tiny"),)
     m.load(running=3, waiting=2, kv_use=0.25, preemptions=1)
     m.load(running=1, waiting=0, kv_use=0.5, preemptions=4)  # the engine's running total: +3
-    m.finished(prompt_tokens=100, generation_tokens=8, finished_reason="stop", ttft_s=0.05,
-               tpot_s=0.01, e2e_s=0.2)
+    m.finished(prompt_tokens=100, generation_tokens=8, finished_reason="stop", ttft_s=0.05, tpot_s=0.01, e2e_s=0.2)
     m.finished(prompt_tokens=10, generation_tokens=4, finished_reason="length")
     m.prefix_cache(110, 64)  # an engine's lookups (workers); the router's `finished` feeds none
     got = samples(reg)

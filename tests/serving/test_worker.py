@@ -17,8 +17,18 @@ PAGE = 16
 def client(tiny_cfg, tiny_params):
     from fastapi.testclient import TestClient
 
-    eng = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
-                 kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32, kernels="reference")
+    eng = Engine(
+        tiny_params,
+        tiny_cfg,
+        num_pages=24,
+        num_slots=2,
+        num_snapshots=8,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        max_pages_per_request=16,
+        prefill_chunk_tokens=32,
+        kernels="reference",
+    )
     loop = EngineLoop(eng, max_waiting=2, worker_id="w0")
     info = {"role": "both", "worker_id": "w0", "max_context": 256, "page_tokens": PAGE, "namespace": "t"}
     with TestClient(create_app(loop, info, keepalive_s=0.2)) as c:
@@ -49,13 +59,16 @@ def test_prefill_answers_one_token_and_a_repeat_hits_the_cache(client, tiny_cfg,
     assert a["cached_tokens"] == 0 and b["cached_tokens"] >= 4 * PAGE and b["token"] == a["token"]
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b"{not json", 400, "malformed JSON"),
-    (json.dumps({"prompt": "text", "max_tokens": 3}).encode(), 400, "prompt"),
-    (json.dumps({"prompt": [1, 2], "max_tokens": 0}).encode(), 400, "max_tokens"),
-    (json.dumps({"prompt": [1] * 300, "max_tokens": 5}).encode(), 400, "context limit"),
-    (json.dumps({"prompt": [999], "max_tokens": 5}).encode(), 400, "token ids"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (json.dumps({"prompt": "text", "max_tokens": 3}).encode(), 400, "prompt"),
+        (json.dumps({"prompt": [1, 2], "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({"prompt": [1] * 300, "max_tokens": 5}).encode(), 400, "context limit"),
+        (json.dumps({"prompt": [999], "max_tokens": 5}).encode(), 400, "token ids"),
+    ],
+)
 def test_bad_requests_are_400_with_a_message(client, body, status, words):
     before = client.get("/load").json()["submitted"]
     r = client.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -82,8 +95,9 @@ def test_a_closed_stream_cancels_the_request_and_frees_its_kv(client, rng):
     # stream is noticed (unthrottled, tiny can finish all of them first and nothing is cancelled)
     client.loop.step_delay_s = 0.01
     try:
-        with client.stream("POST", "/generate",
-                           json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}) as r:
+        with client.stream(
+            "POST", "/generate", json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}
+        ) as r:
             for line in r.iter_lines():
                 if '"token"' in line:
                     break  # leave after the first token: the connection closes
@@ -120,9 +134,19 @@ def test_direct_handoff_moves_the_prompts_kv_from_a_prefill_worker_to_a_decode_w
     from fastapi.testclient import TestClient
 
     def app(role):
-        eng = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
-                     kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32,
-                     kernels="reference", role=role)
+        eng = Engine(
+            tiny_params,
+            tiny_cfg,
+            num_pages=24,
+            num_slots=2,
+            num_snapshots=8,
+            page_tokens=PAGE,
+            kda_block_tokens=4 * PAGE,
+            max_pages_per_request=16,
+            prefill_chunk_tokens=32,
+            kernels="reference",
+            role=role,
+        )
         return create_app(EngineLoop(eng, worker_id=role), {"role": role, "max_context": 256}, keepalive_s=0.2)
 
     prompt = [9] + rng.integers(0, 256, 50).tolist()
@@ -158,8 +182,18 @@ def test_sampled_generation_is_the_engines_sample_for_that_seed(client, tiny_cfg
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "top_p": 0.95, "seed": 123}
     with client.stream("POST", "/generate", json=body) as r:
         tokens = [e["token"] for e in _lines(r) if "token" in e]
-    ref = Engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, page_tokens=PAGE,
-                 kda_block_tokens=4 * PAGE, max_pages_per_request=16, prefill_chunk_tokens=32, kernels="reference")
+    ref = Engine(
+        tiny_params,
+        tiny_cfg,
+        num_pages=24,
+        num_slots=2,
+        num_snapshots=8,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        max_pages_per_request=16,
+        prefill_chunk_tokens=32,
+        kernels="reference",
+    )
     want = ref.submit(prompt, 6, sampling=SamplingParams(1.0, 0.95, 123))
     ref.run(max_steps=100)
     assert tokens == want.output != generate(tiny_params, tiny_cfg, prompt, 6).tokens.tolist()
@@ -172,8 +206,9 @@ def test_images_travel_as_base64_pixels_and_equal_the_oracle(client, tiny_cfg, t
 
     size = tiny_cfg.vit.image_size
     pixels = rng.integers(0, 256, (1, size, size, 3), dtype=np.uint8)
-    prompt = tokenizer.apply_chat_template([tokenizer.Message("user", "look", n_images=1)],
-                                           tokens_per_image=tiny_cfg.vit.tokens_per_image)
+    prompt = tokenizer.apply_chat_template(
+        [tokenizer.Message("user", "look", n_images=1)], tokens_per_image=tiny_cfg.vit.tokens_per_image
+    )
     body = {"prompt": prompt, "max_tokens": 4, "images": [base64.b64encode(pixels[0].tobytes()).decode()]}
     with client.stream("POST", "/generate", json=body) as r:
         tokens = [e["token"] for e in _lines(r) if "token" in e]
@@ -193,8 +228,9 @@ def test_a_dead_store_degrades_health_and_costs_requests_nothing(client, tiny_cf
     from tests.conftest import start_mooncake
 
     svc = start_mooncake(64 << 20)  # its own: the test kills its master
-    tier = GuardedHostKVTier(MooncakeHostKVTier(svc.master_addr, svc.metadata_url, staging_bytes=1 << 20),
-                             timeout_s=2.0, cooldown_s=3600.0)
+    tier = GuardedHostKVTier(
+        MooncakeHostKVTier(svc.master_addr, svc.metadata_url, staging_bytes=1 << 20), timeout_s=2.0, cooldown_s=3600.0
+    )
     try:
         monkeypatch.setattr(client.loop.engine.manager, "host", tier)
         health = client.get("/health")
@@ -235,7 +271,7 @@ def test_vllms_sizing_flags_reach_the_engine():
     eng, _, info = worker.build_engine(_worker_args("--num-pages", "40", "--max-model-len", "100"))
     assert info["max_context"] == 100 and eng.manager.page_pool.num_blocks == 40
     with pytest.raises(ValueError, match="past tiny's"):
-        worker.build_engine(_worker_args("--max-model-len", str(10 ** 7)))
+        worker.build_engine(_worker_args("--max-model-len", str(10**7)))
     with pytest.raises(ValueError, match="does not\\): pass --num-pages"):
         worker.build_engine(_worker_args("--gpu-memory-utilization", "0.5"))
     with pytest.raises(ValueError, match="pass one"):

@@ -17,15 +17,17 @@ def devices():
     devs = jax.devices()
     assert len(devs) >= N_DEVICES, (
         f"sharding tests need {N_DEVICES} devices, found {len(devs)}: tests/conftest.py must call "
-        f'jax.config.update("jax_num_cpu_devices", {N_DEVICES}) before any backend starts')
+        f'jax.config.update("jax_num_cpu_devices", {N_DEVICES}) before any backend starts'
+    )
     return devs[:N_DEVICES]
 
 
 @pytest.fixture(scope="session")
 def tiny8_cfg(tiny_cfg):
     """The tiny config with 8 KDA and 8 MLA heads (head dims halved), so tp in {2, 4, 8} divides it."""
-    return tiny_cfg.replace(kda_heads=8, kda_head_dim=8, mla_heads=8, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8,
-                            vit=None)
+    return tiny_cfg.replace(
+        kda_heads=8, kda_head_dim=8, mla_heads=8, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8, vit=None
+    )
 
 
 def host_init(cfg, seed: int):
@@ -63,9 +65,19 @@ def kl8_cfg(tiny8_cfg):
     """tiny8 as Kimi-Linear (`kimik3.config.kimi_linear`'s switches: the unbounded gate, no MLA
     output gate or q-LoRA, SwiGLU experts at d_model) with MLA at 1-based 2 and 4, two dense layers."""
     return tiny8_cfg.replace(
-        name="kl8", q_lora_rank=0, moe_latent_dim=tiny8_cfg.d_model, mixer_layout=("kda", "mla", "kda", "mla"),
-        dense_layers=2, kda_gate="softplus", mla_output_gate=False, moe_latent=False, ffn_activation="silu",
-        norm_eps=1e-5, mla_norm_eps=1e-6, kda_norm_eps=1e-5)
+        name="kl8",
+        q_lora_rank=0,
+        moe_latent_dim=tiny8_cfg.d_model,
+        mixer_layout=("kda", "mla", "kda", "mla"),
+        dense_layers=2,
+        kda_gate="softplus",
+        mla_output_gate=False,
+        moe_latent=False,
+        ffn_activation="silu",
+        norm_eps=1e-5,
+        mla_norm_eps=1e-6,
+        kda_norm_eps=1e-5,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -74,9 +86,11 @@ def kl8_params(kl8_cfg):
 
 
 HLO_ITEMSIZE = {"f32": 4, "s32": 4, "bf16": 2, "f16": 2, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
-_COLLECTIVE = re.compile(r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-                         r"(?P<kind>all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute|"
-                         r"ragged-all-to-all)(?:-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<kind>all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute|"
+    r"ragged-all-to-all)(?:-start)?\("
+)
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _GROUP = re.compile(r"replica_groups=mesh\[(?P<sizes>[^\]]*)\]\s*\{(?P<axes>[^}]*)\}")
 

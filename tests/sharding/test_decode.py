@@ -77,8 +77,9 @@ def test_hlo_only_expert_all_to_all(pd_run, tiny_cfg):
     assert {k for k, _, _ in found} == {"all-to-all"}
     shape = MeshShape("decode", pd_run["dp"], pd_run["ep"])
     planned = plan.collectives(tiny_cfg, shape, BATCH, 1, "float32", "dense")
-    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == \
-        collections.Counter((k, hlo_bytes(k, s, g), g) for k, s, g in found)
+    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == collections.Counter(
+        (k, hlo_bytes(k, s, g), g) for k, s, g in found
+    )
 
 
 def test_batch_not_multiple_of_dp_raises(tiny_cfg, tiny_params, devices):

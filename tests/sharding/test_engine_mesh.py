@@ -20,9 +20,21 @@ NEW = 5
 
 
 def _engine(params, cfg, **kw):
-    kw = dict(dict(num_pages=48, num_slots=4, num_snapshots=12, page_tokens=PAGE, kda_block_tokens=4 * PAGE,
-                   max_pages_per_request=8, prefill_chunk_tokens=16, max_step_tokens=64, kernels="reference",
-                   dispatch="dense"), **kw)
+    kw = dict(
+        dict(
+            num_pages=48,
+            num_slots=4,
+            num_snapshots=12,
+            page_tokens=PAGE,
+            kda_block_tokens=4 * PAGE,
+            max_pages_per_request=8,
+            prefill_chunk_tokens=16,
+            max_step_tokens=64,
+            kernels="reference",
+            dispatch="dense",
+        ),
+        **kw,
+    )
     return Engine(params, cfg, **kw)
 
 

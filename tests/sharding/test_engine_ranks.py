@@ -49,17 +49,31 @@ def served(request, tiny_cfg, params, devices):
     dp, ep = request.param
     mesh = decode_mesh(dp, ep, devices=devices[:dp], cfg=tiny_cfg)
     helpers = paged.helper_programs()
-    eng = Engine(params, tiny_cfg, mesh=(None, mesh), num_slots=2 * dp, num_pages=9 * dp, num_snapshots=6 * dp,
-                 page_tokens=PAGE, kda_block_tokens=4 * PAGE, max_pages_per_request=8, prefill_chunk_tokens=32,
-                 max_step_tokens=32 + 2 * dp, kernels="reference", dispatch="dense",
-                 host=EmbeddedHostKVTier(1 << 26))
+    eng = Engine(
+        params,
+        tiny_cfg,
+        mesh=(None, mesh),
+        num_slots=2 * dp,
+        num_pages=9 * dp,
+        num_snapshots=6 * dp,
+        page_tokens=PAGE,
+        kda_block_tokens=4 * PAGE,
+        max_pages_per_request=8,
+        prefill_chunk_tokens=32,
+        max_step_tokens=32 + 2 * dp,
+        kernels="reference",
+        dispatch="dense",
+        host=EmbeddedHostKVTier(1 << 26),
+    )
     log = {"dp": dp, "mesh": mesh}
     # A: one session per rank; its second turn returns to its rank, for the prefix hit there.  Some
     # rows need their logits (a frequency penalty, logprobs) beside rows the devices' argmax serves.
     first = [eng.submit(_prompt("a", i, 37), 5, sampling=PENALIZED if i % 2 else GREEDY) for i in range(dp)]
     eng.run(max_steps=200)
-    second = [eng.submit(r.prompt + r.output + _prompt("b", i, 8), 5, sampling=LOGPROBS if i == 0 else GREEDY)
-              for i, r in enumerate(first)]
+    second = [
+        eng.submit(r.prompt + r.output + _prompt("b", i, 8), 5, sampling=LOGPROBS if i == 0 else GREEDY)
+        for i, r in enumerate(first)
+    ]
     eng.run(max_steps=200)
     log["sessions"] = list(zip(first, second))
     # B: two 60-token prompts per rank, each growing past its 4 pages: preemption, offload, resume
@@ -82,8 +96,13 @@ def _check(req, params, cfg):
     assert req.done and req.error is None, (req.request_id, req.error)
     sp = req.sampling
     if sp.penalized:
-        want = generate(params, cfg, req.prompt, req.max_new_tokens,
-                        choose=penalized_greedy(sp.presence_penalty, sp.frequency_penalty)).tokens.tolist()
+        want = generate(
+            params,
+            cfg,
+            req.prompt,
+            req.max_new_tokens,
+            choose=penalized_greedy(sp.presence_penalty, sp.frequency_penalty),
+        ).tokens.tolist()
         assert want != _oracle(params, cfg, req.prompt, req.max_new_tokens)  # the penalty changed them
         assert req.output == want, req.request_id
         return

@@ -11,7 +11,6 @@ import collections
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax.sharding import NamedSharding
 
 from kimik3 import config, model
@@ -27,15 +26,17 @@ CFG = config.k3_slice().replace(n_layers=4)
 
 
 def _abstract(tree, specs, mesh):
-    return jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
-                                  tree, specs)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), tree, specs
+    )
 
 
 def _planned_equals_compiled(hlo: str, shape: MeshShape, batch: int, seq: int):
     found = hlo_collectives(hlo)
     planned = plan.collectives(CFG, shape, batch, seq, "bfloat16", "dense")
-    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == \
-        collections.Counter((k, hlo_bytes(k, s, g), g) for k, s, g in found)
+    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == collections.Counter(
+        (k, hlo_bytes(k, s, g), g) for k, s, g in found
+    )
     return found
 
 
@@ -62,7 +63,8 @@ def test_dp8_ep8_decode_over_the_ranks_pools_issues_only_the_planned_all_to_alls
     params = _abstract(params, param_specs(params, step.rules), mesh)
     one = jax.eval_shape(lambda: model.init_paged_cache(CFG, per_rank * pages_each + 1, per_rank + 1, page))
     pools = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((8 * x.shape[0], *x.shape[1:]), x.dtype, sharding=pool_sharding(mesh)), one)
+        lambda x: jax.ShapeDtypeStruct((8 * x.shape[0], *x.shape[1:]), x.dtype, sharding=pool_sharding(mesh)), one
+    )
     rows = 8 * per_rank
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     lowered = step._jitted.lower(params, pools, i32(rows, 1), i32(rows, pages_each), i32(rows), i32(rows))

@@ -26,9 +26,31 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
     each process's JSON result)."""
     port = free_port()
     env = dict(child_env(), JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "-m", module, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-                               "2", "--process-id", str(i), "--cpu-devices", "4", "--out", str(out), *extra],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                module,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--cpu-devices",
+                "4",
+                "--out",
+                str(out),
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     listeners = set()
     deadline = time.monotonic() + 300
     try:
@@ -36,8 +58,9 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
             assert time.monotonic() < deadline, "the group did not finish"
             for p in procs:
                 try:
-                    listeners |= {c.laddr for c in psutil.Process(p.pid).net_connections("tcp")
-                                  if c.status == psutil.CONN_LISTEN}
+                    listeners |= {
+                        c.laddr for c in psutil.Process(p.pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                    }
                 except psutil.Error:
                     pass
             time.sleep(0.2)

@@ -33,8 +33,19 @@ def prefilled(request, devices):
     compiled = sp.lower(p_sh, tokens, c_sh).compile()
     logits, new_cache = compiled(p_sh, tokens, c_sh, None)  # (params, tokens, cache, images)
     ref_logits, ref_cache = model.forward(params, cfg, tokens, cache=cache)
-    return dict(cfg=cfg, tp=tp, ep=ep, tokens=tokens, logits=logits, cache=new_cache, ref_logits=ref_logits,
-                ref_cache=ref_cache, hlo=compiled.as_text(), sp=sp, p_sh=p_sh)
+    return dict(
+        cfg=cfg,
+        tp=tp,
+        ep=ep,
+        tokens=tokens,
+        logits=logits,
+        cache=new_cache,
+        ref_logits=ref_logits,
+        ref_cache=ref_cache,
+        hlo=compiled.as_text(),
+        sp=sp,
+        p_sh=p_sh,
+    )
 
 
 def test_logits_equal_single_device(prefilled):
@@ -50,8 +61,9 @@ def test_cache_equal_single_device(prefilled):
     for i, (g, w) in enumerate(zip(got["layers"], want["layers"])):
         assert set(g) == set(w), i
         for key in w:
-            np.testing.assert_allclose(np.asarray(g[key]), np.asarray(w[key]), rtol=1e-4, atol=1e-4,
-                                       err_msg=f"layer {i} {key}")
+            np.testing.assert_allclose(
+                np.asarray(g[key]), np.asarray(w[key]), rtol=1e-4, atol=1e-4, err_msg=f"layer {i} {key}"
+            )
 
 
 def test_hlo_has_the_planned_collectives(prefilled):
@@ -66,15 +78,17 @@ def test_hlo_has_the_planned_collectives(prefilled):
     assert kinds["all-to-all"] == 3 * n_moe  # ids + rows there, rows back, per MoE layer
     assert kinds.keys() <= {"reduce-scatter", "all-gather", "all-to-all"}
     planned = plan.collectives(cfg, MeshShape("prefill", tp, ep), BATCH, SEQ, "float32", "dense")
-    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == \
-        collections.Counter((k, hlo_bytes(k, s, g), g) for k, s, g in found)
+    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == collections.Counter(
+        (k, hlo_bytes(k, s, g), g) for k, s, g in found
+    )
 
 
 def test_no_all_gather_of_expert_weights(prefilled):
     """Every all-gather gathers the activations [B, T, D]; expert weights are never gathered."""
     cfg = prefilled["cfg"]
-    gathered = {tuple(dims) for k, shapes, _ in hlo_collectives(prefilled["hlo"]) if k == "all-gather"
-                for _, dims in shapes}
+    gathered = {
+        tuple(dims) for k, shapes, _ in hlo_collectives(prefilled["hlo"]) if k == "all-gather" for _, dims in shapes
+    }
     assert gathered == {(BATCH, SEQ, cfg.d_model)}
     # and each device holds only its experts
     w = prefilled["p_sh"][f"layer_{cfg.dense_layers}"]["moe"]["w_gate_elf"]
@@ -88,7 +102,7 @@ def test_images_and_no_cache(tiny_cfg, tiny_params, devices):
     cfg = tiny_cfg
     n_img = cfg.vit.tokens_per_image
     tokens = np.random.default_rng(5).integers(0, 256, (1, 16)).astype(np.int32)
-    tokens[0, 2:2 + n_img] = tokenizer.IMAGE_ID
+    tokens[0, 2 : 2 + n_img] = tokenizer.IMAGE_ID
     images = np.random.default_rng(6).random((1, 16, 16, 3)).astype(np.float32)
     sp = ShardedPrefill(cfg, prefill_mesh(2, 2, devices=devices[2:4], cfg=cfg), dispatch="dense")
     logits, cache = sp(sp.place_params(tiny_params), tokens, images=images)

@@ -29,7 +29,7 @@ def _rank_rows(rng, last_is_padding: bool):
     """ROWS rows of one rank: distinct pages of its pool, distinct slots, lengths in [1, capacity);
     the last row may be a padding row (scratch slot, null pages, length 0)."""
     pages = rng.permutation(np.arange(1, PAGES))
-    tables = pages[:ROWS * MAX_PAGES].reshape(ROWS, MAX_PAGES)
+    tables = pages[: ROWS * MAX_PAGES].reshape(ROWS, MAX_PAGES)
     slots = rng.permutation(SLOTS - 1)[:ROWS]
     lengths = rng.integers(1, MAX_PAGES * PAGE - 1, ROWS)
     if last_is_padding:
@@ -50,8 +50,9 @@ def stepped(request, tiny_cfg, tiny_params, devices):
     refs = []
     for r, (pools, (tables, slots, lengths)) in enumerate(zip(ranks, rows)):
         host = jax.tree_util.tree_map(np.asarray, pools)
-        logits, out = model.forward(tiny_params, cfg, tokens[r * ROWS:(r + 1) * ROWS],
-                                    cache=model.paged_view(host, tables, slots, lengths))
+        logits, out = model.forward(
+            tiny_params, cfg, tokens[r * ROWS : (r + 1) * ROWS], cache=model.paged_view(host, tables, slots, lengths)
+        )
         refs.append((np.asarray(logits), jax.tree_util.tree_map(np.asarray, model.pools_of(out)), host))
     pools = rank_pools.assemble(ranks, mesh)
     step = PagedDecode(cfg, mesh, dispatch="dense", kernels="reference")
@@ -60,13 +61,21 @@ def stepped(request, tiny_cfg, tiny_params, devices):
     args = (tokens, cat(0), cat(1), cat(2))
     hlo = step.lower(params, pools, *map(jnp.asarray, args)).compile().as_text()
     logits, pools = step(params, pools, *args)
-    return dict(dp=dp, ep=ep, logits=np.asarray(logits), ranks=rank_pools.split(pools, mesh), refs=refs,
-                rows=rows, hlo=hlo, mesh=mesh)
+    return dict(
+        dp=dp,
+        ep=ep,
+        logits=np.asarray(logits),
+        ranks=rank_pools.split(pools, mesh),
+        refs=refs,
+        rows=rows,
+        hlo=hlo,
+        mesh=mesh,
+    )
 
 
 def test_each_ranks_rows_equal_the_paged_forward_on_its_own_pool(stepped):
     for r, (want_logits, _, _) in enumerate(stepped["refs"]):
-        got = stepped["logits"][r * ROWS:(r + 1) * ROWS]
+        got = stepped["logits"][r * ROWS : (r + 1) * ROWS]
         np.testing.assert_allclose(got, want_logits, rtol=1e-4, atol=1e-4, err_msg=f"rank {r}")
 
 
@@ -80,8 +89,9 @@ def test_each_rank_writes_only_its_own_pool(stepped):
             ref = want
             for k in path:
                 ref = ref[k.key]
-            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"rank {r} {jax.tree_util.keystr(path)}")
+            np.testing.assert_allclose(
+                np.asarray(got), ref, rtol=1e-5, atol=1e-5, err_msg=f"rank {r} {jax.tree_util.keystr(path)}"
+            )
         # and the step did change it (the rank's real rows wrote their latents and states)
         assert not np.allclose(np.asarray(pools["kda"]["state"]), before["kda"]["state"])
 
@@ -109,8 +119,9 @@ def test_hlo_holds_only_the_expert_all_to_alls(stepped, tiny_cfg):
     assert {k for k, _, _ in found} <= {"all-to-all"}
     shape = MeshShape("decode", stepped["dp"], stepped["ep"])
     planned = plan.collectives(tiny_cfg, shape, stepped["dp"] * ROWS, 1, "float32", "dense")
-    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == \
-        collections.Counter((k, hlo_bytes(k, s, g), g) for k, s, g in found)
+    assert collections.Counter((c.kind, c.bytes, c.group) for c in planned) == collections.Counter(
+        (k, hlo_bytes(k, s, g), g) for k, s, g in found
+    )
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused(tiny_cfg, tiny_params, devices):

@@ -43,8 +43,10 @@ def test_placed_shards_have_the_rule_shapes(mode, tiny_cfg, tiny_params, devices
     placed = shard_params(tiny_params, mesh, rules)
     axes = param_logical_axes(tiny_params)
     split = {"heads": 2 if mode == "prefill" else 1, "experts": 2}
-    for (path, leaf), ax in zip(jax.tree_util.tree_leaves_with_path(placed),
-                                jax.tree_util.tree_leaves(axes, is_leaf=lambda a: isinstance(a, tuple))):
+    for (path, leaf), ax in zip(
+        jax.tree_util.tree_leaves_with_path(placed),
+        jax.tree_util.tree_leaves(axes, is_leaf=lambda a: isinstance(a, tuple)),
+    ):
         want = tuple(n // split.get(a, 1) for n, a in zip(leaf.shape, ax))
         assert {s.data.shape for s in leaf.addressable_shards} == {want}, jax.tree_util.keystr(path)
 
@@ -105,8 +107,10 @@ def test_plan_numbers(tiny_cfg):
     shape = MeshShape("decode", 8, 8)
     mem = plan.memory(tiny_cfg, shape, batch=8, seq=1, context=64, manifest=quantization.BF16, act_dtype="float32")
     tree = model.abstract_params(tiny_cfg, "float32")
-    flat = {jax.tree_util.keystr(p, simple=True, separator="/"): int(np.prod(x.shape))
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    flat = {
+        jax.tree_util.keystr(p, simple=True, separator="/"): int(np.prod(x.shape))
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
     expert = sum(n for k, n in flat.items() if k.endswith(("_elf", "_efl")))
     fp32 = sum(n for k, n in flat.items() if quantization.BF16.format_of(k) == "fp32")
     rest = sum(flat.values()) - expert - fp32

@@ -16,7 +16,7 @@ def test_layer_streamed_token_by_token_equals_one_shot(rng, tiny_cfg):
     y, cache = layer.apply(params, x[:, :66], cache)
     ys = [y]
     for t in range(66, 70):
-        y, cache = layer.apply(params, x[:, t:t + 1], cache)
+        y, cache = layer.apply(params, x[:, t : t + 1], cache)
         ys.append(y)
     np.testing.assert_allclose(jnp.concatenate(ys, 1), full, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(cache["state"], final["state"], atol=1e-5, rtol=1e-5)

@@ -14,8 +14,8 @@ def test_absorbed_equals_naive_over_a_cached_prefix(rng, t_new):
     b, s, h, r, nope, rope, dv = 2, 40, 3, 32, 16, 8, 16
     latent = jnp.asarray(rng.standard_normal((b, s, r + rope)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((b, t_new, h, nope + rope)), jnp.float32)
-    w_kb = jnp.asarray(rng.standard_normal((r, h, nope)) / r ** 0.5, jnp.float32)
-    w_vb = jnp.asarray(rng.standard_normal((r, h, dv)) / r ** 0.5, jnp.float32)
+    w_kb = jnp.asarray(rng.standard_normal((r, h, nope)) / r**0.5, jnp.float32)
+    w_vb = jnp.asarray(rng.standard_normal((r, h, dv)) / r**0.5, jnp.float32)
     lengths = np.array([17, 33])  # tokens cached including the new ones
     q_pos = jnp.asarray(lengths[:, None] - t_new + np.arange(t_new)[None])
     k_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))

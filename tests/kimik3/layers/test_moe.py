@@ -14,8 +14,9 @@ def test_grouped_experts_equal_the_dense_reference(rng):
     w = [jnp.asarray(rng.standard_normal(s) / s[1] ** 0.5, jnp.float32) for s in [(e, l, f), (e, l, f), (e, f, l)]]
     ids, weights = route(x, jnp.asarray(rng.standard_normal((l, e)), jnp.float32), jnp.zeros(e), k)
     caps = (10.0, 10.0)
-    np.testing.assert_allclose(experts_grouped(x, ids, weights, *w, caps),
-                               experts_dense_ref(x, ids, weights, *w, caps), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        experts_grouped(x, ids, weights, *w, caps), experts_dense_ref(x, ids, weights, *w, caps), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_bias_steers_selection_but_not_weights(rng):
@@ -57,8 +58,9 @@ def test_padding_tokens_get_no_experts_and_leave_the_real_tokens_unchanged(rng, 
     real = jnp.asarray(np.arange(9)[None] < np.array([[6], [9]]))  # row 0: 3 pad tokens
     layer = LatentMoE(tiny_cfg, path, kernels)
     masked = np.asarray(layer.apply(params, x, real))
-    np.testing.assert_allclose(masked[np.asarray(real)], np.asarray(layer.apply(params, x))[np.asarray(real)],
-                               atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(
+        masked[np.asarray(real)], np.asarray(layer.apply(params, x))[np.asarray(real)], atol=1e-6, rtol=1e-6
+    )
     no_experts = jax.tree_util.tree_map(lambda a: a, params)
     no_experts["params"]["w_out_efl"] = jnp.zeros_like(params["params"]["w_out_efl"])
     np.testing.assert_allclose(masked[0, 6:], np.asarray(layer.apply(no_experts, x))[0, 6:], atol=1e-6, rtol=1e-6)
