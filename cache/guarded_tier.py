@@ -13,7 +13,9 @@ every request on the worker stalls behind it (TTFT < 1 s -> 7-47 s).
   exists) or False (puts) at once, touching nothing, for `cooldown_s`; then one call goes
   through as a probe (half-open): success closes the breaker, failure reopens it;
 * `health()` reports "ok", or "degraded" (breaker open or half-open, with the last error), for
-  the worker's /health.
+  the worker's /health, with the inner tier's count of entries that failed authentication
+  (`auth_failures`: forged store entries, cache/store_auth.py).  A forged entry is a miss, not a
+  failure: it never opens the breaker.
 
 Misses are what a tier fault must be anyway (cache/host_tier.py): correctness never depends
 on the tier, only the cache rate does.
@@ -48,7 +50,7 @@ class GuardedHostKVTier(HostKVTier):
         cooldown_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        super().__init__()
+        super().__init__(getattr(inner, "auth", None))  # the inner tier's secret: it tags and checks entries
         if timeout_s <= 0 or cooldown_s < 0 or failures_to_open < 1:
             raise ValueError(
                 f"need timeout_s > 0, cooldown_s >= 0, failures_to_open >= 1; got {timeout_s}, "
@@ -60,7 +62,7 @@ class GuardedHostKVTier(HostKVTier):
             failures_to_open,
             cooldown_s,
         )
-        self.stats = inner.stats  # hits, misses, errors: the inner tier's own counts
+        self.stats = inner.stats  # hits, misses, errors, auth_failures: the inner tier's own counts
         self._clock = clock
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-tier-io")
         self._busy: concurrent.futures.Future | None = None  # a call still running past its deadline
@@ -141,6 +143,7 @@ class GuardedHostKVTier(HostKVTier):
                 "trips": self.trips,
                 "timeouts": self.timeouts,
                 "skipped": self.skipped,
+                "auth_failures": self.inner.stats.auth_failures,
             }
 
     # ---- HostKVTier -----------------------------------------------------------------------------

@@ -5,9 +5,14 @@ HTTP metadata server) and a `mooncake_client` memory server that contributes
 the store's DRAM, so entries outlive the engine processes that wrote them.
 `MooncakeHostKVTier` is one engine's client: batched puts and gets go through
 a registered staging buffer (`batch_put_from` / `batch_get_into`, no extra
-copies inside Mooncake); entries are framed and checksummed like every tier's
-(cache/host_tier.py), so a corrupt or missing entry, or a dead master, is a
-counted miss.
+copies inside Mooncake); entries are framed and authenticated like every tier's
+(cache/host_tier.py, cache/store_auth.py): any local process can write the store,
+so an entry that is not this deployment's (forged under a live key, copied from
+another key, truncated, damaged) is a counted miss (`stats.auth_failures`), as are
+a missing entry and a dead master.  A key whose entry failed authentication is
+reported absent by `exists` and written with an upsert by the next put of it (a
+plain put leaves an existing object in place), so the publisher's next write
+replaces the forgery.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import time
 
 import numpy as np
 
-from cache.host_tier import HostKVTier, TierError, decode_entry, encode_entry, entry_size
+from cache.host_tier import UNREADABLE, HostKVTier, TierError, encode_entry_into, entry_size
 from cache import loopback
 from cache.loopback import LoopbackUnavailable, loopback_env
+from cache.store_auth import StoreAuth
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,11 @@ class MooncakeServices:
     @property
     def metadata_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    @property
+    def master_http_url(self) -> str:
+        """The master's HTTP server (metrics, and `/get_all_keys`: every stored key, one a line)."""
+        return f"http://127.0.0.1:{self.metrics_port}"
 
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
         out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
@@ -224,17 +235,26 @@ class MooncakeServices:
 # does not answer.  Other negative codes are faults too.
 OBJECT_NOT_FOUND = -704
 RPC_FAIL = -900
+INVALID_PARAMS = -600  # what a get into a buffer smaller than the stored object answers
 
 
 class MooncakeHostKVTier(HostKVTier):
-    """One engine's client of a shared Mooncake Store."""
+    """One engine's client of a shared Mooncake Store.  `secret`: see `HostKVTier`; the processes
+    that share a store share one (`KIMIK3_STORE_SECRET`) or read none of each other's entries."""
 
     def __init__(
-        self, master_addr: str, metadata_url: str, *, staging_bytes: int = 64 << 20, local_hostname: str = "127.0.0.1"
+        self,
+        master_addr: str,
+        metadata_url: str,
+        *,
+        staging_bytes: int = 64 << 20,
+        local_hostname: str = "127.0.0.1",
+        secret: bytes | str | StoreAuth | None = None,
     ):
-        super().__init__()
+        super().__init__(secret)
         from mooncake.store import MooncakeDistributedStore  # optional dependency, imported on use
 
+        self.master_addr, self.metadata_url = master_addr, metadata_url
         self._store = MooncakeDistributedStore()
         # This client contributes no memory of its own: the memory server holds the data,
         # so entries outlive this process.
@@ -255,31 +275,50 @@ class MooncakeHostKVTier(HostKVTier):
 
     # Batched fast paths through the registered staging buffer.
     def batch_put(self, keys, arrays):
+        """Frame and tag each array straight into the staging buffer (one copy of the payload),
+        then put the batch; keys whose stored entry failed authentication are upserted (a put
+        would leave the forgery in place)."""
         if len(keys) != len(arrays):
             raise ValueError(f"{len(keys)} keys for {len(arrays)} arrays")
+        arrays = [np.asarray(a) for a in arrays]
         out = []
-        for lo, hi, blobs in self._batches([encode_entry(np.asarray(a)) for a in arrays]):
+        for lo, hi, sizes in self._batches([entry_size(a.shape, a.dtype) for a in arrays], sized=True):
             with self._io_lock:
-                ptrs, sizes, off = [], [], 0
-                for blob in blobs:
-                    self._staging[off : off + len(blob)] = np.frombuffer(blob, np.uint8)
+                ptrs, off = [], 0
+                for key, arr, size in zip(keys[lo:hi], arrays[lo:hi], sizes):
+                    encode_entry_into(self._staging[off : off + size], arr, key, self.auth)
                     ptrs.append(self._staging.ctypes.data + off)
-                    sizes.append(len(blob))
-                    off += len(blob)
-                try:
-                    rcs = self._store.batch_put_from(list(keys[lo:hi]), ptrs, sizes)
-                except Exception as e:  # noqa: BLE001 - a dead store is a failed put, not a crash
-                    log.warning("mooncake batch_put failed: %r", e)
-                    rcs = [-1] * len(blobs)
-            for rc, size in zip(rcs, sizes):
+                    off += size
+                batch = list(keys[lo:hi])
+                forged = [self._is_forged(k) for k in batch]
+                rcs = [-1] * len(batch)
+                for idx, put in (
+                    ([i for i, f in enumerate(forged) if not f], self._store.batch_put_from),
+                    ([i for i, f in enumerate(forged) if f], self._store.batch_upsert_from),
+                ):
+                    if not idx:
+                        continue
+                    try:
+                        got = put([batch[i] for i in idx], [ptrs[i] for i in idx], [sizes[i] for i in idx])
+                    except Exception as e:  # noqa: BLE001 - a dead store is a failed put, not a crash
+                        log.warning("mooncake batch_put failed: %r", e)
+                        got = [-1] * len(idx)
+                    for i, rc in zip(idx, got):
+                        rcs[i] = rc
+            for key, rc, size in zip(batch, rcs, sizes):
                 ok = rc == 0
                 self.stats.puts += ok
                 self.stats.put_bytes += size if ok else 0
                 self.stats.errors += not ok
+                if ok:
+                    self._healed(key)
                 out.append(ok)
         return out
 
     def batch_get_into(self, keys, outs):
+        """Get each entry into the staging buffer, verify it there (`HostKVTier._accept`), copy a
+        verified one into its out buffer.  An entry of another size than `outs` asks for is a
+        failed authentication (a genuine entry under the key has exactly that size), not a fault."""
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys for {len(outs)} buffers")
         sizes = [entry_size(o.shape, o.dtype) for o in outs]
@@ -295,17 +334,28 @@ class MooncakeHostKVTier(HostKVTier):
                 except Exception as e:  # noqa: BLE001
                     log.warning("mooncake batch_get failed: %r", e)
                     rcs = [RPC_FAIL] * (hi - lo)
+                rcs = [self._oversized(k, rc) for k, rc in zip(keys[lo:hi], rcs)]
                 self.stats.errors += sum(rc < 0 and rc != OBJECT_NOT_FOUND for rc in rcs)  # not a miss: a fault
                 off = 0
                 for key, out, rc, s in zip(keys[lo:hi], outs[lo:hi], rcs, sizes[lo:hi]):
-                    arr = (
-                        decode_entry(memoryview(self._staging)[off : off + s], out.shape, out.dtype)
-                        if rc == s
-                        else None
-                    )
+                    if rc == s:
+                        blob = memoryview(self._staging)[off : off + s]
+                    else:
+                        blob = UNREADABLE if rc > 0 else None
                     off += s
-                    found.append(self._accept(key, rc == s or rc > 0, arr, out))
+                    found.append(self._accept(key, blob, out))
         return found
+
+    def _oversized(self, key: str, rc: int) -> int:
+        """A get's return code, with INVALID_PARAMS from an object larger than the buffer turned
+        into that object's size (a stored entry, not a fault)."""
+        if rc != INVALID_PARAMS:
+            return rc
+        try:
+            size = self._store.get_size(key)
+        except Exception:  # noqa: BLE001
+            return rc
+        return size if size > 0 else rc
 
     def _batches(self, items, sized: bool = False):
         """Split into runs that fit the staging buffer: yields (lo, hi, items[lo:hi])."""
@@ -323,7 +373,7 @@ class MooncakeHostKVTier(HostKVTier):
 
     # The generic single-entry hooks (used by the base class helpers).
     def _put_blob(self, key, blob):
-        return self._store.put(key, blob) == 0
+        return (self._store.upsert if self._is_forged(key) else self._store.put)(key, blob) == 0
 
     def _get_blob(self, key):
         blob = self._store.get(key)
@@ -337,7 +387,7 @@ class MooncakeHostKVTier(HostKVTier):
             self.stats.errors += 1
             return [False] * len(keys)
         self.stats.errors += any(rc < 0 for rc in rcs)  # 1 present, 0 absent, < 0 the store failed
-        return [rc == 1 for rc in rcs]
+        return self._present(keys, [rc == 1 for rc in rcs])
 
     def remove(self, keys):
         for k in keys:

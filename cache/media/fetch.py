@@ -15,7 +15,8 @@ private network (SSRF).  `fetch` therefore:
   it), sending the original Host header and, for https, the original name for SNI and the
   certificate check;
 * follows at most `max_redirects` redirects by hand, checking each new URL the same way before
-  connecting;
+  connecting (a redirect to another scheme, a ``data:`` URL included, or to a malformed URL is
+  a refusal like any other);
 * asks for and accepts only unencoded bodies (a gzip bomb is refused, not inflated), refuses a
   content type outside the image types and a body over `max_bytes` (read raw as a stream: the
   cap holds whatever Content-Length says);
@@ -241,11 +242,16 @@ async def _fetch(url: str, policy: FetchPolicy, resolve) -> bytes:
                     last = e
                 except httpx.HTTPError as e:
                     raise FetchError(f"image fetch failed: {type(e).__name__}: {e}") from None
+                except httpx.InvalidURL as e:  # a redirect httpx cannot even parse (a data: URL, ...)
+                    raise FetchError(f"image URL redirected to a URL that is refused: {e}") from None
             if r is None:
                 raise FetchError(f"image fetch failed: could not connect to {host!r}: {last}")
             try:
                 if r.is_redirect:
-                    url = urllib.parse.urljoin(url, r.headers["location"])
+                    try:
+                        url = urllib.parse.urljoin(url, r.headers["location"])
+                    except ValueError as e:
+                        raise FetchError(f"image URL redirected to a malformed URL: {e}") from None
                     continue
                 try:
                     return await _read_image(r, policy)

@@ -13,6 +13,13 @@ A blob whose bytes no longer match its hash is a miss (counted `corrupt`), never
 `RedisFetchCache` is shared by every router that points at the same Redis (started on loopback,
 with a password, by the tests and `kimik3 launch --redis`); every Redis call has a short socket
 timeout, and an outage or a timeout is a miss (counted `errors`), never an error or a stall.
+
+Whoever can reach that Redis can write it, so its URL entries are authenticated: the value under
+a URL key is the content hash followed by HMAC-SHA256 under the deployment's store secret over
+the Redis key and that hash (`cache.store_auth`: `KIMIK3_STORE_SECRET`, or the `secret` given).
+The bytes are bound to the tag through their SHA-256 (the content hash), which every read checks,
+so a forged URL entry, or bytes that do not match the authenticated hash, are misses counted in
+`auth_failures` (and `corrupt`).  Routers share entries only when they share the secret.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import logging
 import threading
 import time
 import urllib.parse
+
+from cache.store_auth import TAG_BYTES, StoreAuth
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +56,20 @@ def _url_key(tenant: str | None, url: str) -> str:
     return hashlib.sha256(f"{tenant or ''}\x00{normalize_url(url)}".encode()).hexdigest()
 
 
+_URL_LABEL = b"media-l1-url/1"
+_DIGEST_HEX = 64  # a content hash: SHA-256, hex
+
+
 @dataclasses.dataclass
 class CacheStats:
+    """`corrupt`: stored entries a get rejected; `auth_failures`: those that were not authentic
+    (a shared cache's forged entries; always 0 for in-process caches).  Each is also a miss."""
+
     hits: int = 0
     misses: int = 0
     puts: int = 0
     corrupt: int = 0
+    auth_failures: int = 0
     errors: int = 0
     bytes_hit: int = 0
 
@@ -121,7 +138,8 @@ class EmbeddedFetchCache:
 
 class RedisFetchCache:
     """L1 in Redis (`redis_url`, e.g. redis://127.0.0.1:6379/0), shared across processes.
-    Keys live under `prefix`; both maps expire after `ttl_s`."""
+    Keys live under `prefix`; both maps expire after `ttl_s`.  URL entries are tagged with
+    `secret` (see `cache.store_auth`; None: `KIMIK3_STORE_SECRET`, else this process's own)."""
 
     def __init__(
         self,
@@ -130,6 +148,7 @@ class RedisFetchCache:
         timeout_s: float = 0.25,
         prefix: str = "kimik3:l1",
         max_entry_bytes: int = 64 << 20,
+        secret: bytes | str | StoreAuth | None = None,
     ):
         import redis  # optional dependency: only a deployment with a shared L1 needs it
 
@@ -138,18 +157,44 @@ class RedisFetchCache:
             redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
         self.ttl_s, self.prefix, self.max_entry_bytes = ttl_s, prefix, max_entry_bytes
+        self.auth = secret if isinstance(secret, StoreAuth) else StoreAuth(secret)
         self.stats = CacheStats()
 
-    def get(self, url: str, tenant: str | None = None) -> bytes | None:
+    def _pointer(self, url_key: str, digest: str) -> bytes:
+        """The value stored under `url_key`: the content hash and its tag."""
+        return digest.encode() + self.auth.tag(_URL_LABEL, url_key, digest.encode())
+
+    def _digest(self, url_key: str, value: bytes) -> str | None:
+        """The content hash in a URL entry's value, or None when the entry is not authentic."""
+        digest, tag = value[:_DIGEST_HEX], value[_DIGEST_HEX:]
+        if len(value) != _DIGEST_HEX + TAG_BYTES or not self.auth.verify(tag, _URL_LABEL, url_key, digest):
+            return None
         try:
-            digest = self._redis.get(f"{self.prefix}:url:{_url_key(tenant, url)}")
-            data = self._redis.get(f"{self.prefix}:blob:{digest.decode()}") if digest else None
+            return digest.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+
+    def _rejected(self, what: str) -> None:
+        self.stats.auth_failures += 1
+        self.stats.corrupt += 1
+        log.warning("L1 Redis %s failed authentication (forged, or another secret's); a miss", what)
+
+    def get(self, url: str, tenant: str | None = None) -> bytes | None:
+        url_key = f"{self.prefix}:url:{_url_key(tenant, url)}"
+        data = None
+        try:
+            value = self._redis.get(url_key)
+            digest = self._digest(url_key, value) if value is not None else None
+            if value is not None and digest is None:
+                self._rejected("URL entry")
+            elif digest is not None:
+                data = self._redis.get(f"{self.prefix}:blob:{digest}")
         except self._errors as e:
             self.stats.errors += 1
             log.warning("L1 Redis lookup failed (a miss): %s", e)
             return None
-        if data is not None and content_hash(data) != digest.decode():
-            self.stats.corrupt += 1
+        if data is not None and content_hash(data) != digest:
+            self._rejected("blob (bytes not those of the authenticated hash)")
             data = None
         if data is None:
             self.stats.misses += 1
@@ -165,7 +210,8 @@ class RedisFetchCache:
         try:
             pipe = self._redis.pipeline()
             pipe.set(f"{self.prefix}:blob:{digest}", data, ex=ttl)
-            pipe.set(f"{self.prefix}:url:{_url_key(tenant, url)}", digest, ex=ttl)
+            url_key = f"{self.prefix}:url:{_url_key(tenant, url)}"
+            pipe.set(url_key, self._pointer(url_key, digest), ex=ttl)
             pipe.execute()
             self.stats.puts += 1
         except self._errors as e:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cache.host_tier import EmbeddedHostKVTier, decode_entry, encode_entry, make_key
+from cache.host_tier import EmbeddedHostKVTier, decode_entry, entry_size, make_key
 
 
 def _page(rng, dtype=np.float32):
@@ -23,7 +23,7 @@ def test_round_trip_is_bit_exact(rng):
 
 
 def test_lru_byte_budget_evicts_least_recently_used(rng):
-    one = len(encode_entry(_page(rng)))
+    one = entry_size((128, 48), np.float32)
     tier = EmbeddedHostKVTier(3 * one)
     keys = [make_key("ns", "kda", bytes([i]) * 16) for i in range(4)]
     tier.batch_put(keys[:3], [_page(rng) for _ in range(3)])
@@ -51,7 +51,7 @@ def test_shape_or_dtype_mismatch_is_a_miss(rng):
     tier.batch_put([key], [_page(rng)])
     assert tier.batch_get_into([key], [np.empty((64, 48), np.float32)]) == [False]
     assert tier.batch_get_into([key], [np.empty((128, 48), np.float16)]) == [False]
-    assert decode_entry(b"garbage") is None and decode_entry(b"") is None
+    assert decode_entry(b"garbage", key, tier.auth) is None and decode_entry(b"", key, tier.auth) is None
 
 
 def test_bad_keys_and_budgets():

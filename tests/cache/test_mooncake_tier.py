@@ -10,6 +10,7 @@ import pytest
 
 from cache.host_tier import make_key
 from cache.mooncake_tier import MooncakeHostKVTier
+from cache.store_auth import ENV, new_secret
 from tests.conftest import start_mooncake
 
 
@@ -63,7 +64,8 @@ def test_a_corrupt_entry_is_a_counted_miss(tier, rng):
     assert tier.stats.corrupt == 1 and (out == 0).all()
 
 
-def test_kv_written_by_one_process_is_found_by_a_new_one(services, rng):
+def test_kv_written_by_one_process_is_found_by_a_new_one(services, rng, monkeypatch):
+    monkeypatch.setenv(ENV, new_secret())  # the deployment's store secret, shared by its processes
     page = rng.standard_normal((64, 32)).astype(np.float32)
     key = _keys("xproc", 1)[0]
     writer = (
@@ -122,10 +124,12 @@ def test_the_memory_servers_transfer_engine_listens_on_loopback_only(services):
     assert len(listening) > 0 and listening <= LOOPBACK, listening
 
 
-def test_a_store_client_started_with_the_loopback_env_listens_on_loopback_and_round_trips(services, rng):
+def test_a_store_client_started_with_the_loopback_env_listens_on_loopback_and_round_trips(services, rng, monkeypatch):
     """What `kimik3 launch` does for a worker or the router: a process whose MooncakeHostKVTier
     (its own transfer engine) listens on loopback only, and whose pages another process reads."""
     from cache.loopback import loopback_env
+
+    monkeypatch.setenv(ENV, new_secret())
 
     key = _keys("loopback", 1)[0]
     page = rng.standard_normal((64, 32)).astype(np.float32)
