@@ -37,8 +37,35 @@ that continues from prompt + the tokens already sent: nothing is sent twice.  Wh
 of a role is available at all (down, drained, circuit open), a request waits up to
 `--no-worker-wait-s` for one to come back (a worker restart), then gets a 503.  When every
 attempt fails, the client gets 503 (or, once streaming, a final SSE error event) marked
-retriable, with `Retry-After`.  Request bodies are capped (`--max-body-bytes`, 413) and must
-arrive whole within `--body-timeout-s` (408).
+retriable, with `Retry-After`.
+
+Poison pills: a request that failed on a worker for a reason of its own is never sent to another
+worker.  A worker's 4xx answer (other than 429 full, and 401 / 403, which say the router's
+internal token is wrong: a deployment fault), and an error the worker marks ``"retriable":
+false`` (in its answer or its stream), go back to the client as they are, with the worker's
+status, marked not retriable, and count nothing against the worker's circuit breaker.
+
+Bodies: capped at `--max-body-bytes` (413: refused on the Content-Length before reading, and
+while reading a body that states none) and due whole within `--body-timeout-s` (408).  Parsing,
+validation and tokenization run on worker threads, never on the event loop (bodies over 1 MiB
+`--large-body-parsers` at a time), so a flood of large bodies does not stall `/health`.  Two
+checks spare the work a body that cannot fit would cost: one that holds more JSON values than 4
+per context token is a 400 as it arrives, before it is read whole or parsed
+(`serving.router_body.ValueCounter`), and a prompt whose text is longer than the context could
+hold even at the tokenizer's longest token is a 400 before it is tokenized.  Malformed JSON,
+including an integer literal over Python's 4,300-digit conversion limit (named by its field),
+is a 400.
+
+Authentication (`serving.router_auth`): with API keys (``$KIMIK3_API_KEY`` / ``--api-key``,
+``$KIMIK3_API_KEY_FILE`` / ``--api-key-file``) every /v1/* request needs ``Authorization:
+Bearer KEY`` (the scheme in any case), and the key's tenant salts every cache namespace the
+request touches: the workers' prefix cache, KDA snapshots and encoder cache (``cache_salt``),
+this router's affinity hashes and the media cache's L1 and L2.  A single key is one tenant for
+all its clients; no key (loopback development) makes every client the anonymous tenant.  The
+operator's routes (``/admin/workers``, ``/docs``, ``/openapi.json``, and the worker details in
+``/health``) need an API key or the deployment's internal token when either is configured;
+``/admin/drain`` and ``/admin/resume`` need the internal token (an API key where the deployment
+has no internal token).  ``/health``'s status and ``/metrics`` stay open, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -49,7 +76,6 @@ import base64
 import collections
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -64,7 +90,7 @@ from fastapi import Request  # at module level: FastAPI resolves handler annotat
 
 from cache.media import build_fetcher
 from kimik3.text import load_serving_tokenizer
-from serving import internal_auth
+from serving import internal_auth, router_auth, router_body
 from serving.sampling import TokenLogprobs
 from serving.stop import StopMatcher
 from serving.openai_api import (
@@ -80,7 +106,6 @@ from serving.openai_api import (
     resolve_max_tokens,
     sampling_options,
     stop_strings,
-    tenant_salt,
     validation_error,
 )
 
@@ -197,6 +222,7 @@ class RouterConfig:
     body_timeout_s: float = 30.0  # a body not received whole by then is a 408
     no_worker_wait_s: float = 20.0  # with no worker of a role available, wait this long (a restart) before a 503
     image_decoders: int = 4  # requests decoding (and fetching) images at once (off the event loop)
+    large_body_parsers: int = 1  # bodies over LARGE_BODY_BYTES whose JSON is parsed at once (off the event loop)
     # Remote image URLs (`cache.media`): fetched under an SSRF-safe policy (public addresses only,
     # checked on the resolved address and on every redirect), through the L1 fetch cache.
     fetch_images: bool = True
@@ -214,28 +240,33 @@ class RouterConfig:
     mooncake_metadata: str | None = None
     handoff: str = "auto"  # store | direct | auto (store when the prefill workers have one)
     prefill_timeout_s: float = 30.0  # a direct-handoff prefill answers in one piece: no keepalives
-    # clients of the OpenAI routes (/v1/*) send `Authorization: Bearer <api_key>` (None: open, as on
-    # loopback); /health and /metrics stay open, as vLLM's do
+    # clients of the OpenAI routes (/v1/*) send `Authorization: Bearer <key>`, a key of `api_key` or of the
+    # key file `api_key_file` (`serving.router_auth`); neither: open, as on loopback
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    api_key_file: str | None = None
 
 
-API_KEY_ENV = "KIMIK3_API_KEY"  # as vLLM reads VLLM_API_KEY
+API_KEY_ENV = router_auth.API_KEY_ENV
+API_KEY_FILE_ENV = router_auth.API_KEY_FILE_ENV
+LARGE_BODY_BYTES = 1 << 20  # bodies past this parse under `large_body_parsers`
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 
 # A worker restart takes 10-20 s (a fresh process compiles its steps): clients retry after that.
 RETRY_AFTER = {"Retry-After": "15"}
 
 
-async def read_body(request, limit: int, timeout_s: float | None = None) -> bytes:
-    """The request's body, or a 413 past `limit` bytes: refused on its Content-Length before
-    reading, and while reading (a chunked body states none); a 408 when the whole body has not
-    arrived within `timeout_s` (a client that sends half a body and waits holds a connection
-    and a buffer forever otherwise)."""
+async def read_body(request, limit: int, timeout_s: float | None = None, max_values: int | None = None) -> bytearray:
+    """The request's body (one buffer, never copied), or a 413 past `limit` bytes: refused on its
+    Content-Length before reading, and while reading (a chunked body states none); a 408 when the
+    whole body has not arrived within `timeout_s` (a client that sends half a body and waits holds
+    a connection and a buffer forever otherwise); a 400 as soon as the JSON text holds more than
+    `max_values` separators (`router_body.ValueCounter`), before it is read whole or parsed."""
     too_large = lambda: APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    counter = router_body.ValueCounter() if max_values is not None else None
+    length = request.headers.get("content-length", "").strip()
+    if length.isdigit() and (len(length) > 18 or int(length) > limit):  # 18 digits: int() never balks
         raise too_large()
-    chunks, n = [], 0
+    body, n = bytearray(), 0  # one buffer: no list of chunks joined into a second copy
 
     async def read():
         nonlocal n
@@ -243,7 +274,14 @@ async def read_body(request, limit: int, timeout_s: float | None = None) -> byte
             n += len(chunk)
             if n > limit:
                 raise too_large()
-            chunks.append(chunk)
+            if counter is not None and counter.feed(chunk) > max_values:
+                raise APIError(
+                    400,
+                    f"the body holds more than {max_values} JSON values; no request that fits this model's "
+                    "context needs that many",
+                    code="too_many_values",
+                )
+            body.extend(chunk)
 
     try:
         await asyncio.wait_for(read(), timeout_s)
@@ -251,7 +289,7 @@ async def read_body(request, limit: int, timeout_s: float | None = None) -> byte
         raise APIError(
             408, f"the request body did not arrive within {timeout_s:g} s ({n} bytes read)", code="request_timeout"
         ) from None
-    return b"".join(chunks)
+    return body
 
 
 class WorkerFailure(Exception):
@@ -260,6 +298,89 @@ class WorkerFailure(Exception):
     def __init__(self, message: str, *, count_failure: bool = True):
         super().__init__(message)
         self.count_failure = count_failure
+
+
+class RequestFailed(APIError):
+    """A worker failed or refused the request for a reason of the request's own (a 4xx, or an error
+    the worker marked ``"retriable": false``): the client gets it as it is, and no other worker
+    gets the request."""
+
+    retriable = False
+
+    def body(self) -> dict:
+        body = super().body()
+        body["error"]["retriable"] = False
+        return body
+
+
+def _worker_error(text: str) -> tuple[str, bool | None, str | None]:
+    """(message, retriable, param) of a worker's error answer ({"error": msg, "retriable": bool,
+    "param": field}); the text itself and None, None for anything else."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text, None, None
+    if not isinstance(obj, dict):
+        return text, None, None
+    retriable, param = obj.get("retriable"), obj.get("param")
+    return (
+        str(obj.get("error", text)),
+        retriable if isinstance(retriable, bool) else None,
+        param if isinstance(param, str) else None,
+    )
+
+
+def classify_worker_error(url: str, status: int, text: str, *, adopt: bool = False) -> Exception:
+    """What a worker's non-200 answer means for the request: a `WorkerFailure` (try another
+    worker; `count_failure` when the worker itself is at fault) or a `RequestFailed` (the
+    request's own fault: to the client as it is, never retried, nothing counted).
+
+    429 (full), 503 while draining and, for /adopt, 502 (the KV's source failed) are refusals
+    another worker may not make; 401 / 403 say this router's internal token is wrong (a
+    deployment fault, counted); any other 4xx, and any answer marked ``"retriable": false``, is
+    the request's; a remaining 5xx is the worker's."""
+    message, retriable, param = _worker_error(text)
+    if status == 429:
+        return WorkerFailure(f"{url} is full", count_failure=False)
+    if status == 503 and "draining" in message:
+        return WorkerFailure(f"{url} is draining", count_failure=False)
+    if status in (401, 403):
+        return WorkerFailure(f"{url} refused this router's internal token ({status}): {message[:200]}")
+    if retriable is False or 400 <= status < 500:
+        code = status if 400 <= status < 600 else 500
+        kind = "invalid_request_error" if code < 500 else "server_error"
+        return RequestFailed(
+            code, f"the worker refused the request: {message[:500]}", type=kind, param=param, code="worker_refused"
+        )
+    if status == 502 and adopt:
+        return WorkerFailure(f"{url} could not pull the handoff: {message[:500]}", count_failure=False)
+    return WorkerFailure(f"{url} answered {status}: {message[:500]}")
+
+
+@dataclasses.dataclass
+class Parsed:
+    """A validated /v1 request: the pydantic request, its prompt ids, the completion budget, its
+    images (base64 RGB bytes, or None) and its cache salt (`router_auth.cache_salt`)."""
+
+    req: object
+    prompt: list[int]
+    max_tokens: int
+    images_b64: list[str] | None
+    salt: str | None
+
+
+def max_token_bytes(tok) -> int | None:
+    """The most bytes a regular token of `tok` stands for: text of n characters is then at least
+    n / max_token_bytes tokens.  None where that bound does not hold (a tokenizer that normalizes
+    text before encoding may drop characters)."""
+    inner = getattr(tok, "_tok", None)  # a Hugging Face tokenizer's core
+    if inner is not None and getattr(inner, "normalizer", None) is not None:
+        return None
+    try:
+        return max(len(tok.token_bytes(i)) for i in range(tok.vocab_size) if not tok.is_special(i))
+    except Exception as e:  # noqa: BLE001 - no bound: every prompt is tokenized before its length is known
+        log.warning("no longest-token bound for %s (%r): long prompts are tokenized to be refused", tok.name, e)
+        return None
 
 
 class _Metrics:
@@ -416,6 +537,8 @@ class Router:
         else:
             self.model_cfg = config.get_config(cfg.config)
         self.tok = load_serving_tokenizer(cfg.tokenizer, cfg.checkpoint, self.model_cfg.vocab_size)
+        self.max_token_bytes = max_token_bytes(self.tok)
+        self.keys = router_auth.KeyRing.from_config(cfg.api_key, cfg.api_key_file)
         # a Hugging Face directory is served under its own name (vLLM's habit); a config or our
         # own checkpoint as kimik3-<config>
         from kimik3 import hf
@@ -513,6 +636,13 @@ class Router:
         self.metrics.healthy.labels(w.url).set(1 if w.healthy else 0)
         self.metrics.worker_load.labels(w.url).set(w.score())
 
+    @property
+    def max_values(self) -> int:
+        """The most JSON values (separators) a /v1 body may hold: a prompt of ids costs a token per
+        value and a message at least one, so 4 per context token (plus room for the fields and
+        their small lists) is past anything that fits the context."""
+        return 4 * self.max_context + 4096
+
     def _fact(self, key: str, default=None):
         vals = [w.info[key] for w in self.workers if key in w.info]
         return vals[0] if vals else default
@@ -606,9 +736,10 @@ class Router:
     ):
         """Stream up to `want` tokens of `context`'s continuation from `w` into `out` (yielding each);
         with `adopt` ({"kv_from", "kv_handle"}: a direct handoff's KV, held by the prefill worker)
-        the worker pulls and takes over the KV instead of computing it.  `opts`: stop_at_eos and the sampling parameters (temperature, top_p, seed:
-        draws are seeded per position, so a failover continues the same sample).  Ends with the
-        worker's done event.  Raises WorkerFailure, or APIError for a refused request."""
+        the worker pulls and takes over the KV instead of computing it.  `opts`: stop_at_eos and the
+        sampling parameters (temperature, top_p, seed: draws are seeded per position, so a failover
+        continues the same sample).  Ends with the worker's done event.  Raises WorkerFailure (try
+        another worker), or RequestFailed (`classify_worker_error`: the request's own fault)."""
         if adopt is not None:
             # the decode worker pulls the KV from the prefill worker by handle (`serving.kv_handoff`);
             # the images travel inside the handoff's KV file, not in the query string
@@ -636,17 +767,11 @@ class Router:
                 "POST", w.url + ("/adopt" if adopt is not None else "/generate"), **kw
             ) as resp:
                 if resp.status_code != 200:
-                    text = (await resp.aread()).decode(errors="replace")[:500]
-                    if resp.status_code == 429:
-                        raise WorkerFailure(f"{w.url} is full", count_failure=False)
+                    text = (await resp.aread())[:4096].decode(errors="replace")
+                    err = classify_worker_error(w.url, resp.status_code, text, adopt=adopt is not None)
                     if resp.status_code == 503 and "draining" in text:
                         w.draining = True
-                        raise WorkerFailure(f"{w.url} is draining", count_failure=False)
-                    if resp.status_code == 502 and adopt is not None:  # the KV's source failed, not this worker
-                        raise WorkerFailure(f"{w.url} could not pull the handoff: {text}", count_failure=False)
-                    if resp.status_code >= 500:
-                        raise WorkerFailure(f"{w.url} answered {resp.status_code}: {text}")
-                    raise APIError(400, f"the worker refused the request: {text}")
+                    raise err
                 async for line in resp.aiter_lines():
                     if not line.strip():
                         continue
@@ -658,6 +783,16 @@ class Router:
                         yield ev
                         return
                     elif "error" in ev:
+                        if ev.get("retriable") is False:  # the request's own fault: no other worker gets it
+                            status = ev.get("status")
+                            status = status if isinstance(status, int) and 400 <= status < 600 else 500
+                            raise RequestFailed(
+                                status,
+                                f"the worker failed the request: {str(ev['error'])[:500]}",
+                                type="invalid_request_error" if status < 500 else "server_error",
+                                param=ev["param"] if isinstance(ev.get("param"), str) else None,
+                                code="worker_refused",
+                            )
                         raise WorkerFailure(f"{w.url}: {ev['error']}")
                 raise WorkerFailure(f"{w.url} closed the stream early")
         except (httpx.TransportError, json.JSONDecodeError) as e:
@@ -783,12 +918,9 @@ class Router:
                             info["logprobs"] = TokenLogprobs.from_json(a["logprobs"])
                         self.metrics.handoff_bytes.inc(int(a["kv_bytes"]))
                         return int(a["token"]), {"kv_from": w.url, "kv_handle": a["kv_handle"]}, info
-                    if 400 <= r.status_code < 500 and r.status_code != 429:
-                        raise APIError(400, f"the prefill worker refused the request: {r.text[:500]}")
-                    err = WorkerFailure(
-                        f"{w.url} answered {r.status_code}: {r.text[:200]}",
-                        count_failure=r.status_code >= 500 and "draining" not in r.text,
-                    )
+                    err = classify_worker_error(w.url, r.status_code, r.text[:4096])
+                    if isinstance(err, RequestFailed):
+                        raise err
                 except httpx.TransportError as e:
                     err = WorkerFailure(f"{w.url}: {type(e).__name__}: {e}")
                 finally:
@@ -831,7 +963,7 @@ class Router:
         `sampling`: `openai_api.sampling_options`'s {"temperature", "top_p", "seed", "top_k", "min_p",
         and where asked "presence_penalty", "frequency_penalty", "logprobs"} (default greedy); `images_b64`: the
         prompt's images as base64 RGB uint8 [S, S, 3] bytes (they travel with every attempt,
-        and inside a direct handoff's KV); `cache_salt`: the tenant's (`openai_api.tenant_salt`),
+        and inside a direct handoff's KV); `cache_salt`: the tenant's (`router_auth.cache_salt`),
         sent to every worker and in the router's own affinity hashes."""
         opts = {"stop_at_eos": stop_at_eos, **(sampling or {}), "images": images_b64}
         if cache_salt is not None:
@@ -873,22 +1005,24 @@ class Router:
         yield "done", summary
 
     # ---- the HTTP app ---------------------------------------------------------------------------------
-    def parse(self, kind: str, raw: bytes):
-        """(validated request, prompt ids, max_tokens) or APIError."""
+    def parse(self, kind: str, raw, tenant: str = router_auth.ANONYMOUS) -> "Parsed":
+        """A /v1 body of `tenant` (`router_auth`) validated and tokenized, or APIError: `validate`
+        then `build`.  Blocking (CPU); the app runs the two on threads."""
+        return self.build(kind, self.validate(kind, raw), tenant)
+
+    def validate(self, kind: str, raw):
+        """The body's validated request (JSON, the request's model, checks that need no tokenizer,
+        a prompt too long for the context whatever it tokenizes to), or APIError."""
         from pydantic import ValidationError
 
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
+        obj = router_body.loads(raw)
         if not isinstance(obj, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         try:
             req = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(obj)
         except ValidationError as e:
             raise validation_error(e) from None
+        del obj
         if req.model not in self.aliases:
             raise APIError(
                 404,
@@ -897,6 +1031,13 @@ class Router:
                 code="model_not_found",
             )
         check_common(req, self.model_cfg.vocab_size)
+        self._check_prompt_fits(req)
+        return req
+
+    def build(self, kind: str, req, tenant: str = router_auth.ANONYMOUS) -> "Parsed":
+        """A validated request's prompt ids and images (fetched and decoded through the media cache
+        as its tenant's salt) and completion budget, or APIError."""
+        salt = router_auth.cache_salt(tenant, req.cache_salt)
         try:
             if kind == "chat":
                 vit = self.model_cfg.vit
@@ -906,7 +1047,7 @@ class Router:
                     tokens_per_image=vit.tokens_per_image if vit else 0,
                     image_size=vit.image_size if vit else 0,
                     fetcher=self.media,
-                    tenant=tenant_salt(req),
+                    tenant=salt,  # the media cache's L1 / L2 namespace
                     tok=self.tok,
                 )
                 requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -918,7 +1059,37 @@ class Router:
                 400, f"text that is not valid Unicode: {e.reason} at {e.start}", code="invalid_text"
             ) from None
         max_tokens = resolve_max_tokens(requested, len(prompt), self.max_context, self.cfg.default_max_tokens)
-        return req, prompt, max_tokens, [base64.b64encode(im.tobytes()).decode() for im in images] or None
+        images_b64 = [base64.b64encode(im.tobytes()).decode() for im in images] or None
+        return Parsed(req, prompt, max_tokens, images_b64, salt)
+
+    def _check_prompt_fits(self, req) -> None:
+        """A 400 (as `resolve_max_tokens` gives) for a prompt that cannot fit the context whatever it
+        tokenizes to: more token ids than the context, or more characters than the context's
+        tokens could cover at the tokenizer's longest token (`max_token_bytes`; a UTF-8
+        character is at least a byte).  Costs nothing like tokenizing a 30 MB text would."""
+        if isinstance(req, ChatCompletionRequest):
+            param = "messages"
+            chars = sum(
+                len(m.content) if isinstance(m.content, str) else sum(len(getattr(p, "text", "")) for p in m.content)
+                for m in req.messages
+                if m.content is not None
+            )
+            least = -(-chars // self.max_token_bytes) if self.max_token_bytes else 0
+        else:
+            param, p = "prompt", req.prompt
+            if isinstance(p, str) or (len(p) == 1 and isinstance(p[0], str)):
+                chars = len(p if isinstance(p, str) else p[0])
+                least = -(-chars // self.max_token_bytes) if self.max_token_bytes else 0
+            else:
+                least = len(p) if p and isinstance(p[0], int) else 0
+        if least >= self.max_context:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens; the prompt has at least "
+                f"{least} tokens, leaving no room for a completion",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def create_app(self):
         from contextlib import asynccontextmanager
@@ -939,7 +1110,15 @@ class Router:
             yield
             await router.stop()
 
-        app = FastAPI(title="kimik3 router", lifespan=lifespan)
+        # /docs and /openapi.json are served below, behind the operator's credentials; no /redoc
+        app = FastAPI(
+            title="kimik3 router",
+            lifespan=lifespan,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+            swagger_ui_oauth2_redirect_url=None,
+        )
 
         def error_response(e: APIError, endpoint: str) -> JSONResponse:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -962,40 +1141,88 @@ class Router:
             return JSONResponse(APIError(500, "internal server error", type="server_error").body(), status_code=500)
 
         decoders = asyncio.Semaphore(self.cfg.image_decoders)
+        large = asyncio.Semaphore(self.cfg.large_body_parsers)
 
-        def unauthorized(request: Request) -> JSONResponse | None:
-            """A 401 in OpenAI's shape unless the request carries the API key (when one is set)."""
-            if self.cfg.api_key is None:
-                return None
-            given = request.headers.get("authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
-                return None
+        def refusal(message: str, *, type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
             self.metrics.rejected.labels("unauthorized").inc()
-            what = (
-                "Incorrect API key provided" if given else "You didn't provide an API key (Authorization: Bearer KEY)"
-            )
             return JSONResponse(
-                APIError(401, what, code="invalid_api_key").body(),
+                APIError(401, message, type=type, code=code).body(),
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
+        def client_tenant(request: Request) -> str | JSONResponse:
+            """The caller's tenant (`router_auth.KeyRing.tenant`), or a 401 in OpenAI's shape."""
+            given = request.headers.get("authorization")
+            tenant = self.keys.tenant(given)
+            if tenant is not None:
+                return tenant
+            what = (
+                "Incorrect API key provided" if given else "You didn't provide an API key (Authorization: Bearer KEY)"
+            )
+            return refusal(what, code="invalid_api_key")
+
+        def is_operator(request: Request) -> bool:
+            """Whether the caller may see the deployment's internals: it carries an API key or the
+            internal token, or the deployment has neither (loopback development)."""
+            token, given = internal_auth.token(), request.headers.get("authorization")
+            if token is None and not self.keys:
+                return True
+            if token is not None and internal_auth.authorized(given, token):
+                return True
+            return bool(self.keys) and self.keys.tenant(given) is not None
+
+        def operator_only(request: Request) -> JSONResponse | None:
+            if is_operator(request):
+                return None
+            return refusal(
+                "this route needs an API key or the deployment's internal token (Authorization: Bearer ...)",
+                type="authentication_error",
+            )
+
+        def admin_only(request: Request) -> JSONResponse | None:
+            """None when the caller may change the deployment: it carries the internal token (an API
+            key where the deployment has no internal token; anyone where it has neither)."""
+            token, given = internal_auth.token(), request.headers.get("authorization")
+            if token is not None:
+                allowed = internal_auth.authorized(given, token)
+            else:
+                allowed = self.keys.tenant(given) is not None
+            if allowed:
+                return None
+            return refusal(
+                "the admin routes need the deployment's internal token (`kimik3 launch --state-file`)",
+                type="authentication_error",
+            )
+
+        async def parse_off_loop(kind: str, raw, tenant: str) -> Parsed:
+            """`Router.validate` and `Router.build` on threads: the JSON of large bodies
+            `large_body_parsers` at a time (a parse holds the interpreter: more threads would only
+            take turns), prompts with images `image_decoders` at a time (decoding and fetching
+            cost CPU and memory, and decoders let other threads run)."""
+            async with large if len(raw) > LARGE_BODY_BYTES else contextlib.nullcontext():
+                req = await asyncio.to_thread(self.validate, kind, raw)
+            async with decoders if b"image_url" in raw else contextlib.nullcontext():
+                return await asyncio.to_thread(self.build, kind, req, tenant)
+
         async def handle(request: Request, kind: str):
             endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
             t0 = time.monotonic()
-            if (refused := unauthorized(request)) is not None:
+            tenant = client_tenant(request)
+            if isinstance(tenant, JSONResponse):
                 self.metrics.requests.labels(endpoint, "401").inc()
-                return refused
+                return tenant
             try:
-                raw = await read_body(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
-                if b"image_url" in raw:  # decoding images costs CPU and memory: off the event loop, bounded
-                    async with decoders:
-                        req, prompt, max_tokens, images_b64 = await asyncio.to_thread(self.parse, kind, raw)
-                else:
-                    req, prompt, max_tokens, images_b64 = self.parse(kind, raw)
+                raw = await read_body(
+                    request, self.cfg.max_body_bytes, self.cfg.body_timeout_s, max_values=self.max_values
+                )
+                parsed = await parse_off_loop(kind, raw, tenant)
             except APIError as e:
                 self.metrics.rejected.labels("invalid").inc()
                 return error_response(e, endpoint)
+            finally:
+                raw = None  # the body's buffer goes now, not when a long stream ends
+            req = parsed.req
             try:
                 self.metrics.queued.inc()
                 await self.admission.acquire()
@@ -1015,7 +1242,10 @@ class Router:
                 self.metrics.queued.dec()
             self.metrics.inflight.inc()
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-            stream = _Stream(self, kind, req, prompt, max_tokens, rid, t0, endpoint, images_b64)
+            stream = _Stream(
+                self, kind, req, parsed.prompt, parsed.max_tokens, rid, t0, endpoint, parsed.images_b64, parsed.salt
+            )
+            parsed = None
             try:
                 first = await stream.first()
             except BaseException:
@@ -1071,7 +1301,7 @@ class Router:
 
         @app.get("/v1/models")
         async def models(request: Request):
-            if (refused := unauthorized(request)) is not None:
+            if isinstance(refused := client_tenant(request), JSONResponse):
                 return refused
             return {
                 "object": "list",
@@ -1087,19 +1317,17 @@ class Router:
             }
 
         @app.get("/health")
-        async def health():
+        async def health(request: Request):
+            """Open: the status and the model; the workers' details (URLs, pids, load) only for an
+            operator (`is_operator`)."""
             ok = (any(w.available() for w in self.prefill) or not self.prefill) and (
                 any(w.available() for w in self.decode) or not self.decode
             )
             degraded = any(w.info.get("status") == "degraded" for w in self.workers if w.available())
-            return JSONResponse(
-                {
-                    "status": ("degraded" if degraded else "ok") if ok else "unavailable",
-                    "model": self.model_name,
-                    "workers": [w.describe() for w in self.workers],
-                },
-                status_code=200 if ok else 503,
-            )
+            body = {"status": ("degraded" if degraded else "ok") if ok else "unavailable", "model": self.model_name}
+            if is_operator(request):
+                body["workers"] = [w.describe() for w in self.workers]
+            return JSONResponse(body, status_code=200 if ok else 503)
 
         @app.get("/metrics")
         async def metrics():
@@ -1109,25 +1337,23 @@ class Router:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/admin/workers")
-        async def workers():
+        async def workers(request: Request):
+            if (refused := operator_only(request)) is not None:
+                return refused
             return {
                 "workers": [w.describe() for w in self.workers],
                 "admission": {"running": self.admission.running, "waiting": self.admission.waiting},
             }
 
         async def set_drain(request: Request, drain: bool):
-            if not internal_auth.authorized(request.headers.get("authorization"), internal_auth.token()):
-                return JSONResponse(
-                    APIError(
-                        401,
-                        "the admin routes need the deployment's internal token (`kimik3 launch --state-file`)",
-                        type="authentication_error",
-                    ).body(),
-                    status_code=401,
-                )
+            if (refused := admin_only(request)) is not None:
+                return refused
             try:
-                url = json.loads(await request.body())["url"].rstrip("/")
-            except (ValueError, KeyError, TypeError, AttributeError):
+                raw = await read_body(request, 1 << 16, self.cfg.body_timeout_s)
+                url = router_body.loads(raw)["url"].rstrip("/")
+            except APIError as e:
+                return JSONResponse(e.body(), status_code=e.status)
+            except (KeyError, TypeError, AttributeError):
                 return JSONResponse(APIError(400, 'body must be {"url": "<worker url>"}').body(), status_code=400)
             w = next((w for w in self.workers if w.url == url), None)
             if w is None:
@@ -1149,16 +1375,58 @@ class Router:
         async def resume(request: Request):
             return await set_drain(request, False)
 
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request):
+            if (refused := operator_only(request)) is not None:
+                return refused
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request):
+            from fastapi.openapi.docs import get_swagger_ui_html
+
+            if (refused := operator_only(request)) is not None:
+                return refused
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="kimik3 router")
+
+        app.openapi = lambda: _openapi_schema(app)
         return app
+
+
+def _openapi_schema(app) -> dict:
+    """The app's OpenAPI schema, with what FastAPI cannot see in handlers that read their own
+    bodies: the /v1 request bodies (`serving.openai_api`'s models) and the bearer scheme."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        models.update(js.pop("$defs", {}))
+        models[model.__name__] = js
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+        op["security"] = [{"bearer": []}, {}]
+    app.openapi_schema = schema
+    return schema
 
 
 class _Stream:
     """One admitted request: a task runs `Router.generate` into a queue (so the stream's
     upstream connections live in one task), and the handler renders OpenAI responses from it."""
 
-    def __init__(self, router: Router, kind: str, req, prompt, max_tokens, rid, t0, endpoint, images_b64=None):
+    def __init__(
+        self, router: Router, kind: str, req, prompt, max_tokens, rid, t0, endpoint, images_b64=None, salt=None
+    ):
         self.r, self.kind, self.req, self.prompt, self.max_tokens = router, kind, req, prompt, max_tokens
-        self.images_b64 = images_b64
+        self.images_b64, self.salt = images_b64, salt  # salt: `router_auth.cache_salt` of the request's tenant
         self.rid, self.t0, self.endpoint = rid, t0, endpoint
         self.created = int(time.time())
         self.tokens: list[int] = []
@@ -1187,7 +1455,7 @@ class _Stream:
                     self.rid,
                     sampling_options(self.req),
                     self.images_b64,
-                    tenant_salt(self.req),
+                    self.salt,
                 ):
                     await self._queue.put(item)
         except APIError as e:
@@ -1404,7 +1672,7 @@ class _Stream:
             yield "data: [DONE]\n\n"
         except APIError as e:
             body = e.body()
-            body["error"]["retriable"] = e.status in (429, 500, 503, 504)
+            body["error"]["retriable"] = getattr(e, "retriable", e.status in (429, 500, 503, 504))
             body["error"]["tokens_sent"] = len(self.tokens)
             yield "data: " + json.dumps(body) + "\n\n"
             yield "data: [DONE]\n\n"
@@ -1454,6 +1722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default_max_tokens",
         "max_body_bytes",
         "image_decoders",
+        "large_body_parsers",
     ):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"default {getattr(d, name)}")
     for name in (
@@ -1518,6 +1787,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"clients of /v1/* must send 'Authorization: Bearer KEY' (or set ${API_KEY_ENV}, "
         f"which keeps the key out of the process list); default: no key (loopback)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"API keys, one 'KEY [TENANT]' a line ('#' comments; a key alone is a tenant of its own); "
+        f"each key's tenant salts its caches (or set ${API_KEY_FILE_ENV})",
+    )
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
 
 
@@ -1537,6 +1813,8 @@ def config_from_args(args) -> RouterConfig:
         values["l1_redis"] = os.environ["KIMIK3_L1_REDIS"]
     if "api_key" not in values and os.environ.get(API_KEY_ENV):  # a key kept off the command line (ps)
         values["api_key"] = os.environ[API_KEY_ENV]
+    if "api_key_file" not in values and os.environ.get(API_KEY_FILE_ENV):
+        values["api_key_file"] = os.environ[API_KEY_FILE_ENV]
     return RouterConfig(**values)
 
 

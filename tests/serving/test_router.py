@@ -293,7 +293,8 @@ def metric_value(text: str, name: str) -> float:
 
 
 def workers(cluster) -> dict:
-    return {w["url"]: w for w in httpx.get(cluster.url("router") + "/admin/workers", timeout=10).json()["workers"]}
+    workers = httpx.get(cluster.url("router") + "/admin/workers", timeout=10, headers=AUTH).json()["workers"]
+    return {w["url"]: w for w in workers}
 
 
 def wait_for(cond, timeout_s, what):
@@ -877,9 +878,11 @@ def _huge_png() -> bytes:
 
 
 def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, params):
-    """The cross-tenant prefix oracle: tenant A's prompt (a secret in its system prompt) cached, tenant B
-    (another `cache_salt`, or another `user`) sending the same prompt sees cached_tokens 0 and gets
-    the same tokens; A sending it again hits its own blocks."""
+    """The cross-tenant prefix oracle (no API key: every client is the anonymous tenant, and
+    `cache_salt` narrows within it): A's prompt (a secret in its system prompt) cached under its
+    salt, B (another `cache_salt`, or none) sending the same prompt sees cached_tokens 0 and gets
+    the same tokens; A sending it again hits its own blocks.  `user` narrows nothing: two users
+    without a salt share the unsalted cache (tenants come from API keys: test_router_security.py)."""
     base = cluster.url("router")
     text = "system: the PIN is 4821. Never reveal it. " * 3
     prompt, want = chat_prompt(text), None
@@ -893,11 +896,12 @@ def check_a_tenant_never_sees_another_tenants_prefix_in_cached_tokens(cluster, p
         assert body["choices"][0]["token_ids"] == want
         return body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
+    full = (len(prompt) // PAGE - 1) * PAGE
     cached(cache_salt="tenant-a")
     assert cached(cache_salt="tenant-b") == 0
-    assert cached(user="mallory") == 0
-    assert cached() == 0  # nor the shared, unsalted cache
-    assert cached(cache_salt="tenant-a") >= (len(prompt) // PAGE - 1) * PAGE
+    assert cached(user="mallory") == 0  # nor the shared, unsalted cache
+    assert cached(user="alice") >= full  # which `user` does not split
+    assert cached(cache_salt="tenant-a") >= full
 
 
 def check_workers_and_admin_routes_refuse_callers_without_the_internal_token(cluster, params):
@@ -1232,7 +1236,8 @@ def check_bursty_load_from_a_second_process_is_shed_or_queued_and_nothing_is_los
         assert load["inflight"] == 0 and load["running"] == 0 and load["errors"] == 0
         assert load["max_rss_bytes"] - rss_before[n] < 256 << 20, (n, rss_before[n], load)  # the burst: bounded
     assert metric(cluster, "kimik3_router_rejected_total", reason="overloaded") >= 1
-    assert httpx.get(base + "/admin/workers", timeout=10).json()["admission"] == {"running": 0, "waiting": 0}
+    admission = httpx.get(base + "/admin/workers", timeout=10, headers=AUTH).json()["admission"]
+    assert admission == {"running": 0, "waiting": 0}
 
 
 def test_router_and_workers_as_real_processes(cluster, params):
@@ -1278,5 +1283,6 @@ def test_the_openai_routes_need_the_api_key_when_one_is_set(monkeypatch):
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
             assert c.get("/v1/models", headers=headers).status_code == 401
         assert c.get("/v1/models", headers={"authorization": "Bearer s3cret"}).json()["data"][0]["id"] == "kimik3-tiny"
+        assert c.get("/v1/models", headers={"authorization": "bearer s3cret"}).status_code == 200  # RFC 6750
         assert c.get("/health").status_code in (200, 503) and c.get("/metrics").status_code == 200
         assert 'kimik3_router_rejected_total{reason="unauthorized"} 6.0' in c.get("/metrics").text
