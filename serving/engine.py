@@ -20,6 +20,14 @@ The pieces, as in vLLM V1:
 Configuration is one frozen `EngineConfig` (`serving.engine_config`); the host tier, the meshes and the P/D hook
 (`on_prefilled`) are constructor arguments.
 
+A request's failure is that request's: `submit` and `adopt` check everything a request brings
+(ValueError) before it reaches a step, and inside a step each request's own host-side work
+(choosing its token from logits on the host, its logprobs, its sampling row of a decode batch,
+its images' encoder pass, the P/D hook, a draft's per-request bookkeeping) runs isolated: if it
+raises, that request alone ends with `error` set and `fault` naming it as its own
+(`fail_request`), and the step goes on for the others.  Only what a step runs for all its
+requests together (the device programs, the pools' moves) raises out of `step()`: an engine fault.
+
 On device meshes
 ----------------
 ``Engine(..., mesh=...)``:
@@ -80,6 +88,11 @@ from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig,
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt", "check_handoff"]
+
+_FAILED = object()  # what `Engine._isolated` returns for work that failed its request
+
+# exceptions that mean a value the request carries could not be used (its fault "invalid")
+_VALUE_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
 
 
 class Engine:
@@ -380,6 +393,8 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+            raise ValueError(f"max_new_tokens must be an integer; got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
@@ -416,6 +431,12 @@ class Engine:
         return req
 
     def _check_sampling(self, sampling: SamplingParams) -> None:
+        """ValueError unless `sampling` becomes a decode row (the device's dtypes) and this engine
+        serves it (a speculative engine: no filters, penalties or logprobs)."""
+        try:
+            DecodeRows.build(1, [0], [[]], [0], [0], [sampling], max_pages=1, null_page=0, scratch_slot=0)
+        except (TypeError, OverflowError, ValueError) as err:
+            raise ValueError(f"sampling parameters out of range: {err}") from None
         if self.spec is None:
             return
         if not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
@@ -461,6 +482,28 @@ class Engine:
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its KV; False if it is unknown or already done."""
         return self.scheduler.cancel(request_id)
+
+    def fail_request(self, req: Request, err: BaseException) -> None:
+        """End `req` alone because its own work raised `err`: out of the queues, its KV and slot
+        freed, `error` set and `fault` "invalid" (a value it carries could not be used) or
+        "request" (anything else of its own).  The engine and every other request go on."""
+        if req.done:
+            return
+        req.fault = "invalid" if isinstance(err, _VALUE_ERRORS) else "request"
+        log.warning("request %s failed alone (the engine goes on): %r", req.request_id, err, exc_info=err)
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        self.scheduler.release(req, error=f"the request failed: {type(err).__name__}: {err}")
+
+    def _isolated(self, req: Request, fn, *args, **kw):
+        """fn(*args, **kw), a piece of `req`'s own host-side work inside a step: its result, or
+        `_FAILED` when it raised (then `req` has failed alone: `fail_request`)."""
+        try:
+            return fn(*args, **kw)
+        except Exception as err:  # noqa: BLE001 - the request's failure is the request's
+            self.fail_request(req, err)
+            return _FAILED
 
     def load(self) -> dict:
         """What a router balances on: queue depth, running requests, free slots and pages, KV use."""
@@ -572,11 +615,14 @@ class Engine:
                 self.kv_of(a.request).restore_state(a.request._slot, a.blocks.snapshot_block)
             a.restored(self.manager_of(a.request))
             if self.spec is not None:
-                self.spec.on_admit(self, a.request, a.blocks)
-        if plan.decode or self.group:  # a group's engines decode together, with padding rows if idle
-            self._decode(plan.decode, mixed=bool(plan.prefill))
+                self._isolated(a.request, self.spec.on_admit, self, a.request, a.blocks)
+        decode = [r for r in plan.decode if not r.done]  # less any that failed alone above
+        if decode or self.group:  # a group's engines decode together, with padding rows if idle
+            self._decode(decode, mixed=bool(plan.prefill))
         batches: dict[tuple[int, int], list[PrefillChunk]] = {}
         for chunk in plan.prefill:
+            if chunk.request.done:  # failed alone earlier in this step
+                continue
             if chunk.sharded and self.config.prefill_batch > 1:  # run below, with the rank's others of its length
                 batches.setdefault((chunk.request._rank, chunk.tokens), []).append(chunk)
             else:
@@ -595,7 +641,10 @@ class Engine:
         images = None
         if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
             if req._image_rows is None:  # the ViT runs once per request, at its first image chunk
-                req._image_rows = self.image_rows(req)
+                rows = self._isolated(req, self.image_rows, req)
+                if rows is _FAILED:
+                    return
+                req._image_rows = rows
             # this chunk's placeholders take the rows after those of earlier chunks
             images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
         step = self.runner.prefill_step if chunk.sharded else None
@@ -609,8 +658,11 @@ class Engine:
             images=images,
             export_offsets=[b - start for b in chunk.export],
         )
-        if self.spec is not None:
-            self.spec.after_chunk(self, req, start, end, tapped[0])
+        if (
+            self.spec is not None
+            and self._isolated(req, self.spec.after_chunk, self, req, start, end, tapped[0]) is _FAILED
+        ):
+            return
         self._chunk_done(chunk, self._last_logits(chunk.last, logits)[0], exports)
 
     def _run_sharded_batch(self, chunks: list[PrefillChunk]) -> None:
@@ -656,20 +708,25 @@ class Engine:
             manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req._cached_len = end
-            token, lp = self._choose(req, logits_v)
-            if self.role == "prefill" and self.on_prefilled is not None:
-                req.output.append(token)
-                req.token_times_s.append(time.monotonic())
-                req.token_mixed.append(True)
-                if req.sampling.logprobs is not None:
-                    req.logprobs.append(lp)
-                if self.spec is not None:
-                    self.spec.write_last_slot(self, req, token)
-                self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
-                self.running.remove(req)
-                self.scheduler.release(req)
-            else:
-                self.scheduler.emit(req, token, mixed=True, logprobs=lp)
+            self._isolated(req, self._first_token, req, logits_v)
+
+    def _first_token(self, req: Request, logits_v) -> None:
+        """Choose a prefilled request's first token from its last position's logits (f32 [V]) and
+        emit it, or (a prefill engine with `on_prefilled`) hand the request over with it."""
+        token, lp = self._choose(req, logits_v)
+        if self.role == "prefill" and self.on_prefilled is not None:
+            req.output.append(token)
+            req.token_times_s.append(time.monotonic())
+            req.token_mixed.append(True)
+            if req.sampling.logprobs is not None:
+                req.logprobs.append(lp)
+            if self.spec is not None:
+                self.spec.write_last_slot(self, req, token)
+            self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
+            self.running.remove(req)
+            self.scheduler.release(req)
+        else:
+            self.scheduler.emit(req, token, mixed=True, logprobs=lp)
 
     # ---- decode ----------------------------------------------------------------------------------
     def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
@@ -682,7 +739,13 @@ class Engine:
         if self.runner.decode_step is not None:  # a decode mesh: every rank on its own pools, synchronous
             self._decode_ranks(reqs, mixed)
             return
-        rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
+        try:
+            rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
+        except Exception:  # noqa: BLE001 - a row that cannot be built fails its request alone
+            reqs = [r for r in reqs if self._isolated(r, self._decode_rows, [r], [r.output[-1]]) is not _FAILED]
+            if not reqs:
+                return
+            rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
         # the penalties count the output before the step's input token (output[-1]: the step counts it)
         self.pools, tokens, did, lp = self.runner.decode.dispatch(
             self.params, self.pools, rows, histories=self._histories(reqs, chained=False)
@@ -723,8 +786,14 @@ class Engine:
         )
         for r, row in where:
             r._cached_len += 1
-            token, lp = (int(greedy[row]), None) if plain(r) else self._choose(r, logits[row])
-            self.scheduler.emit(r, token, mixed, logprobs=lp)
+            if plain(r):
+                self.scheduler.emit(r, int(greedy[row]), mixed)
+            else:
+                self._isolated(r, self._emit_chosen, r, logits[row], mixed)
+
+    def _emit_chosen(self, req: Request, logits_v, mixed: bool) -> None:
+        token, lp = self._choose(req, logits_v)
+        self.scheduler.emit(req, token, mixed, logprobs=lp)
 
     def _chainable(self) -> bool:
         """Whether the next step may be dispatched on the in-flight step's device tokens: the same
@@ -795,7 +864,7 @@ class Engine:
         lps = decode_logprobs(rows, lp) if lp is not None else [None] * len(reqs)
         for r, token, entry in zip(reqs, tokens, lps):
             if not r.done and r in self.running:
-                self.scheduler.emit(r, int(token), mixed, logprobs=entry)
+                self._isolated(r, self.scheduler.emit, r, int(token), mixed, logprobs=entry)
 
     def _wait_for(self, arrays) -> None:
         """Block until `arrays` (a pytree) are computed, the time counted as this step's wait on
@@ -882,6 +951,8 @@ class Engine:
         check_handoff(
             list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size, page_tokens=self.page_tokens
         )
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
         if not self.scheduler.free_slots:
             return None
         images, mm_items = self._check_images(list(prompt), images)
@@ -901,16 +972,20 @@ class Engine:
         blocks = self.scheduler.begin(req, list(prompt))
         if blocks is None:
             return None
-        req.admitted_s = time.monotonic()
-        req.cached_tokens = blocks.hit.tokens
-        req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
-        req._context = list(prompt)
-        self._install_kv(req, blocks, pages, state)
-        req._computed = req._cached_len = len(prompt)
-        if self.spec is not None:
-            self.spec.adopted(self, req, draft_feature)
-        self.running.append(req)
-        self.scheduler.emit(req, first_token, logprobs=first_logprobs)
+        try:
+            req.admitted_s = time.monotonic()
+            req.cached_tokens = blocks.hit.tokens
+            req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
+            req._context = list(prompt)
+            self._install_kv(req, blocks, pages, state)
+            req._computed = req._cached_len = len(prompt)
+            if self.spec is not None:
+                self.spec.adopted(self, req, draft_feature)
+            self.running.append(req)
+            self.scheduler.emit(req, first_token, logprobs=first_logprobs)
+        except BaseException as err:  # its blocks and slot go back before the caller hears of it
+            self.fail_request(req, err)
+            raise
         return req
 
     def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:

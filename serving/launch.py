@@ -7,11 +7,21 @@ starts a Mooncake store (`mooncake_master` + a memory server, cache/mooncake_tie
 (serving/router.py), each its own process on a free 127.0.0.1 port (the router on `--port`),
 waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
 the router, then the workers, then the store.  A worker (or the router) that exits on its
-own is restarted on its port (at most `--max-restarts` times); KV it had published stays in the store.
-A store service that exits (the master, the memory server, the metadata server) is restarted
-the same way; until it is back, workers answer store lookups with misses (their tier's circuit
-breaker, cache/guarded_tier.py) and report "degraded" on /health.  `--state-file` always
-holds the live pids.
+own is restarted on its port (at most `--max-restarts` times; the first restart at once, each
+later one after a backoff that doubles from `--restart-backoff-s` up to 30 s); KV it had published
+stays in the store.  A worker whose engine faulted fails its requests, reports "failed" and exits
+(`serving.worker.EXIT_ENGINE_FAULT`), so it is restarted the same way.  A store service that exits
+(the master, the memory server, the metadata server) and the `--redis` server are restarted the
+same way; until the store is back, workers answer store lookups with misses (their tier's circuit
+breaker, cache/guarded_tier.py) and report "degraded" on /health, and until Redis is back the
+router's L1 lookups are misses.  `--state-file` always holds the live pids.
+
+Secrets reach the children through their environments, never their command lines (which `ps`
+shows): the deployment's internal token (`serving.internal_auth`), a store secret every child
+shares (`KIMIK3_STORE_SECRET`: 32 random bytes, hex, made at start unless launch's own
+environment has one; `cache.store_auth`), and for the router alone the clients' API key
+(`KIMIK3_API_KEY`, from `--api-key` or launch's environment) and key file (`KIMIK3_API_KEY_FILE`,
+from `--api-key-file` or launch's environment; `serving.router_auth`).
 
 With `--decode-group` the decode workers form one process group on JAX's multi-controller
 runtime: one DP engine over all their devices (`--group-devices` each), each worker
@@ -28,6 +38,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -100,16 +111,24 @@ class _suppress:
 
 # One internal token per deployment (this process): the router and every worker share it.
 _TOKEN = internal_auth.token() or internal_auth.new_token()
+# One store secret per deployment: every child authenticates what it writes to the shared stores
+# (Mooncake, Redis) with it and accepts only entries tagged with it (`cache.store_auth`).
+STORE_SECRET_ENV = "KIMIK3_STORE_SECRET"
+_STORE_SECRET = os.environ.get(STORE_SECRET_ENV) or secrets.token_hex(32)
+# the clients' API key and key file: the router's alone (`Deployment._router_env`)
+API_KEY_ENV, API_KEY_FILE_ENV = "KIMIK3_API_KEY", "KIMIK3_API_KEY_FILE"
 
 
 def child_env(public_port: int | None = None) -> dict:
-    """A child's environment: the repo on its path, the deployment's internal token and, given
+    """A child's environment: the repo on its path, the deployment's internal token and store
+    secret (never the clients' API keys: the router's own environment adds those) and, given
     the child's own HTTP port, loopback-only listeners for everything else it binds (the
     Mooncake transfer engine inside a worker or the router's store probe: `cache.loopback`;
     the HTTP port binds where its --host says)."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, API_KEY_FILE_ENV)}
     env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[internal_auth.ENV] = _TOKEN
+    env[STORE_SECRET_ENV] = _STORE_SECRET
     if public_port is not None:
         from cache.loopback import LoopbackUnavailable, loopback_env, required
 
@@ -166,6 +185,7 @@ class Deployment:
         self.workers: list[Child] = []
         self.router: Child | None = None
         self.store_restarts: dict[str, int] = {}
+        self._restart_at: dict[str, float] = {}  # a child that exited: when its restart is due (backoff)
 
     def _worker_argv(self, role: str, index: int, port: int) -> list[str]:
         a = self.args
@@ -260,13 +280,17 @@ class Deployment:
 
     def _router_env(self) -> dict:
         """Secrets the router reads from its environment (never its command line, which `ps` shows):
-        the shared L1's URL with its password, the clients' API key."""
+        the shared L1's URL with its password, the clients' API key and key file (`--api-key`,
+        `--api-key-file`, else launch's own $KIMIK3_API_KEY / $KIMIK3_API_KEY_FILE)."""
         env = {"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {}
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the router computes nothing on a GPU: it takes none
-        key = self.args.api_key or os.environ.get("KIMIK3_API_KEY")
+        key = self.args.api_key or os.environ.get(API_KEY_ENV)
         if key:
-            env["KIMIK3_API_KEY"] = key
+            env[API_KEY_ENV] = key
+        key_file = getattr(self.args, "api_key_file", None) or os.environ.get(API_KEY_FILE_ENV)
+        if key_file:
+            env[API_KEY_FILE_ENV] = os.path.abspath(key_file)  # the router runs in the repo's directory
         return env
 
     def start(self) -> "Deployment":
@@ -369,9 +393,28 @@ class Deployment:
             "log_dir": self.log_dir,
         }
 
+    RESTART_BACKOFF_MAX_S = 30.0
+
+    def _restart_due(self, name: str, restarts: int) -> bool:
+        """Whether `name`, which exited after `restarts` restarts, may be restarted now: the first
+        time at once, then after `--restart-backoff-s` doubling with each restart (at most
+        RESTART_BACKOFF_MAX_S), so a child that keeps failing does not spin."""
+        now = time.monotonic()
+        if name not in self._restart_at:
+            base = getattr(self.args, "restart_backoff_s", 1.0)
+            delay = 0.0 if restarts == 0 else min(self.RESTART_BACKOFF_MAX_S, base * 2 ** (restarts - 1))
+            self._restart_at[name] = now + delay
+            if delay:
+                log.warning("%s exited again; restarting it in %.1f s", name, delay)
+        if now < self._restart_at[name]:
+            return False
+        del self._restart_at[name]
+        return True
+
     def supervise(self) -> bool:
-        """Restart children (workers, router) and store services (master, memory server, metadata
-        server) that exited on their own, on their own ports, each at most `--max-restarts` times.
+        """Restart children (workers, router), store services (master, memory server, metadata
+        server) and the Redis L1 that exited on their own (a worker exits after an engine fault),
+        on their own ports, each at most `--max-restarts` times, with backoff (`_restart_due`).
         Returns whether anything was restarted (its pid changed)."""
         changed = False
         for group in sorted({w.group for w in self.workers if w.group}):
@@ -384,16 +427,19 @@ class Deployment:
                     f"process group {group!r} lost {gone[0].name} (code {gone[0].proc.returncode}) "
                     f"after {members[0].restarts} restarts"
                 )
+            for w in members:  # the others cannot step without it (and stop on the group's heartbeat anyway)
+                if w.proc.poll() is None:
+                    with _suppress():
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+            if not self._restart_due(f"group {group}", max(w.restarts for w in members)):
+                continue
             log.warning(
                 "%s of process group %r exited with code %s; restarting the group",
                 gone[0].name,
                 group,
                 gone[0].proc.returncode,
             )
-            for w in members:  # the others cannot step without it (and stop on the group's heartbeat anyway)
-                if w.proc.poll() is None:
-                    with _suppress():
-                        os.killpg(w.proc.pid, signal.SIGKILL)
+            for w in members:
                 stop_process(w.proc, timeout_s=5)
             self._join_groups()
             for w in members:
@@ -404,6 +450,8 @@ class Deployment:
             if w.proc.poll() is not None:
                 if w.restarts >= self.args.max_restarts:
                     raise RuntimeError(f"{w.name} exited (code {w.proc.returncode}) {w.restarts + 1} times")
+                if not self._restart_due(w.name, w.restarts):
+                    continue
                 w.restarts += 1
                 log.warning("%s exited with code %s; restarting it on port %d", w.name, w.proc.returncode, w.port)
                 w.spawn()
@@ -414,7 +462,28 @@ class Deployment:
                 if self.store_restarts[name] > self.args.max_restarts:
                     raise RuntimeError(f"the store's {name} exited {self.store_restarts[name]} times")
                 changed = True
+        if self.redis is not None and self.redis.proc.poll() is not None:
+            changed |= self._restart_redis()
         return changed
+
+    def _restart_redis(self) -> bool:
+        """Restart the exited Redis L1 on its port with its password (the router's URL stays
+        valid; its L1 lookups are misses meanwhile).  Whether it is back."""
+        from cache.media.redis_server import RedisUnavailable
+
+        n = self.store_restarts.get("redis", 0)
+        if n >= self.args.max_restarts:
+            raise RuntimeError(f"redis exited (code {self.redis.proc.returncode}) {n + 1} times")
+        if not self._restart_due("redis", n):
+            return False
+        self.store_restarts["redis"] = n + 1
+        log.warning("redis exited with code %s; restarting it on port %d", self.redis.proc.returncode, self.redis.port)
+        try:
+            self.redis.start()
+        except RedisUnavailable as e:  # tried again, after the backoff, on the next pass
+            log.error("redis did not come back: %s", e)
+            return False
+        return True
 
     def write_state(self, path: str) -> None:
         """The deployment's URLs and live pids, with the internal token the admin routes take
@@ -509,14 +578,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="clients must send 'Authorization: Bearer KEY' (or set $KIMIK3_API_KEY); handed to the "
+        help="clients must send 'Authorization: Bearer KEY' (default: $KIMIK3_API_KEY); handed to the "
         "router in its environment, not on its command line",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="clients' keys, a line 'KEY TENANT' (or 'KEY') each (default: $KIMIK3_API_KEY_FILE; "
+        "serving.router_auth); checked at start and handed to the router in its environment",
     )
     parser.add_argument("--startup-timeout-s", type=float, default=600.0, help="wait this long for each child's health")
     parser.add_argument("--max-restarts", type=int, default=5, help="restarts of a child that exits on its own")
+    parser.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=1.0,
+        help="a child's second restart waits this long, each later one twice the one before (at most 30 s)",
+    )
     parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")
     parser.add_argument("--log-dir", default=None, help="children's logs (default: a new temp directory)")
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
+
+
+def check_api_keys(args) -> None:
+    """An API key file (`--api-key-file` or $KIMIK3_API_KEY_FILE) is read before any child starts:
+    a missing, unreadable or malformed file is one line here (`serving.router_auth.load_key_file`),
+    not a router that never comes up."""
+    path = args.api_key_file or os.environ.get(API_KEY_FILE_ENV)
+    if path:
+        from serving import router_auth
+
+        try:
+            router_auth.load_key_file(path)
+        except OSError as e:
+            raise ValueError(f"--api-key-file {path}: {e.strerror or e}") from None
 
 
 def check_model(args) -> None:
@@ -535,6 +631,7 @@ def run(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         check_model(args)
+        check_api_keys(args)
     except ValueError as e:
         print(f"kimik3 launch: error: {e}", file=sys.stderr, flush=True)
         return 2

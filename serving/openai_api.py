@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kimik3 import tokenizer
-from serving.sampling import MAX_LOGPROBS
+from serving.sampling import MAX_LOGPROBS, MAX_TOP_K, SEED_LIMIT
 from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 
@@ -66,6 +66,20 @@ def validation_error(err: ValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc, code="unknown_parameter")
     msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])
     return APIError(400, f"invalid request: {msgs}", param=loc, code="invalid_value")
+
+
+# Every numeric field is bounded where it enters: a value out of range (2^31, 2^63, -1, NaN, Infinity) is a
+# 400 naming the field, never an overflow further in (an integer literal past Python's conversion limit is
+# refused, by name, as the body is parsed: `serving.router_body.loads`).
+INT32_LIMIT = 2**31  # token counts and ids: the device reads them as int32
+# an id's upper bound (the vocabulary's, and the sign, are `check_common`'s and `completion_prompt`'s)
+TokenId = Annotated[StrictInt, Field(lt=INT32_LIMIT)]
+TokenCount = Annotated[StrictInt, Field(ge=1, lt=INT32_LIMIT)]
+
+
+def _real(lo: float | None = None, hi: float | None = None, *, gt: float | None = None) -> Any:
+    """A finite float field in [lo, hi] (or (gt, hi]); strict: "0.5" is a 400, as "5" is."""
+    return Field(None, ge=lo, gt=gt, le=hi, strict=True, allow_inf_nan=False)
 
 
 class _Strict(BaseModel):
@@ -117,23 +131,23 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: StrictStr
-    max_tokens: StrictInt | None = None
+    max_tokens: TokenCount | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)  # strict: "0.5" is a 400, as "5" is
-    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
-    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM's: 0 or -1 off
-    min_p: float | None = Field(None, ge=0.0, le=1.0, strict=True)  # vLLM's: 0 off
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    n: StrictInt = 1
+    temperature: float | None = _real(0.0, 2.0)
+    top_p: float | None = _real(gt=0.0, hi=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1, le=MAX_TOP_K)  # vLLM's: 0 or -1 off
+    min_p: float | None = _real(0.0, 1.0)  # vLLM's: 0 off
+    seed: StrictInt | None = Field(None, ge=0, lt=SEED_LIMIT)
+    n: StrictInt = 1  # one choice per request (`check_common`)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = Field(None, max_length=64)  # vLLM's
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)  # vLLM's
     ignore_eos: StrictBool = False
     user: StrictStr | None = Field(None, max_length=256)
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    presence_penalty: float | None = _real(-2.0, 2.0)
+    frequency_penalty: float | None = _real(-2.0, 2.0)
     # OpenAI's / vLLM's fields this server does not implement: accepted at their neutral values only
     # (`check_common`), so that no request is answered as if a field it set had been honoured
     repetition_penalty: Any = None
@@ -154,13 +168,13 @@ class _Common(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    prompt: StrictStr | list[TokenId] | list[StrictStr]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives per token
     echo: Any = None
     suffix: Any = None

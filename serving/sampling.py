@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -37,6 +38,19 @@ import numpy as np
 # request records, and the scheduler imports no JAX.
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the device computes this many for every logprobs row
+# top_k's ceiling: past any vocabulary served here (Kimi-Linear's is 163,840), well inside the int32 the
+# device reads it as; a larger value is refused, not clamped (it would mean "all" only by accident)
+MAX_TOP_K = 1 << 20
+SEED_LIMIT = 2**63  # seeds lie in [0, 2^63): two uint32 words of a threefry key (`seed_words`)
+
+
+def _real(v) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +65,23 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most probable
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 2.0):
+        """ValueError naming the first field out of range: every value that passes converts to the
+        device's dtypes (f32, int32, two uint32 seed words) without overflow."""
+        if not (_real(self.temperature) and 0.0 <= self.temperature <= 2.0):
             raise ValueError(f"temperature must lie in [0, 2]; got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+        if not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1]; got {self.top_p!r}")
-        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        if not (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an integer in [0, 2^63); got {self.seed!r}")
-        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1):
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off); got {self.top_k!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+        if not (_integer(self.top_k) and -1 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"top_k must be an integer in [-1, {MAX_TOP_K}] (0 or -1: off); got {self.top_k!r}")
+        if not (_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must lie in [0, 1]; got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and -2.0 <= v <= 2.0):
+            if not (_real(v) and -2.0 <= v <= 2.0):
                 raise ValueError(f"{name} must lie in [-2, 2]; got {v!r}")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int)
-            and not isinstance(self.logprobs, bool)
-            and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
+        if self.logprobs is not None and not (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}]; got {self.logprobs!r}")
 
     @property

@@ -67,6 +67,11 @@ class Request:  # ~35 fields (an O(rows^2) cost each decode step at 32 rows)
     admitted_s: float | None = None
     done: bool = False
     error: str | None = None
+    # why it failed when the failure was its own (`Engine.fail_request`): "invalid" (a value it
+    # carries could not be used), "request" (other host-side work of its own raised); None:
+    # not its own (cancelled, out of capacity, an engine fault).  Another engine would fail it
+    # the same way, so a router must not retry it elsewhere.
+    fault: str | None = None
     _slot: int = -1  # its KDA slot in its rank's pools
     _rank: int = 0  # the rank whose pools hold its KV (DP decode: `Scheduler` over one manager per rank)
     _context: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill (prompt, + output on resume)

@@ -15,7 +15,8 @@ back through per-request asyncio queues.  Endpoints:
   [[id, logprob], ...]`` when the request asked for ``logprobs``: `serving.sampling.TokenLogprobs`),
   ``{"keepalive": true}`` lines while nothing else happens (a live worker is never silent for
   more than `keepalive_s`), and a last line ``{"done": true, "finish_reason": ..., "cached_tokens":
-  ..., "cached_tokens_host": ...}`` or ``{"error": msg, "retriable": bool}``.  Closing the connection cancels the request.
+  ..., "cached_tokens_host": ...}`` or ``{"error": msg, "status": int, "retriable": bool, "code": str}``
+  (see "Failures" below).  Closing the connection cancels the request.
 * ``POST /prefill``: the same request with one token, answered as one JSON object; with
   ``"hold_kv": true`` (a prefill worker) the prompt's KV is kept under a one-time handle for a
   decode worker to pull (``GET /kv/<handle>``, internal token; `serving.kv_handoff`), and
@@ -29,8 +30,18 @@ back through per-request asyncio queues.  Endpoints:
   ``GET /load`` (queue depth, running, free pages and sessions, KV use), ``POST /drain``
   (refuse new requests, finish the admitted ones), ``POST /resume``, ``GET /metrics``.
 
-Status codes: 400 for a request the engine can never serve, 429 when the waiting queue is
-full (try another worker), 503 while draining or after an engine fault.
+Status codes: 400 for a request the engine can never serve (every field is bounded where it
+enters: the error names it, as ``"param"``), 429 when the waiting queue is full (try another
+worker), 503 while draining or after an engine fault.
+
+Failures.  A request's failure is that request's: when its own work inside the engine raises
+(`serving.engine.Engine.fail_request`), it alone ends with ``{"error": ..., "status": 400 (a value
+it carries could not be used) or 500, "retriable": false, "code": "request_failed"}`` -- another
+worker would fail it the same way, so a router must not carry it there -- and the engine goes on
+serving the others.  Only a fault of a step itself (a device program) is an engine fault: every
+request here then ends with ``{"error": ..., "status": 500, "retriable": true, "code":
+"engine_fault"}``, /health says "failed", and the process exits with `EXIT_ENGINE_FAULT` so that
+its supervisor (`kimik3 launch`) restarts it.
 """
 
 from __future__ import annotations
@@ -49,20 +60,46 @@ import resource
 import sys
 import threading
 import time
-from typing import Any
+from typing import Annotated, Any, Callable
 
 import numpy as np
-from fastapi import Request  # at module level: FastAPI resolves handler annotations in module globals
+from fastapi import Query, Request  # at module level: FastAPI resolves handler annotations in module globals
 
-from serving import internal_auth, kv_handoff
+from serving import internal_auth, kv_handoff, router_body
 from serving.cli import SERVING_MANIFESTS
 from serving.engine_config import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.http_util import ClosingStreamingResponse
-from serving.sampling import GREEDY, MAX_LOGPROBS, SamplingParams
+from serving.openai_api import INT32_LIMIT, APIError
+from serving.sampling import GREEDY, MAX_LOGPROBS, MAX_TOP_K, SEED_LIMIT, SamplingParams
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 1.0
+EXIT_ENGINE_FAULT = 3  # the worker's exit code after an engine fault (its supervisor restarts it)
+# exceptions of a request's own values (its failure is a 400): the rest of its own failures are 500s
+_VALUE_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
+
+
+# /adopt's query parameters, bounded as a /generate body's fields (at module level: see above)
+_QueryTokens = Annotated[int, Query(ge=1, lt=INT32_LIMIT)]
+_QueryId = Annotated[str, Query(max_length=256)]
+_QueryTemperature = Annotated[float, Query(ge=0.0, le=2.0, allow_inf_nan=False)]
+_QueryUnit = Annotated[float, Query(ge=0.0, le=1.0, allow_inf_nan=False)]
+_QueryTopP = Annotated[float, Query(gt=0.0, le=1.0, allow_inf_nan=False)]
+_QuerySeed = Annotated[int, Query(ge=0, lt=SEED_LIMIT)]
+_QueryTopK = Annotated[int, Query(ge=-1, le=MAX_TOP_K)]
+_QueryPenalty = Annotated[float, Query(ge=-2.0, le=2.0, allow_inf_nan=False)]
+_QueryLogprobs = Annotated[int | None, Query(ge=0, le=MAX_LOGPROBS)]
+
+
+def request_failure(message: str, invalid: bool) -> dict:
+    """The event (and error body) of a request that failed on its own: not retriable."""
+    return {"error": message, "status": 400 if invalid else 500, "retriable": False, "code": "request_failed"}
+
+
+def engine_failure(message: str) -> dict:
+    """The event of a request that failed with its engine: retriable on another worker."""
+    return {"error": message, "status": 500, "retriable": True, "code": "engine_fault"}
 
 
 @dataclasses.dataclass
@@ -90,8 +127,12 @@ class EngineLoop:
         worker_id: str = "worker",
         registry=None,
         model_name: str = "kimik3",
+        on_fault: Callable[[], None] | None = None,
     ):
+        """on_fault(): called once, on the engine thread, after an engine fault has failed every
+        request (the worker process passes one that exits it, for its supervisor to restart)."""
         self.engine = engine
+        self.on_fault = on_fault
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
         self.worker_id = worker_id
@@ -243,8 +284,10 @@ class EngineLoop:
                     cache_salt=cache_salt,
                     prior_output=prior_output,
                 )
-            except ValueError as err:
-                self._push(sub, {"error": str(err), "status": 400, "retriable": False})
+            except Exception as err:  # noqa: BLE001 - whatever a request brings fails that request alone
+                if not isinstance(err, ValueError):
+                    log.warning("request %s refused: %r", sub.internal_id, err, exc_info=err)
+                self._push(sub, request_failure(str(err), isinstance(err, _VALUE_ERRORS)))
                 self._finish(sub, "errors")
                 return
             self._subs[sub.internal_id] = sub
@@ -281,8 +324,8 @@ class EngineLoop:
                     images=images,
                     cache_salt=cache_salt,
                 )
-            except ValueError as err:  # images that do not match the prompt
-                self._push(sub, {"error": str(err), "status": 400, "retriable": False})
+            except _VALUE_ERRORS as err:  # values the handoff brings (images that do not match the prompt, ...)
+                self._push(sub, request_failure(str(err), True))
                 self._finish(sub, "errors")
                 continue
             if req is None:
@@ -300,50 +343,74 @@ class EngineLoop:
 
     def _publish(self) -> None:
         for sub in list(self._subs.values()):
-            req = sub.req
-            while sub.sent < len(req.output):
-                ev = {"token": int(req.output[sub.sent]), "index": sub.sent}
-                if sub.sent < len(req.logprobs) and req.logprobs[sub.sent] is not None:
-                    ev.update(req.logprobs[sub.sent].as_json())
-                if sub.sent == 0:  # the prefix cache's share is known once the prompt is in: a client
-                    # that stops early (a stop string) still reports it
-                    ev.update(cached_tokens=req.cached_tokens, cached_tokens_host=req.cached_tokens_host)
-                self._push(sub, ev)
-                sub.sent += 1
-            if req.done:
-                if req.error:
-                    self._push(sub, {"error": req.error, "status": 500, "retriable": True})
+            try:
+                self._publish_one(sub)
+            except Exception as err:  # noqa: BLE001 - one request's events failing fails that request alone
+                log.exception("request %s: its events could not be built", sub.internal_id)
+                if not sub.req.done:
+                    self.engine.cancel(sub.internal_id)
+                if sub.internal_id in self._subs:  # not finished before it raised
+                    self._push(sub, request_failure(f"the request failed: {type(err).__name__}: {err}", False))
                     self._finish(sub, "errors")
-                    continue
-                eos = self.engine.config.eos_id
-                reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == eos else "length"
-                done = {
-                    "done": True,
-                    "finish_reason": reason,
-                    "prompt_tokens": len(req.prompt),
-                    "completion_tokens": len(req.output),
-                    "cached_tokens": req.cached_tokens,
-                    "cached_tokens_host": req.cached_tokens_host,
-                    "worker": self.worker_id,
-                }
-                if sub.export:
-                    done["kv"] = sub.kv
-                with self._lock:  # counted before the client hears "done" (it may read /load next)
-                    self.counters["output_tokens"] += len(req.output)
-                    self.counters["prompt_tokens"] += len(req.prompt)
-                    self.counters["cached_tokens"] += req.cached_tokens
-                    self.counters["cached_tokens_host"] += req.cached_tokens_host
-                if self._metrics is not None:
-                    self._metrics.observe(req)
-                self._finish(sub, "finished")
-                self._push(sub, done)
         self.engine.pop_finished()  # results went out above; do not grow without bound
+
+    def _publish_one(self, sub: _Sub) -> None:
+        """Push the tokens of `sub` not sent yet, and its end once it is done."""
+        req = sub.req
+        while sub.sent < len(req.output):
+            ev = {"token": int(req.output[sub.sent]), "index": sub.sent}
+            if sub.sent < len(req.logprobs) and req.logprobs[sub.sent] is not None:
+                ev.update(req.logprobs[sub.sent].as_json())
+            if sub.sent == 0:  # the prefix cache's share is known once the prompt is in: a client
+                # that stops early (a stop string) still reports it
+                ev.update(cached_tokens=req.cached_tokens, cached_tokens_host=req.cached_tokens_host)
+            self._push(sub, ev)
+            sub.sent += 1
+        if req.done:
+            if req.error:
+                if req.fault is not None:  # its own failure: another worker would fail it too
+                    self._push(sub, request_failure(req.error, req.fault == "invalid"))
+                else:  # out of KV capacity here: another worker may serve it
+                    self._push(sub, engine_failure(req.error) | {"code": "request_dropped"})
+                self._finish(sub, "errors")
+                return
+            eos = self.engine.config.eos_id
+            reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == eos else "length"
+            done = {
+                "done": True,
+                "finish_reason": reason,
+                "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.output),
+                "cached_tokens": req.cached_tokens,
+                "cached_tokens_host": req.cached_tokens_host,
+                "worker": self.worker_id,
+            }
+            if sub.export:
+                done["kv"] = sub.kv
+            with self._lock:  # counted before the client hears "done" (it may read /load next)
+                self.counters["output_tokens"] += len(req.output)
+                self.counters["prompt_tokens"] += len(req.prompt)
+                self.counters["cached_tokens"] += req.cached_tokens
+                self.counters["cached_tokens_host"] += req.cached_tokens_host
+            if self._metrics is not None:
+                self._metrics.observe(req)
+            self._finish(sub, "finished")
+            self._push(sub, done)
 
     def _fail_all(self, why: str) -> None:
         for sub in list(self._subs.values()) + [item[0] for item in self._adopts]:
-            self._push(sub, {"error": why, "status": 500, "retriable": True})
+            self._push(sub, engine_failure(why))
             self._finish(sub, "errors")
         self._adopts = []
+
+    def _engine_fault(self, why: str) -> None:
+        """The engine cannot step: fail every request (retriable), report "failed", and call
+        `on_fault` (once)."""
+        first = self.failed is None
+        self.failed = why
+        self._fail_all(why)
+        if first and self.on_fault is not None:
+            self.on_fault()
 
     def _group_fault(self, err: Exception) -> None:
         """A process group's step failed (a member died, or this engine faulted): the group cannot
@@ -356,6 +423,13 @@ class EngineLoop:
         os._exit(1)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as err:  # noqa: BLE001 - a bug of this loop: as an engine fault, never a silent hang
+            log.exception("the engine thread failed")
+            self._engine_fault(f"engine thread fault: {err!r}")
+
+    def _serve(self) -> None:
         e = self.engine
         while not self._stop.is_set():
             try:
@@ -369,10 +443,9 @@ class EngineLoop:
             if self._adopts and not self.failed:
                 try:
                     self._try_adopts()
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:  # noqa: BLE001 - writing a handoff into the pools failed
                     log.exception("adopt failed")
-                    self.failed = f"engine fault: {err!r}"
-                    self._fail_all(self.failed)
+                    self._engine_fault(f"engine fault: {err!r}")
             try:
                 idle = self.failed or not (e.group_has_work() if e.group else e.has_work())
             except Exception as err:  # noqa: BLE001 - only a group's collective can fail here
@@ -383,12 +456,11 @@ class EngineLoop:
                 continue
             try:
                 e.step()
-            except Exception as err:  # noqa: BLE001 - an engine fault fails its requests, not the process
+            except Exception as err:  # noqa: BLE001 - an engine fault fails its requests (retriable) here
                 if e.group:
                     self._group_fault(err)
-                log.exception("engine step failed; the worker reports itself unhealthy")
-                self.failed = f"engine fault: {err!r}"
-                self._fail_all(self.failed)
+                log.exception("engine step failed; the worker reports itself failed")
+                self._engine_fault(f"engine fault: {err!r}")
                 continue
             self._publish()
             with self._lock:
@@ -468,6 +540,7 @@ def create_app(
 
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.exceptions import RequestValidationError
     from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
     def decode_images(images_b64: list[str] | None):
@@ -487,22 +560,26 @@ def create_app(
         return np.stack([a.reshape(shape) for a in arrays])
 
     class GenerateBody(BaseModel):
+        """A /generate or /prefill body: every number bounded (a value out of range, NaN or
+        Infinity is a 400 naming its field)."""
+
         model_config = ConfigDict(extra="forbid")
-        prompt: list[StrictInt] = Field(min_length=1)
-        max_tokens: StrictInt = Field(ge=1)
+        prompt: list[Annotated[StrictInt, Field(ge=0, lt=INT32_LIMIT)]] = Field(min_length=1)
+        max_tokens: StrictInt = Field(ge=1, lt=INT32_LIMIT)
         stop_at_eos: StrictBool = False
-        request_id: StrictStr = "req"
+        request_id: StrictStr = Field("req", max_length=256)
         export_kv: StrictBool = False  # answer with the KV itself (npz)
         hold_kv: StrictBool = False  # keep the KV for a decode worker to pull; answer with its handle
-        temperature: float = Field(0.0, ge=0.0, le=2.0)
-        top_p: float = Field(1.0, gt=0.0, le=1.0)
-        seed: StrictInt = Field(0, ge=0, lt=2**63)
-        top_k: StrictInt = Field(0, ge=-1)
-        min_p: float = Field(0.0, ge=0.0, le=1.0)
-        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+        temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
+        top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+        seed: StrictInt = Field(0, ge=0, lt=SEED_LIMIT)
+        top_k: StrictInt = Field(0, ge=-1, le=MAX_TOP_K)
+        min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+        presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+        frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
         logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-        prior_output: StrictInt = Field(0, ge=0)  # the prompt's tail that is the request's own output (penalties)
+        # the prompt's tail that is the request's own output (penalties)
+        prior_output: StrictInt = Field(0, ge=0, lt=INT32_LIMIT)
         images: list[StrictStr] | None = None  # base64 RGB uint8 [S, S, 3] each, S = the ViT's input size
         cache_salt: StrictStr | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)  # the tenant's
 
@@ -554,13 +631,44 @@ def create_app(
             return error(401, "missing or wrong internal token (the router's)")
         return await call_next(request)
 
+    def invalid(errors: list[dict]) -> JSONResponse:
+        """400 naming the fields of pydantic's `errors` (the first as "param")."""
+        where = lambda e: ".".join(str(p) for p in e["loc"] if p not in ("body", "query")) or "body"  # noqa: E731
+        msg = "; ".join(f"{where(e)}: {e['msg']}" for e in errors[:5])
+        return error(400, msg, param=where(errors[0]) if errors else None, retriable=False)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request, exc):  # /adopt's query parameters: a 400 naming the field, as a body's
+        return invalid(exc.errors())
+
     async def parse(request: Request) -> GenerateBody | JSONResponse:
+        """The body as a `GenerateBody`, or a 400 naming what is wrong (`check_body` is the rest)."""
         try:
-            return GenerateBody.model_validate(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return error(400, "malformed JSON body")
+            return GenerateBody.model_validate(router_body.loads(await request.body()))
+        except APIError as err:  # malformed JSON, or an integer literal too long to convert (named)
+            return error(400, err.message, param=err.param, retriable=False)
         except ValidationError as err:
-            return error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()))
+            return invalid(err.errors())
+
+    def check_body(body: GenerateBody) -> JSONResponse | None:
+        """A 400 naming the field if the body's prompt holds an id past the vocabulary or asks for
+        more tokens than the context holds; None if it does not."""
+        vocab = loop.engine.cfg.vocab_size
+        bad = next((i for i, t in enumerate(body.prompt) if t >= vocab), None)
+        if bad is not None:
+            return error(
+                400, f"prompt.{bad}: token ids must lie in [0, {vocab})", param=f"prompt.{bad}", retriable=False
+            )
+        limit = info.get("max_context")
+        if limit is not None and len(body.prompt) + body.max_tokens > limit:
+            return error(
+                400,
+                f"max_tokens: prompt ({len(body.prompt)}) + max_tokens ({body.max_tokens}) exceeds the "
+                f"context limit of {limit} tokens",
+                param="max_tokens",
+                retriable=False,
+            )
+        return None
 
     def refuse(why: str) -> JSONResponse:
         if why == "full":
@@ -599,7 +707,10 @@ def create_app(
             )
         first = await sub.events.get()
         if "error" in first:
-            return None, error(first.get("status", 500), first["error"], retriable=first.get("retriable", False))
+            extra = {"code": first["code"]} if "code" in first else {}
+            return None, error(
+                first.get("status", 500), first["error"], retriable=first.get("retriable", False), **extra
+            )
         return sub, first
 
     def ndjson(sub, first) -> StreamingResponse:
@@ -630,23 +741,25 @@ def create_app(
         body = await parse(request)
         if isinstance(body, JSONResponse):
             return body
+        if (refused := check_body(body)) is not None:
+            return refused
         sub, first = await start(body)
         return ndjson(sub, first) if sub is not None else first
 
     @app.post("/adopt")
     async def adopt(
         request: Request,
-        max_tokens: int,
+        max_tokens: _QueryTokens,
         stop_at_eos: bool = False,
-        request_id: str = "req",
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logprobs: int | None = None,
+        request_id: _QueryId = "req",
+        temperature: _QueryTemperature = 0.0,
+        top_p: _QueryTopP = 1.0,
+        seed: _QuerySeed = 0,
+        top_k: _QueryTopK = 0,
+        min_p: _QueryUnit = 0.0,
+        presence_penalty: _QueryPenalty = 0.0,
+        frequency_penalty: _QueryPenalty = 0.0,
+        logprobs: _QueryLogprobs = None,
         cache_salt: str | None = None,
         kv_from: str | None = None,
         kv_handle: str | None = None,
@@ -708,6 +821,8 @@ def create_app(
         if isinstance(body, JSONResponse):
             return body
         body.max_tokens = 1
+        if (refused := check_body(body)) is not None:
+            return refused
         sub, first = await start(body)
         if sub is None:
             return first
@@ -719,7 +834,8 @@ def create_app(
                 if "logprob" in ev and first_lp is None:
                     first_lp = {"logprob": ev["logprob"], "top_logprobs": ev["top_logprobs"]}
             elif "error" in ev:
-                return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True))
+                extra = {"code": ev["code"]} if "code" in ev else {}
+                return error(ev.get("status", 500), ev["error"], retriable=ev.get("retriable", True), **extra)
             elif "done" in ev:
                 kv = ev.pop("kv", None)
                 answer = {"token": tokens[0], "tokens": tokens, **ev, **({"logprobs": first_lp} if first_lp else {})}
@@ -1181,12 +1297,33 @@ def run(args) -> int:
         model_name=args.served_model_name or f"kimik3-{info['config']}",
     )
     app = create_app(loop, info, registry=registry)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    )
+    loop.on_fault = lambda: exit_after_fault(server)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         if host is not None:
             host.close()
+    if loop.failed:
+        log.error("worker %s exits after an engine fault: %s", info["worker_id"], loop.failed)
+        return EXIT_ENGINE_FAULT
     return 0
+
+
+def exit_after_fault(server, grace_s: float = 0.5, deadline_s: float = 30.0) -> None:
+    """After an engine fault: let the failed requests' errors go out (`grace_s`), then shut the
+    uvicorn `server` down gracefully (`run` then returns `EXIT_ENGINE_FAULT`); a shutdown that
+    takes past `deadline_s` ends the process with that code anyway.  Returns at once."""
+
+    def stop():
+        time.sleep(grace_s)
+        server.should_exit = True
+        time.sleep(deadline_s)
+        os._exit(EXIT_ENGINE_FAULT)
+
+    threading.Thread(target=stop, name="exit-after-fault", daemon=True).start()
 
 
 def main(argv=None) -> int:
