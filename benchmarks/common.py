@@ -1,129 +1,240 @@
-"""Timing and reporting shared by the benchmark scripts."""
+"""What every benchmark shares: the timing rule, the run's ceilings, the correctness check, and
+the facts a result file records about its run (device, versions, commit).
+
+Timing rule (`pipelined_ms`, `carried_ms`, `torch_pipelined_ms`): a warm-up, then `iters` calls
+issued back to back and one sync; the figure is the mean per call.  Ours and the peer are timed
+by the same rule, so neither pays a sync per call that the other does not.
+"""
 
 from __future__ import annotations
 
-import json
+import importlib.metadata
 import os
-import statistics
+import platform
+import re
+import subprocess
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def time_jax(fn, *args, iters=20, warmup=3):
-    """Median wall-clock ms of fn(*args), synchronized with block_until_ready."""
+
+# --------------------------------------------------------------------------- timing
+
+
+def pipelined_ms(fn, *args, iters: int = 20, warmup: int = 3) -> float:
+    """ms per call of fn(*args): `warmup` synchronized calls, then `iters` calls back to back and
+    one `block_until_ready` on the last output."""
     import jax
 
-    for _ in range(warmup):
+    for _ in range(max(warmup, 1)):
         jax.block_until_ready(fn(*args))
+    out = None
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def carried_ms(step, carry, *, iters: int = 20, warmup: int = 3) -> float:
+    """ms per call of step(carry) -> (out, carry) with the carry fed forward (a donated state pool
+    updated in place, as a serving step does): calls back to back, one sync at the end."""
+    import jax
+
+    out = None
+    for _ in range(max(warmup, 1)):
+        out, carry = step(carry)
+    jax.block_until_ready((out, carry))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out, carry = step(carry)
+    jax.block_until_ready((out, carry))
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def host_ms(fn, *, iters: int = 3, warmup: int = 1) -> float:
+    """ms per call of a host-side fn() (median of `iters` after `warmup`): for work that ends on the
+    host (a host-tier copy), where there is no device queue to keep full."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
-def copy_gbs() -> float:
-    """XLA device copy bandwidth (read + write) of a 1 GiB array, GB/s."""
+def torch_pipelined_ms(fn, *, iters: int = 20, warmup: int = 3) -> float:
+    """ms per call of a torch callable by `pipelined_ms`'s rule: CUDA events around `iters` calls
+    issued back to back."""
+    import torch
+
+    for _ in range(max(warmup, 1)):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / iters
+
+
+# --------------------------------------------------------------------------- ceilings
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:
+    """Device-to-device `copy_` rate of torch over `nbytes` (read + write), GB/s; None without
+    torch or a CUDA device."""
+    torch = _torch_cuda()
+    if torch is None:
+        return None
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = torch_pipelined_ms(lambda: dst.copy_(src), iters=20)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(n: int = 8192) -> dict:
+    """bf16 [n, n] @ [n, n] rates of XLA and of torch (None where it does not run), TFLOP/s."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((1 << 28,), jnp.float32)
-    return 2 * x.nbytes / (time_jax(jax.jit(lambda a: a * 1.0 + 0.0), x) * 1e-3) / 1e9
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+    xla = 2 * n ** 3 / (pipelined_ms(jax.jit(lambda x: x @ x), a) * 1e-3) / 1e12
+    del a
+    torch, tflops = _torch_cuda(), None
+    if torch is not None:
+        t = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        tflops = 2 * n ** 3 / (torch_pipelined_ms(lambda: t @ t) * 1e-3) / 1e12
+        del t
+        torch.cuda.empty_cache()
+    return {"xla_matmul_tflops": xla, "torch_matmul_tflops": tflops}
 
 
-def fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
-    return str(v)
-
-
-def markdown_tables(rows: list[dict]) -> str:
-    """One markdown table per distinct row["section"] (or a single table without sections)."""
-    lines = []
-    for section in dict.fromkeys(r.get("section") for r in rows):
-        sec = [r for r in rows if r.get("section") == section]
-        keys = [k for k in dict.fromkeys(k for r in sec for k in r) if k != "section"]
-        if section is not None:
-            lines.append(f"\n### {section}\n")
-        lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
-        lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in sec]
-    return "\n".join(lines)
-
-
-def write_results(out_dir: str, name: str, rows: list[dict]) -> str:
-    """Print the tables and write <name>.md and <name>.json under out_dir; returns the markdown."""
-    table = markdown_tables(rows)
-    print(table)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(table + "\n")
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(rows, f, indent=1, default=str)
-    return table
-
-
-def profile_kernels(fn, *args, calls: int = 5, top: int | None = 20, top_host: int = 8,
-                    log_dir: str | None = None) -> list[dict]:
-    """Trace `calls` calls of fn(*args) with jax.profiler; rows (ms per call) of the device's
-    busiest ops by (device line, op name), each line's "<busy>" total and "<ops>" count, then the
-    host's busiest `top_host` events (Python dispatch, transfers): where a step's wall time
-    exceeds its device busy time, the host rows say where it went.  top=None: every device op."""
-    import collections
-    import glob
-    import gzip
-    import tempfile
-
+def measure_ceilings() -> dict:
+    """The run's ceilings, measured once in the benchmarks' own process.  memory_gbs: torch
+    `copy_` of 1 GiB (read + write); compute_tflops: the best bf16 matmul of XLA and torch.  Both
+    None on the CPU or without torch (the fractions of ceiling are then left out); the measured
+    parts are kept beside them."""
     import jax
 
-    jax.block_until_ready(fn(*args))  # compiled outside the trace
-    log_dir = log_dir or tempfile.mkdtemp(prefix="kimik3-trace-")
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*args))
-    path = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    device = {pid for pid, name in procs.items() if "device" in name.lower()}
-    busy_us, count, host_us = collections.Counter(), collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        line = f"{procs.get(e['pid'], e['pid'])} {threads.get((e['pid'], e.get('tid')), e.get('tid'))}"
-        if e.get("pid") in device:
-            busy_us[(line, e["name"])] += e.get("dur", 0.0)
-            busy_us[(line, "<busy>")] += e.get("dur", 0.0)
-            count[line] += 1
-        elif not e["name"].startswith(("$profiler", "$contextlib")):  # the trace's own stop
-            host_us[(line, e["name"])] += e.get("dur", 0.0)
-    row = lambda kind, line, op, ms: dict(section="profile", where=kind, line=line, op=op[:90], ms_per_call=ms)
-    rows = [row("device", line, "<ops>", n / calls) for line, n in count.items()]
-    top = top if top is not None else len(busy_us)
-    rows += [row("device", line, name, us / calls / 1e3) for (line, name), us in busy_us.most_common(top)]
-    rows += [row("host", line, name, us / calls / 1e3) for (line, name), us in host_us.most_common(top_host)]
-    return rows
+    out = {"memory_gbs": None, "compute_tflops": None, "torch_copy_gbs": None, "xla_matmul_tflops": None,
+           "torch_matmul_tflops": None}
+    if jax.default_backend() != "gpu":
+        return out
+    out["torch_copy_gbs"] = torch_copy_gbs()
+    out.update(matmul_tflops())
+    if out["torch_copy_gbs"] is not None:
+        out["memory_gbs"] = out["torch_copy_gbs"]
+        out["compute_tflops"] = max(out["xla_matmul_tflops"], out["torch_matmul_tflops"] or 0.0)
+    return out
 
 
-# Ops of an optimized GPU HLO module that launch nothing (views, tuples, constants, parameters).
-_NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-              "replica-id", "opt-barrier", "add-dependency"}
+# --------------------------------------------------------------------------- checks
+
+
+def check(got, want, tol: float, *, relative: bool = True, l2: bool = False) -> dict:
+    """{max_err, tol, ok}: the largest |got - want| (over max |want| with `relative`), or with `l2`
+    the relative L2 error |got - want| / |want|; in fp64."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return {"max_err": float("inf"), "tol": tol, "ok": False}
+    if l2:
+        err = float(np.linalg.norm(got - want) / max(float(np.linalg.norm(want)), 1e-30))
+    else:
+        err = float(np.max(np.abs(got - want))) if got.size else 0.0
+        if relative:
+            err /= max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
+    return {"max_err": err, "tol": tol, "ok": bool(np.isfinite(err) and err <= tol)}
+
+
+def merge_checks(*checks: dict) -> dict:
+    """The worst of several checks' errors (each over its own tolerance), as one check."""
+    over = lambda c: c["max_err"] / c["tol"] if c["tol"] else (float("inf") if c["max_err"] else 0.0)
+    worst = max(checks, key=over)
+    return {"max_err": worst["max_err"], "tol": worst["tol"], "ok": all(c["ok"] for c in checks)}
+
+
+# --------------------------------------------------------------------------- the run's facts
+
+
+def device_name() -> str:
+    """The first device's name as jax reports it ("NVIDIA H100 80GB HBM3", "cpu")."""
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def device_slug(name: str) -> str:
+    """A short file-name form of a device name: "h100", "h200", "cpu", else its letters."""
+    low = name.lower()
+    for gpu in ("h200", "h100", "h20", "b200", "a100", "l40s", "l4"):
+        if gpu in low:
+            return gpu
+    if low in ("cpu", "host") or "cpu" in low:
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "_", low).strip("_") or "device"
+
+
+def host_cpu() -> str:
+    """The host's processor model and core count."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def versions() -> dict:
+    """Versions of the packages a figure depends on (None where absent)."""
+    out = {}
+    for key, dists in (("jax", ("jax",)), ("jaxlib", ("jaxlib",)), ("torch", ("torch",)), ("triton", ("triton",)),
+                       ("fla", ("fla-core", "flash-linear-attention"))):
+        out[key] = None
+        for dist in dists:
+            try:
+                out[key] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def commit(root: str = ROOT) -> dict:
+    """{sha, dirty} of the tree at root (git rev-parse HEAD; dirty: tracked files changed)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
+    sha = git("rev-parse", "HEAD")
+    if sha.returncode:
+        return {"sha": None, "dirty": None}
+    return {"sha": sha.stdout.strip(), "dirty": bool(git("status", "--porcelain", "--untracked-files=no").stdout)}
 
 
 def hlo_census(text: str) -> dict:
-    """What a compiled XLA GPU program launches per call, from `jitted.lower(...).compile().as_text()`:
-    {"launches": launching ops of the entry computation (kernels, custom calls, copies, loops),
-    "while": loops among them, "ops": {opcode or custom-call target: count}}.
-
-    XLA forms CUDA graphs (command buffers) *after* HLO optimization, from the thunk sequence, so
-    they do not show here: see them with `TF_CPP_VMODULE=command_buffer_thunk=3` or the
-    `*.thunk_sequence_after_thunk_passes.txt` of `--xla_dump_to`."""
+    """What a compiled XLA program launches per call, from `jitted.lower(...).compile().as_text()`:
+    {"launches": launching ops of the entry computation, "ops": {opcode or custom-call target: n}}."""
     import collections
-    import re
 
+    no_launch = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+                 "replica-id", "opt-barrier", "add-dependency"}
     entry, inside = [], False
     for line in text.splitlines():
         if line.startswith("ENTRY "):
@@ -141,200 +252,25 @@ def hlo_census(text: str) -> dict:
             op = f"custom-call:{t.group(1) if t else '?'}"
         return op
 
-    ops = collections.Counter(op for op in map(opcode, entry) if op not in _NO_LAUNCH)
-    return {"launches": sum(ops.values()), "while": ops.get("while", 0), "ops": dict(ops.most_common())}
+    ops = collections.Counter(op for op in map(opcode, entry) if op not in no_launch)
+    return {"launches": sum(ops.values()), "ops": dict(ops.most_common())}
 
 
-def hlo_sources(text: str, frames: int = 2) -> dict[str, str]:
-    """{instruction name: "file:line function < caller ..."} of a compiled HLO module's entry
-    computation: each instruction's stack frame (a fusion carries its root op's), innermost
-    `frames` of them, from the module's FileNames / FunctionNames / FileLocations / StackFrames
-    tables.  Joins a trace's op names to the Python lines that made them."""
-    import re
-
-    tables, section, entry, inside = {}, None, [], False
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = tables.setdefault(line, {})
-        elif section is not None and re.match(r"^\d+ ", line):
-            k, v = line.split(" ", 1)
-            section[int(k)] = v
-        elif line.startswith("ENTRY "):
-            section, inside = None, True
-        elif inside and line.startswith("}"):
-            break
-        elif inside and "=" in line:
-            entry.append(line.strip())
-        elif not line.strip():
-            section = None
-    files = {k: os.path.relpath(v.strip('"')) for k, v in tables.get("FileNames", {}).items()}
-    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
-
-    def field(v, name):
-        m = re.search(rf"{name}=(\d+)", v)
-        return int(m.group(1)) if m else None
-
-    def where(loc_id):
-        v = tables.get("FileLocations", {}).get(loc_id, "")
-        return f"{files.get(field(v, 'file_name_id'), '?')}:{field(v, 'line')} {funcs.get(field(v, 'function_name_id'), '?')}"
-
-    def stack(frame_id):
-        out, seen = [], set()
-        while frame_id and frame_id not in seen and len(out) < frames:
-            seen.add(frame_id)
-            v = tables.get("StackFrames", {}).get(frame_id, "")
-            out.append(where(field(v, "file_location_id")))
-            frame_id = (field(v, "parent_frame_id") or 1) - 1  # printed one above the parent's id; 0: none
-        return " < ".join(out) or "?"
-
-    out = {}
-    for inst in entry:
-        name = inst.split("=", 1)[0].removeprefix("ROOT ").strip().lstrip("%")
-        op = re.search(r'op_name="([^"]+)"', inst)
-        # the module path without the layer index: one row per kind of op, summed over layers
-        path = re.sub(r"layer_\d+", "layer_N", op.group(1)).split("/", 1)[-1] if op else "?"
-        what = f"{path} @ {stack(field(inst, 'stack_frame_id'))}"
-        dedup = re.search(r'deduplicated_name="([^"]+)"', inst)
-        # a trace names a kernel by its fusion's deduplicated name ('.' -> '_'), a Pallas call by
-        # its kernel name (op_name's last part); every instance of one kernel shares the trace row
-        for key in {name, dedup.group(1) if dedup else name} | ({path.rsplit("/", 1)[-1]} if "custom-call" in inst else set()):
-            out.setdefault(key.replace(".", "_").replace("-", "_"), what)
-    return out
+# --------------------------------------------------------------------------- tables
 
 
-def by_source(profile_rows: list[dict], sources: dict[str, str], top: int = 60) -> list[dict]:
-    """Device ms per call of `profile_kernels` rows (taken with top=None) summed by the Python line
-    that made each op (`hlo_sources`), busiest first, with the op count per line."""
-    import collections
-
-    ms, n = collections.Counter(), collections.Counter()
-    for r in profile_rows:
-        if r["where"] != "device" or r["op"].startswith("<"):
-            continue
-        key = sources.get(r["op"].replace(".", "_").replace("-", "_"), f"? {r['op'][:40]}")
-        ms[key] += r["ms_per_call"]
-        n[key] += 1
-    return [dict(section="by source", source=k, ms_per_call=v, ops=n[k]) for k, v in ms.most_common(top)]
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
 
 
-def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:
-    """Device-to-device copy rate (read + write) of torch's `copy_` over `nbytes`, GB/s: the
-    memory ceiling (XLA's elementwise copy reads lower and would flatter a kernel measured
-    against it).  None where torch or a CUDA device is missing."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    iters = 20
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    stop.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(stop) / 1e3 / iters
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / seconds / 1e9
-
-
-def time_pipelined(fn, *args, iters=20, warmup=3):
-    """(ms per call with `iters` calls back to back and one sync, host ms to dispatch one call):
-    the rate a serving loop that never waits between steps sees, and the host's share of it."""
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    out, host = None, 0.0
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        h0 = time.perf_counter()
-        out = fn(*args)
-        host += time.perf_counter() - h0
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters * 1e3, host / iters * 1e3
-
-
-def pipelined_ms(fn, *args, iters=20, warmup=3) -> float:
-    """`time_pipelined`'s ms per call alone: the rule every side of a comparison is timed by."""
-    return time_pipelined(fn, *args, iters=iters, warmup=warmup)[0]
-
-
-def time_torch_pipelined(fn, iters=20, warmup=3) -> float:
-    """ms per call of a torch callable with `iters` calls back to back and one sync (CUDA events
-    around the whole batch): `time_pipelined`'s rule for a torch peer, so neither side is timed
-    per call while the other is not (issue 22)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters
-
-
-def pallas_copy_gbs(nbytes: int = 1 << 30) -> float | None:
-    """Copy rate (read + write) of a Pallas (Triton) tiled copy kernel over `nbytes`, GB/s: a
-    kernel of our own toolchain at the memory ceiling.  None off the GPU."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
-
-    if jax.default_backend() != "gpu":
-        return None
-    cols, rows_per_block = 4096, 8
-    x = jnp.ones((nbytes // 4 // cols, cols), jnp.float32)
-
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...]
-
-    spec = pl.BlockSpec((rows_per_block, cols), lambda i: (i, 0))
-    copy = jax.jit(lambda a: pl.pallas_call(kernel, grid=(a.shape[0] // rows_per_block,), in_specs=[spec],
-                                            out_specs=spec, out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                            compiler_params=pltriton.CompilerParams(num_warps=8))(a))
-    return 2 * nbytes / (time_pipelined(copy, x)[0] * 1e-3) / 1e9
-
-
-def matmul_tflops(n: int = 8192) -> dict:
-    """bf16 [n, n] @ [n, n] rates, TFLOP/s: XLA's, torch's where it runs, and the best (the
-    compute ceiling; it moves 620-790 between runs, so it is measured in each)."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    out = {"xla_matmul_tflops": 2 * n ** 3 / (time_pipelined(jax.jit(lambda x: x @ x), a)[0] * 1e-3) / 1e12,
-           "torch_matmul_tflops": None}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            t = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-            out["torch_matmul_tflops"] = 2 * n ** 3 / (time_torch_pipelined(lambda: t @ t) * 1e-3) / 1e12
-    except ImportError:
-        pass
-    out["matmul_tflops"] = max(v for v in out.values() if v is not None)
-    return out
-
-
-def ceilings() -> dict:
-    """The honest ceilings of one run (issue 22): memory = the best device-to-device copy of torch
-    `copy_` and a Pallas copy kernel (XLA's elementwise copy, kept for reference, reads lower and
-    flatters a memory-bound kernel ~1.5x); compute = the best bf16 matmul of XLA and torch."""
-    out = {"torch_copy_gbs": torch_copy_gbs(), "pallas_copy_gbs": pallas_copy_gbs(), "xla_copy_gbs": copy_gbs()}
-    measured = [v for k, v in out.items() if k != "xla_copy_gbs" and v is not None]
-    out["copy_gbs"] = max(measured) if measured else out["xla_copy_gbs"]
-    out["copy_source"] = "best of torch copy_ and Pallas copy" if measured else "XLA elementwise copy (no GPU peer)"
-    return {**out, **matmul_tflops()}
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    """A markdown table of `columns` (missing values as "-")."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,66 +1,36 @@
-"""Quantized GEMMs on the GPU (issue 20): projection GEMMs bf16 vs FP8 vs MXFP8, and the routed
-experts' grouped GEMM bf16 vs MXFP4, at decode and prefill sizes, against ceilings measured in
-the same run.
+"""Quantized GEMMs: projections on fp8 / mxfp8 weights (`ops.linear` on a `QTensor`) against bf16,
+and routed experts on MXFP4 weights (the grouped GEMM and a decode step's grouped FFN) against
+the same experts dequantized to bf16.
 
-    PYTHONPATH=$PWD python3 benchmarks/quant_gemm.py --out DIR [--quick]
-
-* Projections: `small`'s fused KDA input [1536, 4876], fused MLA input [1536, 3392] and KDA
-  output [1536, 1536]; the full-scale model's (`kimi_k3`, a rank holding the whole attention as
-  the DP decode mesh does): fused KDA input [7168, 24896], MLA q up [1536, 18432], MLA output
-  [12288, 7168].  bf16 is XLA's `x @ w` (cuBLAS); fp8 / mxfp8 is `kimik3.ops.linear` on a
-  `QTensor` (the activations' per-row quantization, then the Pallas block-scaled kernel), the
-  whole projection either way.  M: decode 1-64 rows, prefill 2048-16384.
-* Experts: `moe.grouped_matmul` on bf16 vs MXFP4 weights (`mxfp4.PackedMXFP4`, decoded in the kernel) over
-  the group-aligned layout of `rows` (token, expert) assignments spread uniformly: `small`'s
-  32 experts gate ++ up [768, 1536] and down [768, 768]; a full-scale EP16 rank's 56 experts
-  gate ++ up [4096, 8192] (`--mx-tilings` times more MXFP4 tilings).  And `moe.grouped_ffn`, the
-  decode step's routed experts (gate/up + activation, then down), bf16 vs MXFP4, top-8 routing.
-* Timing (the same for both sides): `common.time_pipelined`, calls back to back then one sync.
-  Ceilings: torch `copy_` (memory), the best bf16 matmul of XLA and torch (compute).  Each row
-  has the bytes the GEMM must read (weights at their storage width, activations in and out) and
-  the time they take at the copy rate.
-
-Rows go to `quant_gemm.json` under --out as they are measured.
+Registered in `benchmarks.registry` (quant_linear, mxfp4_experts, mxfp4_ffn).  Weights are drawn
+as well-formed codes and scales (no quantization pass: a full-scale rank's experts would take
+minutes to quantize).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
+from benchmarks.moe import ffn_ref
 from kimik3 import ops
 from kimik3.quant import formats
-from pallas_kernels import moe, moe_mxfp4, mxfp4
+from pallas_kernels import moe, moe_mxfp4_hopper, mxfp4
 
-PROJECTIONS = {
-    "small KDA in (fused)": (1536, 4876),
-    "small MLA in (fused)": (1536, 3392),
-    "small KDA out": (1536, 1536),
-    "full KDA in (fused)": (7168, 24896),
-    "full MLA q up": (1536, 18432),
-    "full MLA out": (12288, 7168),
-}
-EXPERTS = {
-    "small gate+up": (32, 768, 1536),
-    "small down": (32, 768, 768),
-    "full EP16 rank gate+up": (56, 4096, 8192),
-}
-
-
-def bf16_matmul_tflops() -> float:
-    """The best bf16 matmul rate of XLA and torch on 8192^3, TFLOP/s (`common.matmul_tflops`)."""
-    return common.matmul_tflops()["matmul_tflops"]
+TOL = 2e-2
+# mxfp4_experts' sweep variants: Triton MXFP4 tilings (block_n, block_k, num_warps, num_stages)
+MX_TILINGS = [(128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 4, 3), (256, 64, 8, 4), (256, 128, 8, 3)]
+# and Hopper MXFP4 tilings (block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap)
+HOPPER_MX_TILINGS = [(16, 128, 256, 4, 64, 0, 0, 0), (16, 64, 256, 4, 128, 1, 0, 0), (16, 128, 128, 4, 64, 0, 1, 0),
+                     (16, 64, 128, 4, 64, 1, 1, 0), (16, 128, 256, 4, 128, 0, 0, 1)]
 
 
 def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
-    """A well-formed fp8 / mxfp8 [K, N] weight with random e4m3 values and scales (no
-    quantization pass: the full-scale weights would take minutes to quantize)."""
+    """A well-formed fp8 / mxfp8 [K, N] weight: random e4m3 values and scales."""
     values = jnp.asarray(rng.standard_normal((k, n), np.float32) * 64).clip(-448, 448).astype(jnp.float8_e4m3fn)
     if fmt == "fp8":
         scales = jnp.asarray(rng.uniform(1e-4, 1e-3, (-(-k // 128), -(-n // 128))), jnp.float32)
@@ -71,136 +41,114 @@ def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
 
 
 def random_mxfp4(rng, g: int, k: int, n: int) -> formats.QTensor:
+    """Well-formed MXFP4 experts [G, K, N]: random e2m1 code pairs and e8m0 scales."""
     values = jnp.asarray(rng.integers(0, 256, (g, k, n // 2), dtype=np.uint8))
     scales = jnp.asarray(np.ldexp(1.0, rng.integers(-10, -4, (g, k // 32, n))), jnp.float32).astype(jnp.float8_e8m0fnu)
     return formats.QTensor(values, scales, "mxfp4", (g, k, n))
 
 
-def projection_rows(rng, copy_gbs: float, tflops: float, ms_list, write, quick: bool):
-    for name, (k, n) in PROJECTIONS.items():
-        if quick and name.startswith("full"):
-            continue
-        w16 = jnp.asarray(rng.standard_normal((k, n), np.float32) * k ** -0.5, jnp.bfloat16)
-        qs = {fmt: random_qtensor(rng, fmt, k, n) for fmt in ("fp8", "mxfp8")}
-        for m in ms_list:
-            x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-            row = dict(section="projection", case=name, m=m, k=k, n=n)
-            times = {"bf16": common.time_pipelined(jax.jit(lambda x, w: x @ w), x, w16)[0]}
-            for fmt, q in qs.items():
-                times[fmt] = common.time_pipelined(jax.jit(lambda x, q: ops.linear(x, q, kernels="pallas")), x, q)[0]
-            for fmt, ms in times.items():
-                weight_bytes = k * n * (2 if fmt == "bf16" else 1)
-                moved = weight_bytes + 2 * m * (k + n)
-                row[f"{fmt}_ms"] = ms
-                row[f"{fmt}_of_copy"] = moved / (copy_gbs * 1e9) * 1e3 / ms
-                row[f"{fmt}_tflops"] = 2 * m * k * n / (ms * 1e-3) / 1e12
-            row["fp8_speedup"], row["mxfp8_speedup"] = times["bf16"] / times["fp8"], times["bf16"] / times["mxfp8"]
-            row["of_matmul_ceiling_bf16"] = row["bf16_tflops"] / tflops
-            print(row, flush=True)
-            write(row)
+@jax.jit
+def _dequantized_bf16(values, scales):  # one program: a rank's fp32 weights never exist whole
+    return mxfp4.dequantize(values, scales).astype(jnp.bfloat16)
 
 
 def _uniform_sizes(rng, rows: int, g: int):
-    return jnp.asarray(np.bincount(np.sort(rng.integers(0, g, rows)), minlength=g), jnp.int32)
+    return jnp.asarray(np.bincount(rng.integers(0, g, rows), minlength=g), jnp.int32)
 
 
-def expert_rows(rng, copy_gbs: float, rows_list, write, quick: bool, tilings=()):
-    """tilings: extra `moe.Tiling`s to time the MXFP4 kernel at (each row keeps every time)."""
-    for name, (g, k, n) in EXPERTS.items():
-        if quick and name.startswith("full"):
-            continue
+def quant_linear(ctx):
+    """quant_linear: `ops.linear(x, w)` on an fp8 / mxfp8 `QTensor`, checked against its reference
+    path, vs `x @ w` in bf16 on the dequantized weights."""
+    rng = np.random.default_rng(0)
+    for case in ctx.cases():
+        m, k, n, fmt = case
+        q = random_qtensor(rng, fmt, k, n)
+        w16 = formats.dequantize(q).astype(jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        fn = jax.jit(lambda x, q: ops.linear(x, q, kernels="pallas"))
+        want = jax.jit(lambda x, q: ops.linear(x, q, kernels="reference"))(x, q)
+        peer = jax.jit(lambda x, w: x @ w)
+        work = {"bytes": k * n + 2 * m * (k + n), "flops": 2 * m * k * n}
+        chk = lambda: common.check(fn(x, q).astype(jnp.float32), want.astype(jnp.float32), TOL)
+        yield ctx.attempt(case, "default", lambda: ctx.row(case, chk(), lambda: ctx.time(fn, x, q),
+                                                           peer_ms=lambda: ctx.time(peer, x, w16), work=work))
+
+
+def mxfp4_experts(ctx):
+    """mxfp4_experts: `ops.grouped_matmul` on MXFP4 experts (moved to the Hopper layout where
+    `ops.moe_mxfp4_impl` names it), checked against `grouped_matmul_ref` on the dequantized
+    weights, vs `ops.grouped_matmul` on those bf16 weights."""
+    rng = np.random.default_rng(1)
+    interpret = not ctx.on_gpu
+    for case in ctx.cases():
+        rows, g, k, n = case
         q = random_mxfp4(rng, g, k, n)
         packed = mxfp4.PackedMXFP4(q.values, q.scales)
-        w16 = mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16)
-        for rows in rows_list:
-            x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
-            sizes = _uniform_sizes(rng, rows, g)
-            used = int(np.count_nonzero(np.asarray(sizes)))
-            bf16_ms = common.time_pipelined(jax.jit(moe.grouped_matmul), x, w16, sizes)[0]
-            by_tiling = {}
-            for t in (None, *tilings):
-                if t is not None and (n % t[0] or k % t[1]):
+        w16 = _dequantized_bf16(q.values, q.scales)
+        served = ops.hopper_mxfp4_experts({"w": q})["w"]
+        x = jnp.asarray(rng.standard_normal((rows, k), np.float32), jnp.bfloat16)
+        sizes = _uniform_sizes(rng, rows, g)
+        used = int(np.count_nonzero(np.asarray(sizes)))
+        want = jax.jit(moe.grouped_matmul_ref)(x, w16, sizes)
+        work = {"bytes": used * k * n * 4.25 / 8 + 2 * rows * (k + n)}
+        bf16 = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s, kernels="pallas"))
+        fns = {"default": (lambda x, w, s: ops.grouped_matmul(x, w, s, kernels="pallas"), served),
+               "triton": (moe.grouped_matmul, packed),
+               "hopper": (functools.partial(moe_mxfp4_hopper.grouped_matmul, interpret=interpret),
+                          moe_mxfp4_hopper.DEFAULT_DECODE)}
+        for t in MX_TILINGS:
+            if n % t[0] == 0 and k % t[1] == 0:
+                fns["triton_sweep:" + ",".join(map(str, t))] = (functools.partial(moe.grouped_matmul, tiling=t), packed)
+        for bm, bn, bk, st, ct, ws, l4, ov in HOPPER_MX_TILINGS:
+            if n % (bn * (1 + ws)) == 0 and k % bk == 0:
+                decode = "lut" if l4 else moe_mxfp4_hopper.DEFAULT_DECODE  # load4x shuffles the codes itself
+                kw = dict(block_m=bm, block_n=bn, block_k=bk, steps=st, code_tile=ct, warp_specialized=bool(ws),
+                          load4x=bool(l4), overlap=bool(ov), decode=decode, interpret=interpret)
+                fns[f"hopper_sweep:{bm},{bn},{bk},{st},{ct},{ws},{l4},{ov}"] = (
+                    functools.partial(moe_mxfp4_hopper.grouped_matmul, **kw), decode)
+
+        def one(variant):
+            kernel, w = fns[variant]
+            if isinstance(w, str):  # a Hopper kernel: the codes in its layout for that decode
+                w = jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, w)
+            fn = jax.jit(kernel)
+            chk = common.check(fn(x, w, sizes).astype(jnp.float32), want.astype(jnp.float32), TOL)
+            return ctx.row(case, chk, lambda: ctx.time(fn, x, w, sizes), variant=variant,
+                           peer_ms=lambda: ctx.time(bf16, x, w16, sizes), work=work,
+                           extra={"experts_read": used, "kernel": type(w).__name__})
+
+        yield ctx.attempt(case, "default", lambda: one("default"))
+        for name in ctx.wanted():
+            for variant in [v for v in fns if v == name or v.startswith(f"{name}:")]:
+                if variant == "hopper" and (k % 256 or n % 128):  # the Hopper kernel's default tiles
                     continue
-                fn = jax.jit(functools.partial(moe.grouped_matmul, tiling=t))
-                by_tiling[str(t or moe.mx_tiling(rows, moe.layout_block_m(rows), False, k, n))] = common.time_pipelined(
-                    fn, x, packed, sizes)[0]
-            mx_ms = min(by_tiling.values())
-            bytes16 = used * k * n * 2 + 2 * rows * (k + n)
-            bytes4 = used * k * n * (4.25 / 8) + 2 * rows * (k + n)
-            row = dict(section="experts", case=name, rows=rows, experts_read=used, bf16_ms=bf16_ms, mxfp4_ms=mx_ms,
-                       mxfp4_default_ms=next(iter(by_tiling.values())), mxfp4_ms_by_tiling=by_tiling,
-                       speedup=bf16_ms / mx_ms, bf16_of_copy=bytes16 / (copy_gbs * 1e9) * 1e3 / bf16_ms,
-                       mxfp4_of_copy=bytes4 / (copy_gbs * 1e9) * 1e3 / mx_ms,
-                       memory_bound=bool(2 * rows * k * n / bytes4 < 300))  # FLOP per byte under Hopper's ridge
-            print(row, flush=True)
-            write(row)
+                yield ctx.attempt(case, variant, lambda variant=variant: one(variant))
 
 
-FFNS = {  # experts, latent L, expert width F: gate ++ up [E, L, 2F], down [E, F, L]
-    "small": (32, 768, 768),
-    "full EP16 rank": (56, 4096, 4096),
-}
+def _silu_glu(gate, up):
+    return jax.nn.silu(gate) * up
 
 
-def ffn_rows(rng, copy_gbs: float, tokens_list, write, quick: bool, top_k: int = 8):
-    """`moe.grouped_ffn` (gate/up with the activation in its epilogue, then down: the decode
-    step's routed experts) on bf16 vs MXFP4 experts, tokens each routed to top_k experts."""
-    act = lambda gate, up: jax.nn.silu(gate) * up
-    for name, (e, l, f) in FFNS.items():
-        if quick and name.startswith("full"):
-            continue
+def mxfp4_ffn(ctx):
+    """mxfp4_ffn: `ops.grouped_ffn` on MXFP4 experts (gate ++ up [E, L, 2F], down [E, F, L]), T
+    tokens each routed to top-k distinct experts, checked against the fp32 FFN on the dequantized
+    weights, vs `ops.grouped_ffn` on those bf16 weights."""
+    rng = np.random.default_rng(2)
+    for case in ctx.cases():
+        t, e, l, f, top_k = case
         q_gu, q_out = random_mxfp4(rng, e, l, 2 * f), random_mxfp4(rng, e, f, l)
-        packed = [mxfp4.PackedMXFP4(q.values, q.scales) for q in (q_gu, q_out)]
-        dense = [mxfp4.dequantize(q.values, q.scales).astype(jnp.bfloat16) for q in (q_gu, q_out)]
-        fn = jax.jit(functools.partial(moe.grouped_ffn, act=act))
-        for tokens in tokens_list:
-            x = jnp.asarray(rng.standard_normal((tokens, l), np.float32), jnp.bfloat16)
-            ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(tokens)]), jnp.int32)
-            used = len(np.unique(np.asarray(ids)))
-            bf16_ms = common.time_pipelined(fn, x, ids, *dense)[0]
-            mx_ms = common.time_pipelined(fn, x, ids, *packed)[0]
-            weights = used * 3 * l * f
-            row = dict(section="grouped_ffn", case=name, tokens=tokens, top_k=top_k, experts_read=used,
-                       bf16_ms=bf16_ms, mxfp4_ms=mx_ms, speedup=bf16_ms / mx_ms,
-                       bf16_of_copy=weights * 2 / (copy_gbs * 1e9) * 1e3 / bf16_ms,
-                       mxfp4_of_copy=weights * 4.25 / 8 / (copy_gbs * 1e9) * 1e3 / mx_ms)
-            print(row, flush=True)
-            write(row)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--quick", action="store_true", help="small's shapes and a few sizes only")
-    ap.add_argument("--sections", default="projection,experts,grouped_ffn")
-    ap.add_argument("--mx-tilings", default="", help="extra MXFP4 tilings to time, 'bn,bk,warps,stages;...'")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    rng = np.random.default_rng(0)
-    copy_torch = common.torch_copy_gbs()
-    copy_gbs = copy_torch or common.copy_gbs()
-    tflops = bf16_matmul_tflops()
-    rows = [dict(section="ceilings", device=jax.devices()[0].device_kind, copy_gbs=copy_gbs,
-                 torch_copy_gbs=copy_torch, bf16_matmul_tflops=tflops)]
-    print(rows[0], flush=True)
-
-    def write(row):
-        rows.append(row)
-        common.write_results(args.out, "quant_gemm", rows)
-
-    write(rows.pop())
-    sections = args.sections.split(",")
-    if "projection" in sections:
-        ms_list = (1, 64, 2048) if args.quick else (1, 8, 32, 64, 2048, 8192, 16384)
-        projection_rows(rng, copy_gbs, tflops, ms_list, write, args.quick)
-    if "experts" in sections:
-        rows_list = (8, 128) if args.quick else (4, 32, 128, 256, 1024)
-        tilings = tuple(tuple(int(v) for v in t.split(",")) for t in args.mx_tilings.split(";") if t)
-        expert_rows(rng, copy_gbs, rows_list, write, args.quick, tilings)
-    if "grouped_ffn" in sections:
-        ffn_rows(rng, copy_gbs, (1, 4, 32) if args.quick else (1, 4, 16, 32, 64), write, args.quick)
-    print(common.markdown_tables([r for r in rows if r["section"] != "ceilings"]) if rows else "", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        dense = [_dequantized_bf16(q.values, q.scales) for q in (q_gu, q_out)]
+        served = ops.hopper_mxfp4_experts({"gu": q_gu, "out": q_out})
+        x = jnp.asarray(rng.standard_normal((t, l), np.float32), jnp.bfloat16)
+        ids = jnp.asarray(np.stack([rng.permutation(e)[:top_k] for _ in range(t)]), jnp.int32)
+        used = len(np.unique(np.asarray(ids)))
+        if not ops.grouped_ffn_fits(x, served["gu"], served["out"], kernels="pallas"):
+            yield ctx.error(case, "default", "ops.grouped_ffn does not tile these experts")
+            continue
+        fn = jax.jit(lambda x, ids, a, b: ops.grouped_ffn(x, ids, a, b, act=_silu_glu))
+        want = jax.jit(functools.partial(ffn_ref, act=_silu_glu))(x, ids, *dense)
+        work = {"bytes": used * 3 * l * f * 4.25 / 8 + t * l * 2 * (1 + top_k)}
+        chk = lambda: common.check(fn(x, ids, served["gu"], served["out"]).astype(jnp.float32), want, 3e-2)
+        yield ctx.attempt(case, "default", lambda: ctx.row(
+            case, chk(), lambda: ctx.time(fn, x, ids, served["gu"], served["out"]),
+            peer_ms=lambda: ctx.time(fn, x, ids, *dense), work=work, extra={"experts_read": used}))

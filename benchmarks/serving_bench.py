@@ -1,22 +1,16 @@
-"""Serving benchmark: colocated vs prefill/decode disaggregated at rising load.
+"""The serving engine: its decode program against the bytes a step must read, and the engine under
+load (colocated, or prefill / decode disaggregated).
 
-    PYTHONPATH=$PWD python3 benchmarks/serving_bench.py --config small [--out DIR]
-    PYTHONPATH=$PWD python3 benchmarks/serving_bench.py --config tiny --quick     # CPU smoke test
-
-For each mode and each load (N concurrent requests of `--prompt` tokens and
-`--output` new tokens) it reports TTFT / TPOT / throughput percentiles, then
-the largest load whose median TPOT stays under `--tpot-target-ms` per mode
-(the production design's colocated experiment).  It also times one decode
-step at batch B against its roofline: bytes of weights plus KV and KDA state
-read per step over the copy bandwidth measured in the same run.
+Registered in `benchmarks.registry` (decode_step, serving_load).  `demo_figures` reads the
+figures of a `kimik3 demo` run's output.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import os
+import functools
+import logging
+import re
 import time
 
 import jax
@@ -24,297 +18,246 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from kimik3 import compile_cache, config, model, quantization, sizing, stacked
-from kimik3.quant import store
+from kimik3 import config, model, quantization, sizing, stacked
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
-from serving.model_runner import SCAN_CHOICES, DecodeRows, DecodeRunner, decode_program
+from serving.model_runner import DecodeRows, DecodeRunner, decode_program
 from serving.sampling import GREEDY
 
-
-def programs() -> int:
-    """Compiled model step programs in this process (`model._forward`, the engines' `forward_step` and
-    `serving.model_runner.decode_program`)."""
-    return model._forward._cache_size() + model.forward_step._cache_size() + decode_program._cache_size()
+log = logging.getLogger("benchmarks.serving")
 
 
-def make(params, cfg, mode, args):
-    ec = EngineConfig(num_pages=args.pages, num_slots=args.max_load, num_snapshots=2 * args.max_load,
-                      page_tokens=args.page_tokens, kda_block_tokens=args.page_tokens * 12,
-                      max_pages_per_request=-(-(args.prompt + args.output) // args.page_tokens) + 1,
-                      prefill_chunk_tokens=args.chunk, kernels=args.kernels,
-                      prefill_tokens_while_decoding=args.prefill_while_decoding, scan_layers=args.scan)
-    if mode == "colocated":
-        return Engine(params, cfg, ec)
-    devices = pd_devices(args)
-    engines = []
-    for role, device in zip(("prefill", "decode"), devices):
-        with jax.default_device(device) if device is not None else contextlib.nullcontext():
-            # params committed to the engine's device, its pools made there: its steps run there
-            p = jax.device_put(params, device) if device is not None else params
-            engines.append(Engine(p, cfg, ec.replace(role=role)))
-    return DisaggregatedServer(*engines, concurrent=args.pd_stepping == "concurrent", devices=devices)
+@functools.cache
+def random_params(name: str, seed: int = 0):
+    """(params in the config's dtype, cfg) of a config drawn at random, once per process."""
+    cfg = config.get_config(name)
+    return model.init_params(cfg, jax.random.PRNGKey(seed)), cfg
 
 
-def pd_devices(args):
-    """(prefill device, decode device) from --pd-devices "i,j" (None, None: the default device)."""
-    if not args.pd_devices:
-        return (None, None)
-    ids = [int(x) for x in args.pd_devices.split(",")]
-    if len(ids) != 2 or max(ids) >= len(jax.devices()):
-        raise SystemExit(f"--pd-devices wants two of the {len(jax.devices())} devices' indices; got {args.pd_devices}")
-    return tuple(jax.devices()[i] for i in ids)
+@functools.cache
+def serving_params(name: str, seed: int = 0):
+    """`random_params` in the serving layout the engines' programs read."""
+    params, cfg = random_params(name, seed)
+    return stacked.serving_layout(params, cfg, scan=False)
 
 
-def run_load(server, n, args, seed, output=None):
-    """n requests of --prompt tokens, all at once, or one every --arrival-ms (long prompts
-    arriving while the earlier ones decode: the interference P/D is meant to remove)."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, 256, args.prompt).tolist() for _ in range(n)]
-    interval_s = getattr(args, "arrival_ms", 0) / 1e3
-    t0 = time.monotonic()
-    next_s, i = t0, 0
-    try:
-        while i < n or server.has_work():
-            while i < n and time.monotonic() >= next_s:
-                server.submit(prompts[i], output or args.output, request_id=f"r{seed}-{i}")
-                i, next_s = i + 1, next_s + interval_s
-            if server.has_work():
-                server.step()
-            elif i < n:
-                time.sleep(max(0.0, min(0.001, next_s - time.monotonic())))
-    finally:
-        if isinstance(server, DisaggregatedServer):
-            server.close()
-    return metrics.summarize(f"N={n}", server.records()[-n:], time.monotonic() - t0)
+def token_margin(cfg) -> float:
+    """How far below the oracle's best logit a chosen token may lie, over the row's logit range,
+    before it counts as off: an engine in bf16 rounds differently from the fp32 oracle, which swaps
+    near-ties (random weights' logits are nearly flat)."""
+    return 1e-3 if cfg.dtype == "float32" else 0.1
+
+
+def off_share(cfg) -> float:
+    """The share of positions that may be off by more than `token_margin`: none in fp32; in bf16 a
+    few near-ties, where a wrong page, slot or state puts nearly every position off."""
+    return 0.0 if cfg.dtype == "float32" else 0.25
+
+
+def margin_check(ref_logits, tokens, cfg) -> dict:
+    """{max_err: the share of positions whose chosen token lies more than `token_margin` below the
+    oracle's best (over the row's logit range: 0 its argmax, 1 its worst), tol: `off_share`, ok,
+    worst_margin}."""
+    ref = np.asarray(ref_logits, np.float32).reshape(-1, np.shape(ref_logits)[-1])
+    tokens = np.asarray(tokens).reshape(-1)
+    gap = ref.max(-1) - ref[np.arange(len(tokens)), tokens]
+    margin = gap / np.maximum(ref.max(-1) - ref.min(-1), 1e-30)
+    share = float(np.mean(margin > token_margin(cfg))) if len(tokens) else 1.0
+    return {"max_err": share, "tol": off_share(cfg), "ok": share <= off_share(cfg),
+            "worst_margin": float(margin.max()) if len(tokens) else None}
+
+
+def oracle(params, cfg):
+    """The params and config the oracle runs: fp32, on the reference kernels (at the highest matmul
+    precision: TF32 would blur it on a GPU)."""
+    return model.cast_params(params, jnp.float32), cfg.replace(dtype="float32")
+
+
+def teacher_forced_check(params, cfg, runs: list[tuple[list[int], list[int]]]) -> dict:
+    """margin_check of every (prompt, output)'s tokens against the fp32 model on the reference
+    kernels over prompt + output (no cache): each position sees the context the engine saw.
+    params / cfg: the engine's, in its dtype (the tolerances follow it)."""
+    p32, cfg32 = oracle(params, cfg)
+    logits, tokens = [], []
+    for prompt, out in runs:
+        if not out:
+            return {"max_err": 1.0, "tol": off_share(cfg), "ok": False, "worst_margin": None}
+        seq = jnp.asarray([list(prompt) + list(out[:-1])], jnp.int32)
+        with jax.default_matmul_precision("highest"):
+            logits.append(np.asarray(model.forward(p32, cfg32, seq, kernels="reference")[0][0, len(prompt) - 1:]))
+        tokens += list(out)
+    return margin_check(np.concatenate(logits), tokens, cfg)
+
+
+def engine_config(cfg, n: int, prompt: int, output: int, ci: bool, **kw) -> EngineConfig:
+    page = 16 if ci else 128
+    per_request = -(-(prompt + output) // page) + 1
+    return EngineConfig(num_pages=2 * n * (per_request + 1) + 8, num_slots=n, num_snapshots=2 * n, page_tokens=page,
+                        kda_block_tokens=page * 12, max_pages_per_request=per_request,
+                        prefill_chunk_tokens=64 if ci else 2048, **kw)
 
 
 def expected_experts(cfg, rows: int) -> float:
-    """Routed experts a decode step over `rows` requests (padded to any bucket) reads per MoE layer,
-    expected under uniform routing: each row picks k of G distinct experts (the bucket's idle
-    rows are routed to none: `LatentMoE(real_bt=)`)."""
+    """Routed experts a decode step over `rows` requests reads per MoE layer, expected under
+    uniform routing (each row picks k of G distinct experts; a bucket's idle rows none)."""
     g, k = cfg.n_routed_experts, cfg.n_active_experts
     return g * (1 - ((g - k) / g) ** rows)
 
 
 def weights_read_bytes(cfg, rows: int, manifest: str = "bf16") -> float:
-    """Weight bytes a decode step reads, stored as `manifest` says: every weight but the routed
-    experts, and of those the `expected_experts` share (B1 reads 4 of 32, B32 nearly all)."""
+    """Weight bytes a decode step reads: every weight but the routed experts, and of those the
+    `expected_experts` share."""
     rules = quantization.MANIFESTS[manifest]
     bits = quantization.BITS_PER_VALUE[rules.format_of("layer_1/moe/w_gate_elf")]
     per_expert = 3 * cfg.moe_latent_dim * cfg.moe_expert_dim * bits / 8  # gate, up, down
     n_moe = sum(cfg.ffn_kind(i) == "moe" for i in range(cfg.n_layers))
     routed = n_moe * cfg.n_routed_experts * per_expert
-    share = expected_experts(cfg, rows) / cfg.n_routed_experts
-    return sizing.weight_bytes(cfg, rules) - routed * (1 - share)
+    return sizing.weight_bytes(cfg, rules) - routed * (1 - expected_experts(cfg, rows) / cfg.n_routed_experts)
 
 
-def decode_roofline(params, cfg, args, copy_gbs, b):
-    """One decode step at batch B with `context` cached tokens per sequence vs its byte roofline;
-    with `--profile-step`, also the step's busiest device ops (rows of section "profile")."""
-    ctx = args.prompt
-    t0 = time.monotonic()
-    say = lambda what: print(f"decode B{b}: {what} at {time.monotonic() - t0:.1f} s", flush=True)
-    eng = make(params, cfg, "colocated", args)
-    table = np.arange(1, 1 + b * (-(-ctx // args.page_tokens) + 1)).reshape(b, -1) % eng.manager.page_pool.num_blocks
-    pad = np.zeros((b, eng.max_pages - table.shape[1]), np.int64)
-    rows = (np.concatenate([table, pad], 1), np.arange(b), np.full(b, ctx))  # host arrays: the view is donated
-    positions = jnp.full((b, 1), ctx, jnp.int32)
-    pools = [eng.pools]
-    # Distinct tokens per row, as real requests have: identical rows (all token 0 over zero pools)
-    # route every row to the same top-k experts, so a step would read k of the experts' weights
-    # where a real B32 batch reads nearly all of them (the roofline counts them all).
-    first = np.random.default_rng(b).integers(0, cfg.vocab_size, b).astype(np.int32)
-    tokens = jnp.asarray(first[:, None])
+def decode_step(ctx):
+    """decode_step: the engine's decode program for B requests of ctx cached tokens (shuffled
+    pages), back to back on its persistent buffers; beside it the engine's chained loop."""
+    for case in ctx.cases():
+        yield ctx.attempt(case, "default", functools.partial(_decode_step_row, ctx, case))
 
-    forward = {}
-    if args.forward_step:  # the pre-runner path (logits to the host): one more program to compile per batch
-        def step():  # pools donated and threaded through, context fixed at ctx
-            logits, out = model.forward_step(params, tokens, positions,
-                                             model.paged_view(pools[0], *rows), None, cfg=cfg,
-                                             expert_path="grouped", kernels=eng.kernels)
-            pools[0] = model.pools_of(out)
-            return logits
 
-        forward["forward_step_ms"] = common.time_jax(step)
-        forward["forward_pipelined_ms"], forward["forward_host_ms"] = common.time_pipelined(step)
-
-    # The engine's decode path: `serving.model_runner` (persistent buffers, sampling on the device),
-    # at the engine's bucket for b requests (at least 8 rows: a one-row step would also meet XLA's
-    # dot strength reduction, broadcast-multiply + reduce, which writes every weight-sized product).
+def _decode_step_row(ctx, case):
+    name, b, n_ctx = case
+    params = serving_params(name)
+    cfg = random_params(name)[1]
+    ec = engine_config(cfg, b, n_ctx, 8, ctx.ci)
+    eng = Engine(params, cfg, ec)
+    per_seq = -(-n_ctx // ec.page_tokens) + 1
+    rng = np.random.default_rng(b)
+    free = rng.permutation(np.arange(1, eng.manager.page_pool.num_blocks))  # page 0 is the null page
+    table = free[:b * per_seq].reshape(b, per_seq)
+    slots, lengths = rng.permutation(b), np.full(b, n_ctx)
+    # distinct tokens per row, as real requests have (identical rows would route to the same experts)
+    first = rng.integers(0, cfg.vocab_size, b).astype(np.int32)
     runner, bucket = DecodeRunner(cfg, eng.kernels), eng.runner.decode_bucket(b)
-    held = {"pools": pools[0], "rows": DecodeRows.build(bucket, first.tolist(), rows[0].tolist(), rows[1].tolist(),
-                                                          rows[2].tolist(), [GREEDY] * b, max_pages=eng.max_pages,
-                                                          null_page=0, scratch_slot=eng.scratch_slot)}
-
-    def engine_step():  # dispatch, read the tokens (the host waits), advance: a synchronous loop
-        held["pools"], tokens, did, _ = runner.dispatch(params, held["pools"], held["rows"])
-        out = np.asarray(tokens)
-        runner.settle(held["rows"], out, did)
-        held["rows"] = held["rows"].advanced(out)
-        return tokens
-
-    runner_ms = common.time_jax(engine_step, iters=10)
-    say("decode program compiled and timed")
-    overwrites = runner.overwrites
-
-    def advance(rows):  # what the device did: active rows advance, padding rows stay (no overwrite)
-        return dataclasses.replace(rows, lengths=rows.lengths + rows.active)
-
-    def async_steps(n=20):  # the engine's decode-only phase: step i+1 goes out before step i is read
-        t0 = time.perf_counter()
-        held["pools"], prev, _, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
-        for _ in range(n - 1):
-            held["rows"] = advance(held["rows"])
-            held["pools"], tokens, _, _ = runner.dispatch(params, held["pools"], held["rows"],
-                                                          tokens_on_device=True)
-            np.asarray(prev)
-            prev = tokens
-        np.asarray(prev)
-        held["rows"] = advance(held["rows"])
-        return (time.perf_counter() - t0) / n * 1e3
-
-    async_steps(3)
-    before = runner.overwrites
-    async_ms = async_steps()
-    async_overwrites = runner.overwrites - before  # 0: the loop chained on the device's buffers
+    pools = eng.pools
+    ref_pools = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, pools)
+    view = model.paged_view(ref_pools, jnp.asarray(table, jnp.int32), jnp.asarray(slots, jnp.int32),
+                            jnp.asarray(lengths, jnp.int32))
+    p32, cfg32 = oracle(params, cfg)
+    with jax.default_matmul_precision("highest"):
+        ref, _ = model._forward(p32, jnp.asarray(first[:, None]), jnp.full((b, 1), n_ctx, jnp.int32), view, None,
+                                cfg=cfg32, expert_path="grouped", kernels="reference")
+    del ref_pools, view, p32
+    held = {"pools": pools, "rows": DecodeRows.build(bucket, first.tolist(), table.tolist(), slots.tolist(),
+                                                       lengths.tolist(), [GREEDY] * b, max_pages=eng.max_pages,
+                                                       null_page=0, scratch_slot=eng.scratch_slot)}
+    held["pools"], tokens, did, _ = runner.dispatch(params, held["pools"], held["rows"])
+    tokens = np.asarray(tokens)
+    chk = margin_check(ref[:, -1], tokens[:b], cfg)
+    runner.settle(held["rows"], tokens, did)
+    held["rows"] = held["rows"].advanced(tokens)
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
         held["pools"], runner._io[bucket] = decode_program(params, held["pools"], runner._io[bucket], cfg=cfg,
                                                             kernels=eng.kernels, greedy=True)
         return runner._io[bucket]["tokens"]
 
-    replay_ms, replay_host_ms = common.time_pipelined(replay, iters=10)
-    # launches of the program the engine runs (lower().compile() hits the compile the runner did)
-    compiled = decode_program.lower(params, held["pools"], runner._io[bucket], cfg=cfg, kernels=eng.kernels,
-                                    greedy=True).compile()
-    census = common.hlo_census(compiled.as_text())
-    if args.dump_step_hlo:
-        with open(os.path.join(args.out, f"decode_step_B{b}.hlo.txt"), "w") as f:
-            f.write(compiled.as_text())
-    # what the engine's decode program spends its device time on (the engine runs it, not forward_step)
-    profile = []
-    if args.profile_step:
-        every = common.profile_kernels(replay, top=None)
-        device = [r for r in every if r["where"] == "device"]
-        profile = [dict(r, case=f"B{b}") for r in device[:42] + [r for r in every if r["where"] == "host"]]
-        profile += [dict(r, case=f"B{b}") for r in common.by_source(every, common.hlo_sources(compiled.as_text()))]
-    weights = weights_read_bytes(cfg, b, args.manifest or "bf16")
-    kv = b * ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
+    def advance(rows):  # what the device did: active rows advance, padding rows stay
+        return dataclasses.replace(rows, lengths=rows.lengths + rows.active)
+
+    def chained(n):  # the engine's decode-only phase: step i + 1 goes out before step i is read
+        t0 = time.perf_counter()
+        held["pools"], prev, _, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
+        for _ in range(n - 1):
+            held["rows"] = advance(held["rows"])
+            held["pools"], nxt, _, _ = runner.dispatch(params, held["pools"], held["rows"], tokens_on_device=True)
+            np.asarray(prev)
+            prev = nxt
+        np.asarray(prev)
+        held["rows"] = advance(held["rows"])
+        return (time.perf_counter() - t0) / n * 1e3
+
+    weights = weights_read_bytes(cfg, b)
+    kv = b * n_ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
-    roof_ms = (weights + kv + state) / (copy_gbs * 1e9) * 1e3
-    return dict(section="decode step vs roofline", case=f"B{b} ctx{ctx}", decode_bucket=bucket, async_step_ms=async_ms,
-                runner_step_ms=runner_ms, runner_overwrites=overwrites, async_overwrites=async_overwrites, replay_ms=replay_ms, replay_host_ms=replay_host_ms,
-                **forward,
-                roofline_ms=roof_ms, of_roofline=roof_ms / async_ms,
-                weight_gb=weights / 1e9, experts_read=expected_experts(cfg, b), kv_gb=kv / 1e9, state_gb=state / 1e9, launches=census["launches"],
-                ops=str(census["ops"])[:200]), profile
+    extra = dict(bucket=bucket, weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9,
+                 experts_read=expected_experts(cfg, b))
+    if chk["ok"]:
+        chained(2)
+        extra["chained_step_ms"] = chained(ctx.iters * 5)
+        census = common.hlo_census(decode_program.lower(params, held["pools"], runner._io[bucket], cfg=cfg,
+                                                        kernels=eng.kernels, greedy=True).compile().as_text())
+        extra["launches"] = census["launches"]
+    return ctx.row(case, chk, lambda: ctx.time(replay), work={"bytes": weights + kv + state}, extra=extra)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="small")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--prompt", type=int, default=2048)
-    ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--loads", default="1,4,16,32")
-    ap.add_argument("--tpot-target-ms", type=float, default=50.0)
-    ap.add_argument("--page-tokens", type=int, default=128)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--kernels", default="auto", help="auto | reference | pallas (kimik3.ops)")
-    ap.add_argument("--manifest", default=None, help="serve the random weights quantized as this manifest (fp8_attn, ...)")
-    ap.add_argument("--modes", default="colocated,pd", help="serving modes to sweep (colocated, pd)")
-    ap.add_argument("--pd-stepping", default="concurrent", choices=("concurrent", "serial"),
-                    help="P/D: each engine in its own thread (as separate instances run), or one loop stepping "
-                         "both (a decode step then waits for every prefill step)")
-    ap.add_argument("--arrival-ms", type=float, default=0.0,
-                    help="submit a load's requests one every this many ms (0: all at once)")
-    ap.add_argument("--pd-devices", default=None,
-                    help='P/D: the prefill and decode engines\' devices, e.g. "0,1" (two GPUs; default: one device)')
-    ap.add_argument("--profile-step", action="store_true",
-                    help="trace the timed decode step with jax.profiler and tabulate its busiest device ops")
-    ap.add_argument("--dump-step-hlo", action="store_true",
-                    help="write the timed decode step's optimized HLO to --out (decode_step_B<b>.hlo.txt)")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="skip loads that start after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--decode-batches", default=None,
-                    help="batches of the decode-step section, e.g. 1,32 (default: the largest load)")
-    ap.add_argument("--prefill-while-decoding", type=int, default=None,
-                    help="EngineConfig.prefill_tokens_while_decoding (default: what the step budget leaves)")
-    ap.add_argument("--scan", default="prefill", choices=SCAN_CHOICES,
-                    help="EngineConfig.scan_layers: which programs scan the repeated periods (kimik3.stacked)")
-    ap.add_argument("--forward-step", action="store_true",
-                    help="also time model.forward_step (logits to the host) at each decode batch: one more compile each")
-    ap.add_argument("--compile-cache", default=None,
-                    help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    compile_cache.enable(args.compile_cache)  # as the demo does: a second run skips the compiles
-    if args.quick:
-        args.prompt, args.output, args.loads, args.chunk, args.page_tokens = 48, 6, "1,2", 64, 16
-    loads = [int(x) for x in args.loads.split(",")]
-    args.max_load = max(loads)
-    args.pages = args.max_load * (-(-(args.prompt + args.output) // args.page_tokens) + 2) * 2 + 8
-    cfg = config.get_config(args.config)
-    # the layout the engines' decode programs read (the decode section times those programs)
-    params = model.init_params(cfg, jax.random.PRNGKey(0))
-    if args.manifest:  # the weights quantized as the manifest stores them (`kimik3.quant.store`)
-        params = store.quantize_params(params, cfg, args.manifest)
-    params = stacked.serving_layout(params, cfg, scan=args.scan == "all")
-    xla_copy_gbs = common.copy_gbs()
-    torch_gbs = common.torch_copy_gbs()
-    copy_gbs = torch_gbs or xla_copy_gbs  # the honest ceiling: torch's copy_ where it runs
-    rows = [dict(section="roofline", case=f"{jax.devices()[0].device_kind}", copy_gbs=copy_gbs,
-                 torch_copy_gbs=torch_gbs, xla_copy_gbs=xla_copy_gbs)]
-    common.write_results(args.out, "serving_bench", rows)  # a run cut short keeps what it measured
-    best = {}
-    t_start = time.monotonic()
-    for mode in [m for m in args.modes.split(",") if m]:
-        # Engine.warmup compiles every prefill chunk and decode bucket; a pass per load with short
-        # outputs then warms the handoff's bookkeeping ops, so the sweep measures serving only.
-        t0 = time.monotonic()
-        server = make(params, cfg, mode, args)
-        devices = (None,) if mode == "colocated" else pd_devices(args)
-        for eng, device in zip([server] if mode == "colocated" else [server.prefill, server.decode], devices):
-            with jax.default_device(device) if device is not None else contextlib.nullcontext():
-                eng.warmup(threads=os.cpu_count())  # every chunk length and decode bucket, compiled concurrently
-        print(f"warm-up {mode} compiles: {time.monotonic() - t0:.1f} s, {programs()} programs",
-              flush=True)
-        for n in loads:
-            t1 = time.monotonic()
-            run_load(make(params, cfg, mode, args), n, args, seed=999, output=4)
-            print(f"warm-up {mode} N={n}: {time.monotonic() - t1:.1f} s, {programs()} programs",
-                  flush=True)
-        rows.append(dict(section="warm-up", mode=mode, seconds=time.monotonic() - t0,
-                         programs=programs()))
-        common.write_results(args.out, "serving_bench", rows)
-        for n in loads:
-            if time.monotonic() - t_start > args.budget_s:
-                print(f"budget spent: skipping {mode} N={n}", flush=True)
-                continue
-            before = programs()
-            s = run_load(make(params, cfg, mode, args), n, args, seed=n)
-            rows.append(dict(section="load sweep", mode=mode, load=n, throughput_tok_s=s.throughput_tok_s,
-                             ttft_p50_ms=1e3 * s.ttft_s["p50"], ttft_p99_ms=1e3 * s.ttft_s["p99"],
-                             tpot_p50_ms=1e3 * s.tpot_s["p50"], tpot_p99_ms=1e3 * s.tpot_s["p99"],
-                             tpot_decode_only_p50_ms=1e3 * s.tpot_decode_only_s["p50"],
-                             tpot_mixed_p50_ms=1e3 * s.tpot_mixed_s["p50"],
-                             new_programs=programs() - before))
-            common.write_results(args.out, "serving_bench", rows)
-            if 1e3 * s.tpot_s["p50"] <= args.tpot_target_ms:
-                best[mode] = max(best.get(mode, 0), n)
-    rows.append(dict(section=f"largest load with TPOT p50 <= {args.tpot_target_ms} ms",
-                     colocated=best.get("colocated", 0), pd=best.get("pd", 0)))
-    for b in [int(x) for x in (args.decode_batches or str(args.max_load)).split(",")]:
-        t0 = time.monotonic()
-        step_row, profile = decode_roofline(params, cfg, args, copy_gbs, b)
-        print(f"decode section B{b}: {time.monotonic() - t0:.1f} s", flush=True)
-        rows += [step_row] + profile
-        common.write_results(args.out, "serving_bench", rows)
-    print(f"total {time.monotonic() - t_start:.0f} s", flush=True)
-    common.write_results(args.out, "serving_bench", rows)
+def demo_figures(text: str) -> dict:
+    """Warm-up seconds, peak RSS GiB and the colocated row's TPOT figures from `kimik3 demo`'s output."""
+    out = {}
+    m = re.search(r"warm-up \(compiles\) ([\d.]+) s", text)
+    out["warmup_s"] = float(m.group(1)) if m else None
+    m = re.search(r"peak RSS of this process ([\d.]+) GiB", text)
+    out["peak_rss_gib"] = float(m.group(1)) if m else None
+    m = re.search(r"after each phase: ([^)]*)\)", text)
+    out["rss_phases_gib"] = m.group(1) if m else None
+    row = next((line for line in text.splitlines() if line.startswith("| colocated |")), None)
+    if row:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        out["tpot_p50_ms"] = float(cells[4].split("/")[0])
+        split = cells[5].split("/")
+        out["tpot_decode_only_p50_ms"], out["tpot_mixed_p50_ms"] = (float(x) for x in split)
+    return out
 
 
-if __name__ == "__main__":
-    main()
+def _server(params, cfg, ec: EngineConfig, mode: str):
+    if mode == "default":
+        return Engine(params, cfg, ec)
+    return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
+                               Engine(params, cfg, ec.replace(role="decode")), concurrent=True)
+
+
+def run_load(server, prompts: list[list[int]], output: int, tag: str):
+    """Submit every prompt at once and step until done; (summary, [(prompt, output tokens)])."""
+    t0 = time.monotonic()
+    reqs = [server.submit(p, output, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+    try:
+        while server.has_work():
+            server.step()
+    finally:
+        if isinstance(server, DisaggregatedServer):
+            server.close()
+    wall = time.monotonic() - t0
+    view = (lambda r: server.requests.get(r.request_id, r)) if isinstance(server, DisaggregatedServer) else (
+        lambda r: r)
+    runs = [(p, list(view(r).output)) for p, r in zip(prompts, reqs)]
+    return metrics.summarize(tag, server.records()[-len(prompts):], wall), runs
+
+
+def serving_load(ctx):
+    """serving_load: N requests at once through a fresh engine (or P/D pair) after a warm-up load of
+    the same shape; ours_ms is TPOT p50."""
+    for case in ctx.cases():
+        for mode in ["default"] + ctx.wanted():
+            yield ctx.attempt(case, mode, functools.partial(_load_row, ctx, case, mode))
+
+
+def _load_row(ctx, case, mode: str):
+    name, n, prompt, output = case
+    params, cfg = serving_params(name), random_params(name)[1]
+    ec = engine_config(cfg, n, prompt, output, ctx.ci)
+    rng = np.random.default_rng(n)
+    prompts = [rng.integers(0, 256, prompt).tolist() for _ in range(n)]
+    programs = lambda: model._forward._cache_size() + decode_program._cache_size()
+    t0 = time.monotonic()
+    if not ctx.ci:  # every prefill chunk and decode bucket compiled before anything is timed
+        warm = _server(params, cfg, ec, mode)
+        for eng in [warm] if mode == "default" else [warm.prefill, warm.decode]:
+            eng.warmup()
+        del warm
+    run_load(_server(params, cfg, ec, mode), [rng.integers(0, 256, prompt).tolist() for _ in range(n)],
+             min(output, 4), "warm")
+    warm_s, before = time.monotonic() - t0, programs()
+    s, runs = run_load(_server(params, cfg, ec, mode), prompts, output, f"load{n}")
+    chk = teacher_forced_check(random_params(name)[0], cfg, runs[:1])
+    return ctx.row(case, chk, 1e3 * s.tpot_s["p50"], variant=mode, extra=dict(
+        ttft_p50_ms=1e3 * s.ttft_s["p50"], ttft_p99_ms=1e3 * s.ttft_s["p99"], tpot_p99_ms=1e3 * s.tpot_s["p99"],
+        tpot_decode_only_p50_ms=1e3 * s.tpot_decode_only_s["p50"], throughput_tok_s=s.throughput_tok_s,
+        warmup_s=warm_s, new_programs=programs() - before))

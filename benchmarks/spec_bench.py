@@ -1,28 +1,53 @@
-"""Decode speed of the serving engine with and without EAGLE-3 speculative decoding (issue 18).
+"""EAGLE-3 speculative decoding: the serving engine with a draft against the same engine without,
+and the draft's acceptance through the speculative reference.
 
-    PYTHONPATH=$PWD python benchmarks/spec_bench.py --target runs/mini/checkpoint --draft runs/eagle/draft \
-        --batch 1,8 --k 3 --max-new 128 [--dtype bfloat16] [--json out.json]
-
-For each batch size B: B greedy requests (prompts: the first --prompt-len tokens of held-out
-corpus windows, never trained on) through `serving.engine.Engine` without a draft, then with
-the draft at each k, in one process on one device.  Each engine first serves the same batch
-twice (compiles, the second with prefix hits: not timed), then again, timed.  Reported per engine: decode tokens/s (tokens
-after each request's first, over the span from the first request's first token to the last
-token), TPOT p50, and with the draft its acceptance, accept length (tokens per verify pass)
-and the round's period as the host sees it (catch-up + chain + verify + accept + commit; rounds
-are chained, so it is the time between reads of consecutive rounds, dispatch to read for a lone one);
-`same_tokens` counts requests whose tokens equal the plain engine's (greedy: they must, up to
-the rounding of another kernel order at bf16).
+Registered in `benchmarks.registry` (spec_decode, spec_acceptance).  Options (either benchmark):
+`target=DIR` and `draft=DIR` (a trained target checkpoint and its `kimik3.eagle_train` draft; else
+random weights, whose acceptance says nothing but whose rounds cost what trained ones do),
+`corpus=NAME` (prompts from its held-out split with a trained target), `dtype=` (the target's
+serving dtype; default bfloat16, float32 on the ci preset).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.serving_bench import random_params, teacher_forced_check
+from kimik3 import checkpoint, eagle, model, speculative
+from kimik3.generate import generate
+from serving.engine import Engine, EngineConfig
+
+
+def _models(ctx, name: str, dtype: str):
+    """(target params in dtype, cfg, draft, EagleConfig, trained?)."""
+    if ctx.options.get("target"):
+        from kimik3 import eagle_train  # the training pipeline's packages: only with trained weights
+
+        params, cfg = checkpoint.restore(ctx.options["target"])
+        draft, ecfg = eagle_train.load_draft(ctx.options["draft"], cfg, params)
+        trained = True
+    else:
+        params, cfg = random_params(name)
+        ecfg = eagle.default_config(cfg)
+        draft = eagle.init_draft(jax.random.PRNGKey(1), cfg, ecfg, params)
+        trained = False
+    return model.cast_params(params, jnp.dtype(dtype)), cfg.replace(dtype=dtype), draft, ecfg, trained
+
+
+def _prompts(ctx, n: int, size: int, trained: bool) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    if trained:
+        from kimik3 import corpus  # the corpus pipeline's packages: only with a trained target
+
+        held = corpus.load(ctx.options.get("corpus", "auto")).held_out
+        return [held[s:s + size].tolist() for s in rng.integers(0, held.size - size, n)]
+    return [rng.integers(32, 127, size).tolist() for _ in range(n)]  # printable bytes: no special tokens
 
 
 def _serve(eng, prompts, max_new: int):
@@ -31,83 +56,77 @@ def _serve(eng, prompts, max_new: int):
     return reqs
 
 
-def _row(eng, reqs, label: str, batch: int, plain_out=None) -> dict:
+def _ms_per_token(reqs) -> float:
+    """Decode ms per token: tokens after each request's first, over the span from the first
+    request's first token to the last token."""
     first = min(r.token_times_s[0] for r in reqs)
     last = max(r.token_times_s[-1] for r in reqs)
-    decoded = sum(len(r.output) - 1 for r in reqs)
-    tpot = [(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output) - 1) for r in reqs if len(r.output) > 1]
-    row = dict(engine=label, batch=batch, decode_tok_s=decoded / (last - first), tpot_ms_p50=1e3 * statistics.median(tpot),
-               tokens=decoded)
-    if eng.spec is not None:
-        s = eng.spec.stats
-        row.update(acceptance=s.acceptance, accept_length=s.accept_length,
-                   round_ms_p50=1e3 * statistics.median(s.round_s))
-        if plain_out is not None:
-            row["same_tokens"] = sum(r.output == o for r, o in zip(reqs, plain_out))
-    return row
+    return 1e3 * (last - first) / max(sum(len(r.output) - 1 for r in reqs), 1)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--corpus", default="auto")
-    ap.add_argument("--batch", default="1,8")
-    ap.add_argument("--k", default="3")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16", help="serve the target in this dtype (the draft stays fp32)")
-    ap.add_argument("--kernels", default="auto")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+def spec_decode(ctx):
+    """spec_decode: B greedy requests through an engine with the draft (k tokens a round) and
+    through one without; each engine serves the batch first untimed (its compiles), then timed."""
+    for case in ctx.cases():
+        yield ctx.attempt(case, "default", functools.partial(_spec_row, ctx, case))
 
-    import jax
-    import jax.numpy as jnp
 
-    from kimik3 import checkpoint, corpus, eagle_train, model
-    from serving.engine import Engine
+def _spec_row(ctx, case):
+    name, b, k, prompt_len, max_new = case
+    dtype = ctx.options.get("dtype", "float32" if ctx.ci else "bfloat16")
+    params, cfg, draft, ecfg, trained = _models(ctx, name, dtype)
+    prompts = _prompts(ctx, b, prompt_len, trained)
+    page = 16 if ctx.ci else 128
+    ec = EngineConfig(num_pages=max(64, 4 * b * -(-(prompt_len + max_new + 16) // page)), num_slots=b,
+                      num_snapshots=4 * b, page_tokens=page, kda_block_tokens=12 * page, prefill_chunk_tokens=256)
+    warm = 1 if ctx.ci else 2  # the second pass meets prefix hits, whose prefill shapes differ
 
-    params, cfg = checkpoint.restore(args.target)
-    draft, ecfg = eagle_train.load_draft(args.draft, cfg, params)
-    params = model.cast_params(params, jnp.dtype(args.dtype))
-    text = corpus.load(args.corpus)
-    rng = np.random.default_rng(0)
-    batches = [int(b) for b in args.batch.split(",")]
-    ks = [int(k) for k in args.k.split(",")]
-    starts = rng.integers(0, text.held_out.size - args.prompt_len, size=max(batches))
-    prompts = [text.held_out[s:s + args.prompt_len].tolist() for s in starts]
-    rows = []
-    for b in batches:
-        kw = dict(num_pages=max(64, 4 * b * -(-(args.prompt_len + args.max_new + 16) // 128)), num_slots=max(b, 1),
-                  num_snapshots=4 * max(b, 1), page_tokens=128, prefill_chunk_tokens=256, kernels=args.kernels)
-        plain = Engine(params, cfg, **kw)
-        for _ in range(2):  # compiles (the second run's prefix hits take other prefill shapes)
-            _serve(plain, prompts[:b], args.max_new)
+    def measured(eng):
+        for _ in range(warm):
+            _serve(eng, prompts, max_new)
+        if eng.spec is not None:
+            eng.spec.stats = type(eng.spec.stats)()  # the timed pass's rounds only
         t0 = time.perf_counter()
-        reqs = _serve(plain, prompts[:b], args.max_new)
-        plain_row = dict(_row(plain, reqs, "plain", b), wall_s=time.perf_counter() - t0)
-        rows.append(plain_row)
-        plain_out = [r.output for r in reqs]
-        print(rows[-1], flush=True)
-        for k in ks:
-            eng = Engine(params, cfg, draft=(draft, ecfg), draft_tokens=k, **kw)
-            for _ in range(2):
-                _serve(eng, prompts[:b], args.max_new)
-            eng.spec.stats = type(eng.spec.stats)()  # count the timed run only
-            t0 = time.perf_counter()
-            reqs = _serve(eng, prompts[:b], args.max_new)
-            row = dict(_row(eng, reqs, f"eagle3 k={k}", b, plain_out), wall_s=time.perf_counter() - t0)
-            rows.append(dict(row, speedup=row["decode_tok_s"] / plain_row["decode_tok_s"]))
-            print(rows[-1], flush=True)
-    meta = dict(target=args.target, config=cfg.name, dtype=args.dtype, prompt_len=args.prompt_len,
-                max_new=args.max_new, device=jax.devices()[0].device_kind, rows=rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(meta, f, indent=1)
-    for r in rows:
-        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    return 0
+        reqs = _serve(eng, prompts, max_new)
+        return reqs, time.perf_counter() - t0
+
+    spec_engine = Engine(params, cfg, ec.replace(draft_tokens=k), draft=(draft, ecfg))
+    spec, spec_wall = measured(spec_engine)
+    st = spec_engine.spec.stats
+    chk = teacher_forced_check(params, cfg, [(p, r.output) for p, r in zip(prompts, spec)])
+    extra = {"trained": trained, "dtype": dtype, "spec_wall_s": spec_wall, "acceptance": st.acceptance,
+             "accept_length": st.accept_length,
+             "round_ms_p50": 1e3 * statistics.median(st.round_s) if st.round_s else None}
+
+    def peer_ms():
+        plain, wall = measured(Engine(params, cfg, ec))
+        extra["plain_wall_s"] = wall
+        extra["same_tokens"] = sum(r.output == s.output for r, s in zip(plain, spec))
+        return _ms_per_token(plain)
+
+    return ctx.row(case, chk, _ms_per_token(spec), peer_ms=peer_ms, extra=extra)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def spec_acceptance(ctx):
+    """spec_acceptance: greedy `speculative_generate` at k drafted tokens on held-out prompts (random
+    ones without a trained target), checked token for token against the oracle."""
+    for case in ctx.cases():
+        yield ctx.attempt(case, "default", functools.partial(_acceptance_row, ctx, case))
+
+
+def _acceptance_row(ctx, case):
+    name, n_prompts, k, prompt_len, max_new = case
+    params, cfg, draft, ecfg, trained = _models(ctx, name, "float32")
+    prompts = _prompts(ctx, n_prompts, prompt_len, trained)
+    with jax.default_matmul_precision("highest"):  # both fp32 paths exact: TF32 would swap near-ties on a GPU
+        oracle = [generate(params, cfg, p, max_new).tokens for p in prompts]
+        runs = [speculative.speculative_generate(params, cfg, draft, ecfg, p, max_new, k) for p in prompts]
+    wrong = sum(not np.array_equal(r.tokens, o) for r, o in zip(runs, oracle))
+    acc = [a for r in runs for a in r.accepted]
+    extra = {"trained": trained, "acceptance": sum(acc) / max(len(acc) * k, 1),
+             "accept_length": float(np.mean([a + 1 for a in acc])) if acc else None,
+             "by_position": [float(np.mean([a >= j for a in acc])) for j in range(1, k + 1)] if acc else [],
+             "target_passes": len(acc) + len(runs),
+             "accept_length_p50_by_prompt": statistics.median(r.accept_length for r in runs)}
+    chk = {"max_err": wrong / len(runs), "tol": 0.0, "ok": wrong == 0}
+    return ctx.row(case, chk, None, extra=extra)

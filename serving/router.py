@@ -293,11 +293,14 @@ async def read_body(request, limit: int, timeout_s: float | None = None, max_val
 
 
 class WorkerFailure(Exception):
-    """One attempt on one worker failed in a way another worker may not."""
+    """One attempt on one worker failed in a way another worker may not.  `engine_fault`: the
+    worker's engine failed while it held this request (its step, not the request, faulted): the
+    poison-pill rule carries such a request to no second worker, since it may be what broke the first."""
 
-    def __init__(self, message: str, *, count_failure: bool = True):
+    def __init__(self, message: str, *, count_failure: bool = True, engine_fault: bool = False):
         super().__init__(message)
         self.count_failure = count_failure
+        self.engine_fault = engine_fault
 
 
 class RequestFailed(APIError):
@@ -354,7 +357,16 @@ def classify_worker_error(url: str, status: int, text: str, *, adopt: bool = Fal
         )
     if status == 502 and adopt:
         return WorkerFailure(f"{url} could not pull the handoff: {message[:500]}", count_failure=False)
-    return WorkerFailure(f"{url} answered {status}: {message[:500]}")
+    return WorkerFailure(f"{url} answered {status}: {message[:500]}", engine_fault=_code(text) == "engine_fault")
+
+
+def _code(text: str) -> str | None:
+    """The `code` of a worker's JSON error answer, if it has one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj.get("code") if isinstance(obj, dict) else None
 
 
 @dataclasses.dataclass
@@ -793,7 +805,7 @@ class Router:
                                 param=ev["param"] if isinstance(ev.get("param"), str) else None,
                                 code="worker_refused",
                             )
-                        raise WorkerFailure(f"{w.url}: {ev['error']}")
+                        raise WorkerFailure(f"{w.url}: {ev['error']}", engine_fault=ev.get("code") == "engine_fault")
                 raise WorkerFailure(f"{w.url} closed the stream early")
         except (httpx.TransportError, json.JSONDecodeError) as e:
             raise WorkerFailure(f"{w.url}: {type(e).__name__}: {e}") from e
@@ -863,6 +875,14 @@ class Router:
                     w.breaker.failure()
                     failures += 1
                 log.warning("%s attempt for %s failed (%d tokens so far): %s", role, rid, len(out), e)
+                if e.engine_fault:  # the poison-pill rule: a request that failed a worker reaches no other
+                    raise APIError(
+                        503,
+                        f"the {role} worker serving this request failed with it after {len(out)} tokens; "
+                        f"the request is not carried to another worker ({e})",
+                        type="service_unavailable",
+                        code="worker_failed",
+                    ) from e
                 if len(out) > before or (role == "decode" and out):
                     self.metrics.failovers.inc()
                 if failures > self.cfg.retries:
@@ -1324,7 +1344,14 @@ class Router:
                 any(w.available() for w in self.decode) or not self.decode
             )
             degraded = any(w.info.get("status") == "degraded" for w in self.workers if w.available())
-            body = {"status": ("degraded" if degraded else "ok") if ok else "unavailable", "model": self.model_name}
+            l1 = getattr(self.media, "cache", None)
+            l1_down = hasattr(l1, "ping") and not await asyncio.to_thread(l1.ping)  # the shared L1 (Redis)
+            body = {
+                "status": ("degraded" if degraded or l1_down else "ok") if ok else "unavailable",
+                "model": self.model_name,
+            }
+            if hasattr(l1, "ping"):
+                body["l1"] = "down" if l1_down else "ok"
             if is_operator(request):
                 body["workers"] = [w.describe() for w in self.workers]
             return JSONResponse(body, status_code=200 if ok else 503)

@@ -160,6 +160,13 @@ class RedisFetchCache:
         self.auth = secret if isinstance(secret, StoreAuth) else StoreAuth(secret)
         self.stats = CacheStats()
 
+    def ping(self) -> bool:
+        """Whether Redis answers a PING within the socket timeout (a health probe; never raises)."""
+        try:
+            return bool(self._redis.ping())
+        except self._errors:
+            return False
+
     def _pointer(self, url_key: str, digest: str) -> bytes:
         """The value stored under `url_key`: the content hash and its tag."""
         return digest.encode() + self.auth.tag(_URL_LABEL, url_key, digest.encode())

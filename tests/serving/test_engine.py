@@ -140,7 +140,7 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     for mode in modes:  # and where each setup's engine steps went, by kind
         assert f"  {mode}: " in text.split("engine steps by kind", 1)[1]
     # what benchmarks/serving_small_report.py reads from a demo's output
-    from benchmarks.serving_small_report import demo_figures
+    from benchmarks.serving_bench import demo_figures
 
     fig = demo_figures(text)
     for key in ("warmup_s", "peak_rss_gib", "tpot_p50_ms", "tpot_decode_only_p50_ms", "tpot_mixed_p50_ms"):

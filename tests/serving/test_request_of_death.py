@@ -443,6 +443,10 @@ def test_a_failed_worker_is_restarted_and_serves_again(deployment):
         while _state(deployment)["pids"]["redis"] == old_redis:
             assert time.monotonic() < deadline, "launch did not restart redis"
             time.sleep(0.25)
+        # the router's health follows its shared L1: ok again once redis is back
+        while httpx.get(deployment["base"] + "/health", timeout=10).json().get("l1") != "ok":
+            assert time.monotonic() < deadline, "the router's health did not see redis back"
+            time.sleep(0.25)
 
 
 def test_concurrent_requests_of_other_tenants_are_unaffected_by_a_bad_one(deployment):

@@ -341,17 +341,22 @@ class _StubHandler(BaseHTTPRequestHandler):
             self._send(400, json.dumps({"error": "prompt too long for this worker", "retriable": False}).encode())
         elif mode == "fault":
             self._send(500, json.dumps({"error": "engine fault", "retriable": True}).encode())
+        elif mode == "engine_fault":  # the worker's engine failed while it held this request
+            body = {"error": "engine fault", "status": 500, "retriable": True, "code": "engine_fault"}
+            self._send(500, json.dumps(body).encode())
         else:  # a token, then an error the request caused (a request of death)
             lines = [{"accepted": True}, {"token": 65, "index": 0, "cached_tokens": 0, "cached_tokens_host": 0}]
             lines.append({"error": "the request crashed the engine", "status": 500, "retriable": False})
             self._send(200, "".join(json.dumps(x) + "\n" for x in lines).encode(), "application/x-ndjson")
 
 
-@pytest.mark.parametrize("mode", ["refuse", "poison", "fault"])
+@pytest.mark.parametrize("mode", ["refuse", "poison", "fault", "engine_fault"])
 def test_a_request_a_worker_failed_for_its_own_reason_goes_to_no_other_worker(mode):
     """Two stub workers: a 400 refusal and an error event marked not retriable (after a token) reach
     the client from the first worker as they are, not retriable, with nothing counted against its
-    circuit breaker; a retriable fault (for contrast) is retried on the other worker."""
+    circuit breaker; a request in flight when its worker's engine faulted (the poison-pill rule)
+    is a 503 from that one worker, carried to no other; a plain retriable fault (for contrast) is
+    retried on the other worker."""
     from fastapi.testclient import TestClient
 
     from serving.router import Router, RouterConfig
@@ -367,6 +372,10 @@ def test_a_request_a_worker_failed_for_its_own_reason_goes_to_no_other_worker(mo
             calls = [s.calls for s in stubs]
             if mode == "fault":
                 assert r.status_code == 503 and sorted(calls)[0] >= 1, (r.text, calls)
+                return
+            if mode == "engine_fault":
+                assert r.status_code == 503 and sum(calls) == 1, (r.text, calls)
+                assert r.json()["error"]["code"] == "worker_failed"
                 return
             assert sum(calls) == 1, calls
             err = r.json()["error"]

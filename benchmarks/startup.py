@@ -1,0 +1,131 @@
+"""Start-up costs, each in a fresh process with no compilation cache: compiling one decode step, and
+drawing the params.
+
+Registered in `benchmarks.registry` (compile_time, init_time).  The measurements run in a child
+(`python -m benchmarks.startup CHILD JSON`), which prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from benchmarks.common import ROOT
+
+
+def _no_cache():
+    os.environ["KIMIK3_COMPILE_CACHE"] = "off"  # it times compiles: no persistent cache of any kind
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def compile_child(config: str, batch: int, variant: str) -> dict:
+    """The first call of `model.forward` on B rows of one token (trace, lower, compile, run) minus
+    the second; the two calls' logits must be equal."""
+    _no_cache()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kimik3 import config as configs, fused, model, stacked
+
+    cfg = configs.get_config(config)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    if variant == "fused":
+        params = fused.fuse_projections(params, cfg)
+    if variant == "stacked":
+        params = stacked.stack_periods(params, cfg)
+    programs = "whole" if variant == "whole" else "auto"
+    cache = model.init_cache(cfg, batch, 256)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    jax.block_until_ready((params, cache))
+    t0 = time.perf_counter()
+    first = jax.block_until_ready(model.forward(params, cfg, tokens, cache=cache, programs=programs))[0]
+    t1 = time.perf_counter()
+    second = jax.block_until_ready(model.forward(params, cfg, tokens, cache=cache, programs=programs))[0]
+    t2 = time.perf_counter()
+    err = float(np.max(np.abs(np.asarray(first, np.float32) - np.asarray(second, np.float32))))
+    return {"compile_s": (t1 - t0) - (t2 - t1), "run_s": t2 - t1, "max_err": err}
+
+
+def init_child(config: str, variant: str) -> dict:
+    """Seconds to draw the params (`init_params`, or flax's whole-model init as one program) and the
+    process's peak RSS; whether the tree matches `model.abstract_params` with finite values."""
+    _no_cache()
+    import jax
+    import numpy as np
+
+    if variant == "whole_kernel":
+        jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    from kimik3 import config as configs, model
+
+    cfg = configs.get_config(config)
+    key = jax.random.PRNGKey(0)
+    t0 = time.perf_counter()
+    if variant == "default":
+        params = jax.block_until_ready(model.init_params(cfg, key))
+    else:
+        init = jax.jit(lambda k: model.cast_params(model.KimiK3(cfg).init(k, *model._example_inputs(cfg))["params"],
+                                                   cfg.dtype))
+        params = jax.block_until_ready(init(key))
+    seconds = time.perf_counter() - t0
+    want = model.abstract_params(cfg)
+    same = (jax.tree.structure(params) == jax.tree.structure(want)
+            and all(a.shape == b.shape for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want))))
+    finite = all(bool(np.isfinite(np.asarray(x, np.float32)).all()) for x in jax.tree.leaves(params))
+    return {"init_s": seconds, "peak_rss_gib": _peak_rss_gib(), "ok": bool(same and finite),
+            "param_gib": sum(x.nbytes for x in jax.tree.leaves(params)) / 2 ** 30}
+
+
+CHILDREN = {"compile": compile_child, "init": init_child}
+
+
+def _child(what: str, **kw) -> dict:
+    """Run CHILDREN[what](**kw) in a fresh interpreter; its JSON line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.startup", what, json.dumps(kw)], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{what} child exited {proc.returncode}: {proc.stderr[-1500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_time(ctx):
+    """compile_time: the decode step's compile seconds (as ms) in a fresh process."""
+    for case in ctx.cases():
+        name, batch = case
+        for variant in ["default"] + ctx.wanted():
+            def one(variant=variant):
+                out = _child("compile", config=name, batch=batch, variant=variant)
+                chk = {"max_err": out["max_err"], "tol": 0.0, "ok": out["max_err"] == 0.0}
+                return ctx.row(case, chk, 1e3 * out["compile_s"], variant=variant, extra={"run_ms": 1e3 * out["run_s"]})
+
+            yield ctx.attempt(case, variant, one)
+
+
+def init_time(ctx):
+    """init_time: seconds (as ms) to draw the params in a fresh process, and its peak RSS."""
+    for case in ctx.cases():
+        (name,) = case
+        for variant in ["default"] + ctx.wanted():
+            if variant == "whole_kernel" and not ctx.on_gpu:
+                continue  # a GPU lowering
+
+            def one(variant=variant):
+                out = _child("init", config=name, variant=variant)
+                chk = {"max_err": 0.0 if out["ok"] else 1.0, "tol": 0.0, "ok": out["ok"]}
+                return ctx.row(case, chk, 1e3 * out["init_s"], variant=variant,
+                               extra={"peak_rss_gib": out["peak_rss_gib"], "param_gib": out["param_gib"]})
+
+            yield ctx.attempt(case, variant, one)
+
+
+if __name__ == "__main__":
+    print(json.dumps(CHILDREN[sys.argv[1]](**json.loads(sys.argv[2]))), flush=True)
