@@ -103,7 +103,7 @@ def torch_copy_gbs(nbytes: int = 1 << 30) -> float | None:
         return None
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    ms = torch_pipelined_ms(lambda: dst.copy_(src), iters=20)
+    ms = torch_pipelined_ms(lambda d=dst, s=src: d.copy_(s), iters=20)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3) / 1e9
@@ -115,12 +115,12 @@ def matmul_tflops(n: int = 8192) -> dict:
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    xla = 2 * n ** 3 / (pipelined_ms(jax.jit(lambda x: x @ x), a) * 1e-3) / 1e12
+    xla = 2 * n**3 / (pipelined_ms(jax.jit(lambda x: x @ x), a) * 1e-3) / 1e12
     del a
     torch, tflops = _torch_cuda(), None
     if torch is not None:
         t = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-        tflops = 2 * n ** 3 / (torch_pipelined_ms(lambda: t @ t) * 1e-3) / 1e12
+        tflops = 2 * n**3 / (torch_pipelined_ms(lambda: t @ t) * 1e-3) / 1e12
         del t
         torch.cuda.empty_cache()
     return {"xla_matmul_tflops": xla, "torch_matmul_tflops": tflops}
@@ -133,8 +133,13 @@ def measure_ceilings() -> dict:
     parts are kept beside them."""
     import jax
 
-    out = {"memory_gbs": None, "compute_tflops": None, "torch_copy_gbs": None, "xla_matmul_tflops": None,
-           "torch_matmul_tflops": None}
+    out = {
+        "memory_gbs": None,
+        "compute_tflops": None,
+        "torch_copy_gbs": None,
+        "xla_matmul_tflops": None,
+        "torch_matmul_tflops": None,
+    }
     if jax.default_backend() != "gpu":
         return out
     out["torch_copy_gbs"] = torch_copy_gbs()
@@ -207,8 +212,13 @@ def host_cpu() -> str:
 def versions() -> dict:
     """Versions of the packages a figure depends on (None where absent)."""
     out = {}
-    for key, dists in (("jax", ("jax",)), ("jaxlib", ("jaxlib",)), ("torch", ("torch",)), ("triton", ("triton",)),
-                       ("fla", ("fla-core", "flash-linear-attention"))):
+    for key, dists in (
+        ("jax", ("jax",)),
+        ("jaxlib", ("jaxlib",)),
+        ("torch", ("torch",)),
+        ("triton", ("triton",)),
+        ("fla", ("fla-core", "flash-linear-attention")),
+    ):
         out[key] = None
         for dist in dists:
             try:
@@ -233,8 +243,18 @@ def hlo_census(text: str) -> dict:
     {"launches": launching ops of the entry computation, "ops": {opcode or custom-call target: n}}."""
     import collections
 
-    no_launch = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-                 "replica-id", "opt-barrier", "add-dependency"}
+    no_launch = {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "add-dependency",
+    }
     entry, inside = [], False
     for line in text.splitlines():
         if line.startswith("ENTRY "):

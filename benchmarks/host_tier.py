@@ -22,8 +22,10 @@ STAGING_LIMIT = 480 << 20  # the largest entry Mooncake's 512 MiB staging buffer
 
 def entry_shapes(cfg) -> dict:
     n_mla, n_kda = cfg.mixer_kinds.count("mla"), cfg.mixer_kinds.count("kda")
-    return {"mla_page": ((n_mla, 128, cfg.mla_latent_dim), np.float16),
-            "kda_snapshot": ((n_kda, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim), np.float32)}
+    return {
+        "mla_page": ((n_mla, 128, cfg.mla_latent_dim), np.float16),
+        "kda_snapshot": ((n_kda, cfg.kda_heads, cfg.kda_head_dim, cfg.kda_head_dim), np.float32),
+    }
 
 
 class _Tiers:
@@ -63,8 +65,9 @@ def host_tier(ctx):
                 if tier == "mooncake" and one > STAGING_LIMIT:
                     yield ctx.error(case, tier, f"an entry of {one >> 20} MiB exceeds Mooncake's staging buffer")
                     continue
-                yield ctx.attempt(case, tier, lambda tier=tier: _row(ctx, case, tier, tiers.get(tier), shape, dtype,
-                                                                     one, budget))
+                yield ctx.attempt(
+                    case, tier, lambda tier=tier: _row(ctx, case, tier, tiers.get(tier), shape, dtype, one, budget)
+                )
     finally:
         tiers.stack.close()
 
@@ -84,8 +87,14 @@ def _row(ctx, case, tier_name: str, tier, shape, dtype, one: int, budget: int):
     chk = {"max_err": worst if all(found) else float("inf"), "tol": 0.0, "ok": all(found) and worst == 0.0}
     get_ms = lambda: common.host_ms(lambda: tier.batch_get_into(keys, outs), iters=ctx.iters)
     copy_ms = lambda: common.host_ms(lambda: [np.copyto(d, a) for d, a in zip(dst, arrays)], iters=ctx.iters)
-    row = ctx.row(case, chk, get_ms, variant=tier_name, peer_ms=copy_ms, extra=dict(entries=n, entry_mb=one / 2 ** 20,
-                                                                  put_gbs=nbytes / (put_ms * 1e-3) / 1e9))
+    row = ctx.row(
+        case,
+        chk,
+        get_ms,
+        variant=tier_name,
+        peer_ms=copy_ms,
+        extra=dict(entries=n, entry_mb=one / 2**20, put_gbs=nbytes / (put_ms * 1e-3) / 1e9),
+    )
     if row["ours_ms"]:
         row["extra"]["get_gbs"] = nbytes / (row["ours_ms"] * 1e-3) / 1e9
     return row

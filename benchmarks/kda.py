@@ -20,19 +20,28 @@ from pallas_kernels import kda_decode as kd
 log = logging.getLogger("benchmarks.kda")
 
 TUNINGS = {  # kda_chunk's variants: `chunk_kda(tuning=...)` overrides of `kda.TUNING`
-    "intra16": {"intra": (16, 1)}, "intra4x2": {"intra": (4, 2)}, "intra8x2": {"intra": (8, 2)},
+    "intra16": {"intra": (16, 1)},
+    "intra4x2": {"intra": (4, 2)},
+    "intra8x2": {"intra": (8, 2)},
     "intra_solve": {"prepare_impl": "intra_solve"},
     "prepare_fused": {"prepare_impl": "fused", "prepare": (4, 1), "prepare_dot": "bf16"},
-    "tf32x3": {"prepare_dot": "tf32x3"}, "state_bv32": {"state_block_v": 32}, "state8x3": {"state": (8, 3)},
+    "tf32x3": {"prepare_dot": "tf32x3"},
+    "state_bv32": {"state_block_v": 32},
+    "state8x3": {"state": (8, 3)},
 }
 DECODE_TILINGS = {  # kda_decode's variants: fused_recurrent_kda keyword overrides
-    "bv32w4": dict(block_v=32, num_warps=4), "bv64w4": dict(block_v=64, num_warps=4),
-    "bv32w2": dict(block_v=32, num_warps=2), "bv128w8": dict(block_v=128, num_warps=8),
+    "bv32w4": dict(block_v=32, num_warps=4),
+    "bv64w4": dict(block_v=64, num_warps=4),
+    "bv32w2": dict(block_v=32, num_warps=2),
+    "bv128w8": dict(block_v=128, num_warps=8),
     "hints": dict(cache_hints=True),
 }
 FUSED_TILINGS = {  # kda_decode_fused's variants: kda_decode keyword overrides
-    "w8": dict(num_warps=8), "bv128w4": dict(block_v=128, num_warps=4), "bv128w8": dict(block_v=128, num_warps=8),
-    "bv32w4": dict(block_v=32, num_warps=4), "bv32w2": dict(block_v=32, num_warps=2),
+    "w8": dict(num_warps=8),
+    "bv128w4": dict(block_v=128, num_warps=4),
+    "bv128w8": dict(block_v=128, num_warps=8),
+    "bv32w4": dict(block_v=32, num_warps=4),
+    "bv32w2": dict(block_v=32, num_warps=2),
 }
 TOL = 2e-2  # bf16 inputs against an fp32 reference: relative L2 error
 
@@ -95,14 +104,22 @@ def kda_chunk(ctx):
             return ctx.time_torch(lambda: chunk(*tq, output_final_state=True))
 
         def one(tuning, variant):
-            fn = jax.jit(lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions,
-                                                  tuning=tuning))
+            fn = jax.jit(
+                lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions, tuning=tuning)
+            )
             o, s, ck = fn(*args)
             checks = [common.check(o, want[0], TOL, l2=True), common.check(s, want[1], TOL, l2=True)]
             if positions:
                 checks.append(common.check(ck, want[2], TOL, l2=True))
-            return ctx.row(case, common.merge_checks(*checks), lambda: ctx.time(fn, *args), variant=variant,
-                           peer_ms=peer_ms, work=work, extra={"exported_states": n_ckpt})
+            return ctx.row(
+                case,
+                common.merge_checks(*checks),
+                lambda: ctx.time(fn, *args),
+                variant=variant,
+                peer_ms=peer_ms,
+                work=work,
+                extra={"exported_states": n_ckpt},
+            )
 
         yield ctx.attempt(case, "default", lambda: one(None, "default"))
         for name in ctx.wanted():
@@ -129,19 +146,34 @@ def kda_decode(ctx):
             torch, _, fwd = peer
             tq, tk, tv, tg, tb = (to_torch(x) for x in (q, k, v, g, beta))
             pool_t, slots_t, out_t = to_torch(jnp.copy(pool)), to_torch(slots), torch.empty_like(tv)
-            return ctx.time_torch(lambda: fwd(tq, tk, tv, tg, tb, initial_state=pool_t, scale=d ** -0.5,
-                                              inplace_final_state=True, ssm_state_indices=slots_t, out=out_t))
+            return ctx.time_torch(
+                lambda: fwd(
+                    tq,
+                    tk,
+                    tv,
+                    tg,
+                    tb,
+                    initial_state=pool_t,
+                    scale=d**-0.5,
+                    inplace_final_state=True,
+                    ssm_state_indices=slots_t,
+                    out=out_t,
+                )
+            )
 
         def one(kw, variant):
             # the inputs as arguments and the pool donated, as a serving step calls the kernel
-            call = jax.jit(lambda p, *a: kda.fused_recurrent_kda(*a[:5], state_pool=p, slots=a[5], **kw),
-                           donate_argnums=0)
+            call = jax.jit(
+                lambda p, *a: kda.fused_recurrent_kda(*a[:5], state_pool=p, slots=a[5], **kw), donate_argnums=0
+            )
             step = lambda p: call(p, q, k, v, g, beta, slots)
             o, p2 = step(jnp.copy(pool))
-            chk = common.merge_checks(common.check(o, o_ref, TOL, l2=True),
-                                      common.check(p2[slots], s_ref, TOL, l2=True))
-            return ctx.row(case, chk, lambda: ctx.time_carried(step, jnp.copy(pool)), variant=variant,
-                           peer_ms=peer_ms, work=work)
+            chk = common.merge_checks(
+                common.check(o, o_ref, TOL, l2=True), common.check(p2[slots], s_ref, TOL, l2=True)
+            )
+            return ctx.row(
+                case, chk, lambda: ctx.time_carried(step, jnp.copy(pool)), variant=variant, peer_ms=peer_ms, work=work
+            )
 
         yield ctx.attempt(case, "default", lambda: one({}, "default"))
         for name in ctx.wanted():
@@ -157,9 +189,15 @@ def _fused_inputs(key, b, n_slots, h, k):
     ks = iter(jax.random.split(key, 16))
     r = lambda *s, scale=1.0: (jax.random.normal(next(ks), s, jnp.float32) * scale).astype(jnp.bfloat16)
     hk = h * k
-    params = dict(beta_col=3 * hk + k, w_conv=tuple(r(W, hk, scale=0.5) for _ in range(3)),
-                  a_log=jnp.log(jnp.linspace(1.0, 16.0, h)), dt_bias=jnp.zeros((h, k)), o_norm=jnp.ones((k,)),
-                  lower_bound=-5.0, eps=1e-6)
+    params = dict(
+        beta_col=3 * hk + k,
+        w_conv=tuple(r(W, hk, scale=0.5) for _ in range(3)),
+        a_log=jnp.log(jnp.linspace(1.0, 16.0, h)),
+        dt_bias=jnp.zeros((h, k)),
+        o_norm=jnp.ones((k,)),
+        lower_bound=-5.0,
+        eps=1e-6,
+    )
     x_in, fg = r(b, 3 * hk + k + h + k), r(b, 2 * hk)
     conv = r(n_slots, W - 1, 3, hk, scale=0.1)
     state = jax.random.normal(next(ks), (n_slots, h, k, k), jnp.float32) * 0.1
@@ -174,8 +212,9 @@ def kda_decode_fused(ctx):
         b, h, k = case
         x_in, fg, conv, state, slots, params = _fused_inputs(jax.random.PRNGKey(b), b, 2 * b, h, k)
         want = jax.jit(functools.partial(kd.kda_decode_ref, **params))(x_in, fg, conv, state, slots, None)
-        work = {"bytes": 2 * b * h * k * k * 4 + 2 * b * (W - 1) * 3 * h * k * 2 + x_in.nbytes + fg.nbytes
-                + b * h * k * 2}
+        work = {
+            "bytes": 2 * b * h * k * k * 4 + 2 * b * (W - 1) * 3 * h * k * 2 + x_in.nbytes + fg.nbytes + b * h * k * 2
+        }
 
         arrays = {n: params[n] for n in ("w_conv", "a_log", "dt_bias", "o_norm")}
         static = {n: v for n, v in params.items() if n not in arrays}
@@ -190,10 +229,14 @@ def kda_decode_fused(ctx):
             step = lambda pools: call(pools, x_in, fg, slots, arrays)
 
             o, (c, s) = step((jnp.copy(conv), jnp.copy(state)))
-            chk = common.merge_checks(common.check(o, want[0], TOL, l2=True), common.check(c, want[1], TOL, l2=True),
-                                      common.check(s, want[2], TOL, l2=True))
-            return ctx.row(case, chk, lambda: ctx.time_carried(step, (jnp.copy(conv), jnp.copy(state))),
-                           variant=variant, work=work)
+            chk = common.merge_checks(
+                common.check(o, want[0], TOL, l2=True),
+                common.check(c, want[1], TOL, l2=True),
+                common.check(s, want[2], TOL, l2=True),
+            )
+            return ctx.row(
+                case, chk, lambda: ctx.time_carried(step, (jnp.copy(conv), jnp.copy(state))), variant=variant, work=work
+            )
 
         yield ctx.attempt(case, "default", lambda: one({}, "default"))
         for name in ctx.wanted():

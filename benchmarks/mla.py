@@ -36,8 +36,11 @@ def _hopper_decode_fits(r: int, p: int, page: int) -> bool:
 DECODE_VARIANTS = {  # name -> (kernel, keyword overrides, fits(r, p, page))
     "triton": (mla.mla_decode, {}, lambda r, p, page: True),
     "hopper": (mla_decode_hopper.mla_decode_hopper, {}, _hopper_decode_fits),
-    "triton_64x8x512x32": (mla.mla_decode, dict(block_m=64, num_warps=8, block_v=512, block_k=32),
-                           lambda r, p, page: r % 512 == 0),
+    "triton_64x8x512x32": (
+        mla.mla_decode,
+        dict(block_m=64, num_warps=8, block_v=512, block_k=32),
+        lambda r, p, page: r % 512 == 0,
+    ),
     "hopper_cluster2": (mla_decode_hopper.mla_decode_hopper, dict(cluster=2), _hopper_decode_fits),
 }
 
@@ -73,15 +76,17 @@ def mla_decode(ctx):
         per_seq = n_ctx // page
         n_pool = b * per_seq + 8
         pages = jax.random.normal(key, (n_pool, page, r + p), jnp.bfloat16)
-        table = jax.random.permutation(key, n_pool)[:b * per_seq].reshape(b, per_seq).astype(jnp.int32)
+        table = jax.random.permutation(key, n_pool)[: b * per_seq].reshape(b, per_seq).astype(jnp.int32)
         lens = jnp.full((b,), n_ctx, jnp.int32)
         ql = jax.random.normal(jax.random.PRNGKey(1), (b, sq, h, r), jnp.bfloat16)
         qp = jax.random.normal(jax.random.PRNGKey(2), (b, sq, h, p), jnp.bfloat16)
         args = (ql, qp, pages, table, lens)
         ref = jax.jit(lambda *a: mla.mla_decode_ref(*a, scale=scale)[0])
         want = ref(*args)
-        work = {"bytes": b * n_ctx * (r + p) * 2 + ql.nbytes + qp.nbytes + b * sq * h * r * 2,
-                "flops": 2 * b * sq * h * n_ctx * (r + p + r)}
+        work = {
+            "bytes": b * n_ctx * (r + p) * 2 + ql.nbytes + qp.nbytes + b * sq * h * r * 2,
+            "flops": 2 * b * sq * h * n_ctx * (r + p + r),
+        }
         impl = ops.mla_decode_impl(jnp.bfloat16, r, p, page, sq * h, per_seq * page, cc)
         default = mla_decode_hopper.mla_decode_hopper if impl == "hopper" else mla.mla_decode
         peer = {}
@@ -98,8 +103,15 @@ def mla_decode(ctx):
         def one(kernel, kw, variant):
             fn = jax.jit(lambda *a: kernel(*a, scale=scale, **kw)[0])
             chk = common.check(fn(*args), want, TOL)
-            row = ctx.row(case, chk, lambda: ctx.time(fn, *args), variant=variant, peer_ms=peer_ms, work=work,
-                          extra={"kernel": impl if variant == "default" else variant})
+            row = ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, *args),
+                variant=variant,
+                peer_ms=peer_ms,
+                work=work,
+                extra={"kernel": impl if variant == "default" else variant},
+            )
             if peer.get("name") and row["peer_ms"] is not None:
                 row["peer"] = peer["name"]
                 row["extra"]["peer_err"] = peer.get("err")
@@ -121,8 +133,7 @@ def cudnn_ms(ctx, q, k, v, b: int, t: int, h: int) -> dict:
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
 
-        fn = jax.jit(lambda q, k, v: fa.dot_product_attention(q, k, v, scale=DQK ** -0.5,
-                                                              mask_type=fa.MaskType.CAUSAL))
+        fn = jax.jit(lambda q, k, v: fa.dot_product_attention(q, k, v, scale=DQK**-0.5, mask_type=fa.MaskType.CAUSAL))
         out["jax_cudnn_ms"] = ctx.time(fn, qb, kb, vb)
     except Exception as e:  # noqa: BLE001 - the other peer may still run
         out["jax_cudnn_error"] = repr(e)[:200]
@@ -132,8 +143,7 @@ def cudnn_ms(ctx, q, k, v, b: int, t: int, h: int) -> dict:
 
         tq, tk, tv = (_to_torch(a).permute(0, 2, 1, 3) for a in (qb, kb, vb))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            call = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
-                                                                             scale=DQK ** -0.5)
+            call = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=DQK**-0.5)
             out["torch_cudnn_ms"] = ctx.time_torch(call)
     except Exception as e:  # noqa: BLE001
         out["torch_cudnn_error"] = repr(e)[:200]
@@ -147,13 +157,16 @@ def cudnn_ms(ctx, q, k, v, b: int, t: int, h: int) -> dict:
 def _prefill_kernel(impl: str, **kw):
     if impl == "hopper":
         kw.setdefault("block_kv", mla_hopper.prefill_block_kv(DQK, DV))
-        return lambda q, k, v, cu: mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=DQK ** -0.5, **kw)[0]
-    return lambda q, k, v, cu: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=DQK ** -0.5, rope_dim=ROPE, **kw)[0]
+        return lambda q, k, v, cu: mla_hopper.mla_prefill_hopper(q, k, v, cu_seqlens=cu, scale=DQK**-0.5, **kw)[0]
+    return lambda q, k, v, cu: mla.mla_prefill(q, k, v, cu_seqlens=cu, scale=DQK**-0.5, rope_dim=ROPE, **kw)[0]
 
 
-PREFILL_VARIANTS = {"triton": ("triton", {}), "hopper": ("hopper", {}),
-                    "triton_128x64x8x3": ("triton", dict(block=128, block_k=64, num_warps=8, num_stages=3)),
-                    "hopper_persistent": ("hopper", dict(persistent=True))}
+PREFILL_VARIANTS = {
+    "triton": ("triton", {}),
+    "hopper": ("hopper", {}),
+    "triton_128x64x8x3": ("triton", dict(block=128, block_k=64, num_warps=8, num_stages=3)),
+    "hopper_persistent": ("hopper", dict(persistent=True)),
+}
 
 
 def mla_prefill(ctx):
@@ -167,8 +180,9 @@ def mla_prefill(ctx):
         cu = [i * t for i in range(b + 1)]
         n = min(t, CHECK_QUERIES)
         head = lambda x: x.reshape(b, t, *x.shape[1:])[:, :n].reshape(b * n, *x.shape[1:])
-        want = mla.mla_prefill_ref(head(q), head(k), head(v), cu_seqlens=[i * n for i in range(b + 1)],
-                                   scale=DQK ** -0.5)[0]
+        want = mla.mla_prefill_ref(
+            head(q), head(k), head(v), cu_seqlens=[i * n for i in range(b + 1)], scale=DQK**-0.5
+        )[0]
         work = {"flops": b * h * t * t * (DQK + DV)}  # causal: half of 2 t^2 (dqk + dv)
         peers = {}
 
@@ -181,8 +195,15 @@ def mla_prefill(ctx):
         def one(kernel_impl, kw, variant):
             fn = jax.jit(functools.partial(_prefill_kernel(kernel_impl, **kw), cu=cu))
             chk = common.check(head(fn(q, k, v)), want, TOL)
-            row = ctx.row(case, chk, lambda: ctx.time(fn, q, k, v), variant=variant, peer_ms=peer_ms, work=work,
-                          extra={"kernel": kernel_impl})
+            row = ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, q, k, v),
+                variant=variant,
+                peer_ms=peer_ms,
+                work=work,
+                extra={"kernel": kernel_impl},
+            )
             if peers.get("peer") and row["peer_ms"] is not None:
                 row["peer"] = f"cuDNN ({peers['peer']})"
                 row["extra"].update({k_: v_ for k_, v_ in peers.items() if k_ not in ("peer", "ms")})
@@ -203,13 +224,13 @@ def mla_chunk(ctx):
         ks = jax.random.split(jax.random.PRNGKey(t + prefix_len + h), 6)
         n_pages = -(-(prefix_len + t) // page)
         pages = jax.random.normal(ks[0], (b * n_pages + 4, page, r + p), jnp.bfloat16)
-        table = jax.random.permutation(ks[1], b * n_pages + 4)[:b * n_pages].reshape(b, n_pages).astype(jnp.int32)
+        table = jax.random.permutation(ks[1], b * n_pages + 4)[: b * n_pages].reshape(b, n_pages).astype(jnp.int32)
         q = jax.random.normal(ks[2], (b, t, h, nope + p), jnp.bfloat16)
-        w_kb = (jax.random.normal(ks[3], (r, h, nope)) * r ** -0.5).astype(jnp.bfloat16)
-        w_vb = (jax.random.normal(ks[4], (r, h, dv)) * r ** -0.5).astype(jnp.bfloat16)
+        w_kb = (jax.random.normal(ks[3], (r, h, nope)) * r**-0.5).astype(jnp.bfloat16)
+        w_vb = (jax.random.normal(ks[4], (r, h, dv)) * r**-0.5).astype(jnp.bfloat16)
         lens = jnp.full((b,), prefix_len, jnp.int32)
         scale = (nope + p) ** -0.5
-        chunk_latent = mla.gather_pages(pages, table)[:, prefix_len:prefix_len + t]
+        chunk_latent = mla.gather_pages(pages, table)[:, prefix_len : prefix_len + t]
         args = (q, pages, table, lens)
 
         def operands(q, pages, table, lens):  # what kimik3.ops hands a chunk kernel
@@ -238,17 +259,27 @@ def mla_chunk(ctx):
         hopper_ok = mla_hopper.supports(nope + p, dv, [prefix_len])
         impl = ops.mla_chunk_impl(jnp.bfloat16, nope + p, dv, cc, t)
         best_kv = mla_hopper.prefill_block_kv(nope + p, dv) if hopper_ok else 64
-        kernels = {"default": functools.partial(hopper, block_kv=best_kv) if impl == "hopper" else triton,
-                   "triton": triton, "hopper": hopper, "hopper_128": functools.partial(hopper, block_kv=128),
-                   "absorbed": absorbed}
+        kernels = {
+            "default": functools.partial(hopper, block_kv=best_kv) if impl == "hopper" else triton,
+            "triton": triton,
+            "hopper": hopper,
+            "hopper_128": functools.partial(hopper, block_kv=128),
+            "absorbed": absorbed,
+        }
         work = {"flops": 2 * b * h * t * (prefix_len + (t + 1) / 2) * (nope + p + dv)}
 
         def one(variant):
             fn = jax.jit(kernels[variant])
             chk = common.check(fn(*args).astype(jnp.float32), want.astype(jnp.float32), TOL)
-            return ctx.row(case, chk, lambda: ctx.time(fn, *args), variant=variant,
-                           peer_ms=lambda: ctx.time(peer_fn, *args), work=work,
-                           extra={"kernel": impl if variant == "default" else variant})
+            return ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, *args),
+                variant=variant,
+                peer_ms=lambda: ctx.time(peer_fn, *args),
+                work=work,
+                extra={"kernel": impl if variant == "default" else variant},
+            )
 
         yield ctx.attempt(case, "default", lambda: one("default"))
         for name in ctx.wanted():

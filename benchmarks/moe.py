@@ -28,12 +28,30 @@ except Exception:  # noqa: BLE001 - the peer column stays empty
 ACT = _SituGLU((8.0, 8.0))
 # Our Hopper tilings the sweep variant times (and tests/gpu checks): (tile_m, tile_n, steps,
 # grid_width, m_minor); the first is `moe_hopper.default_tiling`'s where N allows.
-HOPPER_SWEEP = [(128, 128, 4, 8, True), (128, 128, 4, 8, False), (128, 64, 4, 8, True), (64, 128, 4, 8, True),
-                (128, 128, 3, 4, True), (64, 64, 4, 8, True)]
+HOPPER_SWEEP = [
+    (128, 128, 4, 8, True),
+    (128, 128, 4, 8, False),
+    (128, 64, 4, 8, True),
+    (64, 128, 4, 8, True),
+    (128, 128, 3, 4, True),
+    (64, 64, 4, 8, True),
+]
 # The Triton grouped FFN's tilings (block_n, block_k, num_warps, num_stages) the sweep variant
 # times, for gate/up with down at its default and then for down.
-TILINGS = [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 64, 2, 4),
-           (16, 128, 2, 3), (32, 256, 4, 2), (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 4, 3), (16, 256, 4, 4)]
+TILINGS = [
+    (64, 64, 4, 3),
+    (32, 64, 4, 3),
+    (32, 128, 4, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 4),
+    (32, 64, 2, 4),
+    (16, 128, 2, 3),
+    (32, 256, 4, 2),
+    (128, 128, 8, 3),
+    (128, 128, 4, 3),
+    (64, 256, 4, 3),
+    (16, 256, 4, 4),
+]
 
 
 def hopper_tilings(m: int, n: int, act: bool, quick: bool) -> list[moe_hopper.HopperTiling]:
@@ -41,22 +59,29 @@ def hopper_tilings(m: int, n: int, act: bool, quick: bool) -> list[moe_hopper.Ho
     few rows (M <= 512) get the default only; quick: one small tiling for interpret mode."""
     if quick:
         return [moe_hopper.HopperTiling(tile_m=64, tile_n=64, steps=2, grid_width=2)]
-    out = [moe_hopper.HopperTiling(tile_m=tm, tile_n=tn, steps=st, grid_width=w, m_minor=mm)
-           for tm, tn, st, w, mm in HOPPER_SWEEP if not (act and tn > 64) and n % (2 * tn) == 0]
+    out = [
+        moe_hopper.HopperTiling(tile_m=tm, tile_n=tn, steps=st, grid_width=w, m_minor=mm)
+        for tm, tn, st, w, mm in HOPPER_SWEEP
+        if not (act and tn > 64) and n % (2 * tn) == 0
+    ]
     return out[:1] if m <= 512 else out
 
 
 def mgpu_configs(m: int, n: int):
     """The peer's tilings to try (its own sweep's ranges, cut to a few): (block_m, block_n,
     block_k, max_concurrent_steps, grid_block_n)."""
-    return [c for c in itertools.product((64, 128), (128, 256), (64,), (4,), (1, 4))
-            if n % (c[1] * c[4]) == 0 and not (m <= 512 and c[0] == 128)]
+    return [
+        c
+        for c in itertools.product((64, 128), (128, 256), (64,), (4,), (1, 4))
+        if n % (c[1] * c[4]) == 0 and not (m <= 512 and c[0] == 128)
+    ]
 
 
 def _mgpu(a, b, sizes, cfg):
     bm, bn, bk, steps, gbn = cfg
-    return ragged_dot_mgpu.ragged_dot(a, b, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-                                      max_concurrent_steps=steps, grid_block_n=gbn)
+    return ragged_dot_mgpu.ragged_dot(
+        a, b, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=gbn
+    )
 
 
 def _best_peer(ctx, candidates, args, want, tol):
@@ -78,7 +103,7 @@ def _case(rng, m, k, n, g):
     """Rows routed to experts (multinomial over G), bf16, and the experts in use."""
     sizes = rng.multinomial(m, np.ones(g) / g).astype(np.int32)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k ** 0.5, jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, jnp.bfloat16)
     return lhs, rhs, jnp.asarray(sizes), int((sizes > 0).sum())
 
 
@@ -92,7 +117,7 @@ def moe_gemm(ctx):
         lhs, rhs, sizes, active = _case(rng, m, k, n, g)
         args = (lhs, rhs, sizes)
         want = jax.jit(moe.grouped_matmul_ref)(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
-        tol = 2.0 ** -6 * float(jnp.max(jnp.abs(want))) + 1e-3  # bf16 output rounding, with margin
+        tol = 2.0**-6 * float(jnp.max(jnp.abs(want))) + 1e-3  # bf16 output rounding, with margin
         work = {"bytes": active * k * n * 2 + m * (k + n) * 2, "flops": 2 * m * k * n}
         peer = {}
 
@@ -107,21 +132,35 @@ def moe_gemm(ctx):
             return ctx.time(jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s)), *args)
 
         block_m = 64 if ctx.ci else 128
-        hop = lambda layout, t: functools.partial(moe_hopper.grouped_matmul, layout=layout, tiling=t,
-                                                  block_m=block_m if ctx.ci else t.tile_m if t else 128,
-                                                  interpret=interpret)
+        hop = lambda layout, t: functools.partial(
+            moe_hopper.grouped_matmul,
+            layout=layout,
+            tiling=t,
+            block_m=block_m if ctx.ci else t.tile_m if t else 128,
+            interpret=interpret,
+        )
         quick_tiling = hopper_tilings(m, n, False, True)[0] if ctx.ci else None
-        fns = {"default": lambda a, b, s: ops.grouped_matmul(a, b, s, kernels="pallas"),
-               "triton": moe.grouped_matmul, "hopper": hop("ragged", quick_tiling),
-               "hopper_padded": hop("padded", quick_tiling)}
+        fns = {
+            "default": lambda a, b, s: ops.grouped_matmul(a, b, s, kernels="pallas"),
+            "triton": moe.grouped_matmul,
+            "hopper": hop("ragged", quick_tiling),
+            "hopper_padded": hop("padded", quick_tiling),
+        }
         for t in hopper_tilings(m, n, False, ctx.ci):
             fns[f"hopper_sweep:{t.label}"] = hop("ragged", t)
 
         def one(variant):
             fn = jax.jit(fns[variant])
             chk = common.check(fn(*args).astype(jnp.float32), want, tol, relative=False)
-            row = ctx.row(case, chk, lambda: ctx.time(fn, *args), variant=variant, peer_ms=peer_ms, work=work,
-                          extra={"experts_read": active})
+            row = ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, *args),
+                variant=variant,
+                peer_ms=peer_ms,
+                work=work,
+                extra={"experts_read": active},
+            )
             if row["peer_ms"] is not None:
                 row["peer"] = peer.get("name")
                 row["extra"]["peer_tiling"] = peer.get("tiling")
@@ -171,12 +210,12 @@ def moe_ffn(ctx):
     for case in ctx.cases():
         t, l, f, e, top_k = case
         x = jnp.asarray(rng.standard_normal((t, l)), jnp.bfloat16)
-        w_gu = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l ** 0.5, jnp.bfloat16)
-        w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f ** 0.5, jnp.bfloat16)
+        w_gu = jnp.asarray(rng.standard_normal((e, l, 2 * f)) / l**0.5, jnp.bfloat16)
+        w_out = jnp.asarray(rng.standard_normal((e, f, l)) / f**0.5, jnp.bfloat16)
         ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :top_k], jnp.int32)
         args = (x, ids, w_gu, w_out)
         want = jax.jit(ffn_ref)(*args)
-        tol = 2.0 ** -5 * float(jnp.max(jnp.abs(want))) + 1e-3
+        tol = 2.0**-5 * float(jnp.max(jnp.abs(want))) + 1e-3
         active = len(np.unique(np.asarray(ids)))
         work = {"bytes": active * 3 * l * f * 2 + t * l * 2 * (1 + top_k), "flops": 2 * t * top_k * l * f * 3}
 
@@ -184,14 +223,20 @@ def moe_ffn(ctx):
             if not ctx.on_gpu or ragged_dot_mgpu is None:
                 return None
             m = t * top_k
-            cands = [(f"{a}/{b}", jax.jit(functools.partial(_peer_ffn, cfg_gu=a, cfg_down=b)))
-                     for a in mgpu_configs(m, 2 * f)[:4] for b in mgpu_configs(m, l)[:2]]
+            cands = [
+                (f"{a}/{b}", jax.jit(functools.partial(_peer_ffn, cfg_gu=a, cfg_down=b)))
+                for a in mgpu_configs(m, 2 * f)[:4]
+                for b in mgpu_configs(m, l)[:2]
+            ]
             best = _best_peer(ctx, cands, args, want, tol)
             return best[0] if best else None
 
         ffn = lambda **kw: functools.partial(moe.grouped_ffn, act=ACT, **kw)
-        fns = {"default": lambda *a: ops.grouped_ffn(*a, act=ACT), "triton": ffn(impl="triton"),
-               "hopper": ffn(impl="hopper")}
+        fns = {
+            "default": lambda *a: ops.grouped_ffn(*a, act=ACT),
+            "triton": ffn(impl="triton"),
+            "hopper": ffn(impl="hopper"),
+        }
         for tiling in TILINGS:
             label = ",".join(map(str, tiling))
             fns[f"tiling_sweep:gu={label}"] = ffn(impl="triton", tiling=(tiling, None))
@@ -200,8 +245,15 @@ def moe_ffn(ctx):
         def one(variant):
             fn = jax.jit(fns[variant])
             chk = common.check(fn(*args).astype(jnp.float32), want, tol, relative=False)
-            return ctx.row(case, chk, lambda: ctx.time(fn, *args), variant=variant, peer_ms=peer_ms, work=work,
-                           extra={"experts_read": active})
+            return ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, *args),
+                variant=variant,
+                peer_ms=peer_ms,
+                work=work,
+                extra={"experts_read": active},
+            )
 
         if not ops.grouped_ffn_fits(x, w_gu, w_out, kernels="pallas"):
             yield ctx.error(case, "default", "ops.grouped_ffn does not tile these experts")

@@ -22,22 +22,24 @@ from kimik3.quant import formats, store
 
 log = logging.getLogger("benchmarks.quant_accuracy")
 # fused projection groups of the serving layout and their members, in column order
-GROUPS = {"kda": ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr"),
-          "mla": ("w_qa_dq", "w_kva_dr", "w_gate_dhv")}
+GROUPS = {
+    "kda": ("w_q_dhk", "w_k_dhk", "w_v_dhv", "w_fa_dr", "w_beta_dh", "w_ga_dr"),
+    "mla": ("w_qa_dq", "w_kva_dr", "w_gate_dhv"),
+}
 BF16_LOGIT_TOL = 0.15  # mean |logit error| of bf16 against fp32 a trained model must stay under
 
 
 def windows_of(held_out: np.ndarray, n: int, size: int) -> np.ndarray:
     """n windows of size + 1 tokens at evenly spread offsets of held_out."""
     starts = np.linspace(0, held_out.size - size - 2, n).astype(int)
-    return np.stack([held_out[s:s + size + 1] for s in starts]).astype(np.int32)
+    return np.stack([held_out[s : s + size + 1] for s in starts]).astype(np.int32)
 
 
 def evaluate(params, cfg, windows: np.ndarray, batch: int = 4):
     """(mean next-token loss, argmax [W, T], logits fp32 [W, T, V]) of teacher-forced windows [W, T + 1]."""
     losses, argmax, logits_all = [], [], []
     for i in range(0, len(windows), batch):
-        w = jnp.asarray(windows[i:i + batch])
+        w = jnp.asarray(windows[i : i + batch])
         logits = model.forward(params, cfg, w[:, :-1], kernels="auto", programs="whole")[0].astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         losses.append(np.asarray(-jnp.take_along_axis(logp, w[:, 1:, None], axis=-1)[..., 0]))
@@ -60,7 +62,7 @@ def fused_groups_exact(fused, apart, cfg, rng) -> dict:
             start, same = 0, True
             for name in members:
                 q = layer[name]
-                same &= bool(np.array_equal(y[:, start:start + q.shape[1]], np.asarray(ops.linear(x, q), np.float32)))
+                same &= bool(np.array_equal(y[:, start : start + q.shape[1]], np.asarray(ops.linear(x, q), np.float32)))
                 start += q.shape[1]
             out[f"layer_{i}/{kind}"] = same
     return out
@@ -76,9 +78,20 @@ def _params(ctx, name: str, minutes: float):
         from kimik3 import train  # the corpus pipeline's packages: only where it trains
 
         out = ctx.options.get("out") or tempfile.mkdtemp(prefix="kimik3-quant-accuracy-")
-        tc = train.TrainConfig(config=name, steps=3000, batch=32, seq_len=512, lr=3e-3, warmup_steps=100,
-                               eval_every=250, eval_batches=8, corpus=ctx.options.get("corpus", "auto"),
-                               out=os.path.join(out, "train"), progress=False, max_seconds=minutes * 60)
+        tc = train.TrainConfig(
+            config=name,
+            steps=3000,
+            batch=32,
+            seq_len=512,
+            lr=3e-3,
+            warmup_steps=100,
+            eval_every=250,
+            eval_batches=8,
+            corpus=ctx.options.get("corpus", "auto"),
+            out=os.path.join(out, "train"),
+            progress=False,
+            max_seconds=minutes * 60,
+        )
         summary, p32 = train.train(tc)
         log.info("trained %s: held-out loss %s", name, summary.get("held_out_loss"))
         return model.cast_params(p32, jnp.float32), cfg, True
@@ -104,20 +117,41 @@ def quant_accuracy(ctx):
         err16 = float(np.abs(logits16 - logits32).mean())
         base = {"config": cfg.name, "trained": trained, "windows": int(n_windows), "window": int(size)}
         chk = {"max_err": err16, "tol": BF16_LOGIT_TOL, "ok": err16 <= BF16_LOGIT_TOL}
-        yield ctx.row(f"{ctx.label(case)} bf16", chk, None, extra=dict(
-            base, loss=loss16, ppl=float(np.exp(loss16)), fp32_loss=loss32, agree_fp32=float(np.mean(arg16 == arg32)),
-            mean_abs_logit_err=err16))
+        yield ctx.row(
+            f"{ctx.label(case)} bf16",
+            chk,
+            None,
+            extra=dict(
+                base,
+                loss=loss16,
+                ppl=float(np.exp(loss16)),
+                fp32_loss=loss32,
+                agree_fp32=float(np.mean(arg16 == arg32)),
+                mean_abs_logit_err=err16,
+            ),
+        )
         manifests = store.served_manifests(keep_bf16_experts=True) if which == "all" else tuple(which.split("+"))
         for manifest in manifests:
+
             def one(manifest=manifest):
                 fused = store.quantize_params(p32, cfg16, manifest)
                 loss, arg, _ = evaluate(model.cast_params(fused, jnp.bfloat16), cfg16, windows)
                 exact = fused_groups_exact(fused, store.quantize_params(p32, cfg16, manifest, fuse=False), cfg16, rng)
                 bad = sum(not v for v in exact.values())
                 chk = {"max_err": float(bad), "tol": 0.0, "ok": bad == 0}
-                return ctx.row(f"{ctx.label(case)} {manifest}", chk, None, extra=dict(
-                    base, loss=loss, ppl=float(np.exp(loss)), delta_loss_vs_bf16=loss - loss16,
-                    agree_bf16=float(np.mean(arg == arg16)), agree_fp32=float(np.mean(arg == arg32)),
-                    fused_groups_checked=len(exact)))
+                return ctx.row(
+                    f"{ctx.label(case)} {manifest}",
+                    chk,
+                    None,
+                    extra=dict(
+                        base,
+                        loss=loss,
+                        ppl=float(np.exp(loss)),
+                        delta_loss_vs_bf16=loss - loss16,
+                        agree_bf16=float(np.mean(arg == arg16)),
+                        agree_fp32=float(np.mean(arg == arg32)),
+                        fused_groups_checked=len(exact),
+                    ),
+                )
 
             yield ctx.attempt(f"{ctx.label(case)} {manifest}", "default", one)

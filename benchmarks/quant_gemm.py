@@ -25,8 +25,13 @@ TOL = 2e-2
 # mxfp4_experts' sweep variants: Triton MXFP4 tilings (block_n, block_k, num_warps, num_stages)
 MX_TILINGS = [(128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 4, 3), (256, 64, 8, 4), (256, 128, 8, 3)]
 # and Hopper MXFP4 tilings (block_m, block_n, block_k, steps, code_tile, warp_specialized, load4x, overlap)
-HOPPER_MX_TILINGS = [(16, 128, 256, 4, 64, 0, 0, 0), (16, 64, 256, 4, 128, 1, 0, 0), (16, 128, 128, 4, 64, 0, 1, 0),
-                     (16, 64, 128, 4, 64, 1, 1, 0), (16, 128, 256, 4, 128, 0, 0, 1)]
+HOPPER_MX_TILINGS = [
+    (16, 128, 256, 4, 64, 0, 0, 0),
+    (16, 64, 256, 4, 128, 1, 0, 0),
+    (16, 128, 128, 4, 64, 0, 1, 0),
+    (16, 64, 128, 4, 64, 1, 1, 0),
+    (16, 128, 256, 4, 128, 0, 0, 1),
+]
 
 
 def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
@@ -35,8 +40,7 @@ def random_qtensor(rng, fmt: str, k: int, n: int) -> formats.QTensor:
     if fmt == "fp8":
         scales = jnp.asarray(rng.uniform(1e-4, 1e-3, (-(-k // 128), -(-n // 128))), jnp.float32)
     else:
-        scales = jnp.asarray(np.ldexp(1.0, rng.integers(-14, -8, (k // 32, n))), jnp.float32).astype(
-            jnp.float8_e8m0fnu)
+        scales = jnp.asarray(np.ldexp(1.0, rng.integers(-14, -8, (k // 32, n))), jnp.float32).astype(jnp.float8_e8m0fnu)
     return formats.check(formats.QTensor(values, scales, fmt, (k, n)))
 
 
@@ -70,8 +74,11 @@ def quant_linear(ctx):
         peer = jax.jit(lambda x, w: x @ w)
         work = {"bytes": k * n + 2 * m * (k + n), "flops": 2 * m * k * n}
         chk = lambda: common.check(fn(x, q).astype(jnp.float32), want.astype(jnp.float32), TOL)
-        yield ctx.attempt(case, "default", lambda: ctx.row(case, chk(), lambda: ctx.time(fn, x, q),
-                                                           peer_ms=lambda: ctx.time(peer, x, w16), work=work))
+        yield ctx.attempt(
+            case,
+            "default",
+            lambda: ctx.row(case, chk(), lambda: ctx.time(fn, x, q), peer_ms=lambda: ctx.time(peer, x, w16), work=work),
+        )
 
 
 def mxfp4_experts(ctx):
@@ -92,20 +99,36 @@ def mxfp4_experts(ctx):
         want = jax.jit(moe.grouped_matmul_ref)(x, w16, sizes)
         work = {"bytes": used * k * n * 4.25 / 8 + 2 * rows * (k + n)}
         bf16 = jax.jit(lambda x, w, s: ops.grouped_matmul(x, w, s, kernels="pallas"))
-        fns = {"default": (lambda x, w, s: ops.grouped_matmul(x, w, s, kernels="pallas"), served),
-               "triton": (moe.grouped_matmul, packed),
-               "hopper": (functools.partial(moe_mxfp4_hopper.grouped_matmul, interpret=interpret),
-                          moe_mxfp4_hopper.DEFAULT_DECODE)}
+        fns = {
+            "default": (lambda x, w, s: ops.grouped_matmul(x, w, s, kernels="pallas"), served),
+            "triton": (moe.grouped_matmul, packed),
+            "hopper": (
+                functools.partial(moe_mxfp4_hopper.grouped_matmul, interpret=interpret),
+                moe_mxfp4_hopper.DEFAULT_DECODE,
+            ),
+        }
         for t in MX_TILINGS:
             if n % t[0] == 0 and k % t[1] == 0:
                 fns["triton_sweep:" + ",".join(map(str, t))] = (functools.partial(moe.grouped_matmul, tiling=t), packed)
         for bm, bn, bk, st, ct, ws, l4, ov in HOPPER_MX_TILINGS:
             if n % (bn * (1 + ws)) == 0 and k % bk == 0:
                 decode = "lut" if l4 else moe_mxfp4_hopper.DEFAULT_DECODE  # load4x shuffles the codes itself
-                kw = dict(block_m=bm, block_n=bn, block_k=bk, steps=st, code_tile=ct, warp_specialized=bool(ws),
-                          load4x=bool(l4), overlap=bool(ov), decode=decode, interpret=interpret)
+                kw = dict(
+                    block_m=bm,
+                    block_n=bn,
+                    block_k=bk,
+                    steps=st,
+                    code_tile=ct,
+                    warp_specialized=bool(ws),
+                    load4x=bool(l4),
+                    overlap=bool(ov),
+                    decode=decode,
+                    interpret=interpret,
+                )
                 fns[f"hopper_sweep:{bm},{bn},{bk},{st},{ct},{ws},{l4},{ov}"] = (
-                    functools.partial(moe_mxfp4_hopper.grouped_matmul, **kw), decode)
+                    functools.partial(moe_mxfp4_hopper.grouped_matmul, **kw),
+                    decode,
+                )
 
         def one(variant):
             kernel, w = fns[variant]
@@ -113,9 +136,15 @@ def mxfp4_experts(ctx):
                 w = jax.jit(moe_mxfp4_hopper.to_hopper, static_argnums=1)(packed, w)
             fn = jax.jit(kernel)
             chk = common.check(fn(x, w, sizes).astype(jnp.float32), want.astype(jnp.float32), TOL)
-            return ctx.row(case, chk, lambda: ctx.time(fn, x, w, sizes), variant=variant,
-                           peer_ms=lambda: ctx.time(bf16, x, w16, sizes), work=work,
-                           extra={"experts_read": used, "kernel": type(w).__name__})
+            return ctx.row(
+                case,
+                chk,
+                lambda: ctx.time(fn, x, w, sizes),
+                variant=variant,
+                peer_ms=lambda: ctx.time(bf16, x, w16, sizes),
+                work=work,
+                extra={"experts_read": used, "kernel": type(w).__name__},
+            )
 
         yield ctx.attempt(case, "default", lambda: one("default"))
         for name in ctx.wanted():
@@ -149,6 +178,15 @@ def mxfp4_ffn(ctx):
         want = jax.jit(functools.partial(ffn_ref, act=_silu_glu))(x, ids, *dense)
         work = {"bytes": used * 3 * l * f * 4.25 / 8 + t * l * 2 * (1 + top_k)}
         chk = lambda: common.check(fn(x, ids, served["gu"], served["out"]).astype(jnp.float32), want, 3e-2)
-        yield ctx.attempt(case, "default", lambda: ctx.row(
-            case, chk(), lambda: ctx.time(fn, x, ids, served["gu"], served["out"]),
-            peer_ms=lambda: ctx.time(fn, x, ids, *dense), work=work, extra={"experts_read": used}))
+        yield ctx.attempt(
+            case,
+            "default",
+            lambda: ctx.row(
+                case,
+                chk(),
+                lambda: ctx.time(fn, x, ids, served["gu"], served["out"]),
+                peer_ms=lambda: ctx.time(fn, x, ids, *dense),
+                work=work,
+                extra={"experts_read": used},
+            ),
+        )

@@ -57,197 +57,463 @@ class Benchmark:
 
 
 def _b(name, suite, module, fn, doc, fields, ci, full, peer, peer_note, ceiling, check, variants=None):
-    return Benchmark(name, suite, module, fn, doc, tuple(fields.split()), {"ci": tuple(ci), "full": tuple(full)},
-                     peer, peer_note, ceiling, check, dict(variants or {}))
+    return Benchmark(
+        name,
+        suite,
+        module,
+        fn,
+        doc,
+        tuple(fields.split()),
+        {"ci": tuple(ci), "full": tuple(full)},
+        peer,
+        peer_note,
+        ceiling,
+        check,
+        dict(variants or {}),
+    )
 
 
 _LAT = (512, 64, 128)  # the model's MLA latent width, rope width and page size
 
 BENCHMARKS: tuple[Benchmark, ...] = (
     # ------------------------------------------------------------------ kernels
-    _b("kda_chunk", "kernels", "kda", "kda_chunk",
-       "KDA chunked prefill, `pallas_kernels.kda.chunk_kda(..., output_final_state=True)`; export=1 also "
-       "exports the state after every 128th and 1536th token in the same pass (what prefix caching stores).",
-       "B T H D export", [(1, 128, 2, 32, 1)],
-       [(1, 32768, 32, 128, 0), (1, 32768, 32, 128, 1), (8, 4096, 32, 128, 0), (8, 4096, 32, 128, 1),
-        (4, 8192, 12, 128, 0)],
-       "fla chunk_kda", "fla's `chunk_kda` on the same bf16 inputs (its plain pass: fla exports no states); "
-       "no peer without fla and torch", "memory",
-       "o, final state and exported states vs `kda_chunked_ref` (fp32) on the same inputs: relative L2 error "
-       "<= 2e-2 (bf16 inputs)",
-       {"intra16": 'tuning {"intra": (16, 1)}', "intra4x2": 'tuning {"intra": (4, 2)}',
-        "intra8x2": 'tuning {"intra": (8, 2)}', "intra_solve": 'tuning {"prepare_impl": "intra_solve"}',
-        "prepare_fused": 'tuning {"prepare_impl": "fused", "prepare": (4, 1), "prepare_dot": "bf16"}',
-        "tf32x3": 'tuning {"prepare_dot": "tf32x3"}', "state_bv32": 'tuning {"state_block_v": 32}',
-        "state8x3": 'tuning {"state": (8, 3)}'}),
-    _b("kda_decode", "kernels", "kda", "kda_decode",
-       "KDA decode, one token on pooled states updated in place: `pallas_kernels.kda.fused_recurrent_kda` on a "
-       "pool of 2B slots, B rows at shuffled slots.",
-       "B H D", [(2, 2, 32)], [(64, 32, 128), (128, 32, 128), (256, 32, 128), (512, 32, 128)],
-       "fla fused_recurrent_kda_fwd", "fla's kernel as vLLM calls it for decode: `fused_recurrent_kda_fwd` on "
-       "the same pool by slot, in place; no peer without fla and torch", "memory",
-       "o and the updated slots vs `kda_recurrent_ref` (fp32) on the gathered states: relative L2 <= 2e-2",
-       {"bv32w4": "block_v 32, 4 warps (fla's tiling)", "bv64w4": "block_v 64, 4 warps",
-        "bv32w2": "block_v 32, 2 warps", "bv128w8": "block_v 128, 8 warps", "hints": "L2 eviction hints"}),
-    _b("kda_decode_fused", "kernels", "kda", "kda_decode_fused",
-       "A KDA layer's whole decode token in one kernel (`pallas_kernels.kda_decode.kda_decode`: short convs, "
-       "gates, recurrence, gated norm) on conv and state pools at shuffled slots.",
-       "B H K", [(2, 2, 16)], [(8, 12, 128), (32, 12, 128), (128, 12, 128)],
-       None, "no external kernel fuses the convs, gates, recurrence and norm of a KDA decode token "
-       "(`kda_decode`'s recurrence alone is `kda_decode`'s benchmark)", "memory",
-       "o and both updated pools vs `kda_decode_ref` on the same inputs: relative L2 <= 2e-2",
-       {"w8": "8 warps", "bv128w4": "block_v 128, 4 warps", "bv128w8": "block_v 128, 8 warps",
-        "bv32w4": "block_v 32, 4 warps", "bv32w2": "block_v 32, 2 warps"}),
-    _b("mla_decode", "kernels", "mla", "mla_decode",
-       "MLA absorbed decode on a paged latent cache (bf16, shuffled page table): the kernel "
-       "`kimik3.ops.mla_decode_impl` picks (`mla_decode_hopper` or `mla.mla_decode`), R latent + P rope.",
-       "H B ctx Sq R P page", [(2, 2, 256, 1, 32, 16, 16)],
-       [(16, 1, 1024, 1, *_LAT), (16, 64, 8192, 1, *_LAT), (16, 128, 32768, 1, *_LAT),
-        (96, 16, 8192, 1, *_LAT), (128, 64, 8192, 1, *_LAT), (128, 64, 8192, 4, *_LAT)],
-       "FlashMLA", "FlashMLA's `flash_mla_with_kvcache` (64-token blocks viewing the same pages) where it imports, "
-       "else XLA's `mla_decode_ref` on the gathered pages", "roofline",
-       "o vs `mla_decode_ref` (fp32 math on the same bf16 inputs): <= 2e-2 relative",
-       {"triton": "the Triton kernel at its defaults", "hopper": "the Hopper kernel at its defaults",
-        "triton_64x8x512x32": "Triton: 64 rows, 8 warps, 512 value columns, block_k 32",
-        "hopper_cluster2": "Hopper: row tiles in CTA pairs"}),
-    _b("mla_prefill", "kernels", "mla", "mla_prefill",
-       "MLA prefill of fresh tokens (naive form, qk 192 = 128 + rope 64, v 128, causal, packed "
-       "sequences): the kernel `kimik3.ops.mla_prefill_impl` picks (`mla_hopper` or `mla.mla_prefill`).",
-       "B T H", [(1, 128, 1)], [(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)],
-       "cuDNN", "cuDNN flash attention doing the same work (qk 192, v 128): the faster of JAX's cuDNN call and "
-       "torch SDPA's cuDNN backend; no peer off the GPU", "compute",
-       "o vs `mla_prefill_ref` on each sequence's first min(T, 1024) queries (causal: they see only their "
-       "prefix): <= 2e-2 relative",
-       {"triton": "the Triton kernel at its defaults", "hopper": "the Hopper kernel at its defaults",
-        "triton_128x64x8x3": "Triton: block_q 128, block_k 64, 8 warps, 3 stages",
-        "hopper_persistent": "Hopper: persistent grid"}),
-    _b("mla_chunk", "kernels", "mla", "mla_chunk",
-       "A prefill chunk continuing a paged cache (expanded form, what the serving engine runs): the kernel "
-       "`kimik3.ops.mla_chunk_impl` picks (`mla_prefill_chunk_hopper` or `mla.mla_prefill_chunk`).",
-       "B T P H R Pe nope dv page", [(1, 24, 40, 2, 32, 16, 16, 16, 16)],
-       [(1, 2048, 0, 16, 512, 64, 128, 128, 128), (1, 2048, 2048, 16, 512, 64, 128, 128, 128),
-        (1, 2048, 8192, 16, 512, 64, 128, 128, 128), (1, 2048, 8192, 96, 512, 64, 128, 128, 128)],
-       "XLA attention", "XLA's masked attention on the expanded K / V of the gathered pages (no external kernel "
-       "takes a latent-page prefix)", "compute",
-       "o vs the peer's output (XLA, same inputs): <= 2e-2 relative",
-       {"triton": "the Triton chunk kernel", "hopper": "the Hopper chunk kernel",
-        "hopper_128": "Hopper, 128-key blocks", "absorbed": "the absorbed decode kernel with Sq = T"}),
-    _b("moe_gemm", "kernels", "moe", "moe_gemm",
-       "Routed-expert grouped GEMM: rows sorted by expert [M, K] x weights [G, K, N] -> [M, N], "
-       "`kimik3.ops.grouped_matmul(kernels='pallas')` (the Hopper or Triton kernel by `moe_gmm_impl`).",
-       "M K N G", [(64, 64, 128, 4)],
-       [(32, 768, 768, 32), (128, 768, 768, 32), (512, 768, 768, 32), (8192, 768, 768, 32), (32768, 768, 768, 32),
-        (512, 1024, 2048, 24), (16384, 1024, 2048, 24)],
-       "ragged_dot_mgpu", "JAX's Mosaic GPU `ragged_dot_mgpu` at the best of a short sweep of its tilings; "
-       "off the GPU XLA's `lax.ragged_dot`", "roofline",
-       "vs `moe.grouped_matmul_ref` in fp32: max |err| <= 2^-6 max |ref| + 1e-3",
-       {"triton": "the Triton kernel", "hopper": "the Hopper kernel on the rows as they are",
-        "hopper_padded": "the Hopper kernel through the group-aligned layout",
-        "hopper_sweep": "each Hopper tiling of `HOPPER_SWEEP` (one row each)"}),
-    _b("moe_ffn", "kernels", "moe", "moe_ffn",
-       "A MoE layer's routed experts: T tokens, top-k routing, gate ++ up with SiTU-GLU, then down: "
-       "`kimik3.ops.grouped_ffn`.",
-       "T L F E K", [(64, 128, 128, 4, 2)],
-       [(8, 768, 768, 32, 4), (32, 768, 768, 32, 4), (2048, 768, 768, 32, 4), (8192, 768, 768, 32, 4),
-        (4096, 1024, 1024, 24, 4)],
-       "ragged_dot_mgpu", "the same experts on `ragged_dot_mgpu` (sort by expert, two GEMMs, the activation in "
-       "XLA, unsort), best of a short tiling sweep; no peer off the GPU", "roofline",
-       "vs the reference FFN (`grouped_matmul_ref` twice, fp32): <= 2^-5 max |ref| + 1e-3",
-       {"triton": "the Triton kernels", "hopper": "the Hopper kernels",
-        "tiling_sweep": "the Triton gate/up and down tilings of `TILINGS`, one changed at a time"}),
+    _b(
+        "kda_chunk",
+        "kernels",
+        "kda",
+        "kda_chunk",
+        "KDA chunked prefill, `pallas_kernels.kda.chunk_kda(..., output_final_state=True)`; export=1 also "
+        "exports the state after every 128th and 1536th token in the same pass (what prefix caching stores).",
+        "B T H D export",
+        [(1, 128, 2, 32, 1)],
+        [
+            (1, 32768, 32, 128, 0),
+            (1, 32768, 32, 128, 1),
+            (8, 4096, 32, 128, 0),
+            (8, 4096, 32, 128, 1),
+            (4, 8192, 12, 128, 0),
+        ],
+        "fla chunk_kda",
+        "fla's `chunk_kda` on the same bf16 inputs (its plain pass: fla exports no states); "
+        "no peer without fla and torch",
+        "memory",
+        "o, final state and exported states vs `kda_chunked_ref` (fp32) on the same inputs: relative L2 error "
+        "<= 2e-2 (bf16 inputs)",
+        {
+            "intra16": 'tuning {"intra": (16, 1)}',
+            "intra4x2": 'tuning {"intra": (4, 2)}',
+            "intra8x2": 'tuning {"intra": (8, 2)}',
+            "intra_solve": 'tuning {"prepare_impl": "intra_solve"}',
+            "prepare_fused": 'tuning {"prepare_impl": "fused", "prepare": (4, 1), "prepare_dot": "bf16"}',
+            "tf32x3": 'tuning {"prepare_dot": "tf32x3"}',
+            "state_bv32": 'tuning {"state_block_v": 32}',
+            "state8x3": 'tuning {"state": (8, 3)}',
+        },
+    ),
+    _b(
+        "kda_decode",
+        "kernels",
+        "kda",
+        "kda_decode",
+        "KDA decode, one token on pooled states updated in place: `pallas_kernels.kda.fused_recurrent_kda` on a "
+        "pool of 2B slots, B rows at shuffled slots.",
+        "B H D",
+        [(2, 2, 32)],
+        [(64, 32, 128), (128, 32, 128), (256, 32, 128), (512, 32, 128)],
+        "fla fused_recurrent_kda_fwd",
+        "fla's kernel as vLLM calls it for decode: `fused_recurrent_kda_fwd` on "
+        "the same pool by slot, in place; no peer without fla and torch",
+        "memory",
+        "o and the updated slots vs `kda_recurrent_ref` (fp32) on the gathered states: relative L2 <= 2e-2",
+        {
+            "bv32w4": "block_v 32, 4 warps (fla's tiling)",
+            "bv64w4": "block_v 64, 4 warps",
+            "bv32w2": "block_v 32, 2 warps",
+            "bv128w8": "block_v 128, 8 warps",
+            "hints": "L2 eviction hints",
+        },
+    ),
+    _b(
+        "kda_decode_fused",
+        "kernels",
+        "kda",
+        "kda_decode_fused",
+        "A KDA layer's whole decode token in one kernel (`pallas_kernels.kda_decode.kda_decode`: short convs, "
+        "gates, recurrence, gated norm) on conv and state pools at shuffled slots.",
+        "B H K",
+        [(2, 2, 16)],
+        [(8, 12, 128), (32, 12, 128), (128, 12, 128)],
+        None,
+        "no external kernel fuses the convs, gates, recurrence and norm of a KDA decode token "
+        "(`kda_decode`'s recurrence alone is `kda_decode`'s benchmark)",
+        "memory",
+        "o and both updated pools vs `kda_decode_ref` on the same inputs: relative L2 <= 2e-2",
+        {
+            "w8": "8 warps",
+            "bv128w4": "block_v 128, 4 warps",
+            "bv128w8": "block_v 128, 8 warps",
+            "bv32w4": "block_v 32, 4 warps",
+            "bv32w2": "block_v 32, 2 warps",
+        },
+    ),
+    _b(
+        "mla_decode",
+        "kernels",
+        "mla",
+        "mla_decode",
+        "MLA absorbed decode on a paged latent cache (bf16, shuffled page table): the kernel "
+        "`kimik3.ops.mla_decode_impl` picks (`mla_decode_hopper` or `mla.mla_decode`), R latent + P rope.",
+        "H B ctx Sq R P page",
+        [(2, 2, 256, 1, 32, 16, 16)],
+        [
+            (16, 1, 1024, 1, *_LAT),
+            (16, 64, 8192, 1, *_LAT),
+            (16, 128, 32768, 1, *_LAT),
+            (96, 16, 8192, 1, *_LAT),
+            (128, 64, 8192, 1, *_LAT),
+            (128, 64, 8192, 4, *_LAT),
+        ],
+        "FlashMLA",
+        "FlashMLA's `flash_mla_with_kvcache` (64-token blocks viewing the same pages) where it imports, "
+        "else XLA's `mla_decode_ref` on the gathered pages",
+        "roofline",
+        "o vs `mla_decode_ref` (fp32 math on the same bf16 inputs): <= 2e-2 relative",
+        {
+            "triton": "the Triton kernel at its defaults",
+            "hopper": "the Hopper kernel at its defaults",
+            "triton_64x8x512x32": "Triton: 64 rows, 8 warps, 512 value columns, block_k 32",
+            "hopper_cluster2": "Hopper: row tiles in CTA pairs",
+        },
+    ),
+    _b(
+        "mla_prefill",
+        "kernels",
+        "mla",
+        "mla_prefill",
+        "MLA prefill of fresh tokens (naive form, qk 192 = 128 + rope 64, v 128, causal, packed "
+        "sequences): the kernel `kimik3.ops.mla_prefill_impl` picks (`mla_hopper` or `mla.mla_prefill`).",
+        "B T H",
+        [(1, 128, 1)],
+        [(1, 4096, 16), (1, 16384, 16), (4, 4096, 96)],
+        "cuDNN",
+        "cuDNN flash attention doing the same work (qk 192, v 128): the faster of JAX's cuDNN call and "
+        "torch SDPA's cuDNN backend; no peer off the GPU",
+        "compute",
+        "o vs `mla_prefill_ref` on each sequence's first min(T, 1024) queries (causal: they see only their "
+        "prefix): <= 2e-2 relative",
+        {
+            "triton": "the Triton kernel at its defaults",
+            "hopper": "the Hopper kernel at its defaults",
+            "triton_128x64x8x3": "Triton: block_q 128, block_k 64, 8 warps, 3 stages",
+            "hopper_persistent": "Hopper: persistent grid",
+        },
+    ),
+    _b(
+        "mla_chunk",
+        "kernels",
+        "mla",
+        "mla_chunk",
+        "A prefill chunk continuing a paged cache (expanded form, what the serving engine runs): the kernel "
+        "`kimik3.ops.mla_chunk_impl` picks (`mla_prefill_chunk_hopper` or `mla.mla_prefill_chunk`).",
+        "B T P H R Pe nope dv page",
+        [(1, 24, 40, 2, 32, 16, 16, 16, 16)],
+        [
+            (1, 2048, 0, 16, 512, 64, 128, 128, 128),
+            (1, 2048, 2048, 16, 512, 64, 128, 128, 128),
+            (1, 2048, 8192, 16, 512, 64, 128, 128, 128),
+            (1, 2048, 8192, 96, 512, 64, 128, 128, 128),
+        ],
+        "XLA attention",
+        "XLA's masked attention on the expanded K / V of the gathered pages (no external kernel "
+        "takes a latent-page prefix)",
+        "compute",
+        "o vs the peer's output (XLA, same inputs): <= 2e-2 relative",
+        {
+            "triton": "the Triton chunk kernel",
+            "hopper": "the Hopper chunk kernel",
+            "hopper_128": "Hopper, 128-key blocks",
+            "absorbed": "the absorbed decode kernel with Sq = T",
+        },
+    ),
+    _b(
+        "moe_gemm",
+        "kernels",
+        "moe",
+        "moe_gemm",
+        "Routed-expert grouped GEMM: rows sorted by expert [M, K] x weights [G, K, N] -> [M, N], "
+        "`kimik3.ops.grouped_matmul(kernels='pallas')` (the Hopper or Triton kernel by `moe_gmm_impl`).",
+        "M K N G",
+        [(64, 64, 128, 4)],
+        [
+            (32, 768, 768, 32),
+            (128, 768, 768, 32),
+            (512, 768, 768, 32),
+            (8192, 768, 768, 32),
+            (32768, 768, 768, 32),
+            (512, 1024, 2048, 24),
+            (16384, 1024, 2048, 24),
+        ],
+        "ragged_dot_mgpu",
+        "JAX's Mosaic GPU `ragged_dot_mgpu` at the best of a short sweep of its tilings; "
+        "off the GPU XLA's `lax.ragged_dot`",
+        "roofline",
+        "vs `moe.grouped_matmul_ref` in fp32: max |err| <= 2^-6 max |ref| + 1e-3",
+        {
+            "triton": "the Triton kernel",
+            "hopper": "the Hopper kernel on the rows as they are",
+            "hopper_padded": "the Hopper kernel through the group-aligned layout",
+            "hopper_sweep": "each Hopper tiling of `HOPPER_SWEEP` (one row each)",
+        },
+    ),
+    _b(
+        "moe_ffn",
+        "kernels",
+        "moe",
+        "moe_ffn",
+        "A MoE layer's routed experts: T tokens, top-k routing, gate ++ up with SiTU-GLU, then down: "
+        "`kimik3.ops.grouped_ffn`.",
+        "T L F E K",
+        [(64, 128, 128, 4, 2)],
+        [
+            (8, 768, 768, 32, 4),
+            (32, 768, 768, 32, 4),
+            (2048, 768, 768, 32, 4),
+            (8192, 768, 768, 32, 4),
+            (4096, 1024, 1024, 24, 4),
+        ],
+        "ragged_dot_mgpu",
+        "the same experts on `ragged_dot_mgpu` (sort by expert, two GEMMs, the activation in "
+        "XLA, unsort), best of a short tiling sweep; no peer off the GPU",
+        "roofline",
+        "vs the reference FFN (`grouped_matmul_ref` twice, fp32): <= 2^-5 max |ref| + 1e-3",
+        {
+            "triton": "the Triton kernels",
+            "hopper": "the Hopper kernels",
+            "tiling_sweep": "the Triton gate/up and down tilings of `TILINGS`, one changed at a time",
+        },
+    ),
     # ------------------------------------------------------------------ quant
-    _b("quant_linear", "quant", "quant_gemm", "quant_linear",
-       "A projection GEMM on fp8 / mxfp8 weights (`kimik3.ops.linear` on a `QTensor`: the rows quantized, then "
-       "the block-scaled Pallas kernel), `small`'s and the full-scale model's projections.",
-       "M K N fmt", [(4, 256, 256, "fp8"), (4, 256, 256, "mxfp8")],
-       [(m, k, n, f) for k, n in ((1536, 4876), (7168, 24896), (12288, 7168)) for m in (1, 64, 8192)
-        for f in ("fp8", "mxfp8")],
-       "bf16 XLA matmul", "the same projection in bf16 (`x @ w`, XLA / cuBLAS) on the dequantized weights",
-       "roofline", "vs `ops.linear(kernels='reference')` (the same row quantization, fp32 dots): <= 2e-2 relative"),
-    _b("mxfp4_experts", "quant", "quant_gemm", "mxfp4_experts",
-       "Routed-expert GEMM on MXFP4 weights decoded in the kernel (`ops.grouped_matmul` on a `QTensor`; the "
-       "Hopper layout where `ops.moe_mxfp4_impl` names it), rows spread uniformly over G experts.",
-       "rows G K N", [(8, 4, 256, 256)],
-       [(4, 56, 4096, 8192), (32, 56, 4096, 8192), (256, 56, 4096, 8192), (1024, 56, 4096, 8192),
-        (8, 32, 768, 1536), (128, 32, 768, 1536)],
-       "bf16 grouped GEMM", "our bf16 grouped GEMM (`ops.grouped_matmul`) on the same weights dequantized: what "
-       "MXFP4 saves", "memory",
-       "vs `grouped_matmul_ref` on the dequantized weights: <= 2e-2 relative",
-       {"triton": "the Triton MXFP4 kernel", "hopper": "the Hopper MXFP4 kernel",
-        "triton_sweep": "each Triton tiling of `MX_TILINGS`", "hopper_sweep": "each Hopper tiling of "
-        "`HOPPER_MX_TILINGS`"}),
-    _b("mxfp4_ffn", "quant", "quant_gemm", "mxfp4_ffn",
-       "A decode step's routed experts on MXFP4 weights: `moe.grouped_ffn` (gate / up with the activation, then "
-       "down), each token routed to top-k experts.",
-       "T E L F K", [(2, 4, 128, 128, 2)],
-       [(1, 32, 768, 768, 8), (32, 32, 768, 768, 8), (4, 56, 4096, 4096, 8), (64, 56, 4096, 4096, 8)],
-       "bf16 grouped FFN", "the same FFN on the dequantized bf16 weights", "memory",
-       "vs the same FFN on the dequantized weights: <= 3e-2 relative"),
-    _b("quant_accuracy", "quant", "quant_accuracy", "quant_accuracy",
-       "Held-out loss and greedy agreement of each served manifest (fp8 / mxfp8 attention, MXFP4 or bf16 "
-       "experts) against bf16 and fp32, teacher-forced windows; random weights unless "
-       "`--option quant_accuracy.checkpoint=DIR` names trained ones (full trains `mini` for `minutes` first).",
-       "config windows window minutes manifests", [("tiny", 2, 32, 0.0, "fp8_attn")], [("mini", 32, 256, 3.0, "all")],
-       None, "an accuracy benchmark: nothing is timed", None,
-       "a manifest's row: each fused quantized projection group equals its members' GEMMs bit for bit; the "
-       "bf16 row: mean |logit error| against fp32 <= 0.15"),
+    _b(
+        "quant_linear",
+        "quant",
+        "quant_gemm",
+        "quant_linear",
+        "A projection GEMM on fp8 / mxfp8 weights (`kimik3.ops.linear` on a `QTensor`: the rows quantized, then "
+        "the block-scaled Pallas kernel), `small`'s and the full-scale model's projections.",
+        "M K N fmt",
+        [(4, 256, 256, "fp8"), (4, 256, 256, "mxfp8")],
+        [
+            (m, k, n, f)
+            for k, n in ((1536, 4876), (7168, 24896), (12288, 7168))
+            for m in (1, 64, 8192)
+            for f in ("fp8", "mxfp8")
+        ],
+        "bf16 XLA matmul",
+        "the same projection in bf16 (`x @ w`, XLA / cuBLAS) on the dequantized weights",
+        "roofline",
+        "vs `ops.linear(kernels='reference')` (the same row quantization, fp32 dots): <= 2e-2 relative",
+    ),
+    _b(
+        "mxfp4_experts",
+        "quant",
+        "quant_gemm",
+        "mxfp4_experts",
+        "Routed-expert GEMM on MXFP4 weights decoded in the kernel (`ops.grouped_matmul` on a `QTensor`; the "
+        "Hopper layout where `ops.moe_mxfp4_impl` names it), rows spread uniformly over G experts.",
+        "rows G K N",
+        [(8, 4, 256, 256)],
+        [
+            (4, 56, 4096, 8192),
+            (32, 56, 4096, 8192),
+            (256, 56, 4096, 8192),
+            (1024, 56, 4096, 8192),
+            (8, 32, 768, 1536),
+            (128, 32, 768, 1536),
+        ],
+        "bf16 grouped GEMM",
+        "our bf16 grouped GEMM (`ops.grouped_matmul`) on the same weights dequantized: what MXFP4 saves",
+        "memory",
+        "vs `grouped_matmul_ref` on the dequantized weights: <= 2e-2 relative",
+        {
+            "triton": "the Triton MXFP4 kernel",
+            "hopper": "the Hopper MXFP4 kernel",
+            "triton_sweep": "each Triton tiling of `MX_TILINGS`",
+            "hopper_sweep": "each Hopper tiling of `HOPPER_MX_TILINGS`",
+        },
+    ),
+    _b(
+        "mxfp4_ffn",
+        "quant",
+        "quant_gemm",
+        "mxfp4_ffn",
+        "A decode step's routed experts on MXFP4 weights: `moe.grouped_ffn` (gate / up with the activation, then "
+        "down), each token routed to top-k experts.",
+        "T E L F K",
+        [(2, 4, 128, 128, 2)],
+        [(1, 32, 768, 768, 8), (32, 32, 768, 768, 8), (4, 56, 4096, 4096, 8), (64, 56, 4096, 4096, 8)],
+        "bf16 grouped FFN",
+        "the same FFN on the dequantized bf16 weights",
+        "memory",
+        "vs the same FFN on the dequantized weights: <= 3e-2 relative",
+    ),
+    _b(
+        "quant_accuracy",
+        "quant",
+        "quant_accuracy",
+        "quant_accuracy",
+        "Held-out loss and greedy agreement of each served manifest (fp8 / mxfp8 attention, MXFP4 or bf16 "
+        "experts) against bf16 and fp32, teacher-forced windows; random weights unless "
+        "`--option quant_accuracy.checkpoint=DIR` names trained ones (full trains `mini` for `minutes` first).",
+        "config windows window minutes manifests",
+        [("tiny", 2, 32, 0.0, "fp8_attn")],
+        [("mini", 32, 256, 3.0, "all")],
+        None,
+        "an accuracy benchmark: nothing is timed",
+        None,
+        "a manifest's row: each fused quantized projection group equals its members' GEMMs bit for bit; the "
+        "bf16 row: mean |logit error| against fp32 <= 0.15",
+    ),
     # ------------------------------------------------------------------ serving
-    _b("decode_step", "serving", "serving_bench", "decode_step",
-       "The serving engine's decode program (`serving.model_runner.decode_program`) at the bucket of B "
-       "requests with ctx cached tokens each, back to back on its persistent buffers, against the bytes a "
-       "step must read (weights, KV, KDA states).",
-       "config B ctx", [("tiny", 2, 48)], [("small", 1, 2048), ("small", 32, 2048)],
-       None, "no external engine serves this model", "memory",
-       "each greedy token the program picks vs the fp32 model's step program (`model._forward`) on the "
-       "reference kernels, same pools and rows: the share of rows whose token lies more than 0.1 of the "
-       "row's logit range below the oracle's best <= 0.25 for a bf16 engine (in fp32: none past 1e-3)"),
-    _b("serving_load", "serving", "serving_bench", "serving_load",
-       "The engine under load: N requests of `prompt` tokens and `output` new tokens at once; ours_ms is TPOT "
-       "p50 (TTFT, throughput beside it).",
-       "config N prompt output", [("tiny", 2, 48, 6)],
-       [("small", n, 2048, 128) for n in (1, 4, 16, 32)],
-       None, "no external engine serves this model", None,
-       "the first request's tokens vs the fp32 `model.forward` on the reference kernels (teacher-forced): "
-       "decode_step's margin", {"pd": "prefill / decode disaggregated, one engine each, stepping in threads"}),
-    _b("host_tier", "serving", "host_tier", "host_tier",
-       "Host KV tier: batch get of MLA pages / KDA snapshots (sized by the config) from the embedded tier.",
-       "config entry", [("tiny", "mla_page"), ("tiny", "kda_snapshot")],
-       [(c, e) for c in ("small", "kimi_k3") for e in ("mla_page", "kda_snapshot")],
-       "memcpy", "numpy `copyto` of the same bytes, host to host", None,
-       "every entry read back equals what was put (max |err| <= 0)",
-       {"mooncake": "Mooncake's store over loopback TCP (its master, metadata and memory servers started here)"}),
-    _b("compile_time", "serving", "startup", "compile_time",
-       "Compile time of one decode step (`model.forward`, B rows of one token, contiguous cache) in a fresh "
-       "process with no compilation cache: the first call minus the second.",
-       "config B", [("tiny", 2)], [("small", 8)],
-       None, "no peer compiles this model", None,
-       "the two calls' logits are equal (max |err| <= 0)",
-       {"whole": "programs='whole' (one program, as the engine compiles)", "fused": "the serving layout",
-        "stacked": "the scanned layout"}),
-    _b("init_time", "serving", "startup", "init_time",
-       "Drawing the params (`model.init_params`) in a fresh process: seconds and peak host RSS.",
-       "config", [("tiny",)], [("small",)],
-       None, "no peer initializes this model", None,
-       "the params' tree and shapes equal `model.abstract_params` and every value is finite",
-       {"whole": "flax's init of the whole model as one jitted program",
-        "whole_kernel": "the same with jax_threefry_gpu_kernel_lowering"}),
+    _b(
+        "decode_step",
+        "serving",
+        "serving_bench",
+        "decode_step",
+        "The serving engine's decode program (`serving.model_runner.decode_program`) at the bucket of B "
+        "requests with ctx cached tokens each, back to back on its persistent buffers, against the bytes a "
+        "step must read (weights, KV, KDA states).",
+        "config B ctx",
+        [("tiny", 2, 48)],
+        [("small", 1, 2048), ("small", 32, 2048)],
+        None,
+        "no external engine serves this model",
+        "memory",
+        "each greedy token the program picks vs the fp32 model's step program (`model._forward`) on the "
+        "reference kernels, same pools and rows: the share of rows whose token lies more than 0.1 of the "
+        "row's logit range below the oracle's best <= 0.25 for a bf16 engine (in fp32: none past 1e-3)",
+    ),
+    _b(
+        "serving_load",
+        "serving",
+        "serving_bench",
+        "serving_load",
+        "The engine under load: N requests of `prompt` tokens and `output` new tokens at once; ours_ms is TPOT "
+        "p50 (TTFT, throughput beside it).",
+        "config N prompt output",
+        [("tiny", 2, 48, 6)],
+        [("small", n, 2048, 128) for n in (1, 4, 16, 32)],
+        None,
+        "no external engine serves this model",
+        None,
+        "the first request's tokens vs the fp32 `model.forward` on the reference kernels (teacher-forced): "
+        "decode_step's margin",
+        {"pd": "prefill / decode disaggregated, one engine each, stepping in threads"},
+    ),
+    _b(
+        "host_tier",
+        "serving",
+        "host_tier",
+        "host_tier",
+        "Host KV tier: batch get of MLA pages / KDA snapshots (sized by the config) from the embedded tier.",
+        "config entry",
+        [("tiny", "mla_page"), ("tiny", "kda_snapshot")],
+        [(c, e) for c in ("small", "kimi_k3") for e in ("mla_page", "kda_snapshot")],
+        "memcpy",
+        "numpy `copyto` of the same bytes, host to host",
+        None,
+        "every entry read back equals what was put (max |err| <= 0)",
+        {"mooncake": "Mooncake's store over loopback TCP (its master, metadata and memory servers started here)"},
+    ),
+    _b(
+        "compile_time",
+        "serving",
+        "startup",
+        "compile_time",
+        "Compile time of one decode step (`model.forward`, B rows of one token, contiguous cache) in a fresh "
+        "process with no compilation cache: the first call minus the second.",
+        "config B",
+        [("tiny", 2)],
+        [("small", 8)],
+        None,
+        "no peer compiles this model",
+        None,
+        "the two calls' logits are equal (max |err| <= 0)",
+        {
+            "whole": "programs='whole' (one program, as the engine compiles)",
+            "fused": "the serving layout",
+            "stacked": "the scanned layout",
+        },
+    ),
+    _b(
+        "init_time",
+        "serving",
+        "startup",
+        "init_time",
+        "Drawing the params (`model.init_params`) in a fresh process: seconds and peak host RSS.",
+        "config",
+        [("tiny",)],
+        [("small",)],
+        None,
+        "no peer initializes this model",
+        None,
+        "the params' tree and shapes equal `model.abstract_params` and every value is finite",
+        {
+            "whole": "flax's init of the whole model as one jitted program",
+            "whole_kernel": "the same with jax_threefry_gpu_kernel_lowering",
+        },
+    ),
+    _b(
+        "hf_load",
+        "serving",
+        "startup",
+        "hf_load",
+        "Loading a Hugging Face Kimi-Linear directory (`kimik3.hf.load`, streamed shard by shard) in a fresh "
+        "process: seconds and the loader's own peak host memory.  The directory is synthetic (random bf16 at "
+        "the checkpoint's widths, Hub names, many shards).",
+        "layers experts shard_mb",
+        [(2, 8, 16)],
+        [(4, 64, 256)],
+        None,
+        "no other JAX loader reads this checkpoint",
+        None,
+        "the loader's peak host RSS above its start (less the weights where they live in host memory) "
+        "<= directory bytes / 4 + 2 GB",
+        {"mxfp4": "the routed experts quantized to MXFP4 on the way in"},
+    ),
     # ------------------------------------------------------------------ spec
-    _b("spec_decode", "spec", "spec_bench", "spec_decode",
-       "Decode through the serving engine with EAGLE-3 speculative decoding (k drafted tokens per verify) "
-       "against the same engine without a draft; ours_ms and peer_ms are ms per decoded token.  Random "
-       "weights unless `--option spec_decode.target=DIR --option spec_decode.draft=DIR` name trained ones.",
-       "config B k prompt max_new", [("tiny", 1, 2, 16, 8)], [("mini", 1, 3, 64, 128), ("mini", 8, 3, 64, 128)],
-       "plain engine", "the same engine and requests without a draft (greedy)", None,
-       "every request's tokens vs the fp32 `model.forward` on the reference kernels (teacher-forced): "
-       "decode_step's margin"),
-    _b("spec_acceptance", "spec", "spec_bench", "spec_acceptance",
-       "Draft acceptance through the speculative reference (`kimik3.speculative.speculative_generate`): "
-       "acceptance and accept length per k; random weights unless `--option spec_acceptance.target=DIR "
-       "--option spec_acceptance.draft=DIR` name trained ones.",
-       "config prompts k prompt max_new", [("tiny", 1, 2, 16, 6)],
-       [("mini", 16, k, 48, 64) for k in (1, 2, 3, 4)],
-       None, "an accuracy benchmark: the reference recomputes everything, its seconds say nothing", None,
-       "the speculative tokens equal the oracle's (`generate`, fp32, no cache) exactly"),
+    _b(
+        "spec_decode",
+        "spec",
+        "spec_bench",
+        "spec_decode",
+        "Decode through the serving engine with EAGLE-3 speculative decoding (k drafted tokens per verify) "
+        "against the same engine without a draft; ours_ms and peer_ms are ms per decoded token.  Random "
+        "weights unless `--option spec_decode.target=DIR --option spec_decode.draft=DIR` name trained ones.",
+        "config B k prompt max_new",
+        [("tiny", 1, 2, 16, 8)],
+        [("mini", 1, 3, 64, 128), ("mini", 8, 3, 64, 128)],
+        "plain engine",
+        "the same engine and requests without a draft (greedy)",
+        None,
+        "every request's tokens vs the fp32 `model.forward` on the reference kernels (teacher-forced): "
+        "decode_step's margin",
+    ),
+    _b(
+        "spec_acceptance",
+        "spec",
+        "spec_bench",
+        "spec_acceptance",
+        "Draft acceptance through the speculative reference (`kimik3.speculative.speculative_generate`): "
+        "acceptance and accept length per k; random weights unless `--option spec_acceptance.target=DIR "
+        "--option spec_acceptance.draft=DIR` name trained ones.",
+        "config prompts k prompt max_new",
+        [("tiny", 1, 2, 16, 6)],
+        [("mini", 16, k, 48, 64) for k in (1, 2, 3, 4)],
+        None,
+        "an accuracy benchmark: the reference recomputes everything, its seconds say nothing",
+        None,
+        "the speculative tokens equal the oracle's (`generate`, fp32, no cache) exactly",
+    ),
 )
 
 
@@ -331,13 +597,16 @@ class Context:
         import logging
 
         if self.out_of_time():
-            return dict(error_row(self.bench, self._case(case), "skipped: the run's budget was spent",
-                                  status="skipped"), variant=variant)
+            return dict(
+                error_row(self.bench, self._case(case), "skipped: the run's budget was spent", status="skipped"),
+                variant=variant,
+            )
         try:
             return make_row()
         except Exception as e:  # noqa: BLE001 - reported in the row
-            logging.getLogger("benchmarks").warning("%s %s [%s]: %s: %s", self.bench.name, self._case(case), variant,
-                                                    type(e).__name__, str(e)[:300])
+            logging.getLogger("benchmarks").warning(
+                "%s %s [%s]: %s: %s", self.bench.name, self._case(case), variant, type(e).__name__, str(e)[:300]
+            )
             return dict(error_row(self.bench, self._case(case), e), variant=variant)
 
     def error(self, case, variant: str, message: str) -> dict:
@@ -347,14 +616,35 @@ class Context:
     def _case(self, case) -> str:
         return case if isinstance(case, str) else self.label(case)
 
-    def row(self, case, check: dict | None, ours, *, variant: str = "default", peer_ms=None, peer: str | None = None,
-            work: dict | None = None, extra: dict | None = None) -> dict:
+    def row(
+        self,
+        case,
+        check: dict | None,
+        ours,
+        *,
+        variant: str = "default",
+        peer_ms=None,
+        peer: str | None = None,
+        work: dict | None = None,
+        extra: dict | None = None,
+    ) -> dict:
         """One result row.  ours / peer_ms: ms, or a callable returning ms (called only when the
         check passed; a failing peer leaves peer_ms None and says why in extra).  work: {"bytes",
         "flops"} one call of ours moves / computes, for the fraction of the ceiling."""
-        row = dict(benchmark=self.bench.name, case=self._case(case),
-                   variant=variant, ours_ms=None, peer=None, peer_ms=None, ratio=None, ceiling_kind=None,
-                   fraction_of_ceiling=None, check=check, status="ok", extra={} if extra is None else extra)
+        row = dict(
+            benchmark=self.bench.name,
+            case=self._case(case),
+            variant=variant,
+            ours_ms=None,
+            peer=None,
+            peer_ms=None,
+            ratio=None,
+            ceiling_kind=None,
+            fraction_of_ceiling=None,
+            check=check,
+            status="ok",
+            extra={} if extra is None else extra,
+        )
         if check is not None and not check["ok"]:
             row["status"] = "failed"
             return row
@@ -395,6 +685,17 @@ class Context:
 
 def error_row(bench: Benchmark, what: str, error: BaseException | str, status: str = "error") -> dict:
     """A row saying a benchmark (or one of its cases) did not produce a figure, and why."""
-    return dict(benchmark=bench.name, case=what, variant="default", ours_ms=None, peer=None, peer_ms=None,
-                ratio=None, ceiling_kind=None, fraction_of_ceiling=None, check=None, status=status,
-                extra={"error": error if isinstance(error, str) else f"{type(error).__name__}: {str(error)[:400]}"})
+    return dict(
+        benchmark=bench.name,
+        case=what,
+        variant="default",
+        ours_ms=None,
+        peer=None,
+        peer_ms=None,
+        ratio=None,
+        ceiling_kind=None,
+        fraction_of_ceiling=None,
+        check=None,
+        status=status,
+        extra={"error": error if isinstance(error, str) else f"{type(error).__name__}: {str(error)[:400]}"},
+    )

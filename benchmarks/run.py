@@ -39,8 +39,19 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 from benchmarks import common, registry  # noqa: E402
 
 log = logging.getLogger("benchmarks")
-COLUMNS = ["benchmark", "case", "variant", "ours_ms", "peer", "peer_ms", "ratio", "ceiling_kind",
-           "fraction_of_ceiling", "check_err", "status"]
+COLUMNS = [
+    "benchmark",
+    "case",
+    "variant",
+    "ours_ms",
+    "peer",
+    "peer_ms",
+    "ratio",
+    "ceiling_kind",
+    "fraction_of_ceiling",
+    "check_err",
+    "status",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,18 +59,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--suite", default="all", choices=registry.SUITES + ("all",))
     ap.add_argument("--only", default=None, help="comma-separated benchmark names (overrides --suite)")
     ap.add_argument("--shapes", default="ci", choices=("ci", "full"), help="the registry's shape preset")
-    ap.add_argument("--cases", default=None, metavar="I[,J]",
-                    help="indices of each benchmark's preset cases to run (default all; e.g. 0: a quick pass)")
+    ap.add_argument(
+        "--cases",
+        default=None,
+        metavar="I[,J]",
+        help="indices of each benchmark's preset cases to run (default all; e.g. 0: a quick pass)",
+    )
     ap.add_argument("--variants", default="", help="named variants to run beside each default: NAME[,NAME] or all")
-    ap.add_argument("--option", action="append", default=[], metavar="BENCH.KEY=VALUE",
-                    help="a benchmark's option (e.g. spec_decode.target=DIR); repeatable")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="BENCH.KEY=VALUE",
+        help="a benchmark's option (e.g. spec_decode.target=DIR); repeatable",
+    )
     ap.add_argument("--json", default=None, help="output path (default benchmarks/results/<suite>_<device>.json)")
     ap.add_argument("--budget-s", type=float, default=None, help="skip the benchmarks that start after this long")
     ap.add_argument("--base", default=None, metavar="REF", help="also run REF's library code and report this / base")
     ap.add_argument("--keep-base", action="store_true", help="keep --base's extracted tree (its path is logged)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD of this tree)")
-    ap.add_argument("--compile-cache", default=None,
-                    help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')")
+    ap.add_argument(
+        "--compile-cache",
+        default=None,
+        help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')",
+    )
     ap.add_argument("--list", action="store_true", help="print the registry and exit")
     return ap.parse_args(argv)
 
@@ -114,12 +137,20 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
     compile_cache.enable(args.compile_cache)
     device = common.device_name()
     args.json = args.json or default_json(args, device)
-    result = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=device,
-                  host_cpu=common.host_cpu(), versions=common.versions(),
-                  commit={"sha": args.commit, "dirty": None} if args.commit else common.commit(),
-                  shapes=args.shapes, cases=args.cases, suite=args.suite, only=args.only, variants=args.variants,
-                  ceilings={},
-                  rows=[])
+    result = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=device,
+        host_cpu=common.host_cpu(),
+        versions=common.versions(),
+        commit={"sha": args.commit, "dirty": None} if args.commit else common.commit(),
+        shapes=args.shapes,
+        cases=args.cases,
+        suite=args.suite,
+        only=args.only,
+        variants=args.variants,
+        ceilings={},
+        rows=[],
+    )
     log.info("device %s, host %s, versions %s", device, result["host_cpu"], result["versions"])
     start = time.monotonic()
     deadline = start + budget_s if budget_s else float("inf")
@@ -135,19 +166,32 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
     for bench in benches:
         if time.monotonic() > deadline:
             log.warning("budget spent: skipping %s", bench.name)
-            result["rows"].append(registry.error_row(bench, "-", f"skipped: the {budget_s:.0f} s budget was spent",
-                                                     status="skipped"))
+            result["rows"].append(
+                registry.error_row(bench, "-", f"skipped: the {budget_s:.0f} s budget was spent", status="skipped")
+            )
             continue
-        ctx = registry.Context(bench, shapes=args.shapes, variants=variants, ceilings=result["ceilings"],
-                               options=options.get(bench.name, {}), deadline=deadline,
-                               pick=tuple(int(i) for i in args.cases.split(",")) if args.cases else None)
+        ctx = registry.Context(
+            bench,
+            shapes=args.shapes,
+            variants=variants,
+            ceilings=result["ceilings"],
+            options=options.get(bench.name, {}),
+            deadline=deadline,
+            pick=tuple(int(i) for i in args.cases.split(",")) if args.cases else None,
+        )
         t0 = time.monotonic()
         log.info("%s (%s): %d cases", bench.name, bench.suite, len(ctx.cases()))
         try:
             for row in bench.load()(ctx):
                 result["rows"].append(row)
-                log.info("  %s [%s]: ours %s ms, peer %s ms, %s", row["case"], row["variant"],
-                         common.fmt(row["ours_ms"]), common.fmt(row["peer_ms"]), row["status"])
+                log.info(
+                    "  %s [%s]: ours %s ms, peer %s ms, %s",
+                    row["case"],
+                    row["variant"],
+                    common.fmt(row["ours_ms"]),
+                    common.fmt(row["peer_ms"]),
+                    row["status"],
+                )
         except Exception as e:  # noqa: BLE001 - one benchmark that breaks ends neither the run nor the file
             log.exception("%s raised", bench.name)
             result["rows"].append(registry.error_row(bench, "-", e))
@@ -160,15 +204,19 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
 
 def extract_base(ref: str) -> tuple[str, str]:
     """(sha, dir): REF's tree from `git archive` in a temp dir, its benchmarks/ replaced by this tree's."""
-    sha = subprocess.run(["git", "rev-parse", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
     tar = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, capture_output=True, check=True).stdout
     tmp = tempfile.mkdtemp(prefix="kimik3-base-")
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         t.extractall(tmp, filter="data")
     shutil.rmtree(os.path.join(tmp, "benchmarks"), ignore_errors=True)
-    shutil.copytree(os.path.join(ROOT, "benchmarks"), os.path.join(tmp, "benchmarks"),
-                    ignore=shutil.ignore_patterns("__pycache__", "results", "RESULTS.md", "*.tmp"))
+    shutil.copytree(
+        os.path.join(ROOT, "benchmarks"),
+        os.path.join(tmp, "benchmarks"),
+        ignore=shutil.ignore_patterns("__pycache__", "results", "RESULTS.md", "*.tmp"),
+    )
     return sha, tmp
 
 
@@ -180,15 +228,30 @@ def run_base(args, benches: list[registry.Benchmark]) -> tuple[dict, int]:
     log.info("base %s (%s) extracted to %s", args.base, sha[:12], tmp)
     json_path = args.json or default_json(args, common.device_name())
     base_json = json_path[:-5] + ".base.json" if json_path.endswith(".json") else json_path + ".base"
-    child = ["--suite", args.suite, "--shapes", args.shapes, "--variants", args.variants, "--json", base_json,
-             "--commit", sha] + (["--only", args.only] if args.only else []) + (
-        ["--cases", args.cases] if args.cases else []) + (
-        ["--budget-s", str(half)] if half else []) + [a for o in args.option for a in ("--option", o)] + (
-        ["--compile-cache", args.compile_cache] if args.compile_cache else [])
+    child = (
+        [
+            "--suite",
+            args.suite,
+            "--shapes",
+            args.shapes,
+            "--variants",
+            args.variants,
+            "--json",
+            base_json,
+            "--commit",
+            sha,
+        ]
+        + (["--only", args.only] if args.only else [])
+        + (["--cases", args.cases] if args.cases else [])
+        + (["--budget-s", str(half)] if half else [])
+        + [a for o in args.option for a in ("--option", o)]
+        + (["--compile-cache", args.compile_cache] if args.compile_cache else [])
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *child], cwd=tmp, env=env,
-                          stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", *child], cwd=tmp, env=env, stdout=subprocess.PIPE, text=True
+    )
     log.info("base run exited %d after %.1f s", proc.returncode, time.monotonic() - t0)
     try:
         with open(base_json) as f:
@@ -205,16 +268,31 @@ def run_base(args, benches: list[registry.Benchmark]) -> tuple[dict, int]:
         other = by_key.get((row["benchmark"], row["case"], row["variant"]))
         row["base_ms"] = other["ours_ms"] if other else None
         row["vs_base"] = row["ours_ms"] / row["base_ms"] if row["ours_ms"] and row["base_ms"] else None
-    result["base"] = dict(ref=args.base, commit=sha, json=base_json, exit=proc.returncode,
-                          device=base.get("device"), ceilings=base.get("ceilings"))
+    result["base"] = dict(
+        ref=args.base,
+        commit=sha,
+        json=base_json,
+        exit=proc.returncode,
+        device=base.get("device"),
+        ceilings=base.get("ceilings"),
+    )
     write_json(args.json, result)
     return result, proc.returncode
 
 
 def list_registry() -> str:
-    rows = [dict(benchmark=b.name, suite=b.suite, peer=b.peer, ceiling=b.ceiling,
-                 ci=len(b.shapes["ci"]), full=len(b.shapes["full"]), variants=", ".join(b.variants) or None)
-            for b in registry.BENCHMARKS]
+    rows = [
+        dict(
+            benchmark=b.name,
+            suite=b.suite,
+            peer=b.peer,
+            ceiling=b.ceiling,
+            ci=len(b.shapes["ci"]),
+            full=len(b.shapes["full"]),
+            variants=", ".join(b.variants) or None,
+        )
+        for b in registry.BENCHMARKS
+    ]
     return common.markdown_table(rows, ["benchmark", "suite", "peer", "ceiling", "ci", "full", "variants"])
 
 
@@ -227,8 +305,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.shapes == "ci" and os.environ.get("JAX_PLATFORMS") == "cpu" and "jax" not in sys.modules:
         flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = " ".join([flags] + [f"--{k}={v}" for k, v in CPU_CI_XLA_FLAGS.items()
-                                                      if f"--{k}=" not in flags]).strip()
+        os.environ["XLA_FLAGS"] = " ".join(
+            [flags] + [f"--{k}={v}" for k, v in CPU_CI_XLA_FLAGS.items() if f"--{k}=" not in flags]
+        ).strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.list:
         print(list_registry())
@@ -244,8 +323,10 @@ def main(argv=None) -> int:
     print(table(result["rows"], base=bool(args.base)))
     if args.base:
         ratios = [r["vs_base"] for r in result["rows"] if r.get("vs_base")]
-        print(f"\nthis tree / base {args.base} ({result['base']['commit'][:12]}): "
-              + (f"{len(ratios)} rows, geometric mean {_geomean(ratios):.3f}" if ratios else "no row timed on both"))
+        print(
+            f"\nthis tree / base {args.base} ({result['base']['commit'][:12]}): "
+            + (f"{len(ratios)} rows, geometric mean {_geomean(ratios):.3f}" if ratios else "no row timed on both")
+        )
     print(f"\nwritten to {args.json} in {result.get('seconds', 0):.1f} s")
     bad = [r for r in result["rows"] if r["status"] in ("failed", "error")]
     return 1 if bad else 0

@@ -64,8 +64,12 @@ def margin_check(ref_logits, tokens, cfg) -> dict:
     gap = ref.max(-1) - ref[np.arange(len(tokens)), tokens]
     margin = gap / np.maximum(ref.max(-1) - ref.min(-1), 1e-30)
     share = float(np.mean(margin > token_margin(cfg))) if len(tokens) else 1.0
-    return {"max_err": share, "tol": off_share(cfg), "ok": share <= off_share(cfg),
-            "worst_margin": float(margin.max()) if len(tokens) else None}
+    return {
+        "max_err": share,
+        "tol": off_share(cfg),
+        "ok": share <= off_share(cfg),
+        "worst_margin": float(margin.max()) if len(tokens) else None,
+    }
 
 
 def oracle(params, cfg):
@@ -85,7 +89,7 @@ def teacher_forced_check(params, cfg, runs: list[tuple[list[int], list[int]]]) -
             return {"max_err": 1.0, "tol": off_share(cfg), "ok": False, "worst_margin": None}
         seq = jnp.asarray([list(prompt) + list(out[:-1])], jnp.int32)
         with jax.default_matmul_precision("highest"):
-            logits.append(np.asarray(model.forward(p32, cfg32, seq, kernels="reference")[0][0, len(prompt) - 1:]))
+            logits.append(np.asarray(model.forward(p32, cfg32, seq, kernels="reference")[0][0, len(prompt) - 1 :]))
         tokens += list(out)
     return margin_check(np.concatenate(logits), tokens, cfg)
 
@@ -93,9 +97,16 @@ def teacher_forced_check(params, cfg, runs: list[tuple[list[int], list[int]]]) -
 def engine_config(cfg, n: int, prompt: int, output: int, ci: bool, **kw) -> EngineConfig:
     page = 16 if ci else 128
     per_request = -(-(prompt + output) // page) + 1
-    return EngineConfig(num_pages=2 * n * (per_request + 1) + 8, num_slots=n, num_snapshots=2 * n, page_tokens=page,
-                        kda_block_tokens=page * 12, max_pages_per_request=per_request,
-                        prefill_chunk_tokens=64 if ci else 2048, **kw)
+    return EngineConfig(
+        num_pages=2 * n * (per_request + 1) + 8,
+        num_slots=n,
+        num_snapshots=2 * n,
+        page_tokens=page,
+        kda_block_tokens=page * 12,
+        max_pages_per_request=per_request,
+        prefill_chunk_tokens=64 if ci else 2048,
+        **kw,
+    )
 
 
 def expected_experts(cfg, rows: int) -> float:
@@ -132,23 +143,43 @@ def _decode_step_row(ctx, case):
     per_seq = -(-n_ctx // ec.page_tokens) + 1
     rng = np.random.default_rng(b)
     free = rng.permutation(np.arange(1, eng.manager.page_pool.num_blocks))  # page 0 is the null page
-    table = free[:b * per_seq].reshape(b, per_seq)
+    table = free[: b * per_seq].reshape(b, per_seq)
     slots, lengths = rng.permutation(b), np.full(b, n_ctx)
     # distinct tokens per row, as real requests have (identical rows would route to the same experts)
     first = rng.integers(0, cfg.vocab_size, b).astype(np.int32)
     runner, bucket = DecodeRunner(cfg, eng.kernels), eng.runner.decode_bucket(b)
     pools = eng.pools
     ref_pools = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, pools)
-    view = model.paged_view(ref_pools, jnp.asarray(table, jnp.int32), jnp.asarray(slots, jnp.int32),
-                            jnp.asarray(lengths, jnp.int32))
+    view = model.paged_view(
+        ref_pools, jnp.asarray(table, jnp.int32), jnp.asarray(slots, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    )
     p32, cfg32 = oracle(params, cfg)
     with jax.default_matmul_precision("highest"):
-        ref, _ = model._forward(p32, jnp.asarray(first[:, None]), jnp.full((b, 1), n_ctx, jnp.int32), view, None,
-                                cfg=cfg32, expert_path="grouped", kernels="reference")
+        ref, _ = model._forward(
+            p32,
+            jnp.asarray(first[:, None]),
+            jnp.full((b, 1), n_ctx, jnp.int32),
+            view,
+            None,
+            cfg=cfg32,
+            expert_path="grouped",
+            kernels="reference",
+        )
     del ref_pools, view, p32
-    held = {"pools": pools, "rows": DecodeRows.build(bucket, first.tolist(), table.tolist(), slots.tolist(),
-                                                       lengths.tolist(), [GREEDY] * b, max_pages=eng.max_pages,
-                                                       null_page=0, scratch_slot=eng.scratch_slot)}
+    held = {
+        "pools": pools,
+        "rows": DecodeRows.build(
+            bucket,
+            first.tolist(),
+            table.tolist(),
+            slots.tolist(),
+            lengths.tolist(),
+            [GREEDY] * b,
+            max_pages=eng.max_pages,
+            null_page=0,
+            scratch_slot=eng.scratch_slot,
+        ),
+    }
     held["pools"], tokens, did, _ = runner.dispatch(params, held["pools"], held["rows"])
     tokens = np.asarray(tokens)
     chk = margin_check(ref[:, -1], tokens[:b], cfg)
@@ -156,8 +187,9 @@ def _decode_step_row(ctx, case):
     held["rows"] = held["rows"].advanced(tokens)
 
     def replay():  # the decode program alone, back to back on its buffers (no host reads)
-        held["pools"], runner._io[bucket] = decode_program(params, held["pools"], runner._io[bucket], cfg=cfg,
-                                                            kernels=eng.kernels, greedy=True)
+        held["pools"], runner._io[bucket] = decode_program(
+            params, held["pools"], runner._io[bucket], cfg=cfg, kernels=eng.kernels, greedy=True
+        )
         return runner._io[bucket]["tokens"]
 
     def advance(rows):  # what the device did: active rows advance, padding rows stay
@@ -178,13 +210,21 @@ def _decode_step_row(ctx, case):
     weights = weights_read_bytes(cfg, b)
     kv = b * n_ctx * cfg.mla_latent_dim * cfg.mixer_kinds.count("mla") * jnp.dtype(eng.dtype).itemsize
     state = 2 * b * Engine.bytes_per_state(cfg, eng.dtype)
-    extra = dict(bucket=bucket, weight_gb=weights / 1e9, kv_gb=kv / 1e9, state_gb=state / 1e9,
-                 experts_read=expected_experts(cfg, b))
+    extra = dict(
+        bucket=bucket,
+        weight_gb=weights / 1e9,
+        kv_gb=kv / 1e9,
+        state_gb=state / 1e9,
+        experts_read=expected_experts(cfg, b),
+    )
     if chk["ok"]:
         chained(2)
         extra["chained_step_ms"] = chained(ctx.iters * 5)
-        census = common.hlo_census(decode_program.lower(params, held["pools"], runner._io[bucket], cfg=cfg,
-                                                        kernels=eng.kernels, greedy=True).compile().as_text())
+        census = common.hlo_census(
+            decode_program.lower(params, held["pools"], runner._io[bucket], cfg=cfg, kernels=eng.kernels, greedy=True)
+            .compile()
+            .as_text()
+        )
         extra["launches"] = census["launches"]
     return ctx.row(case, chk, lambda: ctx.time(replay), work={"bytes": weights + kv + state}, extra=extra)
 
@@ -210,8 +250,9 @@ def demo_figures(text: str) -> dict:
 def _server(params, cfg, ec: EngineConfig, mode: str):
     if mode == "default":
         return Engine(params, cfg, ec)
-    return DisaggregatedServer(Engine(params, cfg, ec.replace(role="prefill")),
-                               Engine(params, cfg, ec.replace(role="decode")), concurrent=True)
+    return DisaggregatedServer(
+        Engine(params, cfg, ec.replace(role="prefill")), Engine(params, cfg, ec.replace(role="decode")), concurrent=True
+    )
 
 
 def run_load(server, prompts: list[list[int]], output: int, tag: str):
@@ -225,10 +266,11 @@ def run_load(server, prompts: list[list[int]], output: int, tag: str):
         if isinstance(server, DisaggregatedServer):
             server.close()
     wall = time.monotonic() - t0
-    view = (lambda r: server.requests.get(r.request_id, r)) if isinstance(server, DisaggregatedServer) else (
-        lambda r: r)
+    view = (
+        (lambda r: server.requests.get(r.request_id, r)) if isinstance(server, DisaggregatedServer) else (lambda r: r)
+    )
     runs = [(p, list(view(r).output)) for p, r in zip(prompts, reqs)]
-    return metrics.summarize(tag, server.records()[-len(prompts):], wall), runs
+    return metrics.summarize(tag, server.records()[-len(prompts) :], wall), runs
 
 
 def serving_load(ctx):
@@ -252,12 +294,27 @@ def _load_row(ctx, case, mode: str):
         for eng in [warm] if mode == "default" else [warm.prefill, warm.decode]:
             eng.warmup()
         del warm
-    run_load(_server(params, cfg, ec, mode), [rng.integers(0, 256, prompt).tolist() for _ in range(n)],
-             min(output, 4), "warm")
+    run_load(
+        _server(params, cfg, ec, mode),
+        [rng.integers(0, 256, prompt).tolist() for _ in range(n)],
+        min(output, 4),
+        "warm",
+    )
     warm_s, before = time.monotonic() - t0, programs()
     s, runs = run_load(_server(params, cfg, ec, mode), prompts, output, f"load{n}")
     chk = teacher_forced_check(random_params(name)[0], cfg, runs[:1])
-    return ctx.row(case, chk, 1e3 * s.tpot_s["p50"], variant=mode, extra=dict(
-        ttft_p50_ms=1e3 * s.ttft_s["p50"], ttft_p99_ms=1e3 * s.ttft_s["p99"], tpot_p99_ms=1e3 * s.tpot_s["p99"],
-        tpot_decode_only_p50_ms=1e3 * s.tpot_decode_only_s["p50"], throughput_tok_s=s.throughput_tok_s,
-        warmup_s=warm_s, new_programs=programs() - before))
+    return ctx.row(
+        case,
+        chk,
+        1e3 * s.tpot_s["p50"],
+        variant=mode,
+        extra=dict(
+            ttft_p50_ms=1e3 * s.ttft_s["p50"],
+            ttft_p99_ms=1e3 * s.ttft_s["p99"],
+            tpot_p99_ms=1e3 * s.tpot_s["p99"],
+            tpot_decode_only_p50_ms=1e3 * s.tpot_decode_only_s["p50"],
+            throughput_tok_s=s.throughput_tok_s,
+            warmup_s=warm_s,
+            new_programs=programs() - before,
+        ),
+    )

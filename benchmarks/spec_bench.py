@@ -46,7 +46,7 @@ def _prompts(ctx, n: int, size: int, trained: bool) -> list[list[int]]:
         from kimik3 import corpus  # the corpus pipeline's packages: only with a trained target
 
         held = corpus.load(ctx.options.get("corpus", "auto")).held_out
-        return [held[s:s + size].tolist() for s in rng.integers(0, held.size - size, n)]
+        return [held[s : s + size].tolist() for s in rng.integers(0, held.size - size, n)]
     return [rng.integers(32, 127, size).tolist() for _ in range(n)]  # printable bytes: no special tokens
 
 
@@ -77,8 +77,14 @@ def _spec_row(ctx, case):
     params, cfg, draft, ecfg, trained = _models(ctx, name, dtype)
     prompts = _prompts(ctx, b, prompt_len, trained)
     page = 16 if ctx.ci else 128
-    ec = EngineConfig(num_pages=max(64, 4 * b * -(-(prompt_len + max_new + 16) // page)), num_slots=b,
-                      num_snapshots=4 * b, page_tokens=page, kda_block_tokens=12 * page, prefill_chunk_tokens=256)
+    ec = EngineConfig(
+        num_pages=max(64, 4 * b * -(-(prompt_len + max_new + 16) // page)),
+        num_slots=b,
+        num_snapshots=4 * b,
+        page_tokens=page,
+        kda_block_tokens=12 * page,
+        prefill_chunk_tokens=256,
+    )
     warm = 1 if ctx.ci else 2  # the second pass meets prefix hits, whose prefill shapes differ
 
     def measured(eng):
@@ -94,9 +100,14 @@ def _spec_row(ctx, case):
     spec, spec_wall = measured(spec_engine)
     st = spec_engine.spec.stats
     chk = teacher_forced_check(params, cfg, [(p, r.output) for p, r in zip(prompts, spec)])
-    extra = {"trained": trained, "dtype": dtype, "spec_wall_s": spec_wall, "acceptance": st.acceptance,
-             "accept_length": st.accept_length,
-             "round_ms_p50": 1e3 * statistics.median(st.round_s) if st.round_s else None}
+    extra = {
+        "trained": trained,
+        "dtype": dtype,
+        "spec_wall_s": spec_wall,
+        "acceptance": st.acceptance,
+        "accept_length": st.accept_length,
+        "round_ms_p50": 1e3 * statistics.median(st.round_s) if st.round_s else None,
+    }
 
     def peer_ms():
         plain, wall = measured(Engine(params, cfg, ec))
@@ -123,10 +134,13 @@ def _acceptance_row(ctx, case):
         runs = [speculative.speculative_generate(params, cfg, draft, ecfg, p, max_new, k) for p in prompts]
     wrong = sum(not np.array_equal(r.tokens, o) for r, o in zip(runs, oracle))
     acc = [a for r in runs for a in r.accepted]
-    extra = {"trained": trained, "acceptance": sum(acc) / max(len(acc) * k, 1),
-             "accept_length": float(np.mean([a + 1 for a in acc])) if acc else None,
-             "by_position": [float(np.mean([a >= j for a in acc])) for j in range(1, k + 1)] if acc else [],
-             "target_passes": len(acc) + len(runs),
-             "accept_length_p50_by_prompt": statistics.median(r.accept_length for r in runs)}
+    extra = {
+        "trained": trained,
+        "acceptance": sum(acc) / max(len(acc) * k, 1),
+        "accept_length": float(np.mean([a + 1 for a in acc])) if acc else None,
+        "by_position": [float(np.mean([a >= j for a in acc])) for j in range(1, k + 1)] if acc else [],
+        "target_passes": len(acc) + len(runs),
+        "accept_length_p50_by_prompt": statistics.median(r.accept_length for r in runs),
+    }
     chk = {"max_err": wrong / len(runs), "tol": 0.0, "ok": wrong == 0}
     return ctx.row(case, chk, None, extra=extra)

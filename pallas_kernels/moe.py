@@ -268,7 +268,8 @@ Tiling = tuple[int, int, int, int]
 
 def _tiling(k: int, n: int, tiling: Tiling | None, mx: tuple[int, int, bool] | None = None) -> Tiling:
     """The kernel's tiling for [K] rows times [G, K, N]: `tiling` checked, or the widest tiles
-    that divide (`benchmarks/moe_tune.py` found every tiling within 5% of these at decode).
+    that divide (every tiling within 5% of these at decode; the moe_ffn benchmark's `tiling_sweep`
+    variant times them).
     mx: an MXFP4 GEMM's (assignments, block_m, act) (`mx_tiling`'s defaults; block_n and block_k
     multiples of 32)."""
     if tiling is not None:
@@ -290,7 +291,7 @@ def mx_tiling(assignments: int, block_m: int, act: bool, k: int, n: int) -> Tili
     long runs of packed bytes) win from a few dozen assignments up; a handful of assignments
     (<= 16: a few experts) take narrow ones to spread each expert over more programs; 64-row
     tiles with the activation's two halves (four fp32 accumulators) stay at 128 columns.
-    `benchmarks/mxfp4_tune.py` on the H200: RESULTS.md."""
+    Chosen on the H200; the mxfp4_experts benchmark's `triton_sweep` variant times the others."""
     if assignments <= 16:
         bn = (64, 32)
     elif act and block_m > 16:
@@ -303,7 +304,8 @@ def mx_tiling(assignments: int, block_m: int, act: bool, k: int, n: int) -> Tili
 # A decode step of a few tokens (<= this many (token, slot) assignments) holds its rows in a few
 # experts: at the widest tiles one expert's columns make 6 programs, and 4 experts leave most of
 # the 132 SMs idle.  Narrow column tiles with long K steps spread each expert over more programs
-# (`benchmarks/moe_tune.py`, B8 one request: 24.5 -> ~20 us a layer); at B32 the wide tiles win.
+# (B8 one request: 24.5 -> ~20 us a layer; the moe_ffn benchmark's `tiling_sweep` variant times
+# them); at B32 the wide tiles win.
 FEW_ROWS = 32
 
 

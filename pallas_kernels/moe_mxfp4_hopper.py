@@ -72,8 +72,9 @@ DECODES = ("arith", "bits", "lut", "lut_perm")
 # the layout of experts `kimik3.ops.hopper_mxfp4_experts` moves).
 DEFAULT_DECODE = "lut_perm"
 # Not MXFP4: the codes' integers (the int4 -> bf16 upcast alone) times the block scale, the
-# cheapest decode there is.  A timing probe of the kernel's frame (`benchmarks/mxfp4_hopper.py
-# --probe-upcast`): how fast the kernel would be if decoding cost nothing beyond the upcast.
+# cheapest decode there is.  A timing probe of the kernel's frame (`grouped_matmul(...,
+# decode=PROBE_DECODE)` on the "arith" layout; unchecked, and no registered benchmark runs it):
+# how fast the kernel would be if decoding cost nothing beyond the upcast.
 PROBE_DECODE = "upcast_probe"
 
 

@@ -500,6 +500,11 @@ class _WorkerMetrics:
         self.waiting = Gauge("kimik3_worker_waiting", "requests waiting for admission", registry=registry)
         self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
         self.kv_use = Gauge("kimik3_worker_kv_use", "fraction of KV pages in use", registry=registry)
+        self.store_auth_failures = Gauge(
+            "kimik3_store_auth_failures",
+            "store entries this worker refused for failing their MAC (forged, damaged or another secret's)",
+            registry=registry,
+        )
 
     def observe(self, req) -> None:
         from serving.metrics import RequestRecord
@@ -909,6 +914,9 @@ def create_app(
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        stats = getattr(getattr(loop.engine.manager, "host", None), "stats", None)
+        if loop._metrics is not None and stats is not None and hasattr(stats, "auth_failures"):
+            loop._metrics.store_auth_failures.set(stats.auth_failures)
         return Response(generate_latest(registry) if registry is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -42,16 +42,22 @@ def test_no_file_tells_the_story_of_its_making():
         if path.suffix in (".png", ".whl", ".npy") or path.name == "test_repository.py":
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
-        hits += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
-                 for m in HISTORY.finditer(text)]
+        hits += [
+            f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+            for m in HISTORY.finditer(text)
+        ]
     assert not hits, "\n".join(hits[:20])
 
 
 def test_the_readme_is_short_and_every_relative_link_resolves():
     assert len((ROOT / "README.md").read_text(encoding="utf-8")) < 10_000
     broken = []
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md",
-             ROOT / "benchmarks" / "RESULTS.md"]
+    pages = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        ROOT / "benchmarks" / "README.md",
+        ROOT / "benchmarks" / "RESULTS.md",
+    ]
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):

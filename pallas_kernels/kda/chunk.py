@@ -86,7 +86,7 @@ def _chunk_state_kernel(
 
 
 # (num_warps, num_stages) of the prepare and state kernels, and the prepare
-# kernel's dot algorithm; tuned on H200 (benchmarks/kda_tune.py, benchmarks/kda.py).
+# kernel's dot algorithm; tuned on H200 (the kda_chunk benchmark's variants time the others).
 # prepare_dot "auto": bf16 operands for bf16/fp16 inputs (the inputs carry no more
 # precision; what fla does; 2.5x faster than 3xTF32 on H200, same error against the
 # fp32 recurrence as fla), 3xTF32 for fp32 inputs (fp32-level agreement).

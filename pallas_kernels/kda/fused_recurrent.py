@@ -151,7 +151,8 @@ def fused_recurrent_kda(
         the fastest of six tilings at B 128-512 with the state landing by a conditional store
         (fla 0.6's tiling is 32 columns on 4 warps; RESULTS.md, KDA kernels).
       cache_hints: fla's L2 eviction hints on q / k / g (kept) and v / o (first out); a
-        candidate until `benchmarks/kda.py --sections decode` has timed it (same results).
+        candidate until `python -m benchmarks.run --only kda_decode --variants hints` has timed it
+        (same results).
     Returns:
       (o [B, T, H, V] in v's dtype, the updated state_pool), and with export_states
       a third output: float32 [B, T, H, K, V], the state after tokens 1 .. T.

@@ -230,7 +230,7 @@ def _split_intra_kernel(
 
     With n_chunks > 1 (TUNING["intra_chunks"]) the chunks go through a loop, whose loads Triton's
     pipeliner (num_stages > 1) issues while the chunk before is computed (at 255 registers one
-    program fills an SM).  Measured 2-9% slower at `benchmarks/kda.py`'s three prefill shapes on an
+    program fills an SM).  Measured 2-9% slower at the kda_chunk benchmark's three shapes on an
     H100 (RESULTS.md, KDA kernels): the loads are not what the kernel waits on, so the default is 1.
     """
     dot = _precise_dot(interpret, algorithm)
@@ -295,7 +295,7 @@ def _intra_solve_kernel(
     `_split_solve_kernel` in one program, so A_kk and beta exp(G) k never go through HBM (nor
     beta and the launch of a second kernel).  They are rounded to `solve_in` (the split's HBM
     dtype) before the solve, so the intermediates are the split's.  Measured slower than the split
-    at `benchmarks/kda.py`'s three prefill shapes on an H100 (RESULTS.md, KDA kernels): the solve's
+    at the kda_chunk benchmark's three shapes (its `intra_solve` variant) on an H100: the solve's
     arrays on top of the intra kernel's 255 registers spill, with one 8-warp program an SM."""
     f32 = jnp.float32
     dot = _precise_dot(interpret, algorithm)

@@ -117,8 +117,7 @@ def test_small_bf16_chunks_over_a_cache_on_the_hopper_kernel_are_as_close_to_fp3
     16 layers the test outran 150 s on an H100): 256 tokens prefilled, then 100 more over that
     cache (the expanded form, a chunk continuing a cache).  The chunk's logits with the Hopper
     chunk kernel and with the Triton one, each against the same model in fp32 on the reference
-    kernels (`benchmarks/chunk_logits_probe.py` runs the same comparison anywhere): the Hopper
-    kernel's error is no larger than the Triton kernel's (x 1.25, bf16's spread between two
+    kernels: the Hopper kernel's error is no larger than the Triton kernel's (x 1.25, bf16's spread between two
     kernels summing in different orders), and the two agree with each other as closely.  (Token
     equality between two bf16 kernels is no test on random weights: their logits are nearly
     flat, so a near-tie flips on either kernel's rounding.)"""

@@ -47,7 +47,7 @@ def test_bf16_cached_path_agrees_with_the_bf16_forward_at_every_step(tiny_cfg, t
     steps) against the no-cache bf16 forward over the same tokens: the same precision, another
     order, so they agree to bf16 precision (max 0.047 over four seeds' steps).  Its distance to
     the fp32 oracle is not bounded here: a random model's bf16 routing flips at some positions
-    (up to 1.2 relative error in the no-cache forward itself; `benchmarks/bf16_drift.py`)."""
+    (up to 1.2 relative error in the no-cache forward itself)."""
     prompt = _chat(tiny_cfg)
     bf16 = model.cast_params(tiny_params, jnp.bfloat16)
     cached = generate(bf16, tiny_cfg, prompt, 4, use_cache=True)

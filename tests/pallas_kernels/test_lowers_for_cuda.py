@@ -86,7 +86,7 @@ def test_kda_decode_at_small_dims(rows, lower_bound):
     [(64, 8, False), (64, 8, True), (32, 4, False), (64, 4, False), (16, 1, False), (128, 8, False)],
 )
 def test_fused_recurrent_kda_at_its_tilings(block_v, num_warps, cache_hints):
-    """The decode / verify recurrence at the tilings `benchmarks/kda.py` times (64 columns on 8
+    """The decode / verify recurrence at the kda_decode benchmark's tilings (64 columns on 8
     warps is the default, 32 on 4 fla 0.6's), and the default with fla's eviction hints."""
     b, h, d = 64, 32, 128
     fn = lambda q, k, v, g, beta, pool, slots, n_acc: kda._fused_recurrent_core(

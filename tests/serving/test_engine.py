@@ -139,7 +139,7 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     assert demo.PD_NOTE in text  # the P/D rows' TPOT is said to be serial stepping's, under the table
     for mode in modes:  # and where each setup's engine steps went, by kind
         assert f"  {mode}: " in text.split("engine steps by kind", 1)[1]
-    # what benchmarks/serving_small_report.py reads from a demo's output
+    # the figures `benchmarks.serving_bench.demo_figures` reads from a demo's output
     from benchmarks.serving_bench import demo_figures
 
     fig = demo_figures(text)
@@ -633,3 +633,31 @@ def test_concurrent_pd_with_each_engine_on_its_own_device(rng, tiny_cfg, tiny_pa
         assert done[r.request_id].output == _oracle(tiny_params, tiny_cfg, p, 5)
     for engine, device in zip(engines, devices):
         assert {d for leaf in jax.tree.leaves(engine.kv.pools) for d in leaf.devices()} == {device}
+
+
+def test_forged_store_pages_under_a_live_prompt_change_no_output(rng, tiny_cfg, tiny_params, mooncake_services):
+    """A plain Mooncake client (the same library, no secret) overwrites every entry an engine
+    published; a fresh engine serving the next turn gets the oracle's tokens, recomputing instead
+    of reading the forgeries, and its tier counts them."""
+    from cache.mooncake_tier import MooncakeHostKVTier
+    from cache.store_forgery import forge_entries
+
+    ns = f"tiny/forged-{rng.integers(1 << 30)}"
+    tier_a = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
+    eng_a = _engine(tiny_params, tiny_cfg, host=tier_a, publish_to_host=True, namespace=ns)
+    turn1 = rng.integers(0, 256, 90).tolist()
+    r1 = eng_a.submit(turn1, 3)
+    eng_a.run(max_steps=100)
+    tier_a.close()
+    del eng_a
+    forged = [k for k in forge_entries(mooncake_services, seed=1) if ns in k]
+    assert forged, "the store held none of the engine's entries"
+    tier_b = MooncakeHostKVTier(mooncake_services.master_addr, mooncake_services.metadata_url)
+    eng_b = _engine(tiny_params, tiny_cfg, host=tier_b, namespace=ns)
+    turn2 = turn1 + r1.output + rng.integers(0, 256, 7).tolist()
+    r2 = eng_b.submit(turn2, 4)
+    eng_b.run(max_steps=100)
+    auth_failures = tier_b.stats.auth_failures
+    tier_b.close()
+    assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 4)
+    assert r2.cached_tokens_host == 0 and auth_failures > 0
