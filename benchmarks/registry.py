@@ -470,9 +470,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "Loading a Hugging Face Kimi-Linear directory (`kimik3.hf.load`, streamed shard by shard) in a fresh "
         "process: seconds and the loader's own peak host memory.  The directory is synthetic (random bf16 at "
         "the checkpoint's widths, Hub names, many shards).",
-        "layers experts shard_mb",
-        [(2, 8, 16)],
-        [(4, 64, 256)],
+        "width layers experts shard_mb",
+        [("tiny", 2, 8, 1)],
+        [("full", 4, 64, 256)],
         None,
         "no other JAX loader reads this checkpoint",
         None,

@@ -90,10 +90,11 @@ def init_child(config: str, variant: str) -> dict:
     }
 
 
-def write_synthetic_checkpoint(directory: str, layers: int, experts: int, shard_mb: int) -> int:
-    """A Kimi-Linear directory at the checkpoint's widths (d_model 2304, KDA 32 x 128, MLA 32
-    heads, 1024-wide experts) with `layers` layers (the last MLA) and `experts` routed experts,
-    random bf16 values, Hub tensor names, shards of `shard_mb` MB.  Returns its bytes."""
+def write_synthetic_checkpoint(directory: str, width: str, layers: int, experts: int, shard_mb: int) -> int:
+    """A Kimi-Linear directory at the checkpoint's widths (`width` "full": d_model 2304, KDA 32 x 128,
+    MLA 32 heads, 1024-wide experts; "tiny": a few MB for the CPU) with `layers` layers (the last
+    MLA) and `experts` routed experts, random bf16 values, Hub tensor names, shards of `shard_mb`
+    MB.  Returns its bytes."""
     import jax
     import ml_dtypes
     import numpy as np
@@ -104,6 +105,22 @@ def write_synthetic_checkpoint(directory: str, layers: int, experts: int, shard_
     cfg = configs.kimi_linear().replace(
         name="kimi_linear_synthetic", n_layers=layers, mixer_layout=kinds, n_routed_experts=experts, vocab_size=32_768
     )
+    if width == "tiny":
+        cfg = cfg.replace(
+            vocab_size=512,
+            d_model=64,
+            kda_heads=2,
+            kda_head_dim=16,
+            mla_heads=2,
+            kv_lora_rank=32,
+            qk_nope_dim=16,
+            qk_rope_dim=16,
+            v_head_dim=16,
+            moe_latent_dim=64,
+            moe_expert_dim=32,
+            moe_shared_dim=32,
+            dense_ffn_dim=128,
+        )
     rng = np.random.default_rng(0)
     draw = lambda a: (rng.standard_normal(a.shape, np.float32) * 0.02).astype(
         ml_dtypes.bfloat16 if a.dtype == np.dtype(ml_dtypes.bfloat16) else np.float32
@@ -211,12 +228,12 @@ def hf_load(ctx):
     import tempfile
 
     for case in ctx.cases():
-        layers, experts, shard_mb = case
+        width, layers, experts, shard_mb = case
         for variant in ["default"] + ctx.wanted():
 
             def one(variant=variant):
                 with tempfile.TemporaryDirectory(prefix="hf_load_") as d:
-                    n_bytes = write_synthetic_checkpoint(d, layers, experts, shard_mb)
+                    n_bytes = write_synthetic_checkpoint(d, width, layers, experts, shard_mb)
                     out = _child("hf_load", directory=d, experts=None if variant == "default" else variant)
                 resident = out["loaded_gb"] if out["params_in_host_memory"] else 0.0
                 overhead = out["peak_rss_gb"] - out["baseline_rss_gb"] - resident

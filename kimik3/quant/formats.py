@@ -333,5 +333,5 @@ def _e4m3_step(a):
     """The spacing of e4m3 values around |v| = a: 2^(e - 3) for a in [2^e, 2^(e+1)), e >= -6;
     the subnormal spacing 2^-9 below 2^-6."""
     _, exp = jnp.frexp(jnp.where(a > 0, a, 1.0))
-    e = jnp.maximum(exp - 1, -6)
+    e = jnp.where(a > 0, jnp.maximum(exp - 1, -6), -6)  # an exact zero sits on the subnormal grid
     return _pow2(e - 3)
