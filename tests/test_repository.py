@@ -13,7 +13,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HISTORY = re.compile(r"session [0-9]|issues? [0-9]|(twenty|thirty)[a-z]+ round|must-show|nvidia-h[12]00-x", re.I)
+# the words spelled in pieces, so that this file passes the same search
+HISTORY = re.compile(
+    "|".join(
+        [r"session [0-9]", r"issues? [0-9]", r"(twenty|thirty)[a-z]+ round", "must" + "-show", "nvidia-h[12]00" + "-x"]
+    ),
+    re.I,
+)
 
 
 def _ruff():
@@ -39,7 +45,7 @@ def _tracked():
 def test_no_file_tells_the_story_of_its_making():
     hits = []
     for path in _tracked():
-        if path.suffix in (".png", ".whl", ".npy") or path.name == "test_repository.py":
+        if path.suffix in (".png", ".whl", ".npy"):
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         hits += [
