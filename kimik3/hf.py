@@ -356,6 +356,15 @@ def _tensor_map(cfg: ModelConfig, names: str) -> dict[str, Target]:
     return out
 
 
+# HF tensors that hold several of our leaves: the fused q | k | v conv, kv_b (W_UK | W_UV per
+# head), the experts' gate | up (`_split` takes them apart, `_from_ours` puts them together)
+COMPOSITE = {
+    "conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"),
+    "kv_b": ("w_kb_rhn", "w_vb_rhv"),
+    "gate_up": ("w_gate_elf", "w_up_elf"),
+}
+
+
 def _split(cfg: ModelConfig, path: tuple[str, ...], x: np.ndarray) -> dict[tuple[str, ...], np.ndarray]:
     """Tensors that are several of ours: the fused q|k|v conv, kv_b (W_UK | W_UV per head), the
     experts' gate | up.  Others pass through."""
@@ -459,12 +468,7 @@ def _target(cfg: ModelConfig, maps: dict, directory: str, name: str, shape: tupl
 def _leaves_of(cfg: ModelConfig, target: Target) -> tuple[tuple[str, ...], ...]:
     """The param leaves one tensor sets (the fused conv, kv_b and gate_up set several)."""
     *pre, last = target.path
-    leaves = {
-        "conv_qkv": ("conv_q_wc", "conv_k_wc", "conv_v_wc"),
-        "kv_b": ("w_kb_rhn", "w_vb_rhv"),
-        "gate_up": ("w_gate_elf", "w_up_elf"),
-    }.get(last, (last,))
-    return tuple(tuple(pre) + (leaf,) for leaf in leaves)
+    return tuple(tuple(pre) + (leaf,) for leaf in COMPOSITE.get(last, (last,)))
 
 
 def check(directory: str, cfg: ModelConfig | None = None) -> ModelConfig:
@@ -569,7 +573,7 @@ def _from_ours(cfg: ModelConfig, params, names: str) -> Iterator[tuple[str, np.n
             x = x[k]
         return np.asarray(jax.device_get(x))
 
-    d, hk = cfg.d_model, cfg.kda_heads * cfg.kda_head_dim
+    d = cfg.d_model
     for name, t in _tensor_map(cfg, names).items():
         if "block_sparse_moe." in name and t.path[1] == "mlp":  # the dense layers' alias prefix: written once
             continue
@@ -602,7 +606,6 @@ def _from_ours(cfg: ModelConfig, params, names: str) -> Iterator[tuple[str, np.n
                 yield name, x.reshape(-1, d).T
             else:  # [in, ...out] -> Linear [out, in]
                 yield name, x.reshape(x.shape[0], -1).T
-    del hk
 
 
 def save(

@@ -22,6 +22,7 @@ from kimik3.layers.kda import KDA
 from kimik3.layers.mla import MLA, init_mla_cache
 from kimik3.layers.moe import LatentMoE
 from kimik3.layers.primitives import l2_normalize, rms_norm
+from tests.kimik3.test_hf import small_kimi_linear
 from pallas_kernels.kda import kda_chunked_ref, kda_recurrent_ref
 
 TOL = 1e-4  # max |got - want| / max |want|
@@ -356,40 +357,12 @@ def test_moe_routes_by_sigmoid_top_k_and_mixes_glu_experts(case, path):
 # ---- 5. the whole model ------------------------------------------------------------------------
 
 
-def kimi_linear_small():
-    """Kimi-Linear's switches (softplus gate, no q-LoRA, no MLA output gate, SwiGLU experts at
-    d_model, its eps values) at tiny sizes."""
-    return config.kimi_linear().replace(
-        name="kl_small",
-        vocab_size=300,
-        d_model=32,
-        n_layers=5,
-        max_seq_len=4096,
-        kda_heads=2,
-        kda_head_dim=8,
-        mla_heads=2,
-        kv_lora_rank=16,
-        qk_nope_dim=8,
-        qk_rope_dim=8,
-        v_head_dim=8,
-        n_routed_experts=4,
-        n_active_experts=2,
-        moe_latent_dim=32,
-        moe_expert_dim=16,
-        moe_shared_dim=16,
-        dense_ffn_dim=48,
-        mixer_layout=("kda", "kda", "mla", "kda", "mla"),
-        dense_layers=2,
-        dtype="float32",
-    )
-
-
 # per preset: (the config, its constants written out: norm eps, MLA eps, KDA eps, routed scaling,
 # MLA dims (heads, nope, rope, kv_lora), top-k)
 MODEL_CASES = {
     "tiny": (config.tiny, dict(eps=1e-6, mla_eps=1e-6, kda_eps=1e-6, scaling=2.5, mla=(2, 16, 16, 32), top_k=2)),
     "kimi_linear": (
-        kimi_linear_small,
+        small_kimi_linear,
         dict(eps=1e-5, mla_eps=1e-6, kda_eps=1e-5, scaling=2.446, mla=(2, 8, 8, 16), top_k=2),
     ),
 }

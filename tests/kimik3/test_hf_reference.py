@@ -27,6 +27,7 @@ else:
 
 from kimik3 import hf, model, stacked  # noqa: E402
 from kimik3.generate import generate  # noqa: E402
+from tests.serving.test_engine_logprobs import _log_softmax  # noqa: E402
 
 TOL = 1e-4  # fp32 logits of two implementations of the same math
 DECODE_STEPS = 8
@@ -176,11 +177,6 @@ def test_the_scanned_layout_with_an_irregular_tail_equals_transformers(checkpoin
     np.testing.assert_allclose(np.asarray(ours[0]), reference_logits(m, ids), atol=TOL, rtol=0)
 
 
-def _log_softmax(x):
-    x = np.asarray(x, np.float64)
-    return x - x.max() - np.log(np.exp(x - x.max()).sum())
-
-
 def _check_request(req, m, prompt, n):
     tokens, logits = reference_greedy(m, prompt, n)
     assert req.error is None and req.output == tokens
@@ -190,23 +186,13 @@ def _check_request(req, m, prompt, n):
 
 def test_the_engine_serves_transformers_tokens_from_a_prefix_hit_and_a_pd_handoff(checkpoints):
     from serving.disagg import DisaggregatedServer
-    from serving.engine import Engine
     from serving.sampling import SamplingParams
+    from tests.serving.test_engine import _engine
 
     directory, m = checkpoints["mla_last"]
     params, cfg = hf.load(directory, dtype="float32")
-    kw = dict(
-        num_pages=48,
-        num_slots=4,
-        num_snapshots=12,
-        page_tokens=16,
-        kda_block_tokens=64,
-        max_pages_per_request=16,
-        prefill_chunk_tokens=40,
-        kernels="reference",
-    )
     sp = SamplingParams(logprobs=1)
-    eng = Engine(params, cfg, **kw)
+    eng = _engine(params, cfg)
     turn1 = _prompt(cfg, 100, 1)
     r1 = eng.submit(turn1, DECODE_STEPS, sampling=sp)
     eng.run(max_steps=200)
@@ -218,7 +204,7 @@ def test_the_engine_serves_transformers_tokens_from_a_prefix_hit_and_a_pd_handof
     _check_request(r2, m, turn2, DECODE_STEPS)
 
     server = DisaggregatedServer(
-        Engine(params, cfg, role="prefill", **kw), Engine(params, cfg, role="decode", **kw), handoff="direct"
+        _engine(params, cfg, role="prefill"), _engine(params, cfg, role="decode"), handoff="direct"
     )
     pd = server.submit(turn1, DECODE_STEPS, sampling=sp)
     server.run(max_steps=200)

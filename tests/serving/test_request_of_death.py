@@ -23,10 +23,9 @@ import pytest
 
 from kimik3.generate import generate
 from serving import engine as engine_mod
-from serving.engine import Engine
 from serving.launch import child_env, free_port, wait_healthy
+from tests.serving.test_engine import PAGE, _engine
 
-PAGE = 16
 BIG = "1" * 5000  # past Python's 4,300-digit int() limit
 BAD = {"2^31": str(2**31), "2^63": str(2**63), "-1": "-1", "NaN": "NaN", "5000 digits": BIG}
 # values that are in range for the field (top_k -1: off; penalties lie in [-2, 2]; seeds below 2^63)
@@ -76,26 +75,6 @@ def _literal(field, value):
     if field in DICTS:
         return '{"5": %s}' % value
     return value
-
-
-def _engine(params, cfg, **kw):
-    return Engine(
-        params,
-        cfg,
-        **dict(
-            dict(
-                num_pages=48,
-                num_slots=4,
-                num_snapshots=12,
-                page_tokens=PAGE,
-                kda_block_tokens=4 * PAGE,
-                max_pages_per_request=16,
-                prefill_chunk_tokens=40,
-                kernels="reference",
-            ),
-            **kw,
-        ),
-    )
 
 
 # ---- in process ---------------------------------------------------------------------------------
