@@ -76,11 +76,10 @@ def kda(
     """KDA over a span of tokens: [B, T, H, K] q/k/g, [B, T, H, V] v, [B, T, H] beta.
 
     gate_bounded: whether every g is known to lie above the bounded gate's lower bound
-    (GATE_FLOOR, Kimi-K3's -5).  The chunked Pallas kernel's sub-chunk factorisation relies on it
-    (exp(16 * 5) stays finite).  With an unbounded gate (Kimi-Linear's softplus form) a chunked
-    span checks its gates on the device: when every g >= GATE_FLOOR it runs the kernel, else the
-    chunked reference, whose every exponent is of a non-positive number (the same answer; the
-    reference is slower).  The recurrent forms (one token, a verify pass) take any g <= 0.
+    (GATE_FLOOR, Kimi-K3's -5).  The chunked Pallas kernel's factored 16-token diagonal tiles need
+    it (exp(16 * 5) stays finite); with an unbounded gate (Kimi-Linear's softplus form) the kernel
+    computes those tiles exactly instead (`pallas_kernels.kda.diagonal`: every exponent of a
+    non-positive number, any g <= 0).  The recurrent forms (one token, a verify pass) take any g <= 0.
 
     One token (decode) takes the recurrent form; longer spans the chunked form.
     Returns (o [B, T, H, V], final_state [B, H, K, V] fp32), and with export_at (int32 [E]
@@ -131,10 +130,17 @@ def kda(
         )
         if resolve(kernels) == "reference" or chunk_size != kda_kernels.CHUNK:
             return ref()
-        kernel = lambda: kda_kernels.chunk_kda(
-            q, k, v, g, beta, initial_state=initial_state, output_final_state=True, export_at=export_at
+        return kda_kernels.chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=True,
+            export_at=export_at,
+            gate_bounded=gate_bounded,
         )
-        return kernel() if gate_bounded else _where_gates_allow(g, kernel, ref)
     if resolve(kernels) == "reference":
         if t == 1:
             return kda_kernels.kda_recurrent_ref(q, k, v, g, beta, initial_state=initial_state)
@@ -145,25 +151,14 @@ def kda(
         return kda_kernels.fused_recurrent_kda(
             q, k, v, g, beta, state_pool=initial_state, slots=jnp.arange(b, dtype=jnp.int32)
         )
-    kernel = lambda: kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)[:2]
-    if gate_bounded:
-        return kernel()
-    return _where_gates_allow(
-        g,
-        kernel,
-        lambda: kda_kernels.kda_chunked_ref(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size),
-    )
+    return kda_kernels.chunk_kda(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=True, gate_bounded=gate_bounded
+    )[:2]
 
 
-# The lowest per-token log-decay the chunked kernel's factorisation takes (the bounded gate's bound).
+# The lowest per-token log-decay the chunked kernel's factored diagonal tiles take (the bounded
+# gate's bound); below it `gate_bounded=False` computes them exactly.
 GATE_FLOOR = -5.0
-
-
-def _where_gates_allow(g, kernel, reference):
-    """kernel() when every gate g >= GATE_FLOOR (decided on the device), else reference(): the
-    same outputs either way (a `lax.cond`, both traced once)."""
-    safe = jnp.min(g.astype(jnp.float32)) >= GATE_FLOOR
-    return jax.lax.cond(safe, lambda _: tuple(kernel()), lambda _: tuple(reference()), None)
 
 
 def linear(x, w, *, kernels="auto"):

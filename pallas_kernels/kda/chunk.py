@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda.common import CHUNK, _default_interpret, _fast_dot, _is_pow2
+from pallas_kernels.kda.diagonal import diagonal_call
 from pallas_kernels.kda.naive import _check_shapes, export_mask
 from pallas_kernels.kda.prepare import (
     _chunk_output,
@@ -164,11 +165,17 @@ def _out_blk(*shape):  # [NT, H, *shape] chunk-major array -> one (chunk, head) 
     return pl.BlockSpec((None, None) + shape, lambda n, hh: (n, hh) + (0,) * len(shape))
 
 
-def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
+def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None, gate_bounded=True):
     """[T, H, D] inputs (T a multiple of CHUNK) -> per-chunk intermediates [NT, H, ...]:
     (w [NT, H, C, K], u [NT, H, C, V], q_decayed [NT, H, C, K], k_to_end [NT, H, C, K],
-    a_qk [NT, H, C, C] in the inputs' dtype (fp32 for fp32), decay_end [NT, H, K] fp32)."""
+    a_qk [NT, H, C, C] in the inputs' dtype (fp32 for fp32), decay_end [NT, H, K] fp32).
+    gate_bounded=False: any g <= 0, by the split prepare with exact diagonal tiles
+    (`diagonal.py`); the other prepare implementations take bounded gates only."""
     impl = _tuned(tuning)["prepare_impl"]
+    if not gate_bounded:
+        if impl != "split":
+            raise ValueError(f"an unbounded gate needs prepare_impl 'split' (exact diagonal tiles); got {impl!r}")
+        return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning, exact_diagonal=True)
     if impl == "split":
         return _split_prepare_call(q, k, v, g, beta, interpret=interpret, tuning=tuning)
     if impl == "intra_solve":
@@ -207,11 +214,12 @@ def _chunk_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
     )(q, k, v, g, beta)
 
 
-def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
+def _split_intra_call(q, k, g, beta, *, interpret, tuning=None, exact_diagonal=False):
     """Kernel 1 of the split prepare.  [T, H, K] q / k / g, [T, H] beta ->
     (q_decayed, k_to_end, a_qk, decay_end) as `_chunk_prepare_call` returns them,
     plus a_kk [NT, H, C, C] and beta exp(G) k [NT, H, C, K].  Those two are bf16
-    when the dots take bf16 operands anyway (half the HBM round trip), else fp32."""
+    when the dots take bf16 operands anyway (half the HBM round trip), else fp32.
+    exact_diagonal: the diagonal tiles come from `diagonal.diagonal_call` (any gate <= 0)."""
     t, h, dk = q.shape
     nt = t // CHUNK
     inter = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -228,10 +236,17 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
         sds((nt, h, CHUNK, dk), solve_in),
     ]
     in_blk, out_blk = _looped_blocks(n_chunks)
+    diag = diagonal_call(q, k, g, interpret=interpret) if exact_diagonal else ()
     return pl.pallas_call(
-        _functools.partial(_split_intra_kernel, interpret=interpret, algorithm=algorithm, n_chunks=n_chunks),
+        _functools.partial(
+            _split_intra_kernel,
+            interpret=interpret,
+            algorithm=algorithm,
+            n_chunks=n_chunks,
+            exact_diagonal=exact_diagonal,
+        ),
         grid=(nt // n_chunks, h),
-        in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk()],
+        in_specs=[in_blk(dk), in_blk(dk), in_blk(dk), in_blk()] + [out_blk(CHUNK, CHUNK)] * len(diag),
         out_specs=[
             out_blk(CHUNK, dk),
             out_blk(CHUNK, dk),
@@ -244,7 +259,7 @@ def _split_intra_call(q, k, g, beta, *, interpret, tuning=None):
         interpret=interpret,
         compiler_params=_params("intra", tuning),
         name="kda_split_intra",
-    )(q, k, g, beta)
+    )(q, k, g, beta, *diag)
 
 
 def _split_solve_call(akk, kbg, v, beta, *, interpret, tuning=None, in_dtype=None):
@@ -309,9 +324,11 @@ def _intra_solve_call(q, k, v, g, beta, *, interpret, tuning=None):
     return w, u, qd, ke, aqk, de
 
 
-def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None):
+def _split_prepare_call(q, k, v, g, beta, *, interpret, tuning=None, exact_diagonal=False):
     """`_chunk_prepare_call` by the split kernels: the same intermediates."""
-    qd, ke, aqk, de, akk, kbg = _split_intra_call(q, k, g, beta, interpret=interpret, tuning=tuning)
+    qd, ke, aqk, de, akk, kbg = _split_intra_call(
+        q, k, g, beta, interpret=interpret, tuning=tuning, exact_diagonal=exact_diagonal
+    )
     w, u = _split_solve_call(akk, kbg, v, beta, interpret=interpret, tuning=tuning, in_dtype=q.dtype)
     return w, u, qd, ke, aqk, de
 
@@ -341,13 +358,17 @@ def _chunk_state_call(prep, h0, chunk_start, ckpt_slot, *, out_dtype, n_ckpt, sc
     )(chunk_start, ckpt_slot, h0, w, u, qd, ke, aqk, de)
 
 
-@_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning"))
-def _chunk_kda_core(q, k, v, g, beta, h0, chunk_start, ckpt_slot, *, n_ckpt, scale, block_v, interpret, tuning=None):
+@_functools.partial(jax.jit, static_argnames=("n_ckpt", "scale", "block_v", "interpret", "tuning", "gate_bounded"))
+def _chunk_kda_core(
+    q, k, v, g, beta, h0, chunk_start, ckpt_slot, *, n_ckpt, scale, block_v, interpret, tuning=None, gate_bounded=True
+):
     """q/k/g [1, T, H, K], v [1, T, H, V], beta [1, T, H] with T a multiple of CHUNK and
     sequences starting at chunk boundaries.  Returns o [1, T, H, V], ht [N, H, K, V],
     checkpoints [max(n_ckpt, 1), H, K, V]."""
     _, t, h, _ = q.shape
-    prep = _chunk_prepare_call(q[0], k[0], v[0], g[0], beta[0], interpret=interpret, tuning=tuning)
+    prep = _chunk_prepare_call(
+        q[0], k[0], v[0], g[0], beta[0], interpret=interpret, tuning=tuning, gate_bounded=gate_bounded
+    )
     o, ht, ckpt = _chunk_state_call(
         prep,
         h0,
@@ -399,6 +420,7 @@ def chunk_kda(
     block_v=None,
     tuning=None,
     export_at=None,
+    gate_bounded=True,
 ):
     """Chunked KDA prefill (Pallas) exporting states at `checkpoint_positions` in the same pass.
 
@@ -419,6 +441,10 @@ def chunk_kda(
         every sequence, no cu_seqlens): positions known only on the device, one
         compiled program for any values.  Entries that are not positive multiples
         of 64 within T (`export_mask`) export zeros.
+      gate_bounded: every g >= -5 (Kimi-K3's bounded gate), which the prepare's factored 16-token
+        diagonal tiles need (exp(16 * 5) is finite).  False: any g <= 0 (Kimi-Linear's softplus
+        gate), the diagonal tiles computed exactly (`diagonal.py`), at 16 more exps per token per
+        key channel.
     Returns:
       (o [B, T, H, V] in v's dtype,
        final_state [N, H, K, V] fp32 or None,
@@ -507,6 +533,7 @@ def chunk_kda(
         block_v=block_v,
         interpret=interpret,
         tuning=tuple(sorted(dict(tuning or {}).items())) or None,
+        gate_bounded=bool(gate_bounded),
     )
     o = unflat(o)
     checkpoints = None

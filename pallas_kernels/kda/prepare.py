@@ -161,12 +161,17 @@ def _intra_loader(q_ref, k_ref, g_ref, beta_ref, rows):
     return lambda name: (beta_ref[rows] if name == "beta" else refs[name][rows, :]).astype(jnp.float32)
 
 
-def _split_intra_chunk(load, dot, store):
+def _split_intra_chunk(load, dot, store, diagonal=None):
     """One (chunk, head) of `_split_intra_kernel`: load(name) gives q, k, g [C, K] or beta [C] in
     fp32, each read where it is first needed (beta, g, then q and k: the order the kernel's PTX was
     measured in); each output goes to store(i, value) as soon as it exists (i: its place in the
     kernel's output refs), so nothing stays live past its store: held to the end, q exp(G),
-    k exp(G_C - G) and beta exp(G) k spill the kernel's registers at 8 warps (ptxas)."""
+    k exp(G_C - G) and beta exp(G) k spill the kernel's registers at 8 warps (ptxas).
+
+    diagonal: None (the gate is bounded: the diagonal tiles factor like the rest), or a function
+    giving the exact diagonal tiles (A_kk raw, A_qk) [C, C] fp32 (`diagonal.diagonal_call`'s, zero
+    off the diagonal blocks): the dots then take only the columns before each row block, where
+    every factor is <= 1 whatever the gate."""
     beta = load("beta")
     t = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     s = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
@@ -190,34 +195,26 @@ def _split_intra_chunk(load, dot, store):
     row_decay = jnp.exp(g_all - ref_rows)  # exp(G_t - R_i) <= 1
     kd, qd = k * row_decay, q * row_decay
     akk = aqk = jnp.zeros((CHUNK, CHUNK), jnp.float32)
+    end = (lambda i: (i + 1) * SUB) if diagonal is None else (lambda i: i * SUB)
     for i, r in enumerate(refs):  # row block i's rows of A (the causal masks come once, after)
-        kr = _column_operand(k, g_all, r, row, (i + 1) * SUB)
+        if end(i) == 0:
+            continue  # no column before the first block: its tile is all diagonal
+        kr = _column_operand(k, g_all, r, row, end(i))
         mine = t_block == i
         akk = akk + jnp.where(mine, dot(kd, kr.T), 0.0)
         aqk = aqk + jnp.where(mine, dot(qd, kr.T), 0.0)
+    if diagonal is not None:
+        diag_kk, diag_qk = diagonal()
+        akk, aqk = akk + diag_kk, aqk + diag_qk
     store(4, jnp.where(s < t, akk, 0.0) * beta[:, None])
     store(2, jnp.where(s <= t, aqk, 0.0))
 
 
-def _split_intra_kernel(
-    q_ref,
-    k_ref,
-    g_ref,
-    beta_ref,
-    qd_ref,
-    ke_ref,
-    aqk_ref,
-    de_ref,
-    akk_ref,
-    kbg_ref,
-    *,
-    interpret,
-    algorithm,
-    n_chunks=1,
-):
-    """One head's `n_chunks` chunks: q, k, g [n C, K], beta [n C] in; q exp(G), k exp(G_C - G)
-    [n, C, K], A_qk [n, C, C], exp(G_C) [n, K] out, plus A_kk [n, C, C] (times beta, strictly
-    lower) and beta exp(G) k [n, C, K] for `_split_solve_kernel`.
+def _split_intra_kernel(*refs, interpret, algorithm, n_chunks=1, exact_diagonal=False):
+    """One head's `n_chunks` chunks: q, k, g [n C, K], beta [n C] in (with exact_diagonal also the
+    diagonal tiles (A_kk raw, A_qk) [n, C, C] fp32 of `diagonal.diagonal_call`); q exp(G),
+    k exp(G_C - G) [n, C, K], A_qk [n, C, C], exp(G_C) [n, K] out, plus A_kk [n, C, C] (times beta,
+    strictly lower) and beta exp(G) k [n, C, K] for `_split_solve_kernel`.
 
     Whole-chunk values only (Triton cannot slice values): one scan gives G; the
     16-row references R_i come out as masked row sums; row block i of A is the
@@ -234,8 +231,8 @@ def _split_intra_kernel(
     H100 (RESULTS.md, KDA kernels): the loads are not what the kernel waits on, so the default is 1.
     """
     dot = _precise_dot(interpret, algorithm)
-
-    out_refs = (qd_ref, ke_ref, aqk_ref, de_ref, akk_ref, kbg_ref)
+    n_in = 6 if exact_diagonal else 4
+    (q_ref, k_ref, g_ref, beta_ref), diag_refs, out_refs = refs[:4], refs[4:n_in], refs[n_in:]
 
     def one(c):
         rows = pl.ds(c * CHUNK, CHUNK)
@@ -243,7 +240,8 @@ def _split_intra_kernel(
         def store(i, x):
             out_refs[i][c] = x.astype(out_refs[i].dtype)
 
-        _split_intra_chunk(_intra_loader(q_ref, k_ref, g_ref, beta_ref, rows), dot, store)
+        diagonal = (lambda: (diag_refs[0][c], diag_refs[1][c])) if exact_diagonal else None
+        _split_intra_chunk(_intra_loader(q_ref, k_ref, g_ref, beta_ref, rows), dot, store, diagonal)
 
     _each_chunk(n_chunks, one)
 

@@ -180,10 +180,10 @@ def test_a_verify_pass_on_the_pallas_path_exports_what_the_reference_does(rng):
 
 
 @pytest.mark.parametrize("floor", [-4.0, -60.0])
-def test_an_unbounded_gate_takes_the_chunk_kernel_only_where_its_factorisation_holds(rng, floor):
-    """Kimi-Linear's gate has no lower bound: with every g >= -5 a chunked span runs the Pallas
-    kernel, with g down to -60 (exp(16 * 60) overflows the kernel's sub-block factorisation) the
-    chunked reference; both give the recurrence's outputs and state, finite (interpret mode)."""
+def test_an_unbounded_gate_runs_the_chunk_kernel_exactly_at_any_depth(rng, floor):
+    """Kimi-Linear's gate has no lower bound: with g down to -60 (exp(16 * 60) overflows the
+    factored diagonal tiles) the chunk kernel with `gate_bounded=False` still gives the
+    recurrence's outputs and state, finite (interpret mode); the bounded form would not."""
     from pallas_kernels.kda import kda_recurrent_ref
     from tests.pallas_kernels.test_kda_ref import kda_inputs
 
@@ -195,6 +195,6 @@ def test_an_unbounded_gate_takes_the_chunk_kernel_only_where_its_factorisation_h
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     np.testing.assert_allclose(o, o_ref, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(s, s_ref, atol=1e-4, rtol=1e-4)
-    if floor < ops.GATE_FLOOR:  # the kernel alone would not have survived these gates
+    if floor < ops.GATE_FLOOR:  # the factored tiles would not have survived these gates
         o_kernel = ops.kda(q, k, v, g, beta, initial_state=s0, kernels="pallas")[0]
         assert not np.isfinite(np.asarray(o_kernel)).all()

@@ -119,6 +119,75 @@ def test_bf16_inputs_keep_fp32_state(rng, prepare_dot, impl, gate_scale):
     assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-2
 
 
+def softplus_gate(rng, b, t, h, dk, spread=3.0):
+    """Kimi-Linear's gate -exp(A_log) softplus(f + dt_bias), A_log = log U(1, 16), f ~ N(0, spread):
+    per-token log-decays reach about -16 * 3 * spread, far below the bounded gate's -5."""
+    from kimik3.layers.kda import kda_gate
+
+    f = jnp.asarray(rng.standard_normal((b, t, h, dk)) * spread, jnp.float32)
+    a_log = jnp.log(jnp.asarray(rng.uniform(1.0, 16.0, h), jnp.float32))
+    return kda_gate(f, a_log, jnp.zeros((h, dk), jnp.float32), None)
+
+
+def test_the_exact_diagonal_tiles_equal_the_pairwise_formula(rng):
+    """Each 16-token block's tile A[t, s] = sum_k x_t k_s exp(G_t - G_s) (s <= t), written out
+    pairwise in numpy, for gates down to about -150 per token."""
+    from pallas_kernels.kda.diagonal import diagonal_tiles
+
+    q, k, _, _, _ = kda_inputs(rng, 1, 16, 1, 32, 16)
+    g = softplus_gate(rng, 1, 16, 1, 32)[0, :, 0]
+    q, k = np.asarray(q[0, :, 0], np.float64), np.asarray(k[0, :, 0], np.float64)
+    gc = np.cumsum(np.asarray(g, np.float64), axis=0)
+    want_kk, want_qk = np.zeros((16, 16)), np.zeros((16, 16))
+    for t in range(16):
+        for s in range(t + 1):
+            decay = np.exp(gc[t] - gc[s])
+            want_kk[t, s], want_qk[t, s] = np.sum(k[t] * k[s] * decay), np.sum(q[t] * k[s] * decay)
+    akk, aqk = diagonal_tiles(*(jnp.asarray(x, jnp.float32) for x in (q, k, g)))
+    np.testing.assert_allclose(akk, want_kk, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(aqk, want_qk, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_unbounded_gate_gives_the_recurrence_with_exports(rng, dtype):
+    """Kimi-Linear's softplus gate (log-decays far below -5): the kernel with gate_bounded=False
+    equals the token recurrence, states exported in the same pass included; fp32 to 1e-4, bf16
+    inputs to bf16's relative L2 of 1e-2.  The factored form overflows on the same inputs."""
+    q, k, v, _, beta = kda_inputs(rng, 2, 150, 2, 32, 16)
+    g = softplus_gate(rng, 2, 150, 2, 32)
+    assert float(jnp.min(g)) < -40
+    s0 = jnp.asarray(rng.standard_normal((2, 2, 32, 16)) * 0.1, jnp.float32)
+    cast = [x.astype(dtype) for x in (q, k, v, beta)]
+    o, s, ck = chunk_kda(
+        cast[0], cast[1], cast[2], g, cast[3], initial_state=s0, output_final_state=True,
+        checkpoint_positions=[64, 128], gate_bounded=False,
+    )  # fmt: skip
+    o_ref, s_ref = kda_recurrent_ref(
+        *(x.astype(jnp.float32) for x in (cast[0], cast[1], cast[2], g, cast[3])), initial_state=s0
+    )
+    ck_ref = [
+        replay_state(*(x.astype(jnp.float32) for x in (cast[0], cast[1], cast[2], g, cast[3])), p, s0)
+        for p in (64, 128)
+    ]
+    assert np.isfinite(np.asarray(o, np.float32)).all() and np.isfinite(ck).all()
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(o, o_ref, atol=ATOL, rtol=RTOL)
+        np.testing.assert_allclose(s, s_ref, atol=ATOL, rtol=RTOL)
+        for i in range(2):
+            np.testing.assert_allclose(ck[:, i], ck_ref[i], atol=ATOL, rtol=RTOL)
+        o_factored = chunk_kda(q, k, v, g, beta, initial_state=s0)[0]
+        assert not np.isfinite(np.asarray(o_factored)).all()
+    else:
+        rel = lambda a, b: float(jnp.linalg.norm(jnp.asarray(a, jnp.float32) - b) / jnp.linalg.norm(b))
+        assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-2 and rel(ck[:, 1], ck_ref[1]) < 1e-2
+
+
+def test_an_unbounded_gate_needs_the_split_prepare(rng):
+    q, k, v, g, beta = kda_inputs(rng, 1, 64, 1, 16, 16)
+    with pytest.raises(ValueError, match="unbounded gate needs prepare_impl 'split'"):
+        chunk_kda(q, k, v, g, beta, gate_bounded=False, tuning={"prepare_impl": "fused"})
+
+
 @pytest.mark.parametrize("gate_scale", [1.0, 0.05])
 def test_split_prepare_gives_the_fused_prepare_intermediates(rng, gate_scale):
     """The "split" prepare (intra + solve kernels) against the fused kernel, fp32, per intermediate;

@@ -193,11 +193,12 @@ def test_grouped_ffn_on_mxfp4_experts(tokens):
     )
 
 
-@pytest.mark.parametrize("impl, kernels", [("split", 3), ("intra_solve", 2)])
-def test_chunk_kda_prefill_lowers_as_its_triton_kernels(impl, kernels):
+@pytest.mark.parametrize("impl, bounded, kernels", [("split", True, 3), ("intra_solve", True, 2), ("split", False, 4)])
+def test_chunk_kda_prefill_lowers_as_its_triton_kernels(impl, bounded, kernels):
     """The prefill's kernels at the model's head dims, bf16, a state exported every 128 tokens:
     the split prepare (intra, solve) and the state pass with o in its loop, three Triton calls;
-    with the intra and solve in one program, two."""
+    with the intra and solve in one program, two; with an unbounded gate the exact diagonal
+    tiles' kernel before them, four."""
     t, h, d = 1024, 4, 128
     fn = lambda q, k, v, g, beta: kda.chunk_kda(
         q,
@@ -209,6 +210,7 @@ def test_chunk_kda_prefill_lowers_as_its_triton_kernels(impl, kernels):
         checkpoint_positions=list(range(128, t + 1, 128)),
         interpret=False,
         tuning={"prepare_impl": impl},
+        gate_bounded=bounded,
     )
     calls = lowered_triton_calls(
         fn, *[S((1, t, h, d), BF16)] * 2, S((1, t, h, d), BF16), S((1, t, h, d), F32), S((1, t, h), BF16)
