@@ -577,6 +577,9 @@ class Router:
             l2_bytes=cfg.l2_bytes,
         )
         self.client: httpx.AsyncClient | None = None
+        # the wait between attempts (`_backoff`): a coroutine function of seconds, `asyncio.sleep`
+        # unless a caller (a test) records the waits instead of sleeping them
+        self.sleep = asyncio.sleep
         self._health_task: asyncio.Task | None = None
         self.created = int(time.time())
 
@@ -958,13 +961,14 @@ class Router:
                     f"prefill failed on {failures} attempts; retry later (last error: {err})",
                     type="service_unavailable",
                     code="worker_failure",
+                    headers=RETRY_AFTER,
                 )
             self.metrics.retries.labels("prefill").inc()
             await self._backoff(max(1, failures))
 
     async def _backoff(self, attempt: int) -> None:
         delay = min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** max(0, attempt - 1))
-        await asyncio.sleep(random.uniform(0, delay))  # full jitter
+        await self.sleep(random.uniform(0, delay))  # full jitter
 
     async def generate(
         self,
