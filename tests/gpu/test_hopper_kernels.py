@@ -181,8 +181,9 @@ def test_chunk_over_a_cache_at_the_models_dims_every_repeat(heads, block_kv, per
 
 # ---- a mutant the suite must catch ---------------------------------------------------------------
 # Warpgroup 1 hands the P slot back to warpgroup 0 *before* its P @ V wgmma has read it: warpgroup 0
-# may then overwrite P mid-read.  The Mosaic GPU interpreter (tests/pallas_kernels) cannot see this
-# race; three probe runs of such a mutant gave max errors 0.25, 0.003 and 0.21 on the H200, and
+# may then overwrite P mid-read.  The interpreter's values cannot show this race (its own race
+# detector skips wgmma operands); tests/pallas_kernels/test_ring_order.py orders every slot's
+# release after its last read and catches it on the CPU.  On the GPU three probe runs of such a mutant gave max errors 0.25, 0.003 and 0.21 on the H200, and
 # 15 repeats of variants of it stayed inside the tolerance with identical bits: unstalled, the read
 # usually wins.  The release moves ahead of the test's stall, which then opens the window.
 _READ = (
