@@ -202,6 +202,10 @@ UNSUPPORTED = {
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: _is_number(v, 1),
+    # no value of these is neutral: the model has no reasoning budget to set, and predicted
+    # outputs (a client's draft) are not verified here (the server's own drafts are: EAGLE-3)
+    "reasoning_effort": lambda v: False,
+    "prediction": lambda v: False,
 }
 
 

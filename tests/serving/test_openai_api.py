@@ -153,6 +153,8 @@ def _chat(**kw):
         ("response_format", {"type": "json_object"}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
+        ("reasoning_effort", "low"),
+        ("prediction", {"type": "content", "content": "a draft"}),
     ],
 )
 def test_a_field_this_server_does_not_implement_is_a_400_naming_it(field, value):
