@@ -342,3 +342,22 @@ def test_what_the_openai_sdk_sends_in_a_multi_turn_conversation_passes():
         check_common(ChatCompletionRequest.model_validate(_chat(store=True)))
     with pytest.raises(APIError, match="continuous_usage_stats"):
         check_common(ChatCompletionRequest.model_validate(_chat(stream_options={"continuous_usage_stats": True})))
+
+
+def test_every_field_the_schema_declares_without_a_type_is_refused_unless_neutral():
+    """A field typed `Any` is one the server declares only to answer it: each request model's such
+    fields are exactly the ones its unsupported table checks, so a field added to the schema
+    without an implementation cannot be accepted and ignored."""
+    from typing import Any
+
+    from serving.openai_api import MESSAGE_UNSUPPORTED, UNSUPPORTED, ChatMessage, CompletionRequest
+
+    for model, table in (
+        (ChatCompletionRequest, UNSUPPORTED),
+        (CompletionRequest, UNSUPPORTED),
+        (ChatMessage, MESSAGE_UNSUPPORTED),
+    ):
+        untyped = {name for name, f in model.model_fields.items() if f.annotation is Any}
+        assert untyped and untyped <= set(table), (model.__name__, sorted(untyped - set(table)))
+    chat_only = set(UNSUPPORTED) - set(ChatCompletionRequest.model_fields)
+    assert chat_only <= set(CompletionRequest.model_fields), sorted(chat_only)
