@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
+from kimik3 import ops
+from kimik3.layers.kda import kda_gate
 from pallas_kernels import kda
 from pallas_kernels import kda_decode as kd
 
@@ -67,14 +69,21 @@ def to_torch(x):
     return torch.from_dlpack(jax.block_until_ready(x))
 
 
-def inputs(key, b, t, h, d, dtype):
-    """q, k (L2-normalized), v, g (fp32 log decay in (-5, 0)), beta: the layer's value ranges."""
+def inputs(key, b, t, h, d, dtype, gate: str = "bounded"):
+    """q, k (L2-normalized), v, g (fp32 log decay), beta: the layer's value ranges.  gate
+    "bounded": g in (-5, 0); "softplus": Kimi-Linear's unbounded gate `kda_gate(f, A_log, 0, None)`
+    = -e^A softplus(f) with f ~ N(0, 1) and A_log = log U(1, 16) per head, log-decays far below -5."""
     ks = jax.random.split(key, 5)
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
     q = unit(jax.random.normal(ks[0], (b, t, h, d))).astype(dtype)
     k = unit(jax.random.normal(ks[1], (b, t, h, d))).astype(dtype)
     v = jax.random.normal(ks[2], (b, t, h, d)).astype(dtype)
-    g = (-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h, d)) - 2.0)).astype(jnp.float32)
+    f = jax.random.normal(ks[3], (b, t, h, d))
+    if gate == "softplus":
+        a_log = jnp.log(jax.random.uniform(jax.random.fold_in(key, 5), (h,), minval=1.0, maxval=16.0))
+        g = kda_gate(f, a_log, jnp.zeros((h, d)), None).astype(jnp.float32)
+    else:
+        g = (-5.0 * jax.nn.sigmoid(f - 2.0)).astype(jnp.float32)
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))).astype(dtype)
     return q, k, v, g, beta
 
@@ -85,11 +94,12 @@ def _f32(*xs):
 
 def kda_chunk(ctx):
     """kda_chunk: `chunk_kda` with the final state (and with export, the states after every 128th
-    and 1536th token), checked against `kda_chunked_ref`, vs fla's `chunk_kda`."""
+    and 1536th token), checked against `kda_chunked_ref`, vs fla's `chunk_kda`.  gate "softplus":
+    the unbounded gate through `ops.kda(..., gate_bounded=False)` (what a Kimi-Linear layer calls)."""
     peer = fla()
     for case in ctx.cases():
-        b, t, h, d, export = case
-        args = inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16)
+        b, t, h, d, export, gate = case
+        args = inputs(jax.random.PRNGKey(1), b, t, h, d, jnp.bfloat16, gate)
         positions = sorted(set(range(128, t + 1, 128)) | set(range(1536, t + 1, 1536))) if export else None
         at = jnp.asarray(positions, jnp.int32) if positions else None
         want = jax.jit(functools.partial(kda.kda_chunked_ref, export_at=at))(*_f32(*args))
@@ -104,9 +114,12 @@ def kda_chunk(ctx):
             return ctx.time_torch(lambda: chunk(*tq, output_final_state=True))
 
         def one(tuning, variant):
-            fn = jax.jit(
-                lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions, tuning=tuning)
-            )
+            if gate == "softplus":  # the layer's entry point: the exact-diagonal kernel
+                fn = jax.jit(lambda *a: (ops.kda(*a, kernels="pallas", export_at=at, gate_bounded=False) + (None,))[:3])
+            else:
+                fn = jax.jit(
+                    lambda *a: kda.chunk_kda(*a, output_final_state=True, checkpoint_positions=positions, tuning=tuning)
+                )
             o, s, ck = fn(*args)
             checks = [common.check(o, want[0], TOL, l2=True), common.check(s, want[1], TOL, l2=True)]
             if positions:
@@ -118,10 +131,12 @@ def kda_chunk(ctx):
                 variant=variant,
                 peer_ms=peer_ms,
                 work=work,
-                extra={"exported_states": n_ckpt},
+                extra={"exported_states": n_ckpt, "min_log_decay": float(jnp.min(args[3]))},
             )
 
         yield ctx.attempt(case, "default", lambda: one(None, "default"))
+        if gate == "softplus":  # the tunings are the kernel's own: the bounded cases time them
+            continue
         for name in ctx.wanted():
             yield ctx.attempt(case, name, lambda name=name: one(TUNINGS[name], name))
 

@@ -99,12 +99,51 @@ def _best_peer(ctx, candidates, args, want, tol):
     return best
 
 
+HOST_DRAW_VALUES = 1 << 27  # weights past this many values are drawn on the device (numpy's fp64 draw: GBs)
+
+
 def _case(rng, m, k, n, g):
     """Rows routed to experts (multinomial over G), bf16, and the experts in use."""
     sizes = rng.multinomial(m, np.ones(g) / g).astype(np.int32)
     lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, jnp.bfloat16)
+    if g * k * n > HOST_DRAW_VALUES:
+        key = jax.random.PRNGKey(int(rng.integers(1 << 31)))
+        rhs = (jax.random.normal(key, (g, k, n), jnp.float32) / k**0.5).astype(jnp.bfloat16)
+    else:
+        rhs = jnp.asarray(rng.standard_normal((g, k, n)) / k**0.5, jnp.bfloat16)
     return lhs, rhs, jnp.asarray(sizes), int((sizes > 0).sum())
+
+
+DENSE_REF_BYTES = 4 << 30  # past this, `lax.ragged_dot`'s reference may expand lhs to [G, M, K] in fp32
+
+
+def reference(lhs, rhs, sizes):
+    """`moe.grouped_matmul_ref` in fp32 (out[r] = lhs[r] @ rhs[g(r)], rows sorted by group), for any
+    M: where the dense expansion of its `lax.ragged_dot` would pass DENSE_REF_BYTES (Kimi-Linear's 256
+    experts at a prefill chunk's 65536 rows), one dot per group over a window of the largest group's
+    rows instead, each row kept where it belongs to the group."""
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    if g * m * k * 4 <= DENSE_REF_BYTES:
+        return jax.jit(moe.grouped_matmul_ref)(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+    window = int(np.max(np.asarray(sizes)))
+
+    @jax.jit
+    def by_group(lhs, rhs, sizes):
+        starts = jnp.cumsum(sizes) - sizes
+        padded = jnp.concatenate([lhs, jnp.zeros((window, k), lhs.dtype)]).astype(jnp.float32)
+        hi = jax.lax.Precision.HIGHEST
+
+        def one(i):
+            rows = jax.lax.dynamic_slice(padded, (starts[i], 0), (window, k))
+            return jnp.dot(rows, rhs[i].astype(jnp.float32), precision=hi)
+
+        out = jax.lax.map(one, jnp.arange(g))  # [G, window, N]
+        offset = jnp.arange(window)[None]
+        index = jnp.where(offset < sizes[:, None], starts[:, None] + offset, m)
+        return jnp.zeros((m, n), jnp.float32).at[index.reshape(-1)].set(out.reshape(-1, n), mode="drop")
+
+    return by_group(lhs, rhs, sizes)
 
 
 def moe_gemm(ctx):
@@ -116,7 +155,7 @@ def moe_gemm(ctx):
         m, k, n, g = case
         lhs, rhs, sizes, active = _case(rng, m, k, n, g)
         args = (lhs, rhs, sizes)
-        want = jax.jit(moe.grouped_matmul_ref)(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+        want = reference(lhs, rhs, sizes)
         tol = 2.0**-6 * float(jnp.max(jnp.abs(want))) + 1e-3  # bf16 output rounding, with margin
         work = {"bytes": active * k * n * 2 + m * (k + n) * 2, "flops": 2 * m * k * n}
         peer = {}

@@ -12,6 +12,9 @@ yielding one row per case (and per variant asked for) made by `Context.row`.  It
   to back, one sync); paged kernels read a shuffled page table or slot list, as a live pool has.
 * shapes: "ci" runs in seconds on the CPU (Pallas in interpret mode, `tiny` configs); "full" is
   the real work for an H100 / H200.
+* rows come out as their cases finish (the runner writes its JSON at every row); a benchmark whose
+  peer can only be measured after all of ours (two full-size models that do not share the device)
+  yields a case's row with ours first and the same row again, completed, once its peer is timed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 from benchmarks import common
 
-SUITES = ("kernels", "serving", "quant", "spec")
+SUITES = ("kernels", "serving", "quant", "spec", "model")
 CEILINGS = ("memory", "compute", "roofline")
 RIDGE_FLOP_PER_BYTE = 300.0  # where no ceilings were measured: an H100's ridge, to name a case's bound
 
@@ -74,6 +77,7 @@ def _b(name, suite, module, fn, doc, fields, ci, full, peer, peer_note, ceiling,
 
 
 _LAT = (512, 64, 128)  # the model's MLA latent width, rope width and page size
+_KL = ("kimi_linear", "kimi_k3_mxfp4")  # the model suite's full cases: Kimi-Linear, MXFP4 experts
 
 BENCHMARKS: tuple[Benchmark, ...] = (
     # ------------------------------------------------------------------ kernels
@@ -83,18 +87,23 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "kda",
         "kda_chunk",
         "KDA chunked prefill, `pallas_kernels.kda.chunk_kda(..., output_final_state=True)`; export=1 also "
-        "exports the state after every 128th and 1536th token in the same pass (what prefix caching stores).",
-        "B T H D export",
-        [(1, 128, 2, 32, 1)],
+        "exports the state after every 128th and 1536th token in the same pass (what prefix caching stores). "
+        "gate=softplus: Kimi-Linear's unbounded gate (-e^A softplus(f + dt), log-decays far below -5) "
+        "through `kimik3.ops.kda(..., gate_bounded=False, kernels='pallas')`, which checks the gates on the "
+        "device and takes the chunked reference where the kernel's factorisation does not hold.",
+        "B T H D export gate",
+        [(1, 128, 2, 32, 1, "bounded"), (1, 128, 2, 32, 1, "softplus")],
         [
-            (1, 32768, 32, 128, 0),
-            (1, 32768, 32, 128, 1),
-            (8, 4096, 32, 128, 0),
-            (8, 4096, 32, 128, 1),
-            (4, 8192, 12, 128, 0),
+            (1, 32768, 32, 128, 0, "bounded"),
+            (1, 32768, 32, 128, 1, "bounded"),
+            (8, 4096, 32, 128, 0, "bounded"),
+            (8, 4096, 32, 128, 1, "bounded"),
+            (4, 8192, 12, 128, 0, "bounded"),
+            (1, 32768, 32, 128, 1, "softplus"),
+            (8, 4096, 32, 128, 1, "softplus"),
         ],
         "fla chunk_kda",
-        "fla's `chunk_kda` on the same bf16 inputs (its plain pass: fla exports no states); "
+        "fla's `chunk_kda` on the same bf16 inputs and gates (its plain pass: fla exports no states); "
         "no peer without fla and torch",
         "memory",
         "o, final state and exported states vs `kda_chunked_ref` (fp32) on the same inputs: relative L2 error "
@@ -119,7 +128,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "pool of 2B slots, B rows at shuffled slots.",
         "B H D",
         [(2, 2, 32)],
-        [(64, 32, 128), (128, 32, 128), (256, 32, 128), (512, 32, 128)],
+        [(1, 32, 128), (8, 32, 128), (64, 32, 128), (128, 32, 128), (256, 32, 128), (512, 32, 128)],
         "fla fused_recurrent_kda_fwd",
         "fla's kernel as vLLM calls it for decode: `fused_recurrent_kda_fwd` on "
         "the same pool by slot, in place; no peer without fla and torch",
@@ -172,6 +181,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             (96, 16, 8192, 1, *_LAT),
             (128, 64, 8192, 1, *_LAT),
             (128, 64, 8192, 4, *_LAT),
+            (32, 1, 131072, 1, *_LAT),  # Kimi-Linear's heads at 128K
+            (32, 8, 131072, 1, *_LAT),
         ],
         "FlashMLA",
         "FlashMLA's `flash_mla_with_kvcache` (64-token blocks viewing the same pages) where it imports, "
@@ -252,6 +263,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             (32768, 768, 768, 32),
             (512, 1024, 2048, 24),
             (16384, 1024, 2048, 24),
+            # Kimi-Linear's experts (256, top-8): gate ++ up [2304, 2 x 1024] and down [1024, 2304] at
+            # the rows of a decode step of B 64, 128, 256 (8 B) and of an 8K-token prefill chunk
+            *((8 * t, k, n, 256) for k, n in ((2304, 2048), (1024, 2304)) for t in (64, 128, 256, 8192)),
         ],
         "ragged_dot_mgpu",
         "JAX's Mosaic GPU `ragged_dot_mgpu` at the best of a short sweep of its tilings; "
@@ -329,6 +343,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             (1024, 56, 4096, 8192),
             (8, 32, 768, 1536),
             (128, 32, 768, 1536),
+            # Kimi-Linear's experts (256, top-8), as `moe_gemm`'s: gate ++ up and down at a decode step of
+            # B 64, 128, 256 (its reference's dense expansion bounds the rows)
+            *((8 * t, 256, k, n) for k, n in ((2304, 2048), (1024, 2304)) for t in (64, 128, 256)),
         ],
         "bf16 grouped GEMM",
         "our bf16 grouped GEMM (`ops.grouped_matmul`) on the same weights dequantized: what MXFP4 saves",
@@ -513,6 +530,48 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "an accuracy benchmark: the reference recomputes everything, its seconds say nothing",
         None,
         "the speculative tokens equal the oracle's (`generate`, fp32, no cache) exactly",
+    ),
+    # ------------------------------------------------------------------ model
+    _b(
+        "kl_decode",
+        "model",
+        "kimi_linear",
+        "kl_decode",
+        "One decode step (TPOT) of Kimi-Linear against its all-MLA twin (`kimik3.config.all_mla`), both "
+        "through the serving engine's decode program (`serving.model_runner.decode_program`) for B requests "
+        "of ctx cached tokens on synthetic paged pools (hash-filled pages and KDA states, shuffled tables); "
+        "random weights drawn on the device in the served layout.  `extra`: speedup_vs_twin (twin / ours), "
+        "cache bytes per token of context (KV + state over ctx) of both, tokens/s, the twin's fraction of "
+        "the ceiling.  Options: manifest, budget_s, seed.",
+        "config manifest B ctx",
+        [("tiny", "bf16", 4, 36), ("tiny", "bf16", 4, 40)],  # the check's pool and table shapes: one program
+        [(*_KL, 1, c) for c in (4096, 32768, 131072, 262144, 524288, 1048576)]
+        + [(*_KL, b, c) for b in (8, 32, 64, 128) for c in (4096, 32768)],
+        "all-MLA twin",
+        "the same model with every mixer MLA, the same decode program, pools, rows and timing; a case whose "
+        "pools do not fit the device's free memory is skipped for either with a note",
+        "memory",
+        "on `kimi_linear.check_config` (the ci config itself; the full model cut to 3 layers, 32 experts): "
+        "one step's greedy tokens vs the fp32 model on the reference kernels over the same pools and rows, "
+        "`serving_bench.margin_check` (<= 0.25 of the rows past 0.1 of their logit range in bf16)",
+    ),
+    _b(
+        "kl_prefill",
+        "model",
+        "kimi_linear",
+        "kl_prefill",
+        "Prefill latency of one prompt of T tokens (B1) through the serving engine's chunk program "
+        "(`ModelRunner.forward`, chunk by chunk on paged pools, KDA exports at the engine's boundaries), "
+        "Kimi-Linear against its all-MLA twin.  `extra`: speedup_vs_twin, tokens/s, TFLOP.  Options: "
+        "manifest, chunk (tokens, default 4096), long=1 (adds T 256K and 512K), budget_s, seed.",
+        "config manifest T",
+        [("tiny", "bf16", 96)],  # as wide a table as the check's prompts: one chunk program
+        [(*_KL, t) for t in (4096, 16384, 65536, 131072)],
+        "all-MLA twin",
+        "the same model with every mixer MLA through the same chunk program, prompt and timing",
+        "compute",
+        "on `kimi_linear.check_config`: the greedy token after two prompts of 2.5 chunks and 3 tokens vs "
+        "the fp32 model on the reference kernels without a cache, `serving_bench.margin_check`",
     ),
 )
 

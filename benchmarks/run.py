@@ -3,11 +3,13 @@
     python -m benchmarks.run --suite kernels --shapes full [--only mla_decode,kda_chunk] [--variants all]
     python benchmarks/run.py --suite all --shapes ci --json /tmp/ci.json
     python -m benchmarks.run --suite kernels --shapes full --base HEAD~1     # this tree vs another commit
+    python -m benchmarks.run --list [--suite model --shapes full]          # the registry [and those cases]
 
 Writes {date, device, host_cpu, versions, commit, ceilings, rows} to --json (default
-benchmarks/results/<suite>_<device>.json) after every benchmark, so a run cut short keeps what it
-measured; logs progress to stderr and prints a markdown table of the rows at the end.  Exits 1
-when any row failed its check or raised.  `--base REF` runs the same suite on REF's library code
+benchmarks/results/<suite>_<device>.json) after every row, so a run cut short keeps what it
+measured (a benchmark may yield a row again, completed, when its peer is measured later); logs
+progress to stderr and prints a markdown table of the rows at the end.  Exits 1 when any row
+failed its check or raised.  `--base REF` runs the same suite on REF's library code
 (REF's tree from `git archive`, with this tree's benchmarks/ copied over it) in a subprocess,
 then here, and adds each row's base_ms and vs_base (this / base) beside it.
 """
@@ -83,7 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="persistent XLA cache dir (default $KIMIK3_COMPILE_CACHE or ~/.cache/kimik3/xla; 'off')",
     )
-    ap.add_argument("--list", action="store_true", help="print the registry and exit")
+    ap.add_argument(
+        "--list",
+        action="store_true",
+        help="print the registry and exit (with --suite or --only, also their cases at --shapes, by index)",
+    )
     return ap.parse_args(argv)
 
 
@@ -183,7 +189,9 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
         log.info("%s (%s): %d cases", bench.name, bench.suite, len(ctx.cases()))
         try:
             for row in bench.load()(ctx):
-                result["rows"].append(row)
+                # a row yielded again (the same dict, completed: a peer measured later) is kept once
+                if not any(row is r for r in result["rows"]):
+                    result["rows"].append(row)
                 log.info(
                     "  %s [%s]: ours %s ms, peer %s ms, %s",
                     row["case"],
@@ -192,6 +200,7 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
                     common.fmt(row["peer_ms"]),
                     row["status"],
                 )
+                write_json(args.json, result)  # every row: a run cut short keeps what it measured
         except Exception as e:  # noqa: BLE001 - one benchmark that breaks ends neither the run nor the file
             log.exception("%s raised", bench.name)
             result["rows"].append(registry.error_row(bench, "-", e))
@@ -280,7 +289,9 @@ def run_base(args, benches: list[registry.Benchmark]) -> tuple[dict, int]:
     return result, proc.returncode
 
 
-def list_registry() -> str:
+def list_registry(selected: list[registry.Benchmark] | None = None, shapes: str = "ci") -> str:
+    """The registry as a markdown table; with `selected` (a --suite or --only selection) also each of
+    their cases at `shapes`, by index (what --cases picks)."""
     rows = [
         dict(
             benchmark=b.name,
@@ -293,8 +304,15 @@ def list_registry() -> str:
         )
         for b in registry.BENCHMARKS
     ]
-    return common.markdown_table(rows, ["benchmark", "suite", "peer", "ceiling", "ci", "full", "variants"])
+    out = common.markdown_table(rows, ["benchmark", "suite", "peer", "ceiling", "ci", "full", "variants"])
+    for b in selected or ():
+        out += f"\n\n{b.name} ({shapes} cases; fields {' '.join(b.fields)})"
+        out += "".join(f"\n  {i:>2}  {b.label(case)}" for i, case in enumerate(b.shapes[shapes]))
+    return out
 
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+MODEL_MEM_FRACTION = "0.95"  # the model suite's default share of the GPU for JAX's allocator
 
 # The ci preset on the CPU: XLA:CPU compiles thousands of small programs that then run a few times
 # (its figures mean nothing), where LLVM's optimizations cost more than they save.
@@ -309,13 +327,18 @@ def main(argv=None) -> int:
             [flags] + [f"--{k}={v}" for k, v in CPU_CI_XLA_FLAGS.items() if f"--{k}=" not in flags]
         ).strip()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    if args.list:
-        print(list_registry())
-        return 0
     try:
         benches = registry.select(args.suite, args.only.split(",") if args.only else None)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if args.list:
+        print(list_registry(benches if args.only or args.suite != "all" else None, args.shapes))
+        return 0
+    if benches and all(b.suite == "model" for b in benches) and MEM_FRACTION_ENV not in os.environ:
+        # two full-size models, one at a time, beside a 1M-token cache: JAX's allocator may have the
+        # GPU (its default stops at 75%); set before the backend starts
+        os.environ[MEM_FRACTION_ENV] = MODEL_MEM_FRACTION
+        log.info("model suite: %s=%s", MEM_FRACTION_ENV, MODEL_MEM_FRACTION)
     if args.base:
         result, _ = run_base(args, benches)
     else:

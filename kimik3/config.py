@@ -1,4 +1,5 @@
-"""Frozen model configurations and the presets (tiny, mini, small, kimi_k3, k3_slice, kimi_linear).
+"""Frozen model configurations and the presets (tiny, mini, small, kimi_k3, k3_slice, kimi_linear,
+kimi_linear_mla).
 
 Layer layout: by default layer i's token mixer is MLA when ``i % 4 == 3`` and KDA otherwise
 (groups of [KDA, KDA, KDA, MLA], starting at layer 0); `mixer_layout` names every layer's mixer
@@ -440,6 +441,24 @@ def kimi_linear() -> ModelConfig:
     )
 
 
+def all_mla(cfg: ModelConfig) -> ModelConfig:
+    """The all-MLA twin of `cfg`: the same model with every token mixer MLA (``mixer_layout``
+    ``("mla",) * n_layers``), named ``<name>_mla``; every other field, the FFNs included, is
+    `cfg`'s, so the two differ only by their mixers' params and caches.  What the hybrid's speed
+    and cache figures are measured against (`benchmarks/kimi_linear.py`, ``kimik3 plan --fits``).
+    A config whose mixers are all MLA already comes back as it is."""
+    layout = ("mla",) * cfg.n_layers
+    if cfg.mixer_kinds == layout:
+        return cfg
+    return cfg.replace(name=f"{cfg.name}_mla", mixer_layout=layout)
+
+
+def kimi_linear_mla() -> ModelConfig:
+    """`kimi_linear`'s all-MLA twin (`all_mla`): its 27 layers all MLA, everything else the same;
+    the full-attention model of the same size the Kimi Linear report compares against."""
+    return all_mla(kimi_linear())
+
+
 PRESETS = {
     "tiny": tiny,
     "mini": mini,
@@ -447,6 +466,7 @@ PRESETS = {
     "kimi_k3": kimi_k3,
     "k3_slice": k3_slice,
     "kimi_linear": kimi_linear,
+    "kimi_linear_mla": kimi_linear_mla,
 }
 
 

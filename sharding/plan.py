@@ -9,6 +9,14 @@ exact list the sharded layers issue (`collectives`), with their buffer shapes;
 the same function is checked against the collectives in the compiled HLO of
 the tiny config (tests/sharding), so the plan cannot drift from the code.
 
+    kimik3 plan --config kimi_linear --fits [--gpu h100]
+
+`--fits` plans one GPU instead of meshes: for the config and its all-MLA twin
+(`kimik3.config.all_mla`) side by side, the largest decode batch that fits at contexts
+of 4K to 1M tokens, per manifest (bf16, MXFP4 experts), on an H100 and an H200
+(`decode_fit`: the GPU's usable memory less a reserve, then weights, then per request its
+MLA KV, KDA state and fp32 logits row).
+
 Bytes of a collective = bytes of its full buffer: the gathered output of an
 all-gather, the input of a reduce-scatter, the whole ``[ep, C, L]`` buffer of
 a dense all-to-all.  ``wire`` = bytes one rank actually sends: ``(n-1)/n`` of
@@ -36,7 +44,17 @@ from sharding.rules import RULES, path_str, param_specs
 
 log = logging.getLogger(__name__)
 
-GPUS = {"h200": 141e9, "gb300": 288e9, "h100": 80e9, "b200": 192e9}  # HBM bytes per GPU
+GPUS = {"h200": 141e9, "gb300": 288e9, "h100": 80e9, "b200": 192e9}  # HBM bytes per GPU, nominal
+
+GIB = 1 << 30
+# What one process can allocate on a GPU (the nominal GPUS figure less what the driver and the CUDA
+# context keep): an H100 80GB leaves about 79.1 GiB, an H200 about 139 GiB.  JAX's allocator stops
+# at XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75) of it: a run sized by these figures raises it.
+USABLE_BYTES = {"h100": int(79.1 * GIB), "h200": int(139.0 * GIB)}
+# Held back from a single-GPU fit for the runtime, the compiled programs and a step's activations.
+RESERVE_BYTES = 4 * GIB
+FIT_CONTEXTS = (4096, 32768, 131072, 524288, 1048576)
+FIT_MANIFESTS = ("bf16", "kimi_k3_mxfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +314,120 @@ def manifest_capacity(
     return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeFit:
+    """A decode engine on one GPU, in bytes: the weights once, and per request its MLA latent
+    KV at `context` tokens, its KDA state (fp32 state and conv rows of every KDA layer, whatever
+    the length) and its fp32 logits row; `memory` the GPU's usable bytes, `reserve` what is held
+    back for the runtime and activations."""
+
+    weights: int
+    kv_per_request: int
+    state_per_request: int
+    logits_per_request: int
+    memory: int
+    reserve: int
+
+    @property
+    def per_request(self) -> int:
+        return self.kv_per_request + self.state_per_request + self.logits_per_request
+
+    @property
+    def free_for_requests(self) -> int:
+        return self.memory - self.reserve - self.weights
+
+    @property
+    def batch(self) -> int:
+        """The largest decode batch that fits (0: not one request, or not even the weights)."""
+        return max(0, self.free_for_requests // self.per_request)
+
+    def total(self, batch: int) -> int:
+        """Bytes `batch` requests take with the weights and the reserve."""
+        return self.weights + self.reserve + batch * self.per_request
+
+
+def cache_bytes_per_request(cfg: ModelConfig, context: int, act_dtype: str = "bfloat16") -> tuple[int, int]:
+    """(MLA latent KV of `context` tokens, KDA state) of one request, every layer of each kind:
+    n_mla x context x (kv_lora + rope) values in `act_dtype`, and n_kda x (fp32 state H x K x K +
+    the short convs' last W - 1 inputs of q, k, v)."""
+    s = np.dtype(act_dtype).itemsize
+    n_mla, n_kda = cfg.mixer_kinds.count("mla"), cfg.mixer_kinds.count("kda")
+    kv = n_mla * context * cfg.mla_latent_dim * s
+    h, d = cfg.kda_heads, cfg.kda_head_dim
+    state = n_kda * (h * d * d * 4 + 3 * (cfg.kda_conv_size - 1) * h * d * s)
+    return kv, state
+
+
+def decode_fit(
+    cfg: ModelConfig,
+    manifest: str,
+    context: int,
+    memory_bytes: int,
+    *,
+    reserve_bytes: int = RESERVE_BYTES,
+    act_dtype: str = "bfloat16",
+) -> DecodeFit:
+    """`DecodeFit` of `cfg` served unsharded with `manifest`'s weights (`sizing.weight_bytes`) in
+    `memory_bytes` (e.g. `USABLE_BYTES[gpu]`, or a device's free bytes with weights=... already
+    counted by the caller) at caches of `context` tokens."""
+    from kimik3 import sizing
+
+    kv, state = cache_bytes_per_request(cfg, context, act_dtype)
+    return DecodeFit(
+        weights=sizing.weight_bytes(cfg, quantization.MANIFESTS[manifest]),
+        kv_per_request=kv,
+        state_per_request=state,
+        logits_per_request=cfg.vocab_size * 4,
+        memory=int(memory_bytes),
+        reserve=int(reserve_bytes),
+    )
+
+
+def _ctx_label(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
+def fits_report(
+    cfg: ModelConfig,
+    gpus=("h100", "h200"),
+    manifests=FIT_MANIFESTS,
+    contexts=FIT_CONTEXTS,
+    reserve_bytes: int = RESERVE_BYTES,
+) -> str:
+    """`kimik3 plan --fits`: per GPU and manifest, the largest decode batch of `cfg` and of its
+    all-MLA twin (`config_lib.all_mla`) at each context, side by side ("ours / twin")."""
+    twin = config_lib.all_mla(cfg)
+    for gpu in gpus:
+        if gpu not in USABLE_BYTES:
+            raise ValueError(f"--fits knows the usable memory of {sorted(USABLE_BYTES)}; got --gpu {gpu}")
+    n = lambda c, kind: c.mixer_kinds.count(kind)
+    kv1, state1 = cache_bytes_per_request(cfg, 1)
+    kv2, state2 = cache_bytes_per_request(twin, 1)
+    lines = [
+        f"largest decode batch on one GPU: {cfg.name} ({n(cfg, 'kda')} KDA + {n(cfg, 'mla')} MLA) / "
+        f"{twin.name} (its all-MLA twin, {n(twin, 'mla')} MLA)",
+        "usable memory "
+        + ", ".join(f"{g} {USABLE_BYTES[g] / GIB:.1f} GiB" for g in gpus)
+        + f", less {reserve_bytes / GIB:.1f} GiB for the runtime and activations; then the weights, then per "
+        "request: MLA KV (bf16), KDA state (fp32, any length), an fp32 logits row",
+        f"per request: KV {kv1:,} / {kv2:,} bytes per token of context; KDA state {state1 / 1e6:,.1f} / "
+        f"{state2 / 1e6:,.1f} MB",
+    ]
+    header = f"{'gpu':5} {'manifest':14} {'weights GB':>15}" + "".join(f" {_ctx_label(c):>13}" for c in contexts)
+    lines += ["", header]
+    for gpu in gpus:
+        for name in manifests:
+            fits = [
+                [decode_fit(c, name, ctx, USABLE_BYTES[gpu], reserve_bytes=reserve_bytes) for ctx in contexts]
+                for c in (cfg, twin)
+            ]
+            weights = f"{fits[0][0].weights / 1e9:.1f} / {fits[1][0].weights / 1e9:.1f}"
+            cells = [f"{a.batch:,} / {b.batch:,}" for a, b in zip(*fits)]
+            lines.append(f"{gpu:5} {name:14} {weights:>15}" + "".join(f" {c:>13}" for c in cells))
+    lines.append("(0: the weights and one request of that context do not fit)")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `kimik3 plan` options (for serving/cli.py's subparser)."""
     parser.add_argument(
@@ -322,7 +454,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the storage format of each weight (kimik3.quantization)",
     )
     parser.add_argument(
-        "--gpu", default="gb300", choices=sorted(GPUS), help="the GPU whose memory and links the plan is sized for"
+        "--gpu",
+        default=None,
+        choices=sorted(GPUS),
+        help="the GPU whose memory and links the plan is sized for (default gb300; --fits: h100 and h200)",
+    )
+    parser.add_argument(
+        "--fits",
+        action="store_true",
+        help="one GPU, no mesh: the largest decode batch of the config and of its all-MLA twin at contexts "
+        f"4K to 1M, bf16 and MXFP4 experts, in the GPU's usable memory less {RESERVE_BYTES / GIB:.0f} GiB "
+        "for the runtime and activations (h100, h200)",
     )
     parser.add_argument(
         "--dispatch",
@@ -341,6 +483,10 @@ def run(args) -> int:
         cfg = checkpoint.load_config(args.checkpoint)
     else:
         cfg = config_lib.get_config(args.config)
+    if getattr(args, "fits", False):
+        print(fits_report(cfg, (args.gpu,) if args.gpu else ("h100", "h200")))
+        return 0
+    gpu = args.gpu or "gb300"
     parts = []
     if args.prefill:
         shape = parse_spec(args.prefill, "prefill")
@@ -355,7 +501,7 @@ def run(args) -> int:
                 seq=args.seq_len,
                 context=args.seq_len,
                 manifest_name=args.manifest,
-                gpu=args.gpu,
+                gpu=gpu,
                 dispatch=args.dispatch,
                 act_dtype=args.act_dtype,
             )
@@ -373,7 +519,7 @@ def run(args) -> int:
                 seq=1,
                 context=args.context,
                 manifest_name=args.manifest,
-                gpu=args.gpu,
+                gpu=gpu,
                 dispatch=args.dispatch,
                 act_dtype=args.act_dtype,
             )

@@ -94,21 +94,60 @@ def served_manifests(keep_bf16_experts: bool) -> tuple[str, ...]:
     return tuple(m for m in quantization.SERVING_MANIFESTS if keep_bf16_experts or not m.endswith("_bf16_moe"))
 
 
+def _served_leaf(path: str, leaf, rules: quantization.QuantManifest, dtype):
+    """One checkpoint-layout leaf as `rules` stores it: a QTensor in its GEMM form, or the plain
+    leaf cast to `dtype` (fp32 where the manifest keeps fp32)."""
+    fmt = rules.format_of(path)
+    if fmt in PLAIN:
+        return jnp.asarray(leaf).astype(jnp.float32 if fmt == "fp32" else jnp.dtype(dtype))
+    shape = gemm_shape(path.rsplit("/", 1)[-1], tuple(leaf.shape))
+    return formats.quantize(jnp.asarray(leaf, jnp.float32).reshape(shape), fmt)
+
+
+def _served_tree(tree, rules: quantization.QuantManifest, dtype, prefix: str = "") -> dict:
+    """`_served_leaf` of every leaf of `tree` (paths under `prefix`), as a nested dict."""
+    out = {}
+    for path, leaf in _paths(tree):
+        _set(out, path, _served_leaf(prefix + path, leaf, rules, dtype))
+    return out
+
+
 def quantize_params(params, cfg: ModelConfig, manifest: str, *, fuse: bool = True):
     """The checkpoint-layout `params` as `manifest` stores them, in memory (what `load` returns
     for a checkpoint `quantize_checkpoint` wrote from them): QTensors in their GEMM form,
     plain leaves cast to the config's dtype (fp32 where the model keeps it); fused unless
     fuse=False.  For benchmarks and tests; serving loads checkpoints."""
-    rules = quantization.MANIFESTS[manifest]
-    out = {}
-    for path, leaf in _paths(params):
-        fmt = rules.format_of(path)
-        if fmt in PLAIN:
-            _set(out, path, jnp.asarray(leaf).astype(jnp.float32 if fmt == "fp32" else jnp.dtype(cfg.dtype)))
-        else:
-            shape = gemm_shape(path.rsplit("/", 1)[-1], tuple(leaf.shape))
-            _set(out, path, formats.quantize(jnp.asarray(leaf, jnp.float32).reshape(shape), fmt))
+    out = _served_tree(params, quantization.MANIFESTS[manifest], cfg.dtype)
     return fused.fuse_projections(out, cfg) if fuse else out
+
+
+def init_served_params(cfg: ModelConfig, key, manifest: str = "bf16", *, on_layer=None):
+    """Random params drawn on the device straight into the serving layout of `manifest`:
+    ``quantize_params(model.init_params(cfg, key), cfg, manifest)``, leaf for leaf, without ever
+    holding the whole checkpoint-layout model.  Block by block: draw it (`model.init_params`'s
+    per-block program and key), store each leaf as the manifest says, fuse the block
+    (`kimik3.fused.fuse_layer`), and drop the draw before the next block, so the peak is the
+    served params plus one block's draw (Kimi-Linear with MXFP4 experts: 29 GB served, where its
+    bf16 draw is 98 GB).  on_layer(i, block) -> block, if given, runs on each served block before
+    the next is drawn (e.g. moving MXFP4 experts into a kernel's layout; the result then no longer
+    equals `quantize_params`'s).  Unknown manifests are a ValueError."""
+    if manifest not in quantization.MANIFESTS:
+        raise ValueError(f"unknown manifest {manifest!r}; known: {sorted(quantization.MANIFESTS)}")
+    rules, dtype = quantization.MANIFESTS[manifest], jnp.dtype(cfg.dtype).name
+    top_key, blocks_key = jax.random.split(key)
+    with model._cheap_threefry():
+        out = _served_tree(model._init_top(top_key, cfg=cfg, dtype=dtype), rules, dtype)
+        for i in range(cfg.n_layers):
+            name = f"layer_{i}"
+            drawn = model._init_block(
+                jax.random.fold_in(blocks_key, i), cfg=cfg, layer=model.first_of_kind(cfg, i), dtype=dtype
+            )
+            block = fused.fuse_layer(_served_tree(drawn, rules, dtype, prefix=f"{name}/"))
+            del drawn
+            out[name] = block if on_layer is None else on_layer(i, block)
+            jax.block_until_ready(out[name])  # the draw's buffers go before the next block's are made
+    log.info("drew %s at random as %s, block by block", cfg.name, manifest)
+    return out
 
 
 def _bits(q: formats.QTensor) -> dict:

@@ -4,14 +4,61 @@ import jax
 import pytest
 
 from kimik3 import config, model, quantization, sizing
+from sharding import plan
 
 
 @pytest.mark.parametrize("name", sorted(config.PRESETS))
 def test_presets_are_valid_and_round_trip_through_json(name):
     cfg = config.get_config(name)
     assert config.ModelConfig.from_dict(cfg.to_dict()) == cfg
-    assert cfg.mixer_kinds[:4] == ("kda", "kda", "kda", "mla")
+    twin = name.endswith("_mla")  # an all-MLA twin (`config.all_mla`)
+    assert cfg.mixer_kinds[:4] == (("mla",) * 4 if twin else ("kda", "kda", "kda", "mla"))
     assert cfg.ffn_kind(0) == "dense" and all(cfg.ffn_kind(i) == "moe" for i in range(1, cfg.n_layers))
+
+
+def _mixer_params(cfg, kind: str) -> int:
+    """Parameters of the layers whose mixer is `kind`, their mixer (and its norm) only."""
+    tree = model.abstract_params(cfg, "float32")
+    return sum(
+        x.size
+        for i in range(cfg.n_layers)
+        if cfg.mixer_kind(i) == kind
+        for key in (kind, "mixer_norm")
+        for x in jax.tree.leaves(tree[f"layer_{i}"][key])
+    )
+
+
+@pytest.mark.parametrize("make", [config.tiny, config.kimi_linear])
+def test_the_all_mla_twin_differs_only_by_its_mixers(make):
+    cfg = make()
+    twin = config.all_mla(cfg)
+    assert twin.name == f"{cfg.name}_mla" and twin.mixer_kinds == ("mla",) * cfg.n_layers
+    assert config.all_mla(twin) is twin  # already all MLA
+    same = {f for f in cfg.to_dict() if f not in ("name", "mixer_layout")}
+    assert {f: getattr(twin, f) for f in same} == {f: getattr(cfg, f) for f in same}
+    # the parameter counts differ by the KDA layers' mixers, each replaced by an MLA mixer
+    n_kda = cfg.mixer_kinds.count("kda")
+    per_mla = _mixer_params(twin, "mla") // cfg.n_layers
+    per_kda = _mixer_params(cfg, "kda") // n_kda
+    assert sizing.param_count(twin) - sizing.param_count(cfg) == n_kda * (per_mla - per_kda)
+    # a cached token costs the twin every layer's latent (Kimi-Linear: 27 / 7 of its MLA part), and
+    # the twin keeps no KDA state
+    kv, state = plan.cache_bytes_per_request(cfg, 1)
+    kv_twin, state_twin = plan.cache_bytes_per_request(twin, 1)
+    assert kv_twin * cfg.mixer_kinds.count("mla") == kv * cfg.n_layers
+    assert kv == cfg.mixer_kinds.count("mla") * cfg.mla_latent_dim * 2
+    assert state > 0 and state_twin == 0
+
+
+def test_kimi_linear_mla_is_the_preset_twin_of_kimi_linear():
+    twin, cfg = config.get_config("kimi_linear_mla"), config.kimi_linear()
+    assert twin == config.all_mla(cfg)
+    assert (cfg.mixer_kinds.count("mla"), twin.mixer_kinds.count("mla")) == (7, 27)
+    kv, kv_twin = (plan.cache_bytes_per_request(c, 1)[0] for c in (cfg, twin))
+    assert kv_twin / kv == pytest.approx(27 / 7) and kv == 8064  # 7 x (512 + 64) bf16 values
+    assert 1 - kv / kv_twin > 0.74  # the report's "up to 75% smaller"
+    # the same size: the mixers are a small part of 49B parameters
+    assert sizing.param_count(twin) == pytest.approx(sizing.param_count(cfg), rel=0.01)
 
 
 def test_kimi_k3_matches_the_stated_size():
