@@ -264,10 +264,15 @@ class EngineLoop:
             pass
 
     def _finish(self, sub: _Sub, counter: str) -> None:
+        """`sub` leaves the worker (done, cancelled or failed): counted, with `load`'s engine figures
+        refreshed under the same lock, so a client that hears of its end and then reads /load sees
+        its slot and pages back (not the figures of the step before)."""
         self._subs.pop(sub.internal_id, None)
+        snapshot = self._snapshot()
         with self._lock:
             self._pending -= 1
             self.counters[counter] += 1
+            self._load = snapshot
 
     def _handle(self, kind: str, payload) -> None:
         e = self.engine
@@ -368,11 +373,11 @@ class EngineLoop:
             sub.sent += 1
         if req.done:
             if req.error:
+                self._finish(sub, "errors")  # counted before the client hears of it, as "done" below
                 if req.fault is not None:  # its own failure: another worker would fail it too
                     self._push(sub, request_failure(req.error, req.fault == "invalid"))
                 else:  # out of KV capacity here: another worker may serve it
                     self._push(sub, engine_failure(req.error) | {"code": "request_dropped"})
-                self._finish(sub, "errors")
                 return
             eos = self.engine.config.eos_id
             reason = "stop" if req.stop_at_eos and req.output and req.output[-1] == eos else "length"

@@ -7,8 +7,11 @@ import pytest
 
 from kimik3 import model, tokenizer
 
-# fp32 through 4 layers: different span lengths sum in different orders.
+# fp32 through 4 layers, max |diff| of the logits measured over 4 param and prompt seeds:
+# different span lengths sum in different orders (prompt in pieces: 6.8e-5 to 1.5e-4)
 LOGIT_ATOL = 2e-4
+# the same spans, batched or alone (9.5e-7 to 3.5e-6)
+BATCH_ATOL = 1e-5
 
 
 def _prompt(rng, n, cfg):
@@ -62,9 +65,9 @@ def test_batched_cache_equals_each_sequence_alone(rng, tiny_cfg, tiny_params):
         alone, c = model.forward(
             tiny_params, tiny_cfg, toks[b : b + 1], cache=model.init_cache(tiny_cfg, 1, 32, jnp.float32)
         )
-        np.testing.assert_allclose(batched[b], alone[0], atol=LOGIT_ATOL, rtol=0)
+        np.testing.assert_allclose(batched[b], alone[0], atol=BATCH_ATOL, rtol=0)
         alone_step, _ = model.forward(tiny_params, tiny_cfg, toks[b : b + 1, :1], cache=c)
-        np.testing.assert_allclose(step[b], alone_step[0], atol=LOGIT_ATOL, rtol=0)
+        np.testing.assert_allclose(step[b], alone_step[0], atol=BATCH_ATOL, rtol=0)
 
 
 def test_image_changes_only_what_follows_it(rng, tiny_cfg, tiny_params):
@@ -81,7 +84,7 @@ def test_image_changes_only_what_follows_it(rng, tiny_cfg, tiny_params):
     img_u8 = (img_a * 255).astype(np.uint8)
     lu, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_u8)
     lf, _ = model.forward(tiny_params, tiny_cfg, toks, images=img_u8.astype(np.float32) / 255)
-    np.testing.assert_allclose(lu, lf, atol=LOGIT_ATOL, rtol=0)
+    np.testing.assert_allclose(lu, lf, atol=6e-5, rtol=0)  # measured 7.8e-6 to 2.0e-5 (4 seeds)
 
 
 def test_pallas_kernels_match_the_references_without_a_cache(rng, tiny_cfg, tiny_params, monkeypatch):
@@ -96,7 +99,7 @@ def test_pallas_kernels_match_the_references_without_a_cache(rng, tiny_cfg, tiny
     ref, _ = model.forward(tiny_params, tiny_cfg, toks, kernels="reference")
     ker, _ = model.forward(tiny_params, tiny_cfg, toks, kernels="pallas")
     assert calls
-    np.testing.assert_allclose(ker, ref, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(ker, ref, atol=3e-4, rtol=0)  # measured 1.9e-5 to 1.0e-4 (4 seeds)
     np.testing.assert_array_equal(ker.argmax(-1), ref.argmax(-1))
 
 
@@ -162,7 +165,7 @@ class TestBadInput:
             model.forward(tiny_params, tiny_cfg, seq)
         # the oracle's form: a jitted full recompute (traced tokens: the prompt checks do not apply)
         full = jax.jit(lambda t: model.forward(tiny_params, tiny_cfg, t)[0])(seq)
-        np.testing.assert_allclose(step[0, -1], full[0, -1], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(step[0, -1], full[0, -1], atol=1e-5, rtol=0)  # measured 1.4e-6 to 4.1e-6
 
 
 def test_init_params_draws_the_whole_models_tree_per_block_kind(tiny_cfg):

@@ -8,7 +8,9 @@ import pytest
 from kimik3 import model, tokenizer
 
 PAGE = 16
-ATOL = 2e-4  # fp32 through 4 layers; see test_model.py
+# fp32 through 4 layers, paged against contiguous (another gather and summation order): max |diff|
+# of logits and cache rows measured over 4 param and prompt seeds 3.5e-6 to 4.2e-5
+ATOL = 1e-4
 
 
 def _tokens(rng, n):

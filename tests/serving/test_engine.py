@@ -93,6 +93,45 @@ def test_bad_requests_are_refused_and_cancellation_frees_kv(tiny_cfg, tiny_param
     assert other.output == _oracle(tiny_params, tiny_cfg, list(range(30)), 3)
 
 
+def _free_blocks(eng) -> list[tuple[int, int]]:
+    """(free pages, free snapshots) of each rank's pools; a cached block with no reference is free
+    (the next allocation may evict it)."""
+    return [(m.page_pool.num_free, m.snap_pool.num_free) for m in eng.managers]
+
+
+def _assert_nothing_held(eng, free0) -> None:
+    """Every page, snapshot and slot is back: the free counts are `free0` again, exactly."""
+    assert _free_blocks(eng) == free0 and all(not m.requests for m in eng.managers)
+    assert sorted(eng.scheduler.free_slots) == list(range(eng.config.num_slots))
+    for m in eng.managers:
+        m.page_pool.check_invariants()
+        m.snap_pool.check_invariants()
+
+
+def test_a_request_cancelled_at_any_step_returns_every_page_snapshot_and_slot(rng, tiny_cfg, tiny_params):
+    """A 100-token prompt in 40-token chunks, cancelled after 0 to 6 steps: while waiting, between
+    prefill chunks, after its first token, and with a decode step in flight.  The pools' free
+    counts come back to exactly where they started each time."""
+    eng = _engine(tiny_params, tiny_cfg)
+    free0 = _free_blocks(eng)
+    phases = set()
+    for steps in range(7):
+        req = eng.submit(rng.integers(0, 256, 100).tolist(), 20)
+        for _ in range(steps):
+            eng.step()
+        if req in eng.waiting:
+            phases.add("waiting")
+        elif req._computed < len(req._context):
+            phases.add("prefilling")
+        else:
+            phases.add("decoding, a step in flight" if eng._inflight is not None else "decoding")
+        assert eng.cancel(req.request_id) and req.error == "cancelled"
+        eng.run(max_steps=5)  # reads the step in flight, if any: the cancelled request drops its token
+        _assert_nothing_held(eng, free0)
+        assert len(req.output) < 20
+    assert phases >= {"waiting", "prefilling", "decoding, a step in flight"}, phases
+
+
 @pytest.mark.parametrize(
     "handoff, concurrent", [("direct", False), ("store", False), ("direct", True), ("store", True)]
 )
@@ -182,13 +221,17 @@ def test_admission_refuses_what_does_not_fit_and_admits_it_later(rng, tiny_cfg, 
 
 
 def test_preemption_and_resume_give_the_oracles_tokens(rng, tiny_cfg, tiny_params):
+    """A preempted request resumes by recompute with the oracle's tokens; once both finish, every
+    page and snapshot the preemption and the recompute took is free."""
     eng = _engine(tiny_params, tiny_cfg, num_pages=9)  # 8 usable pages: both fit at first, not while growing
+    free0 = _free_blocks(eng)
     prompts = [rng.integers(0, 256, 60).tolist() for _ in range(2)]
     reqs = [eng.submit(p, 40) for p in prompts]  # each grows from 4 to 7 pages
     eng.run(max_steps=400)
     assert eng.preemptions >= 1
     for r, p in zip(reqs, prompts):
         assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
+    _assert_nothing_held(eng, free0)
 
 
 def test_memory_budget_sizing_and_capacity_report(tiny_cfg, tiny_params):
@@ -268,13 +311,47 @@ def _preempting_engine(params, cfg, host):
     return eng, prompts, [eng.submit(p, 40) for p in prompts]
 
 
+def _offloads(host) -> list[str]:
+    """The host tier's entries of preempted requests' KV."""
+    return [k for k in host._data if "/preempt/" in k]
+
+
 def test_preemption_offloads_to_the_host_tier_and_resumes_without_recompute(tiny_cfg, tiny_params):
-    eng, prompts, reqs = _preempting_engine(tiny_params, tiny_cfg, EmbeddedHostKVTier(1 << 24))
+    """A preempted request's KV goes to the host tier and comes back without recompute, with the
+    oracle's tokens; once both requests finish, every page and snapshot is free again and the host
+    tier holds none of the offloads."""
+    host = EmbeddedHostKVTier(1 << 24)
+    eng, prompts, reqs = _preempting_engine(tiny_params, tiny_cfg, host)
+    free0 = _free_blocks(eng)  # submitted, nothing taken yet
     eng.run(max_steps=400)
     assert eng.preemptions >= 1 and eng.offloaded_resumes == eng.preemptions
     assert eng.recomputed_tokens == 0
     for r, p in zip(reqs, prompts):
         assert r.error is None and r.output == _oracle(tiny_params, tiny_cfg, p, 40)
+    _assert_nothing_held(eng, free0)
+    assert _offloads(host) == []
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offloaded"])
+def test_a_request_cancelled_while_preempted_leaves_nothing_held(tiny_cfg, tiny_params, offload):
+    """Preempted (its KV offloaded to the host tier, or to be recomputed) and then cancelled while
+    it waits to resume: the other request finishes, and every page, snapshot, slot and offload
+    entry is back."""
+    host = EmbeddedHostKVTier(1 << 24) if offload else None
+    eng, _, reqs = _preempting_engine(tiny_params, tiny_cfg, host)
+    free0 = _free_blocks(eng)  # submitted, nothing taken yet
+    for _ in range(400):
+        eng.step()
+        if eng.preemptions:
+            break
+    (victim,) = eng.waiting
+    assert (victim._offload_keys is not None) == offload and victim.output
+    assert eng.cancel(victim.request_id) and victim.error == "cancelled"
+    eng.run(max_steps=400)
+    (other,) = [r for r in reqs if r is not victim]
+    assert other.error is None and len(other.output) == 40
+    _assert_nothing_held(eng, free0)
+    assert host is None or _offloads(host) == []
 
 
 def test_a_corrupt_offload_entry_falls_back_to_recompute_with_the_same_tokens(tiny_cfg, tiny_params):

@@ -87,20 +87,44 @@ def test_drain_refuses_new_requests_and_resume_accepts_them(client):
     assert client.post("/prefill", json={"prompt": [1, 2, 3], "max_tokens": 1}).status_code == 200
 
 
-def test_a_closed_stream_cancels_the_request_and_frees_its_kv(client, rng):
+@pytest.mark.parametrize(
+    "leave_on, prompt_len, delay_s",
+    [
+        # 7 prefill chunks of 32 tokens, 0.2 s a step: the request is still prefilling when the
+        # closed stream is noticed
+        ("accepted", 200, 0.2),
+        # 10 ms a step: the 150 tokens take 1.5 s, so the request is still decoding (unthrottled,
+        # tiny can finish all of them first and nothing is cancelled)
+        ("token", 30, 0.01),
+    ],
+    ids=["mid_prefill", "decoding"],
+)
+def test_a_closed_stream_cancels_the_request_and_frees_every_page(
+    client, rng, monkeypatch, leave_on, prompt_len, delay_s
+):
+    """Every page the request took is back in the pool once it is cancelled (pages it published to
+    the prefix cache count as free: they are evictable), whether it was prefilling or decoding."""
     import time
 
+    eng = client.loop.engine
+    seen = []  # (tokens computed, context length, tokens emitted) when the cancel reached the engine
+    real_cancel = eng.cancel
+
+    def cancel(request_id):
+        seen.extend((r._computed, len(r._context), len(r.output)) for r in eng.running if r.request_id == request_id)
+        return real_cancel(request_id)
+
+    monkeypatch.setattr(eng, "cancel", cancel)
     load0 = client.get("/load").json()
-    # 10 ms a step: the 150 tokens take 1.5 s, so the request is still running when the closed
-    # stream is noticed (unthrottled, tiny can finish all of them first and nothing is cancelled)
-    client.loop.step_delay_s = 0.01
+    client.loop.step_delay_s = delay_s
     try:
+        prompt = [9] + rng.integers(0, 256, prompt_len - 1).tolist()
         with client.stream(
-            "POST", "/generate", json={"prompt": rng.integers(0, 256, 30).tolist(), "max_tokens": 150}
+            "POST", "/generate", json={"prompt": prompt, "max_tokens": 150 if leave_on == "token" else 50}
         ) as r:
             for line in r.iter_lines():
-                if '"token"' in line:
-                    break  # leave after the first token: the connection closes
+                if f'"{leave_on}"' in line:
+                    break  # the connection closes
     finally:
         client.loop.step_delay_s = 0.0
 
@@ -111,7 +135,12 @@ def test_a_closed_stream_cancels_the_request_and_frees_its_kv(client, rng):
             break
         time.sleep(0.05)
     assert load["inflight"] == 0 and load["running"] == 0 and load["cancelled"] == load0["cancelled"] + 1
-    assert load["free_pages"] == load0["free_pages"] or load["free_pages"] >= load0["free_pages"] - 3  # cached
+    assert len(seen) == 1
+    computed, context, emitted = seen[0]
+    assert (computed < context and emitted == 0) if leave_on == "accepted" else emitted >= 1
+    assert load["free_pages"] == load0["free_pages"] == load0["total_pages"]
+    for m in eng.managers:
+        m.page_pool.check_invariants()
 
 
 def test_a_full_queue_answers_429(client):

@@ -76,7 +76,8 @@ def stepped(request, tiny_cfg, tiny_params, devices):
 def test_each_ranks_rows_equal_the_paged_forward_on_its_own_pool(stepped):
     for r, (want_logits, _, _) in enumerate(stepped["refs"]):
         got = stepped["logits"][r * ROWS : (r + 1) * ROWS]
-        np.testing.assert_allclose(got, want_logits, rtol=1e-4, atol=1e-4, err_msg=f"rank {r}")
+        # fp32, another batch and device: measured max |diff| 2.4e-6 to 3.0e-6 over 4 seeds
+        np.testing.assert_allclose(got, want_logits, rtol=1e-5, atol=1e-5, err_msg=f"rank {r}")
 
 
 def test_each_rank_writes_only_its_own_pool(stepped):
