@@ -102,6 +102,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/sharding/test_expert_dispatch.py",),
         "the ragged EP dispatch writes each source's rows at the sender's own offsets (sources overwrite each other)",
     ),
+    Mutant(
+        "router_failover_reuses_the_handoff_handle",
+        "serving/router.py",
+        "                adopt = None  # the handed-over KV may be half taken: later attempts recompute",
+        "                pass  # the handed-over KV may be half taken: later attempts recompute",
+        ("tests/serving/test_router_failures.py",),
+        "a decode failover after a direct P/D handoff offers the spent one-time handle again",
+    ),
+    Mutant(
+        "router_retries_a_4xx",
+        "serving/router.py",
+        "    if retriable is False or 400 <= status < 500:",
+        "    if retriable is False:",
+        ("tests/serving/test_router_failures.py",),
+        "a worker's 400 refusal (no retriable flag) is retried on another worker",
+    ),
+    Mutant(
+        "hopper_decode_releases_p_before_reading_it",
+        "pallas_kernels/mla_decode_hopper.py",
+        "            acc = value_half(acc, i, slot, 1)\n            plgpu.barrier_arrive(p_free.at[pslot])\n",
+        "            plgpu.barrier_arrive(p_free.at[pslot])\n            acc = value_half(acc, i, slot, 1)\n",
+        ("tests/pallas_kernels/test_ring_order.py",),
+        "the MLA decode's second warpgroup releases its P slot before its P @ V wgmma reads it",
+    ),
 )
 
 
