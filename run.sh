@@ -2,7 +2,7 @@
 # kimik3's two commands, on a fresh machine:
 #   ./run.sh demo [args]   the main job: `kimik3 demo` (the agent workload end to end, tiny model)
 #   ./run.sh test [args]   the test suite (CPU)
-# Both create .venv with Python >= 3.12 and install the project on first use: its serve and store
+# Both create .venv with Python >= 3.12 and install the project on first use: its serve, store and plot
 # extras, dev and reference (transformers + torch, the outside reference) for the tests, and cuda
 # (jax[cuda13]) where nvidia-smi sees a GPU.
 # On a machine without a package registry whose Python already holds CUDA jax (a GPU image):
@@ -29,8 +29,8 @@ find_python() {
   return 1
 }
 
-extras_for() {  # serve + store always, dev + reference for the tests, cuda where an NVIDIA GPU answers
-  local extras="serve,store" driver
+extras_for() {  # serve + store + plot always, dev + reference for the tests, cuda where an NVIDIA GPU answers
+  local extras="serve,store,plot" driver
   [ "$1" = test ] && extras="$extras,dev,reference"
   if [ -n "${KIMIK3_EXTRAS:-}" ]; then  # an override: e.g. KIMIK3_EXTRAS=serve,store (no CUDA)
     echo "$KIMIK3_EXTRAS"; return 0
