@@ -17,7 +17,8 @@ secret, written under another key, truncated, or damaged -- is a *miss*, counted
 serving path.  A tier remembers the keys whose entry failed: `exists` reports them absent and
 the next put of one replaces what is stored, so a publisher's next write heals a poisoned key.
 
-* `EmbeddedHostKVTier`: in-process host memory, LRU under a byte budget.
+* `EmbeddedHostKVTier`: in-process host memory, LRU under a byte budget
+  (`cache.byte_lru.ByteBudgetLRU`: cachetools' LRUCache sized in bytes).
   The single-machine default.
 * `MooncakeHostKVTier` (cache/mooncake_tier.py): Mooncake Store, shared by
   many engines and hosts.
@@ -26,7 +27,6 @@ the next put of one replaces what is stored, so a publisher's next write heals a
 from __future__ import annotations
 
 import abc
-import collections
 import dataclasses
 import logging
 import struct
@@ -34,8 +34,10 @@ import threading
 import time
 from typing import Sequence
 
+import cachetools
 import numpy as np
 
+from cache.byte_lru import ByteBudgetLRU
 from cache.store_auth import TAG_BYTES, StoreAuth
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ KINDS = ("mla", "kda", "preempt", "vit")  # key kinds a tier accepts (preempt: a
 _HEADER = struct.Struct("<4sHHQ")  # magic, version, meta length, payload length
 _PREFIX = _HEADER.size + TAG_BYTES  # header and tag: what precedes the meta
 _LABEL = b"kv-entry/3"
-_FORGED_KEYS = 65536  # keys remembered as failing authentication (the oldest are forgotten past this)
+_FORGED_KEYS = 65536  # keys remembered as failing authentication (the least recently failed are forgotten past this)
 
 
 class TierError(RuntimeError):
@@ -191,7 +193,7 @@ class HostKVTier(abc.ABC):
         self.stats = TierStats()
         self.auth = secret if isinstance(secret, StoreAuth) else StoreAuth(secret)
         self._lock = threading.Lock()
-        self._forged: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._forged: cachetools.LRUCache = cachetools.LRUCache(maxsize=_FORGED_KEYS)
         self._forged_lock = threading.Lock()
         self._auth_logged_at = float("-inf")
 
@@ -210,10 +212,7 @@ class HostKVTier(abc.ABC):
     # ---- keys whose entry failed authentication ------------------------------------------------
     def _mark_forged(self, key: str) -> None:
         with self._forged_lock:
-            self._forged[key] = None
-            self._forged.move_to_end(key)
-            while len(self._forged) > _FORGED_KEYS:
-                self._forged.popitem(last=False)
+            self._forged[key] = None  # the most recent; past _FORGED_KEYS the least recent goes
 
     def _is_forged(self, key: str) -> bool:
         return key in self._forged
@@ -306,36 +305,34 @@ class HostKVTier(abc.ABC):
 
 
 class EmbeddedHostKVTier(HostKVTier):
-    """In-process host memory with an LRU byte budget."""
+    """In-process host memory: entries (framed blobs) under `capacity_bytes`, least recently
+    read or written out first (`stats.evictions` counts them); `used_bytes` is what they hold.
+    An entry larger than the capacity is refused (its put returns False)."""
 
     def __init__(self, capacity_bytes: int, *, secret: bytes | str | StoreAuth | None = None):
         super().__init__(secret)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive; got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
-        self._data: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._data = ByteBudgetLRU(capacity_bytes, len)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._data.currsize
 
     def _put_blob(self, key, blob):
-        if len(blob) > self.capacity_bytes:
+        if not self._data.fits(blob):
             return False
         with self._lock:
-            if key in self._data:
-                self.used_bytes -= len(self._data.pop(key))
-            while self.used_bytes + len(blob) > self.capacity_bytes:
-                _, old = self._data.popitem(last=False)
-                self.used_bytes -= len(old)
-                self.stats.evictions += 1
+            self._data.pop(key, None)  # a replaced entry is not an eviction
+            evicted = self._data.evictions
             self._data[key] = blob
-            self.used_bytes += len(blob)
+            self.stats.evictions += self._data.evictions - evicted
         return True
 
     def _get_blob(self, key):
         with self._lock:
-            blob = self._data.get(key)
-            if blob is not None:
-                self._data.move_to_end(key)
-            return blob
+            return self._data.get(key)  # now the most recent
 
     def exists(self, keys):
         with self._lock:
@@ -345,9 +342,7 @@ class EmbeddedHostKVTier(HostKVTier):
     def remove(self, keys):
         with self._lock:
             for k in keys:
-                blob = self._data.pop(k, None)
-                if blob is not None:
-                    self.used_bytes -= len(blob)
+                self._data.pop(k, None)
 
     def corrupt_for_test(self, key: str, byte_index: int = -1) -> None:
         """Flip one stored byte (fault injection for tests and drills)."""

@@ -1,8 +1,9 @@
 """Mooncake Store as the shared host-memory KV tier, and the services it needs.
 
-`MooncakeServices` starts, on 127.0.0.1, a real `mooncake_master` (with its
-HTTP metadata server) and a `mooncake_client` memory server that contributes
-the store's DRAM, so entries outlive the engine processes that wrote them.
+`MooncakeServices` starts, on 127.0.0.1, a real `mooncake_master`, Mooncake's
+HTTP metadata server (`mooncake_http_metadata_server`) and a `mooncake_client`
+memory server that contributes the store's DRAM, so entries outlive the engine
+processes that wrote them.
 `MooncakeHostKVTier` is one engine's client: batched puts and gets go through
 a registered staging buffer (`batch_put_from` / `batch_get_into`, no extra
 copies inside Mooncake); entries are framed and authenticated like every tier's
@@ -65,18 +66,60 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TierError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
 
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def _listening_ports(pid: int) -> set[int] | None:
+    """The TCP ports process `pid` listens on (Linux's /proc), or None where /proc cannot tell."""
+    try:
+        fd_dir = f"/proc/{pid}/fd"
+        sockets = set()
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                sockets.add(target[len("socket:[") : -1])
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in sockets:  # 0A: LISTEN
+                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+        return ports
+    except (OSError, IndexError, ValueError):
+        return None
 
 
-def _repo_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+def _wait_own_port(port: int, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:
+    """Wait until `proc` itself listens on 127.0.0.1:`port`.  For Mooncake's metadata server, which
+    stays up after its server thread failed (a bind to a taken port: it logs ``Server error`` and
+    keeps running), so neither its exit nor a connect (which would reach whoever holds the port)
+    tells whether it serves."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TierError(f"process exited with code {proc.returncode} before listening on {port}")
+        ports = _listening_ports(proc.pid)
+        if ports is None:  # no /proc: whoever answers on the port
+            _wait_port(port, proc, max(0.0, deadline - time.monotonic()))
+            return
+        if port in ports:
+            return
+        with open(log_path, errors="replace") as f:
+            failed = [line.strip() for line in f if "Server error" in line]
+        if failed:
+            raise TierError(f"not listening on 127.0.0.1:{port}: {failed[-1]}")
+        time.sleep(0.05)
+    raise TierError(f"pid {proc.pid} did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 
 class MooncakeServices:
-    """A master, the HTTP metadata server (`cache.metadata_server`) and a memory server, each its
-    own process on loopback.  Context manager."""
+    """A master, Mooncake's HTTP metadata server and a memory server, each its own process on
+    loopback.  Context manager.
+
+    The metadata server is the wheel's ``mooncake_http_metadata_server --host 127.0.0.1``: the
+    master's built-in one (``--enable_http_metadata_server``) binds 0.0.0.0 whatever
+    ``--http_metadata_server_host`` says, so it stays off."""
 
     def __init__(self, segment_bytes: int = 512 << 20, log_dir: str | None = None):
         self.segment_bytes = segment_bytes
@@ -107,17 +150,17 @@ class MooncakeServices:
         )
 
     def _start_metadata(self) -> None:
-        # the master's own metadata server would listen on 0.0.0.0 (`cache.metadata_server`)
-        out = open(os.path.join(self.log_dir, "metadata_server.log"), "a")
-        self.metadata = subprocess.Popen(
-            [sys.executable, "-m", "cache.metadata_server", "--port", str(self.http_port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=_REPO,
-            env=_repo_env(),
-        )
-        _wait_port(self.http_port, self.metadata, 20)
+        """Mooncake's HTTP metadata server on 127.0.0.1:`http_port`; TierError if it does not
+        listen there (it is stopped then)."""
+        name = "mooncake_http_metadata_server"
+        self.metadata = self._spawn(
+            name, ["--host=127.0.0.1", f"--port={self.http_port}", "--log-level=WARNING"]
+        )  # WARNING: at INFO, aiohttp logs a line per request
+        try:
+            _wait_own_port(self.http_port, self.metadata, 20, os.path.join(self.log_dir, f"{name}.log"))
+        except TierError:
+            self._stop(self.metadata)
+            raise
 
     def start_master(self) -> None:
         """The master (and the metadata server if it is not running), on this object's ports."""

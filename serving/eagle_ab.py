@@ -11,8 +11,8 @@ time (turn 1 of the group, then its turn 2), in the same order in every arm.
 Per arm, over the second turns: hits (tail-block hits: requests whose prefix hit reaches the end
 of turn 1's last full page, out of the questions; `any_hits` counts any hit), mean cached tokens, draft acceptance (kept / drafted), accept length (tokens per verify pass,
 EAGLE's tau), acceptance at each draft position (P(a >= j)), TPOT.  Differences between arms
-come with paired bootstrap 95% CIs (questions resampled with replacement, the same resample for
-both arms of a difference).  Tokens are checked: every arm must emit the same tokens (greedy
+come with paired bootstrap 95% CIs (`scipy.stats.bootstrap`, paired: questions resampled with
+replacement, the same resample for both arms of a difference).  Tokens are checked: every arm must emit the same tokens (greedy
 speculative decoding emits the target's greedy tokens whatever its draft rows); in exact fp32
 arithmetic a difference is an error, below it (bf16 weights, TF32 matmuls: a prefix hit and its
 recompute round differently) the questions are named in `token_mismatches`.
@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import statistics
+import warnings
 
 import numpy as np
 
@@ -174,25 +175,48 @@ def _metrics(recs: list[dict], k: int) -> dict:
 DIFF_KEYS = ("hits", "acceptance", "accept_length", "tpot_ms_p50")
 
 
+CONFIDENCE = 0.95
+
+
 def paired_bootstrap(a: list[dict], b: list[dict], k: int, n: int, seed: int) -> dict:
-    """Per metric: a's minus b's on the same questions, with a 95% CI from n paired resamples."""
-    rng = np.random.default_rng(seed)
-    m = len(a)
+    """Per metric of `DIFF_KEYS`: a's minus b's on the same questions (``value``), with the 95%
+    percentile interval (``ci_low``, ``ci_high``) of `scipy.stats.bootstrap` over `n` paired
+    resamples (questions drawn with replacement, each question's records of a and b together),
+    drawn by ``np.random.default_rng(seed)``.  None where the metric is undefined (a TPOT without
+    one answer of two tokens or more); an interval is None also where some resample leaves it
+    undefined, and where `n` is 0.  Under two questions every resample is the sample: the
+    interval is the value."""
+    from scipy import stats
+
     point = {key: _diff(_metrics(a, k), _metrics(b, k), key) for key in DIFF_KEYS}
-    samples = {key: [] for key in DIFF_KEYS}
-    for _ in range(n):
-        idx = rng.integers(0, m, m)
-        ma, mb = _metrics([a[i] for i in idx], k), _metrics([b[i] for i in idx], k)
-        for key in DIFF_KEYS:
-            d = _diff(ma, mb, key)
-            if d is not None:
-                samples[key].append(d)
-    out = {}
-    for key in DIFF_KEYS:
-        s = samples[key]
-        lo, hi = np.percentile(s, [2.5, 97.5]).tolist() if s else (None, None)
-        out[key] = dict(value=point[key], ci_low=lo, ci_high=hi)
-    return out
+
+    def statistic(ia, ib):
+        ma, mb = _metrics([a[i] for i in ia], k), _metrics([b[i] for i in ib], k)
+        return np.array([np.nan if (d := _diff(ma, mb, key)) is None else d for key in DIFF_KEYS])
+
+    if len(a) != len(b):
+        raise ValueError(f"paired arms of {len(a)} and {len(b)} questions")
+    if n <= 0:
+        ci = [(None, None)] * len(DIFF_KEYS)
+    elif len(a) < 2:  # every resample is the sample itself
+        ci = [(point[key], point[key]) for key in DIFF_KEYS]
+    else:
+        rows = np.arange(len(a))
+        with warnings.catch_warnings():  # an undefined resample is a NaN: the interval is None below
+            warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+            res = stats.bootstrap(
+                (rows, rows),
+                statistic,
+                n_resamples=n,
+                paired=True,
+                vectorized=False,
+                confidence_level=CONFIDENCE,
+                method="percentile",
+                rng=np.random.default_rng(seed),
+            )
+        lows, highs = res.confidence_interval
+        ci = [(None, None) if np.isnan(lo) or np.isnan(hi) else (float(lo), float(hi)) for lo, hi in zip(lows, highs)]
+    return {key: dict(value=point[key], ci_low=lo, ci_high=hi) for key, (lo, hi) in zip(DIFF_KEYS, ci)}
 
 
 def _diff(ma: dict, mb: dict, key: str):

@@ -9,7 +9,8 @@ A tenant reaches bytes only through its own URL entries, so a hit never tells on
 another fetched; two tenants (or two URLs) with the same image share one copy of its bytes.
 A blob whose bytes no longer match its hash is a miss (counted `corrupt`), never returned.
 
-`EmbeddedFetchCache` is an in-process LRU under a byte budget (the default: one router).
+`EmbeddedFetchCache` is an in-process LRU under a byte budget (the default: one router), built
+on cachetools.
 `RedisFetchCache` is shared by every router that points at the same Redis (started on loopback,
 with a password, by the tests and `kimik3 launch --redis`); every Redis call has a short socket
 timeout, and an outage or a timeout is a miss (counted `errors`), never an error or a stall.
@@ -24,7 +25,6 @@ so a forged URL entry, or bytes that do not match the authenticated hash, are mi
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import logging
@@ -32,6 +32,9 @@ import threading
 import time
 import urllib.parse
 
+import cachetools
+
+from cache.byte_lru import ByteBudgetLRU
 from cache.store_auth import TAG_BYTES, StoreAuth
 
 log = logging.getLogger(__name__)
@@ -78,62 +81,53 @@ class CacheStats:
 
 
 class EmbeddedFetchCache:
-    """In-process L1: an LRU of blobs under `budget_bytes`, URL entries expiring after `ttl_s`."""
+    """In-process L1: blobs under `budget_bytes`, least recently read or written out first
+    (`cache.byte_lru.ByteBudgetLRU`); URL entries in a `cachetools.TTLCache` of `max_urls`,
+    each valid for `ttl_s` after its put (`clock` seconds), least recently used out first past
+    `max_urls` (their blobs stay in the LRU).  A blob larger than the budget is not kept."""
 
     def __init__(
         self, budget_bytes: int = 256 << 20, ttl_s: float = 3600.0, clock=time.monotonic, max_urls: int = 100_000
     ):
+        if max_urls < 1:
+            raise ValueError(f"max_urls must be >= 1; got {max_urls}")
         self.budget_bytes, self.ttl_s, self.clock, self.max_urls = budget_bytes, ttl_s, clock, max_urls
-        self._urls: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._blobs: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-        self._bytes = 0
+        self._urls: cachetools.TTLCache = cachetools.TTLCache(maxsize=max_urls, ttl=ttl_s, timer=clock)
+        self._blobs = ByteBudgetLRU(budget_bytes, len)
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
     def get(self, url: str, tenant: str | None = None) -> bytes | None:
         key = _url_key(tenant, url)
         with self._lock:
-            entry = self._urls.get(key)
-            if entry is not None and entry[1] < self.clock():
-                del self._urls[key]
-                entry = None
-            data = self._blobs.get(entry[0]) if entry is not None else None
-            if data is not None and content_hash(data) != entry[0]:
-                self._drop(entry[0])
+            digest = self._urls.get(key)  # None: never put, or expired
+            data = self._blobs.get(digest) if digest is not None else None  # now the most recent
+            if data is not None and content_hash(data) != digest:
+                del self._blobs[digest]
                 self.stats.corrupt += 1
                 data = None
             if data is None:
                 self.stats.misses += 1
                 return None
-            self._blobs.move_to_end(entry[0])
             self.stats.hits += 1
             self.stats.bytes_hit += len(data)
             return data
 
     def put(self, url: str, data: bytes, tenant: str | None = None) -> None:
-        if len(data) > self.budget_bytes:
+        if not self._blobs.fits(data):
             return
         digest = content_hash(data)
         with self._lock:
-            key = _url_key(tenant, url)
-            self._urls[key] = (digest, self.clock() + self.ttl_s)
-            self._urls.move_to_end(key)
-            while len(self._urls) > self.max_urls:  # the oldest entries go (their blobs stay in the LRU)
-                self._urls.popitem(last=False)
-            if digest not in self._blobs:
+            self._urls[_url_key(tenant, url)] = digest
+            if digest in self._blobs:
+                self._blobs.touch(digest)
+            else:
                 self._blobs[digest] = bytes(data)
-                self._bytes += len(data)
-            self._blobs.move_to_end(digest)
-            while self._bytes > self.budget_bytes:
-                self._drop(next(iter(self._blobs)))
             self.stats.puts += 1
-
-    def _drop(self, digest: str) -> None:
-        self._bytes -= len(self._blobs.pop(digest))
 
     @property
     def bytes_held(self) -> int:
-        return self._bytes
+        return self._blobs.currsize
 
 
 class RedisFetchCache:

@@ -107,7 +107,7 @@ def _listening(pid: int) -> set[str]:
 
 def test_the_master_and_the_metadata_server_listen_on_loopback_only(services):
     """The master's own metadata server binds 0.0.0.0 whatever its host flag, so it is off and
-    `cache.metadata_server` (loopback) serves the protocol instead."""
+    the wheel's `mooncake_http_metadata_server --host 127.0.0.1` serves the protocol instead."""
     assert _listening(services.master.pid) == {"127.0.0.1"}
     assert _listening(services.metadata.pid) == {"127.0.0.1"}
 
@@ -158,24 +158,52 @@ def test_a_store_client_started_with_the_loopback_env_listens_on_loopback_and_ro
     reader.close()
 
 
-def test_the_metadata_server_speaks_mooncakes_protocol():
+def test_the_metadata_server_speaks_mooncakes_protocol(services):
+    """GET / PUT / DELETE /metadata?key=..., an ``rpc_meta`` key written once (no takeover of a
+    live segment's RPC address), on the server the store's processes use."""
     import httpx
 
-    from cache.metadata_server import MetadataServer
-
-    m = MetadataServer().start()
+    url = services.metadata_url
+    key, rpc = f"kimik3-test/{os.getpid()}/a", f"kimik3-test/rpc_meta/{os.getpid()}"
     try:
-        url = m.url
-        assert httpx.get(url, params={"key": "a"}).status_code == 404
-        assert httpx.put(url, params={"key": "a"}, content=b'{"x": 1}').status_code == 200
-        assert httpx.get(url, params={"key": "a"}).content == b'{"x": 1}'
-        assert httpx.put(url, params={"key": "mooncake/rpc_meta/n"}, content=b"1").status_code == 200
-        assert httpx.put(url, params={"key": "mooncake/rpc_meta/n"}, content=b"2").status_code == 400  # no takeover
-        assert httpx.delete(url, params={"key": "a"}).status_code == 200
-        assert httpx.delete(url, params={"key": "a"}).status_code == 404
-        assert httpx.get(url.replace("/metadata", "/other"), params={"key": "a"}).status_code == 404
+        assert httpx.get(url, params={"key": key}).status_code == 404
+        assert httpx.put(url, params={"key": key}, content=b'{"x": 1}').status_code == 200
+        assert httpx.get(url, params={"key": key}).content == b'{"x": 1}'
+        assert httpx.put(url, params={"key": rpc}, content=b"1").status_code == 200
+        assert httpx.put(url, params={"key": rpc}, content=b"2").status_code == 400  # no takeover
+        assert httpx.get(url, params={"key": rpc}).content == b"1"
+        assert httpx.delete(url, params={"key": key}).status_code == 200
+        assert httpx.delete(url, params={"key": key}).status_code == 404
+        assert httpx.get(url.replace("/metadata", "/other"), params={"key": key}).status_code == 404
     finally:
-        m.stop()
+        httpx.delete(url, params={"key": key})
+        httpx.delete(url, params={"key": rpc})
+
+
+def test_a_metadata_server_whose_port_is_taken_is_an_error_not_a_stray_process(tmp_path):
+    """Mooncake's metadata server keeps running after its bind fails; `MooncakeServices` checks
+    that the process it started is the one listening, and stops it otherwise (a connect alone
+    would reach whoever holds the port)."""
+    import socket
+
+    from cache import mooncake_tier
+    from cache.mooncake_tier import MooncakeServices, TierError
+
+    try:
+        mooncake_tier._binary("mooncake_http_metadata_server")
+    except TierError as e:
+        if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
+            raise
+        pytest.skip(f"Mooncake unavailable: {e}")
+    svc = MooncakeServices(log_dir=str(tmp_path))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", svc.http_port))
+        holder.listen()
+        t0 = time.monotonic()
+        with pytest.raises(TierError, match="address already in use"):
+            svc._start_metadata()
+        assert time.monotonic() - t0 < 10  # the failure is read from its log, not waited out
+    assert svc.metadata.poll() is not None  # stopped
 
 
 def test_a_master_that_fails_to_start_leaves_no_service_behind(monkeypatch, tmp_path):

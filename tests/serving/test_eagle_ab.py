@@ -43,6 +43,58 @@ def test_the_paired_bootstrap_brackets_a_known_difference_and_is_zero_for_equal_
     assert d["acceptance"] == dict(value=0.0, ci_low=0.0, ci_high=0.0)
 
 
+def _plain_paired_bootstrap(a, b, k, n, seed):
+    """The paired percentile bootstrap written out: n index resamples, a's minus b's metric on
+    each, the 2.5 and 97.5 percentiles."""
+    rng = np.random.default_rng(seed)
+    diffs = {key: [] for key in eagle_ab.DIFF_KEYS}
+    for _ in range(n):
+        idx = rng.integers(0, len(a), len(a))
+        ma, mb = eagle_ab._metrics([a[i] for i in idx], k), eagle_ab._metrics([b[i] for i in idx], k)
+        for key in eagle_ab.DIFF_KEYS:
+            diffs[key].append(ma[key] - mb[key])
+    return {key: np.percentile(d, [2.5, 97.5]) for key, d in diffs.items()}
+
+
+def _arms(rng, m=40):
+    a = [_rec(True, list(rng.integers(0, 4, 20)), tpot=float(rng.uniform(5, 15))) for _ in range(m)]
+    b = [_rec(i % 3 > 0, list(rng.integers(0, 4, 20)), tpot=float(rng.uniform(5, 15))) for i in range(m)]
+    return a, b
+
+
+def test_scipys_paired_bootstrap_gives_the_interval_of_the_plain_one(rng):
+    """`scipy.stats.bootstrap(paired=True, method="percentile")` on a fixed sample: the 95%
+    interval of every metric within 10% of its width of the written-out bootstrap's."""
+    a, b = _arms(rng)
+    got = eagle_ab.paired_bootstrap(a, b, 3, 1000, 0)
+    want = _plain_paired_bootstrap(a, b, 3, 1000, 0)
+    for key in eagle_ab.DIFF_KEYS:
+        lo, hi = want[key]
+        assert hi > lo, key  # a sample whose metrics vary
+        assert abs(got[key]["ci_low"] - lo) <= 0.1 * (hi - lo) and abs(got[key]["ci_high"] - hi) <= 0.1 * (hi - lo), (
+            key,
+            got[key],
+            (lo, hi),
+        )
+        assert got[key]["ci_low"] <= got[key]["value"] <= got[key]["ci_high"]
+
+
+def test_identical_arms_give_intervals_that_contain_zero(rng):
+    a, _ = _arms(rng)
+    d = eagle_ab.paired_bootstrap(a, [dict(r) for r in a], 3, 500, 1)
+    for key in eagle_ab.DIFF_KEYS:
+        assert d[key]["value"] == 0 and d[key]["ci_low"] <= 0 <= d[key]["ci_high"], (key, d[key])
+
+
+def test_an_undefined_metric_has_no_interval_and_one_question_has_its_value_as_interval():
+    a = [_rec(True, [1, 2], tpot=None), _rec(False, [0, 3], tpot=None)]
+    d = eagle_ab.paired_bootstrap(a, [dict(r, hit=False) for r in a], 3, 200, 0)
+    assert d["tpot_ms_p50"] == dict(value=None, ci_low=None, ci_high=None)
+    assert d["hits"]["value"] == 1 and d["hits"]["ci_low"] <= 1 <= d["hits"]["ci_high"]
+    one = eagle_ab.paired_bootstrap(a[:1], [dict(a[0], hit=False)], 3, 200, 0)
+    assert one["hits"] == dict(value=1.0, ci_low=1.0, ci_high=1.0)
+
+
 @pytest.fixture(scope="module")
 def ab(trained_draft):
     params, _, _, out = trained_draft
