@@ -40,8 +40,8 @@ def available() -> bool:
 
 
 def run(spec, timeout_s: float = 900.0):
-    """(records, wall seconds, XLA programs built while measuring, the engines' step profiles as a line)
-    of the P/D-through-Mooncake setup."""
+    """(records, wall seconds, XLA programs built while measuring, the engines' step profiles:
+    "prefill" / "decode" -> `metrics.StepProfile.as_dict`) of the P/D-through-Mooncake setup."""
     from cache.loopback import loopback_env
     from cache.mooncake_tier import MooncakeServices
     from serving.launch import child_env

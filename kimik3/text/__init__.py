@@ -13,9 +13,13 @@ Backends:
   Kimi ships ``tiktoken.model``), its special tokens after the ranks.
 
 `load_tokenizer(spec)`: "byte", a ``tokenizer.json``, a ``*.tiktoken`` / ``tiktoken.model``
-file, or a directory holding one (with an optional ``tokenizer_config.json``: its
-``chat_template`` and special-token names).  The chat template is Jinja (`chat_template`);
-message contents never become special tokens, whatever they spell.
+file, or a directory holding one, configured by the files beside it as transformers'
+``AutoTokenizer`` reads them (`kimik3.text.load.read_config`: ``tokenizer_config.json``'s
+``added_tokens_decoder``, named tokens and ``chat_template``, ``chat_template.jinja``,
+``special_tokens_map.json``), the project's ``"roles"`` map where those name nothing.  The chat
+template is Jinja (`chat_template`) and gives transformers' ids, except that message contents
+never become special tokens, whatever they spell.  A tokenizer without image tokens serves text:
+only a conversation with images needs them.
 """
 
 from kimik3.text.base import BaseTokenizer, IncrementalDetokenizer, Tokenizer

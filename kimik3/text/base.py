@@ -32,6 +32,7 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int  # ids lie in [0, vocab_size)
     specials: dict[str, int]  # role ("eos", "image", "user", ...: ROLES_OF_SPECIALS) -> id
+    token_names: dict[str, str]  # transformers' special_tokens_map: "eos_token" -> its name, ...
 
     def encode(self, text: str) -> list[int]: ...  # plain text: special-token names stay text
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str: ...
@@ -64,27 +65,44 @@ class IncrementalDetokenizer:
 
 class BaseTokenizer:
     """A tokenizer from a backend's core: `encode` (plain text), `_regular_bytes(id)` (the bytes
-    of an id that is not special), `vocab_size` and `special_names` (name -> id; roles via
-    `role_names`, role -> name)."""
+    of an id that is not special), `vocab_size` and `special_names` (name -> id).
+
+    roles: role -> special token name over `ROLES_OF_SPECIALS` (a role whose name the tokenizer
+    lacks has no id).  eos_token_id: the model's end of sequence (``generation_config.json`` /
+    ``config.json``), which names the "eos" role where it is one of the special ids.
+    token_names: transformers' ``special_tokens_map`` (``bos_token``, ``eos_token``, ... -> name),
+    what a chat template sees under those names (None: bos, eos and pad as `roles` names them)."""
 
     name = "tokenizer"
     vocab_size: int
     special_names: dict[str, int]
-    role_names: dict[str, str] = ROLES_OF_SPECIALS
 
-    def __init__(self, chat_template: str | None = None):
+    def __init__(
+        self,
+        chat_template: str | None = None,
+        *,
+        roles: dict[str, str] | None = None,
+        eos_token_id: int | None = None,
+        token_names: dict[str, str] | None = None,
+    ):
         from kimik3.text.chat_template import ChatTemplate
 
+        self._special_ids = {i: n for n, i in self.special_names.items()}
+        self.role_names = {**ROLES_OF_SPECIALS, **(roles or {})}
+        if eos_token_id is not None and eos_token_id in self._special_ids:
+            self.role_names["eos"] = self._special_ids[eos_token_id]
         self.specials = {r: self.special_names[n] for r, n in self.role_names.items() if n in self.special_names}
         if "eos" not in self.specials:
             raise ValueError(
-                f"{self.name}: no end-of-sequence token {self.role_names.get('eos')!r} among its special "
-                f"tokens (name it with roles={{'eos': ...}} in tokenizer_config.json)"
+                f"{self.name}: no end-of-sequence token: {self.role_names['eos']!r} is not among its special "
+                f"tokens (name one with eos_token in tokenizer_config.json)"
             )
-        self._special_ids = {i: n for n, i in self.special_names.items()}
         bad = [i for i in self._special_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"{self.name}: special ids {bad} lie outside the vocabulary [0, {self.vocab_size})")
+        if token_names is None:
+            token_names = {f"{r}_token": self.role_names[r] for r in ("bos", "eos", "pad") if r in self.specials}
+        self.token_names = dict(token_names)
         self.template = ChatTemplate(self, chat_template)
 
     # ---- special tokens ----------------------------------------------------------------------
@@ -105,7 +123,8 @@ class BaseTokenizer:
         return self.specials.get("image")
 
     def encode_with_specials(self, text: str) -> list[int]:
-        """Template text: every special token's name becomes its id, the rest is `encode`d."""
+        """Template text: every special token's name becomes its id, the rest is `encode`d (what
+        transformers' ``tokenizer(text, add_special_tokens=False)`` gives)."""
         out, i = [], 0
         names = sorted(self.special_names, key=len, reverse=True)
         while i < len(text):

@@ -15,7 +15,7 @@ import logging
 from typing import Iterable
 
 from kimik3 import tokenizer as byte_level
-from kimik3.text.base import ROLES_OF_SPECIALS, BaseTokenizer
+from kimik3.text.base import BaseTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +42,60 @@ def unicode_to_bytes() -> dict[str, int]:
 
 
 class BPETokenizer(BaseTokenizer):
-    """A ``tokenizer.json``.  Special tokens: its added tokens marked special, named as
-    `role_names` says (default: `kimik3.tokenizer`'s names)."""
+    """A ``tokenizer.json``.  Special tokens: its added tokens marked special, as transformers
+    reads them: `added_tokens` (``tokenizer_config.json``'s ``added_tokens_decoder``, id ->
+    {"content", "special", "lstrip", ...}) re-marks the file's tokens, and a named token
+    (`token_names`: eos_token, ...) the vocabulary holds is special too.  `roles`,
+    `eos_token_id`, `token_names`: `BaseTokenizer`."""
 
-    def __init__(self, path: str, *, role_names: dict[str, str] | None = None, chat_template: str | None = None):
-        from tokenizers import Tokenizer as HFTokenizer
+    def __init__(
+        self,
+        path: str,
+        *,
+        chat_template: str | None = None,
+        added_tokens: dict[int, dict] | None = None,
+        roles: dict[str, str] | None = None,
+        eos_token_id: int | None = None,
+        token_names: dict[str, str] | None = None,
+    ):
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer
 
         self.name = f"bpe:{path}"
         self._tok = HFTokenizer.from_file(path)
+        for i, entry in sorted((added_tokens or {}).items()):
+            content = entry.get("content")
+            if self._tok.token_to_id(content) != int(i):  # transformers would append it under a new id
+                log.warning("%s: added token %r (id %s) is not in tokenizer.json; left out", path, content, i)
+                continue
+            fields = ("single_word", "lstrip", "rstrip", "normalized", "special")
+            self._tok.add_tokens([AddedToken(content, **{k: bool(entry[k]) for k in fields if k in entry})])
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        for name in dict.fromkeys((token_names or {}).values()):  # transformers makes every named token special
+            if name in added:
+                continue
+            if self._tok.token_to_id(name) is None:  # transformers would append it under a new id
+                log.warning("%s: special token %r is not in its vocabulary; left out", path, name)
+                continue
+            self._tok.add_tokens([AddedToken(name, special=True)])
         self._tok.encode_special_tokens = True  # plain text: a special token's name is encoded as text
+        # template text: special tokens' names are their ids (a second core: the flag is per tokenizer)
+        self._template_tok = HFTokenizer.from_str(self._tok.to_str())
+        self._template_tok.encode_special_tokens = False
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_names = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        self.role_names = dict(role_names or ROLES_OF_SPECIALS)
+        for name in (token_names or {}).values():  # a named token that is a non-special added one
+            if name in added:
+                self.special_names.setdefault(name, self._tok.token_to_id(name))
         self._byte_level = "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
         vocab = self._tok.get_vocab(with_added_tokens=False)
         self._pieces = {i: p for p, i in vocab.items()}
-        super().__init__(chat_template)
+        super().__init__(chat_template, roles=roles, eos_token_id=eos_token_id, token_names=token_names)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        return self._template_tok.encode(text, add_special_tokens=False).ids
 
     def _regular_bytes(self, token_id: int) -> bytes:
         piece = self._pieces.get(token_id)

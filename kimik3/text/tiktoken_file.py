@@ -7,7 +7,7 @@ import base64
 import binascii
 
 from kimik3 import tokenizer as byte_level
-from kimik3.text.base import ROLES_OF_SPECIALS, BaseTokenizer
+from kimik3.text.base import BaseTokenizer
 
 # cl100k's pre-tokenizer pattern; a tokenizer_config.json's "pat_str" replaces it (Kimi's is its own)
 DEFAULT_PATTERN = (
@@ -35,8 +35,10 @@ def read_ranks(path: str) -> dict[bytes, int]:
 
 
 class TiktokenTokenizer(BaseTokenizer):
-    """A tiktoken file.  special: name -> id (default: `kimik3.tokenizer`'s names after the last
-    rank); pattern: the pre-tokenizer's regex."""
+    """A tiktoken file.  special: special token name -> id (default: `kimik3.tokenizer`'s names
+    after the last rank); added: the other added tokens (name -> id; plain text holding one's name
+    encodes to its id, as transformers' added tokens do); pattern: the pre-tokenizer's regex.
+    `roles`, `eos_token_id`, `token_names`: `BaseTokenizer`."""
 
     def __init__(
         self,
@@ -44,8 +46,11 @@ class TiktokenTokenizer(BaseTokenizer):
         *,
         pattern: str = DEFAULT_PATTERN,
         special: dict[str, int] | None = None,
-        role_names: dict[str, str] | None = None,
+        added: dict[str, int] | None = None,
         chat_template: str | None = None,
+        roles: dict[str, str] | None = None,
+        eos_token_id: int | None = None,
+        token_names: dict[str, str] | None = None,
     ):
         import tiktoken
 
@@ -53,19 +58,25 @@ class TiktokenTokenizer(BaseTokenizer):
         first = max(ranks.values()) + 1
         if special is None:
             special = {name: first + i for i, name in enumerate(byte_level.SPECIAL_TOKENS)}
-        clash = set(special.values()) & set(ranks.values())
+        added = {n: i for n, i in (added or {}).items() if n not in special}
+        every = {**special, **added}
+        clash = set(every.values()) & set(ranks.values())
         if clash:
             raise ValueError(f"{path}: special ids {sorted(clash)[:5]} are ranks of the file's tokens")
         self.name = f"tiktoken:{path}"
-        self._enc = tiktoken.Encoding(self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
-        self.vocab_size = max(first, max(special.values(), default=-1) + 1)
+        self._enc = tiktoken.Encoding(self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=every)
+        self._added = set(added)
+        self.vocab_size = max(first, max(every.values(), default=-1) + 1)
         self.special_names = dict(special)
-        self.role_names = dict(role_names or ROLES_OF_SPECIALS)
-        self._ids = set(ranks.values())
-        super().__init__(chat_template)
+        self._ids = set(ranks.values()) | set(added.values())
+        super().__init__(chat_template, roles=roles, eos_token_id=eos_token_id, token_names=token_names)
 
     def encode(self, text: str) -> list[int]:
-        return self._enc.encode(text, allowed_special=set(), disallowed_special=())  # names stay text
+        # special tokens' names stay text; other added tokens' names are their ids
+        return self._enc.encode(text, allowed_special=self._added, disallowed_special=())
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        return self._enc.encode(text, allowed_special="all", disallowed_special=())
 
     def _regular_bytes(self, token_id: int) -> bytes:
         if token_id not in self._ids:  # a gap in the ranks

@@ -155,6 +155,8 @@ def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_par
 
 
 def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
+    import json
+
     from serving import demo
 
     # five sessions at once on 20 pages: finished turns are evicted while the others run, so the
@@ -172,12 +174,39 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     assert host_share("colocated+host") > 0 and host_share("pd-store") > 0 and host_share("colocated") == 0
     if demo_store.available():  # P/D through a Mooncake store (a child process on loopback) hits the same
         assert rows[demo_store.MODE].rsplit("|", 2)[1] == rows["pd-store"].rsplit("|", 2)[1]
-    # the warm-up built every program the setups run, moves and helpers included: none while measuring
-    built = text.split("new compiles while measuring (every XLA program built, helpers too): ", 1)[1].split(";")[0]
-    assert built == repr({mode: 0 for mode in modes}) and (tmp_path / "demo_latency.png").exists()
+    # the JSON report holds every figure of the table, per setup, with the config and the backend
+    report = json.loads((tmp_path / demo.REPORT_JSON).read_text())
+    assert (report["config"], report["backend"], report["weights"]) == ("tiny", jax.default_backend(), "random weights")
+    assert list(report["setups"]) == list(modes) and (tmp_path / demo.PLOT_PNG).exists()
+    for mode, fig in report["setups"].items():
+        ms = lambda d, q: f"{d[q]:.1f}" if d[q] is not None else "nan"
+        cells = [c.strip() for c in rows[mode].strip("|").split("|")]
+        assert cells[1:] == [
+            str(fig["requests"]),
+            f"{fig['output_tok_s']:.1f}",
+            " / ".join(ms(fig["ttft_ms"], q) for q in ("p50", "p90", "p99")),
+            " / ".join(ms(fig["tpot_ms"], q) for q in ("p50", "p90", "p99")),
+            f"{ms(fig['tpot_decode_only_ms'], 'p50')} / {ms(fig['tpot_mixed_ms'], 'p50')}",
+            f"{ms(fig['queue_ms'], 'p50')} / {ms(fig['queue_ms'], 'p99')}",
+            "{total:.1%} ({device:.1%} + {host:.1%})".format(**fig["prefix_hit_share"]),
+        ]
+        # the warm-up built every program the setups run, moves and helpers included: none while measuring
+        assert fig["xla_programs_built_while_measuring"] == 0
+        # one summary line per setup; each engine's steps by kind, in a row of the steps table
+        per_setup = text.split("\nper setup:", 1)[1].split("\nevery figure", 1)[0].splitlines()
+        summary = next(line for line in per_setup if line.startswith(f"  {mode} "))
+        assert f"TTFT p50 / p99 {ms(fig['ttft_ms'], 'p50'):>6} / {ms(fig['ttft_ms'], 'p99'):>6} ms" in summary
+        assert f"prefix hits {fig['prefix_hit_share']['total']:.1%}" in summary and len(summary) < 130
+        steps = text.split(demo.STEP_LEGEND, 1)[1]
+        for engine, kinds in fig["engine_steps"].items():
+            label = mode if engine == "engine" else f"{mode} {engine}"
+            row = next(line for line in steps.splitlines() if line.startswith(f"  {label} "))
+            for k in kinds.values():
+                assert f"{k['steps']} x {k['host_ms']:.2f}+{k['wait_ms']:.2f} ms" in row
     assert demo.PD_NOTE in text  # the P/D rows' TPOT is said to be serial stepping's, under the table
-    for mode in modes:  # and where each setup's engine steps went, by kind
-        assert f"  {mode}: " in text.split("engine steps by kind", 1)[1]
+    header = text.split("\n\n", 1)[0].splitlines()  # what ran where, start-up and memory: short lines
+    assert header[0] == f"kimik3 demo: config tiny on {jax.default_backend()}, random weights"
+    assert max(map(len, header)) <= 120
     # the figures `benchmarks.serving_bench.demo_figures` reads from a demo's output
     from benchmarks.serving_bench import demo_figures
 
@@ -185,6 +214,29 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     for key in ("warmup_s", "peak_rss_gib", "tpot_p50_ms", "tpot_decode_only_p50_ms", "tpot_mixed_p50_ms"):
         assert isinstance(fig.get(key), float), (key, fig)
     assert "warm-up compiles" in fig["rss_phases_gib"]
+    assert fig["warmup_s"] == round(report["startup_s"]["warm-up total"], 1)
+
+
+def test_the_demo_plot_is_titled_on_log_axes_and_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from serving import demo
+    from serving.metrics import RequestRecord
+
+    records = {"a": [RequestRecord(0.0, [0.01, 0.02, 0.05], 10, 0, 0), RequestRecord(0.0, [1.0, 1.5], 10, 0, 0)]}
+    spec = demo.DemoSpec(checkpoint="runs/mini/quantized", manifest="fp8_attn")
+    assert demo.weights_label(spec) == "checkpoint runs/mini/quantized as fp8_attn"
+    import matplotlib.pyplot as plt
+
+    saved = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    demo.plot_latency(records, str(tmp_path / "p.png"), "kimik3 demo: config tiny on cpu, random weights")
+    (fig,) = saved
+    assert fig.get_suptitle() == "kimik3 demo: config tiny on cpu, random weights"
+    assert [ax.get_xscale() for ax in fig.axes] == ["log", "log"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(ImportError, match="kimik3\\[plot\\]"):
+        demo.plot_latency(records, str(tmp_path / "p.png"), "t")
 
 
 def test_a_freshly_started_engine_finds_the_kv_in_mooncake(rng, tiny_cfg, tiny_params, mooncake_services):
