@@ -23,6 +23,8 @@ kimik3 router --port N --prefill URL... --decode URL...
                                                      OpenAI-compatible, load-aware router
 kimik3 launch --config tiny --port N --prefill 1 --decode 1
                                                      store + workers + router in one command
+kimik3 serve tiny --port N --max-model-len 1024 --max-num-seqs 8
+                                                     one model behind the OpenAI API, vLLM's flags
 """
 
 from __future__ import annotations
@@ -687,6 +689,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 MODULE_COMMANDS = {
+    "serve": (
+        "serving.serve",
+        "serve a model behind the OpenAI API with vLLM's flags: a router and one colocated worker",
+    ),
     "plan": ("sharding.plan", "memory per rank and bytes per collective of TP/EP prefill and DP/EP decode meshes"),
     "worker": ("serving.worker", "one engine in its own process, behind HTTP (health, load, drain)"),
     "router": ("serving.router", "OpenAI-compatible router over prefill/decode workers"),

@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 
 from kimik3 import tokenizer
-from serving.model_runner import SCAN_CHOICES
 
 __all__ = ["MAX_CACHE_SALT_CHARS", "EngineConfig", "check_cache_salt", "check_handoff"]
 
@@ -35,65 +34,111 @@ def check_handoff(prompt: list[int], token: int, pages, state, *, vocab_size: in
         raise ValueError("the KV handoff holds values that are not finite")
 
 
+# the choices of EngineConfig's string fields, here so that building the command line imports no
+# JAX (tests/serving/test_serve.py checks them against the modules that define them)
+KERNEL_CHOICES = ("auto", "reference", "pallas")  # kimik3.ops.KERNEL_CHOICES
+ROLE_CHOICES = ("both", "prefill", "decode")
+DISPATCH_CHOICES = ("auto", "dense", "ragged")  # sharding.layers.DISPATCH_CHOICES
+SCAN_CHOICES = ("prefill", "all", "none")  # serving.model_runner.SCAN_CHOICES
+TAIL_CHOICES = ("drop", "no_drop", "exact")  # serving.spec_decode.TAIL_MODES
+
+
+def _field(default=dataclasses.MISSING, help_text: str = "", **flag):
+    """A field whose metadata holds its command-line help and how the flag is spelled: `choices`
+    (a string field's values), `aliases` (vLLM's names for the same flag).  `serving.flags` builds
+    one flag per field from it."""
+    return dataclasses.field(default=default, metadata={"help": help_text, **flag})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that sizes and shapes an engine, one object shared by the worker, demo, coverage
-    and benchmarks.
+    and benchmarks.  Each field's metadata holds what it means (``metadata["help"]``): `kimik3
+    worker`, `kimik3 launch` and `kimik3 serve` take every field as a flag of the same name with
+    dashes (`serving.flags.add_engine_flags`), and `kimik3 CMD --help` prints that text."""
 
-    num_pages / num_slots / num_snapshots: pool sizes (a slot per concurrent request; one more
-    is kept as scratch).  max_step_tokens: tokens one step may run (decode rows + prefill chunk
-    tokens); default one full prefill chunk plus a decode row per slot.
-    prefill_tokens_while_decoding: prefill tokens a step may run beside decode rows (None: what
-    the budget leaves): lower it to bound TPOT while prompts arrive.
-    role: "both" (colocated), "prefill" (stops after the first token; `on_prefilled` hands the
-    request over while its KV is still held), or "decode".
-    publish_to_host: write each finished request's pages and snapshots to the host tier at once
-    (a shared store then serves them to other engines), not only when they are evicted.
-    dispatch: the sharded MoE's all-to-all ("auto", "dense", "ragged"; see `sharding.layers`).
-    scan_layers: which unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one
-    scan step over stacked weights (`kimik3.stacked`; same tokens, about half the blocks to
-    compile per shape): "prefill" (default; decode programs read the unrolled layers, see
-    `serving.model_runner.ModelRunner`), "all" (one stacked copy of the weights), or "none".
-    encoder_cache_bytes: device bytes of ViT embeddings kept across requests by (tenant, image
-    content) (`cache.media.l3`); 0: none (the ViT then runs on a request's images
-    together, once per request).
-    encoder_cache_to_host: with a host tier, the ViT rows the engine computes are written there
-    too and an encoder-cache miss looks there first, so another engine on the same store finds
-    them (keyed by namespace, tenant and image).
-    prefix_caching: False: requests never share prefix blocks (the media ablation's "no L4").
-    draft_tokens: k > 0, EAGLE-3 speculative decoding with the `draft` the engine is given (k
-    drafted tokens per verify pass, `serving.spec_decode`); eagle_tail: the prefix-hit rule for
-    the draft's rows of the last matched page ("drop", "no_drop", "exact").
-    eos_id: the tokenizer's end-of-sequence id (`kimik3.text`): stop_at_eos requests end there.
-    prefill_batch: with a prefill mesh, a step's sharded chunks of one rank and one length run as
-    one batch of up to this many requests (padded to a power of two with rows of the scratch slot
-    and null pages), so a prefill pool fills its TP ranks; warm-up compiles every batch size."""
-
-    num_pages: int
-    num_slots: int = 8
-    num_snapshots: int = 16
-    page_tokens: int = 128
-    kda_block_tokens: int = 1536
-    max_pages_per_request: int | None = None
-    prefill_chunk_tokens: int = 512
-    max_step_tokens: int | None = None
-    prefill_tokens_while_decoding: int | None = None
-    kernels: str = "auto"
-    namespace: str | None = None
-    role: str = "both"
-    publish_to_host: bool = False
-    dispatch: str = "auto"
-    scan_layers: str = "prefill"
-    encoder_cache_bytes: int = 64 << 20
-    encoder_cache_to_host: bool = False
-    prefix_caching: bool = True
-    draft_tokens: int = 0
-    eagle_tail: str = "drop"
-    eos_id: int = tokenizer.EOS_ID
-    prefill_batch: int = 1
+    num_pages: int = _field(help="KV pages in the device pool (one is the null page)")
+    num_slots: int = _field(
+        8,
+        "concurrent requests: a KDA state slot each (one more is kept as scratch); vLLM's --max-num-seqs",
+        aliases=("--max-num-seqs",),
+    )
+    num_snapshots: int = _field(16, "KDA state snapshots kept for prefix hits")
+    page_tokens: int = _field(128, "tokens per KV page (vLLM's --block-size)", aliases=("--block-size",))
+    kda_block_tokens: int = _field(1536, "tokens between KDA state snapshots (a multiple of page_tokens)")
+    max_pages_per_request: int | None = _field(None, "a request's page-table length (None: the pool)")
+    prefill_chunk_tokens: int = _field(512, "prompt tokens per prefill chunk")
+    max_step_tokens: int | None = _field(
+        None,
+        "tokens one step may run, decode rows and prefill chunks together (None: one full prefill "
+        "chunk plus a decode row per slot); vLLM's --max-num-batched-tokens",
+        aliases=("--max-num-batched-tokens",),
+    )
+    prefill_tokens_while_decoding: int | None = _field(
+        None,
+        "prefill tokens a step may run beside decode rows (None: what the step budget leaves); lower it "
+        "to bound the time per output token while prompts arrive",
+    )
+    kernels: str = _field("auto", "the kernels the steps call (kimik3.ops)", choices=KERNEL_CHOICES)
+    namespace: str | None = _field(
+        None, "the cache keys' namespace: engines that share a store share KV only within one"
+    )
+    role: str = _field(
+        "both",
+        "both: whole requests (colocated); prefill: stops after the first token and hands the "
+        "request over with its KV; decode: continues requests another engine prefilled",
+        choices=ROLE_CHOICES,
+    )
+    publish_to_host: bool = _field(
+        False,
+        "write each finished request's pages and snapshots to the host tier at once (a shared store "
+        "then serves them to other engines), not only when they are evicted",
+    )
+    dispatch: str = _field("auto", "the sharded MoE's all-to-all (sharding.layers)", choices=DISPATCH_CHOICES)
+    scan_layers: str = _field(
+        "prefill",
+        "which unsharded programs run the repeated [KDA, KDA, KDA, MLA] periods as one scan step "
+        "over stacked weights (same tokens, about half the blocks to compile per shape): prefill "
+        "(decode programs read the unrolled layers), all (one stacked copy of the weights) or none",
+        choices=SCAN_CHOICES,
+    )
+    encoder_cache_bytes: int = _field(
+        64 << 20,
+        "device bytes of ViT embeddings kept across requests by (tenant, image content) "
+        "(cache.media.l3); 0: none (the ViT runs on a request's images together, once per request)",
+    )
+    encoder_cache_to_host: bool = _field(
+        False,
+        "with a host tier, the ViT rows the engine computes are written there too and an "
+        "encoder-cache miss looks there first, so another engine on the same store finds them",
+    )
+    prefix_caching: bool = _field(
+        True,
+        "requests share the KV of their common prefixes (off: never; the media ablation's no L4)",
+        aliases=("--enable-prefix-caching",),
+    )
+    draft_tokens: int = _field(
+        0,
+        "k > 0: EAGLE-3 speculative decoding with the engine's draft, k drafted tokens per verify "
+        "pass (serving.spec_decode)",
+    )
+    eagle_tail: str = _field(
+        "drop",
+        "the speculative prefix-hit rule for the draft's rows of the last matched page: drop the "
+        "page, keep its draft rows (no_drop), or recompute its tail slot (exact)",
+        choices=TAIL_CHOICES,
+    )
+    eos_id: int = _field(
+        tokenizer.EOS_ID, "the tokenizer's end-of-sequence id (kimik3.text): stop_at_eos requests end there"
+    )
+    prefill_batch: int = _field(
+        1,
+        "with a prefill mesh, a step's sharded chunks of one rank and one length run as one batch "
+        "of up to this many requests (padded to a power of two); warm-up compiles every batch size",
+    )
 
     def __post_init__(self):
-        if self.role not in ("both", "prefill", "decode"):
+        if self.role not in ROLE_CHOICES:
             raise ValueError(f"role must be both, prefill or decode; got {self.role!r}")
         if self.num_slots < 1 or self.num_pages < 2:
             raise ValueError(f"num_slots ({self.num_slots}) must be >= 1 and num_pages ({self.num_pages}) >= 2")

@@ -4,8 +4,8 @@
 
 starts a Mooncake store (`mooncake_master` + a memory server, cache/mooncake_tier.py) unless
 `--no-store`, the prefill and decode workers (serving/worker.py) and the router
-(serving/router.py), each its own process on a free 127.0.0.1 port (the router on `--port`),
-waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
+(serving/router.py), each its own process on a free 127.0.0.1 port (the router on `--host`
+and `--port`), waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
 the router, then the workers, then the store.  A worker (or the router) that exits on its
 own is restarted on its port (at most `--max-restarts` times; the first restart at once, each
 later one after a backoff that doubles from `--restart-backoff-s` up to 30 s); KV it had published
@@ -16,11 +16,22 @@ same way; until the store is back, workers answer store lookups with misses (the
 breaker, cache/guarded_tier.py) and report "degraded" on /health, and until Redis is back the
 router's L1 lookups are misses.  `--state-file` always holds the live pids.
 
+The workers' options: every `serving.engine_config.EngineConfig` field is a launch flag of the
+same name (`serving.flags`: `--num-pages`, `--prefill-chunk-tokens`, vLLM's `--max-num-seqs`,
+...), passed to every worker when set, as are vLLM's `--max-model-len`,
+`--tensor-parallel-size` (prefill workers, or colocated ones), `--data-parallel-size` (decode
+workers, or colocated ones), `--enable-expert-parallel`, `--speculative-config` and
+`--log-stats-interval-s`; `--worker-args` comes last and wins.  With no prefill workers the
+decode workers are colocated (role both).  A worker spans `--tensor-parallel-size` /
+`--data-parallel-size` GPUs of `--gpus`, taken in turn; more than the machine has is a one-line
+error naming the flag before anything starts (`Deployment.check`).  `kimik3 serve`
+(`serving.serve`) is this command with one colocated worker and no store.
+
 Secrets reach the children through their environments, never their command lines (which `ps`
 shows): the deployment's internal token (`serving.internal_auth`), a store secret every child
 shares (`KIMIK3_STORE_SECRET`: 32 random bytes, hex, made at start unless launch's own
 environment has one; `cache.store_auth`), and for the router alone the clients' API key
-(`KIMIK3_API_KEY`, from `--api-key` or launch's environment) and key file (`KIMIK3_API_KEY_FILE`,
+(`KIMIK3_API_KEY`, from `--api-key @FILE` or launch's environment) and key file (`KIMIK3_API_KEY_FILE`,
 from `--api-key-file` or launch's environment; `serving.router_auth`).
 
 With `--decode-group` the decode workers form one process group on JAX's multi-controller
@@ -48,7 +59,7 @@ import tempfile
 import threading
 import time
 
-from serving import internal_auth
+from serving import flags, internal_auth
 from serving.cli import SERVING_MANIFESTS
 
 log = logging.getLogger(__name__)
@@ -146,7 +157,7 @@ class Child:
     name: str
     argv: list[str]
     port: int
-    log_path: str
+    log_path: str | None  # None: the child writes to this process's stdout and stderr
     proc: subprocess.Popen | None = None
     restarts: int = 0
     env: dict = dataclasses.field(default_factory=dict)  # added to child_env()
@@ -157,16 +168,17 @@ class Child:
         return f"http://127.0.0.1:{self.port}"
 
     def spawn(self) -> None:
-        out = open(self.log_path, "a")
+        out = open(self.log_path, "a") if self.log_path else None
         self.proc = subprocess.Popen(
             self.argv,
             stdout=out,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if out else None,
             env=dict(child_env(self.port), **self.env),
             cwd=_ROOT,
             start_new_session=True,
         )
-        out.close()
+        if out is not None:
+            out.close()
 
 
 class Deployment:
@@ -178,6 +190,8 @@ class Deployment:
         self.args = args
         self.stop_event = stop
         self.progress = progress or (lambda message: None)
+        # `kimik3 serve` without --log-dir: the router's and the workers' logs go to this terminal
+        self.console = bool(getattr(args, "console_logs", False)) and not args.log_dir
         self.log_dir = args.log_dir or tempfile.mkdtemp(prefix="kimik3-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.services = None
@@ -187,8 +201,32 @@ class Deployment:
         self.store_restarts: dict[str, int] = {}
         self._restart_at: dict[str, float] = {}  # a child that exited: when its restart is due (backoff)
 
+    def _log_path(self, name: str) -> str | None:
+        return None if self.console else os.path.join(self.log_dir, f"{name}.log")
+
+    @property
+    def colocated(self) -> bool:
+        """No prefill workers and no decode group: the decode workers serve whole requests (role both)."""
+        return self.args.prefill == 0 and not self.args.decode_group
+
+    def worker_role(self, role: str) -> str:
+        """The --role a worker started for `role` ("prefill" or "decode") runs with."""
+        return "both" if role == "decode" and self.colocated else role
+
+    def devices_per_worker(self, role: str) -> int:
+        """Devices one worker of `role` spans: --tensor-parallel-size for prefill, --data-parallel-size
+        for decode, the larger for a colocated worker (its prefill and decode meshes share them);
+        a decode group's member takes one (or --group-devices on CPU)."""
+        tp, dp = self.args.tensor_parallel_size or 1, self.args.data_parallel_size or 1
+        role = self.worker_role(role)
+        if role == "decode" and self.args.decode_group:
+            return 1
+        return {"prefill": tp, "decode": dp, "both": max(tp, dp)}[role]
+
     def _worker_argv(self, role: str, index: int, port: int) -> list[str]:
         a = self.args
+        name = f"{role}-{index}"
+        role = self.worker_role(role)
         argv = [
             sys.executable,
             "-m",
@@ -202,12 +240,25 @@ class Deployment:
             "--seed",
             str(a.seed),
             "--worker-id",
-            f"{role}-{index}",
+            name,
             "--log-level",
             a.log_level,
         ]
         if a.dtype:
             argv += ["--dtype", a.dtype]
+        if a.max_model_len:
+            argv += ["--max-model-len", str(a.max_model_len)]
+        if a.tensor_parallel_size and role in ("prefill", "both"):
+            argv += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
+        if a.data_parallel_size and role in ("decode", "both"):
+            argv += ["--data-parallel-size", str(a.data_parallel_size)]
+        if a.enable_expert_parallel and not (role == "decode" and a.decode_group):  # the group adds its own
+            argv.append("--enable-expert-parallel")
+        if a.log_stats_interval_s is not None:
+            argv += ["--log-stats-interval-s", str(a.log_stats_interval_s)]
+        if a.speculative_config:
+            argv += flags.speculative_argv(a.speculative_config)
+        argv += flags.engine_flag_argv(a, skip=("role",))
         if self.services is not None:
             argv += ["--mooncake-master", self.services.master_addr, "--mooncake-metadata", self.services.metadata_url]
         if a.checkpoint:
@@ -242,20 +293,64 @@ class Deployment:
                 if not self.gpus:
                     w.argv += ["--cpu-devices", str(per)]
 
+    def _assigned_gpus(self) -> list[list[str]]:
+        """The GPUs of each worker in start order (prefill workers, then decode): `--gpus` in turn,
+        `devices_per_worker` of them each (wrapping around, so workers may share)."""
+        gpus, out, pos = self.gpus, [], 0
+        for role, n in (("prefill", self.args.prefill), ("decode", self.args.decode)):
+            for _ in range(n):
+                k = self.devices_per_worker(role)
+                out.append([gpus[(pos + j) % len(gpus)] for j in range(k)])
+                pos += k
+        return out
+
     def worker_env(self, index: int) -> dict:
-        """The devices of worker `index` (in start order: prefill workers, then decode): the GPUs of
-        `--gpus` in turn, one each, `CUDA_VISIBLE_DEVICES` naming it, and its JAX memory cap
-        `--gpu-memory-utilization` split between the workers that share it.  {} without GPUs."""
-        gpus = self.gpus
-        if not gpus:
+        """The devices of worker `index` (in start order: prefill workers, then decode): its GPUs of
+        `--gpus` (`_assigned_gpus`), `CUDA_VISIBLE_DEVICES` naming them, and its JAX memory cap,
+        `--gpu-memory-utilization` split between the workers that share a GPU.  {} without GPUs."""
+        if not self.gpus:
             return {}
-        n_workers = self.args.prefill + self.args.decode
-        gpu = gpus[index % len(gpus)]
-        sharing = sum(1 for i in range(n_workers) if gpus[i % len(gpus)] == gpu)
+        assigned = self._assigned_gpus()
+        mine = assigned[index]
+        sharing = max(sum(1 for other in assigned if gpu in other) for gpu in mine)
         return {
-            "CUDA_VISIBLE_DEVICES": gpu,
+            "CUDA_VISIBLE_DEVICES": ",".join(mine),
             "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{self.args.gpu_memory_utilization / sharing:.4f}",
         }
+
+    def check(self) -> None:
+        """ValueError, one line naming the flag, for what the workers could not honour on this
+        machine: more devices per worker than it has (`devices_per_worker`; one on a machine
+        without GPUs), slots that do not split over the data-parallel ranks, a decode group with
+        its own data-parallel size, speculative decoding outside a colocated worker."""
+        a = self.args
+        for flag, value in (
+            ("--tensor-parallel-size", a.tensor_parallel_size),
+            ("--data-parallel-size", a.data_parallel_size),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1; got {value}")
+        if a.decode_group and a.data_parallel_size:
+            raise ValueError("--data-parallel-size: a --decode-group's members span one device each (--decode N)")
+        have = len(self.gpus) or 1
+        where = f"{len(self.gpus)} GPU(s) in --gpus" if self.gpus else "no GPU (one CPU device)"
+        tp, dp = a.tensor_parallel_size or 1, a.data_parallel_size or 1
+        if tp > 1 and not (a.prefill or self.colocated):
+            raise ValueError("--tensor-parallel-size shards prefill: a decode group without prefill workers runs none")
+        for flag, n in (("--tensor-parallel-size", tp), ("--data-parallel-size", dp)):
+            if n > have:
+                raise ValueError(f"{flag} {n}: a worker would span {n} devices and this machine has {where}")
+        slots = a.num_slots if a.num_slots is not None else 8
+        if dp > 1 and slots % dp:
+            raise ValueError(f"--max-num-seqs / --num-slots {slots} does not split over --data-parallel-size {dp}")
+        if a.speculative_config:
+            flags.speculative_argv(a.speculative_config)  # what it cannot honour, named first
+            if not self.colocated:
+                raise ValueError("--speculative-config: speculative decoding runs in colocated workers (--prefill 0)")
+            if a.draft_tokens is not None:
+                raise ValueError("--speculative-config holds num_speculative_tokens: drop --draft-tokens")
+            if not a.checkpoint:
+                raise ValueError("--speculative-config: the draft needs its trained target (a checkpoint directory)")
 
     @functools.cached_property
     def gpus(self) -> list[str]:
@@ -280,12 +375,12 @@ class Deployment:
 
     def _router_env(self) -> dict:
         """Secrets the router reads from its environment (never its command line, which `ps` shows):
-        the shared L1's URL with its password, the clients' API key and key file (`--api-key`,
-        `--api-key-file`, else launch's own $KIMIK3_API_KEY / $KIMIK3_API_KEY_FILE)."""
+        the shared L1's URL with its password, the clients' API key and key file (`--api-key
+        @FILE`, `--api-key-file`, else launch's own $KIMIK3_API_KEY / $KIMIK3_API_KEY_FILE)."""
         env = {"KIMIK3_L1_REDIS": self.redis.url} if self.redis is not None else {}
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the router computes nothing on a GPU: it takes none
-        key = self.args.api_key or os.environ.get(API_KEY_ENV)
+        key = (flags.read_api_key(self.args.api_key) if self.args.api_key else None) or os.environ.get(API_KEY_ENV)
         if key:
             env[API_KEY_ENV] = key
         key_file = getattr(self.args, "api_key_file", None) or os.environ.get(API_KEY_FILE_ENV)
@@ -295,6 +390,7 @@ class Deployment:
 
     def start(self) -> "Deployment":
         a = self.args
+        self.check()
         if not a.no_store:
             from cache.mooncake_tier import MooncakeServices
 
@@ -323,7 +419,7 @@ class Deployment:
                         f"{role}-{i}",
                         self._worker_argv(role, i, port),
                         port,
-                        os.path.join(self.log_dir, f"{role}-{i}.log"),
+                        self._log_path(f"{role}-{i}"),
                         env=self.worker_env(len(self.workers)),
                         group="decode" if grouped else None,
                     )
@@ -334,7 +430,7 @@ class Deployment:
         t0 = time.monotonic()
         self.progress(
             f"starting {len(self.workers)} worker(s): each loads its weights and compiles its steps "
-            f"(logs in {self.log_dir})"
+            f"({'logs below' if self.console else 'logs in ' + self.log_dir})"
         )
         for w in self.workers:
             wait_healthy(w.url, w.proc, a.startup_timeout_s, self.stop_event)
@@ -345,6 +441,8 @@ class Deployment:
                 sys.executable,
                 "-m",
                 "serving.router",
+                "--host",
+                a.host,
                 "--port",
                 str(a.port),
                 "--config",
@@ -368,7 +466,7 @@ class Deployment:
             "router",
             argv + shlex.split(a.router_args or ""),
             a.port,
-            os.path.join(self.log_dir, "router.log"),
+            self._log_path("router"),
             # the L1's URL holds its password: in the environment, not on the command line
             env=self._router_env(),
         )
@@ -507,22 +605,48 @@ class Deployment:
             self.redis.stop()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
-    parser.add_argument("--port", type=int, default=8000, help="the router's port (127.0.0.1)")
-    parser.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers")
+def add_arguments(parser: argparse.ArgumentParser, *, serve: bool = False) -> None:
+    """launch's flags; `serve`: `kimik3 serve`'s (MODEL positional in place of --config /
+    --checkpoint, one colocated worker and no store by default, logs to this terminal)."""
+    if serve:
+        parser.add_argument(
+            "model",
+            metavar="MODEL",
+            help="a preset of kimik3.config (tiny, small, ...: random weights), a `kimik3 train` or "
+            "`kimik3 quantize` checkpoint directory, or a Hugging Face Kimi-Linear directory",
+        )
+        parser.set_defaults(config="tiny", checkpoint=None, console_logs=True)
+    else:
+        parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
+        parser.add_argument(
+            "--checkpoint",
+            "--model",
+            dest="checkpoint",
+            default=None,
+            metavar="DIR",
+            help="serve these weights: a Hugging Face Kimi-Linear directory, or `kimik3 train` / "
+            "`kimik3 quantize`'s (overrides --config)",
+        )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the router's bind address (every other socket stays on 127.0.0.1)",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0 if serve else 1,
+        help="prefill workers" + (" (default: 0: the colocated worker prefills)" if serve else ""),
+    )
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=1,
+        help="decode workers (with no prefill workers: colocated workers, role both)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random weights from this seed (without --checkpoint)")
     parser.add_argument("--dtype", default=None, help="params dtype (default: the config's)")
-    parser.add_argument(
-        "--checkpoint",
-        "--model",
-        dest="checkpoint",
-        default=None,
-        metavar="DIR",
-        help="serve these weights: a Hugging Face Kimi-Linear directory, or `kimik3 train` / "
-        "`kimik3 quantize`'s (overrides --config)",
-    )
     parser.add_argument(
         "--manifest",
         default=None,
@@ -543,9 +667,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: a Hugging Face directory's name, else kimik3-<config>)",
     )
     parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion of a request, on every worker (default: the model's positions)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="prefill attention tensor-parallel over this many devices of each prefill (or colocated) worker "
+        "(default 1)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=None,
+        help="decode attention data-parallel over this many devices of each decode (or colocated) worker (default 1)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="split the routed experts over the same devices (EP = TP for prefill, DP for decode)",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s speculative decoding options: {"method": "eagle3", "model": DRAFT_DIR, '
+        '"num_speculative_tokens": K} (an EAGLE-3 draft from `kimik3 train-eagle`; other keys are refused)',
+    )
+    parser.add_argument(
+        "--log-stats-interval-s",
+        type=float,
+        default=None,
+        help="each worker logs a stats line this often: throughput, queue, KV use, prefix-cache hit "
+        "rate (default: the worker's, 10; 0: never)",
+    )
+    parser.add_argument(
         "--gpus",
         default="auto",
-        help="devices for the workers, one each in turn: ids (0,1,...), auto (every GPU nvidia-smi lists) or none",
+        help="devices for the workers, in turn: ids (0,1,...), auto (every GPU nvidia-smi lists) or none",
     )
     parser.add_argument(
         "--gpu-memory-utilization",
@@ -565,7 +727,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="devices per group member on CPU (--decode-group without GPUs); one GPU each on GPUs",
     )
-    parser.add_argument("--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts")
+    if serve:
+        parser.add_argument(
+            "--store",
+            dest="no_store",
+            action="store_false",
+            default=True,
+            help="start a Mooncake store for the workers' KV (default: none: one worker needs none)",
+        )
+    else:
+        parser.add_argument(
+            "--no-store", action="store_true", help="no Mooncake store: decode workers recompute prompts"
+        )
     parser.add_argument("--store-mb", type=int, default=512, help="Mooncake memory server size")
     parser.add_argument(
         "--redis",
@@ -573,13 +746,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start a redis-server on 127.0.0.1 as the router's shared L1 fetch cache for image URLs",
     )
     parser.add_argument("--redis-mb", type=int, default=256, help="its memory (LRU past it)")
-    parser.add_argument("--worker-args", default="", help='extra worker options, e.g. "--num-pages 128"')
+    parser.add_argument(
+        "--worker-args", default="", help='extra worker options, after the others, e.g. "--num-pages 128"'
+    )
     parser.add_argument("--router-args", default="", help='extra router options, e.g. "--max-inflight 8"')
     parser.add_argument(
         "--api-key",
         default=None,
-        help="clients must send 'Authorization: Bearer KEY' (default: $KIMIK3_API_KEY); handed to the "
-        "router in its environment, not on its command line",
+        metavar="@FILE",
+        help="clients must send 'Authorization: Bearer KEY', KEY the one word in FILE (default: "
+        "$KIMIK3_API_KEY); the router gets it in its environment, never on a command line",
     )
     parser.add_argument(
         "--api-key-file",
@@ -597,14 +773,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a child's second restart waits this long, each later one twice the one before (at most 30 s)",
     )
     parser.add_argument("--state-file", default=None, help="write URLs and pids here (JSON) once serving")
-    parser.add_argument("--log-dir", default=None, help="children's logs (default: a new temp directory)")
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="children's logs (default: " + ("this terminal)" if serve else "a new temp directory)"),
+    )
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
+    flags.add_engine_flags(parser, skip=("role",), forward=True)
 
 
 def check_api_keys(args) -> None:
-    """An API key file (`--api-key-file` or $KIMIK3_API_KEY_FILE) is read before any child starts:
-    a missing, unreadable or malformed file is one line here (`serving.router_auth.load_key_file`),
-    not a router that never comes up."""
+    """The clients' keys are read before any child starts: `--api-key @FILE` (`serving.flags.read_api_key`:
+    a key written on the command line itself is refused) and an API key file (`--api-key-file` or
+    $KIMIK3_API_KEY_FILE); a missing, unreadable or malformed file is one line here
+    (`serving.router_auth.load_key_file`), not a router that never comes up."""
+    if args.api_key:
+        flags.read_api_key(args.api_key)
     path = args.api_key_file or os.environ.get(API_KEY_FILE_ENV)
     if path:
         from serving import router_auth
@@ -613,6 +797,26 @@ def check_api_keys(args) -> None:
             router_auth.load_key_file(path)
         except OSError as e:
             raise ValueError(f"--api-key-file {path}: {e.strerror or e}") from None
+
+
+def check_max_model_len(args) -> None:
+    """--max-model-len within the model's positions (read from the preset or the checkpoint's
+    config, without its weights): ValueError naming the flag, before any child starts."""
+    n = args.max_model_len
+    if n is None:
+        return
+    if n < 1:
+        raise ValueError(f"--max-model-len must be >= 1; got {n}")
+    if args.checkpoint:
+        from kimik3 import checkpoint
+
+        cfg = checkpoint.load_config(args.checkpoint)
+    else:
+        from kimik3 import config
+
+        cfg = config.get_config(args.config)
+    if n > cfg.max_seq_len:
+        raise ValueError(f"--max-model-len {n} is past {cfg.name}'s {cfg.max_seq_len} positions")
 
 
 def check_model(args) -> None:
@@ -627,27 +831,39 @@ def check_model(args) -> None:
         raise ValueError(f"--model / --checkpoint {args.checkpoint}: no such directory")
 
 
-def run(args) -> int:
+def run(args, prog: str = "kimik3 launch") -> int:
+    """Check the flags (one line naming a flag the deployment cannot honour: exit 2), start the
+    deployment and serve until SIGINT or SIGTERM (exit 0), or until a child cannot be kept up (1)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    say = lambda message: print(f"{prog}: {message}", flush=True)  # noqa: E731
+    dep = None
+    # the children run in the repository's directory: paths are the caller's, made absolute
+    if args.checkpoint:
+        args.checkpoint = os.path.abspath(args.checkpoint)
+    if args.tokenizer and os.path.exists(args.tokenizer):
+        args.tokenizer = os.path.abspath(args.tokenizer)
     try:
         check_model(args)
+        check_max_model_len(args)
         check_api_keys(args)
+        dep = Deployment(args, stop, progress=say)
+        dep.check()
     except ValueError as e:
-        print(f"kimik3 launch: error: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    dep = Deployment(args, stop, progress=lambda message: print(f"kimik3 launch: {message}", flush=True))
     code = 0
     try:
         dep.start()
         state = dep.state()
         if args.state_file:
             dep.write_state(args.state_file)
+        logs = "logs on this terminal" if dep.console else f"logs in {dep.log_dir}"
         print(
-            f"kimik3: serving {args.checkpoint or args.config} at {state['router']} ({args.prefill} prefill, {args.decode} decode "
-            f"workers{', Mooncake store ' + state['store'] if state['store'] else ''}); logs in {dep.log_dir}; "
-            f"Ctrl-C stops",
+            f"kimik3: serving {args.checkpoint or args.config} at {state['router']} ({args.prefill} prefill, "
+            f"{args.decode} {'colocated' if dep.colocated else 'decode'} workers"
+            f"{', Mooncake store ' + state['store'] if state['store'] else ''}); {logs}; Ctrl-C stops",
             flush=True,
         )
         while not stop.wait(0.5):
@@ -655,7 +871,7 @@ def run(args) -> int:
                 dep.write_state(args.state_file)
     except RuntimeError as e:
         log.error("%s", e)
-        print(f"kimik3 launch: {e} (logs in {dep.log_dir})", file=sys.stderr, flush=True)
+        print(f"{prog}: {e} ({'logs above' if dep.console else 'logs in ' + dep.log_dir})", file=sys.stderr, flush=True)
         code = 1
     finally:
         dep.stop()

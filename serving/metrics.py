@@ -217,3 +217,54 @@ def plot(summaries_records: dict[str, Sequence[RequestRecord]], path: str) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+class IntervalStats:
+    """The figures of vLLM's periodic stats line (`vllm/v1/metrics/loggers.py`, LoggingStatLogger)
+    for one engine: prompt and generation throughput since the previous line, the queue, KV use,
+    and the prefix cache's hit rate over the most recent `recent_requests` prompts (vLLM's window).
+
+    `prefilled` (a prompt's first token went out) and `generated` (tokens went out) are called by
+    the thread that runs the engine, `line` by the one that logs: a lock keeps them apart."""
+
+    def __init__(self, recent_requests: int = 1000, clock=None):
+        import threading
+        import time
+
+        self.clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._prompt = 0  # prompt tokens prefilled since the last line
+        self._generated = 0  # tokens generated since the last line
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=recent_requests)
+        self._since = self.clock()
+        self.last_active = False  # whether the previous line had any throughput
+
+    def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A prompt was prefilled: its tokens, and how many of them the prefix cache held."""
+        with self._lock:
+            self._prompt += prompt_tokens
+            self._recent.append((prompt_tokens, cached_tokens))
+
+    def generated(self, tokens: int) -> None:
+        with self._lock:
+            self._generated += tokens
+
+    def line(self, running: int, waiting: int, kv_use: float) -> tuple[str, bool]:
+        """(the line, whether anything happened: throughput now or in the previous interval, or
+        requests running or waiting), and the interval starts again."""
+        with self._lock:
+            now = self.clock()
+            dt = max(now - self._since, 1e-9)
+            prompt_tps, gen_tps = self._prompt / dt, self._generated / dt
+            queried = sum(q for q, _ in self._recent)
+            hits = sum(h for _, h in self._recent)
+            self._prompt = self._generated = 0
+            self._since = now
+        active = bool(prompt_tps or gen_tps or running or waiting or self.last_active)
+        self.last_active = bool(prompt_tps or gen_tps)
+        text = (
+            f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: {100 * kv_use:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queried if queried else 0.0:.1f}%"
+        )
+        return text, active

@@ -65,7 +65,9 @@ all its clients; no key (loopback development) makes every client the anonymous 
 operator's routes (``/admin/workers``, ``/docs``, ``/openapi.json``, and the worker details in
 ``/health``) need an API key or the deployment's internal token when either is configured;
 ``/admin/drain`` and ``/admin/resume`` need the internal token (an API key where the deployment
-has no internal token).  ``/health``'s status and ``/metrics`` stay open, as vLLM's do.
+has no internal token).  ``/health``'s status and ``/metrics`` stay open, as vLLM's do; ``/metrics``
+carries the workers' engine series too (KV use, the prefix cache, preemptions), labelled by worker
+and scraped when it is read (`Router.scrape_workers`).
 """
 
 from __future__ import annotations
@@ -474,6 +476,17 @@ class _Metrics:
             ["stat"],
             registry=r,
         )
+        self.worker_metrics_up = Gauge(
+            "kimik3_router_worker_metrics_up",
+            "1 when the worker answered the scrape of its /metrics behind this one, 0 when it did not in time",
+            ["worker"],
+            registry=r,
+        )
+        self.scrape: asyncio.Future | None = None  # the workers' scrape in flight (`Router.scrape_workers`)
+
+
+# the longest a router's /metrics waits for its workers' (`Router.scrape_workers`)
+WORKER_SCRAPE_TIMEOUT_S = 2.0
 
 
 class Overloaded(Exception):
@@ -608,6 +621,31 @@ class Router:
             await self.client.aclose()
         if self.store:
             self.store.close()
+
+    # ---- metrics ------------------------------------------------------------------------------------
+    async def scrape_workers(self) -> dict[str, str | None]:
+        """Every worker's /metrics text by URL (None: no answer within `WORKER_SCRAPE_TIMEOUT_S`, or
+        not a 200), fetched together; a /metrics that arrives while a scrape is in flight shares it,
+        so clients never multiply the workers' scrapes."""
+        if self.metrics.scrape is None or self.metrics.scrape.done():
+            self.metrics.scrape = asyncio.ensure_future(self._scrape_all())
+        return await asyncio.shield(self.metrics.scrape)
+
+    async def _scrape_all(self) -> dict[str, str | None]:
+        async def one(w: Worker) -> str | None:
+            if self.client is None:
+                return None
+            try:
+                r = await asyncio.wait_for(
+                    self.client.get(w.url + "/metrics", timeout=WORKER_SCRAPE_TIMEOUT_S), WORKER_SCRAPE_TIMEOUT_S
+                )
+            except (httpx.HTTPError, asyncio.TimeoutError) as e:
+                log.debug("metrics of %s: %r", w.url, e)
+                return None
+            return r.text if r.status_code == 200 else None
+
+        texts = await asyncio.gather(*(one(w) for w in self.workers))
+        return {w.url: text for w, text in zip(self.workers, texts)}
 
     # ---- health -------------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -1362,10 +1400,19 @@ class Router:
 
         @app.get("/metrics")
         async def metrics():
+            """Open, as vLLM's: the router's series, and its workers' engine series (KV use, the
+            prefix cache, preemptions, kimik3_worker_*) labelled worker=URL, scraped now
+            (`scrape_workers`; a worker that does not answer is kimik3_router_worker_metrics_up 0)."""
+            from serving.vllm_metrics import WithWorkers, federate
+
             for stat, value in (self.media.stats() if self.media is not None else {}).items():
                 self.metrics.media.labels(stat).set(value)
             self.metrics.vllm.load(self.admission.running, self.admission.waiting)
-            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            families, answered = federate(await self.scrape_workers())
+            for url, up in answered.items():
+                self.metrics.worker_metrics_up.labels(url).set(1 if up else 0)
+            text = generate_latest(WithWorkers(self.metrics.registry, families))
+            return Response(text, media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/admin/workers")
         async def workers(request: Request):

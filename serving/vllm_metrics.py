@@ -201,3 +201,68 @@ def _token_buckets(limit: int = 1 << 20) -> tuple[int, ...]:
                 return tuple(out)
             out.append(m * scale)
         scale *= 10
+
+
+# The series only an engine knows (its pool, its prefix cache, its preemptions): a router's own
+# copies never move, so its /metrics carries each worker's instead, labelled by worker.
+ENGINE_SERIES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+)
+# and the workers' own kimik3 series
+WORKER_PREFIXES = ("kimik3_worker_", "kimik3_store_")
+
+
+def federated_name(name: str) -> bool:
+    """Whether a worker's metric family (a parsed family's name: a counter's without ``_total``)
+    belongs on the router's /metrics: `ENGINE_SERIES` and `WORKER_PREFIXES`, less the
+    ``_created`` timestamps."""
+    return not name.endswith("_created") and (name in ENGINE_SERIES or name.startswith(WORKER_PREFIXES))
+
+
+def federate(worker_texts: dict[str, str | None], label: str = "worker") -> tuple[list, dict[str, bool]]:
+    """The families of several workers' Prometheus texts that belong on the router
+    (`federated_name`), one family per name with every worker's samples, each sample labelled
+    `label` = its worker's key; and which workers answered (a worker whose text is None or does
+    not parse contributes nothing and is False)."""
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    answered = {}
+    for worker, text in worker_texts.items():
+        if text is None:
+            answered[worker] = False
+            continue
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError:
+            answered[worker] = False
+            continue
+        answered[worker] = True
+        for fam in parsed:
+            if not federated_name(fam.name):
+                continue
+            out = families.get(fam.name)
+            if out is None:
+                out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+            for s in fam.samples:
+                out.add_sample(s.name, {**s.labels, label: worker}, s.value, s.timestamp)
+    return list(families.values()), answered
+
+
+class WithWorkers:
+    """What `prometheus_client.generate_latest` reads for a router's /metrics: the router's own
+    registry less its `ENGINE_SERIES` (which only the workers fill), then the workers' families
+    (`federate`)."""
+
+    def __init__(self, registry, families: list):
+        self.registry, self.families = registry, families
+
+    def collect(self):
+        for metric in self.registry.collect():
+            if metric.name not in ENGINE_SERIES:
+                yield metric
+        yield from self.families

@@ -30,6 +30,12 @@ back through per-request asyncio queues.  Endpoints:
   ``GET /load`` (queue depth, running, free pages and sessions, KV use), ``POST /drain``
   (refuse new requests, finish the admitted ones), ``POST /resume``, ``GET /metrics``.
 
+Start-up: before /health answers, the engine compiles every step shape (`Engine.warmup`) and
+every sampling variant a request may ask for (`warm_sampling_variants`: sampled, penalties,
+logprobs), so no request waits for a compile (`--no-warmup`: compile on first use).  Every
+`--log-stats-interval-s` (default 10 s) the worker logs vLLM's stats line (`StatsLogger`).  Every
+`serving.engine_config.EngineConfig` field is a flag (`serving.flags`).
+
 Status codes: 400 for a request the engine can never serve (every field is bounded where it
 enters: the error names it, as ``"param"``), 429 when the waiting queue is full (try another
 worker), 503 while draining or after an engine fault.
@@ -65,10 +71,11 @@ from typing import Annotated, Any, Callable
 import numpy as np
 from fastapi import Query, Request  # at module level: FastAPI resolves handler annotations in module globals
 
-from serving import internal_auth, kv_handoff, router_body
+from serving import flags, internal_auth, kv_handoff, router_body
 from serving.cli import SERVING_MANIFESTS
 from serving.engine_config import MAX_CACHE_SALT_CHARS, check_cache_salt, check_handoff
 from serving.http_util import ClosingStreamingResponse
+from serving.metrics import IntervalStats
 from serving.openai_api import INT32_LIMIT, APIError
 from serving.sampling import GREEDY, MAX_LOGPROBS, MAX_TOP_K, SEED_LIMIT, SamplingParams
 
@@ -157,6 +164,8 @@ class EngineLoop:
             "cached_tokens_host": 0,
         }
         self._adopts: list = []  # direct handoffs waiting for a slot and pages (engine thread only)
+        self.stats = IntervalStats()  # the periodic stats line's figures (`StatsLogger`)
+        self.compile_watch = None  # a `metrics.CompileWatch` started after warm-up (kimik3_worker_compiles)
         self._load = self._snapshot()
         self._metrics = _WorkerMetrics(registry, model_name) if registry is not None else None
         if engine.role == "prefill":  # a prefill engine stops after the first token; export on request
@@ -362,6 +371,7 @@ class EngineLoop:
     def _publish_one(self, sub: _Sub) -> None:
         """Push the tokens of `sub` not sent yet, and its end once it is done."""
         req = sub.req
+        sent = sub.sent
         while sub.sent < len(req.output):
             ev = {"token": int(req.output[sub.sent]), "index": sub.sent}
             if sub.sent < len(req.logprobs) and req.logprobs[sub.sent] is not None:
@@ -369,8 +379,11 @@ class EngineLoop:
             if sub.sent == 0:  # the prefix cache's share is known once the prompt is in: a client
                 # that stops early (a stop string) still reports it
                 ev.update(cached_tokens=req.cached_tokens, cached_tokens_host=req.cached_tokens_host)
+                self.stats.prefilled(len(req.prompt), req.cached_tokens)
             self._push(sub, ev)
             sub.sent += 1
+        if sub.sent > sent:
+            self.stats.generated(sub.sent - sent)
         if req.done:
             if req.error:
                 self._finish(sub, "errors")  # counted before the client hears of it, as "done" below
@@ -458,6 +471,8 @@ class EngineLoop:
             if idle:
                 with self._lock:
                     self._load = self._snapshot()
+                if self._metrics is not None:  # a request that left between steps frees its pages
+                    self._metrics.gauges(self._load)
                 continue
             try:
                 e.step()
@@ -505,6 +520,11 @@ class _WorkerMetrics:
         self.waiting = Gauge("kimik3_worker_waiting", "requests waiting for admission", registry=registry)
         self.running = Gauge("kimik3_worker_running", "admitted requests", registry=registry)
         self.kv_use = Gauge("kimik3_worker_kv_use", "fraction of KV pages in use", registry=registry)
+        self.compiles = Gauge(
+            "kimik3_worker_compiles",
+            "XLA programs this worker built since its warm-up (each stalled the step that needed it)",
+            registry=registry,
+        )
         self.store_auth_failures = Gauge(
             "kimik3_store_auth_failures",
             "store entries this worker refused for failing their MAC (forged, damaged or another secret's)",
@@ -530,6 +550,96 @@ class _WorkerMetrics:
         self.running.set(load["running"])
         self.kv_use.set(load["kv_use"])
         self.vllm.load(load["running"], load["waiting"], load["kv_use"], load.get("preemptions"))
+
+
+# ---- the periodic stats line and the sampling warm-up --------------------------------------------------
+STATS_LOGGER = "serving.stats"
+
+
+class StatsLogger:
+    """Every `interval_s`, one line on the logger `STATS_LOGGER` in vLLM's words: ``decode-0: Avg
+    prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
+    Waiting: M reqs, GPU KV cache usage: P%, Prefix cache hit rate: Q%`` (`IntervalStats`).  At
+    INFO while the worker has work or had throughput in the interval before, at DEBUG while it
+    idles (as vLLM).  The logger is set to INFO when the thread starts, so the line shows under
+    the worker's default --log-level (warning); --log-stats-interval-s 0 turns it off."""
+
+    def __init__(self, loop: EngineLoop, interval_s: float):
+        self.loop, self.interval_s = loop, interval_s
+        self.log = logging.getLogger(STATS_LOGGER)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stats-logger", daemon=True)
+
+    def tick(self) -> str:
+        """Log the interval's line now (and start the next interval); returns it."""
+        load = self.loop.load()
+        text, active = self.loop.stats.line(load["running"], load["waiting"], load["kv_use"])
+        text = f"{self.loop.worker_id}: {text}"
+        self.log.log(logging.INFO if active else logging.DEBUG, "%s", text)
+        return text
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a line that cannot be made never stops the worker
+                self.log.exception("stats line failed")
+
+    def start(self) -> "StatsLogger":
+        if self.log.getEffectiveLevel() > logging.INFO:
+            self.log.setLevel(logging.INFO)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def warm_sampling_variants(engine) -> int:
+    """Build, before the first request, every program a request's sampling options can need that
+    `Engine.warmup(sampled=True)` leaves to first use: the decode program's variant for
+    presence / frequency penalties and logprobs (`serving.model_runner.decode_program_ext`) in
+    every decode bucket, greedy and sampled, with the write of a slot's penalty counts; and the
+    one-row programs that choose a prefilled request's first token (sampled, penalized, both)
+    and its logprobs (`serving.sampling.choose_token`, `logprobs_of`).  Without it a client's
+    first request with logprobs or a penalty waits for a whole-model compile.
+
+    The decode steps run rows of padding only (the scratch slot and null pages: nothing a
+    request holds); the engine must be idle.  A speculative engine takes no penalties or
+    logprobs, and a decode mesh samples on the host: they build only the one-row programs; a
+    prefill engine samples first tokens only.  Returns the XLA programs built."""
+    import jax
+
+    from cache.block_pool import NULL_BLOCK
+    from serving.metrics import CompileWatch
+    from serving.model_runner import DecodeRows
+    from serving.sampling import choose_token, logprobs_of
+
+    runner = engine.runner
+    with CompileWatch() as watch:
+        logits = np.zeros(engine.cfg.vocab_size, np.float32)
+        for sp in (
+            SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.0, presence_penalty=0.5),
+            SamplingParams(temperature=1.0, frequency_penalty=0.5),
+        ):
+            choose_token(logits, sp, 1, [0])
+        logprobs_of(logits, 0, 1)
+        if engine.spec is None and runner.decode_step is None and engine.role != "prefill":
+            scratch = engine.scratch_slot
+            for b in sorted({runner.decode_bucket(n) for n in range(1, scratch + 1)}):
+                for temperature in (0.0, 1.0):
+                    rows = DecodeRows.build(
+                        b, [], [], [], [], [], max_pages=engine.max_pages, null_page=NULL_BLOCK, scratch_slot=scratch
+                    )
+                    # row 0 (padding, inactive) asks for logprobs and holds penalty counts: the
+                    # variant runs, and so does the write of its slot's counts
+                    rows = dataclasses.replace(rows, temperature=np.full(b, temperature, np.float32), logprobs=(0,))
+                    engine.pools, tokens, _, lp = runner.decode.dispatch(
+                        engine.params, engine.pools, rows, histories=[(rows, 0, lambda: [])]
+                    )
+                    jax.block_until_ready((tokens, lp))
+    return watch.count
 
 
 # ---- the HTTP app ------------------------------------------------------------------------------------
@@ -922,6 +1032,8 @@ def create_app(
         stats = getattr(getattr(loop.engine.manager, "host", None), "stats", None)
         if loop._metrics is not None and stats is not None and hasattr(stats, "auth_failures"):
             loop._metrics.store_auth_failures.set(stats.auth_failures)
+        if loop._metrics is not None and loop.compile_watch is not None:
+            loop._metrics.compiles.set(loop.compile_watch.count)
         return Response(generate_latest(registry) if registry is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -1002,29 +1114,30 @@ def build_engine(args):
     from kimik3.text import load_serving_tokenizer
 
     tok = load_serving_tokenizer(getattr(args, "tokenizer", None), getattr(args, "checkpoint", None), cfg.vocab_size)
-    engine = Engine(
-        params,
-        cfg,
-        EngineConfig(
-            num_pages=num_pages,
-            num_slots=args.num_slots,
-            num_snapshots=args.num_snapshots or 4 * args.num_slots,
-            page_tokens=page,
-            kda_block_tokens=block,
-            max_pages_per_request=max_pages,
-            prefill_chunk_tokens=args.prefill_chunk_tokens,
-            kernels=args.kernels,
-            namespace=namespace,
-            role=role,
-            publish_to_host=host is not None,
-            draft_tokens=args.draft_tokens if draft is not None else 0,
-            eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail,
-            eos_id=tok.eos_id,
-        ),
-        host=host,
-        draft=draft,
-        mesh=meshes(args, cfg),
+    publish = getattr(args, "publish_to_host", None)
+    if publish and host is None:
+        raise ValueError("--publish-to-host writes to a shared store: pass --mooncake-master")
+    if draft is None and getattr(args, "draft_tokens", None):
+        raise ValueError("--draft-tokens is for speculative decoding: add --speculative eagle3")
+    eos_id = getattr(args, "eos_id", None)
+    # every EngineConfig field is a flag (`serving.flags`): those set pass through, the ones the
+    # worker sizes itself are resolved here, the rest keep the dataclass's defaults
+    values = {f.name: getattr(args, f.name, None) for f in flags.engine_fields()}
+    values = {k: v for k, v in values.items() if v is not None}
+    values.update(
+        num_pages=num_pages,
+        num_snapshots=args.num_snapshots or 4 * args.num_slots,
+        page_tokens=page,
+        kda_block_tokens=block,
+        max_pages_per_request=max_pages,
+        namespace=namespace,
+        role=role,
+        publish_to_host=host is not None if publish is None else publish,
+        draft_tokens=_draft_tokens(args) if draft is not None else 0,
+        eagle_tail="no_drop" if getattr(args, "eagle_no_drop", False) else args.eagle_tail,
+        eos_id=tok.eos_id if eos_id is None else eos_id,
     )
+    engine = Engine(params, cfg, EngineConfig(**values), host=host, draft=draft, mesh=meshes(args, cfg))
     info = {
         "role": role,
         "worker_id": args.worker_id or f"{role}-{args.port}",
@@ -1048,6 +1161,12 @@ def build_engine(args):
         else {"method": "eagle3", "draft_tokens": engine.config.draft_tokens, "eagle_tail": engine.config.eagle_tail},
     }
     return engine, host, info
+
+
+def _draft_tokens(args) -> int:
+    """k of a speculative worker: --draft-tokens, else 3."""
+    k = getattr(args, "draft_tokens", None)
+    return 3 if k is None else k
 
 
 def pool_pages(args, cfg, params, page_tokens: int) -> int:
@@ -1086,7 +1205,7 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
         num_slots=slots,
         num_snapshots=(args.num_snapshots or 4 * args.num_slots) // dp,
         page_tokens=page_tokens,
-        draft_tokens=args.draft_tokens if getattr(args, "speculative", None) else 0,
+        draft_tokens=_draft_tokens(args) if getattr(args, "speculative", None) else 0,
     )
     if pages < 2:
         raise ValueError(
@@ -1136,12 +1255,6 @@ def meshes(args, cfg, devices=None):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--role",
-        choices=("prefill", "decode", "both"),
-        default="both",
-        help="prefill: the first token and the KV; decode: the rest; both: colocated",
-    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True, help="the port to serve on")
     parser.add_argument("--config", default="tiny", help="tiny | small | ... (kimik3.config)")
@@ -1174,15 +1287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="speculative decoding with an EAGLE-3 draft (colocated role 'both')",
     )
     parser.add_argument("--draft-checkpoint", default=None, metavar="DIR", help="the draft (`kimik3 train-eagle`)")
-    parser.add_argument("--draft-tokens", type=int, default=3, help="k drafted tokens per verify pass")
-    parser.add_argument(
-        "--eagle-tail",
-        choices=("drop", "no_drop", "exact"),
-        default="drop",
-        help="prefix hits: drop the last matched page, keep its draft rows, or recompute its tail slot",
-    )
     parser.add_argument("--eagle-no-drop", action="store_true", help="the same as --eagle-tail no_drop")
-    parser.add_argument("--num-pages", type=int, default=None, help="KV pages in the device pool (default 256)")
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -1227,24 +1332,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a group process silent this long is dead: the others stop too (their requests fail "
         "over at the router) and `kimik3 launch` restarts them",
     )
-    parser.add_argument(
-        "--num-slots",
-        type=int,
-        default=8,
-        help="concurrent sessions (split evenly over the data-parallel ranks this process owns)",
-    )
-    parser.add_argument(
-        "--num-snapshots", type=int, default=None, help="KDA state snapshots (default: sized from the pages)"
-    )
-    parser.add_argument("--page-tokens", type=int, default=None, help="tokens per KV page (default: the config's)")
-    parser.add_argument(
-        "--kda-block-tokens", type=int, default=None, help="tokens per KDA state snapshot (default: the config's)"
-    )
-    parser.add_argument(
-        "--max-pages-per-request", type=int, default=None, help="a request's page-table length (default: the pool)"
-    )
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=64, help="prompt tokens per prefill chunk")
-    parser.add_argument("--kernels", default="auto", help="auto | pallas | reference (kimik3.ops)")
     parser.add_argument("--mooncake-master", default=None, help="host:port of a mooncake_master (the shared store)")
     parser.add_argument("--mooncake-metadata", default=None, help="its HTTP metadata URL")
     parser.add_argument("--staging-mb", type=int, default=16, help="the store client's staging buffer")
@@ -1260,7 +1347,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="while the breaker is open, store lookups are misses; then one call probes",
     )
-    parser.add_argument("--namespace", default=None, help="cache key namespace (default: config/dtype/seed)")
     parser.add_argument("--worker-id", default=None, help="its name in logs and metrics (default: ROLE-PORT)")
     parser.add_argument(
         "--served-model-name",
@@ -1269,9 +1355,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-waiting", type=int, default=32, help="queued requests before answering 429")
     parser.add_argument("--no-warmup", action="store_true", help="compile step shapes lazily")
+    parser.add_argument(
+        "--log-stats-interval-s",
+        type=float,
+        default=10.0,
+        help="log a line of throughput, queue, KV use and prefix-cache hit rate this often (0: never)",
+    )
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each engine step (testing)")
     parser.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory")
     parser.add_argument("--log-level", default="warning", help="debug | info | warning | error")
+    flags.add_engine_flags(parser)
 
 
 def run(args) -> int:
@@ -1284,6 +1377,8 @@ def run(args) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if args.log_stats_interval_s < 0:
+        raise ValueError(f"--log-stats-interval-s must be >= 0 (0: no stats line); got {args.log_stats_interval_s}")
     t0 = time.monotonic()
     if args.coordinator:
         from sharding import distributed
@@ -1299,6 +1394,7 @@ def run(args) -> int:
     engine, host, info = build_engine(args)
     if not args.no_warmup:
         engine.warmup(sampled=True)  # API clients sample by default (temperature 1)
+        warm_sampling_variants(engine)  # and may ask for logprobs or penalties
     log.info("worker %s ready in %.1f s", info["worker_id"], time.monotonic() - t0)
     registry = CollectorRegistry()
     loop = EngineLoop(
@@ -1309,14 +1405,20 @@ def run(args) -> int:
         registry=registry,
         model_name=args.served_model_name or f"kimik3-{info['config']}",
     )
+    from serving.metrics import CompileWatch
+
+    loop.compile_watch = CompileWatch().__enter__()  # what serving builds from here on (its /metrics)
     app = create_app(loop, info, registry=registry)
     server = uvicorn.Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     )
     loop.on_fault = lambda: exit_after_fault(server)
+    stats = StatsLogger(loop, args.log_stats_interval_s).start() if args.log_stats_interval_s else None
     try:
         server.run()
     finally:
+        if stats is not None:
+            stats.stop()
         if host is not None:
             host.close()
     if loop.failed:

@@ -154,6 +154,7 @@ def test_every_flag_has_help_and_v_works_after_the_command(capsys):
         "router",
         "launch",
         "worker",
+        "serve",
     ):
         parser = cli.build_parser(command)
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]

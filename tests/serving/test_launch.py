@@ -211,17 +211,24 @@ def test_workers_share_the_gpus_in_turn_and_split_the_memory_of_a_shared_one(tmp
 
 
 def test_the_api_key_reaches_the_router_in_its_environment_only(tmp_path, monkeypatch):
-    """`kimik3 launch --api-key KEY` (or $KIMIK3_API_KEY) hands the key to the router through its
-    environment: the process list (argv) never shows it."""
+    """`kimik3 launch --api-key @FILE` (or $KIMIK3_API_KEY) hands the key to the router through its
+    environment: no process list (argv) shows it, launch's own included (a key written on the
+    command line itself is refused)."""
     import argparse
 
-    from serving.launch import Deployment, add_arguments
+    from serving.launch import Deployment, add_arguments, check_api_keys
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     monkeypatch.delenv("KIMIK3_API_KEY", raising=False)
-    d = Deployment(parser.parse_args(["--port", "1", "--api-key", "s3cret", "--log-dir", str(tmp_path)]))
+    (tmp_path / "key").write_text("s3cret\n")
+    d = Deployment(parser.parse_args(["--port", "1", "--api-key", f"@{tmp_path / 'key'}", "--log-dir", str(tmp_path)]))
     assert d._router_env() == {"KIMIK3_API_KEY": "s3cret"}
+    with pytest.raises(ValueError, match="--api-key takes @FILE"):
+        check_api_keys(parser.parse_args(["--api-key", "s3cret"]))
+    with pytest.raises(ValueError, match="one key"):
+        (tmp_path / "two").write_text("a b")
+        check_api_keys(parser.parse_args(["--api-key", f"@{tmp_path / 'two'}"]))
     monkeypatch.setenv("KIMIK3_API_KEY", "from-env")
     assert Deployment(parser.parse_args(["--port", "1", "--log-dir", str(tmp_path)]))._router_env() == {
         "KIMIK3_API_KEY": "from-env"
@@ -354,3 +361,54 @@ def test_a_decode_process_group_serves_through_the_router_and_restarts_as_one(tm
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_launch_takes_serves_flags_and_hands_them_to_its_workers(tmp_path):
+    """`kimik3 launch` reads the flags `kimik3 serve` does (vLLM's names, and every EngineConfig
+    field generated from the dataclass) and passes those set to each worker, whose own parser
+    reads them back; tensor parallelism goes to prefill workers, data parallelism to decode ones,
+    both to a colocated worker; `--worker-args` still comes last and wins."""
+    import argparse
+
+    from serving import worker
+    from serving.launch import Deployment, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = '{"method": "eagle3", "model": "/drafts/d", "num_speculative_tokens": 2}'
+    common = ["--log-dir", str(tmp_path), "--max-model-len", "1024", "--max-num-seqs", "8", "--block-size", "16"]
+    common += ["--prefill-chunk-tokens", "16", "--no-enable-prefix-caching", "--log-stats-interval-s", "5"]
+    a = parser.parse_args(
+        [*common, "--prefill", "0", "--speculative-config", spec, "--worker-args", "--num-slots 4", "--gpus", "none"]
+    )
+    d = Deployment(a)
+    argv = d._worker_argv("decode", 0, 1234)
+    w_parser = argparse.ArgumentParser()
+    worker.add_arguments(w_parser)
+    w = w_parser.parse_args(argv[3:])  # past `python -m serving.worker`
+    assert (w.role, w.max_model_len, w.page_tokens, w.prefill_chunk_tokens, w.prefix_caching) == (
+        "both",
+        1024,
+        16,
+        16,
+        False,
+    )
+    assert w.num_slots == 4 and w.log_stats_interval_s == 5  # --worker-args wins over --max-num-seqs 8
+    assert (w.speculative, w.draft_checkpoint, w.draft_tokens) == ("eagle3", "/drafts/d", 2)
+    assert "--num-pages" not in argv and "--prefill-batch" not in argv  # unset flags keep the worker's defaults
+    # P/D on four GPUs: tp to the prefill worker, dp to the decode worker, each its own GPUs
+    pd = Deployment(
+        parser.parse_args([*common, "--gpus", "0,1,2,3", "--tensor-parallel-size", "2", "--data-parallel-size", "2"])
+    )
+    pre, dec = pd._worker_argv("prefill", 0, 1), pd._worker_argv("decode", 0, 2)
+    assert "--tensor-parallel-size" in pre and "--data-parallel-size" not in pre
+    assert "--data-parallel-size" in dec and "--tensor-parallel-size" not in dec
+    assert [pd.worker_env(i)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0,1", "2,3"]
+    pd.check()
+    for argv, message in (
+        (["--gpus", "none", "--data-parallel-size", "2"], "--data-parallel-size 2: a worker would span"),
+        (["--gpus", "0", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+        (["--gpus", "none", "--speculative-config", spec], "colocated workers"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            Deployment(parser.parse_args([*common, *argv])).check()

@@ -64,3 +64,31 @@ def test_compile_watch_counts_each_program_built_inside_its_block_by_name():
         shifted_by_seven(x + 1)  # another value, the same program
     shifted_by_seven(np.arange(6, dtype=np.int32))  # a new shape, outside any block: not counted
     assert again.count == 0 and not again.names
+
+
+def test_the_interval_stats_give_vllms_stats_line():
+    """Throughput over the interval since the last line, the queue and KV use as given, and the
+    prefix cache's hit rate over the most recent prompts (vLLM's window); a line is active while
+    anything happens and for one interval after."""
+    from serving.metrics import IntervalStats
+
+    now = [0.0]
+    stats = IntervalStats(recent_requests=2, clock=lambda: now[0])
+    stats.prefilled(100, 0)
+    stats.prefilled(100, 50)
+    stats.generated(30)
+    now[0] = 10.0
+    line, active = stats.line(running=2, waiting=1, kv_use=0.125)
+    assert active and line == (
+        "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 3.0 tokens/s, Running: 2 reqs, "
+        "Waiting: 1 reqs, GPU KV cache usage: 12.5%, Prefix cache hit rate: 25.0%"
+    )
+    stats.prefilled(100, 100)  # the window holds the last two prompts: (100, 50) and (100, 100)
+    now[0] = 20.0
+    line, active = stats.line(running=0, waiting=0, kv_use=0.0)
+    assert active and "Avg prompt throughput: 10.0 tokens/s" in line and "Prefix cache hit rate: 75.0%" in line
+    now[0] = 30.0
+    assert stats.line(running=0, waiting=0, kv_use=0.0)[1]  # the interval after throughput
+    now[0] = 40.0
+    line, active = stats.line(running=0, waiting=0, kv_use=0.0)
+    assert not active and "Avg generation throughput: 0.0 tokens/s" in line
