@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,7 @@ def run_suite(args, benches: list[registry.Benchmark], budget_s: float | None) -
         suite=args.suite,
         only=args.only,
         variants=args.variants,
+        command=" ".join(["python -m benchmarks.run", *map(shlex.quote, sys.argv[1:])]),
         ceilings={},
         rows=[],
     )
