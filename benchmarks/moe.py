@@ -146,6 +146,21 @@ def reference(lhs, rhs, sizes):
     return by_group(lhs, rhs, sizes)
 
 
+def _expert_row(ctx, case, fn, args, want, tol, variant, peer_ms, work, active):
+    """A grouped expert kernel's row: `fn` jitted, checked against `want` (absolute `tol`), timed."""
+    fn = jax.jit(fn)
+    chk = common.check(fn(*args).astype(jnp.float32), want, tol, relative=False)
+    return ctx.row(
+        case,
+        chk,
+        lambda: ctx.time(fn, *args),
+        variant=variant,
+        peer_ms=peer_ms,
+        work=work,
+        extra={"experts_read": active},
+    )
+
+
 def moe_gemm(ctx):
     """moe_gemm: `ops.grouped_matmul` (Pallas) on M sorted rows, checked against
     `grouped_matmul_ref` in fp32, vs `ragged_dot_mgpu` (best of its sweep) or `lax.ragged_dot`."""
@@ -189,17 +204,7 @@ def moe_gemm(ctx):
             fns[f"hopper_sweep:{t.label}"] = hop("ragged", t)
 
         def one(variant):
-            fn = jax.jit(fns[variant])
-            chk = common.check(fn(*args).astype(jnp.float32), want, tol, relative=False)
-            row = ctx.row(
-                case,
-                chk,
-                lambda: ctx.time(fn, *args),
-                variant=variant,
-                peer_ms=peer_ms,
-                work=work,
-                extra={"experts_read": active},
-            )
+            row = _expert_row(ctx, case, fns[variant], args, want, tol, variant, peer_ms, work, active)
             if row["peer_ms"] is not None:
                 row["peer"] = peer.get("name")
                 row["extra"]["peer_tiling"] = peer.get("tiling")
@@ -282,17 +287,7 @@ def moe_ffn(ctx):
             fns[f"tiling_sweep:down={label}"] = ffn(impl="triton", tiling=(None, tiling))
 
         def one(variant):
-            fn = jax.jit(fns[variant])
-            chk = common.check(fn(*args).astype(jnp.float32), want, tol, relative=False)
-            return ctx.row(
-                case,
-                chk,
-                lambda: ctx.time(fn, *args),
-                variant=variant,
-                peer_ms=peer_ms,
-                work=work,
-                extra={"experts_read": active},
-            )
+            return _expert_row(ctx, case, fns[variant], args, want, tol, variant, peer_ms, work, active)
 
         if not ops.grouped_ffn_fits(x, w_gu, w_out, kernels="pallas"):
             yield ctx.error(case, "default", "ops.grouped_ffn does not tile these experts")
