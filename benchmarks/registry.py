@@ -573,6 +573,26 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "on `kimi_linear.check_config`: the greedy token after two prompts of 2.5 chunks and 3 tokens vs "
         "the fp32 model on the reference kernels without a cache, `serving_bench.margin_check`",
     ),
+    _b(
+        "kl_prefix",
+        "model",
+        "kl_prefix",
+        "kl_prefix",
+        "Prefix caching on Kimi-Linear: TTFT p50 of S agent sessions of `turns` turns whose contexts grow "
+        "from `first` to `last` tokens (each turn's prompt extends the previous one; a turn of every "
+        "session arrives at once), KDA snapshots exported in the chunk's pass (ours) against the same "
+        "engine cutting a chunk at each snapshot as vLLM's mamba_cache_mode=align does (peer) and against "
+        "no prefix caching (`extra`: p50 / p99 of all three, cache rate, snapshot bytes held, first "
+        "tokens equal to ours).  Options: manifest, chunk, budget_s, seed.",
+        "config manifest S turns first last",
+        [("tiny", "bf16", 2, 3, 80, 208)],
+        [(*_KL, 4, 4, 8192, 65536)],
+        "vLLM's align mode (same engine)",
+        "the same engine build, prompts and compiled programs with `kda_snapshots=align`: the same "
+        "snapshots, each from the end of a chunk cut there",
+        None,
+        "on `kimi_linear.check_config`: kl_prefill's (the chunk program's greedy token vs the fp32 model)",
+    ),
 )
 
 

@@ -42,6 +42,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a hashed entry a later lookup can hit (in use or free)."""
+        return len(self._cached)
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding `block_hash`, in use or free, or None."""
         return self._cached.get(block_hash)

@@ -236,6 +236,7 @@ class Engine:
                 sharded_prefill=None if pre is None else pre.size,
                 prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
                 prefix_caching=config.prefix_caching,
+                snapshots=config.kda_snapshots,
                 lookahead_tokens=config.draft_tokens,
                 drop_tail=self.spec is not None and config.eagle_tail == "drop",
                 offload_preempted=self.spec is None,

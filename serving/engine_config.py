@@ -41,6 +41,7 @@ ROLE_CHOICES = ("both", "prefill", "decode")
 DISPATCH_CHOICES = ("auto", "dense", "ragged")  # sharding.layers.DISPATCH_CHOICES
 SCAN_CHOICES = ("prefill", "all", "none")  # serving.model_runner.SCAN_CHOICES
 TAIL_CHOICES = ("drop", "no_drop", "exact")  # serving.spec_decode.TAIL_MODES
+SNAPSHOT_CHOICES = ("in_pass", "align")  # serving.scheduler.SchedulerConfig.snapshots
 
 
 def _field(default=dataclasses.MISSING, help_text: str = "", **flag):
@@ -66,6 +67,13 @@ class EngineConfig:
     num_snapshots: int = _field(16, "KDA state snapshots kept for prefix hits")
     page_tokens: int = _field(128, "tokens per KV page (vLLM's --block-size)", aliases=("--block-size",))
     kda_block_tokens: int = _field(1536, "tokens between KDA state snapshots (a multiple of page_tokens)")
+    kda_snapshots: str = _field(
+        "in_pass",
+        "how a prefill takes its KDA snapshots: in_pass exports every boundary inside a chunk from the "
+        "chunk's own pass; align ends a chunk at each boundary and keeps the state after it, as "
+        "vLLM's mamba_cache_mode=align does (more, shorter chunks; the same snapshots and tokens)",
+        choices=SNAPSHOT_CHOICES,
+    )
     max_pages_per_request: int | None = _field(None, "a request's page-table length (None: the pool)")
     prefill_chunk_tokens: int = _field(512, "prompt tokens per prefill chunk")
     max_step_tokens: int | None = _field(
@@ -152,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"scan_layers must be one of {SCAN_CHOICES}; got {self.scan_layers!r}")
         if self.prefill_tokens_while_decoding is not None and self.prefill_tokens_while_decoding < 1:
             raise ValueError("prefill_tokens_while_decoding must be >= 1 (or None)")
+        if self.kda_snapshots not in SNAPSHOT_CHOICES:
+            raise ValueError(f"kda_snapshots must be one of {SNAPSHOT_CHOICES}; got {self.kda_snapshots!r}")
         if self.prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1; got {self.prefill_batch}")
         from kimik3.speculative import MAX_DRAFT_TOKENS

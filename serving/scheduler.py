@@ -181,6 +181,9 @@ class SchedulerConfig:
     # False: no request meets another's blocks (each hashes under a salt of its own id): the
     # ablation's "prefix cache off"; its own blocks still serve its preemption and resume.
     prefix_caching: bool = True
+    # "in_pass": a chunk's pass exports the snapshot boundaries inside it; "align": each boundary
+    # ends a chunk instead (vLLM's mamba_cache_mode=align), the baseline of the in-pass export.
+    snapshots: str = "in_pass"
     # Speculative decoding: each decode row writes 1 + lookahead_tokens positions (a verify pass
     # over t0 and k drafts), so its pages are extended that far; drop_tail: prefix hits never
     # take the last matched page (`PagedKVManager.begin`); offload_preempted False: a preempted
@@ -474,15 +477,16 @@ class Scheduler:
         so any length does.  A boundary inside the chunk is exported where the KDA pass produces
         its state, at a multiple of the KDA chunk from `start`, and only up to `export_slots` of
         them; any other boundary ends the chunk there instead (its state is then the slot row
-        after the pass)."""
+        after the pass), as every boundary does with `snapshots="align"`."""
         unit = self.config.kda_chunk_tokens
+        slots = self.config.export_slots if self.config.snapshots == "in_pass" else 0
         while True:
             inside = [b for b in boundaries if start < b < end]
             not_exportable = [b for b in inside if (b - start) % unit]
             if not_exportable:
                 end = not_exportable[0]
-            elif len(inside) > self.config.export_slots:
-                end = inside[self.config.export_slots]
+            elif len(inside) > slots:
+                end = inside[slots]
             else:
                 return end, inside
 

@@ -113,6 +113,20 @@ def test_snapshot_boundaries_are_exported_by_the_pass_or_end_the_chunk():
     assert s.manager.lookup(req._context + [1]).tokens == 144
 
 
+@pytest.mark.parametrize("mode", ["in_pass", "align"])
+def test_align_mode_cuts_a_chunk_at_each_boundary_and_keeps_the_same_snapshots(mode):
+    s = make(prefill_chunk_tokens=160, max_step_tokens=164, export_slots=4, snapshots=mode)
+    req = request("a", 150)  # boundaries 64, 128 and the last full page, 144
+    s.waiting.append(req)
+    chunks = prefill_all(s, req)
+    spans = [(c.start, c.end, c.export, c.snapshot_at_end) for c in chunks]
+    if mode == "in_pass":  # one pass exports all three
+        assert spans == [(0, 150, (64, 128, 144), False)]
+    else:  # vLLM's align: a chunk ends at each boundary, its state kept after the pass
+        assert spans == [(0, 64, (), True), (64, 128, (), True), (128, 144, (), True), (144, 150, (), False)]
+    assert s.manager.lookup(req._context + [1]).tokens == 144
+
+
 def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
     s = make(num_slots=4, max_step_tokens=40)
     first = [request(f"d{i}", 16, n_new=50, seed=i) for i in range(3)]
