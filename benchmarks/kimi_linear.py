@@ -24,7 +24,8 @@ kernels over the same pools (`serving_bench.margin_check`).
 
 Registered in `benchmarks.registry` (suite "model").  Options (``--option kl_decode.KEY=VALUE``):
 ``manifest`` (the experts' storage, overriding the cases'), ``budget_s`` (this benchmark's own
-time limit, within the run's ``--budget-s``), ``seed``; kl_prefill also ``chunk`` (prefill
+time limit, within the run's ``--budget-s``), ``seed``; kl_decode also ``profile=1`` (each case's
+device time by layer kind and half, `benchmarks.profile`, in extra.profile); kl_prefill also ``chunk`` (prefill
 chunk tokens) and ``long=1`` (adds T = 256K and 512K: the twin's attention alone is ~10^17
 FLOPs at 512K, minutes).
 """
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profile
 from benchmarks.serving_bench import margin_check, oracle, weights_read_bytes
 from kimik3 import config, model, ops, quantization, sizing, tokenizer
 from kimik3.quant import store
@@ -531,6 +533,8 @@ def _decode_case(ctx, s: Setting, cfg, run, params, holder, width: int, num_page
         table_pages=width,
         fraction_of_ceiling=work["bytes"] / (ms * 1e-3) / 1e9 / bw if bw else None,
     )
+    if ctx.options.get("profile") == "1":  # where the step's device time goes, by layer kind and half
+        extra["profile"] = profile.device_profile(step, 3, profile.model_part(cfg.mixer_kinds))
     log.info("%s %s: %.3f ms a step (first call %.1f s)", cfg.name, ctx.label(run), ms, first_s)
     return {"ms": ms, "work": {"bytes": work["bytes"]}, "extra": extra}
 
