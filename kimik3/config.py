@@ -471,6 +471,8 @@ PRESETS = {
 
 
 def get_config(name: str) -> ModelConfig:
+    """The preset `name` (a key of `PRESETS`: tiny, mini, small, kimi_linear, kimi_k3, ...) as a
+    fresh `ModelConfig`; ValueError naming the presets for any other name."""
     if name not in PRESETS:
         raise ValueError(f"unknown config {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
