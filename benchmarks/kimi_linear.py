@@ -13,7 +13,7 @@ MXFP4 experts), drawn once a process: a benchmark runs every case of ours, frees
 case of the twin, or the twin first where the previous benchmark left it (`_HELD`).  A case's row
 comes out when the first model is timed and is yielded again, completed, with the second (the
 runner rewrites its JSON at every row), so a run cut short keeps what it measured.  Params are
-drawn on the device straight into the served layout (`kimik3.quant.store.init_served_params`,
+drawn on the device straight into the served layout (`kimik3.quant_store.init_served_params`,
 the MXFP4 experts moved into the Hopper kernel's layout block by block).
 
 Check: the fp32 reference cannot hold the full model, so each architecture's check runs the same
@@ -47,7 +47,7 @@ import numpy as np
 from benchmarks import profile
 from benchmarks.serving_bench import margin_check, oracle, weights_read_bytes
 from kimik3 import config, model, ops, quantization, sizing, tokenizer
-from kimik3.quant import store
+from kimik3 import quant_store as store
 from serving import kv_pools
 from serving.model_runner import DecodeRows, ModelRunner, decode_program
 from serving.sampling import GREEDY
@@ -407,7 +407,7 @@ def _decode_check(cfg, manifest: str, s: Setting, plain, served, width: int) -> 
     view = model.paged_view(ref_pools, rows.tables[:b, :per_seq], rows.slots[:b], rows.lengths[:b])
     p32, cfg32 = oracle(plain, cfg)
     with jax.default_matmul_precision("highest"):
-        ref, _ = model._forward(
+        ref, _ = model.forward_step_jit(
             p32,
             jnp.asarray(rows.tokens[:b, None]),
             jnp.asarray(rows.lengths[:b, None]),

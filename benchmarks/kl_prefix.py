@@ -82,7 +82,7 @@ def run_mode(params, cfg, ec: EngineConfig, mode: str, prompts, tag: str) -> dic
 
     ec = ec.replace(kda_snapshots="align" if mode == "align" else "in_pass", prefix_caching=mode != "none")
     eng = Engine(params, cfg, ec)
-    programs = lambda: kl.model._forward._cache_size() + decode_program._cache_size()
+    programs = lambda: kl.model.forward_step_jit._cache_size() + decode_program._cache_size()
     before, t0, records, firsts = programs(), time.monotonic(), [], []
     for turn in range(len(prompts[0])):
         reqs = [eng.submit(p[turn].tolist(), 1, request_id=f"{tag}-{i}-{turn}") for i, p in enumerate(prompts)]

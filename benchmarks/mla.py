@@ -68,7 +68,7 @@ def _flashmla_ms(ctx, ql, qp, pages, table, lens, scale):
 
 def mla_decode(ctx):
     """mla_decode: B sequences of ctx cached tokens on a shuffled page table, Sq queries each."""
-    cc = ops._compute_capability()
+    cc = ops.device_compute_capability()
     scale = 0.1
     for case in ctx.cases():
         h, b, n_ctx, sq, r, p, page = case
@@ -171,7 +171,7 @@ PREFILL_VARIANTS = {
 
 def mla_prefill(ctx):
     """mla_prefill: B packed sequences of T fresh tokens, causal."""
-    impl = ops.mla_prefill_impl(jnp.bfloat16, DQK, DV, ops._compute_capability())
+    impl = ops.mla_prefill_impl(jnp.bfloat16, DQK, DV, ops.device_compute_capability())
     for case in ctx.cases():
         b, t, h = case
         q = jax.random.normal(jax.random.PRNGKey(t), (b * t, h, DQK), jnp.bfloat16)
@@ -218,7 +218,7 @@ def mla_prefill(ctx):
 
 def mla_chunk(ctx):
     """mla_chunk: B sequences of T new tokens after P cached on a shuffled page table, H heads."""
-    cc = ops._compute_capability()
+    cc = ops.device_compute_capability()
     for case in ctx.cases():
         b, t, prefix_len, h, r, p, nope, dv, page = case
         ks = jax.random.split(jax.random.PRNGKey(t + prefix_len + h), 6)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3 import checkpoint, config, model, ops
-from kimik3.quant import formats, store
+from kimik3 import quant_store as store
+from kimik3.quant import formats
 
 log = logging.getLogger("benchmarks.quant_accuracy")
 # fused projection groups of the serving layout and their members, in column order

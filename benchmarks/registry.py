@@ -405,7 +405,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         "no external engine serves this model",
         "memory",
-        "each greedy token the program picks vs the fp32 model's step program (`model._forward`) on the "
+        "each greedy token the program picks vs the fp32 model's step program (`model.forward_step_jit`) on the "
         "reference kernels, same pools and rows: the share of rows whose token lies more than 0.1 of the "
         "row's logit range below the oracle's best <= 0.25 for a bf16 engine (in fp32: none past 1e-3)",
     ),

@@ -155,7 +155,7 @@ def _decode_step_row(ctx, case):
     )
     p32, cfg32 = oracle(params, cfg)
     with jax.default_matmul_precision("highest"):
-        ref, _ = model._forward(
+        ref, _ = model.forward_step_jit(
             p32,
             jnp.asarray(first[:, None]),
             jnp.full((b, 1), n_ctx, jnp.int32),
@@ -287,7 +287,7 @@ def _load_row(ctx, case, mode: str):
     ec = engine_config(cfg, n, prompt, output, ctx.ci)
     rng = np.random.default_rng(n)
     prompts = [rng.integers(0, 256, prompt).tolist() for _ in range(n)]
-    programs = lambda: model._forward._cache_size() + decode_program._cache_size()
+    programs = lambda: model.forward_step_jit._cache_size() + decode_program._cache_size()
     t0 = time.monotonic()
     if not ctx.ci:  # every prefill chunk and decode bucket compiled before anything is timed
         warm = _server(params, cfg, ec, mode)

@@ -73,7 +73,7 @@ def init_child(config: str, variant: str) -> dict:
         params = jax.block_until_ready(model.init_params(cfg, key))
     else:
         init = jax.jit(
-            lambda k: model.cast_params(model.KimiK3(cfg).init(k, *model._example_inputs(cfg))["params"], cfg.dtype)
+            lambda k: model.cast_params(model.KimiK3(cfg).init(k, *model.example_inputs(cfg))["params"], cfg.dtype)
         )
         params = jax.block_until_ready(init(key))
     seconds = time.perf_counter() - t0

@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from kimik3.config import ModelConfig
-from kimik3.layers.mla import MLA, expand_latent, mla_output, mla_project
+from kimik3.block import ffn_half, head_logits
+from kimik3.layers.mla import MLA, mla_output, mla_project
+from pallas_kernels.mla_forms import expand_heads
 from kimik3.layers.mlp import MLP, glu_mlp
 from kimik3.layers.primitives import rms_norm
 
@@ -114,9 +116,12 @@ def _layer_input(params, cfg, feat_btd, emb_btd):
 
 def _ffn(params, cfg, x_btd):
     m = params["mlp"]
-    h = rms_norm(x_btd, params["ffn_norm"], cfg.norm_eps)
-    return x_btd + glu_mlp(
-        h, m["w_gate_df"], m["w_up_df"], m["w_out_fd"], gate_cap=cfg.situ_gate_cap, up_cap=cfg.situ_up_cap
+    return ffn_half(
+        x_btd,
+        lambda x: rms_norm(x, params["ffn_norm"], cfg.norm_eps),
+        lambda h: glu_mlp(
+            h, m["w_gate_df"], m["w_up_df"], m["w_out_fd"], gate_cap=cfg.situ_gate_cap, up_cap=cfg.situ_up_cap
+        ),
     )
 
 
@@ -133,8 +138,7 @@ def draft_layer(
 
 def draft_logits(params: Params, cfg: ModelConfig, hidden_btd):
     """The draft's hidden states [B, T, D] -> logits [B, T, V] in fp32."""
-    x = rms_norm(hidden_btd, params["final_norm"], cfg.norm_eps).astype(jnp.float32)
-    return x @ params["lm_head_dv"].astype(jnp.float32)
+    return head_logits(rms_norm(hidden_btd, params["final_norm"], cfg.norm_eps), params["lm_head_dv"])
 
 
 def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, taps_btld, tokens_bt):
@@ -154,7 +158,7 @@ def ttt_logits(params: Params, cfg: ModelConfig, ecfg: EagleConfig, embed_vd, ta
         nxt = jnp.pad(tokens_bt[:, j + 1 :], ((0, 0), (0, j + 1)))  # x_{i+j+1}, zero past the end
         u = _layer_input(params, cfg, feat, embed_vd[nxt])
         q, latent, xg = mla_project(cfg, w, u)
-        k, v = expand_latent(latent, w["w_kb_rhn"], w["w_vb_rhv"], kv_lora=cfg.kv_lora_rank)
+        k, v = expand_heads(latent, w["w_kb_rhn"], w["w_vb_rhv"])
         if j == 0:
             keys0, vals0 = k, v
         else:

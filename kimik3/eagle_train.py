@@ -137,7 +137,7 @@ def _greedy_continue(params, prompts_bp, *, cfg, n):
     """Batched greedy continuation (a contiguous cache, the device's serving kernels): [B, P] -> [B, P + n]."""
     b, p = prompts_bp.shape
     cache = model.init_cache(cfg, b, p + n, jnp.float32)
-    logits, cache = model._forward(
+    logits, cache = model.forward_step_jit(
         params,
         prompts_bp,
         jnp.broadcast_to(jnp.arange(p)[None], (b, p)),
@@ -151,7 +151,7 @@ def _greedy_continue(params, prompts_bp, *, cfg, n):
 
     def step(carry, _):
         tok, cache = carry
-        lg, cache = model._forward(
+        lg, cache = model.forward_step_jit(
             params,
             tok[:, None],
             cache["lengths"][:, None],
@@ -217,7 +217,7 @@ def train_draft(
     opt_state = opt.init(draft)
     positions = jnp.broadcast_to(jnp.arange(dc.seq_len)[None], (dc.batch, dc.seq_len))
     target = jax.jit(
-        lambda seqs: model._forward_taps(
+        lambda seqs: model.forward_taps_step(
             params32, seqs, positions, cfg=cfg, layers=ecfg.taps, kernels=ops.resolve("auto")
         )
     )

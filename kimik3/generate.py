@@ -22,7 +22,7 @@ import numpy as np
 
 from kimik3 import ops, tokenizer
 from kimik3.config import ModelConfig
-from kimik3.model import _forward, cast_params, forward, init_cache, prepare_inputs
+from kimik3.model import forward_step_jit, cast_params, forward, init_cache, prepare_inputs
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,18 @@ class GenerateResult:
 def _oracle_step(params, buf, images, cur, *, cfg):
     """Full recompute of `buf` [1, L]; returns logits at position cur - 1."""
     positions = jnp.arange(buf.shape[1], dtype=jnp.int32)[None]
-    logits, _ = _forward(params, buf, positions, None, images, cfg=cfg, expert_path="grouped", kernels="reference")
+    logits, _ = forward_step_jit(
+        params, buf, positions, None, images, cfg=cfg, expert_path="grouped", kernels="reference"
+    )
     return jax.lax.dynamic_index_in_dim(logits[0], cur - 1, keepdims=False)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnums=(2,))
 def _decode_step(params, token, cache, *, cfg, kernels):
     positions = cache["lengths"][:, None]
-    logits, cache = _forward(params, token, positions, cache, None, cfg=cfg, expert_path="grouped", kernels=kernels)
+    logits, cache = forward_step_jit(
+        params, token, positions, cache, None, cfg=cfg, expert_path="grouped", kernels=kernels
+    )
     return logits[:, -1], cache
 
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3 import stacked
+from kimik3.block import Block, block_kind, embed_inputs, first_of_kind, head_logits
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import RMSNorm
 from kimik3.layers.vit import ViT
@@ -47,8 +48,6 @@ PROGRAMS = ("auto", "whole", "layerwise")
 
 def n_kinds(cfg: ModelConfig) -> int:
     """The model's distinct (mixer, FFN) block kinds (3 for every preset)."""
-    from kimik3.model import block_kind
-
     return len({block_kind(cfg, i) for i in range(cfg.n_layers)})
 
 
@@ -80,8 +79,6 @@ def use_layerwise(programs: str, params, cfg: ModelConfig, cache, *args) -> bool
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _embed_program(top, tokens_bt, images, *, cfg: ModelConfig):
-    from kimik3.model import embed_inputs
-
     vit = None
     if cfg.vit is not None and images is not None and not isinstance(images, dict):
         vit = lambda im: ViT(cfg.vit, cfg.d_model).apply({"params": top["vit"]}, im)
@@ -92,8 +89,6 @@ def _embed_program(top, tokens_bt, images, *, cfg: ModelConfig):
 def _mixer_program(
     block_params, x_btd, positions_bt, cache, *, cfg: ModelConfig, layer: int, expert_path: str, kernels: str
 ):
-    from kimik3.model import Block
-
     return Block(cfg, layer, expert_path, kernels).apply(
         {"params": block_params}, x_btd, positions_bt, cache, method="mix"
     )
@@ -101,23 +96,17 @@ def _mixer_program(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "expert_path", "kernels"))
 def _ffn_program(block_params, x_btd, *, cfg: ModelConfig, layer: int, expert_path: str, kernels: str):
-    from kimik3.model import Block
-
     return Block(cfg, layer, expert_path, kernels).apply({"params": block_params}, x_btd, method="ffn")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _head_program(final_norm, lm_head_dv, x_btd, *, cfg: ModelConfig):
-    from kimik3.model import head_logits
-
     return head_logits(RMSNorm(cfg.d_model, cfg.norm_eps).apply({"params": final_norm}, x_btd), lm_head_dv)
 
 
 def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig, expert_path: str, kernels: str):
-    """`kimik3.model._forward`'s (logits, cache) for checked inputs (`kimik3.model.prepare_inputs`),
+    """`kimik3.model.forward_step_jit`'s (logits, cache) for checked inputs (`kimik3.model.prepare_inputs`),
     cache None or contiguous (`kimik3.model.init_cache`), params unstacked."""
-    from kimik3.model import first_of_kind
-
     top = {k: params[k] for k in ("embed_vd", "vit") if k in params}
     x = _embed_program(top, tokens_bt, images, cfg=cfg)
     layers = None if cache is None else list(cache["layers"])

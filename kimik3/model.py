@@ -42,13 +42,19 @@ except ImportError:  # pragma: no cover
     jax_config = None
 
 from kimik3 import layerwise, ops, stacked, tokenizer
+from kimik3.block import (  # noqa: F401 (re-exported: the model's public names)
+    Block,
+    block_kind,
+    embed_inputs,
+    first_of_kind,
+    head_logits,
+    splice_image_embeddings,
+)
 from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
 from kimik3.quant.formats import QTensor
-from kimik3.layers.kda import KDA, init_kda_cache
-from kimik3.layers.mla import MLA, init_mla_cache
-from kimik3.layers.mlp import MLP
-from kimik3.layers.moe import LatentMoE
+from kimik3.layers.kda import init_kda_cache
+from kimik3.layers.mla import init_mla_cache
 from kimik3.layers.primitives import RMSNorm, fan_in_init
 from kimik3.layers.vit import ViT
 
@@ -58,55 +64,6 @@ Cache = dict
 # Leaves that stay fp32 whatever the serving dtype: the router (its math is
 # fp32 by design) and the KDA gate's parameters (they sit inside an exp).
 FP32_PARAM_PATTERN = re.compile(r"(w_router_de|router_bias_e|a_log_h|dt_bias_hk)$")
-
-
-class Block(nn.Module):
-    """Pre-RMSNorm residual block: token mixer (KDA or MLA), then FFN (dense or MoE).
-
-    Its two halves are methods of their own (`mix`, `ffn`) so that a program can hold one
-    half (`kimik3.layerwise` compiles each mixer kind and each FFN kind once)."""
-
-    cfg: ModelConfig
-    layer: int
-    expert_path: str = "grouped"
-    kernels: str = "auto"
-
-    def setup(self):
-        cfg = self.cfg
-        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if cfg.mixer_kind(self.layer) == "kda":
-            self.kda = KDA(cfg, self.kernels)
-        else:
-            self.mla = MLA(cfg, self.kernels)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        if cfg.ffn_kind(self.layer) == "dense":
-            self.mlp = MLP(cfg.d_model, cfg.dense_ffn_dim, cfg.situ_gate_cap, cfg.situ_up_cap, cfg.ffn_activation)
-        else:
-            self.moe = LatentMoE(cfg, self.expert_path, self.kernels)
-
-    def __call__(self, x_btd, positions_bt, cache):
-        valid = None if cache is None else cache.get("valid")
-        x_btd, cache = self.mix(x_btd, positions_bt, cache)
-        return self.ffn(x_btd, valid), cache
-
-    def mix(self, x_btd, positions_bt, cache):
-        """x + mixer(norm(x)), and the layer's cache entry written (None without a cache)."""
-        h = self.mixer_norm(x_btd)
-        if self.cfg.mixer_kind(self.layer) == "kda":
-            y, cache = self.kda(h, cache)
-        else:
-            y, cache = self.mla(h, positions_bt, cache)
-        return x_btd + y, cache
-
-    def ffn(self, x_btd, valid_b=None):
-        """x + ffn(norm(x)).  valid_b: int32 [B] or None; a row's pad tokens (past valid[b]: a
-        padded chunk, a decode bucket's idle rows) are routed to no expert, so they read no
-        expert weights."""
-        h = self.ffn_norm(x_btd)
-        if self.cfg.ffn_kind(self.layer) == "dense":
-            return x_btd + self.mlp(h)
-        real = None if valid_b is None else jnp.arange(h.shape[1])[None] < valid_b[:, None]
-        return x_btd + self.moe(h, real)
 
 
 def _run_block(block, x, positions_bt, caches, cfg, layer, period):
@@ -137,39 +94,6 @@ class Period(nn.Module):
             x, caches, e = _run_block(block, x, positions_bt, caches, self.cfg, self.first + j, period)
             exports.append(e)
         return (x, caches), tuple(exports)
-
-
-def splice_image_embeddings(x_btd, tokens_bt, emb_npd, first_row=0):
-    """Replace <|image|> placeholders, in row-major (batch, time) order, by the
-    rows of emb [N, P, D] flattened to [N*P, D], starting at row `first_row`
-    (a prefill chunk that begins after some of its request's placeholders).
-
-    Placeholders past the last row are text tokens: an <|image|> the model generates is
-    embedded like any token it generates (what a decode step does), so the oracle's full
-    recompute and the cached path agree on it."""
-    flat = emb_npd.reshape(-1, emb_npd.shape[-1]).astype(x_btd.dtype)
-    is_img = (tokens_bt == tokenizer.IMAGE_ID).reshape(-1)
-    row = jnp.cumsum(is_img) - 1 + first_row
-    is_img = is_img & (row < flat.shape[0])
-    x = x_btd.reshape(-1, x_btd.shape[-1])
-    return jnp.where(is_img[:, None], flat[jnp.clip(row, 0, flat.shape[0] - 1)], x).reshape(x_btd.shape)
-
-
-def embed_inputs(embed_vd, tokens_bt, images, vit=None):
-    """x [B, T, D]: the token embeddings with image rows spliced in.  images: pixels
-    [N, S, S, C] (encoded by `vit`, a callable -> [N, P, D]), or {"rows": [M, D], "first":
-    int32 []} embeddings computed earlier (see `KimiK3`), or None."""
-    x = embed_vd[tokens_bt]
-    if isinstance(images, dict):
-        return splice_image_embeddings(x, tokens_bt, images["rows"], images["first"])
-    if vit is not None and images is not None:
-        return splice_image_embeddings(x, tokens_bt, vit(images.astype(x.dtype)))
-    return x
-
-
-def head_logits(x_btd, lm_head_dv):
-    """fp32 logits [B, T, V] of the final-normed rows (the head's dot is fp32 by design)."""
-    return jnp.dot(x_btd.astype(jnp.float32), lm_head_dv.astype(jnp.float32))
 
 
 class KimiK3(nn.Module):
@@ -247,7 +171,7 @@ class KimiK3(nn.Module):
 # ---- params -----------------------------------------------------------------------------------
 
 
-def _example_inputs(cfg: ModelConfig):
+def example_inputs(cfg: ModelConfig):
     tokens = jnp.zeros((1, 1), jnp.int32)
     images = None
     if cfg.vit is not None:
@@ -272,34 +196,21 @@ def cast_params(params: Params, dtype) -> Params:
     return jax.tree_util.tree_map_with_path(cast, params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
-def block_kind(cfg: ModelConfig, layer: int) -> tuple[str, str]:
-    """What a block's params depend on: (mixer kind, FFN kind)."""
-    return cfg.mixer_kind(layer), cfg.ffn_kind(layer)
-
-
-def first_of_kind(cfg: ModelConfig, layer: int, half: str = "block") -> int:
-    """The first layer of `layer`'s kind: its `block_kind` (half "block"), its mixer kind
-    ("mixer") or its FFN kind ("ffn").  What a program compiled once per kind (the init's draws,
-    `kimik3.layerwise`) is traced for, since a block (half) depends on nothing else."""
-    kind = {"block": lambda i: block_kind(cfg, i), "mixer": cfg.mixer_kind, "ffn": cfg.ffn_kind}[half]
-    return next(i for i in range(cfg.n_layers) if kind(i) == kind(layer))
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
-def _init_top(key, *, cfg: ModelConfig, dtype: str) -> Params:
-    params = KimiK3(cfg, blocks=False).init(key, *_example_inputs(cfg))["params"]
+def init_top(key, *, cfg: ModelConfig, dtype: str) -> Params:
+    params = KimiK3(cfg, blocks=False).init(key, *example_inputs(cfg))["params"]
     return cast_params(params, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "dtype"))
-def _init_block(key, *, cfg: ModelConfig, layer: int, dtype: str) -> Params:
+def init_block(key, *, cfg: ModelConfig, layer: int, dtype: str) -> Params:
     x = jnp.zeros((1, 1, cfg.d_model), jnp.float32)
     params = Block(cfg, layer).init(key, x, jnp.zeros((1, 1), jnp.int32), None)["params"]
     return cast_params(params, dtype)
 
 
 @contextlib.contextmanager
-def _cheap_threefry():
+def cheap_threefry():
     """The init's draws compile small: threefry as one kernel per draw on GPU
     (`jax_threefry_gpu_kernel_lowering`: its rounds are not inlined per parameter, a tenth of
     `small`'s compile time and host memory) and the non-partitionable counter layout (less
@@ -321,10 +232,10 @@ def init_params(cfg: ModelConfig, key, dtype=None) -> Params:
     on an H200 host); the embedding, ViT, final norm and head draw from the other key."""
     dtype = jnp.dtype(dtype or cfg.dtype).name
     top_key, blocks_key = jax.random.split(key)
-    with _cheap_threefry():
-        params = dict(_init_top(top_key, cfg=cfg, dtype=dtype))
+    with cheap_threefry():
+        params = dict(init_top(top_key, cfg=cfg, dtype=dtype))
         for i in range(cfg.n_layers):
-            params[f"layer_{i}"] = _init_block(
+            params[f"layer_{i}"] = init_block(
                 jax.random.fold_in(blocks_key, i), cfg=cfg, layer=first_of_kind(cfg, i), dtype=dtype
             )
     return params
@@ -422,7 +333,7 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def _forward_impl(
+def forward_step(
     params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
 ):
     """The forward over a cache (or none): (logits, the cache after) and, with taps (layers,
@@ -464,7 +375,7 @@ def _forward_impl(
 
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
-_forward = jax.jit(_forward_impl, static_argnames=_STATIC)
+forward_step_jit = jax.jit(forward_step, static_argnames=_STATIC)
 
 
 def step_compiler_options(environ=os.environ) -> dict:
@@ -496,7 +407,7 @@ def step_compiler_options(environ=os.environ) -> dict:
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its
 # references to the donated cache and keep the returned one.
 forward_step = jax.jit(
-    _forward_impl, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
+    forward_step, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
 )
 
 
@@ -510,7 +421,7 @@ def image_embeddings(params: Params, cfg: ModelConfig, images):
     """The ViT's embeddings of images [N, S, S, C] -> [N * tokens_per_image, D], the rows that
     replace their <|image|> placeholders in order (what a serving engine computes once per
     request and splices chunk by chunk)."""
-    images = _as_images(images, None, cfg)
+    images = check_images(images, None, cfg)
     return _image_embeddings(params, images, cfg=cfg)
 
 
@@ -545,7 +456,7 @@ def prepare_inputs(cfg: ModelConfig, tokens, *, images=None, cache: Cache | None
                 + ("" if cache is None else f", cache capacity={cache_capacity(cfg, cache)}")
                 + ")"
             )
-    return tokens, positions, _as_images(images, tokens, cfg, continuing=cache is not None)
+    return tokens, positions, check_images(images, tokens, cfg, continuing=cache is not None)
 
 
 def forward(
@@ -585,13 +496,13 @@ def forward(
         return layerwise.forward(
             params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path, kernels=ops.resolve(kernels)
         )
-    return _forward(
+    return forward_step_jit(
         params, tokens, positions, cache, images, cfg=cfg, expert_path=expert_path, kernels=ops.resolve(kernels)
     )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layers", "kernels"))
-def _forward_taps(params, tokens, positions, *, cfg, layers, kernels):
+def forward_taps_step(params, tokens, positions, *, cfg, layers, kernels):
     model = KimiK3(cfg, "grouped", kernels, taps=layers)
     (logits, _, _), state = model.apply({"params": params}, tokens, positions, mutable=["intermediates"])
     return logits, stacked_taps(state, layers)
@@ -611,7 +522,7 @@ def forward_taps(params: Params, cfg: ModelConfig, tokens, layers: tuple[int, ..
     if not layers or any(not 0 <= i < cfg.n_layers for i in layers):
         raise ValueError(f"layers must be a non-empty tuple in [0, {cfg.n_layers}); got {layers}")
     tokens, positions, _ = prepare_inputs(cfg, tokens)
-    return _forward_taps(params, tokens, positions, cfg=cfg, layers=layers, kernels=ops.resolve(kernels))
+    return forward_taps_step(params, tokens, positions, cfg=cfg, layers=layers, kernels=ops.resolve(kernels))
 
 
 def _concrete(x) -> bool:
@@ -641,7 +552,7 @@ def _as_tokens(tokens, cfg: ModelConfig):
     return jnp.asarray(tokens, jnp.int32)
 
 
-def _as_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
+def check_images(images, tokens, cfg: ModelConfig, continuing: bool = False):
     """continuing: the tokens extend a cache; an <|image|> there without images is one the model
     generated, a text token (`splice_image_embeddings`), not a prompt missing its images."""
     if cfg.vit is None and images is None:  # no vision encoder: <|image|>'s id is a text token like any

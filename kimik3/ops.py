@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import kda as kda_kernels
 from pallas_kernels import kda_decode as kda_decode_kernels
 from pallas_kernels import mla as mla_kernels
+from pallas_kernels import mla_forms
 from pallas_kernels import mla_decode_hopper, mla_hopper
 from pallas_kernels import moe as moe_kernels
 from pallas_kernels import moe_combine, moe_hopper, moe_mxfp4_hopper, moe_route, qgemm
@@ -255,7 +256,7 @@ def hopper_mxfp4_experts(params, dtype="bfloat16", compute_capability: str | Non
     (the model runner): the grouped GEMMs then read the experts as they lie, at 4.25 bits a
     weight.  Pure data movement: every weight keeps its value.  A tree with the periods stacked
     (values [P, E, K, N / 2]) is not moved: a warning says so."""
-    cc = compute_capability if compute_capability is not None else _compute_capability()
+    cc = compute_capability if compute_capability is not None else device_compute_capability()
     if moe_mxfp4_impl(cc) != "hopper" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return params
     stacked = []  # experts of a tree stacked by period, left as they are
@@ -299,7 +300,7 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, kernels="auto"):
     rhs_gkn = expert_weights(rhs_gkn, lhs_mk.dtype)
     if (
         resolve(kernels) == "pallas"
-        and moe_gmm_impl(lhs_mk.dtype, ((rhs_gkn, False),), lhs_mk.shape[0], _compute_capability()) == "hopper"
+        and moe_gmm_impl(lhs_mk.dtype, ((rhs_gkn, False),), lhs_mk.shape[0], device_compute_capability()) == "hopper"
     ):
         return moe_hopper.grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, interpret=jax.default_backend() != "gpu")
     if (
@@ -354,7 +355,7 @@ def _ffn_impl(x_nl, weights, assignments: int) -> str:
     layout, else `moe_gmm_impl`'s choice."""
     if isinstance(weights[0], moe_mxfp4_hopper.HopperMXFP4):
         return "hopper"
-    return moe_gmm_impl(x_nl.dtype, ((weights[0], True), (weights[1], False)), assignments, _compute_capability())
+    return moe_gmm_impl(x_nl.dtype, ((weights[0], True), (weights[1], False)), assignments, device_compute_capability())
 
 
 MOE_GMM_CHOICES = ("triton", "hopper", "auto")
@@ -465,11 +466,8 @@ def mla_attention(
     the model's dims.  Fresh tokens (no cache) run `mla_prefill` (Hopper or Triton,
     `mla_prefill_impl`).
     """
-    from kimik3.layers.mla import mla_absorbed, mla_naive  # the layer owns the reference forms
-
     rope = latent_bsr.shape[-1] - kv_lora
     b, t, h, _ = q_bthd.shape
-    nope = w_kb_rhn.shape[-1]
     if resolve(kernels) == "pallas":
         page = _pages_for(latent_bsr.shape[1])
         if contiguous_cache and (page or paged is not None) and _kernel_dims_ok(kv_lora, rope):
@@ -483,9 +481,9 @@ def mla_attention(
                 # the chunk's own rows; "clip": the pad tokens of a padded chunk may sit past the
                 # table, and a NaN fill there would reach real rows through 0 * NaN in P @ V
                 chunk = jnp.take_along_axis(latent_bsr, q_pos_bt[..., None], axis=1, mode="clip")
-                k, v = mla_kernels.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
+                k, v = mla_forms.expand_heads(chunk, w_kb_rhn, w_vb_rhv)
                 prefix = mla_kernels.LatentPrefix(pages, table, q_pos_bt[:, 0], w_kb_rhn, w_vb_rhv)
-                if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability(), t) == "hopper":
+                if mla_chunk_impl(k.dtype, k.shape[-1], v.shape[-1], device_compute_capability(), t) == "hopper":
                     o, _ = mla_hopper.mla_prefill_chunk_hopper(
                         q_bthd.astype(k.dtype),
                         k,
@@ -501,7 +499,7 @@ def mla_attention(
                 return o
             # the queries take the pages' dtype, never the pages the queries': an fp32 draft
             # head on a bf16 pool would otherwise convert the whole pool at every call
-            q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
+            q_latent, q_pe = mla_forms.absorb_query(q_bthd, w_kb_rhn)
             out_dtype, q_latent = q_latent.dtype, q_latent.astype(pages.dtype)
             impl = mla_decode_impl(
                 q_latent.dtype,
@@ -510,32 +508,28 @@ def mla_attention(
                 pages.shape[1],
                 t * h,
                 table.shape[1] * pages.shape[1],
-                _compute_capability(),
+                device_compute_capability(),
             )
             decode = mla_decode_hopper.mla_decode_hopper if impl == "hopper" else mla_kernels.mla_decode
-            o_latent, _ = decode(
-                q_latent, q_bthd[..., nope:].astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1, scale=scale
-            )
-            return jnp.einsum("bthr,rhv->bthv", o_latent.astype(out_dtype), w_vb_rhv)
+            o_latent, _ = decode(q_latent, q_pe.astype(q_latent.dtype), pages, table, q_pos_bt[:, -1] + 1, scale=scale)
+            return mla_forms.unabsorb(o_latent.astype(out_dtype), w_vb_rhv)
         if not absorbed and not contiguous_cache:
-            k, v = mla_kernels.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)
+            k, v = mla_forms.expand_heads(latent_bsr, w_kb_rhn, w_vb_rhv)
             pack = lambda x: x.reshape((b * t,) + x.shape[2:])
             args = (pack(q_bthd.astype(k.dtype)), pack(k), pack(v))
             cu = [i * t for i in range(b + 1)]
-            if mla_prefill_impl(k.dtype, k.shape[-1], v.shape[-1], _compute_capability()) == "hopper":
+            if mla_prefill_impl(k.dtype, k.shape[-1], v.shape[-1], device_compute_capability()) == "hopper":
                 o, _ = mla_hopper.mla_prefill_hopper(
                     *args, cu_seqlens=cu, scale=scale, block_kv=mla_hopper.prefill_block_kv(k.shape[-1], v.shape[-1])
                 )
             else:
                 o, _ = mla_kernels.mla_prefill(*args, cu_seqlens=cu, scale=scale, rope_dim=rope)
             return o.reshape(b, t, h, -1)
-    form = mla_absorbed if absorbed else mla_naive
-    return form(
-        q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs
-    )
+    form = mla_forms.mla_absorbed if absorbed else mla_forms.mla_naive
+    return form(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
 
 
-def _compute_capability() -> str | None:
+def device_compute_capability() -> str | None:
     """The first device's CUDA compute capability ("9.0"), or None off NVIDIA GPUs."""
     device = jax.devices()[0]
     return getattr(device, "compute_capability", None) if device.platform == "gpu" else None

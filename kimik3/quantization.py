@@ -9,7 +9,7 @@ the first match wins, else the default.  Paths are the checkpoint layout's
 * ``mxfp4``: OCP microscaling, e2m1 values with one e8m0 scale per 32 values.
 
 The serving manifests (`kimik3 quantize` writes one checkpoint holding what all of them need,
-`kimik3.quant.store`): ``fp8_attn`` / ``mxfp8_attn`` put the attention projections (KDA's q, k,
+`kimik3.quant_store`): ``fp8_attn`` / ``mxfp8_attn`` put the attention projections (KDA's q, k,
 v, gate, beta and output-gate down-projections and its output; MLA's q (LoRA down and up), kv
 latent, output gate and output) in FP8 or MXFP8 and the routed experts in MXFP4; the
 ``*_bf16_moe`` variants leave the MoE path as it is (bf16 experts, read from a checkpoint
@@ -80,5 +80,5 @@ MANIFESTS = {
     "fp8_attn_bf16_moe": _attention("fp8", "bf16"),
     "mxfp8_attn_bf16_moe": _attention("mxfp8", "bf16"),
 }
-# The manifests a quantized checkpoint serves (`kimik3.quant.store`).
+# The manifests a quantized checkpoint serves (`kimik3.quant_store`).
 SERVING_MANIFESTS = ("fp8_attn", "mxfp8_attn", "fp8_attn_bf16_moe", "mxfp8_attn_bf16_moe")

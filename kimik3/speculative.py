@@ -38,7 +38,7 @@ import numpy as np
 from kimik3 import eagle, tokenizer
 from kimik3.config import ModelConfig
 from kimik3.caches import LayerCaches
-from kimik3.model import KimiK3, _forward_taps, cast_params, init_cache, stacked_taps
+from kimik3.model import KimiK3, forward_taps_step, cast_params, init_cache, stacked_taps
 
 MAX_DRAFT_TOKENS = 8
 
@@ -94,7 +94,7 @@ def accept(target_logits, draft_tokens, draft_probs=None, *, temperature: float 
 @functools.partial(jax.jit, static_argnames=("cfg", "layers"))
 def _target_pass(params, buf_1l, *, cfg, layers):
     positions = jnp.arange(buf_1l.shape[1], dtype=jnp.int32)[None]
-    logits, taps = _forward_taps(params, buf_1l, positions, cfg=cfg, layers=layers, kernels="reference")
+    logits, taps = forward_taps_step(params, buf_1l, positions, cfg=cfg, layers=layers, kernels="reference")
     return logits[0], taps[0]
 
 

@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import dots
 from pallas_kernels.attention import attend
+from pallas_kernels.mla_forms import expand_heads, latent_attention  # noqa: F401 (expand_heads re-exported)
 
 
 def _default_interpret() -> bool:
@@ -49,14 +50,11 @@ def gather_pages(latent_pages, block_tables):
 
 def mla_decode_ref(q_latent, q_pe, latent_pages, block_tables, seq_lens, *, scale):
     """Reference: gather the pages, attend with the shared attention math.  Same contract as `mla_decode`."""
-    b, sq, h, r = q_latent.shape
+    sq = q_latent.shape[1]
     kv = gather_pages(latent_pages, block_tables)
-    q = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)
     q_pos = seq_lens[:, None] - sq + jnp.arange(sq)[None]
     k_pos = jnp.broadcast_to(jnp.arange(kv.shape[1])[None], kv.shape[:2])
-    kv = kv[:, :, None, :].astype(q.dtype)
-    o, lse = attend(q, kv, kv[..., :r], scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True)
-    return o, lse
+    return latent_attention(q_latent, q_pe, kv, scale=scale, q_pos_bt=q_pos, k_pos_bs=k_pos, return_lse=True)
 
 
 def visible_keys(seq_len, n_queries: int, n_heads: int, last_row):
@@ -433,18 +431,6 @@ class LatentPrefix:
         """Per-head prefix keys [N, max_len, H, nope + rope] and values [N, max_len, H, v]."""
         kv = gather_pages(self.latent_pages, self.block_tables)[:, :max_len]
         return expand_heads(kv, self.w_kb, self.w_vb)
-
-
-def expand_heads(latent_nsr, w_kb, w_vb):
-    """Latent rows [N, S, kv_lora + rope] -> per-head keys [N, S, H, nope + rope] (the rope part
-    shared by all heads) and values [N, S, H, v], through W_UK [kv_lora, H, nope] and W_UV
-    [kv_lora, H, v]: the expanded (naive) form's operands, in the latent's dtype."""
-    r = w_kb.shape[0]
-    c, k_pe = latent_nsr[..., :r], latent_nsr[..., r:]
-    k_nope = jnp.einsum("nsr,rhd->nshd", c, w_kb.astype(c.dtype))
-    v = jnp.einsum("nsr,rhd->nshd", c, w_vb.astype(c.dtype))
-    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (k_nope.shape[2], k_pe.shape[-1]))
-    return jnp.concatenate([k_nope, k_pe], axis=-1), v
 
 
 def mla_prefill_ref(q, k, v, *, cu_seqlens, scale, prefix: LatentPrefix | None = None):

@@ -15,7 +15,7 @@ grouped expert GEMM").  This kernel is built the way JAX's Hopper matmul is
 * the epilogue rounds to bf16 and stores through shared memory in 64-row tiles, double-buffered,
   so a tile's stores overlap the next tile's main loop.
 
-Two row layouts.  `gmm_padded`: the group-aligned layout `moe._padded_layout` builds (every
+Two row layouts.  `gmm_padded`: the group-aligned layout `moe_layout.padded_layout` builds (every
 group starts on a ``block_m`` boundary; ``tile_m`` divides ``block_m``), so a row tile belongs to
 one group and reads that group's weights; tiles past the groups (``tile_group`` -1) are skipped
 and their rows left unwritten (no caller reads them).  `gmm_ragged`: rows sorted by group as
@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels import moe_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +308,7 @@ def gmm_padded(
     sms: int | None = None,
     interpret: bool = False,
 ):
-    """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles * block_m,
+    """Rows already in the group-aligned layout (`moe_layout.padded_layout`): x_pad [n_tiles * block_m,
     K], tile_group [n_tiles] int32 (-1: past the groups), w [G, K, N] of x's 16-bit dtype ->
     [n_tiles * block_m, N]; with act (w gate ++ up, [G, K, 2F]) act(gate, up) [.., F], act taking
     and returning fp32 values elementwise.  Rows of tiles past the groups are not written.
@@ -479,8 +481,6 @@ def grouped_matmul(
     16-bit dtype, group_sizes [G] -> [M, N] (rows past the groups' sum give 0).  layout "ragged":
     the rows as they are (`gmm_ragged`); "padded": through the group-aligned layout (a scatter
     of the rows in, a gather of the outputs back: `gmm_padded`)."""
-    from pallas_kernels import moe
-
     g = rhs_gkn.shape[0]
     if group_sizes_g.shape != (g,):
         raise ValueError(
@@ -491,7 +491,7 @@ def grouped_matmul(
         return gmm_ragged(lhs_mk, rhs_gkn, group_sizes_g, tiling=tiling, sms=sms, interpret=interpret)
     if layout != "padded":
         raise ValueError(f"grouped GEMM (Hopper): layout must be 'ragged' or 'padded'; got {layout!r}")
-    return moe.through_padded_layout(
+    return moe_layout.through_padded_layout(
         lhs_mk,
         group_sizes_g,
         block_m,

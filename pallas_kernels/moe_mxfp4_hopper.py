@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import mxfp4
+from pallas_kernels import moe_layout, mxfp4
 
 MX_BLOCK = mxfp4.MX_BLOCK
 
@@ -548,7 +548,7 @@ def gmm_padded(
     overlap: bool = False,
     interpret: bool = False,
 ):
-    """Rows already in the group-aligned layout (`moe._padded_layout`): x_pad [n_tiles *
+    """Rows already in the group-aligned layout (`moe_layout.padded_layout`): x_pad [n_tiles *
     block_m, K] bf16, tile_group [n_tiles] int32 (-1: past the groups) -> out [n_tiles * block_m,
     N] bf16 (rows of tiles past the groups are not written: callers gather only their rows).
     decode: the codes' encoding (DECODES; `to_hopper` with the same).  warp_specialized: a
@@ -634,10 +634,8 @@ def grouped_matmul(lhs_mk, w: HopperMXFP4, group_sizes_g, *, block_m=None, **til
     sorted by group, group_sizes [G] -> [M, N] bf16 (rows past the groups' sum give 0).
     tiling: `gmm_padded`'s block_n / block_k / steps / code_tile / decode / warp_specialized / load4x /
     overlap / interpret."""
-    from pallas_kernels import moe
-
     check(w, lhs_mk.shape[1])
-    block_m = block_m or moe.layout_block_m(lhs_mk.shape[0])
-    return moe.through_padded_layout(
+    block_m = block_m or moe_layout.layout_block_m(lhs_mk.shape[0])
+    return moe_layout.through_padded_layout(
         lhs_mk, group_sizes_g, block_m, lambda tile_group, x_pad: gmm_padded(tile_group, x_pad, w, block_m, **tiling)
     )

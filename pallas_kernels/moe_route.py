@@ -5,10 +5,10 @@ For N tokens (a decode bucket) with fp32 router logits [N, E]::
     scores  = sigmoid(logits)
     chosen  = top_k(scores + bias)              (the lower expert id first among ties)
     weights = scores[chosen] / sum(scores[chosen])
-    dest    = each (token, slot)'s row in the group-aligned layout of `pallas_kernels.moe`
+    dest    = each (token, slot)'s row in the group-aligned layout of `pallas_kernels.moe_layout`
     tiles   = the expert of each row tile of that layout (-1 past the last)
 
-which is `kimik3.layers.moe.route` followed by `pallas_kernels.moe.assignment_layout` (the
+which is `kimik3.layers.moe.route` followed by `pallas_kernels.moe_layout.assignment_layout` (the
 contract this kernel is tested against).  Unfused, that is ~10 small XLA ops per MoE layer (the
 bias add, a sort for top_k, the gather of the chosen scores, the experts' counts, each
 assignment's rank, two running sums, the tiles' search, selects); here one program holds the
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import moe
+from pallas_kernels import moe, moe_layout
 
 
 def _pow2(n: int) -> bool:
@@ -53,7 +53,7 @@ def route_layout_fits(n_tokens: int, n_experts: int, top_k: int) -> bool:
         and _pow2(top_k)
         and top_k <= n_experts
         and n_tokens * n_experts <= _MAX_SCORES
-        and n_tokens * top_k <= moe._PAIRWISE_LIMIT
+        and n_tokens * top_k <= moe_layout.PAIRWISE_LIMIT
     )
 
 
@@ -93,7 +93,7 @@ def _route_kernel(logits_ref, bias_ref, real_ref, w_ref, dest_ref, tiles_ref, *,
 @functools.partial(jax.jit, static_argnames=("top_k", "block_m", "interpret"))
 def _route_core(logits, bias, real, *, top_k, block_m, interpret):
     n, e = logits.shape
-    n_tiles = moe._n_tiles(n * top_k, e, block_m)
+    n_tiles = moe_layout.layout_tiles(n * top_k, e, block_m)
     return pl.pallas_call(
         functools.partial(_route_kernel, top_k=top_k, block_m=block_m, past=n_tiles * block_m),
         grid=(1,),
@@ -123,12 +123,12 @@ def route_layout(logits_ne, bias_e, real_n=None, *, top_k: int, block_m: int | N
     if not route_layout_fits(n, e, top_k):
         raise ValueError(
             f"route_layout: N={n}, E={e}, k={top_k} must be powers of two with N * E <= {_MAX_SCORES} "
-            f"and N * k <= {moe._PAIRWISE_LIMIT} (route_layout_fits)"
+            f"and N * k <= {moe_layout.PAIRWISE_LIMIT} (route_layout_fits)"
         )
     if bias_e.shape != (e,):
         raise ValueError(f"route_layout: bias {bias_e.shape} must be [E={e}]")
     real = jnp.ones((n,), jnp.int32) if real_n is None else jnp.asarray(real_n, jnp.int32).reshape(n)
-    block_m = block_m or moe.layout_block_m(n * top_k)
+    block_m = block_m or moe_layout.layout_block_m(n * top_k)
     return _route_core(
         logits_ne.astype(jnp.float32), bias_e, real, top_k=top_k, block_m=block_m, interpret=moe._interpret(interpret)
     )

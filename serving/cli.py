@@ -25,6 +25,8 @@ kimik3 launch --config tiny --port N --prefill 1 --decode 1
                                                      store + workers + router in one command
 kimik3 serve tiny --port N --max-model-len 1024 --max-num-seqs 8
                                                      one model behind the OpenAI API, vLLM's flags
+kimik3 bench serve --base-url URL --dataset-name random|multiturn|mt-bench
+                                                     load an OpenAI server: vLLM's throughput and latencies
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _cmd_generate(args) -> int:
 
     from kimik3 import config, model, tokenizer
     from kimik3.generate import generate
-    from kimik3.quant import store
+    from kimik3 import quant_store as store
     from kimik3.text import load_serving_tokenizer
 
     if args.manifest and not args.checkpoint:
@@ -250,13 +252,15 @@ def _cmd_train(args) -> int:
         max_corpus_bytes=args.max_corpus_mb and int(args.max_corpus_mb * 1e6),
         out=args.out,
         max_seconds=args.max_minutes and args.max_minutes * 60,
+        grad_accum=args.grad_accum,
+        memory_budget=args.memory_gib and int(args.memory_gib * 2**30),
     )
     result, _ = train.train(tc)
     stopped = f" (time limit: stopped at step {result['steps_done']} of {tc.steps})" if result["stopped_early"] else ""
     print(
         f"{result['corpus']}\ntrained {result['config']} for {result['steps_done']} steps{stopped} "
-        f"({result['tokens']:,} tokens) in "
-        f"{result['seconds']:.1f} s on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
+        f"({result['tokens']:,} tokens) in {result['seconds']:.1f} s ({result['setup_seconds']:.1f} s of it "
+        f"set-up) on {result['device']}: held-out loss {result['initial_held_out_loss']:.3f} -> "
         f"{result['held_out_loss']:.3f} nats/byte (perplexity {result['held_out_ppl']:.2f})\n"
         f"checkpoint {result['checkpoint']}; {os.path.join(tc.out, 'train.json')}, {os.path.join(tc.out, 'loss.png')}"
     )
@@ -313,7 +317,7 @@ def _cmd_info(args) -> int:
 def _cmd_quantize(args) -> int:
     from tqdm import tqdm
 
-    from kimik3.quant import store
+    from kimik3 import quant_store as store
 
     with tqdm(desc="quantize", unit="tensor") as bar:
 
@@ -586,6 +590,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     t.add_argument("--batch", type=int, default=32, help="windows per step")
     t.add_argument("--seq-len", type=int, default=512, help="tokens (bytes) per window")
+    t.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="run each step's batch as this many sequential micro-batches: the same update, about 1/N the activations",
+    )
     t.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine to 10%%)")
     t.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up; None: steps / 10")
     t.add_argument("--eval-every", type=int, default=250, help="held-out loss every this many steps")
@@ -602,7 +612,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--max-minutes",
         type=float,
         default=None,
-        help="stop the loop after this long (the schedule stays the one for --steps)",
+        help="end the run within this long, compiles and evaluations included: the loop stops before a step "
+        "that would end it later (the schedule stays the one for --steps)",
+    )
+    t.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="memory the run may hold (default 90%% of the device's free memory); it refuses up front above it",
     )
     t.add_argument("--out", default="runs/train", help="checkpoint/, train.json and loss.png go here")
     t.set_defaults(func=_cmd_train)
@@ -697,6 +714,10 @@ MODULE_COMMANDS = {
     "worker": ("serving.worker", "one engine in its own process, behind HTTP (health, load, drain)"),
     "router": ("serving.router", "OpenAI-compatible router over prefill/decode workers"),
     "launch": ("serving.launch", "a Mooncake store, prefill/decode workers and a router in one command"),
+    "bench": (
+        "serving.bench_serve",
+        "benchmarks against a running server: `bench serve` loads an OpenAI server and reports vLLM's metrics",
+    ),
 }
 
 

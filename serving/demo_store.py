@@ -21,6 +21,15 @@ import sys
 import tempfile
 import time
 
+from cache.loopback import loopback_env
+from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, _binary
+from kimik3 import stacked
+from serving.demo_setups import DemoSpec, engine_config, load_params, request_pages, run_mode
+from serving.deployment_env import child_env
+from serving.disagg import DisaggregatedServer
+from serving.engine import Engine
+from serving.metrics import RequestRecord
+
 log = logging.getLogger(__name__)
 MODE = "pd-mooncake"
 
@@ -29,8 +38,6 @@ def available() -> bool:
     """Mooncake's store client and its binaries are installed."""
     try:
         import mooncake.store  # noqa: F401
-
-        from cache.mooncake_tier import _binary
 
         _binary("mooncake_master")
         _binary("mooncake_client")
@@ -42,11 +49,6 @@ def available() -> bool:
 def run(spec, timeout_s: float = 900.0):
     """(records, wall seconds, XLA programs built while measuring, the engines' step profiles:
     "prefill" / "decode" -> `metrics.StepProfile.as_dict`) of the P/D-through-Mooncake setup."""
-    from cache.loopback import loopback_env
-    from cache.mooncake_tier import MooncakeServices
-    from serving.launch import child_env
-    from serving.metrics import RequestRecord
-
     with MooncakeServices(segment_bytes=256 << 20) as services, tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [
@@ -71,22 +73,16 @@ def run(spec, timeout_s: float = 900.0):
 
 
 def _child(args) -> int:
-    from cache.mooncake_tier import MooncakeHostKVTier
-    from kimik3 import stacked
-    from serving import demo
-    from serving.disagg import DisaggregatedServer
-    from serving.engine import Engine
-
     fields = json.loads(args.spec)
     fields["turns"] = tuple(fields["turns"])
-    spec = demo.DemoSpec(**fields)
-    params, cfg = demo._params(spec)
+    spec = DemoSpec(**fields)
+    params, cfg = load_params(spec)
     params = stacked.serving_layout(params, cfg, scan=False)
     tier = MooncakeHostKVTier(args.master, args.metadata)  # one store client, both engines' host tier
 
     def engines(namespace):
         def make(s, max_pages):
-            common = demo.engine_config(s, max_pages).replace(namespace=namespace)
+            common = engine_config(s, max_pages).replace(namespace=namespace)
             return DisaggregatedServer(
                 Engine(params, cfg, common.replace(role="prefill", publish_to_host=True), host=tier),
                 Engine(params, cfg, common.replace(role="decode"), host=tier),
@@ -95,7 +91,7 @@ def _child(args) -> int:
 
         return make
 
-    max_pages = demo._max_pages(spec)
+    max_pages = request_pages(spec)
     # warm-up under its own namespace (the measured run starts from an empty store, as the other
     # setups start from empty tiers): both engines' programs and moves (`Engine.warmup`, as the
     # parent's engines do; the short run alone left page moves and the export snapshot to build
@@ -103,7 +99,7 @@ def _child(args) -> int:
     warm = engines("demo-warm-up")(spec, max_pages)
     for engine in (warm.prefill, warm.decode):
         engine.warmup()
-    demo.run_mode(
+    run_mode(
         params,
         cfg,
         dataclasses.replace(spec, sessions=1, turns=(2, 2)),
@@ -112,7 +108,7 @@ def _child(args) -> int:
         engines=lambda *_: warm,
     )
     t0 = time.monotonic()
-    _, records, compiles, profile = demo.run_mode(params, cfg, spec, MODE, engines=engines("demo"))
+    _, records, compiles, profile = run_mode(params, cfg, spec, MODE, engines=engines("demo"))
     wall = time.monotonic() - t0
     tier.close()
     with open(args.out, "w") as f:

@@ -462,7 +462,7 @@ class Engine:
             return None, ()
         if self.runner.prefill_step is not None:
             raise ValueError("images on an engine with a prefill mesh are not supported yet")
-        arr = np.asarray(model._as_images(images, np.asarray([prompt]), self.cfg))  # checks shape, count, values
+        arr = np.asarray(model.check_images(images, np.asarray([prompt]), self.cfg))  # checks shape, count, values
         # hashed as given (the router hashes the uint8 pixels it sends the same way)
         return arr, image_items(prompt, np.asarray(images), self.cfg.vit.tokens_per_image, tokenizer.IMAGE_ID)
 

@@ -3,7 +3,7 @@
     kimik3 launch --config tiny --port 8000 --prefill 1 --decode 1
 
 starts a Mooncake store (`mooncake_master` + a memory server, cache/mooncake_tier.py) unless
-`--no-store`, the prefill and decode workers (serving/worker.py) and the router
+`--no-store`, the prefill and decode workers (`serving.worker`) and the router
 (serving/router.py), each its own process on a free 127.0.0.1 port (the router on `--host`
 and `--port`), waits until they answer their health checks, and serves until SIGINT or SIGTERM, when it stops
 the router, then the workers, then the store.  A worker (or the router) that exits on its
@@ -27,12 +27,12 @@ decode workers are colocated (role both).  A worker spans `--tensor-parallel-siz
 error naming the flag before anything starts (`Deployment.check`).  `kimik3 serve`
 (`serving.serve`) is this command with one colocated worker and no store.
 
-Secrets reach the children through their environments, never their command lines (which `ps`
-shows): the deployment's internal token (`serving.internal_auth`), a store secret every child
-shares (`KIMIK3_STORE_SECRET`: 32 random bytes, hex, made at start unless launch's own
-environment has one; `cache.store_auth`), and for the router alone the clients' API key
-(`KIMIK3_API_KEY`, from `--api-key @FILE` or launch's environment) and key file (`KIMIK3_API_KEY_FILE`,
-from `--api-key-file` or launch's environment; `serving.router_auth`).
+Secrets reach the children through their environments (`serving.deployment_env`), never their
+command lines (which `ps` shows): the deployment's internal token (`serving.internal_auth`), a
+store secret every child shares (`KIMIK3_STORE_SECRET`: 32 random bytes, hex, made at start
+unless launch's own environment has one; `cache.store_auth`), and for the router alone the
+clients' API key (`KIMIK3_API_KEY`, from `--api-key @FILE` or launch's environment) and key file
+(`KIMIK3_API_KEY_FILE`, from `--api-key-file` or launch's environment; `serving.router_auth`).
 
 With `--decode-group` the decode workers form one process group on JAX's multi-controller
 runtime: one DP engine over all their devices (`--group-devices` each), each worker
@@ -49,7 +49,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import shlex
 import signal
 import socket
@@ -59,12 +58,11 @@ import tempfile
 import threading
 import time
 
-from serving import flags, internal_auth
+from serving import flags
 from serving.cli import SERVING_MANIFESTS
+from serving.deployment_env import API_KEY_ENV, API_KEY_FILE_ENV, ROOT, TOKEN, child_env
 
 log = logging.getLogger(__name__)
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
@@ -120,38 +118,6 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
 
 
-# One internal token per deployment (this process): the router and every worker share it.
-_TOKEN = internal_auth.token() or internal_auth.new_token()
-# One store secret per deployment: every child authenticates what it writes to the shared stores
-# (Mooncake, Redis) with it and accepts only entries tagged with it (`cache.store_auth`).
-STORE_SECRET_ENV = "KIMIK3_STORE_SECRET"
-_STORE_SECRET = os.environ.get(STORE_SECRET_ENV) or secrets.token_hex(32)
-# the clients' API key and key file: the router's alone (`Deployment._router_env`)
-API_KEY_ENV, API_KEY_FILE_ENV = "KIMIK3_API_KEY", "KIMIK3_API_KEY_FILE"
-
-
-def child_env(public_port: int | None = None) -> dict:
-    """A child's environment: the repo on its path, the deployment's internal token and store
-    secret (never the clients' API keys: the router's own environment adds those) and, given
-    the child's own HTTP port, loopback-only listeners for everything else it binds (the
-    Mooncake transfer engine inside a worker or the router's store probe: `cache.loopback`;
-    the HTTP port binds where its --host says)."""
-    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, API_KEY_FILE_ENV)}
-    env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[internal_auth.ENV] = _TOKEN
-    env[STORE_SECRET_ENV] = _STORE_SECRET
-    if public_port is not None:
-        from cache.loopback import LoopbackUnavailable, loopback_env, required
-
-        try:
-            env = loopback_env(env, allow_any_ports=(public_port,))
-        except LoopbackUnavailable as e:
-            if required():
-                raise
-            log.warning("%s: the store clients' transfer engines will listen on every interface", e)
-    return env
-
-
 @dataclasses.dataclass
 class Child:
     name: str
@@ -174,7 +140,7 @@ class Child:
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             env=dict(child_env(self.port), **self.env),
-            cwd=_ROOT,
+            cwd=ROOT,
             start_new_session=True,
         )
         if out is not None:
@@ -588,7 +554,7 @@ class Deployment:
         (0600), replaced atomically."""
         tmp = path + ".tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(dict(self.state(), internal_token=_TOKEN), f)
+            json.dump(dict(self.state(), internal_token=TOKEN), f)
         os.replace(tmp, path)
 
     def stop(self) -> None:

@@ -165,9 +165,9 @@ class _Prepared:
 
 
 class _Text:
-    """A request's tokens to its text as the router renders them (`serving.router._Stream._events`):
-    an incremental detokenizer, stop strings held back until settled, a stop token's own text
-    left out."""
+    """A request's tokens to its text as the router renders them
+    (`serving.router.streaming.RequestStream._events`): an incremental detokenizer, stop strings
+    held back until settled, a stop token's own text left out."""
 
     def __init__(self, tok, stops: list[str], stop_ids: frozenset[int]):
         from serving.stop import StopMatcher
@@ -276,21 +276,12 @@ def _model_config(model: str):
 
 
 def _load_params(cfg, checkpoint_dir: str | None, seed: int, dtype: str | None, manifest: str | None):
-    """(params, cfg, dtype) as `serving.worker.build_engine` loads them: a checkpoint's weights (a
-    quantized one as `manifest`) cast to `dtype` (default: as stored), or a preset's random
-    weights from `seed` in `dtype` (default: the config's)."""
-    import jax
+    """(params, cfg, dtype) as a worker loads them (`serving.worker.load_weights`): a checkpoint's
+    weights (a quantized one as `manifest`) cast to `dtype` (default: as stored), or a preset's
+    random weights from `seed` in `dtype` (default: the config's)."""
+    from serving import worker
 
-    from kimik3 import model
-
-    if checkpoint_dir is not None:
-        from kimik3.quant import store
-
-        params, cfg = store.load_params(checkpoint_dir, manifest)
-        dtype = dtype or str(params["embed_vd"].dtype)
-        return model.cast_params(params, jax.numpy.dtype(dtype)), cfg, dtype
-    dtype = dtype or cfg.dtype
-    return model.init_params(cfg, jax.random.PRNGKey(seed), dtype), cfg, dtype
+    return worker.load_weights(cfg, checkpoint_dir, seed, dtype, manifest)
 
 
 class LLM:

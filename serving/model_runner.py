@@ -158,7 +158,7 @@ def _decode_body(
 ):
     # valid = active: an idle row of the bucket writes no state and is routed to no expert
     view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
-    logits, view = model._forward_impl(
+    logits, view = model.forward_step(
         params,
         io["tokens"][:, None],
         io["lengths"][:, None],
@@ -662,7 +662,7 @@ class ModelRunner:
 
         steps = [s for s in (self.prefill_step, self.decode_step) if s]
         return (
-            model._forward._cache_size()
+            model.forward_step_jit._cache_size()
             + model.forward_step._cache_size()
             + sum(s.programs() for s in steps)
             + (helper_programs() if steps else 0)

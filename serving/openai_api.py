@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from kimik3 import tokenizer
-from serving.sampling import MAX_LOGPROBS, MAX_TOP_K, SEED_LIMIT
+from serving.sampling import SAMPLING_BOUNDS
 from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
 
@@ -59,13 +59,24 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def error_path(error: dict, skip: tuple[str, ...] = ()) -> str:
+    """Where a pydantic error is, as a dotted path ("messages.0.content"; "body" for the whole body),
+    the location parts in `skip` left out (FastAPI's "body" and "query" prefixes)."""
+    return ".".join(str(p) for p in error["loc"] if p not in skip) or "body"
+
+
+def describe_errors(errors: list[dict], skip: tuple[str, ...] = ()) -> str:
+    """The first five of pydantic's `errors` as "path: message; ..." (`error_path`): the text of
+    the router's 400s and the worker's."""
+    return "; ".join(f"{error_path(e, skip)}: {e['msg']}" for e in errors[:5])
+
+
 def validation_error(err: ValidationError) -> APIError:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or None
     if first["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc, code="unknown_parameter")
-    msgs = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in err.errors()[:5])
-    return APIError(400, f"invalid request: {msgs}", param=loc, code="invalid_value")
+    return APIError(400, f"invalid request: {describe_errors(err.errors())}", param=loc, code="invalid_value")
 
 
 # Every numeric field is bounded where it enters: a value out of range (2^31, 2^63, -1, NaN, Infinity) is a
@@ -77,9 +88,10 @@ TokenId = Annotated[StrictInt, Field(lt=INT32_LIMIT)]
 TokenCount = Annotated[StrictInt, Field(ge=1, lt=INT32_LIMIT)]
 
 
-def _real(lo: float | None = None, hi: float | None = None, *, gt: float | None = None) -> Any:
-    """A finite float field in [lo, hi] (or (gt, hi]); strict: "0.5" is a 400, as "5" is."""
-    return Field(None, ge=lo, gt=gt, le=hi, strict=True, allow_inf_nan=False)
+def _real(name: str) -> Any:
+    """The sampling parameter `name` as a finite float field in its range (`SAMPLING_BOUNDS`);
+    strict: "0.5" is a 400, as "5" is."""
+    return Field(None, strict=True, allow_inf_nan=False, **SAMPLING_BOUNDS[name])
 
 
 class _Strict(BaseModel):
@@ -134,11 +146,11 @@ class _Common(_Strict):
     max_tokens: TokenCount | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = _real(0.0, 2.0)
-    top_p: float | None = _real(gt=0.0, hi=1.0)
-    top_k: StrictInt | None = Field(None, ge=-1, le=MAX_TOP_K)  # vLLM's: 0 or -1 off
-    min_p: float | None = _real(0.0, 1.0)  # vLLM's: 0 off
-    seed: StrictInt | None = Field(None, ge=0, lt=SEED_LIMIT)
+    temperature: float | None = _real("temperature")
+    top_p: float | None = _real("top_p")
+    top_k: StrictInt | None = Field(None, **SAMPLING_BOUNDS["top_k"])  # vLLM's: 0 or -1 off
+    min_p: float | None = _real("min_p")  # vLLM's: 0 off
+    seed: StrictInt | None = Field(None, **SAMPLING_BOUNDS["seed"])
     n: StrictInt = 1  # one choice per request (`check_common`)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)  # vLLM's
@@ -146,8 +158,8 @@ class _Common(_Strict):
     user: StrictStr | None = Field(None, max_length=256)
     # vLLM's field: requests share prefix-cache blocks only with requests of the same salt
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
-    presence_penalty: float | None = _real(-2.0, 2.0)
-    frequency_penalty: float | None = _real(-2.0, 2.0)
+    presence_penalty: float | None = _real("presence_penalty")
+    frequency_penalty: float | None = _real("frequency_penalty")
     # OpenAI's / vLLM's fields this server does not implement: accepted at their neutral values only
     # (`check_common`), so that no request is answered as if a field it set had been honoured
     repetition_penalty: Any = None
@@ -170,12 +182,12 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(None, **SAMPLING_BOUNDS["logprobs"])
 
 
 class CompletionRequest(_Common):
     prompt: StrictStr | list[TokenId] | list[StrictStr]
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the alternatives per token
+    logprobs: StrictInt | None = Field(None, **SAMPLING_BOUNDS["logprobs"])  # the alternatives per token
     echo: Any = None
     suffix: Any = None
     best_of: Any = None

@@ -42,6 +42,19 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; the device computes this many 
 # device reads it as; a larger value is refused, not clamped (it would mean "all" only by accident)
 MAX_TOP_K = 1 << 20
 SEED_LIMIT = 2**63  # seeds lie in [0, 2^63): two uint32 words of a threefry key (`seed_words`)
+# Each sampling parameter's range as pydantic's bound keywords (ge / gt / le / lt): the one table that
+# bounds it where it enters, in the OpenAI requests (`serving.openai_api`) and in the worker's body
+# and /adopt query (`serving.worker.schemas`).  `SamplingParams` checks the same ranges.
+SAMPLING_BOUNDS: dict[str, dict[str, int | float]] = {
+    "temperature": {"ge": 0.0, "le": 2.0},
+    "top_p": {"gt": 0.0, "le": 1.0},
+    "seed": {"ge": 0, "lt": SEED_LIMIT},
+    "top_k": {"ge": -1, "le": MAX_TOP_K},
+    "min_p": {"ge": 0.0, "le": 1.0},
+    "presence_penalty": {"ge": -2.0, "le": 2.0},
+    "frequency_penalty": {"ge": -2.0, "le": 2.0},
+    "logprobs": {"ge": 0, "le": MAX_LOGPROBS},
+}
 
 
 def _real(v) -> bool:

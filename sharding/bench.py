@@ -8,11 +8,8 @@
 2. Throughput of the `small` model (bf16): prefill tokens/s and decode
    tokens/s, one GPU (`kimik3.model.forward`) vs `n` GPUs (tp n / ep n
    prefill, dp n / ep n decode).
-3. Scaling of the serving engine's decode (`engine_scaling`, ``--engine``): an
-   engine on one GPU with B requests against an engine whose decode mesh is
-   dp n / ep n with n * B requests (the same requests per GPU, the same
-   context), each rank on its own pools: decode tokens/s, tokens/s per GPU and
-   the scaling efficiency (n GPUs' tokens/s over n times one GPU's).
+
+The serving engine's decode on the same meshes: `python -m serving.scaling_bench`.
 """
 
 from __future__ import annotations
@@ -95,86 +92,6 @@ def throughput(n: int, cfg_name: str, seq: int, decode_batch: int, context: int,
     return res
 
 
-def _engine_decode_tok_s(engine, requests: int, context: int, steps: int, rng) -> dict:
-    """Decode tokens/s of `engine` with `requests` requests of `context`-token prompts, timed over
-    `steps` engine steps once all of them decode (prefill and compiles before the clock)."""
-    reqs = [engine.submit(rng.integers(0, 256, context).tolist(), steps + 8) for _ in range(requests)]
-    while any(r._computed < len(r._context) or not r.output for r in reqs):
-        engine.step()
-    engine.step()  # every bucket compiled, one decode step in flight at most
-    engine._settle_decode()
-    done = sum(len(r.output) for r in reqs)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    engine._settle_decode()
-    dt = time.perf_counter() - t0
-    made = sum(len(r.output) for r in reqs) - done
-    for r in reqs:
-        engine.cancel(r.request_id)
-    return {"requests": requests, "tokens": made, "seconds": dt, "tok_s": made / dt, "step_ms": 1e3 * dt / steps}
-
-
-def engine_scaling(
-    n: int,
-    cfg_name: str,
-    per_gpu_batch: int,
-    context: int,
-    steps: int,
-    kernels: str,
-    page_tokens: int = 128,
-    dtype=None,
-    devices=None,
-) -> dict:
-    """The serving engine's decode on one device vs a dp n / ep n decode mesh with n times the
-    requests (`per_gpu_batch` per device, `context`-token prompts): tokens/s, per GPU, efficiency."""
-    from serving.engine import Engine
-
-    cfg = config.get_config(cfg_name)
-    params = model.init_params(cfg, jax.random.PRNGKey(0), dtype)
-    devices = list(devices or jax.devices())[:n]
-    pages = per_gpu_batch * (-(-(context + steps + 16) // page_tokens) + 1) + 1
-    kw = dict(
-        page_tokens=page_tokens,
-        kda_block_tokens=max(page_tokens, 4 * page_tokens),
-        prefill_chunk_tokens=min(2048, max(page_tokens, context)),
-        kernels=kernels,
-        max_pages_per_request=-(-(context + steps + 16) // page_tokens),
-    )
-    out = {"config": cfg.name, "gpus": n, "per_gpu_batch": per_gpu_batch, "context": context, "steps": steps}
-    rng = np.random.default_rng(0)
-    with jax.default_device(devices[0]):
-        one = Engine(
-            params,
-            cfg,
-            num_pages=pages,
-            num_slots=per_gpu_batch,
-            num_snapshots=2 * per_gpu_batch,
-            max_step_tokens=kw["prefill_chunk_tokens"] + per_gpu_batch,
-            **kw,
-        )
-        out["1gpu"] = _engine_decode_tok_s(one, per_gpu_batch, context, steps, rng)
-    del one
-    print(json.dumps(out), flush=True)  # a run cut short still reports one GPU
-    mesh = decode_mesh(n, n, devices=devices, cfg=cfg)
-    many = Engine(
-        params,
-        cfg,
-        mesh=(None, mesh),
-        num_pages=n * pages,
-        num_slots=n * per_gpu_batch,
-        num_snapshots=2 * n * per_gpu_batch,
-        max_step_tokens=kw["prefill_chunk_tokens"] + n * per_gpu_batch,
-        **kw,
-    )
-    out[f"{n}gpu"] = _engine_decode_tok_s(many, n * per_gpu_batch, context, steps, rng)
-    out["tok_s_per_gpu_1gpu"] = out["1gpu"]["tok_s"]
-    out[f"tok_s_per_gpu_{n}gpu"] = out[f"{n}gpu"]["tok_s"] / n
-    out["speedup"] = out[f"{n}gpu"]["tok_s"] / out["1gpu"]["tok_s"]
-    out["scaling_efficiency"] = out["speedup"] / n
-    return out
-
-
 def _report(result: dict, out: str | None) -> int:
     print(json.dumps(result, indent=1), flush=True)
     if out:
@@ -193,21 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kernels", default="auto")
     p.add_argument("--skip-exact", action="store_true")
-    p.add_argument(
-        "--engine",
-        action="store_true",
-        help="only the serving engine's decode scaling (one device vs dp n / ep n, pools per rank)",
-    )
-    p.add_argument("--per-gpu-batch", type=int, default=32, help="requests per device (--engine)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps (--engine)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     result = {"devices": [str(d) for d in jax.devices()], "jax": jax.__version__}
-    if args.engine:
-        result["engine_scaling"] = engine_scaling(
-            args.n, args.config, args.per_gpu_batch, args.context, args.steps, args.kernels
-        )
-        return _report(result, args.out)
     if not args.skip_exact:
         result["exact"] = check_exact(args.n, args.kernels)
         print(json.dumps(result["exact"], indent=1), flush=True)

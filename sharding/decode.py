@@ -25,12 +25,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from kimik3 import model, ops
+from kimik3.block import residual_block
 from kimik3.caches import LayerCaches, PagedPools
 from kimik3.config import ModelConfig
-from kimik3.layers.primitives import rms_norm
 from sharding import layers
 from sharding.mesh import check_config, mesh_shape
-from sharding.prefill import embed_inputs, ffn, lm_head
+from sharding.prefill import embed_params, ffn, lm_head
 from sharding.rules import ALL, DECODE_RULES, Rules, cache_specs, param_specs, shard_cache, shard_params
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,15 @@ def _body(params, x_btd, caches, lengths_b, *, cfg: ModelConfig, ep: int, dispat
     t = x_btd.shape[1]
     positions = lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     for i in range(cfg.n_layers):
-        p = params[f"layer_{i}"]
-        h = rms_norm(x_btd, p["mixer_norm"]["scale"], cfg.norm_eps)
-        y, c = layers.mixer(cfg, i, p, h, positions, caches.get(cfg, i, None), kernels)
+        p, entry = params[f"layer_{i}"], caches.get(cfg, i, None)
+        with jax.named_scope(f"layer_{i}"):  # a profile reads by layer, as the unsharded model's does
+            x_btd, c = residual_block(
+                x_btd,
+                mixer=lambda h: layers.mixer(cfg, i, p, h, positions, entry, kernels),
+                ffn=lambda h: ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels),
+                **layers.block_norms(cfg, p),
+            )
         caches, _ = caches.put(cfg, i, None, c)
-        x_btd = x_btd + y
-        h = rms_norm(x_btd, p["ffn_norm"]["scale"], cfg.norm_eps)
-        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels)
     return lm_head(params, cfg, x_btd), caches
 
 
@@ -98,7 +100,7 @@ class ShardedDecode:
         return shard_cache(cache, self.mesh, self.rules)
 
     def _run(self, params, tokens, cache):
-        x = embed_inputs(params, self.cfg, tokens)
+        x = embed_params(params, self.cfg, tokens)
         rows = P(ALL, None, None)
         cache_spec = cache_specs(cache, self.rules)
         body = functools.partial(
@@ -183,7 +185,7 @@ class PagedDecode:
         return shard_params(params, self.mesh, self.rules)
 
     def _run(self, params, pools, tokens, tables, slots, lengths):
-        x = embed_inputs(params, self.cfg, tokens)
+        x = embed_params(params, self.cfg, tokens)
         split = lambda tree: jax.tree_util.tree_map(lambda _: P(ALL), tree)
         body = functools.partial(
             _paged_body, cfg=self.cfg, ep=self.shape.ep, dispatch=self.dispatch, kernels=self.kernels

@@ -29,7 +29,7 @@ from kimik3.config import ModelConfig
 from kimik3.layers.kda import KDA
 from kimik3.layers.mla import MLA
 from kimik3.layers.mlp import glu_activation, glu_mlp
-from kimik3.layers.moe import experts_grouped, route
+from kimik3.layers.moe import combine, experts_grouped, route, routed_tail
 from kimik3.layers.primitives import rms_norm
 from sharding.rules import EXPERT
 
@@ -62,6 +62,14 @@ def mixer(cfg_local: ModelConfig, layer: int, p_layer, h_btd, positions_bt, cach
     if cfg_local.mixer_kind(layer) == "kda":
         return KDA(cfg_local, kernels).apply({"params": p_layer["kda"]}, h_btd, cache)
     return MLA(cfg_local, kernels).apply({"params": p_layer["mla"]}, h_btd, positions_bt, cache)
+
+
+def block_norms(cfg: ModelConfig, p_layer) -> dict:
+    """A layer's two RMSNorms as `kimik3.block.residual_block` takes them (mixer_norm, ffn_norm)."""
+    return {
+        f"{half}_norm": lambda x, scale=p_layer[f"{half}_norm"]["scale"]: rms_norm(x, scale, cfg.norm_eps)
+        for half in ("mixer", "ffn")
+    }
 
 
 def dense_ffn(cfg: ModelConfig, p_mlp, h_btd):
@@ -103,13 +111,10 @@ def moe_ep(cfg: ModelConfig, p_moe, h_btd, *, ep: int, dispatch: str, kernels: s
         y_nkl = _dispatch_ragged(x_nl, ids_nk, experts, caps, ep, kernels)
     else:
         raise ValueError(f"dispatch must be 'dense' or 'ragged'; got {dispatch!r}")
-    # The combine of experts_grouped, on the rows that came back: sum_k w_k * y_k.
-    z_nl = jnp.einsum("nk,nkl->nl", weights_nk.astype(y_nkl.dtype), y_nkl)
-    if cfg.moe_latent:
-        routed = (rms_norm(z_nl, p_moe["latent_norm_l"], cfg.norm_eps) @ p_moe["w_up_ld"]) * cfg.routed_scaling_factor
-    else:
-        routed = z_nl.astype(jnp.float32) * cfg.routed_scaling_factor
-    y_btd = routed.reshape(b, t, d).astype(h_btd.dtype)
+    # the combine of experts_grouped, on the rows that came back, then the model's own tail
+    y_btd = routed_tail(
+        combine(weights_nk, y_nkl), cfg, p_moe.get("latent_norm_l"), p_moe.get("w_up_ld"), (b, t, d), h_btd.dtype
+    )
     if cfg.n_shared_experts:
         y_btd = y_btd + dense_ffn(cfg, p_moe["shared"], h_btd)
     return y_btd

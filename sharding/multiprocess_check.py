@@ -9,8 +9,9 @@ Each process joins the group (`sharding.distributed`), prefills a batch of promp
 mesh whose two ranks are the first device of process 0 and of the last process, hands the cache
 to a DP/EP decode mesh over every device of every process (through the host: the P/D handoff
 across processes), decodes greedy tokens there, and compares logits, caches and tokens with
-the model on this process alone and with the no-cache oracle.  With --engine it then serves
-requests as one DP engine (`sharding.multiprocess_engine_check`).  It writes DIR/process-I.json.
+the model on this process alone and with the no-cache oracle.  It writes DIR/process-I.json.
+`python -m serving.multiprocess_engine_check` (these flags and the engine's) runs this and then
+serves requests with the serving engine as the same group (`run(args, then=...)`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import sys
 BATCH, PROMPT, MAX_LEN, STEPS = 8, 8, 32, 3
 
 
-def run(args) -> dict:
+def run(args, then=None) -> dict:
+    """Join the group, run the sharded steps and compare them (the result: this process's JSON).
+    then(args) -> dict: more of the group's work before it is left, its keys added to the result.
+    JAX is imported only once the group is joined (its CPU device count is set there)."""
     from sharding import distributed
 
     group = distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
@@ -93,12 +97,28 @@ def run(args) -> dict:
         "oracle_row0": oracle,
         "decode_rows_held": held,
     }
-    if args.engine:  # and the serving engine as the same group (`sharding.multiprocess_engine_check`)
-        from sharding import multiprocess_engine_check
-
-        out["engine"] = multiprocess_engine_check.serve(args)
+    if then is not None:
+        out.update(then(args))
     distributed.shutdown()
     return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The group's, the model's and the output's flags (`main`'s, and the engine check's)."""
+    parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
+    parser.add_argument("--num-processes", type=int, required=True, help="processes in the group")
+    parser.add_argument("--process-id", type=int, required=True, help="this process's id in [0, num-processes)")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
+    parser.add_argument("--config", default="tiny", help="model config")
+    parser.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
+    parser.add_argument("--out", required=True, help="process-I.json goes here")
+
+
+def write(args, result: dict) -> None:
+    """This process's result as OUT/process-I.json."""
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"process-{args.process_id}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def main(argv=None) -> int:
@@ -107,30 +127,9 @@ def main(argv=None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--coordinator", required=True, help="host:port of process 0's coordination service")
-    parser.add_argument("--num-processes", type=int, required=True, help="processes in the group")
-    parser.add_argument("--process-id", type=int, required=True, help="this process's id in [0, num-processes)")
-    parser.add_argument("--cpu-devices", type=int, default=None, help="devices per process on CPU")
-    parser.add_argument("--config", default="tiny", help="model config")
-    parser.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
-    parser.add_argument(
-        "--engine",
-        action="store_true",
-        help="then serve requests with the engine as the same group (multiprocess_engine_check)",
-    )
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the engine's decode mesh")
-    parser.add_argument(
-        "--engine-devices",
-        type=int,
-        default=None,
-        help="devices of each process in the engine's decode mesh (default: all)",
-    )
-    parser.add_argument("--out", required=True, help="process-I.json goes here")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    result = run(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"process-{args.process_id}.json"), "w") as f:
-        json.dump(result, f)
+    write(args, run(args))
     return 0
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from kimik3 import model, ops
+from kimik3.block import embed_inputs, head_logits, residual_block
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import rms_norm
 from sharding import layers
@@ -35,18 +36,16 @@ from sharding.rules import ALL, PREFILL_RULES, Rules, cache_specs, param_specs, 
 log = logging.getLogger(__name__)
 
 
-def embed_inputs(params, cfg: ModelConfig, tokens_bt, images_nhwc=None):
-    """Token embeddings [B, T, D] with image embeddings spliced in (the model's own ViT and splice)."""
-    x = params["embed_vd"][tokens_bt]
-    if cfg.vit is not None and images_nhwc is not None:
-        x = model.splice_image_embeddings(x, tokens_bt, model.image_embeddings(params, cfg, images_nhwc))
-    return x
+def embed_params(params, cfg: ModelConfig, tokens_bt, images_nhwc=None):
+    """`kimik3.block.embed_inputs` of a params tree: token embeddings [B, T, D] with the model's
+    own ViT rows spliced in."""
+    vit = None if cfg.vit is None else (lambda im: model.image_embeddings(params, cfg, im))
+    return embed_inputs(params["embed_vd"], tokens_bt, images_nhwc, vit)
 
 
 def lm_head(params, cfg: ModelConfig, x_btd):
-    """Final RMSNorm and the fp32 LM head: [B, T, D] -> logits [B, T, V] fp32."""
-    x = rms_norm(x_btd, params["final_norm"]["scale"], cfg.norm_eps)
-    return jnp.dot(x.astype(jnp.float32), params["lm_head_dv"].astype(jnp.float32))
+    """Final RMSNorm and `kimik3.block.head_logits`: [B, T, D] -> logits [B, T, V] fp32."""
+    return head_logits(rms_norm(x_btd, params["final_norm"]["scale"], cfg.norm_eps), params["lm_head_dv"])
 
 
 def ffn(cfg: ModelConfig, layer: int, p_layer, h_btd, *, ep: int, dispatch: str, kernels: str = "auto"):
@@ -66,14 +65,22 @@ def _body(params, x_btd, cache, *, cfg: ModelConfig, tp: int, ep: int, dispatch:
     new_layers = []
     for i in range(cfg.n_layers):
         p = params[f"layer_{i}"]
-        h = rms_norm(x_btd, p["mixer_norm"]["scale"], cfg.norm_eps)
-        h = jax.lax.all_gather(h, ALL, axis=1, tiled=True)  # [B, T, D]
-        layer_cache = None if cache is None else cache["layers"][i]
-        y, c = layers.mixer(cfg_local, i, p, h, positions, layer_cache, kernels)
+        entry = None if cache is None else cache["layers"][i]
+
+        def mixer(h_shard, p=p, entry=entry, i=i):
+            """The rank's heads over every token: gathered before, reduce-scattered after."""
+            h = jax.lax.all_gather(h_shard, ALL, axis=1, tiled=True)  # [B, T, D]
+            y, c = layers.mixer(cfg_local, i, p, h, positions, entry, kernels)
+            return jax.lax.psum_scatter(y, ALL, scatter_dimension=1, tiled=True), c  # [B, T/tp, D]
+
+        with jax.named_scope(f"layer_{i}"):  # a profile reads by layer, as the unsharded model's does
+            x_btd, c = residual_block(
+                x_btd,
+                mixer=mixer,
+                ffn=lambda h: ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels),
+                **layers.block_norms(cfg, p),
+            )
         new_layers.append(c)
-        x_btd = x_btd + jax.lax.psum_scatter(y, ALL, scatter_dimension=1, tiled=True)  # [B, T/tp, D]
-        h = rms_norm(x_btd, p["ffn_norm"]["scale"], cfg.norm_eps)
-        x_btd = x_btd + ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels)
     logits = lm_head(params, cfg, x_btd)
     if cache is None:
         return logits, None
@@ -113,7 +120,7 @@ class ShardedPrefill:
         return shard_cache(cache, self.mesh, self.rules)
 
     def _run(self, params, tokens, cache, images):
-        x = embed_inputs(params, self.cfg, tokens, images)
+        x = embed_params(params, self.cfg, tokens, images)
         seq = P(None, ALL, None)
         cache_spec = None if cache is None else cache_specs(cache, self.rules)
         body = functools.partial(

@@ -10,6 +10,8 @@ Per token and layer the cache holds one latent row ``c_kv ++ k_pe``
   attend with a single latent KV head (key dim kv_lora + rope, value dim
   kv_lora); W_UV is applied to the latent output.
 
+Both are written once, in `pallas_kernels.mla_forms` (the kernels' references use them too).
+
 NoPE: the rope dims are kept as a separate shared key part but never rotated,
 so positions enter only through causality.
 """
@@ -23,40 +25,14 @@ import flax.linen as nn
 
 from kimik3 import ops
 from kimik3.config import ModelConfig
-from pallas_kernels.attention import attend
 from kimik3.layers.primitives import fan_in_init, gemm_form, qparam, rms_norm
 from pallas_kernels.mla import gather_pages, write_latent
+from pallas_kernels.mla_forms import expand_heads, mla_absorbed, mla_naive  # noqa: F401 (the forms, re-exported)
 
 
 def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
     """Latent cache [B, max_len, kv_lora + rope]."""
     return {"latent": jnp.zeros((batch, max_len, cfg.mla_latent_dim), dtype)}
-
-
-def expand_latent(latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int):
-    """Latent rows [B, S, kv_lora+rope] -> per-head keys [B, S, H, nope+rope] (the shared rope
-    part broadcast to every head) and values [B, S, H, v]."""
-    c_kv, k_pe = latent_bsr[..., :kv_lora], latent_bsr[..., kv_lora:]
-    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_kb_rhn)
-    v = jnp.einsum("bsr,rhv->bshv", c_kv, w_vb_rhv)
-    k_pe = jnp.broadcast_to(k_pe[:, :, None, :], k_pe.shape[:2] + (w_kb_rhn.shape[1], k_pe.shape[-1]))
-    return jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1), v
-
-
-def mla_naive(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
-    """Expanded form: q [B, T, H, nope+rope] over latent rows [B, S, kv_lora+rope] -> [B, T, H, v]."""
-    k, v = expand_latent(latent_bsr, w_kb_rhn, w_vb_rhv, kv_lora=kv_lora)
-    return attend(q_bthd, k, v, scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
-
-
-def mla_absorbed(q_bthd, latent_bsr, w_kb_rhn, w_vb_rhv, *, kv_lora: int, scale: float, q_pos_bt, k_pos_bs):
-    """Absorbed form, same contract as `mla_naive`: MQA over the latent, one KV head."""
-    nope = w_kb_rhn.shape[-1]
-    q_latent = jnp.einsum("bthn,rhn->bthr", q_bthd[..., :nope], w_kb_rhn)
-    q = jnp.concatenate([q_latent, q_bthd[..., nope:].astype(q_latent.dtype)], axis=-1)
-    kv = latent_bsr[:, :, None, :]
-    o_latent = attend(q, kv, kv[..., :kv_lora], scale=scale, q_pos_bt=q_pos_bt, k_pos_bs=k_pos_bs)
-    return jnp.einsum("bthr,rhv->bthv", o_latent, w_vb_rhv)
 
 
 def write_rows(cache_bsr, rows_btr, start_b):

@@ -89,6 +89,19 @@ def combine(weights_nk, y_nkl):
     return jnp.einsum("nk,nkl->nl", weights_nk.astype(y_nkl.dtype), y_nkl)
 
 
+def routed_tail(z_nl, cfg: ModelConfig, latent_norm_l, w_up_ld, shape_btd, dtype, *, normed: bool = False):
+    """The MoE's tail after its routed experts, written once for every path: the combined rows
+    z [N, L] (`combine`) -> the latent RMSNorm (skipped where `normed`: a kernel fused it) and the
+    up-projection to D (without a latent, a cast to fp32), times routed_scaling_factor, as
+    [B, T, D] (`shape_btd`) in `dtype`.  The shared experts are added by the caller."""
+    if cfg.moe_latent:
+        z_nl = z_nl if normed else rms_norm(z_nl, latent_norm_l, cfg.norm_eps)
+        routed = z_nl @ w_up_ld
+    else:
+        routed = z_nl.astype(jnp.float32)
+    return (routed * cfg.routed_scaling_factor).reshape(shape_btd).astype(dtype)
+
+
 def _experts_sorted(x_nl, ids_nk, w_gate_elf, w_up_elf, w_out_efl, caps, kernels="auto"):
     """Unweighted expert outputs [N, k, L]: rows sorted by expert, a grouped GEMM per projection."""
     n, k = ids_nk.shape
@@ -170,26 +183,30 @@ class LatentMoE(nn.Module):
         ):
             # a decode step's few tokens: routing and layout in one kernel, the grouped FFN, then
             # the combine and the latent norm in one kernel
-            z_normed = ops.routed_ffn(
-                x_nl,
-                logits,
-                bias,
-                None if real_bt is None else real_bt.reshape(-1),
-                w_gate,
-                w_out,
-                act,
-                cfg.n_active_experts,
-                latent_norm,
-                cfg.norm_eps,
+            z, normed = (
+                ops.routed_ffn(
+                    x_nl,
+                    logits,
+                    bias,
+                    None if real_bt is None else real_bt.reshape(-1),
+                    w_gate,
+                    w_out,
+                    act,
+                    cfg.n_active_experts,
+                    latent_norm,
+                    cfg.norm_eps,
+                ),
+                True,
             )
         else:
             ids, weights = route_logits(logits, bias, cfg.n_active_experts, cfg.moe_biased_weights)
             if real_bt is not None:
                 ids = jnp.where(real_bt.reshape(b * t, 1), ids, e)  # id E: dropped by every expert path
             z = EXPERT_PATHS[self.expert_path](x_nl, ids, weights, w_gate, w_up, w_out, act, self.kernels)
-            z_normed = rms_norm(z, latent_norm, cfg.norm_eps) if latent else z
-        routed = ((z_normed @ w_upproj) if latent else z_normed.astype(jnp.float32)) * cfg.routed_scaling_factor
-        y = routed.reshape(b, t, d).astype(x_btd.dtype)
+            normed = False
+        y = routed_tail(
+            z, cfg, latent_norm if latent else None, w_upproj if latent else None, (b, t, d), x_btd.dtype, normed=normed
+        )
         if fs and fused:
             w_shared_out = self.param("w_shared_out_fd", fan_in_init(fs), (fs, d))
             y = y + (act(shared_gate, shared_up) @ w_shared_out).reshape(b, t, d).astype(y.dtype)

@@ -80,7 +80,7 @@ def short_conv(x_btc, w_wc, state_bwc=None, export_at=None, valid_b=None):
 
 def qparam(module: nn.Module, name: str, init, shape):
     """`module.param(name, init, shape)`, or the quantized weight stored under that name as it
-    is: a `QTensor` holds the weight's GEMM form [K, N] (`kimik3.quant.store`), and MXFP4 experts
+    is: a `QTensor` holds the weight's GEMM form [K, N] (`kimik3.quant_store`), and MXFP4 experts
     moved into the Hopper kernel's layout (`kimik3.ops.hopper_mxfp4_experts`) their codes as [E,
     N, K], which Flax's check of the stored shape against `shape` would refuse."""
     if module.has_variable("params", name):

@@ -6,23 +6,8 @@ from __future__ import annotations
 import codecs
 from typing import Protocol, Sequence, runtime_checkable
 
-from kimik3 import tokenizer as byte_level
-
-# What each special token is for -> its name in the byte tokenizer (the default names).
-ROLES_OF_SPECIALS = {
-    "pad": "<|pad|>",
-    "bos": "<|bos|>",
-    "eos": "<|eos|>",
-    "system": "<|system|>",
-    "user": "<|user|>",
-    "assistant": "<|assistant|>",
-    "tool": "<|tool|>",
-    "end_turn": "<|end_turn|>",
-    "image_start": "<|image_start|>",
-    "image": "<|image|>",
-    "image_end": "<|image_end|>",
-}
-assert tuple(ROLES_OF_SPECIALS.values()) == byte_level.SPECIAL_TOKENS
+from kimik3.text.chat_template import ChatTemplate
+from kimik3.text.specials import ROLES_OF_SPECIALS
 
 
 @runtime_checkable
@@ -85,8 +70,6 @@ class BaseTokenizer:
         eos_token_id: int | None = None,
         token_names: dict[str, str] | None = None,
     ):
-        from kimik3.text.chat_template import ChatTemplate
-
         self._special_ids = {i: n for n, i in self.special_names.items()}
         self.role_names = {**ROLES_OF_SPECIALS, **(roles or {})}
         if eos_token_id is not None and eos_token_id in self._special_ids:

@@ -25,6 +25,7 @@ import json
 import re
 
 from kimik3 import tokenizer as byte_level
+from kimik3.text.specials import ROLES_OF_SPECIALS
 
 # The byte tokenizer's layout (`kimik3.tokenizer.apply_chat_template`): <|bos|>, then per message
 # <|role|> images content <|end_turn|>, then <|assistant|> when a reply is wanted.
@@ -155,8 +156,6 @@ class ChatTemplate:
         return ids
 
     def _check_image_tokens(self, names: dict[str, str]) -> None:
-        from kimik3.text.base import ROLES_OF_SPECIALS
-
         tok = self.tok
         missing = [r for r in IMAGE_ROLES if r not in names]
         if missing:

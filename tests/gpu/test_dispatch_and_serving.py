@@ -12,7 +12,7 @@ from tests.gpu.conftest import sm90
 
 @pytest.mark.skipif(not sm90(), reason="sm_90 dispatch")
 def test_small_dispatches_its_mla_to_the_hopper_kernels():
-    cc = ops._compute_capability()
+    cc = ops.device_compute_capability()
     cfg = config.small()
     assert ops.mla_prefill_impl(jnp.bfloat16, cfg.mla_qk_dim, cfg.v_head_dim, cc) == "hopper"
     # decode: 16 heads x 1 token fill no 64-row tile; long tables take the Hopper kernel anyway
@@ -158,7 +158,7 @@ def test_small_mxfp4_experts_in_the_hopper_layout_are_as_close_to_fp32_as_the_tr
     as with the Triton MXFP4 kernels (x 1.25), and the two agree with each other as closely.
     Then an engine under `auto` holds the moved experts and serves two requests to the end."""
     from kimik3 import stacked
-    from kimik3.quant import store
+    from kimik3 import quant_store as store
     from pallas_kernels import moe_mxfp4_hopper
 
     cfg = config.small().replace(n_layers=4)

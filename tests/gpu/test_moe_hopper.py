@@ -68,7 +68,7 @@ def test_smalls_bf16_prefill_takes_the_hopper_experts_by_default_and_agrees_with
     cfg = config.small()  # bf16 serving dtype
     w_gu = jnp.zeros((cfg.n_routed_experts, cfg.moe_latent_dim, 2 * cfg.moe_expert_dim), jnp.bfloat16)
     assert (
-        ops.moe_gmm_impl(jnp.bfloat16, ((w_gu, True),), 512 * cfg.n_active_experts, ops._compute_capability())
+        ops.moe_gmm_impl(jnp.bfloat16, ((w_gu, True),), 512 * cfg.n_active_experts, ops.device_compute_capability())
         == "hopper"
     )
     params = model.init_params(cfg, jax.random.PRNGKey(0))

@@ -37,10 +37,10 @@ def test_logits_tail_gives_the_last_positions_logits_and_the_same_cache(rng, tin
     toks = _prompt(rng, 40, tiny_cfg)
     positions = jnp.arange(40, dtype=jnp.int32)[None]
     cache = lambda: model.init_cache(tiny_cfg, 1, 64, jnp.float32)
-    full, c_full = model._forward(
+    full, c_full = model.forward_step_jit(
         tiny_params, toks, positions, cache(), None, cfg=tiny_cfg, expert_path="grouped", kernels="reference"
     )
-    tail, c_tail = model._forward(
+    tail, c_tail = model.forward_step_jit(
         tiny_params,
         toks,
         positions,
@@ -174,7 +174,7 @@ def test_init_params_draws_the_whole_models_tree_per_block_kind(tiny_cfg):
     key = jax.random.PRNGKey(3)
     params = model.init_params(tiny_cfg, key)
     declared = model.cast_params(
-        jax.eval_shape(lambda: model.KimiK3(tiny_cfg).init(key, *model._example_inputs(tiny_cfg))["params"]),
+        jax.eval_shape(lambda: model.KimiK3(tiny_cfg).init(key, *model.example_inputs(tiny_cfg))["params"]),
         tiny_cfg.dtype,
     )
     assert jax.tree.structure(params) == jax.tree.structure(declared)

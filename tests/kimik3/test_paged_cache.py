@@ -113,7 +113,7 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
     pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
     # the jitted core, as the engine calls it: a padded call may run past a row's table
     positions = np.broadcast_to(np.arange(96, dtype=np.int32), (2, 96))
-    got, out = model._forward(
+    got, out = model.forward_step_jit(
         tiny_params,
         toks,
         positions,

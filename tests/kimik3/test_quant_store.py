@@ -1,4 +1,4 @@
-"""One quantized checkpoint, every serving manifest (`kimik3.quant.store`): each manifest loads
+"""One quantized checkpoint, every serving manifest (`kimik3.quant_store`): each manifest loads
 from the same directory with the formats it names; every fused quantized projection group gives
 its members' GEMMs bit for bit; the engine on quantized weights gives the no-cache oracle's tokens
 on those weights; and a manifest that does not match the checkpoint, or a corrupt entry, is a
@@ -16,7 +16,8 @@ import pytest
 
 from kimik3 import checkpoint, model, ops, quantization, sizing
 from kimik3.generate import generate
-from kimik3.quant import formats, store
+from kimik3 import quant_store as store
+from kimik3.quant import formats
 from serving.engine import Engine
 
 

@@ -1,4 +1,4 @@
-"""Random params drawn straight into the served layout (`kimik3.quant.store.init_served_params`):
+"""Random params drawn straight into the served layout (`kimik3.quant_store.init_served_params`):
 leaf for leaf what quantizing and fusing the whole drawn model gives, block by block, and the
 serving engine takes them and decodes the oracle's tokens."""
 
@@ -8,7 +8,8 @@ import pytest
 
 from kimik3 import config, fused, model
 from kimik3.generate import generate
-from kimik3.quant import formats, store
+from kimik3 import quant_store as store
+from kimik3.quant import formats
 from serving.engine import Engine
 
 

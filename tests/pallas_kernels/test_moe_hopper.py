@@ -10,7 +10,7 @@ import pytest
 
 from kimik3 import ops
 from kimik3.layers.moe import _SituGLU, _experts_sorted
-from pallas_kernels import moe, moe_hopper, mxfp4
+from pallas_kernels import moe, moe_hopper, moe_layout, mxfp4
 
 S = jax.ShapeDtypeStruct
 ACT = _SituGLU((8.0, 8.0))
@@ -36,8 +36,8 @@ def _f32(a):
 
 def _layout(x, sizes, g, block_m):
     m = x.shape[0]
-    n_tiles = moe._n_tiles(m, g, block_m)
-    dest, tile_group = moe._padded_layout(sizes, m, block_m, n_tiles)
+    n_tiles = moe_layout.layout_tiles(m, g, block_m)
+    dest, tile_group = moe_layout.padded_layout(sizes, m, block_m, n_tiles)
     x_pad = (
         jnp.zeros((n_tiles * block_m, x.shape[1]), x.dtype)
         .at[jnp.where(dest >= 0, dest, n_tiles * block_m)]
@@ -265,7 +265,7 @@ def test_lowers_for_hopper_at_the_model_shapes(l, f, e, assignments):
     """Mosaic GPU's own checks run here, on the CPU: layouts, swizzles, and shared memory (the
     default tilings' pipelines and epilogue buffers fit 227 KiB; a deeper one is refused by name)."""
     block_m = 128
-    rows = moe._n_tiles(assignments, e, block_m) * block_m
+    rows = moe_layout.layout_tiles(assignments, e, block_m) * block_m
     for w_shape, act in (((e, l, 2 * f), ACT), ((e, f, l), None)):
         fn = lambda tg, x, w: moe_hopper.gmm_padded(tg, x, w, block_m, act=act)
         jax.jit(fn).trace(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import moe as moe_module
+from pallas_kernels import moe as moe_module, moe_layout
 from pallas_kernels.moe import GATHER_ROWS_PER_GROUP, grouped_matmul, grouped_matmul_ref
 
 
@@ -118,13 +118,13 @@ def _ffn_ref(x, ids, w_gateup, w_out):
     return out
 
 
-def _rank_path(monkeypatch, moe, path):
+def _rank_path(monkeypatch, path):
     """Force assignment_layout's rank path: 'pairwise' (a decode step's few assignments),
     'onehot' (a running count), 'sort' (large batches)."""
     if path != "pairwise":
-        monkeypatch.setattr(moe, "_PAIRWISE_LIMIT", 0)
+        monkeypatch.setattr(moe_layout, "PAIRWISE_LIMIT", 0)
     if path == "sort":
-        monkeypatch.setattr(moe, "_ONE_HOT_RANK_LIMIT", 0)
+        monkeypatch.setattr(moe_layout, "_ONE_HOT_RANK_LIMIT", 0)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def _rank_path(monkeypatch, moe, path):
 def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n, k, e, path):
     from pallas_kernels import moe
 
-    _rank_path(monkeypatch, moe, path)
+    _rank_path(monkeypatch, path)
     l, f = 32, 16
     x = jnp.asarray(rng.standard_normal((n, l)), jnp.float32)
     ids = np.stack([rng.choice(e - 1, k, replace=False) for _ in range(n)]).astype(np.int32)  # expert e-1 idle
@@ -154,7 +154,7 @@ def test_grouped_ffn_equals_each_expert_applied_to_its_rows(rng, monkeypatch, n,
 def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rng, monkeypatch, path):
     from pallas_kernels import moe
 
-    _rank_path(monkeypatch, moe, path)
+    _rank_path(monkeypatch, path)
     ids = jnp.asarray(rng.integers(0, 5, 60), jnp.int32)
     dest, tile_group, n_tiles = moe.assignment_layout(ids, 7, 8)  # experts 5 and 6 idle
     dest, tile_group, ids = np.asarray(dest), np.asarray(tile_group), np.asarray(ids)
@@ -168,14 +168,14 @@ def test_assignment_layout_puts_each_assignment_in_its_experts_tiles_in_order(rn
 
 @pytest.mark.parametrize("m, g, block_m, short", [(300, 8, 64, 0), (37, 5, 16, 9), (200, 4, 128, 200)])
 def test_the_layouts_source_map_is_the_inverse_of_its_dest(rng, m, g, block_m, short):
-    """The layout is filled by gathering through `_layout_sources`: each layout row takes the
+    """The layout is filled by gathering through `layout_sources`: each layout row takes the
     sorted row whose dest it is, and rows no sorted row goes to (empty experts, a last tile's
     tail, rows past the groups' sum: `short` of them with dest -1, all when short = m) take
     none."""
     sizes = np.asarray(_groups(rng, m - short, g, empty=(1, 2))) if short < m else np.zeros(g, np.int32)
-    n_tiles = moe_module._n_tiles(m, g, block_m)
-    dest, _ = moe_module._padded_layout(jnp.asarray(sizes), m, block_m, n_tiles)
-    src = np.asarray(moe_module._layout_sources(dest, n_tiles * block_m))
+    n_tiles = moe_layout.layout_tiles(m, g, block_m)
+    dest, _ = moe_layout.padded_layout(jnp.asarray(sizes), m, block_m, n_tiles)
+    src = np.asarray(moe_layout.layout_sources(dest, n_tiles * block_m))
     want = np.full(n_tiles * block_m, m)
     dest = np.asarray(dest)
     want[dest[dest >= 0]] = np.arange(m)[dest >= 0]
@@ -189,7 +189,7 @@ def test_few_rows_over_many_groups_take_as_many_tiles_as_rows_need_not_as_groups
     1), block_m) tiles (not one per expert), and still every row a slot of its own in its
     group's tiles, even when each row sits in a group of its own (the most tiles rows can
     take) or all in one."""
-    n_tiles = moe_module._n_tiles(m, g, block_m)
+    n_tiles = moe_layout.layout_tiles(m, g, block_m)
     assert n_tiles == -(-(m + min(g, m) * (block_m - 1)) // block_m) <= -(-(m + g * (block_m - 1)) // block_m)
     spread = np.zeros(g, np.int32)
     spread[rng.permutation(g)[:m]] = 1  # each row its own group
@@ -198,18 +198,16 @@ def test_few_rows_over_many_groups_take_as_many_tiles_as_rows_need_not_as_groups
         np.bincount(np.zeros(m, int), minlength=g).astype(np.int32),
         np.bincount(rng.integers(0, g, m), minlength=g).astype(np.int32),
     ):
-        dest, tile_group = (np.asarray(a) for a in moe_module._padded_layout(jnp.asarray(sizes), m, block_m, n_tiles))
+        dest, tile_group = (np.asarray(a) for a in moe_layout.padded_layout(jnp.asarray(sizes), m, block_m, n_tiles))
         assert dest.min() >= 0 and dest.max() < n_tiles * block_m and len(set(dest.tolist())) == m
         groups = np.repeat(np.arange(g), sizes)
         assert np.array_equal(tile_group[dest // block_m], groups)
 
 
-@pytest.mark.parametrize("n", [1, 7, 32, 1500])  # 1500: past _PAIRWISE_LIMIT, XLA's cumsum
+@pytest.mark.parametrize("n", [1, 7, 32, 1500])  # 1500: past PAIRWISE_LIMIT, XLA's cumsum
 def test_running_sum_is_cumsum(rng, n):
-    from pallas_kernels import moe
-
     x = rng.integers(0, 50, n).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(moe._running_sum(jnp.asarray(x))), np.cumsum(x))
+    np.testing.assert_array_equal(np.asarray(moe_layout.running_sum(jnp.asarray(x))), np.cumsum(x))
 
 
 def test_grouped_ffn_tiling_must_divide_the_dims():
@@ -227,7 +225,7 @@ def test_grouped_ffn_gives_an_assignment_to_no_expert_zero_and_leaves_the_rest(r
     the other assignments' outputs are what they would be without it."""
     from pallas_kernels import moe
 
-    _rank_path(monkeypatch, moe, path)
+    _rank_path(monkeypatch, path)
     _check_assignments_to_no_expert(rng, moe, n=12, k=2, e=4, rows=[1, 5, 6], slot=(8, 1))
 
 

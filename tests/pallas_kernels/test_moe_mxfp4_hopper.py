@@ -294,7 +294,8 @@ def test_a_model_on_moved_experts_computes_what_it_computes_on_the_quantized_one
     quantized experts bit for bit, a stacked copy keeps them whole, and the tree still counts as
     MXFP4 for the prefix cache's namespace."""
     from kimik3 import config, model, ops, stacked
-    from kimik3.quant import formats, store
+    from kimik3 import quant_store as store
+    from kimik3.quant import formats
 
     cfg = config.tiny().replace(moe_latent_dim=256, moe_expert_dim=256, dtype="bfloat16")
     params = store.quantize_params(

@@ -458,3 +458,26 @@ def test_concurrent_requests_of_other_tenants_are_unaffected_by_a_bad_one(deploy
     for i, p in enumerate(prompts):
         assert got[i][0] == 200, got[i]
         assert got[i][1]["choices"][0]["token_ids"] == _oracle(p, 3).tokens.tolist()
+
+
+def test_requests_refused_for_their_images_never_hold_a_place_in_the_queue(tiny_cfg, tiny_params):
+    """More bad-image requests than the queue holds, each a 400 naming its images; the queue is as
+    empty after them as before, so the next request is served (not a 429)."""
+    from fastapi.testclient import TestClient
+
+    from serving.worker import EngineLoop, create_app
+
+    eng = _engine(tiny_params, tiny_cfg, num_pages=24, num_slots=2, num_snapshots=8, prefill_chunk_tokens=32)
+    loop = EngineLoop(eng, worker_id="w0", max_waiting=2)
+    info = {"role": "both", "worker_id": "w0", "max_context": 256, "page_tokens": PAGE, "namespace": "t"}
+    with TestClient(create_app(loop, info, keepalive_s=0.2)) as c:
+        for bad in (["not base64!"], ["AAAA"]) * 3:  # undecodable, then the wrong size
+            r = c.post("/generate", json={"prompt": [1, 2, 3], "max_tokens": 2, "images": bad})
+            assert r.status_code == 400 and "image" in r.json()["error"], r.text
+        assert c.get("/load").json()["inflight"] == 0
+        with c.stream("POST", "/generate", json={"prompt": [1, 2, 3], "max_tokens": 2}) as r:
+            assert r.status_code == 200
+            events = [json.loads(x) for x in r.iter_lines() if x]
+        assert [e["token"] for e in events if "token" in e] == generate(
+            tiny_params, tiny_cfg, [1, 2, 3], 2
+        ).tokens.tolist()

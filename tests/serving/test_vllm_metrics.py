@@ -73,7 +73,7 @@ def test_a_worker_that_does_not_answer_is_a_gauge_and_metrics_answer_in_bounded_
 
     from fastapi.testclient import TestClient
 
-    from serving import router as router_mod
+    from serving.router import metrics as router_mod
     from serving.router import Router, add_arguments, config_from_args
 
     monkeypatch.setattr(router_mod, "WORKER_SCRAPE_TIMEOUT_S", 0.5)

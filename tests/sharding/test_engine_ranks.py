@@ -16,6 +16,7 @@ from cache.host_tier import EmbeddedHostKVTier
 from kimik3.generate import generate
 from serving.engine import Engine
 from serving.sampling import GREEDY, SamplingParams
+from serving.scaling_bench import engine_scaling
 from sharding import paged, rank_pools
 from sharding.mesh import decode_mesh
 from tests.serving.test_engine_logprobs import _log_softmax, penalized_greedy
@@ -146,10 +147,8 @@ def test_no_step_gathers_pool_rows_and_every_pool_stays_on_its_rank(served):
     assert eng.load()["free_slots"] == 2 * served["dp"]
 
 
-@pytest.mark.slow  # the GPU benchmark's driver (`python -m sharding.bench --engine`); the engines it builds are tested above
+@pytest.mark.slow  # the GPU benchmark's driver (`python -m serving.scaling_bench`); the engines it builds are tested above
 def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_requests_per_device(devices):
-    from sharding.bench import engine_scaling
-
     out = engine_scaling(2, "tiny", 2, 20, 3, "reference", page_tokens=PAGE, dtype="float32", devices=devices[:2])
     assert out["1gpu"]["requests"] == 2 and out["2gpu"]["requests"] == 4
     assert out["1gpu"]["tokens"] == 2 * 3 and out["2gpu"]["tokens"] == 4 * 3  # one token per request per step

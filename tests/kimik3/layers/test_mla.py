@@ -19,7 +19,7 @@ def test_absorbed_equals_naive_over_a_cached_prefix(rng, t_new):
     lengths = np.array([17, 33])  # tokens cached including the new ones
     q_pos = jnp.asarray(lengths[:, None] - t_new + np.arange(t_new)[None])
     k_pos = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-    args = dict(kv_lora=r, scale=(nope + rope) ** -0.5, q_pos_bt=q_pos, k_pos_bs=k_pos)
+    args = dict(scale=(nope + rope) ** -0.5, q_pos_bt=q_pos, k_pos_bs=k_pos)
     naive = mla_naive(q, latent, w_kb, w_vb, **args)
     absorbed = mla_absorbed(q, latent, w_kb, w_vb, **args)
     np.testing.assert_allclose(absorbed, naive, atol=1e-5, rtol=1e-5)
@@ -32,7 +32,7 @@ def test_rows_beyond_the_query_position_are_invisible(rng):
     q = jnp.asarray(rng.standard_normal((b, 1, h, 4 + rope)), jnp.float32)
     w_kb = jnp.asarray(rng.standard_normal((r, h, 4)), jnp.float32)
     w_vb = jnp.asarray(rng.standard_normal((r, h, 4)), jnp.float32)
-    args = dict(kv_lora=r, scale=0.3, q_pos_bt=jnp.array([[9]]), k_pos_bs=jnp.arange(s)[None])
+    args = dict(scale=0.3, q_pos_bt=jnp.array([[9]]), k_pos_bs=jnp.arange(s)[None])
     poisoned = latent.at[:, 10:].set(1e4)
     for form in (mla_naive, mla_absorbed):
         np.testing.assert_array_equal(form(q, latent, w_kb, w_vb, **args), form(q, poisoned, w_kb, w_vb, **args))

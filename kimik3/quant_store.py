@@ -135,11 +135,11 @@ def init_served_params(cfg: ModelConfig, key, manifest: str = "bf16", *, on_laye
         raise ValueError(f"unknown manifest {manifest!r}; known: {sorted(quantization.MANIFESTS)}")
     rules, dtype = quantization.MANIFESTS[manifest], jnp.dtype(cfg.dtype).name
     top_key, blocks_key = jax.random.split(key)
-    with model._cheap_threefry():
-        out = _served_tree(model._init_top(top_key, cfg=cfg, dtype=dtype), rules, dtype)
+    with model.cheap_threefry():
+        out = _served_tree(model.init_top(top_key, cfg=cfg, dtype=dtype), rules, dtype)
         for i in range(cfg.n_layers):
             name = f"layer_{i}"
-            drawn = model._init_block(
+            drawn = model.init_block(
                 jax.random.fold_in(blocks_key, i), cfg=cfg, layer=model.first_of_kind(cfg, i), dtype=dtype
             )
             block = fused.fuse_layer(_served_tree(drawn, rules, dtype, prefix=f"{name}/"))

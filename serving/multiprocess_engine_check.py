@@ -1,7 +1,13 @@
-"""The serving engine as a process group, against the oracle: `serve`, run by each process of
-`python -m sharding.multiprocess_check --engine` once it has joined the group.
+"""`python -m serving.multiprocess_engine_check`: the serving engine as a process group, against
+the oracle.
 
-Each process builds an `Engine` whose decode mesh
+Run once per process (same arguments but --process-id)::
+
+    python -m serving.multiprocess_engine_check --coordinator 127.0.0.1:PORT --num-processes 2 \\
+        --process-id I --cpu-devices 4 --ep 2 --engine-devices 2 --out DIR
+
+Each process joins the group and runs the sharded steps' check (`sharding.multiprocess_check`),
+then `serve`: it builds an `Engine` whose decode mesh
 (DP attention, EP MoE) spans every device of every process; it owns the ranks of its own
 devices (pools per rank) and serves requests of its own, and the group's engines step together
 (`Engine.group`).  The workloads differ in size, so an engine also runs decode steps with
@@ -14,22 +20,29 @@ padding rows only while the other still decodes.  Process I serves, on its own r
 * the first session's third turn after that pressure evicted it: a host-tier hit.
 
 Every request's tokens are compared with the no-cache fp32 oracle's; `serve` returns what each
-request got and where it ran.
+request got and where it ran, under "engine" in DIR/process-I.json beside the sharded steps'
+results.
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from sharding import multiprocess_check
 
 PAGE = 16
 
 
 def _prompt(kind: str, i: int, n: int) -> list[int]:
-    import numpy as np
-
     return np.random.default_rng([*map(ord, kind), i]).integers(0, 256, n).tolist()
 
 
 def serve(args) -> dict:
-    """The engine's part, in a process that has joined its group."""
+    """The engine's part, in a process that has joined its group (JAX and what uses it are
+    imported here, once the group has set the process's devices)."""
     import jax
 
     from cache.host_tier import EmbeddedHostKVTier
@@ -109,3 +122,26 @@ def serve(args) -> dict:
         "released": not any(m.requests for m in eng.managers),
     }
     return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m serving.multiprocess_engine_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    multiprocess_check.add_arguments(parser)
+    parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks of the engine's decode mesh")
+    parser.add_argument(
+        "--engine-devices",
+        type=int,
+        default=None,
+        help="devices of each process in the engine's decode mesh (default: all)",
+    )
+    args = parser.parse_args(argv)
+    multiprocess_check.write(args, multiprocess_check.run(args, then=lambda a: {"engine": serve(a)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m serving.router``: `serving.router.cli.main`."""
+
+import sys
+
+from serving.router.cli import main
+
+sys.exit(main())
