@@ -12,6 +12,15 @@ step with its params and optimizer state donated, held-out loss every `eval_ever
 serving commands read.  Progress is a tqdm bar; the losses land in `train.json` and
 `loss.png` under `out`.
 
+Before the first step the run checks that it fits (`DoesNotFit` otherwise, naming the flags
+that change it): the train split holds a batch of windows, and the memory the run holds at its
+peak (`TrainMemory`: the params, their gradients and the optimizer state, then XLA's own buffer
+figures of the compiled step and evaluation) is within `memory_budget` (default 90% of what the
+device has free: `kimik3.sizing.available_memory`).  The programs are compiled once, ahead of
+time, for that check and then run.  `max_seconds` bounds the whole run, set-up included: the
+loop stops before a step that, with the final evaluation and checkpoint, would end past it (a
+step's, an evaluation's and a checkpoint's time: the last one measured).
+
 The step runs the model's reference kernels (`kernels="reference"`: plain jnp, differentiable),
 the held-out loss the device's serving kernels (`kernels="auto"`, forward only); the
 routers' selection biases stay as initialized: they only choose experts (as DeepSeek-V3's bias),
@@ -21,11 +30,13 @@ so their gradient is zero, and vectors get no weight decay.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 import grain
 import jax
@@ -33,9 +44,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kimik3 import checkpoint, config as configs, corpus as corpora, model
+from kimik3 import checkpoint, config as configs, corpus as corpora, model, sizing
 
 log = logging.getLogger(__name__)
+
+USABLE_FRACTION = 0.9  # of the device's free memory, without a memory_budget: the runtime's own share
+GiB = 2**30
+
+
+class DoesNotFit(ValueError):
+    """A run refused before its first step: its corpus or its memory does not hold what it was
+    asked for.  The message names the `kimik3 train` flags (the TrainConfig fields of the same
+    names) that change it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,15 +78,25 @@ class TrainConfig:
     held_out_fraction: float = 0.05
     out: str = "train_out"
     progress: bool = True
-    max_seconds: float | None = None  # stop the loop early once this much time has passed (the
-    # schedule stays the one for `steps`; the result says where it stopped)
+    max_seconds: float | None = None  # the whole run's wall time, set-up included: the loop stops
+    # before a step that, with the final evaluation and checkpoint, would end it later (no step at all
+    # where the set-up used the time up; the schedule stays the one for `steps`; the result says where
+    # it stopped)
+    grad_accum: int = 1  # each step's batch as this many sequential micro-batches: the same update,
+    # about 1 / grad_accum of the activations (the held-out evaluation runs micro-batches too)
+    memory_budget: int | None = None  # bytes the run may hold; None: USABLE_FRACTION of what the
+    # device has free (`kimik3.sizing.available_memory`)
 
     def __post_init__(self):
-        for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches"):
+        for name in ("steps", "batch", "seq_len", "eval_every", "eval_batches", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.batch % self.grad_accum:
+            raise ValueError(f"TrainConfig: grad_accum ({self.grad_accum}) must divide batch ({self.batch})")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"TrainConfig.max_seconds must be > 0 or None; got {self.max_seconds}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"TrainConfig.memory_budget must be > 0 or None; got {self.memory_budget}")
         if self.lr <= 0 or not 0 <= self.warmup_steps < self.steps:
             raise ValueError(
                 f"TrainConfig: lr must be > 0 and warmup_steps in [0, steps); "
@@ -122,69 +152,339 @@ def _plot(history: list[dict], evals: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
-    """Train `tc.config` (from `params`, else a fresh init with `tc.seed`); writes the checkpoint
-    (`out/checkpoint`), `out/train.json` and `out/loss.png`.  Returns (train.json's contents:
-    held-out loss and perplexity at each evaluation, the step losses, tokens and seconds; the
-    trained params)."""
-    cfg = configs.get_config(tc.config)
-    os.makedirs(tc.out, exist_ok=True)
-    text = corpora.load(tc.corpus, held_out_fraction=tc.held_out_fraction, max_bytes=tc.max_corpus_bytes)
-    if params is None:
-        params = model.init_params(cfg, jax.random.PRNGKey(tc.seed), "float32")
-    opt = optimizer(tc)
-    opt_state = opt.init(params)
+def _corpus_flags(tc: TrainConfig) -> str:
+    more = ", or a larger --max-corpus-mb" if tc.max_corpus_bytes is not None else ""
+    return f"more text (--corpus python-doc after apt-get install python3.11-doc, or --corpus DIR{more})"
 
-    @jax.jit
+
+def check_train_windows(tokens: np.ndarray, tc: TrainConfig, corpus_name: str = "the corpus") -> None:
+    """DoesNotFit, naming the flags, where the train split makes fewer windows than a batch."""
+    n = max(tokens.size - 1, 0) // tc.seq_len
+    if n < tc.batch:
+        raise DoesNotFit(
+            f"{corpus_name}'s train split ({tokens.size:,} tokens) makes {n} windows of {tc.seq_len + 1}; "
+            f"a batch needs {tc.batch}: lower --batch or --seq-len, or train on {_corpus_flags(tc)}"
+        )
+
+
+def held_out_windows(tokens: np.ndarray, tc: TrainConfig, corpus_name: str = "the corpus") -> np.ndarray:
+    """The fixed held-out evaluation set, int32 [n, micro, seq_len + 1] (micro = batch / grad_accum):
+    the split's first eval_batches * batch windows, in order.  A split holding fewer uses what it
+    has (the held-out loss is a mean over windows: the evaluation's batch shape does not change it),
+    with a warning; one holding no window raises DoesNotFit naming the flags."""
+    micro = tc.batch // tc.grad_accum
+    have = max(tokens.size - 1, 0) // tc.seq_len
+    take = min(have, tc.eval_batches * tc.batch)
+    if take == 0:
+        raise DoesNotFit(
+            f"{corpus_name}'s held-out split ({tokens.size:,} tokens) is shorter than one window of "
+            f"{tc.seq_len + 1}: lower --seq-len, or train on {_corpus_flags(tc)}"
+        )
+    if take < tc.eval_batches * tc.batch:
+        log.warning(
+            "%s's held-out split holds %d windows of %d tokens, fewer than --eval-batches x --batch = %d: "
+            "the held-out loss is their mean",
+            corpus_name,
+            have,
+            tc.seq_len + 1,
+            tc.eval_batches * tc.batch,
+        )
+    rows, width = (take // micro, micro) if take >= micro else (1, take)
+    idx = np.arange(rows * width)[:, None] * tc.seq_len + np.arange(tc.seq_len + 1)
+    return tokens[idx].astype(np.int32).reshape(rows, width, tc.seq_len + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainMemory:
+    """Bytes a run holds at its peak, known before its first step: the params, the optimizer
+    state, the resident held-out windows, and XLA's figures of the two compiled programs (None
+    before compiling, or where the backend gives none): the step (params and optimizer state
+    donated; its temporaries hold the gradients and the activations the backward pass reads) and
+    the held-out evaluation (while the optimizer state stays resident)."""
+
+    params: int
+    optimizer_state: int
+    held_out: int
+    step: sizing.ProgramMemory | None = None
+    evaluation: sizing.ProgramMemory | None = None
+
+    @property
+    def floor(self) -> int:
+        """What any step holds whatever its batch: params, their gradients, optimizer state, held-out windows."""
+        return 2 * self.params + self.optimizer_state + self.held_out
+
+    @property
+    def total(self) -> int:
+        """The peak: the larger of the step (the held-out windows resident) and the evaluation
+        (the optimizer state resident); the floor while XLA's figures are missing."""
+        if self.step is None:
+            return self.floor
+        total = self.step.peak + self.held_out
+        if self.evaluation is not None:
+            total = max(total, self.evaluation.peak + self.optimizer_state)
+        return total
+
+    def _sides(self) -> list[tuple[int, int]]:
+        """(bytes that stay, bytes that scale with a micro-batch's tokens) of each program."""
+        sides = []
+        if self.step is not None:  # the gradients (one params' worth) do not shrink with the batch
+            scale = max(self.step.temporaries - self.params, 0)
+            sides.append((self.step.peak + self.held_out - scale, scale))
+        if self.evaluation is not None:
+            sides.append(
+                (self.evaluation.peak + self.optimizer_state - self.evaluation.temporaries, self.evaluation.temporaries)
+            )
+        return sides
+
+    def shrink_factor(self, budget: int) -> float | None:
+        """About how many times fewer tokens a micro-batch must hold for the run to fit `budget`
+        (1.0: it fits), taking activations as proportional to them; None where no micro-batch fits
+        (or XLA's figures are missing): the params, gradients and optimizer state alone are too many."""
+        sides = self._sides()
+        if not sides:
+            return 1.0 if self.floor <= budget else None
+        k = 1.0
+        for stay, scale in sides:
+            if stay + scale <= budget:
+                continue
+            if stay >= budget:
+                return None
+            k = max(k, scale / (budget - stay))
+        return k
+
+
+def memory_budget(tc: TrainConfig, device=None) -> tuple[int | None, str]:
+    """(bytes the run may hold, where the figure comes from): `tc.memory_budget`, else
+    USABLE_FRACTION of `kimik3.sizing.available_memory`; (None, why) where neither is known."""
+    if tc.memory_budget is not None:
+        return int(tc.memory_budget), "the memory budget (--memory-gib)"
+    free, source = sizing.available_memory(device)
+    if free is None:
+        return None, source
+    return int(USABLE_FRACTION * free), f"{USABLE_FRACTION:.0%} of the {free / GiB:.1f} GiB {source}"
+
+
+def check_memory(
+    mem: TrainMemory, tc: TrainConfig, budget: int | None, source: str, cfg_name: str | None = None
+) -> None:
+    """DoesNotFit where `mem.total` exceeds `budget`: the message gives the estimate and its parts,
+    the budget and where it comes from, and the flags that reduce the estimate (--batch,
+    --seq-len, --grad-accum, --config), with values that fit where activations are what overflow."""
+    if budget is None:
+        log.warning("train: %s; the memory check is skipped (--memory-gib sets a budget)", source)
+        return
+    if mem.total <= budget:
+        return
+    name = cfg_name or tc.config
+    shape = f"--batch {tc.batch} --seq-len {tc.seq_len}" + (
+        f" --grad-accum {tc.grad_accum}" if tc.grad_accum > 1 else ""
+    )
+    parts = f"params {mem.params / GiB:.2f}, optimizer state {mem.optimizer_state / GiB:.2f}"
+    if mem.step is not None:
+        parts += f", step temporaries (gradients, activations) {mem.step.temporaries / GiB:.2f} GiB"
+    else:
+        parts += f", gradients {mem.params / GiB:.2f} GiB, before any activation"
+    smaller = "a smaller --config (tiny)" if name != "tiny" else None
+    k = mem.shrink_factor(budget)
+    if k is None:
+        advice = (
+            "the params, their gradients and the optimizer state leave no room for activations at any "
+            "--batch or --seq-len" + (f": train {smaller}" if smaller else "")
+        )
+    else:
+        k = math.ceil(k * 1.05)  # the scaling is not exact: a margin
+        micro = tc.batch // tc.grad_accum
+        ideas = []
+        if micro >= k:  # --batch keeps --grad-accum dividing it
+            accum = next(g for g in range(tc.grad_accum * k, tc.batch + 1) if tc.batch % g == 0)
+            ideas.append(f"--batch {tc.grad_accum * (micro // k)}")
+            ideas.append(f"--grad-accum {accum} (the same batch in {accum} passes a step)")
+        if tc.seq_len >= k:
+            ideas.append(f"--seq-len {tc.seq_len // k}")
+        advice = (
+            f"activations grow with the tokens of a micro-batch (--batch / --grad-accum windows of --seq-len "
+            f"tokens): about {k}x fewer fit, e.g. {', '.join(ideas) or 'fewer tokens'}"
+            + (f"; or {smaller}" if smaller else "")
+        )
+    raise DoesNotFit(
+        f"training {name} at {shape} needs about {mem.total / GiB:.2f} GiB ({parts}), more than "
+        f"{budget / GiB:.2f} GiB ({source}). {advice[0].upper()}{advice[1:]}. "
+        f"--memory-gib sets the budget instead."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The run's compiled programs and what they hold (`compile_programs`)."""
+
+    step: Callable  # (params, opt_state, windows [batch, seq_len + 1]) -> (params, opt_state, loss, grad norm)
+    evaluate: Callable  # (params, held-out windows [n, micro, seq_len + 1]) -> mean loss
+    memory: TrainMemory
+
+
+def compile_programs(tc: TrainConfig, cfg, abstract_params, held_shape: tuple[int, int, int]) -> Programs:
+    """Lower and compile the step and the evaluation for `abstract_params` (a tree of
+    `jax.ShapeDtypeStruct`s or arrays) without allocating them, and read their memory off XLA."""
+    opt = optimizer(tc)
+    abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params)
+    abstract_state = jax.eval_shape(opt.init, abstract_params)
+    micro = tc.batch // tc.grad_accum
+
+    def grads_of(p, window):
+        if tc.grad_accum == 1:
+            return jax.value_and_grad(loss_fn)(p, cfg, window)
+
+        def one(acc, w):  # micro-batches of equal size: the mean of their means is the batch's mean
+            loss, grads = jax.value_and_grad(loss_fn)(p, cfg, w)
+            return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, p))
+        (loss, grads), _ = jax.lax.scan(one, zero, window.reshape(tc.grad_accum, micro, -1))
+        return loss / tc.grad_accum, jax.tree.map(lambda g: g / tc.grad_accum, grads)
+
+    def step(p, state, window):
+        loss, grads = grads_of(p, window)
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss, optax.tree.norm(grads)
+
     def evaluate(p, windows):
         # The serving kernels ("auto": Pallas on the GPU), not the reference: XLA:GPU did not finish
         # compiling the forward-only reference loss of `mini` in 170 s (RESULTS.md),
         # while the serving path's forward programs compile in seconds.
         return jnp.mean(jax.lax.map(lambda w: loss_fn(p, cfg, w, kernels="auto"), windows))
 
-    def step(p, state, window):
-        loss, grads = jax.value_and_grad(loss_fn)(p, cfg, window)
-        updates, state = opt.update(grads, state, p)
-        return optax.apply_updates(p, updates), state, loss, optax.tree.norm(grads)
-
-    step = jax.jit(step, donate_argnums=(0, 1))
-    held = np.stack(
-        [b for _, b in zip(range(tc.eval_batches), batches(text.held_out, tc.batch, tc.seq_len, seed=0, repeat=False))]
+    window = jax.ShapeDtypeStruct((tc.batch, tc.seq_len + 1), jnp.int32)
+    step_c = jax.jit(step, donate_argnums=(0, 1)).lower(abstract_params, abstract_state, window).compile()
+    eval_c = jax.jit(evaluate).lower(abstract_params, jax.ShapeDtypeStruct(held_shape, jnp.int32)).compile()
+    memory = TrainMemory(
+        params=sizing.tree_bytes(abstract_params),
+        optimizer_state=sizing.tree_bytes(abstract_state),
+        held_out=math.prod(held_shape) * 4,
+        step=sizing.program_memory(step_c),
+        evaluation=sizing.program_memory(eval_c),
     )
+    return Programs(step_c, eval_c, memory)
+
+
+def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.perf_counter) -> tuple[dict, dict]:
+    """Train `tc.config` (from `params`, else a fresh init with `tc.seed`); writes the checkpoint
+    (`out/checkpoint`), `out/train.json` and `out/loss.png`.  Returns (train.json's contents:
+    held-out loss and perplexity at each evaluation, the step losses, tokens and seconds; the
+    trained params).
+
+    Raises DoesNotFit before any step (and before writing anything) where the corpus or the
+    memory does not hold the run, and ValueError where `out` holds an earlier run's checkpoints.  clock: monotonic seconds; `max_seconds` and the reported
+    times read it (`time.perf_counter`; tests pass their own)."""
+    start = clock()
+    cfg = configs.get_config(tc.config)
+    ckpt = os.path.join(tc.out, "checkpoint")
+    earlier = [p for p in (ckpt, *glob.glob(os.path.join(tc.out, "step_*"))) if os.path.exists(p)]
+    if earlier:  # orbax writes no checkpoint over another: refuse now, not after the last step
+        raise ValueError(f"{earlier[0]} exists (an earlier run's): pass another --out or remove it")
+    text = corpora.load(tc.corpus, held_out_fraction=tc.held_out_fraction, max_bytes=tc.max_corpus_bytes)
+    check_train_windows(text.train, tc, text.name)
+    held = held_out_windows(text.held_out, tc, text.name)
+    abstract = model.abstract_params(cfg, "float32") if params is None else params
+    budget, source = memory_budget(tc)
+    opt = optimizer(tc)
+    floor = TrainMemory(
+        params=sizing.tree_bytes(abstract),
+        optimizer_state=sizing.tree_bytes(jax.eval_shape(opt.init, abstract)),
+        held_out=held.nbytes,
+    )
+    check_memory(floor, tc, budget, source, cfg.name)  # before compiling: a config far too large
+    programs = compile_programs(tc, cfg, abstract, held.shape)
+    mem = programs.memory
+    check_memory(mem, tc, budget, source, cfg.name)
+    if mem.step is None:
+        log.warning(
+            "train: no XLA memory figures on %s: only the params and optimizer state were checked",
+            jax.default_backend(),
+        )
+    log.info(
+        "train: the run holds about %.2f GiB at its peak (budget %s)",
+        mem.total / GiB,
+        "none" if budget is None else f"{budget / GiB:.2f} GiB",
+    )
+
+    os.makedirs(tc.out, exist_ok=True)
+    if params is None:
+        params = model.init_params(cfg, jax.random.PRNGKey(tc.seed), "float32")
+    opt_state = opt.init(params)
+    held = jnp.asarray(held)
+    deadline = None if tc.max_seconds is None else start + tc.max_seconds
     history, evals = [], []
 
     def record_eval(at: int):
-        loss = float(evaluate(params, jnp.asarray(held)))
+        loss = float(programs.evaluate(params, held))
         evals.append(dict(step=at, held_out_loss=loss, held_out_ppl=math.exp(loss)))
         log.info("step %d: held-out loss %.4f (perplexity %.2f per byte)", at, loss, math.exp(loss))
 
     from tqdm.auto import tqdm
 
+    # The clock is read once between phases: each phase's time is the difference (`lap`), and what
+    # the limit reserves for the next step, evaluation and checkpoint is what the last one took.
+    now = start
+
+    def lap() -> float:
+        nonlocal now
+        t = clock()
+        t, now = t - now, t
+        return t
+
+    setup_s = lap()  # corpus, compiles, init
     record_eval(0)
-    t0 = time.perf_counter()
+    eval_s = lap()
+    # until timed: a save at ~100 MB/s, a step as a forward and a backward pass (~3 forwards) of each
+    # micro-batch, at the first evaluation's rate
+    save_s = 1.0 + mem.params / 1e8
+    rows, width = held.shape[:2]
+    step_s = 3 * tc.grad_accum * eval_s / rows * (tc.batch // tc.grad_accum) / width
     it = iter(batches(text.train, tc.batch, tc.seq_len, seed=tc.seed).to_iter_dataset())
     bar = tqdm(range(1, tc.steps + 1), desc=f"train {cfg.name}", disable=not tc.progress, unit="step")
-    done = 0
+    done, loss, gnorm = 0, None, None
     for i in bar:
-        params, opt_state, loss, gnorm = step(params, opt_state, jnp.asarray(next(it)))
+        eval_due = i % tc.eval_every == 0 or i == tc.steps
+        save_due = bool(tc.checkpoint_every) and i % tc.checkpoint_every == 0 and i != tc.steps
+        if deadline is not None:
+            # this step, what falls due after it, and the final evaluation and checkpoint
+            need = step_s + (eval_due and i != tc.steps) * eval_s + save_due * save_s + eval_s + save_s
+            if now + need > deadline:
+                log.warning(
+                    "train: stopping after step %d of %d: %.1f s more (the next step, then the final evaluation "
+                    "and checkpoint, timed by the last of each) would end past max_seconds %.0f",
+                    done,
+                    tc.steps,
+                    need,
+                    tc.max_seconds,
+                )
+                break
+        params, opt_state, loss, gnorm = programs.step(params, opt_state, jnp.asarray(next(it)))
         done = i
-        out_of_time = tc.max_seconds is not None and time.perf_counter() - t0 > tc.max_seconds
-        last = i == tc.steps or out_of_time
-        if i % 10 == 0 or last:  # reading the loss waits for the step: not every step
-            history.append(
-                dict(step=i, loss=float(loss), grad_norm=float(gnorm), elapsed_s=round(time.perf_counter() - t0, 3))
-            )
+        if deadline is not None:  # a dispatched step is not a finished one: wait for it, to time it
+            jax.block_until_ready(loss)
+        logged = i % 10 == 0 or i == tc.steps  # reading the loss waits for the step: not every step
+        if logged:
+            history.append(dict(step=i, loss=float(loss), grad_norm=float(gnorm)))
+        step_s = lap()
+        if logged:
+            history[-1]["elapsed_s"] = round(now - start, 3)
             bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
-        if i % tc.eval_every == 0 or last:
+        if eval_due:
             record_eval(i)
-        if out_of_time:
-            log.warning("train: max_seconds %.0f reached at step %d of %d; stopping", tc.max_seconds, i, tc.steps)
-            break
-        if tc.checkpoint_every and i % tc.checkpoint_every == 0 and i != tc.steps:
+            eval_s = lap()
+        if save_due:
             checkpoint.save(os.path.join(tc.out, f"step_{i}"), params, cfg)
-    seconds = time.perf_counter() - t0
-    ckpt = os.path.join(tc.out, "checkpoint")
+            save_s = lap()
+    bar.close()
+    if done and (not history or history[-1]["step"] != done):
+        history.append(dict(step=done, loss=float(loss), grad_norm=float(gnorm), elapsed_s=round(now - start, 3)))
+    if evals[-1]["step"] != done:
+        record_eval(done)
+        lap()
     checkpoint.save(ckpt, params, cfg)
+    lap()
+    seconds = now - start
     result = dict(
         config=cfg.name,
         corpus=text.describe(),
@@ -193,6 +493,9 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
         stopped_early=done < tc.steps,
         tokens=done * tc.batch * tc.seq_len,
         seconds=seconds,
+        setup_seconds=setup_s,
+        memory_estimate_bytes=mem.total,
+        memory_budget_bytes=budget,
         checkpoint=ckpt,
         held_out_loss=evals[-1]["held_out_loss"],
         held_out_ppl=evals[-1]["held_out_ppl"],
@@ -205,10 +508,11 @@ def train(tc: TrainConfig, params=None) -> tuple[dict, dict]:
         json.dump(result, f, indent=1)
     _plot(history, evals, os.path.join(tc.out, "loss.png"))
     log.info(
-        "trained %s for %d steps in %.1f s: held-out loss %.4f -> %.4f",
+        "trained %s for %d steps in %.1f s (%.1f s of it set-up): held-out loss %.4f -> %.4f",
         cfg.name,
         done,
         seconds,
+        setup_s,
         evals[0]["held_out_loss"],
         evals[-1]["held_out_loss"],
     )
