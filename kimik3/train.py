@@ -135,12 +135,10 @@ def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 def _plot(history: list[dict], evals: list[dict], path: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's inline one) stays
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8, label="train")
     ax.plot([e["step"] for e in evals], [e["held_out_loss"] for e in evals], "o-", label="held-out")
     ax.set_xlabel("step")
@@ -149,7 +147,6 @@ def _plot(history: list[dict], evals: list[dict], path: str) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _corpus_flags(tc: TrainConfig) -> str:

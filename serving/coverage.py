@@ -157,12 +157,10 @@ def format_table(rows: list[CoverageRow]) -> str:
 
 
 def plot(rows: list[CoverageRow], path: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     names = [r.config for r in rows]
     gpu = [r.hit_tokens_gpu / max(1, r.prompt_tokens) for r in rows]
     host = [r.hit_tokens_host / max(1, r.prompt_tokens) for r in rows]
@@ -174,4 +172,3 @@ def plot(rows: list[CoverageRow], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -202,15 +202,15 @@ def plot_latency(records: dict[str, list[metrics.RequestRecord]], path: str, tit
     """TTFT and TPOT distributions per setup (empirical CDFs, log-scale latency axes) under
     `title`, written to `path`.  ImportError with what to install where matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401 (present, or the ImportError below)
+        from matplotlib.figure import Figure  # no pyplot: the caller's backend stays
     except ImportError:
         raise ImportError("matplotlib is not installed: `pip install 'kimik3[plot]'` (./run.sh installs it)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    axes = fig.subplots(1, 2)
     for name, recs in records.items():
         for ax, attr in zip(axes, ("ttft_s", "tpot_s")):
             v = np.sort([1e3 * getattr(r, attr) for r in recs if getattr(r, attr) is not None and getattr(r, attr) > 0])
@@ -227,7 +227,6 @@ def plot_latency(records: dict[str, list[metrics.RequestRecord]], path: str, tit
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(spec: DemoSpec, out_dir: str) -> str:

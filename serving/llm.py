@@ -411,7 +411,10 @@ class LLM:
 
     def _run(self, prepared: list[_Prepared], use_tqdm: bool) -> list[CompletionOutput]:
         """Submit every request, step the engine until each has finished, and their outputs in order."""
-        from tqdm.auto import tqdm
+        if use_tqdm:
+            from tqdm.auto import tqdm  # a widget in Jupyter
+        else:  # no bar: tqdm.auto would only warn in a Jupyter without ipywidgets
+            from tqdm import tqdm
 
         live: list[_Live] = []
         try:

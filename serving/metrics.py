@@ -198,12 +198,10 @@ def format_table(summaries: Sequence[Summary]) -> str:
 
 def plot(summaries_records: dict[str, Sequence[RequestRecord]], path: str) -> None:
     """TTFT and TPOT distributions per mode (empirical CDFs)."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend stays
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig = Figure(figsize=(9, 3.5))
+    axes = fig.subplots(1, 2)
     for name, records in summaries_records.items():
         for ax, attr in zip(axes, ("ttft_s", "tpot_s")):
             v = np.sort([getattr(r, attr) * 1e3 for r in records if getattr(r, attr) is not None])
@@ -216,7 +214,6 @@ def plot(summaries_records: dict[str, Sequence[RequestRecord]], path: str) -> No
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 class IntervalStats:
