@@ -333,7 +333,7 @@ def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
 # ---- forward ------------------------------------------------------------------------------------
 
 
-def forward_step(
+def forward_apply(
     params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
 ):
     """The forward over a cache (or none): (logits, the cache after) and, with taps (layers,
@@ -375,7 +375,7 @@ def forward_step(
 
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
-forward_step_jit = jax.jit(forward_step, static_argnames=_STATIC)
+forward_step_jit = jax.jit(forward_apply, static_argnames=_STATIC)
 
 
 def step_compiler_options(environ=os.environ) -> dict:
@@ -407,7 +407,7 @@ def step_compiler_options(environ=os.environ) -> dict:
 # KDA state row) are updated in place instead of copied each call.  The caller must drop its
 # references to the donated cache and keep the returned one.
 forward_step = jax.jit(
-    forward_step, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
+    forward_apply, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
 )
 
 

@@ -158,7 +158,7 @@ def _decode_body(
 ):
     # valid = active: an idle row of the bucket writes no state and is routed to no expert
     view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
-    logits, view = model.forward_step(
+    logits, view = model.forward_apply(
         params,
         io["tokens"][:, None],
         io["lengths"][:, None],

@@ -264,7 +264,7 @@ def _verify_body(params, draft, pools, rows, drafts, *, cfg, kernels, taps, k):
         pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32), valid=active * (k + 1)
     )
     positions = lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-    logits, view, vtaps = model.forward_step(
+    logits, view, vtaps = model.forward_apply(
         params, tokens, positions, view, None, cfg=verify_config(cfg), expert_path="grouped", kernels=kernels, taps=taps
     )
     g = eagle.fuse(draft, vtaps).astype(jnp.float32)

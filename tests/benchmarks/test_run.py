@@ -17,7 +17,7 @@ from benchmarks import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_DIR = os.path.join(ROOT, "benchmarks")
-SHARED = {"common", "registry", "run", "__init__"}  # the runner's own modules, no benchmark in them
+SHARED = {"common", "profile", "registry", "run", "__init__"}  # the runner's own modules, no benchmark in them
 
 
 def _run(args, timeout=600):

@@ -113,7 +113,7 @@ def test_pad_tokens_reach_no_expert(rng, deep_cfg, deep_params, monkeypatch):
     toks = _tokens(rng, 2, 8)
     view = model.paged_view(pools, np.array([[1], [2]], np.int32), [0, 1], [0, 0], valid=[8, 5])
     positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-    model.forward_step(
+    model.forward_apply(
         deep_params,
         jnp.asarray(toks),
         jnp.asarray(positions),
