@@ -34,6 +34,7 @@ from kimik3 import config
 from serving import metrics
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
+from serving.model_runner import decode_program
 
 log = logging.getLogger("benchmarks.kl_prefix")
 
@@ -78,8 +79,6 @@ def engine_config(cfg, s: kl.Setting, sessions: int, last: int, chunk: int, ci: 
 def run_mode(params, cfg, ec: EngineConfig, mode: str, prompts, tag: str) -> dict:
     """Every session's turns through a fresh engine in `mode`: (summary, first tokens, snapshot
     bytes held at the end, new programs compiled while timing)."""
-    from serving.model_runner import decode_program
-
     ec = ec.replace(kda_snapshots="align" if mode == "align" else "in_pass", prefix_caching=mode != "none")
     eng = Engine(params, cfg, ec)
     programs = lambda: kl.model.forward_step_jit._cache_size() + decode_program._cache_size()

@@ -2,8 +2,6 @@
 align mode keep the same snapshots and hit the same prefixes; without prefix caching nothing hits;
 all three give the same first tokens."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -54,7 +52,7 @@ def test_reuse_never_changes_the_first_tokens_in_fp32(modes):
 
 def test_the_engine_config_holds_every_sessions_context_twice():
     cfg = config.get_config("tiny")
-    s = dataclasses.replace(kl._setting(registry.Context(registry.by_name()["kl_prefix"], shapes="ci")))
+    s = kl._setting(registry.Context(registry.by_name()["kl_prefix"], shapes="ci"))
     ec = kl_prefix.engine_config(cfg, s, 4, 1000, 64, ci=True)
     assert ec.num_slots == 4 and ec.kda_block_tokens % ec.page_tokens == 0
     assert ec.num_pages >= 2 * 4 * (1000 // ec.page_tokens)
