@@ -3,13 +3,16 @@
 Block 0 is the null block: it is never handed out and pads block tables.
 A block is either *in use* (ref count > 0) or *free* (ref count 0, on the free
 list).  A free block may still hold a cached prefix (its hash is kept) until
-it is reused: allocation takes the least recently freed block first and
-evicts its hash then, reporting the eviction so its contents can be offloaded
-to the host tier before they are overwritten.
+it is reused.  Allocation takes blocks from the head of the free list: every
+free block without a hash (nothing a lookup can hit) comes before any cached
+one, and cached blocks go least recently freed first.  Reusing a cached block
+evicts its hash, reporting the eviction so its contents can be offloaded to
+the host tier before they are overwritten.
 
-Freeing a request's blocks appends them to the free list in reverse order, so
-the tail of a prompt (least likely to be shared) is evicted before its head.
-Every operation is O(1) per block.
+Freeing puts a block without a hash at the head of the free list and a cached
+block at the tail; a request's blocks are freed in reverse order, so the tail
+of a prompt (least likely to be shared) is evicted before its head.  Every
+operation is O(1) per block.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class BlockPool:
 
     # ---- operations ---------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """n fresh blocks (ref count 1, no hash), evicting cached ones LRU-first."""
+        """n fresh blocks (ref count 1, no hash): free blocks without a hash first, then cached
+        ones least recently freed first, each evicted (`on_evict`) as it is taken."""
         if n > len(self._free):
             raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
         out = []
@@ -81,7 +85,9 @@ class BlockPool:
             self.ref_cnt[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop a reference on each block; blocks reaching zero join the free list, tail first."""
+        """Drop a reference on each block, last to first.  A block reaching zero joins the free
+        list: at its head (the next allocated) without a hash, at its tail (evicted after every
+        block already free; the tail of `blocks` before its head) with one."""
         for block in reversed(list(blocks)):
             self._check(block)
             if self.ref_cnt[block] <= 0:
@@ -89,6 +95,8 @@ class BlockPool:
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 self._free[block] = None
+                if self.block_hash[block] is None:  # nothing to keep: reuse it before any cached block
+                    self._free.move_to_end(block, last=False)
 
     def cache_block(self, block: int, block_hash: bytes) -> bool:
         """Publish a full, committed block under its hash.  False if another block already
@@ -117,3 +125,5 @@ class BlockPool:
         for h, b in self._cached.items():
             assert self.block_hash[b] == h
         assert sum(h is not None for h in self.block_hash) == len(self._cached)
+        cached = [self.block_hash[b] is not None for b in self._free]
+        assert cached == sorted(cached), "a free block without a hash sits behind a cached one"

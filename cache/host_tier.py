@@ -343,10 +343,3 @@ class EmbeddedHostKVTier(HostKVTier):
         with self._lock:
             for k in keys:
                 self._data.pop(k, None)
-
-    def corrupt_for_test(self, key: str, byte_index: int = -1) -> None:
-        """Flip one stored byte (fault injection for tests and drills)."""
-        with self._lock:
-            blob = bytearray(self._data[key])
-            blob[byte_index] ^= 0xFF
-            self._data[key] = bytes(blob)

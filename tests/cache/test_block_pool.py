@@ -1,4 +1,5 @@
-"""Block pool: LRU reuse, tail-first eviction, eviction callbacks; invariants under random use."""
+"""Block pool: blocks without a hash reused first, LRU eviction of cached blocks, tail-first
+eviction, eviction callbacks; invariants under random use."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -20,12 +21,53 @@ def test_freed_prompt_tail_is_evicted_first_and_reported():
     for i, b in enumerate(blocks):
         pool.cache_block(b, f"h{i}".encode())
     pool.free(blocks)
-    spare = pool.allocate(1)  # the never-cached block goes first (freed earliest)
+    spare = pool.allocate(1)  # the never-cached block goes first (no hash to keep)
     assert evicted == []
     pool.allocate(1)
     assert evicted == [(blocks[2], b"h2")]  # the tail
     assert pool.lookup(b"h0") == blocks[0] and pool.lookup(b"h2") is None
     assert spare[0] not in blocks
+
+
+def test_a_freed_block_without_a_hash_is_reused_before_any_cached_block():
+    evicted = []
+    pool = BlockPool(4, on_evict=lambda b, h: evicted.append(h))
+    plain, x, y = pool.allocate(3)
+    pool.cache_block(x, b"x")
+    pool.cache_block(y, b"y")
+    pool.free([x, y])
+    pool.free([plain])  # freed last, but nothing a lookup could hit
+    assert pool.allocate(1) == [plain] and evicted == []
+    assert pool.lookup(b"x") == x and pool.lookup(b"y") == y
+    pool.check_invariants()
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first():
+    evicted = []
+    pool = BlockPool(6, on_evict=lambda b, h: evicted.append(h))
+    a, b, c, p, q = pool.allocate(5)
+    for block, h in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.cache_block(block, h)
+    for block in (a, p, b, q, c):  # cached and hash-less blocks freed in turn
+        pool.free([block])
+    pool.touch([a])  # a prefix hit on the least recently freed...
+    pool.free([a])  # ...makes it the most recently freed
+    assert sorted(pool.allocate(2)) == sorted([p, q]) and evicted == []
+    assert pool.allocate(3) == [b, c, a] and evicted == [b"b", b"c", b"a"]
+    pool.check_invariants()
+
+
+def test_a_cached_prefix_survives_allocations_that_blocks_without_a_hash_can_serve():
+    pool = BlockPool(7)
+    prefix = pool.allocate(3)
+    for i, block in enumerate(prefix):
+        pool.cache_block(block, bytes([i]))
+    scratch = pool.allocate(3)  # e.g. decode pages, or a prompt cancelled before it was committed
+    pool.free(prefix)
+    pool.free(scratch)  # freed after the prefix
+    assert sorted(pool.allocate(3)) == sorted(scratch)
+    assert [pool.lookup(bytes([i])) for i in range(3)] == prefix
+    pool.check_invariants()
 
 
 def test_touch_revives_a_free_cached_block():

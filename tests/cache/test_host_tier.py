@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cache.host_tier import EmbeddedHostKVTier, decode_entry, entry_size, make_key
+from tests.cache.corrupt import corrupt_entry
 
 
 def _page(rng, dtype=np.float32):
@@ -38,7 +39,7 @@ def test_a_corrupt_entry_is_a_counted_miss(rng, where):
     tier = EmbeddedHostKVTier(1 << 20)
     key = make_key("ns", "mla", b"\x07" * 16)
     tier.batch_put([key], [_page(rng)])
-    tier.corrupt_for_test(key, where)
+    corrupt_entry(tier, key, where)
     out = np.full((128, 48), 3.0, np.float32)
     assert tier.batch_get_into([key], [out]) == [False]
     assert tier.stats.corrupt == 1 and tier.stats.misses == 1

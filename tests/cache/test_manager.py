@@ -6,6 +6,7 @@ import pytest
 from cache.block_pool import NoFreeBlocks
 from cache.host_tier import EmbeddedHostKVTier
 from cache.manager import ArrayBlockStore, CacheSpec, PagedKVManager
+from tests.cache.corrupt import corrupt_entry
 
 PAGE = 16  # small pages keep the tests fast; the rules are the same at 128
 SPEC = CacheSpec(namespace="test/f32", page_tokens=PAGE, kda_block_tokens=4 * PAGE)
@@ -109,9 +110,24 @@ def test_a_corrupt_host_entry_is_a_miss_and_recomputes(rng):
     mgr.finish("b")
     for key in list(host._data):
         if "/mla/" in key:
-            host.corrupt_for_test(key)
+            corrupt_entry(host, key)
     req = mgr.begin("c", tokens + [5])
     assert req.hit.tokens == 0 and host.stats.corrupt >= 1  # reported, and nothing wrong was served
+
+
+def test_a_cached_prefix_outlives_a_later_request_that_cached_nothing(rng):
+    mgr = make(num_pages=9, num_snaps=4)  # 8 pages, 3 snapshot blocks
+    tokens = list(range(4 * PAGE))
+    run_prefill(mgr, "a", tokens, rng)
+    mgr.finish("a")  # its 4 pages and its snapshot stay cached
+    run_prefill(mgr, "b", list(range(500, 500 + PAGE - 1)), rng)  # under a page: nothing to hash
+    mgr.extend("b", 4 * PAGE)  # decode pages are never hashed either
+    mgr.finish("b")  # freed after "a"
+    mgr.begin("c", list(range(900, 900 + 4 * PAGE)))  # 4 pages and a checkpoint, all hash-less ones
+    hit = mgr.lookup(tokens + [5])
+    assert hit.tokens == 4 * PAGE and hit.pages_gpu == 4 and hit.snapshot_tier == "gpu"
+    mgr.page_pool.check_invariants()
+    mgr.snap_pool.check_invariants()
 
 
 def test_admission_and_pool_exhaustion():
