@@ -9,7 +9,7 @@
    tokens/s, one GPU (`kimik3.model.forward`) vs `n` GPUs (tp n / ep n
    prefill, dp n / ep n decode).
 
-The serving engine's decode on the same meshes: `python -m serving.scaling_bench`.
+The serving engine's decode on the same meshes: `python -m harness.scaling_bench`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ mesh whose two ranks are the first device of process 0 and of the last process, 
 to a DP/EP decode mesh over every device of every process (through the host: the P/D handoff
 across processes), decodes greedy tokens there, and compares logits, caches and tokens with
 the model on this process alone and with the no-cache oracle.  It writes DIR/process-I.json.
-`python -m serving.multiprocess_engine_check` (these flags and the engine's) runs this and then
+`python -m harness.multiprocess_engine_check` (these flags and the engine's) runs this and then
 serves requests with the serving engine as the same group (`run(args, then=...)`).
 """
 
@@ -77,12 +77,11 @@ def run(args, then=None) -> dict:
     tokens.append(nxt[:, 0].tolist())
     ref_tokens.append(ref_nxt[:, 0].tolist())
     cache_err = max(
-        float(np.abs(distributed.gather(g[k]) - np.asarray(w[k])).max())
-        for g, w in zip(cache["layers"], ref_cache["layers"])
-        for k in w
+        float(np.abs(distributed.gather(g) - np.asarray(w)).max())
+        for g, w in zip(jax.tree_util.tree_leaves(cache["layers"]), jax.tree_util.tree_leaves(ref_cache["layers"]))
     )
     # what this process holds of the decode cache: its own devices' requests only
-    held = sorted({s.index[0].start for g in cache["layers"] for k in g for s in g[k].addressable_shards})
+    held = sorted({s.index[0].start for g in jax.tree_util.tree_leaves(cache["layers"]) for s in g.addressable_shards})
     oracle = generate(params, cfg, prompts[0], STEPS + 1).tokens.tolist()
     out = {
         "process": jax.process_index(),

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PRODUCT = ("kimik3", "sharding", "serving", "pallas_kernels", "cache")
+PRODUCT = ("kimik3", "sharding", "serving", "pallas_kernels", "cache", "harness")
 
 # concept: (what a second definition would contain, the one file that may)
 ONE_HOME = {

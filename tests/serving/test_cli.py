@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from harness import commands
 from serving import cli
 
 
@@ -63,8 +64,8 @@ def test_demo_runs_without_the_http_stack_and_serving_commands_say_what_is_missi
         return real(name, *a, **k)
 
     monkeypatch.setattr(importlib, "import_module", no_http)
-    args = cli.build_parser().parse_args(["demo", "--config", "tiny"])
-    assert args.func is cli._cmd_demo
+    args = cli.build_parser("demo").parse_args(["demo", "--config", "tiny"])
+    assert args.func is commands.run_demo
     assert cli.main(["router", "--port", "8000"]) == 2
     assert "needs the Python package 'fastapi'" in capsys.readouterr().err
 

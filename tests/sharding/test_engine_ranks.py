@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from cache.host_tier import EmbeddedHostKVTier
+from harness.scaling_bench import engine_scaling
 from kimik3.generate import generate
 from serving.engine import Engine
 from serving.sampling import GREEDY, SamplingParams
-from serving.scaling_bench import engine_scaling
 from sharding import paged, rank_pools
 from sharding.mesh import decode_mesh
 from tests.serving.test_engine_logprobs import _log_softmax, penalized_greedy
@@ -116,11 +116,11 @@ def _check(req, params, cfg):
 
 def test_sessions_spread_over_the_ranks_and_return_to_them_for_their_prefix(served, params, tiny_cfg):
     sessions = served["sessions"]
-    assert sorted(a._rank for a, _ in sessions) == list(range(served["dp"]))  # one per rank
+    assert sorted(a.rank for a, _ in sessions) == list(range(served["dp"]))  # one per rank
     for a, b in sessions:
         _check(a, params, tiny_cfg)
         _check(b, params, tiny_cfg)
-        assert b._rank == a._rank and b.cached_tokens >= 2 * PAGE and b.cached_tokens_host == 0
+        assert b.rank == a.rank and b.cached_tokens >= 2 * PAGE and b.cached_tokens_host == 0
 
 
 def test_preemption_within_a_rank_offloads_and_resumes_with_the_oracles_tokens(served, params, tiny_cfg):
@@ -147,7 +147,7 @@ def test_no_step_gathers_pool_rows_and_every_pool_stays_on_its_rank(served):
     assert eng.load()["free_slots"] == 2 * served["dp"]
 
 
-@pytest.mark.slow  # the GPU benchmark's driver (`python -m serving.scaling_bench`); the engines it builds are tested above
+@pytest.mark.slow  # the GPU benchmark's driver (`python -m harness.scaling_bench`); the engines it builds are tested above
 def test_the_scaling_bench_times_one_device_against_the_mesh_with_the_same_requests_per_device(devices):
     out = engine_scaling(2, "tiny", 2, 20, 3, "reference", page_tokens=PAGE, dtype="float32", devices=devices[:2])
     assert out["1gpu"]["requests"] == 2 and out["2gpu"]["requests"] == 4

@@ -1,5 +1,5 @@
 """One model across processes, on JAX's multi-controller runtime with 2 processes x 4
-CPU devices, every listener of the group on loopback (`python -m serving.multiprocess_engine_check`,
+CPU devices, every listener of the group on loopback (`python -m harness.multiprocess_engine_check`,
 the sharded steps' check of `sharding.multiprocess_check` and then the engine's):
 
 * the sharded steps: TP2/EP2 prefill over a rank in each process and DP8/EP8 decode over all
@@ -76,7 +76,7 @@ def _run_group(module: str, out, *extra: str) -> list[dict]:
 
 
 def test_a_two_process_group_runs_the_sharded_steps_and_serves_as_one_engine(tmp_path):
-    results = _run_group("serving.multiprocess_engine_check", tmp_path, "--ep", "2", "--engine-devices", "2")
+    results = _run_group("harness.multiprocess_engine_check", tmp_path, "--ep", "2", "--engine-devices", "2")
     # the sharded steps
     for i, r in enumerate(results):
         assert (r["process"], r["processes"], r["devices"], r["local_devices"]) == (i, 2, 8, 4)

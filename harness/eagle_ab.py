@@ -23,19 +23,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import statistics
 import warnings
 
 import numpy as np
 
 from kimik3 import arithmetic, tokenizer
+from serving.bench_data import PACKAGED_MT_BENCH
 
 log = logging.getLogger(__name__)
 
 ARMS = ("drop", "no_drop", "exact")
 PAIRS = (("no_drop", "drop"), ("exact", "drop"), ("exact", "no_drop"))
-QUESTIONS = os.path.join(os.path.dirname(__file__), "data", "mt_bench_questions.jsonl")
+QUESTIONS = PACKAGED_MT_BENCH  # the 80 two-turn MT-Bench questions shipped in serving/data/
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Scaling of the serving engine's decode over GPUs (run on a machine with >= 2 GPUs).
 
-    python -m serving.scaling_bench --n 2 --out engine_scaling.json
+    python -m harness.scaling_bench --n 2 --out engine_scaling.json
 
 An engine on one GPU with B requests against an engine whose decode mesh is dp n / ep n
 (`sharding.mesh.decode_mesh`) with n * B requests (the same requests per GPU, the same context),
@@ -28,15 +28,15 @@ def _engine_decode_tok_s(engine, requests: int, context: int, steps: int, rng) -
     """Decode tokens/s of `engine` with `requests` requests of `context`-token prompts, timed over
     `steps` engine steps once all of them decode (prefill and compiles before the clock)."""
     reqs = [engine.submit(rng.integers(0, 256, context).tolist(), steps + 8) for _ in range(requests)]
-    while any(r._computed < len(r._context) or not r.output for r in reqs):
+    while any(r.planned_len < len(r.context) or not r.output for r in reqs):
         engine.step()
     engine.step()  # every bucket compiled, one decode step in flight at most
-    engine._settle_decode()
+    engine.settle()
     done = sum(len(r.output) for r in reqs)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    engine._settle_decode()
+    engine.settle()
     dt = time.perf_counter() - t0
     made = sum(len(r.output) for r in reqs) - done
     for r in reqs:
@@ -103,7 +103,7 @@ def engine_scaling(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m serving.scaling_bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.scaling_bench", description=__doc__)
     p.add_argument("--n", type=int, default=len(jax.devices()), help="GPUs of the decode mesh")
     p.add_argument("--config", default="small")
     p.add_argument("--per-gpu-batch", type=int, default=32, help="requests per device")

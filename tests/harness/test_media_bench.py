@@ -3,7 +3,7 @@ same tokens, and each tier shows hits exactly where it is on."""
 
 import json
 
-from serving import media_bench
+from harness import media_bench
 
 
 def test_the_ablation_runs_and_every_configuration_gives_the_same_tokens(tmp_path):

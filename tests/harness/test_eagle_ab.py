@@ -1,4 +1,4 @@
-"""`kimik3 eagle-ab` (`serving.eagle_ab`): the two-turn workload, the arms and their paired
+"""`kimik3 eagle-ab` (`harness.eagle_ab`): the two-turn workload, the arms and their paired
 bootstrap differences."""
 
 import json
@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from harness import eagle_ab
 from kimik3 import config, eagle_train, tokenizer
-from serving import cli, eagle_ab
+from serving import cli
 
 
 def test_the_packaged_questions_are_the_80_two_turn_mt_bench_questions():

@@ -23,8 +23,8 @@ import time
 
 from cache.loopback import loopback_env
 from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices, _binary
+from harness.demo_setups import DemoSpec, engine_config, load_params, request_pages, run_mode
 from kimik3 import stacked
-from serving.demo_setups import DemoSpec, engine_config, load_params, request_pages, run_mode
 from serving.deployment_env import child_env
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
@@ -54,7 +54,7 @@ def run(spec, timeout_s: float = 900.0):
         argv = [
             sys.executable,
             "-m",
-            "serving.demo_store",
+            "harness.demo_store",
             "--spec",
             json.dumps(dataclasses.asdict(spec)),
             "--master",
@@ -125,7 +125,7 @@ def _child(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m serving.demo_store", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m harness.demo_store", description=__doc__)
     parser.add_argument("--spec", required=True, help="the DemoSpec as JSON")
     parser.add_argument("--master", required=True, help="the Mooncake master's host:port")
     parser.add_argument("--metadata", required=True, help="the Mooncake metadata server's URL")

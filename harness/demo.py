@@ -1,13 +1,13 @@
 """The demo (the main job): the seeded multi-turn agent workload, end to end.
 
-Runs the workload through each serving setup on embedded defaults (`serving.demo_setups`):
+Runs the workload through each serving setup on embedded defaults (`harness.demo_setups`):
 
 * colocated: one engine, GPU pool only;
 * colocated + host tier: one engine with the embedded host-memory tier;
 * P/D direct: a prefill engine hands KV to a decode engine directly;
 * P/D via store: the handoff goes through a shared host tier;
 * P/D via Mooncake (when Mooncake is installed): the same through a Mooncake store, in a child
-  process under the loopback shim (`serving.demo_store`).
+  process under the loopback shim (`harness.demo_store`).
 
 Sessions are closed-loop: a session's next turn (history + new input) is
 submitted when its previous turn finishes; sessions start in bursts.  The
@@ -37,9 +37,10 @@ import time
 import jax
 from tqdm import tqdm
 
+from harness import demo_store
+from harness.demo_setups import MODES, DemoSpec, build_server, load_params, request_pages, run_mode, workload
 from kimik3 import stacked
-from serving import demo_store, metrics
-from serving.demo_setups import MODES, DemoSpec, build_server, load_params, request_pages, run_mode, workload
+from serving import metrics
 
 log = logging.getLogger(__name__)
 # What the P/D rows' TPOT measures here, said under the table: both engines share this process

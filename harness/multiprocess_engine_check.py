@@ -1,9 +1,9 @@
-"""`python -m serving.multiprocess_engine_check`: the serving engine as a process group, against
+"""`python -m harness.multiprocess_engine_check`: the serving engine as a process group, against
 the oracle.
 
 Run once per process (same arguments but --process-id)::
 
-    python -m serving.multiprocess_engine_check --coordinator 127.0.0.1:PORT --num-processes 2 \\
+    python -m harness.multiprocess_engine_check --coordinator 127.0.0.1:PORT --num-processes 2 \\
         --process-id I --cpu-devices 4 --ep 2 --engine-devices 2 --out DIR
 
 Each process joins the group and runs the sharded steps' check (`sharding.multiprocess_check`),
@@ -95,7 +95,7 @@ def serve(args) -> dict:
         oracle = generate(params, cfg, r.prompt, r.max_new_tokens).tokens.tolist()
         return {
             "kind": kind,
-            "rank": first_rank + r._rank,
+            "rank": first_rank + r.rank,
             "error": r.error,
             "equal": r.output == oracle,
             "cached": r.cached_tokens,
@@ -115,7 +115,7 @@ def serve(args) -> dict:
         + [record("second", r) for r in second]
         + [record("grown", r) for r in grown]
         + [record("third", third)],
-        "sessions_kept_their_rank": [a._rank == b._rank for a, b in zip(first, second)],
+        "sessions_kept_their_rank": [a.rank == b.rank for a, b in zip(first, second)],
         "pools_on_own_devices": all(
             leaf.devices() <= set(jax.local_devices()) for kv in eng.kvs for leaf in jax.tree_util.tree_leaves(kv.pools)
         ),
@@ -126,7 +126,7 @@ def serve(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m serving.multiprocess_engine_check",
+        prog="python -m harness.multiprocess_engine_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,8 +1,8 @@
 """Coverage harness: cache rate rises from GPU-only to host offload to the shared store."""
 
 from cache.mooncake_tier import MooncakeHostKVTier
+from harness import coverage
 from kimik3 import config
-from serving import coverage
 from serving.workload import WorkloadSpec, generate_sessions
 
 

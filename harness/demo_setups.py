@@ -3,8 +3,8 @@
 `DemoSpec` is the demo's workload and pools; `MODES` the setups built here, each on embedded
 defaults (`build_server`): one engine without or with the embedded host tier, a prefill and a
 decode engine handing KV over directly or through a shared host tier.  `run_mode` also runs a
-setup built elsewhere (`engines=`: the Mooncake one, `serving.demo_store`).  The report over
-every setup: `serving.demo`.
+setup built elsewhere (`engines=`: the Mooncake one, `harness.demo_store`).  The report over
+every setup: `harness.demo`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run_mode(params, cfg, spec: DemoSpec, mode: str, bar=None, max_pages: int | 
     this workload's longest turn needs); the warm-up's short runs pass the measured runs' width,
     so they compile the programs the measurement runs (another width is another shape of every
     step program: 28 s of compiles on an H200 at `small`).  engines: (spec, max_pages) -> the
-    server, for setups built elsewhere (`serving.demo_store`)."""
+    server, for setups built elsewhere (`harness.demo_store`)."""
     sessions = workload(spec)
     width = request_pages(spec) if max_pages is None else max_pages
     server = engines(spec, width) if engines is not None else build_server(params, cfg, spec, mode, width)
