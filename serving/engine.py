@@ -1,21 +1,24 @@
-"""The serving engine (thin): submit / adopt / cancel / stream, and a `step()` that is plan -> run -> update.
+"""The serving engine: submit / adopt / cancel / stream, and a `step()` that is plan -> execute -> update.
 
 The pieces, as in vLLM V1:
 
 * `serving.scheduler.Scheduler` plans each step (`schedule() -> StepPlan`): admissions with
   prefix hits, decode rows, prefill chunks with the KDA snapshot boundaries their pass exports,
-  preemptions.  Pure Python over the `PagedKVManager`.
+  preemptions.  Pure Python over the `PagedKVManager`, no JAX.  It applies what a step
+  produced (`update_from_output`): tokens, finished requests, handovers.
+* `serving.executor.StepExecutor` executes a plan on the device (offload the preempted,
+  install the admitted, dispatch the decode rows, run the prefill chunks) and returns a
+  `StepOutput` record.
 * `serving.model_runner.ModelRunner` owns every jitted program: prefill chunks (padded to a
   few lengths), the decode program (persistent buffers per power-of-two bucket, sampling on the
   device, async dispatch), the sharded steps on meshes, and the warm-up that compiles them.
 * `serving.kv_pools.KVPools` owns the device pools (MLA pages, KDA slots, KDA snapshots) and
   moves state between them.
-* `Engine.step()` asks the scheduler for a plan, executes it in order (offload the preempted,
-  install the admitted, dispatch the decode rows, run the prefill chunks), and reports tokens
-  back (`Scheduler.emit`).  In a decode-only phase (the same running requests, nothing
-  waiting or prefilling, pages in hand) the next decode step is dispatched on the device's
-  own sampled tokens before the host reads the previous step's (`_chain_decode`), so the
-  GPU never waits on the host between steps.
+
+In a decode-only phase (the same running requests, nothing waiting that could be admitted,
+pages in hand) the scheduler plans the next decode step on the device's own sampled tokens
+(`Scheduler.chain_plan`) and the executor dispatches it before the host reads the previous
+step's, so the GPU never waits on the host between steps.
 
 Configuration is one frozen `EngineConfig` (`serving.engine_config`); the host tier, the meshes and the P/D hook
 (`on_prefilled`) are constructor arguments.
@@ -81,15 +84,15 @@ from serving.engine_config import EngineConfig, check_cache_salt, check_handoff
 from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
 from serving.metrics import StepProfile
-from serving.model_runner import DecodeRows, ModelRunner, decode_logprobs
-from serving.sampling import GREEDY, SamplingParams, TokenLogprobs, choose_token, logprobs_of
-from serving.scheduler import PrefillChunk, Request, Scheduler, SchedulerConfig, StepPlan
+from serving.executor import StepExecutor
+from serving.model_runner import DecodeRows, ModelRunner
+from serving.sampling import GREEDY, SamplingParams, TokenLogprobs
+from serving.request import Request
+from serving.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt", "check_handoff"]
-
-_FAILED = object()  # what `Engine._isolated` returns for work that failed its request
 
 # exceptions that mean a value the request carries could not be used (its fault "invalid")
 _VALUE_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
@@ -252,13 +255,10 @@ class Engine:
         self.step_tokens: collections.deque[int] = collections.deque(maxlen=4096)
         # sharded prefill calls by the requests they ran (`prefill_batch`)
         self.prefill_batches: collections.Counter[int] = collections.Counter()
-        # (requests, DecodeRows or a speculative round's record (`SpecDecoder.dispatch`), device
-        # tokens, dispatch id, mixed) of a decode step not yet read
-        self._inflight = None
+        self.executor = StepExecutor(self, self.fail_request)
         self._ids = itertools.count()
         # where the steps' wall time goes, by kind (host work against waiting on the device)
         self.profile = StepProfile()
-        self._wait_s = 0.0  # this step's wait on the device so far (`_wait_for`)
 
     # ---- views of the pieces (what callers and tests read) ------------------------------------------
     # `kv` and `manager` are rank 0's: the only rank without a decode mesh.  A request's own are
@@ -282,16 +282,20 @@ class Engine:
     _decode_step = property(lambda self: self.runner.decode_step)
 
     def kv_of(self, req: Request) -> KVPools:
-        return self.kvs[req._rank]
+        return self.kvs[req.rank]
 
     def manager_of(self, req: Request) -> PagedKVManager:
-        return self.managers[req._rank]
+        return self.managers[req.rank]
 
     def _prefill_lengths(self):
         return self.runner.prefill_lengths()
 
     def _decode_bucket(self, n: int) -> int:
         return self.runner.decode_bucket(n)
+
+    def table_of(self, req: Request) -> list[int]:
+        """`req`'s page table, padded with the null page to `max_pages`."""
+        return self.executor.table_of(req)
 
     # ---- sizing --------------------------------------------------------------------------------------
     bytes_per_page = staticmethod(kv_pools.bytes_per_page)
@@ -497,15 +501,6 @@ class Engine:
                 queue.remove(req)
         self.scheduler.release(req, error=f"the request failed: {type(err).__name__}: {err}")
 
-    def _isolated(self, req: Request, fn, *args, **kw):
-        """fn(*args, **kw), a piece of `req`'s own host-side work inside a step: its result, or
-        `_FAILED` when it raised (then `req` has failed alone: `fail_request`)."""
-        try:
-            return fn(*args, **kw)
-        except Exception as err:  # noqa: BLE001 - the request's failure is the request's
-            self.fail_request(req, err)
-            return _FAILED
-
     def load(self) -> dict:
         """What a router balances on: queue depth, running requests, free slots and pages, KV use."""
         total = sum(m.page_pool.num_blocks - 1 for m in self.managers)
@@ -566,7 +561,7 @@ class Engine:
             if not self.group_has_work():
                 break
             self.step()
-        self._settle_decode()  # the last step's tokens, if it left them in flight
+        self.settle()  # the last step's tokens, if it left them in flight
         return self.finished
 
     def _programs(self) -> int:
@@ -576,7 +571,7 @@ class Engine:
         """Compile every step shape this engine can use and run each once on scratch rows
         (`ModelRunner.warmup`; `sampled`: the decode steps' sampling variant too), and the page and
         snapshot moves (`KVPools.warm_moves`).  Returns the number of new step programs."""
-        self._settle_decode()
+        self.settle()
         before = self._programs()  # the speculative warm-up's row writes count in the runner's programs
         self.runner.warmup(self.kvs, max_pages=self.max_pages, null_page=NULL_BLOCK, threads=threads, sampled=sampled)
         for kv in self.kvs:  # the page and snapshot moves (offloads, host-tier loads, P/D handoffs)
@@ -586,332 +581,35 @@ class Engine:
         return self._programs() - before
 
     def step(self) -> None:
-        t0, self._wait_s = time.perf_counter(), 0.0
-        if self._chainable():  # a decode-only phase: step n+1 goes out before step n's tokens are read
-            self._chain_decode()
-            kind = "chained"
-        else:
-            self._settle_decode()
+        """One step: plan -> execute -> update.  In a decode-only phase the scheduler's plan is
+        chained on the decode step still on the device (its tokens read after the next step is
+        dispatched, so the device never waits on the host between steps); otherwise that step's
+        tokens are applied first and the scheduler plans from them."""
+        t0, self.executor.wait_s = time.perf_counter(), 0.0
+        before = self._programs()
+        plan = self.scheduler.chain_plan(self.executor.in_flight)
+        if plan is None:
+            self.scheduler.update_from_output(self.executor.settle())
             plan = self.scheduler.schedule()
-            before = self._programs()
-            self._execute(plan)
-            self.compiles += self._programs() - before  # new XLA programs this step needed
-            if plan.tokens:
-                self.step_tokens.append(plan.tokens)
-            kind = ("mixed" if plan.prefill else "decode") if plan.decode else "prefill" if plan.prefill else "idle"
-        self.profile.add(kind, time.perf_counter() - t0 - self._wait_s, self._wait_s)
-
-    def _execute(self, plan: StepPlan) -> None:
-        for p in plan.preempted:  # their freed pages still hold their KV until this step runs
-            if p.offload_keys is not None:
-                pages, state = self.kvs[p.rank].read_kv(list(p.page_table), p.cached_len, p.slot)
-                if all(self.manager.host.batch_put(list(p.offload_keys), pages + [state])):
-                    p.request._offload_keys = list(p.offload_keys)
-                else:
-                    self.manager.host.remove(list(p.offload_keys))
-        for a in plan.admitted:
-            if a.resume_kv is not None:
-                self._install_kv(a.request, a.blocks, *a.resume_kv)
-            else:
-                self.kv_of(a.request).restore_state(a.request._slot, a.blocks.snapshot_block)
-            a.restored(self.manager_of(a.request))
-            if self.spec is not None:
-                self._isolated(a.request, self.spec.on_admit, self, a.request, a.blocks)
-        decode = [r for r in plan.decode if not r.done]  # less any that failed alone above
-        if decode or self.group:  # a group's engines decode together, with padding rows if idle
-            self._decode(decode, mixed=bool(plan.prefill))
-        batches: dict[tuple[int, int], list[PrefillChunk]] = {}
-        for chunk in plan.prefill:
-            if chunk.request.done:  # failed alone earlier in this step
-                continue
-            if chunk.sharded and self.config.prefill_batch > 1:  # run below, with the rank's others of its length
-                batches.setdefault((chunk.request._rank, chunk.tokens), []).append(chunk)
-            else:
-                self._run_chunk(chunk)
-        for chunks in batches.values():
-            for i in range(0, len(chunks), self.config.prefill_batch):
-                self._run_sharded_batch(chunks[i : i + self.config.prefill_batch])
-        if not plan.decode_only:  # read this step's decode tokens now (no step is chained on them)
-            self._settle_decode()
-
-    # ---- prefill ---------------------------------------------------------------------------------
-    def _run_chunk(self, chunk: PrefillChunk) -> None:
-        req, start, end = chunk.request, chunk.start, chunk.end
-        ctx = req._context
-        tokens = np.asarray([ctx[start:end]], np.int32)
-        images = None
-        if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
-            if req._image_rows is None:  # the ViT runs once per request, at its first image chunk
-                rows = self._isolated(req, self.image_rows, req)
-                if rows is _FAILED:
-                    return
-                req._image_rows = rows
-            # this chunk's placeholders take the rows after those of earlier chunks
-            images = {"rows": req._image_rows, "first": jnp.int32(ctx[:start].count(tokenizer.IMAGE_ID))}
-        step = self.runner.prefill_step if chunk.sharded else None
-        logits, exports, *tapped = self.runner.forward(
-            self.kv_of(req),
-            tokens,
-            [self._table(req)],
-            [req._slot],
-            [start],
-            step=step,
-            images=images,
-            export_offsets=[b - start for b in chunk.export],
+        self.scheduler.update_from_output(self.executor.execute(plan))
+        self.compiles += self._programs() - before  # new XLA programs this step needed
+        if plan.tokens:
+            self.step_tokens.append(plan.tokens)
+        kind = (
+            "chained"
+            if plan.chained
+            else ("mixed" if plan.prefill else "decode")
+            if plan.decode
+            else "prefill"
+            if plan.prefill
+            else "idle"
         )
-        if (
-            self.spec is not None
-            and self._isolated(req, self.spec.after_chunk, self, req, start, end, tapped[0]) is _FAILED
-        ):
-            return
-        self._chunk_done(chunk, self._last_logits(chunk.last, logits)[0], exports)
+        wait_s = self.executor.wait_s
+        self.profile.add(kind, time.perf_counter() - t0 - wait_s, wait_s)
 
-    def _run_sharded_batch(self, chunks: list[PrefillChunk]) -> None:
-        """Sharded chunks of one rank and one length as one call on the prefill mesh, padded to a
-        power of two with rows of the scratch slot and null pages (which write only those)."""
-        pad = (1 << (len(chunks) - 1).bit_length()) - len(chunks)
-        reqs = [c.request for c in chunks]
-        tokens = np.asarray(
-            [r._context[c.start : c.end] for r, c in zip(reqs, chunks)] + [[0] * chunks[0].tokens] * pad, np.int32
-        )
-        tables = [self._table(r) for r in reqs] + [[NULL_BLOCK] * self.max_pages] * pad
-        slots = [r._slot for r in reqs] + [self.scratch_slot] * pad
-        starts = [c.start for c in chunks] + [0] * pad
-        logits, _ = self.runner.forward(
-            self.kv_of(reqs[0]), tokens, tables, slots, starts, step=self.runner.prefill_step
-        )
-        self.prefill_batches[len(chunks)] += 1
-        for chunk, row in zip(chunks, self._last_logits(any(c.last for c in chunks), logits)):
-            self._chunk_done(chunk, row, None)
-
-    def _last_logits(self, needed: bool, logits):
-        """A prefill call's last-position logits ([B, 1, V] on the device) as numpy f32 [B, V] where
-        a chunk ends its prompt (its first token is chosen from them: the wait counts as the
-        device's), else [None] * B: an intermediate chunk's logits are never read, so the host goes
-        on while the device computes it."""
-        if not needed:
-            return [None] * logits.shape[0]
-        self._wait_for(logits)
-        return np.asarray(logits, np.float32)[:, -1]
-
-    def _chunk_done(self, chunk: PrefillChunk, logits_v, exports) -> None:
-        """A chunk's KV is in the pools: publish its pages and snapshots, and with the last chunk
-        choose the request's first token (logits_v f32 [V]: its last position's; None unless last)."""
-        req, end = chunk.request, chunk.end
-        kv, manager = self.kv_of(req), self.manager_of(req)
-        manager.commit_pages(req.request_id, end)
-        blocks = manager.requests[req.request_id]  # each commit publishes the checkpoint block
-        for i, boundary in enumerate(chunk.export):  # and gives the request a fresh one: re-read it
-            kv.save_export(exports, i, blocks.checkpoint_block)
-            manager.commit_snapshot(req.request_id, boundary)
-        if chunk.snapshot_at_end:
-            kv.save_state(req._slot, blocks.checkpoint_block)
-            manager.commit_snapshot(req.request_id, end)
-        if chunk.last:
-            req._cached_len = end
-            self._isolated(req, self._first_token, req, logits_v)
-
-    def _first_token(self, req: Request, logits_v) -> None:
-        """Choose a prefilled request's first token from its last position's logits (f32 [V]) and
-        emit it, or (a prefill engine with `on_prefilled`) hand the request over with it."""
-        token, lp = self._choose(req, logits_v)
-        if self.role == "prefill" and self.on_prefilled is not None:
-            req.output.append(token)
-            req.token_times_s.append(time.monotonic())
-            req.token_mixed.append(True)
-            if req.sampling.logprobs is not None:
-                req.logprobs.append(lp)
-            if self.spec is not None:
-                self.spec.write_last_slot(self, req, token)
-            self.on_prefilled(self, req)  # hands the KV over while this engine still holds it
-            self.running.remove(req)
-            self.scheduler.release(req)
-        else:
-            self.scheduler.emit(req, token, mixed=True, logprobs=lp)
-
-    # ---- decode ----------------------------------------------------------------------------------
-    def _decode(self, reqs: list[Request], mixed: bool = False) -> None:
-        """Dispatch one token for each of `reqs` (pages already extended by the scheduler); mixed:
-        the step also runs prefill chunks (metrics split TPOT by it)."""
-        if self.spec is not None:  # a verify round, read by the next step (or at this one's end)
-            rnd = self.spec.dispatch(self, reqs)
-            self._inflight = (reqs, rnd, rnd["out"], rnd["id"], mixed)
-            return
-        if self.runner.decode_step is not None:  # a decode mesh: every rank on its own pools, synchronous
-            self._decode_ranks(reqs, mixed)
-            return
-        try:
-            rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
-        except Exception:  # noqa: BLE001 - a row that cannot be built fails its request alone
-            reqs = [r for r in reqs if self._isolated(r, self._decode_rows, [r], [r.output[-1]]) is not _FAILED]
-            if not reqs:
-                return
-            rows = self._decode_rows(reqs, [r.output[-1] for r in reqs])
-        # the penalties count the output before the step's input token (output[-1]: the step counts it)
-        self.pools, tokens, did, lp = self.runner.decode.dispatch(
-            self.params, self.pools, rows, histories=self._histories(reqs, chained=False)
-        )
-        for r in reqs:
-            r._cached_len += 1
-        self._inflight = (reqs, rows, (tokens, lp), did, mixed)  # read by the next step (or at this one's end)
-
-    def _decode_ranks(self, reqs: list[Request], mixed: bool) -> None:
-        """One decode-mesh step: each rank's requests in its block of `rank_rows` rows, padded with
-        rows of its scratch slot and null pages (ids in its own pools)."""
-        per_rank = [[r for r in reqs if r._rank == k] for k in range(len(self.kvs))]
-        n = max(map(len, per_rank))
-        if self.group:  # every rank of the group runs the fullest rank's rows
-            from sharding.distributed import agree_max
-
-            (n,) = agree_max([n])
-        if n == 0:
-            return
-        b = self.runner.rank_rows(n)
-        tokens, tables, slots, lengths, where = [], [], [], [], []
-        for k, rs in enumerate(per_rank):
-            pad = b - len(rs)
-            tokens += [[r.output[-1]] for r in rs] + [[0]] * pad
-            tables += [self._table(r) for r in rs] + [[NULL_BLOCK] * self.max_pages] * pad
-            slots += [r._slot for r in rs] + [self.scratch_slot] * pad  # padding rows share the scratch slot
-            lengths += [r._cached_len for r in rs] + [0] * pad
-            where += [(r, k * b + i) for i, r in enumerate(rs)]
-        # greedy rows without penalties or logprobs need only the argmax the devices took
-        plain = lambda r: r.sampling.greedy and not r.sampling.penalized and r.sampling.logprobs is None
-        greedy, logits = self.runner.decode_ranks(
-            self.kvs,
-            np.asarray(tokens, np.int32),
-            np.asarray(tables, np.int32),
-            np.asarray(slots, np.int32),
-            np.asarray(lengths, np.int32),
-            logits=not all(plain(r) for r, _ in where),
-        )
-        for r, row in where:
-            r._cached_len += 1
-            if plain(r):
-                self.scheduler.emit(r, int(greedy[row]), mixed)
-            else:
-                self._isolated(r, self._emit_chosen, r, logits[row], mixed)
-
-    def _emit_chosen(self, req: Request, logits_v, mixed: bool) -> None:
-        token, lp = self._choose(req, logits_v)
-        self.scheduler.emit(req, token, mixed, logprobs=lp)
-
-    def _chainable(self) -> bool:
-        """Whether the next step may be dispatched on the in-flight step's device tokens: the same
-        requests, none of which can reach max_new_tokens with the in-flight step's tokens (1, or a
-        round's up to k + 1), nothing waiting that a free slot could admit, and pages for the next
-        step's reach without preempting.  Requests waiting while every slot is taken do not stop
-        the chain: `Scheduler._admit` needs a free slot, and one frees only when a running request
-        ends, which breaks the chain (done, or at its max_new_tokens) before its next step."""
-        if self._inflight is None or (self.waiting and self.scheduler.free_slots):
-            return False
-        reqs = self._inflight[0]
-        if len(reqs) != len(self.running) or set(map(id, reqs)) != set(map(id, self.running)):
-            return False
-        if any(r.done or len(r.output) + self._flight_tokens >= r.max_new_tokens for r in reqs):
-            return False
-        extra = self._flight_tokens if self.spec is not None else 0  # plain: _cached_len counts it
-        return self.scheduler.fits(reqs, extra)
-
-    @property
-    def _flight_tokens(self) -> int:
-        """The most tokens a request may gain from the decode step in flight."""
-        return 1 + (self.spec.k if self.spec is not None else 0)
-
-    def _chain_decode(self) -> None:
-        reqs = self._inflight[0]
-        if self.spec is not None:  # the round in flight may add k + 1 tokens before this one's
-            for r in reqs:
-                self.manager_of(r).extend(r.request_id, self.scheduler.decode_reach(r, self._flight_tokens))
-            before = self._programs()
-            rnd = self.spec.dispatch(self, reqs, chained=True)
-            self.compiles += self._programs() - before
-            previous, self._inflight = self._inflight, (reqs, rnd, rnd["out"], rnd["id"], False)
-            self._resolve_decode(previous, successor=rnd)
-            self.step_tokens.append(len(reqs) * self._flight_tokens)  # each row verifies 1 + k tokens
-            return
-        for r in reqs:
-            self.manager_of(r).extend(r.request_id, r._cached_len + 1)
-        rows = self._decode_rows(reqs, tokens=[0] * len(reqs))  # tokens: the device's, from the step in flight
-        before = self.runner.programs()
-        # the input token is the in-flight step's: the whole output so far comes before it
-        self.pools, tokens, did, lp = self.runner.decode.dispatch(
-            self.params, self.pools, rows, tokens_on_device=True, histories=self._histories(reqs, chained=True)
-        )
-        self.compiles += self.runner.programs() - before
-        for r in reqs:
-            r._cached_len += 1
-        previous, self._inflight = self._inflight, (reqs, rows, (tokens, lp), did, False)
-        self._resolve_decode(previous)
-        self.step_tokens.append(len(reqs))
-
-    def _settle_decode(self) -> None:
-        """Read the in-flight decode step's tokens, if any."""
-        if self._inflight is not None:
-            previous, self._inflight = self._inflight, None
-            self._resolve_decode(previous)
-
-    def _resolve_decode(self, inflight, successor=None) -> None:
-        """Emit a dispatched decode step's tokens (waits for them).  Requests that ended since it
-        was dispatched (EOS the step before, cancellation) drop theirs."""
-        reqs, rows, tokens, did, mixed = inflight
-        self._wait_for(tokens)
-        if self.spec is not None:  # rows: the round's record
-            self.spec.resolve(self, rows, successor, mixed)
-            return
-        tokens, lp = tokens
-        tokens = np.asarray(tokens)
-        self.runner.decode.settle(rows, tokens, did)
-        lps = decode_logprobs(rows, lp) if lp is not None else [None] * len(reqs)
-        for r, token, entry in zip(reqs, tokens, lps):
-            if not r.done and r in self.running:
-                self._isolated(r, self.scheduler.emit, r, int(token), mixed, logprobs=entry)
-
-    def _wait_for(self, arrays) -> None:
-        """Block until `arrays` (a pytree) are computed, the time counted as this step's wait on
-        the device (`metrics.StepProfile`), not its host work."""
-        t0 = time.perf_counter()
-        jax.block_until_ready(arrays)
-        self._wait_s += time.perf_counter() - t0
-
-    @staticmethod
-    def _histories(reqs: list[Request], *, chained: bool):
-        """Per request with penalties, (its record, how many tokens it generated before the step's
-        input token, a function giving them) (`DecodeRunner.dispatch`; the list is built only when
-        the slot's counts must be rewritten): all of them when the input is the in-flight step's
-        token, all but the last otherwise."""
-
-        def entry(r):
-            n = r.prior_output + len(r.output) - (0 if chained else 1)
-            return r, n, lambda: r.generated()[:n]
-
-        return [entry(r) if r.sampling.penalized else None for r in reqs]
-
-    def _decode_rows(self, reqs: list[Request], tokens: list[int]) -> DecodeRows:
-        return DecodeRows.build(
-            self._decode_bucket(len(reqs)),
-            tokens,
-            [self._table(r) for r in reqs],
-            [r._slot for r in reqs],
-            [r._cached_len for r in reqs],
-            [r.sampling for r in reqs],
-            max_pages=self.max_pages,
-            null_page=NULL_BLOCK,
-            scratch_slot=self.scratch_slot,
-        )
-
-    # ---- KV in and out (P/D handoff, offload) -------------------------------------------------------
-    def _install_kv(self, req: Request, blocks, pages: list[np.ndarray], state: np.ndarray) -> None:
-        """Write a request's page contents (those not already shared through its prefix hit) and
-        its KDA state after `len(req._context)` tokens into the pools and its slot."""
-        first_new = blocks.hit.tokens // self.page_tokens  # hit pages are shared: never written
-        new_pages = blocks.page_table[first_new : len(pages)]
-        kv = self.kv_of(req)
-        if new_pages:
-            kv.pages.write(new_pages, pages[first_new : first_new + len(new_pages)])
-        self.manager_of(req).commit_pages(req.request_id, len(req._context))
-        kv.write_snapshot(blocks.checkpoint_block, state)
-        kv.restore_state(req._slot, blocks.checkpoint_block)
+    def settle(self) -> None:
+        """Read and apply the tokens of the decode step still on the device, if any."""
+        self.scheduler.update_from_output(self.executor.settle())
 
     def adopt(
         self,
@@ -977,9 +675,9 @@ class Engine:
             req.admitted_s = time.monotonic()
             req.cached_tokens = blocks.hit.tokens
             req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
-            req._context = list(prompt)
-            self._install_kv(req, blocks, pages, state)
-            req._computed = req._cached_len = len(prompt)
+            req.context = list(prompt)
+            self.executor.install_kv(req, blocks, pages, state)
+            req.planned_len = req.kv_len = len(prompt)
             if self.spec is not None:
                 self.spec.adopted(self, req, draft_feature)
             self.running.append(req)
@@ -992,25 +690,11 @@ class Engine:
     def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
         """(prompt page contents, packed KDA state) of a request this engine holds."""
         table = self.manager_of(req).requests[req.request_id].page_table
-        return self.kv_of(req).read_kv(table, len(req.prompt), req._slot)
+        return self.kv_of(req).read_kv(table, len(req.prompt), req.slot)
 
     def export_draft_feature(self, req: Request) -> np.ndarray:
         """f32 [D]: the fused target feature of a prefilled request's last prompt slot, the draft
         row a speculative decode engine writes first (with the token after it)."""
         if self.spec is None:
             raise ValueError("this engine has no draft")
-        return np.asarray(self.kv.dpools["pending"][req._slot, 0])
-
-    def _table(self, req: Request) -> list[int]:
-        table = self.manager_of(req).requests[req.request_id].page_table
-        return table + [NULL_BLOCK] * (self.max_pages - len(table))
-
-    @staticmethod
-    def _choose(req: Request, logits_v: np.ndarray) -> tuple[int, TokenLogprobs | None]:
-        """The next token of `req` (its absolute position seeds a sampled draw; its output so far
-        counts for the penalties), and its logprobs if the request asked for them."""
-        token = choose_token(
-            logits_v, req.sampling, len(req.prompt) + len(req.output), req.generated() if req.sampling.penalized else ()
-        )
-        k = req.sampling.logprobs
-        return token, None if k is None else logprobs_of(logits_v, token, k)
+        return np.asarray(self.kv.dpools["pending"][req.slot, 0])

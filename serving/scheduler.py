@@ -36,64 +36,9 @@ from cache.block_pool import NoFreeBlocks
 from cache.host_tier import make_key
 from cache.manager import PagedKVManager, RequestBlocks
 from kimik3 import tokenizer
-from serving.sampling import GREEDY, SamplingParams
+from serving.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(eq=False)  # a request is itself: `in` / `remove` on the queues compare identity, not
-class Request:  # ~35 fields (an O(rows^2) cost each decode step at 32 rows)
-    request_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    stop_at_eos: bool = False
-    arrival_s: float = dataclasses.field(default_factory=time.monotonic)
-    sampling: SamplingParams = GREEDY
-    images: np.ndarray | None = None  # [N, S, S, C] for the prompt's <|image|> placeholders
-    mm_items: tuple = ()  # cache.block_hash.MMItem per image: its content hash enters the block hashes
-    # The tenant's prefix-cache salt (vLLM's `cache_salt`): it enters block 0's hash, so a request
-    # hits only blocks its own tenant stored (and `cached_tokens` never reveals another's prompt).
-    cache_salt: str | None = None
-    # the prompt's last tokens that are this request's own earlier output (a failover's or a store
-    # handoff's continuation): the presence / frequency penalties count them with `output`
-    prior_output: int = 0
-    # filled by the engine
-    output: list[int] = dataclasses.field(default_factory=list)
-    token_times_s: list[float] = dataclasses.field(default_factory=list)
-    token_mixed: list[bool] = dataclasses.field(default_factory=list)  # its step also ran prefill (metrics)
-    logprobs: list = dataclasses.field(default_factory=list)  # per output token, with sampling.logprobs set
-    cached_tokens: int = 0
-    cached_tokens_host: int = 0
-    admitted_s: float | None = None
-    done: bool = False
-    error: str | None = None
-    # why it failed when the failure was its own (`Engine.fail_request`): "invalid" (a value it
-    # carries could not be used), "request" (other host-side work of its own raised); None:
-    # not its own (cancelled, out of capacity, an engine fault).  Another engine would fail it
-    # the same way, so a router must not retry it elsewhere.
-    fault: str | None = None
-    _slot: int = -1  # its KDA slot in its rank's pools
-    _rank: int = 0  # the rank whose pools hold its KV (DP decode: `Scheduler` over one manager per rank)
-    _context: list[int] = dataclasses.field(default_factory=list)  # tokens to prefill (prompt, + output on resume)
-    _computed: int = 0  # tokens of _context whose KV is in the cache (or planned into it)
-    _cached_len: int = 0  # tokens in the cache once prefilled (decode writes at this position)
-    _boundaries: list[int] = dataclasses.field(default_factory=list)
-    _offload_keys: list[str] | None = None  # host-tier entries of its KV while preempted
-    _resume_kv: tuple | None = None  # (page contents, packed KDA state) fetched back for re-admission
-    _image_rows: object = None  # the images' ViT embeddings [N * P, D], computed once at first prefill
-    # speculative decoding (`serving.spec_decode`): drafted tokens kept per verify pass, the prompt
-    # tokens the tail rule gave up ("drop"), or the tail slot it recomputed ("exact")
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    tail_dropped_tokens: int = 0
-    tail_recomputed: bool = False
-    _catch_n: int = 0  # draft slots pending before the next verify (their features in the pools)
-    _draft_table: list[int] | None = None  # the draft's block table where it differs from the target's
-    _extra_pages: list[int] = dataclasses.field(default_factory=list)  # pages held beside the table, freed at release
-
-    def generated(self) -> list[int]:
-        """Every token this request generated so far (what the penalties count): the prompt's
-        `prior_output` tail, then `output`."""
-        return self.prompt[len(self.prompt) - self.prior_output :] + self.output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +71,7 @@ class Preemption:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
-    """Tokens [start, end) of `request._context`.  export: snapshot boundaries strictly inside,
+    """Tokens [start, end) of `request.context`.  export: snapshot boundaries strictly inside,
     exported by the chunk's own pass; snapshot_at_end: the chunk ends at a boundary whose state
     is the slot after it; sharded: it runs on the prefill mesh."""
 
@@ -144,7 +89,7 @@ class PrefillChunk:
     @property
     def last(self) -> bool:
         """The chunk completes its request's prefill (its logits give the next token)."""
-        return self.end == len(self.request._context)
+        return self.end == len(self.request.context)
 
 
 @dataclasses.dataclass
@@ -157,6 +102,8 @@ class StepPlan:
     decode: list[Request] = dataclasses.field(default_factory=list)
     prefill: list[PrefillChunk] = dataclasses.field(default_factory=list)
     decode_row_tokens: int = 1  # tokens a decode row runs (a speculative verify pass: 1 + k)
+    # the decode rows' input tokens are those of the decode step still on the device (`chain_plan`)
+    chained: bool = False
 
     @property
     def tokens(self) -> int:
@@ -233,7 +180,7 @@ class Scheduler:
         return len(self.managers)
 
     def manager_of(self, req: Request) -> PagedKVManager:
-        return self.managers[req._rank]
+        return self.managers[req.rank]
 
     def placements(self, token_ids, mm_items=(), salt: str | None = None) -> list[int]:
         """Ranks with a free slot, best first for a request of these tokens: the most leading pages
@@ -265,19 +212,19 @@ class Scheduler:
                 continue
             slot = [g for g in self.free_slots if g // self.slots_per_rank == rank][-1]
             self.free_slots.remove(slot)
-            req._rank, req._slot = rank, slot % self.slots_per_rank
+            req.rank, req.slot = rank, slot % self.slots_per_rank
             return blocks
         return None
 
     def _free_slot(self, req: Request) -> None:
-        if req._slot >= 0:
-            self.free_slots.append(req._rank * self.slots_per_rank + req._slot)
-            req._slot = -1
+        if req.slot >= 0:
+            self.free_slots.append(req.rank * self.slots_per_rank + req.slot)
+            req.slot = -1
 
     def fits(self, reqs: list[Request], extra: int = 0) -> bool:
         """Whether every rank's free pages cover its requests' next decode step (`pages_short`)."""
         return all(
-            self.pages_short([r for r in reqs if r._rank == rank], extra) <= m.page_pool.num_free
+            self.pages_short([r for r in reqs if r.rank == rank], extra) <= m.page_pool.num_free
             for rank, m in enumerate(self.managers)
         )
 
@@ -292,8 +239,8 @@ class Scheduler:
         self._admit(plan)
         # Both sets are decided before either runs: a request whose prefill ends this step emits
         # its first token then and decodes from the next step on.
-        decoding = [r for r in self.running if r._computed >= len(r._context) and not r.done]
-        prefilling = [r for r in self.running if r._computed < len(r._context)]
+        decoding = [r for r in self.running if r.planned_len >= len(r.context) and not r.done]
+        prefilling = [r for r in self.running if r.planned_len < len(r.context)]
         if decoding:
             plan.decode = self._make_room(decoding, plan)
         cap = self.config.prefill_tokens_while_decoding if plan.decode else None
@@ -310,13 +257,37 @@ class Scheduler:
                     plan.prefill.append(chunk)
         return plan
 
+    def chain_plan(self, in_flight: list[Request] | None) -> StepPlan | None:
+        """A decode-only plan dispatched on the device's tokens of the decode step still in flight
+        (`in_flight`, its requests), before the host reads them; None unless it is safe: the same
+        requests as `running`, none of which can reach max_new_tokens with the in-flight step's
+        tokens (1, or a round's up to k + 1), nothing waiting that a free slot could admit, and
+        pages for the next step's reach without preempting (they are taken here).  Requests
+        waiting while every slot is taken do not stop the chain: `_admit` needs a free slot, and
+        one frees only when a running request ends, which breaks the chain (done, or at its
+        max_new_tokens) before its next step."""
+        if in_flight is None or (self.waiting and self.free_slots):
+            return None
+        if len(in_flight) != len(self.running) or set(map(id, in_flight)) != set(map(id, self.running)):
+            return None
+        flight = 1 + self.config.lookahead_tokens  # tokens the in-flight step may add to a request
+        if any(r.done or len(r.output) + flight >= r.max_new_tokens for r in in_flight):
+            return None
+        # a plain step's token is already counted in kv_len; a round's accepted count is not known yet
+        extra = flight if self.config.lookahead_tokens else 0
+        if not self.fits(in_flight, extra):
+            return None
+        for r in in_flight:
+            self.manager_of(r).extend(r.request_id, self.decode_reach(r, extra))
+        return StepPlan(decode=list(in_flight), decode_row_tokens=flight, chained=True)
+
     def _admit(self, plan: StepPlan) -> None:
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if req._offload_keys is not None:
+            if req.offload_keys is not None:
                 self._fetch_offloaded(req)
-            req._context = req._context or list(req.prompt)
-            blocks = self.begin(req, req._context)
+            req.context = req.context or list(req.prompt)
+            blocks = self.begin(req, req.context)
             if blocks is None:
                 return  # admission by capacity: it waits until running requests free pages
             self.waiting.pop(0)
@@ -328,30 +299,32 @@ class Scheduler:
             # The hit's snapshot block stays held until the engine has restored it into the slot
             # (`Admission.restored`): a later admission's `begin` may otherwise load another
             # prefix's snapshot from the host tier into it first.
-            resume, req._resume_kv = req._resume_kv, None
+            resume, req.resume_kv = req.resume_kv, None
             if resume is not None:  # back from an offload: its KV is installed, no recompute
-                req._computed = req._cached_len = len(req._context)
+                req.planned_len = req.kv_len = len(req.context)
                 self.offloaded_resumes += 1
             else:
-                req._computed = blocks.hit.tokens
+                req.planned_len = blocks.hit.tokens
                 if req.output:
-                    self.recomputed_tokens += len(req._context) - req._computed
-            req._boundaries = [b for b in self.manager_of(req).snapshot_boundaries(req.request_id) if b > req._computed]
+                    self.recomputed_tokens += len(req.context) - req.planned_len
+            req.snapshots_due = [
+                b for b in self.manager_of(req).snapshot_boundaries(req.request_id) if b > req.planned_len
+            ]
             self.running.append(req)
             plan.admitted.append(Admission(req, blocks, resume))
 
     def _fetch_offloaded(self, req: Request) -> None:
         """Bring a preempted request's offloaded KV back from the host tier (once); on any
         missing or corrupt entry it resumes by recompute instead."""
-        keys, req._offload_keys = req._offload_keys, None
+        keys, req.offload_keys = req.offload_keys, None
         cached = len(req.prompt) + len(req.output) - 1  # the last output token is not in the cache yet
         pages = [np.empty(self.manager.pages.block_shape, self.manager.pages.dtype) for _ in range(len(keys) - 1)]
         state = np.empty(self.manager.snapshots.block_shape, np.float32)
         found = self.manager.host.batch_get_into(keys, pages + [state])
         self.manager.host.remove(keys)
         if all(found):
-            req._resume_kv = (pages, state)
-            req._context = req._context[:cached]
+            req.resume_kv = (pages, state)
+            req.context = req.context[:cached]
         else:
             log.info("request %s: offloaded KV incomplete in the host tier; resuming by recompute", req.request_id)
 
@@ -361,7 +334,7 @@ class Scheduler:
         step (grouped by rank)."""
         out = []
         for rank in range(self.ranks):
-            out += self._make_room_on(self.managers[rank], [r for r in reqs if r._rank == rank], plan)
+            out += self._make_room_on(self.managers[rank], [r for r in reqs if r.rank == rank], plan)
         return out
 
     def _make_room_on(self, manager: PagedKVManager, reqs: list[Request], plan: StepPlan) -> list[Request]:
@@ -394,7 +367,7 @@ class Scheduler:
         """Tokens `req`'s pages must hold for its next decode step: its cached tokens, the token it
         writes, and the drafts a verify pass writes after it (plus `extra`: the tokens a step
         still in flight may add before it)."""
-        return req._cached_len + 1 + self.config.lookahead_tokens + extra
+        return req.kv_len + 1 + self.config.lookahead_tokens + extra
 
     def pages_short(self, reqs: list[Request], extra: int = 0) -> int:
         """New pages `reqs` need for their next decode step (`decode_reach`)."""
@@ -413,11 +386,11 @@ class Scheduler:
         freed pages still hold it); recomputing prompt + output is the last resort."""
         self.preemptions += 1
         self.running.remove(req)
-        req._context = list(req.prompt) + list(req.output)
+        req.context = list(req.prompt) + list(req.output)
         keys, manager = None, self.manager_of(req)
-        if manager.host is not None and self.config.offload_preempted and req._cached_len == len(req._context) - 1:
+        if manager.host is not None and self.config.offload_preempted and req.kv_len == len(req.context) - 1:
             tag = f"{req.request_id}/{self.preemptions}"
-            n_pages = -(-req._cached_len // self.config.page_tokens)
+            n_pages = -(-req.kv_len // self.config.page_tokens)
             keys = tuple(
                 make_key(
                     manager.spec.namespace, "preempt", hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest()
@@ -425,13 +398,13 @@ class Scheduler:
                 for i in range(n_pages + 1)
             )
         table = tuple(manager.requests[req.request_id].page_table)
-        out = Preemption(req, table, req._slot, req._cached_len, keys, req._rank)
+        out = Preemption(req, table, req.slot, req.kv_len, keys, req.rank)
         manager.finish(req.request_id)
-        if req._extra_pages:
-            manager.page_pool.free(req._extra_pages)
-        req._extra_pages, req._draft_table, req._catch_n = [], None, 0
+        if req.extra_pages:
+            manager.page_pool.free(req.extra_pages)
+        req.extra_pages, req.draft_table, req.draft_pending = [], None, 0
         self._free_slot(req)
-        req._computed, req._cached_len = 0, 0
+        req.planned_len, req.kv_len = 0, 0
         self.waiting.insert(0, req)
         return out
 
@@ -439,7 +412,7 @@ class Scheduler:
         """The next chunk of `req` (at most `budget_tokens`), or None when the budget left is below
         one sharded span.  Advances the request's bookkeeping."""
         cfg = self.config
-        start, ctx = req._computed, req._context
+        start, ctx = req.planned_len, req.context
         end = min(len(ctx), start + cfg.prefill_chunk_tokens, start + budget_tokens)
         if req.images is not None and start < len(req.prompt) < end:
             # Placeholders take image rows only inside the prompt (a recompute after preemption
@@ -448,8 +421,8 @@ class Scheduler:
         tp = cfg.sharded_prefill
         export: list[int] = []
         if tp is not None and len(ctx) - start >= tp:
-            if req._boundaries and req._boundaries[0] < end:
-                end = req._boundaries[0]  # end the chunk where a KDA snapshot is due
+            if req.snapshots_due and req.snapshots_due[0] < end:
+                end = req.snapshots_due[0]  # end the chunk where a KDA snapshot is due
             # Sharded: tp * 2^k tokens.  `start` is a multiple of tp here (hits and boundaries are
             # page multiples, tp divides the page, every earlier chunk was a tp multiple).
             spans = (end - start) // tp
@@ -459,14 +432,14 @@ class Scheduler:
             sharded = True
         else:
             # With a prefill mesh this is only the prompt's last < tp tokens, unsharded.
-            end, export = self.plan_chunk(start, end, req._boundaries)
+            end, export = self.plan_chunk(start, end, req.snapshots_due)
             sharded = False
         for boundary in export:
-            req._boundaries.remove(boundary)
-        at_end = bool(req._boundaries) and req._boundaries[0] == end
+            req.snapshots_due.remove(boundary)
+        at_end = bool(req.snapshots_due) and req.snapshots_due[0] == end
         if at_end:
-            req._boundaries.pop(0)
-        req._computed = end
+            req.snapshots_due.pop(0)
+        req.planned_len = end
         return PrefillChunk(req, start, end, tuple(export), at_end, sharded)
 
     def plan_chunk(self, start: int, end: int, boundaries: list[int]) -> tuple[int, list[int]]:
@@ -491,6 +464,18 @@ class Scheduler:
                 return end, inside
 
     # ---- updates from the engine -------------------------------------------------------------------
+    def update_from_output(self, out) -> None:
+        """Apply an executed step's output (`serving.executor.StepOutput`) in order: each token to
+        its request while it still runs (a request that ended, by EOS, max_new_tokens or
+        cancellation, drops the rest), then the requests a prefill engine handed over released."""
+        for req, token, mixed, logprobs in out.tokens:
+            if not req.done and req in self.running:
+                self.emit(req, token, mixed, logprobs=logprobs)
+        for req in out.handed_over:
+            if req in self.running:
+                self.running.remove(req)
+                self.release(req)
+
     def emit(self, req: Request, token: int, mixed: bool = False, logprobs=None) -> None:
         """A new token of a running request (mixed: its step also ran prefill chunks; logprobs: its
         `serving.sampling.TokenLogprobs` when the request asked for them, None where they are not
@@ -507,17 +492,17 @@ class Scheduler:
     def release(self, req: Request, error: str | None = None) -> None:
         """Free a request's blocks and slot (publishing its KV to the host tier if asked) and
         move it to `finished`."""
-        if req._offload_keys is not None:  # cancelled while preempted: drop its offloaded KV
-            self.manager.host.remove(req._offload_keys)
-            req._offload_keys = None
+        if req.offload_keys is not None:  # cancelled while preempted: drop its offloaded KV
+            self.manager.host.remove(req.offload_keys)
+            req.offload_keys = None
         manager = self.manager_of(req)
         if req.request_id in manager.requests:
             if self.publish_to_host and error is None:
                 manager.publish_to_host(req.request_id)
             manager.finish(req.request_id)
-        if req._extra_pages:
-            manager.page_pool.free(req._extra_pages)
-            req._extra_pages = []
+        if req.extra_pages:
+            manager.page_pool.free(req.extra_pages)
+            req.extra_pages = []
         self._free_slot(req)
         req.done, req.error = True, error
         self.finished.append(req)

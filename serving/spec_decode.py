@@ -470,7 +470,9 @@ class SpecDecoder:
         before = self.programs()
         # a P/D prefill engine never decodes: no rounds to compile
         buckets = (
-            [] if eng.role == "prefill" else sorted({eng._decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
+            []
+            if eng.role == "prefill"
+            else sorted({eng.runner.decode_bucket(n) for n in range(1, eng.scratch_slot + 1)})
         )
         for bucket in buckets:
             rows = self._rows(eng, [], bucket)
@@ -536,7 +538,7 @@ class SpecDecoder:
     def on_admit(self, eng, req, blocks) -> None:
         """A request's slot was restored after a prefix hit of blocks.hit.tokens (h): with the
         "exact" rule the tail slot h - 1 is recomputed into a private copy of its page's draft rows."""
-        req._catch_n, req._draft_table, req.tail_recomputed = 0, None, False
+        req.draft_pending, req.draft_table, req.tail_recomputed = 0, None, False
         h = blocks.hit.tokens
         if h == 0 or self.tail != "exact":
             return
@@ -548,32 +550,32 @@ class SpecDecoder:
             (private,) = eng.manager.page_pool.allocate(1)
         except NoFreeBlocks:  # no free page: kept as written
             return
-        req._extra_pages.append(private)
+        req.extra_pages.append(private)
         eng.kv.dpools = copy_draft_page(eng.kv.dpools, jnp.int32(shared), jnp.int32(private))
-        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req._slot), eng.kv.dpools["tail_g"][shared])
+        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req.slot), eng.kv.dpools["tail_g"][shared])
         table = list(blocks.page_table)
         table[idx] = private
-        req._draft_table = table
-        req._catch_n, req.tail_recomputed = 1, True
+        req.draft_table = table
+        req.draft_pending, req.tail_recomputed = 1, True
 
     def adopted(self, eng, req, feature) -> None:
         """A handed-over request (`Engine.adopt`): its pages carry the draft's rows of slots
         0 .. n - 2; slot n - 1 waits on `feature` and the first token."""
-        req._draft_table, req.tail_recomputed = None, False
-        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req._slot), jnp.asarray(feature, jnp.float32))
-        req._catch_n = 1
+        req.draft_table, req.tail_recomputed = None, False
+        eng.kv.dpools = set_pending(eng.kv.dpools, jnp.int32(req.slot), jnp.asarray(feature, jnp.float32))
+        req.draft_pending = 1
 
     def draft_table(self, eng, req) -> list[int]:
-        table = eng._table(req)
-        if req._draft_table is not None:
-            table[: len(req._draft_table)] = req._draft_table
+        table = eng.table_of(req)
+        if req.draft_table is not None:
+            table[: len(req.draft_table)] = req.draft_table
         return table
 
     # ---- prefill -----------------------------------------------------------------------------
     def after_chunk(self, eng, req, start: int, end: int, taps) -> None:
-        """The draft rows of a prefill chunk [start, end) of req._context (taps [1, T, 3, D])."""
-        from_prev = req._catch_n > 0
-        toks, count = prefill_draft_tokens(req._context, start, end, from_prev, taps.shape[1])
+        """The draft rows of a prefill chunk [start, end) of req.context (taps [1, T, 3, D])."""
+        from_prev = req.draft_pending > 0
+        toks, count = prefill_draft_tokens(req.context, start, end, from_prev, taps.shape[1])
         table = self.draft_table(eng, req)
         p = self.page_tokens
         eng.kv.tail_known[np.asarray(table[start // p : -(-end // p)], np.int64)] = False  # written anew here
@@ -586,14 +588,14 @@ class SpecDecoder:
             jnp.int32(start),
             jnp.int32(end - start),
             jnp.bool_(from_prev),
-            jnp.int32(req._slot),
+            jnp.int32(req.slot),
             jnp.asarray(table, jnp.int32),
             cfg=self.cfg,
             kernels=self.kernels,
             page_tokens=self.page_tokens,
         )
         self._mark_tails(eng.kv, table, start - 1 if from_prev else start, count)
-        req._catch_n = 1
+        req.draft_pending = 1
 
     def write_last_slot(self, eng, req, token: int) -> None:
         """A prefill engine's request, prefilled: its last prompt slot n - 1 waits on the token after
@@ -601,7 +603,7 @@ class SpecDecoder:
         first round; a prefill engine decodes nothing, so it writes it here: its prefix cache
         then holds the page whole (a later hit there reads a written row, and the exact rule
         finds the page's tail feature)."""
-        n = len(req._context)
+        n = len(req.context)
         if n % self.page_tokens:
             return  # the slot lies in a partial page, which no prefix hit can reach
         table = self.draft_table(eng, req)
@@ -609,7 +611,7 @@ class SpecDecoder:
             self.draft,
             eng.params["embed_vd"],
             eng.kv.dpools,
-            jnp.int32(req._slot),
+            jnp.int32(req.slot),
             jnp.int32(n - 1),
             jnp.int32(token),
             jnp.asarray(table, jnp.int32),
@@ -628,16 +630,16 @@ class SpecDecoder:
         null = [NULL_BLOCK] * eng.max_pages
         return {
             "t0": np.asarray([r.output[-1] for r in reqs] + [0] * pad, np.int32),
-            "lengths": np.asarray([r._cached_len for r in reqs] + [1] * pad, np.int32),
-            "catch_n": np.asarray([r._catch_n for r in reqs] + [1] * pad, np.int32),
+            "lengths": np.asarray([r.kv_len for r in reqs] + [1] * pad, np.int32),
+            "catch_n": np.asarray([r.draft_pending for r in reqs] + [1] * pad, np.int32),
             "catch_tokens": np.asarray(
-                [catch_up_tokens(r.prompt, r.output, r._cached_len, r._catch_n, k + 1) for r in reqs]
+                [catch_up_tokens(r.prompt, r.output, r.kv_len, r.draft_pending, k + 1) for r in reqs]
                 + [[0] * (k + 1)] * pad,
                 np.int32,
             ),
-            "tables": np.asarray([eng._table(r) for r in reqs] + [null] * pad, np.int32),
+            "tables": np.asarray([eng.table_of(r) for r in reqs] + [null] * pad, np.int32),
             "draft_tables": np.asarray([self.draft_table(eng, r) for r in reqs] + [null] * pad, np.int32),
-            "slots": np.asarray([r._slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
+            "slots": np.asarray([r.slot for r in reqs] + [eng.scratch_slot] * pad, np.int32),
             "active": np.asarray([1] * len(reqs) + [0] * pad, np.int32),
             "temperature": np.asarray([r.sampling.temperature for r in reqs] + [0.0] * pad, np.float32),
             "seed": np.asarray([seed_words(r.sampling.seed) for r in reqs] + [(0, 0)] * pad, np.uint32),
@@ -667,10 +669,10 @@ class SpecDecoder:
 
     def dispatch(self, eng, reqs, chained: bool = False):
         """Enqueue one verify round for `reqs` (pages extended for it: by the scheduler, or for a
-        chained round by `Engine._chain_decode`) without waiting; chained: on the rows the round
+        chained round by `Scheduler.chain_plan`) without waiting; chained: on the rows the round
         in flight leaves on the device (its tokens not read yet).  Returns the in-flight record
         for `resolve`."""
-        rows = self._rows(eng, reqs, eng._decode_bucket(len(reqs)))
+        rows = self._rows(eng, reqs, eng.runner.decode_bucket(len(reqs)))
         if chained:
             rows = dict(rows, **{key: None for key in DEVICE_KEYS})  # filled when the round before is read
         io = self._buffers(eng, rows, chained)
@@ -701,10 +703,12 @@ class SpecDecoder:
             "t": time.perf_counter(),
         }
 
-    def resolve(self, eng, rnd: dict, successor: dict | None = None, mixed: bool = False) -> None:
-        """Read a dispatched round (its one wait on the device) and emit each request's kept drafts
-        and the target's next token; successor: the round chained on it, whose device-advanced
-        rows this one's tokens determine.  Requests that ended since (EOS, cancellation) drop theirs."""
+    def resolve(self, eng, rnd: dict, successor: dict | None = None, mixed: bool = False) -> list[tuple]:
+        """Read a dispatched round (its one wait on the device): each request's kept drafts and the
+        target's next token, as (request, token, mixed, None) in order (`StepOutput.tokens`: the
+        scheduler drops those after a request's end); successor: the round chained on it, whose
+        device-advanced rows this one's tokens determine.  Requests that ended since (EOS,
+        cancellation) get none."""
         k, rows = self.k, rnd["rows"]
         out = np.asarray(rnd["out"])
         now = time.perf_counter()
@@ -714,21 +718,20 @@ class SpecDecoder:
         if self._last.get(len(rows["slots"])) == rnd["id"]:
             self._held[len(rows["slots"])] = after
         keep = out[:, k + 1] + 1
+        emitted = []
         for i, r in enumerate(rnd["reqs"]):
             if r.done or r not in eng.running:
                 continue
-            self._mark_tails(eng.kv, self.draft_table(eng, r), r._cached_len - r._catch_n, r._catch_n)
-            r._cached_len += int(keep[i])
-            r._catch_n = int(keep[i])
+            self._mark_tails(eng.kv, self.draft_table(eng, r), r.kv_len - r.draft_pending, r.draft_pending)
+            r.kv_len += int(keep[i])
+            r.draft_pending = int(keep[i])
             r.accepted.append(int(keep[i]) - 1)
             self.stats.rounds += 1
             self.stats.drafted += k
             self.stats.kept += int(keep[i]) - 1
-            for tok in out[i, : keep[i]].tolist():
-                if r.done or r not in eng.running:
-                    break
-                eng.scheduler.emit(r, int(tok), mixed)
+            emitted += [(r, int(tok), mixed, None) for tok in out[i, : keep[i]].tolist()]
         # a chained round's period is the time between reads; a lone round's, dispatch to read
         start = self._resolved_s if rnd["chained"] and self._resolved_s is not None else rnd["t"]
         self.stats.round_s.append(now - start)
         self._resolved_s = now
+        return emitted

@@ -71,7 +71,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "cancel_mid_prefill_keeps_its_pages",
         "serving/scheduler.py",
         "        if req.request_id in manager.requests:\n",
-        "        if req.request_id in manager.requests and req._computed >= len(req._context):\n",
+        "        if req.request_id in manager.requests and req.planned_len >= len(req.context):\n",
         (
             "tests/serving/test_engine.py::test_a_request_cancelled_at_any_step_returns_every_page_snapshot_and_slot",
             "tests/serving/test_worker.py::test_a_closed_stream_cancels_the_request_and_frees_every_page",
@@ -81,7 +81,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "cancel_while_preempted_keeps_its_offload",
         "serving/scheduler.py",
-        "            self.manager.host.remove(req._offload_keys)\n",
+        "            self.manager.host.remove(req.offload_keys)\n",
         "            pass\n",
         ("tests/serving/test_engine.py::test_a_request_cancelled_while_preempted_leaves_nothing_held",),
         "a request cancelled while preempted leaves its offloaded KV in the host tier",

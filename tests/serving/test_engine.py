@@ -13,6 +13,7 @@ from serving import kv_pools
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
 from serving.model_runner import _overwrite
+from tests.cache.corrupt import corrupt_entry
 
 PAGE = 16
 
@@ -121,10 +122,10 @@ def test_a_request_cancelled_at_any_step_returns_every_page_snapshot_and_slot(rn
             eng.step()
         if req in eng.waiting:
             phases.add("waiting")
-        elif req._computed < len(req._context):
+        elif req.planned_len < len(req.context):
             phases.add("prefilling")
         else:
-            phases.add("decoding, a step in flight" if eng._inflight is not None else "decoding")
+            phases.add("decoding, a step in flight" if eng.executor.in_flight is not None else "decoding")
         assert eng.cancel(req.request_id) and req.error == "cancelled"
         eng.run(max_steps=5)  # reads the step in flight, if any: the cancelled request drops its token
         _assert_nothing_held(eng, free0)
@@ -157,13 +158,13 @@ def test_prefill_decode_disaggregation_equals_the_oracle(rng, tiny_cfg, tiny_par
 def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
     import json
 
-    from serving import demo
+    from harness import demo
 
     # five sessions at once on 20 pages: finished turns are evicted while the others run, so the
     # host tier serves the next turns' prefixes (the demo shows the tiers' benefit)
     text = demo.main(demo.DemoSpec(sessions=5, turns=(2, 2), num_pages=20), str(tmp_path))
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
-    from serving import demo_store
+    from harness import demo_store
 
     if os.environ.get("KIMIK3_REQUIRE_MOONCAKE"):
         assert demo_store.available()
@@ -220,7 +221,7 @@ def test_demo_runs_every_mode_and_reports_metrics(tmp_path):
 def test_the_demo_plot_is_titled_on_log_axes_and_says_what_to_install(tmp_path, monkeypatch):
     import sys
 
-    from serving import demo
+    from harness import demo
     from serving.metrics import RequestRecord
 
     records = {"a": [RequestRecord(0.0, [0.01, 0.02, 0.05], 10, 0, 0), RequestRecord(0.0, [1.0, 1.5], 10, 0, 0)]}
@@ -323,7 +324,7 @@ def test_step_token_budget_packs_several_prefills_and_is_never_exceeded(rng, tin
     eng.step()
     # One step prefills from all three requests: 16 (to its first page's snapshot) + 32 (its
     # chunk cap) + 9 tokens, each chunk padded to a compiled length.
-    assert [r._computed for r in reqs] == [16, 32, 9]
+    assert [r.planned_len for r in reqs] == [16, 32, 9]
     eng.run(max_steps=200)
     assert max(eng.step_tokens) <= 80
     for req, p in zip(reqs, prompts):
@@ -397,7 +398,7 @@ def test_a_request_cancelled_while_preempted_leaves_nothing_held(tiny_cfg, tiny_
         if eng.preemptions:
             break
     (victim,) = eng.waiting
-    assert (victim._offload_keys is not None) == offload and victim.output
+    assert (victim.offload_keys is not None) == offload and victim.output
     assert eng.cancel(victim.request_id) and victim.error == "cancelled"
     eng.run(max_steps=400)
     (other,) = [r for r in reqs if r is not victim]
@@ -414,7 +415,7 @@ def test_a_corrupt_offload_entry_falls_back_to_recompute_with_the_same_tokens(ti
         if eng.preemptions:
             break
     victim = eng.waiting[0]
-    host.corrupt_for_test(victim._offload_keys[-1])  # its KDA state entry
+    corrupt_entry(host, victim.offload_keys[-1])  # its KDA state entry
     eng.run(max_steps=400)
     assert host.stats.corrupt >= 1 and eng.recomputed_tokens > 0
     for r, p in zip(reqs, prompts):
@@ -566,8 +567,8 @@ def test_a_decode_only_phase_chains_steps_on_the_device_buffers(rng, tiny_cfg, t
     eng = _engine(tiny_params, tiny_cfg)
     prompts = [rng.integers(0, 256, n).tolist() for n in (20, 20)]
     reqs = [eng.submit(p, n) for p, n in zip(prompts, (40, 25))]
-    chained, chain = [], eng._chain_decode
-    eng._chain_decode = lambda: chained.append(1) or chain()
+    chained, chain = [], eng.scheduler.chain_plan
+    eng.scheduler.chain_plan = lambda f: (lambda plan: plan and chained.append(1) or plan)(chain(f))
     eng.run(max_steps=200)
     decode_steps = 40 - 1
     assert len(chained) >= decode_steps - 6
@@ -584,9 +585,9 @@ def test_only_a_prompts_last_chunk_waits_for_its_logits(rng, tiny_cfg, tiny_para
     the first token, which is the oracle's."""
     eng = _engine(tiny_params, tiny_cfg)
     outs, waited = [], []
-    forward, wait = eng.runner.forward, eng._wait_for
+    forward, wait = eng.runner.forward, eng.executor.wait_for
     eng.runner.forward = lambda *a, **k: outs.append(forward(*a, **k)) or outs[-1]
-    eng._wait_for = lambda arrays: waited.append(arrays) or wait(arrays)
+    eng.executor.wait_for = lambda arrays: waited.append(arrays) or wait(arrays)
     prompt = rng.integers(0, 256, 70).tolist()
     req = eng.submit(prompt, 6)
     eng.run(max_steps=50)
@@ -603,8 +604,8 @@ def test_requests_waiting_for_a_slot_do_not_stop_the_chain(rng, tiny_cfg, tiny_p
     eng = _engine(tiny_params, tiny_cfg)
     prompts = [rng.integers(0, 256, 20).tolist() for _ in range(5)]
     lengths = (40, 25, 25, 25, 25)
-    chained, chain = [], eng._chain_decode
-    eng._chain_decode = lambda: chained.append(len(eng.waiting)) or chain()
+    chained, chain = [], eng.scheduler.chain_plan
+    eng.scheduler.chain_plan = lambda f: (lambda plan: plan and chained.append(len(eng.waiting)) or plan)(chain(f))
     reqs = [eng.submit(p, n) for p, n in zip(prompts, lengths)]
     eng.run(max_steps=200)
     assert sum(1 for w in chained if w) >= 25 - 6  # chained with the fifth request waiting

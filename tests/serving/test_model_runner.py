@@ -34,7 +34,7 @@ def prefilled(tiny_cfg, tiny_params):
         eng.step()
     assert all(len(r.output) == 1 for r in reqs)  # every prefill ended in the same step
     for r in reqs:
-        eng.manager.extend(r.request_id, r._cached_len + N_STEPS)
+        eng.manager.extend(r.request_id, r.kv_len + N_STEPS)
     return eng, reqs
 
 
@@ -51,7 +51,7 @@ def single_steps(eng, rows, n):
 
 def test_multi_step_program_equals_single_steps(prefilled):
     eng, reqs = prefilled
-    rows = eng._decode_rows(reqs, [r.output[-1] for r in reqs])
+    rows = eng.executor.decode_rows(reqs, [r.output[-1] for r in reqs])
     assert len(rows.tokens) == 4 and rows.active.tolist() == [1, 1, 1, 0]
     want, pools_single, runner = single_steps(eng, rows, N_STEPS)
     assert runner.overwrites == 1  # the buffers were written once; each later step ran on them as they were
@@ -68,7 +68,7 @@ def test_multi_step_program_equals_single_steps(prefilled):
 
 def test_a_row_that_samples_eos_stops_on_the_device(prefilled):
     eng, reqs = prefilled
-    rows = eng._decode_rows(reqs, [r.output[-1] for r in reqs])
+    rows = eng.executor.decode_rows(reqs, [r.output[-1] for r in reqs])
     want, _, _ = single_steps(eng, rows, N_STEPS)
     eos = int(want[0, 1])  # row 0's second token plays EOS
     stop = [True, False, False, False]

@@ -11,7 +11,8 @@ import pytest
 
 from cache.host_tier import EmbeddedHostKVTier
 from cache.manager import ArrayBlockStore, CacheSpec, PagedKVManager
-from serving.scheduler import Request, Scheduler, SchedulerConfig
+from serving.request import Request
+from serving.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 16
 KDA_BLOCK = 4 * PAGE
@@ -58,10 +59,10 @@ def play(s, plan, token=7):
         if chunk.snapshot_at_end:
             m.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
         if chunk.last:
-            req._cached_len = chunk.end
+            req.kv_len = chunk.end
             s.emit(req, token)
     for req in plan.decode:
-        req._cached_len += 1
+        req.kv_len += 1
         s.emit(req, token)
 
 
@@ -91,7 +92,7 @@ def test_a_prompt_is_prefilled_in_chunks_of_any_length_then_decoded():
     assert [(c.start, c.end) for c in plan.prefill] == [(0, 64)]
     play(s, plan)
     spans = []
-    while req._computed < len(req._context):
+    while req.planned_len < len(req.context):
         plan = s.schedule()
         spans += [(c.start, c.end) for c in plan.prefill]
         play(s, plan)
@@ -110,7 +111,7 @@ def test_snapshot_boundaries_are_exported_by_the_pass_or_end_the_chunk():
     # multiple of the KDA chunk (16) from the start: exported by the pass
     assert ends[0] == (0, 64, (), True) and ends[1] == (64, 128, (), True)
     assert ends[2][:2] == (128, 144) or 144 in ends[2][2]
-    assert s.manager.lookup(req._context + [1]).tokens == 144
+    assert s.manager.lookup(req.context + [1]).tokens == 144
 
 
 @pytest.mark.parametrize("mode", ["in_pass", "align"])
@@ -124,7 +125,7 @@ def test_align_mode_cuts_a_chunk_at_each_boundary_and_keeps_the_same_snapshots(m
         assert spans == [(0, 150, (64, 128, 144), False)]
     else:  # vLLM's align: a chunk ends at each boundary, its state kept after the pass
         assert spans == [(0, 64, (), True), (64, 128, (), True), (128, 144, (), True), (144, 150, (), False)]
-    assert s.manager.lookup(req._context + [1]).tokens == 144
+    assert s.manager.lookup(req.context + [1]).tokens == 144
 
 
 def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
@@ -133,7 +134,7 @@ def test_decode_rows_are_charged_first_and_the_prefill_gets_the_rest():
     s.waiting.extend(first)
     for r in first:
         prefill_all(s, r)
-    assert all(r._computed == 16 and r.output for r in first)
+    assert all(r.planned_len == 16 and r.output for r in first)
     late = request("p", 100, seed=9)
     s.waiting.append(late)
     plan = s.schedule()
@@ -200,7 +201,7 @@ def test_preemption_frees_the_newest_request_and_requeues_it_first():
         if preempted:
             break
     assert [p.request for p in preempted] == [new] and s.preemptions == 1
-    assert s.waiting[0] is new and new._slot == -1 and new._context == new.prompt + new.output
+    assert s.waiting[0] is new and new.slot == -1 and new.context == new.prompt + new.output
     assert preempted[0].offload_keys is None  # no host tier: it resumes by recompute
 
 
@@ -274,14 +275,14 @@ def test_ranks_split_the_slots_and_a_request_goes_where_its_prefix_is():
     s.waiting += [a, b]
     while a.done is False or b.done is False:
         play(s, s.schedule())
-    assert {a._rank, b._rank} == {0, 1}  # the emptier rank each time: one each
+    assert {a.rank, b.rank} == {0, 1}  # the emptier rank each time: one each
     assert sorted(s.free_slots) == [0, 1, 2, 3]
     # b's continuation goes back to b's rank, for its prefix there, though a's rank is as free
     again = Request("b2", b.prompt + [5] * 10, 2)
     s.waiting.append(again)
     play(s, s.schedule())
-    assert again._rank == b._rank and again.cached_tokens == 32
-    assert s.manager_of(again).requests and not s.managers[a._rank].requests
+    assert again.rank == b.rank and again.cached_tokens == 32
+    assert s.manager_of(again).requests and not s.managers[a.rank].requests
 
 
 def test_preemption_frees_room_within_the_short_rank_only():

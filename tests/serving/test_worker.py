@@ -111,7 +111,7 @@ def test_a_closed_stream_cancels_the_request_and_frees_every_page(
     real_cancel = eng.cancel
 
     def cancel(request_id):
-        seen.extend((r._computed, len(r._context), len(r.output)) for r in eng.running if r.request_id == request_id)
+        seen.extend((r.planned_len, len(r.context), len(r.output)) for r in eng.running if r.request_id == request_id)
         return real_cancel(request_id)
 
     monkeypatch.setattr(eng, "cancel", cancel)

@@ -136,7 +136,7 @@ def test_sharded_prefill_chunks_of_several_requests_run_as_one_batch(tiny_cfg, p
     reqs = [eng.submit(p, NEW) for p in ps]  # two per rank
     eng.run(max_steps=100)
     assert eng.compiles == 0
-    assert sorted(r._rank for r in reqs) == [0, 0, 1, 1]
+    assert sorted(r.rank for r in reqs) == [0, 0, 1, 1]
     assert eng.prefill_batches[2] >= 20 and not eng.prefill_batches[1]  # 10 chunks of 2 tokens per rank
     for r, p in zip(reqs, ps):
         assert r.output == oracle(p, NEW)
