@@ -104,22 +104,39 @@ def _unpermute_tile(vals):
     return vals.reshape(bn, c // MX_BLOCK, 4, 4, 2).swapaxes(2, 3).reshape(bn, c)
 
 
-def to_hopper(w: mxfp4.PackedMXFP4, decode: str = DEFAULT_DECODE) -> HopperMXFP4:
-    """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
-    for the kernel's `decode` (DECODES).  Pure data movement: no value changes."""
-    mxfp4.check(w)
-    if decode not in DECODES:
-        raise ValueError(f"decode must be one of {DECODES}; got {decode!r}")
-    v = w.values
-    codes = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[:-1] + (-1,)).astype(jnp.int8)  # [G, K, N]
+# experts moved per pass of `to_hopper`: GPU XLA lowers the nibble unpack + transpose of all G
+# experts at once with temporaries of ~16 bytes per code (18 GiB for Kimi-Linear's 256 x 2304 x
+# 2048 gate-up codes); one pass per group of this many bounds them to a few hundred MB.
+TO_HOPPER_EXPERTS_PER_PASS = 16
+
+
+def _hopper_codes(v, decode: str):
+    """Packed code pairs [..., K, N / 2] uint8 -> the kernel's codes [..., N, K] int8."""
+    codes = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(v.shape[:-1] + (-1,)).astype(jnp.int8)  # [.., K, N]
     if decode == "arith":
         codes = jnp.where(codes >= 8, 8 - codes, codes)  # sign-magnitude -> two's complement (-0 -> 0)
     else:
         codes = jnp.where(codes >= 8, codes - 16, codes)  # the same 4 bits, read as an int4
-    codes = jnp.swapaxes(codes, 1, 2)  # [G, N, K]
-    if decode == "lut_perm":
-        codes = _permute_k(codes)
-    return HopperMXFP4(codes.astype(jnp.int4), lax.bitcast_convert_type(w.scales, jnp.uint8))
+    codes = jnp.swapaxes(codes, -1, -2)  # [.., N, K]
+    return _permute_k(codes) if decode == "lut_perm" else codes
+
+
+def to_hopper(w: mxfp4.PackedMXFP4, decode: str = DEFAULT_DECODE) -> HopperMXFP4:
+    """The Triton layout (codes packed in pairs along N) -> the Hopper kernel's (module comment),
+    for the kernel's `decode` (DECODES).  Pure data movement: no value changes.  Experts move
+    `TO_HOPPER_EXPERTS_PER_PASS` at a time (a sequential map), so the temporaries stay small."""
+    mxfp4.check(w)
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}; got {decode!r}")
+    v = w.values
+    g, k, p = v.shape
+    per = TO_HOPPER_EXPERTS_PER_PASS
+    if g > per and g % per == 0:
+        codes = lax.map(lambda part: _hopper_codes(part, decode).astype(jnp.int4), v.reshape(g // per, per, k, p))
+        codes = codes.reshape(g, 2 * p, k)
+    else:
+        codes = _hopper_codes(v, decode).astype(jnp.int4)
+    return HopperMXFP4(codes, lax.bitcast_convert_type(w.scales, jnp.uint8))
 
 
 def decode(i, scale=None):

@@ -42,6 +42,18 @@ def test_the_hopper_layout_holds_the_same_weights(decode):
         hopper.to_hopper(w, "table")
 
 
+@pytest.mark.parametrize("decode", hopper.DECODES)
+def test_moving_experts_a_group_at_a_time_gives_the_layout_of_moving_them_at_once(decode, monkeypatch):
+    w = _packed(np.random.default_rng(2), 8, 64, 32)
+    monkeypatch.setattr(hopper, "TO_HOPPER_EXPERTS_PER_PASS", 8)
+    whole = hopper.to_hopper(w, decode)
+    monkeypatch.setattr(hopper, "TO_HOPPER_EXPERTS_PER_PASS", 2)
+    grouped = hopper.to_hopper(w, decode)
+    assert grouped.codes.shape == whole.codes.shape == (8, 32, 64)
+    np.testing.assert_array_equal(np.asarray(grouped.codes.astype(jnp.int8)), np.asarray(whole.codes.astype(jnp.int8)))
+    np.testing.assert_array_equal(np.asarray(grouped.scales), np.asarray(whole.scales))
+
+
 def test_the_decode_is_exact_in_bf16():
     """Every code times scales from 2^-126 to 2^127, computed in bf16 as the kernel computes it,
     is the format's value exactly (past the range, the same inf).  (XLA:CPU flushes subnormals,
