@@ -31,32 +31,7 @@ raises, that request alone ends with `error` set and `fault` naming it as its ow
 (`fail_request`), and the step goes on for the others.  Only what a step runs for all its
 requests together (the device programs, the pools' moves) raises out of `step()`: an engine fault.
 
-On device meshes
-----------------
-``Engine(..., mesh=...)``:
-
-* role "prefill": ``mesh=sharding.mesh.prefill_mesh(tp, ep, devices)``; prefill chunks run
-  through `ShardedPrefill` (TP/SP attention, EP MoE; `sharding.paged.PagedStep`);
-* role "decode": ``mesh=sharding.mesh.decode_mesh(dp, ep, devices)``; decode batches run
-  through `sharding.decode.PagedDecode` (DP attention, EP MoE) over pools owned per rank;
-* role "both": ``mesh=(prefill_mesh, decode_mesh)``; either may be None.
-
-With a decode mesh each of its dp ranks owns a 1/dp share of ``num_pages``, ``num_slots``
-and ``num_snapshots`` as pools of its own on its own device (`KVPools`, each with its null
-page and scratch slot), and a `PagedKVManager` over them; the host tier is shared.  The
-scheduler places a request on the rank already holding the longest run of its prefix (then
-the one with the most free pages) and it stays there: its prefix hits, host-tier loads,
-offloads, handoffs and prefill chunks touch only its rank's pools.  A decode step gives each
-rank ``rank_rows`` rows (its requests, then padding rows of its scratch slot and null pages)
-and runs every rank on its own pool in place; no step moves pool rows between devices.
-A TP prefill chunk moves its request's rows from its rank's pools to the prefill mesh and
-the new rows back (device to device); sharded chunks are ``tp * 2**k`` tokens (``tp`` must
-divide ``page_tokens``), and the rest of a prompt, or every chunk without a prefill mesh,
-runs unsharded on the rank's device, on a copy of the params placed there once.  A mesh that
-does not fit the config or these sizes raises ValueError at construction.
-
-Not yet production-like: a rank's unsharded chunks need the whole params on its device;
-a prefill chunk is one request (B = 1); one process drives every device.
+On device meshes: `serving.engine_build` (how the pools, managers and ranks are laid out).
 """
 
 from __future__ import annotations
@@ -67,28 +42,26 @@ import logging
 import time
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from cache.block_hash import image_items
 from cache.block_pool import NULL_BLOCK
 from cache.host_tier import HostKVTier
 from cache.media.l3 import EncoderCache
-from cache.manager import CacheSpec, PagedKVManager
-from kimik3 import model, ops, tokenizer
+from cache.manager import PagedKVManager
+from kimik3 import ops
 from kimik3.config import ModelConfig
-from kimik3.quant import formats as qformats
+from serving import engine_build as build
 from serving import kv_pools
+from serving import request_checks as checks
+from serving.engine_handoff import Handoff
 from serving.engine_config import EngineConfig, check_cache_salt, check_handoff
 from serving.image_rows import ImageRows
 from serving.kv_pools import KVPools
-from serving.metrics import StepProfile
+from serving.metrics import StepProfile, record_of
 from serving.executor import StepExecutor
-from serving.model_runner import DecodeRows, ModelRunner
-from serving.sampling import GREEDY, SamplingParams, TokenLogprobs
+from serving.sampling import GREEDY, SamplingParams
 from serving.request import Request
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +71,7 @@ __all__ = ["Engine", "EngineConfig", "Request", "check_cache_salt", "check_hando
 _VALUE_ERRORS = (ValueError, TypeError, OverflowError, ArithmeticError)
 
 
-class Engine:
+class Engine(Handoff):
     def __init__(
         self,
         params,
@@ -118,133 +91,24 @@ class Engine:
         "both" (either may be None).  on_prefilled: callable(engine, request) for role "prefill".
         draft: (draft params, `kimik3.eagle.EagleConfig`) of an EAGLE-3 head trained for these
         params (`kimik3.eagle_train.load_draft`), with config.draft_tokens = k > 0."""
-        config = EngineConfig(**overrides) if config is None else config.replace(**overrides)
-        if (draft is None) != (config.draft_tokens == 0):
-            raise ValueError(
-                "speculative decoding needs both a draft (draft=(params, EagleConfig)) and "
-                f"draft_tokens > 0; got draft={'given' if draft is not None else None}, "
-                f"draft_tokens={config.draft_tokens}"
-            )
-        if draft is not None and mesh is not None:
-            raise ValueError("speculative decoding runs on engines without a mesh for now")
-        if draft is not None and config.scan_layers != "none":
-            # the draft taps target layers, which must be unrolled (`kimik3.model.KimiK3.taps`)
-            config = config.replace(scan_layers="none")
-        self.config = config
-        self.cfg = cfg
-        self.role = config.role
-        self.on_prefilled = on_prefilled
+        config = build.check_config(
+            EngineConfig(**overrides) if config is None else config.replace(**overrides), draft, mesh
+        )
+        self.config, self.cfg, self.role, self.on_prefilled = config, cfg, config.role, on_prefilled
         self.dtype = params["embed_vd"].dtype
         self.page_tokens = config.page_tokens
         self.kernels = ops.resolve(config.kernels)
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.max_step_tokens = config.step_tokens
         self.max_pages = config.max_pages_per_request or -(-cfg.max_seq_len // config.page_tokens)
-        # KDA states one unsharded prefill chunk can export in its own pass (`Scheduler.plan_chunk`):
-        # every KDA-block boundary inside it plus the prompt's last full page.  A fixed count, so the
-        # chunk programs keep one shape (`ModelRunner.export_at`).
-        export_slots = config.prefill_chunk_tokens // config.kda_block_tokens + 2
-        self.spec = None
-        if draft is not None:
-            from serving.spec_decode import SpecDecoder
-
-            self.spec = SpecDecoder(
-                draft[0],
-                draft[1],
-                cfg,
-                k=config.draft_tokens,
-                tail=config.eagle_tail,
-                kernels=self.kernels,
-                page_tokens=config.page_tokens,
-            )
-        self.runner = ModelRunner(
-            params,
-            cfg,
-            kernels=self.kernels,
-            role=config.role,
-            mesh=mesh,
-            dispatch=config.dispatch,
-            num_slots=config.num_slots,
-            page_tokens=config.page_tokens,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
-            max_step_tokens=self.max_step_tokens,
-            export_slots=export_slots,
-            scan_layers=config.scan_layers,
-            taps=self.spec.taps if self.spec else (),
-            prefill_batch=config.prefill_batch,
-        )
-        pre = self.runner.prefill_step
-        cap = config.prefill_tokens_while_decoding
-        if pre is not None and cap is not None and cap < pre.size:
-            raise ValueError(
-                f"prefill_tokens_while_decoding ({cap}) is below tp={pre.size}: sharded "
-                f"prefill chunks could never run beside decode rows"
-            )
-        # Under DP decode each rank owns a share of the pools on its own device, and a manager over
-        # them (`sharding.rank_pools`); without a decode mesh there is one rank.
-        # In a process group whose decode mesh spans every process (`sharding.distributed`), this
-        # engine owns its own devices' ranks and serves its own requests; the group's engines step
-        # together (`group`: each decode step is one program over the whole mesh).
-        dec = self.runner.decode_step
-        devices = [None]
-        self.group = False
-        if dec is not None:
-            from sharding import rank_pools
-
-            every = rank_pools.rank_devices(dec.mesh)
-            devices = [every[r] for r in rank_pools.local_ranks(dec.mesh)]
-            self.group = len(devices) < len(every)
-            if not devices:
-                raise ValueError("the decode mesh holds none of this process's devices")
-        dp = len(devices)
-        for name in ("num_pages", "num_snapshots"):
-            if getattr(config, name) // dp < 2:
-                raise ValueError(f"{name} ({getattr(config, name)}) leaves fewer than 2 per rank over dp={dp}")
-        self.kvs = [
-            KVPools(
-                cfg,
-                num_pages=config.num_pages // dp,
-                num_slots=config.num_slots // dp,
-                num_snapshots=config.num_snapshots // dp,
-                page_tokens=config.page_tokens,
-                dtype=self.dtype,
-                commit=bool(pre or dec),
-                draft_tokens=config.draft_tokens,
-                device=device,
-            )
-            for device in devices
-        ]
+        self.spec = build.spec_decoder(draft, cfg, config, self.kernels)
+        self.runner = build.model_runner(params, cfg, config, mesh, self.kernels, self.spec)
+        self.kvs, self.group = build.rank_pools(cfg, config, self.runner, self.dtype)
         self.kv = self.kvs[0]
-        # the layout version keeps blocks a store kept for an older packing from ever being read
-        ns = config.namespace or f"{cfg.name}/{jnp.dtype(self.dtype).name}/kv{kv_pools.LAYOUT_VERSION}"
-        if qformats.tree_formats(params):  # KV of quantized weights is not the unquantized model's
-            ns += "/q-" + "+".join(qformats.tree_formats(params))
-        if self.spec is not None:  # its page blocks hold this draft's rows too
-            ns += f"/eagle-{self.spec.fingerprint}"
-        spec = CacheSpec(ns, config.page_tokens, config.kda_block_tokens)
-        # one host tier for every rank: its entries are content-addressed, any rank may load them
-        self.managers = [
-            PagedKVManager(spec, kv.pages, config.num_pages // dp, kv.snapshots, config.num_snapshots // dp, host)
-            for kv in self.kvs
-        ]
+        self.managers = build.managers(cfg, config, self.kvs, host, build.namespace(cfg, config, params, self.spec))
         self.manager = self.managers[0]
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_slots=config.num_slots,
-                page_tokens=config.page_tokens,
-                prefill_chunk_tokens=config.prefill_chunk_tokens,
-                max_step_tokens=self.max_step_tokens,
-                export_slots=export_slots,
-                kda_chunk_tokens=cfg.kda_chunk_size,
-                sharded_prefill=None if pre is None else pre.size,
-                prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
-                prefix_caching=config.prefix_caching,
-                snapshots=config.kda_snapshots,
-                lookahead_tokens=config.draft_tokens,
-                drop_tail=self.spec is not None and config.eagle_tail == "drop",
-                offload_preempted=self.spec is None,
-                eos_id=config.eos_id,
-            ),
+            build.scheduler_config(cfg, config, self.runner, self.spec),
             self.managers,
             publish_to_host=config.publish_to_host,
         )
@@ -316,58 +180,15 @@ class Engine:
     ) -> "Engine":
         """Size the pools from a byte budget (default: `fraction` of the device's free memory on
         GPU; required on CPU).  Slots and snapshots are carved out first, pages get the rest."""
-        if budget_bytes is None:
-            stats = jax.devices()[0].memory_stats() or {}
-            if "bytes_limit" not in stats:
-                raise ValueError("no device memory statistics here: pass budget_bytes")
-            budget_bytes = int(fraction * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-        num_snapshots = num_slots * snapshots_per_slot
-        k = kw["draft_tokens"] if "draft_tokens" in kw else getattr(kw.get("config"), "draft_tokens", 0)
-        num_pages = kv_pools.pages_in_budget(
-            cfg,
-            params["embed_vd"].dtype,
-            budget_bytes,
-            num_slots=num_slots,
-            num_snapshots=num_snapshots,
-            page_tokens=page_tokens,
-            draft_tokens=k,
+        sizes = build.pools_for_budget(
+            cfg, params["embed_vd"].dtype, budget_bytes, fraction, page_tokens, num_slots, snapshots_per_slot, kw
         )
-        if num_pages < 2:
-            raise ValueError(
-                f"a budget of {budget_bytes} bytes does not hold {num_slots} state slots, "
-                f"{num_snapshots} snapshots and two pages"
-            )
-        return cls(
-            params,
-            cfg,
-            num_pages=int(num_pages),
-            num_slots=num_slots,
-            num_snapshots=num_snapshots,
-            page_tokens=page_tokens,
-            **kw,
-        )
+        return cls(params, cfg, page_tokens=page_tokens, **sizes, **kw)
 
     def capacity(self) -> dict:
         """What the pools hold: tokens of KV, concurrent sessions, and the per-request
         checkpoint block's cost."""
-        page = self.bytes_per_page(self.cfg, self.page_tokens, self.dtype, draft=self.spec is not None)
-        state = self.bytes_per_state(self.cfg, self.dtype)
-        slot_extra = kv_pools.bytes_per_draft_slot(self.cfg, self.config.draft_tokens)
-        n_pages = sum(m.page_pool.num_blocks - 1 for m in self.managers)  # each rank keeps a null page
-        snaps = sum(m.snap_pool.num_blocks for m in self.managers)
-        return {
-            "kv_tokens": n_pages * self.page_tokens,
-            "pages": n_pages,
-            "sessions": len(self.scheduler.free_slots) + len(self.running),
-            "snapshots": snaps - len(self.managers),
-            "ranks": len(self.managers),
-            "page_bytes": page,
-            "state_bytes": state,
-            "checkpoint_block_bytes_per_request": state,
-            "pool_bytes": (n_pages + len(self.managers)) * page
-            + len(self.kvs) * (self.scratch_slot + 1) * (state + slot_extra)
-            + snaps * state,
-        }
+        return build.capacity(self)
 
     # ---- requests ----------------------------------------------------------------------------------
     def submit(
@@ -392,26 +213,14 @@ class Engine:
         carry the same salt.
         `prior_output`: the prompt's last tokens are this many of the request's own earlier output
         (a continuation after a failover): the penalties count them."""
-        check_cache_salt(cache_salt)
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("empty prompt")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
-            raise ValueError(f"max_new_tokens must be an integer; got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
-        if any(t < 0 or t >= self.cfg.vocab_size for t in prompt):
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-        if not (isinstance(prior_output, int) and 0 <= prior_output < len(prompt)):
-            raise ValueError(
-                f"prior_output must lie in [0, {len(prompt)}) (the prompt's own output tail); got {prior_output!r}"
-            )
+        prompt = checks.check_prompt(
+            prompt, vocab_size=self.cfg.vocab_size, prior_output=prior_output, cache_salt=cache_salt
+        )
+        checks.check_max_new_tokens(max_new_tokens)
         # an <|image|> in the request's own output tail is one the model generated: a text token
         # (`model.splice_image_embeddings`), not a slot missing its image
         images, mm_items = self._check_images(prompt[: len(prompt) - prior_output], images)
-        self._check_sampling(sampling)
+        checks.check_sampling(sampling, speculative=self.spec is not None)
         total = len(prompt) + max_new_tokens + self.config.draft_tokens  # a verify pass writes k past the last
         # Beyond a rank's usable pages a request could never be admitted: refuse it now.
         usable_pages = self.manager.page_pool.num_blocks - 1
@@ -435,40 +244,9 @@ class Engine:
         self.waiting.append(req)
         return req
 
-    def _check_sampling(self, sampling: SamplingParams) -> None:
-        """ValueError unless `sampling` becomes a decode row (the device's dtypes) and this engine
-        serves it (a speculative engine: no filters, penalties or logprobs)."""
-        try:
-            DecodeRows.build(1, [0], [[]], [0], [0], [sampling], max_pages=1, null_page=0, scratch_slot=0)
-        except (TypeError, OverflowError, ValueError) as err:
-            raise ValueError(f"sampling parameters out of range: {err}") from None
-        if self.spec is None:
-            return
-        if not sampling.greedy and (sampling.top_p < 1.0 or sampling.filtered):
-            raise ValueError(
-                "top_p < 1, top_k and min_p are not supported with speculative decoding (its acceptance "
-                "rule keeps the full distribution at the temperature)"
-            )
-        if sampling.penalized or sampling.logprobs is not None:
-            raise ValueError(
-                "presence / frequency penalties and logprobs are not supported with speculative "
-                "decoding (its verify pass scores drafts without them)"
-            )
-
     def _check_images(self, prompt: list[int], images) -> tuple[np.ndarray | None, tuple]:
         """(images as an array, one MMItem per image) for a prompt, or ValueError."""
-        if images is None and self.cfg.vit is None:  # no vision encoder: the placeholder's id is text
-            return None, ()
-        n_slots = prompt.count(tokenizer.IMAGE_ID)
-        if images is None:
-            if n_slots:
-                raise ValueError(f"the prompt holds {n_slots} <|image|> placeholders but no images were given")
-            return None, ()
-        if self.runner.prefill_step is not None:
-            raise ValueError("images on an engine with a prefill mesh are not supported yet")
-        arr = np.asarray(model.check_images(images, np.asarray([prompt]), self.cfg))  # checks shape, count, values
-        # hashed as given (the router hashes the uint8 pixels it sends the same way)
-        return arr, image_items(prompt, np.asarray(images), self.cfg.vit.tokens_per_image, tokenizer.IMAGE_ID)
+        return checks.check_images(prompt, images, self.cfg, prefill_mesh=self.runner.prefill_step is not None)
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, **kw):
         """Submit a request and yield its tokens as they come, stepping the engine (which also
@@ -525,21 +303,7 @@ class Engine:
 
     def records(self):
         """Metrics records of the finished requests (serving.metrics)."""
-        from serving.metrics import RequestRecord
-
-        return [
-            RequestRecord(
-                r.arrival_s,
-                r.token_times_s,
-                len(r.prompt),
-                r.cached_tokens - r.cached_tokens_host,
-                r.cached_tokens_host,
-                r.admitted_s,
-                r.token_mixed,
-            )
-            for r in self.finished
-            if r.error is None
-        ]
+        return [record_of(r) for r in self.finished if r.error is None]
 
     # ---- the loop: plan -> run -> update ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -610,91 +374,3 @@ class Engine:
     def settle(self) -> None:
         """Read and apply the tokens of the decode step still on the device, if any."""
         self.scheduler.update_from_output(self.executor.settle())
-
-    def adopt(
-        self,
-        prompt: Sequence[int],
-        first_token: int,
-        max_new_tokens: int,
-        pages: list[np.ndarray],
-        state: np.ndarray,
-        *,
-        request_id: str,
-        arrival_s: float,
-        stop_at_eos: bool = False,
-        sampling: SamplingParams = GREEDY,
-        images=None,
-        cache_salt: str | None = None,
-        draft_feature: np.ndarray | None = None,
-        first_logprobs: TokenLogprobs | None = None,
-    ) -> Request | None:
-        """Take over a request another engine prefilled (direct P/D handoff): its prompt's
-        page contents and its KDA state after the whole prompt (and, for a speculative engine,
-        its draft's rows in the pages and `draft_feature`, the fused target feature of the last
-        prompt slot: `export_draft_feature`; with `sampling.logprobs`, the first token's
-        `first_logprobs` when the caller has them).  None if it does not fit now."""
-        check_cache_salt(cache_salt)
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a serving.sampling.SamplingParams; got {type(sampling).__name__}")
-        self._check_sampling(sampling)
-        if self.spec is None and draft_feature is not None:
-            raise ValueError("a speculative handoff (with a draft feature) needs a decode engine with the same draft")
-        if self.spec is not None:
-            if draft_feature is None or np.shape(draft_feature) != (self.cfg.d_model,):
-                raise ValueError(
-                    f"a speculative engine adopts a handoff with its draft feature [{self.cfg.d_model}] "
-                    "(from an engine with the same draft)"
-                )
-            if not np.isfinite(draft_feature).all():
-                raise ValueError("the draft feature holds values that are not finite")
-        check_handoff(
-            list(prompt), first_token, pages, state, vocab_size=self.cfg.vocab_size, page_tokens=self.page_tokens
-        )
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
-        if not self.scheduler.free_slots:
-            return None
-        images, mm_items = self._check_images(list(prompt), images)
-        req = Request(
-            request_id,
-            list(prompt),
-            max_new_tokens,
-            stop_at_eos,
-            arrival_s=arrival_s,
-            sampling=sampling,
-            images=images,
-            mm_items=mm_items,
-            cache_salt=cache_salt,
-        )
-        # placed on a rank and given its blocks and slot there; the tail rule's drop applies to
-        # handoffs too (exact: kept as written, as no_drop)
-        blocks = self.scheduler.begin(req, list(prompt))
-        if blocks is None:
-            return None
-        try:
-            req.admitted_s = time.monotonic()
-            req.cached_tokens = blocks.hit.tokens
-            req.cached_tokens_host = blocks.hit.pages_host * self.page_tokens
-            req.context = list(prompt)
-            self.executor.install_kv(req, blocks, pages, state)
-            req.planned_len = req.kv_len = len(prompt)
-            if self.spec is not None:
-                self.spec.adopted(self, req, draft_feature)
-            self.running.append(req)
-            self.scheduler.emit(req, first_token, logprobs=first_logprobs)
-        except BaseException as err:  # its blocks and slot go back before the caller hears of it
-            self.fail_request(req, err)
-            raise
-        return req
-
-    def export_kv(self, req: Request) -> tuple[list[np.ndarray], np.ndarray]:
-        """(prompt page contents, packed KDA state) of a request this engine holds."""
-        table = self.manager_of(req).requests[req.request_id].page_table
-        return self.kv_of(req).read_kv(table, len(req.prompt), req.slot)
-
-    def export_draft_feature(self, req: Request) -> np.ndarray:
-        """f32 [D]: the fused target feature of a prefilled request's last prompt slot, the draft
-        row a speculative decode engine writes first (with the token after it)."""
-        if self.spec is None:
-            raise ValueError("this engine has no draft")
-        return np.asarray(self.kv.dpools["pending"][req.slot, 0])

@@ -265,3 +265,16 @@ class IntervalStats:
             f"Prefix cache hit rate: {100 * hits / queried if queried else 0.0:.1f}%"
         )
         return text, active
+
+
+def record_of(req) -> "RequestRecord":
+    """The metrics record of a finished `serving.request.Request`."""
+    return RequestRecord(
+        req.arrival_s,
+        req.token_times_s,
+        len(req.prompt),
+        req.cached_tokens - req.cached_tokens_host,
+        req.cached_tokens_host,
+        req.admitted_s,
+        req.token_mixed,
+    )

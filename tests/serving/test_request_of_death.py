@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kimik3.generate import generate
-from serving import engine as engine_mod
+from serving import executor as executor_mod
 from serving.launch import child_env, free_port, wait_healthy
 from tests.serving.test_engine import PAGE, _engine
 
@@ -104,7 +104,7 @@ def test_a_request_whose_own_work_raises_fails_alone(rng, tiny_cfg, tiny_params,
     eng = _engine(tiny_params, tiny_cfg)
     free_pages = sum(m.page_pool.num_free for m in eng.managers)
     prompts = [rng.integers(0, 256, n).tolist() for n in (37, 21, 50)]
-    choose, build = engine_mod.choose_token, engine_mod.DecodeRows.build
+    choose, build = executor_mod.choose_token, executor_mod.DecodeRows.build
     poisoned = {"choose": SamplingParams(seed=666), "row": SamplingParams(seed=777)}
     healthy = eng.submit(prompts[0], 6)
     by_choice = eng.submit(prompts[1], 6, sampling=poisoned["choose"])
@@ -120,8 +120,8 @@ def test_a_request_whose_own_work_raises_fails_alone(rng, tiny_cfg, tiny_params,
             raise OverflowError("Python int too large to convert to C int")
         return build(*a, **kw)
 
-    monkeypatch.setattr(engine_mod, "choose_token", choose_or_die)
-    monkeypatch.setattr(engine_mod.DecodeRows, "build", staticmethod(build_or_die))
+    monkeypatch.setattr(executor_mod, "choose_token", choose_or_die)
+    monkeypatch.setattr(executor_mod.DecodeRows, "build", staticmethod(build_or_die))
     eng.run(max_steps=200)
     assert healthy.error is None and healthy.output == generate(tiny_params, tiny_cfg, prompts[0], 6).tokens.tolist()
     assert by_choice.done and by_choice.fault == "invalid" and "OverflowError" in by_choice.error
@@ -150,14 +150,14 @@ def test_the_worker_reports_a_request_failure_as_not_retriable(tiny_cfg, tiny_pa
     faults = []
     loop = EngineLoop(eng, worker_id="w0", on_fault=lambda: faults.append(1))
     info = {"role": "both", "worker_id": "w0", "max_context": 256, "page_tokens": PAGE, "namespace": "t"}
-    choose = engine_mod.choose_token
+    choose = executor_mod.choose_token
 
     def choose_or_die(logits, params, *a, **kw):
         if params.seed == 666:
             raise RuntimeError("a bug in one request's sampling")
         return choose(logits, params, *a, **kw)
 
-    monkeypatch.setattr(engine_mod, "choose_token", choose_or_die)
+    monkeypatch.setattr(executor_mod, "choose_token", choose_or_die)
     with TestClient(create_app(loop, info, keepalive_s=0.2)) as c:
         lines = lambda r: [json.loads(x) for x in r.iter_lines() if x]  # noqa: E731
         with c.stream("POST", "/generate", json={"prompt": [1, 2, 3], "max_tokens": 3, "seed": 666}) as r:
