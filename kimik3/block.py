@@ -3,7 +3,7 @@ layer-by-layer CPU programs (`kimik3.layerwise`) and the sharded prefill and dec
 (`sharding.prefill`, `sharding.decode`), which pass in their mesh's parts (the collectives around
 the mixer, the expert-parallel FFN) as callables; and the embedding and head around the blocks.
 
-    x = x + mixer(mixer_norm(x))        `mixer_half`  (KDA or MLA; also returns the cache entry)
+    x = x + mixer(mixer_norm(x))        `mixer_half`  (KDA or MLA; also returns the cache entry and exports)
     x = x + ffn(ffn_norm(x))            `ffn_half`    (dense MLP or LatentMoE)
 """
 
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from kimik3 import tokenizer
+from kimik3.caches import LayerEntry
 from kimik3.config import ModelConfig
 from kimik3.layers.kda import KDA
 from kimik3.layers.mla import MLA
@@ -83,16 +84,29 @@ class Block(nn.Module):
         else:
             self.moe = LatentMoE(cfg, self.expert_path, self.kernels)
 
-    def __call__(self, x_btd, positions_bt, cache):
-        valid = None if cache is None else cache.get("valid")
-        x_btd, cache = self.mix(x_btd, positions_bt, cache)
-        return self.ffn(x_btd, valid), cache
+    def __call__(self, x_btd, positions_bt, cache: LayerEntry | None, *, export_at=None, valid_b=None):
+        """x [B, T, D], positions [B, T], the layer's cache entry (`kimik3.caches`) or None ->
+        (x after the block, the entry written, the KDA exports or None); see `mix`."""
+        x_btd, cache, exports = self.mix(x_btd, positions_bt, cache, export_at=export_at, valid_b=valid_b)
+        return self.ffn(x_btd, valid_b), cache, exports
 
-    def mix(self, x_btd, positions_bt, cache):
-        """x + mixer(norm(x)), and the layer's cache entry written (None without a cache)."""
+    def mix(self, x_btd, positions_bt, cache: LayerEntry | None, *, export_at=None, valid_b=None):
+        """(x + mixer(norm(x)), the layer's cache entry written, its exports).  The entry is the
+        mixer's (`kimik3.layers.kda.KDA`, `kimik3.layers.mla.MLA`): for KDA the state after the
+        span (from zero without a cache), for MLA None without a cache.  export_at (int32 [E]):
+        the positions whose KDA state the layer exports (a `kimik3.caches.KDAState` [B, E, ...];
+        None for an MLA layer or without export_at).  valid_b (int32 [B]): each row's real
+        tokens (the rest pad the call and change no cache)."""
         if self.cfg.mixer_kind(self.layer) == "kda":
-            return mixer_half(x_btd, self.mixer_norm, lambda h: self.kda(h, cache))
-        return mixer_half(x_btd, self.mixer_norm, lambda h: self.mla(h, positions_bt, cache))
+
+            def kda(h):
+                y, entry, exports = self.kda(h, cache, export_at=export_at, valid_b=valid_b)
+                return y, (entry, exports)
+
+            x_btd, (entry, exports) = mixer_half(x_btd, self.mixer_norm, kda)
+            return x_btd, entry, exports
+        x_btd, entry = mixer_half(x_btd, self.mixer_norm, lambda h: self.mla(h, positions_bt, cache, valid_b=valid_b))
+        return x_btd, entry, None
 
     def ffn(self, x_btd, valid_b=None):
         """x + ffn(norm(x)).  valid_b: int32 [B] or None; a row's pad tokens (past valid[b]: a

@@ -1,6 +1,19 @@
-"""The caches the forward threads through its layers: typed, and the same for scanned layers.
+"""The caches the forward threads through its layers: typed per-layer entries, and the same
+containers for scanned layers.
 
-Each block reads its layer's cache with ``caches.get(cfg, layer, period)`` and hands back what
+A layer's cache entry is one of four frozen dataclasses (pytrees), and a mixer picks its path by
+the entry's type:
+
+* `KDAState`: a KDA layer's rows, one per sequence (the contiguous cache);
+* `KDASlots`: a KDA layer's view of the state pools, read and written by slot (the paged cache);
+* `MLALatent`: an MLA layer's latent rows, one row block per sequence (the contiguous cache);
+* `MLAPages`: an MLA layer's view of the latent pages through block tables (the paged cache).
+
+What a call asks for beside the cache (the positions whose KDA states it exports, the real
+tokens of each row) are arguments of the forward and the layers; what it exports comes back
+as a return value (`KDAState` rows with an exports axis), never inside a cache.
+
+Each block reads its layer's entry with ``caches.get(cfg, layer, period)`` and hands back what
 it wrote with ``caches.put(cfg, layer, period, new)``.  ``layer`` is static (it fixes the
 mixer's kind); ``period`` is None for an unrolled layer, or the traced index of the scanned
 period (`kimik3.stacked`) that `layer` stands for, so one traced block serves every period.
@@ -10,12 +23,11 @@ period (`kimik3.stacked`) that `layer` stands for, so one traced block serves ev
   unstacked after (`unstack`).
 * `PagedPools` (the paged pools viewed by a batch): one pool per kind for every layer, so a
   layer (scanned or not) reads and writes its rows in place by offset: KDA layer k's slot s is
-  row ``k * num_slots + s``; MLA layer m's page p is page ``m * num_pages + p``::
+  row ``k * num_slots + s``; MLA layer m's page p is page ``m * num_pages + p``.  The pools
+  themselves stay the serving engine's dicts::
 
       kda: {"state": f32 [n_kda * S, H, K, V], "conv": [n_kda * S, W-1, 3, H*D]}
       mla: {"pages": [n_mla * P, page_tokens, kv_lora + rope]}
-
-A KDA layer's "exports" (the states a prefill pass snapshots) come out of `put`, not the cache.
 """
 
 from __future__ import annotations
@@ -27,6 +39,70 @@ import jax
 
 from kimik3 import stacked
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDAState:
+    """A KDA layer's contiguous entry: state f32 [B, H, K, V] (the recurrence) and conv
+    [B, W-1, 3, H*D] (the q, k, v short convs' last W-1 inputs, one array: one gather and one
+    scatter per layer when a decode step reads it by slot).
+
+    A pass's exports have this type too, with an exports axis after the batch: state
+    [B, E, H, K, V], conv [B, E, W-1, 3, H*D] (`kimik3.layers.kda.KDA`)."""
+
+    state: jax.Array
+    conv: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KDASlots:
+    """A KDA layer's view of state pools: state f32 [S, H, K, V] and conv [S, W-1, 3, H*D] hold
+    a row per slot, and sequence b reads and writes row slots[b] (slots int32 [B]).  Sequences
+    may share a slot only if its contents are scratch (a decode batch's padding rows)."""
+
+    state: jax.Array
+    conv: jax.Array
+    slots: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLALatent:
+    """An MLA layer's contiguous entry: latent [B, S, kv_lora + rope], row s of sequence b the
+    latent of its token at position s."""
+
+    latent: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MLAPages:
+    """An MLA layer's view of latent pages: pages [P, page_tokens, kv_lora + rope] and
+    block_tables int32 [B, max_pages]: position s of sequence b lives in page
+    block_tables[b, s // page_tokens], row s % page_tokens."""
+
+    pages: jax.Array
+    block_tables: jax.Array
+
+
+# A layer's cache entry, whichever its kind and layout.
+LayerEntry = KDAState | KDASlots | MLALatent | MLAPages
+
+
+def is_paged(cache) -> bool:
+    """Whether a cache dict is a paged view (`kimik3.model.paged_view`) rather than a contiguous
+    cache (`kimik3.model.init_cache`): the one place the two outer layouts are told apart."""
+    return cache is not None and "block_tables" in cache
+
+
+def exports_as_dicts(exports) -> tuple | None:
+    """A pass's exports (per KDA layer a `KDAState` [B, E, ...]) as the dicts a paged view's
+    caller reads: per KDA layer {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}."""
+    if exports is None:
+        return None
+    return tuple({"state": e.state, "conv": e.conv} for e in exports)
 
 
 def kind_index(cfg: ModelConfig, layer: int) -> int:
@@ -53,9 +129,10 @@ def per_period(cfg: ModelConfig, layer: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCaches:
-    """The contiguous cache's per-layer entries (`kimik3.model.init_cache`)."""
+    """The contiguous cache's per-layer entries (`kimik3.model.init_cache`): `get` gives a
+    layer's `KDAState` or `MLALatent`, `put` takes the one it wrote."""
 
-    layers: tuple  # per layer: KDA {"state", "conv"}, MLA {"latent"}; None where `periods` holds it
+    layers: tuple  # per layer its KDAState or MLALatent; None where `periods` holds it
     periods: Any = None  # while scanning: per period position j, layer first + i*P + j stacked on i
     first: int = dataclasses.field(default=0, metadata=dict(static=True))
 
@@ -68,50 +145,47 @@ class LayerCaches:
         layers = stacked.unstack_positions(self.periods, self.first, n)
         return LayerCaches(tuple(layers.get(l, c) for l, c in enumerate(self.layers)))
 
-    def get(self, cfg, layer, period):
+    def get(self, cfg, layer, period) -> KDAState | MLALatent:
         if period is None:
             return self.layers[layer]
         return jax.tree_util.tree_map(lambda x: x[period], self.periods[layer - self.first])
 
-    def put(self, cfg, layer, period, new):
-        exports = new.get("exports")
-        new = {k: v for k, v in new.items() if k != "exports"}
+    def put(self, cfg, layer, period, new: KDAState | MLALatent) -> "LayerCaches":
         if period is None:
-            return dataclasses.replace(self, layers=self.layers[:layer] + (new,) + self.layers[layer + 1 :]), exports
+            return dataclasses.replace(self, layers=self.layers[:layer] + (new,) + self.layers[layer + 1 :])
         j = layer - self.first
         rows = jax.tree_util.tree_map(lambda s, x: s.at[period].set(x), self.periods[j], new)
-        return dataclasses.replace(self, periods=self.periods[:j] + (rows,) + self.periods[j + 1 :]), exports
+        return dataclasses.replace(self, periods=self.periods[:j] + (rows,) + self.periods[j + 1 :])
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedPools:
-    """A batch's view of the paged pools (see the module comment): block_tables int32 [B, max_pages]
-    (this layer-0 page ids), slots int32 [B] (layer-0 slot ids), and optionally export_at int32 [E]
-    and valid int32 [B] (see `kimik3.model.paged_view`)."""
+    """A batch's view of the paged pools (see the module comment): kda and mla the pool dicts,
+    slots int32 [B] (layer-0 slot ids), block_tables int32 [B, max_pages] (layer-0 page ids).
+    `get` gives a layer's `KDASlots` or `MLAPages` (ids offset to its rows), `put` takes the one
+    it wrote."""
 
     kda: dict
     mla: dict
     slots: jax.Array
     block_tables: jax.Array
-    export_at: Any = None
-    valid: Any = None
 
     def _index(self, cfg, layer, period):
         k = kind_index(cfg, layer)
         return k if period is None else k + period * per_period(cfg, layer)
 
-    def get(self, cfg, layer, period):
+    def get(self, cfg, layer, period) -> KDASlots | MLAPages:
         k = self._index(cfg, layer, period)
         num_slots, num_pages = pool_offsets(cfg, {"kda": self.kda, "mla": self.mla})
-        extra = {} if self.valid is None else {"valid": self.valid}
         if cfg.mixer_kind(layer) == "kda":
-            if self.export_at is not None:
-                extra["export_at"] = self.export_at
-            return dict(self.kda, slots=self.slots + k * num_slots, **extra)
-        return {"pages": self.mla["pages"], "block_tables": self.block_tables + k * num_pages, **extra}
+            return KDASlots(self.kda["state"], self.kda["conv"], self.slots + k * num_slots)
+        return MLAPages(self.mla["pages"], self.block_tables + k * num_pages)
 
-    def put(self, cfg, layer, period, new):
-        if cfg.mixer_kind(layer) == "kda":
-            return dataclasses.replace(self, kda={k: new[k] for k in self.kda}), new.get("exports")
-        return dataclasses.replace(self, mla={"pages": new["pages"]}), None
+    def put(self, cfg, layer, period, new: KDASlots | MLAPages) -> "PagedPools":
+        match new:
+            case KDASlots():
+                return dataclasses.replace(self, kda={"state": new.state, "conv": new.conv})
+            case MLAPages():
+                return dataclasses.replace(self, mla={"pages": new.pages})
+        raise TypeError(f"a paged layer writes KDASlots or MLAPages; got {type(new).__name__}")

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kimik3 import stacked
+from kimik3.caches import is_paged
 from kimik3.block import Block, block_kind, embed_inputs, first_of_kind, head_logits
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import RMSNorm
@@ -64,7 +65,7 @@ def use_layerwise(programs: str, params, cfg: ModelConfig, cache, *args) -> bool
     if programs == "whole":
         return False
     blocker = None
-    if cache is not None and "block_tables" in cache:
+    if is_paged(cache):
         blocker = "a paged cache view (the engine's pools) runs the whole program"
     elif stacked.is_stacked(params):
         blocker = "params in the scanned layout (kimik3.stacked) run the whole program"
@@ -115,7 +116,7 @@ def forward(params, tokens_bt, positions_bt, cache, images, *, cfg: ModelConfig,
         # each half's params only: a program's arguments are what it reads
         mixer = {k: v for k, v in block.items() if k in ("mixer_norm", "kda", "mla")}
         ffn = {k: v for k, v in block.items() if k in ("ffn_norm", "mlp", "moe")}
-        x, new = _mixer_program(
+        x, new, _ = _mixer_program(
             mixer,
             x,
             positions_bt,

@@ -4,12 +4,12 @@
 in and returned (see `init_cache`), so prefill in pieces, decode, and later
 paging all run through the same code.
 
-Contiguous cache (`init_cache`), one row per sequence::
+Contiguous cache (`init_cache`), one row per sequence; the entries are `kimik3.caches` types::
 
     {"lengths": int32 [B]               tokens already in the cache per sequence,
      "layers":  tuple, one per layer:
-        KDA: {"state": f32 [B, H, K, V], "conv": [B, W-1, 3, H*D]}  (the q, k, v convs' last inputs)
-        MLA: {"latent": [B, max_len, kv_lora + rope]}}
+        KDA: KDAState(state=f32 [B, H, K, V], conv=[B, W-1, 3, H*D])  (the q, k, v convs' last inputs)
+        MLA: MLALatent(latent=[B, max_len, kv_lora + rope])}
 
 Paged cache (`init_paged_cache` + `paged_view`): pools shared by every request, one per
 mixer kind for all its layers, and the batch's view of them::
@@ -21,6 +21,11 @@ mixer kind for all its layers, and the batch's view of them::
 KDA layer k's slot s is row k * num_slots + s; MLA layer m's page p is m * num_pages + p
 (`kimik3.caches.PagedPools`): every layer, unrolled or scanned (`kimik3.stacked`), updates its
 rows in place.  Both caches go through the same layers.
+
+`forward_caches` runs over the typed caches (`kimik3.caches.LayerCaches`, `PagedPools`) and takes
+what a call asks for (export_at, valid_b) as arguments; `forward_apply` is its form over the
+cache dicts above, where a paged view also carries the call's "export_at" and "valid" and the
+view it returns the exports.
 """
 
 from __future__ import annotations
@@ -50,7 +55,18 @@ from kimik3.block import (  # noqa: F401 (re-exported: the model's public names)
     head_logits,
     splice_image_embeddings,
 )
-from kimik3.caches import LayerCaches, PagedPools, kind_index, pool_offsets  # noqa: F401 (re-exported)
+from kimik3.caches import (  # noqa: F401 (re-exported)
+    KDASlots,
+    KDAState,
+    LayerCaches,
+    MLALatent,
+    MLAPages,
+    PagedPools,
+    exports_as_dicts,
+    is_paged,
+    kind_index,
+    pool_offsets,
+)
 from kimik3.config import ATTENTION_PERIOD, ModelConfig
 from kimik3.quant.formats import QTensor
 from kimik3.layers.kda import init_kda_cache
@@ -66,14 +82,12 @@ Cache = dict
 FP32_PARAM_PATTERN = re.compile(r"(w_router_de|router_bias_e|a_log_h|dt_bias_hk)$")
 
 
-def _run_block(block, x, positions_bt, caches, cfg, layer, period):
+def _run_block(block, x, positions_bt, caches, cfg, layer, period, export_at, valid_b):
     """One block over `caches` (`kimik3.caches`): its layer's entry in, what it wrote back.
-    Returns (x, caches, the KDA exports of this layer or None)."""
-    x, new = block(x, positions_bt, None if caches is None else caches.get(cfg, layer, period))
-    if caches is None:
-        return x, None, None
-    caches, exports = caches.put(cfg, layer, period, new)
-    return x, caches, exports
+    Returns (x, caches, the KDA exports of this layer or None: `Block`)."""
+    entry = None if caches is None else caches.get(cfg, layer, period)
+    x, new, exports = block(x, positions_bt, entry, export_at=export_at, valid_b=valid_b)
+    return x, None if caches is None else caches.put(cfg, layer, period, new), exports
 
 
 class Period(nn.Module):
@@ -86,19 +100,25 @@ class Period(nn.Module):
     kernels: str = "auto"
 
     @nn.compact
-    def __call__(self, carry, period, positions_bt):
+    def __call__(self, carry, period, positions_bt, export_at, valid_b):
         x, caches = carry
         exports = []
         for j in range(ATTENTION_PERIOD):
             block = Block(self.cfg, self.first + j, self.expert_path, self.kernels, name=f"layer_{j}")
-            x, caches, e = _run_block(block, x, positions_bt, caches, self.cfg, self.first + j, period)
+            layer = self.first + j
+            x, caches, e = _run_block(block, x, positions_bt, caches, self.cfg, layer, period, export_at, valid_b)
             exports.append(e)
         return (x, caches), tuple(exports)
 
 
 class KimiK3(nn.Module):
-    """tokens [B, T], positions [B, T], caches (`kimik3.caches`), images -> (logits [B, T, V] fp32,
-    the caches written, the KDA layers' exports in layer order or None).
+    """tokens [B, T], positions [B, T], caches (`kimik3.caches.LayerCaches`, `PagedPools` or None),
+    images -> (logits [B, T, V] fp32, the caches written, the KDA layers' exports or None).
+
+    export_at (int32 [E] token counts of this call, traced): every KDA layer exports its cache
+    entry as it stood after each count; the exports are then one `kimik3.caches.KDAState`
+    [B, E, ...] per KDA layer, in layer order (see `kimik3.layers.kda.KDA`).  Without export_at
+    they are None.
 
     With params in the scanned layout (`kimik3.stacked`: a "periods" subtree) the repeated
     periods run as one `nn.scan` step; the math per layer is the same."""
@@ -110,13 +130,16 @@ class KimiK3(nn.Module):
     taps: tuple[int, ...] = ()  # layers whose output (the residual stream) is sown as intermediates "tap_{i}"
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, caches=None, images_nhwc=None, logits_tail=None, valid_b=None):
+    def __call__(
+        self, tokens_bt, positions_bt, caches=None, images_nhwc=None, logits_tail=None, valid_b=None, export_at=None
+    ):
         """images_nhwc: [N, S, S, C] pixels, or {"rows": [M, D], "first": int32 []} image
         embeddings computed earlier (`image_embeddings`) and the row the first placeholder
         among `tokens_bt` takes.  logits_tail: logits for only the last this many positions
         ([B, logits_tail, V]): a serving step needs the last one, and the fp32 head over every
         prompt token would cost more than a layer.  valid_b: int32 [B], row b's real tokens
-        (the rest pad it); with logits_tail=1 the logits are those of its last real token."""
+        (the rest pad it and change no cache); with logits_tail=1 the logits are those of its
+        last real token."""
         cfg = self.cfg
         embed = self.param("embed_vd", nn.initializers.normal(1.0), (cfg.vocab_size, cfg.d_model))
         vit = None if cfg.vit is None else ViT(cfg.vit, cfg.d_model, name="vit")
@@ -138,21 +161,20 @@ class KimiK3(nn.Module):
                         Period,
                         variable_axes={"params": 0},
                         split_rngs={"params": True},
-                        in_axes=(0, nn.broadcast),
+                        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                         length=n,
                     )
                     (x, caches), period_exports = periods(
                         cfg, first, self.expert_path, self.kernels, name=stacked.PERIODS
-                    )((x, caches), jnp.arange(n), positions_bt)
+                    )((x, caches), jnp.arange(n), positions_bt, export_at, valid_b)
                     if isinstance(caches, LayerCaches):
                         caches = caches.unstack(n)
                     exports.update(
                         {l: e for l, e in stacked.unstack_positions(period_exports, first, n).items() if e is not None}
                     )
                 continue
-            x, caches, e = _run_block(
-                Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}"), x, positions_bt, caches, cfg, i, None
-            )
+            block = Block(cfg, i, self.expert_path, self.kernels, name=f"layer_{i}")
+            x, caches, e = _run_block(block, x, positions_bt, caches, cfg, i, None, export_at, valid_b)
             if e is not None:
                 exports[i] = e
             if i in self.taps:
@@ -251,7 +273,8 @@ def abstract_params(cfg: ModelConfig, dtype=None) -> Params:
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    """An empty cache for `batch` sequences of up to `max_len` tokens: {"lengths": int32 [B]
+    zeros, "layers": per layer a `KDAState` or an `MLALatent` of zeros} (the module comment)."""
     if not 0 < max_len <= cfg.max_seq_len:
         raise ValueError(f"cache max_len {max_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
     dtype = jnp.dtype(dtype or cfg.dtype)
@@ -268,8 +291,9 @@ def init_paged_cache(cfg: ModelConfig, num_pages: int, num_slots: int, page_toke
     View them per batch with `paged_view`; `pool_layers` splits them per layer."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     n_kda, n_mla = cfg.mixer_kinds.count("kda"), cfg.mixer_kinds.count("mla")
+    rows = init_kda_cache(cfg, n_kda * num_slots, dtype)
     return {
-        "kda": init_kda_cache(cfg, n_kda * num_slots, dtype),
+        "kda": {"state": rows.state, "conv": rows.conv},
         "mla": {"pages": jnp.zeros((n_mla * num_pages, page_tokens, cfg.mla_latent_dim), dtype)},
     }
 
@@ -296,8 +320,8 @@ def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid
     """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
     (distinct KDA rows), lengths int32 [B] (tokens already cached).  export_at: int32 [E]
     token counts of the coming call after which every KDA layer's cache entries are
-    returned too (the forward's cache then has "exports": per KDA layer {"state": [B, E, H, K, V],
-    "conv": [B, E, W-1, 3, H*D]}; see `kimik3.layers.kda.KDA`).
+    returned too (`forward_apply`'s returned view then has "exports": per KDA layer
+    {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}; see `kimik3.layers.kda.KDA`).
     valid: int32 [B], the real tokens of each row of the coming call; the rest pad the call
     to a compiled length and change nothing (the lengths advance by `valid`, the logits are
     the last real token's; see `kimik3.layers.kda.KDA` and `kimik3.layers.mla.MLA`)."""
@@ -317,59 +341,94 @@ def _int32(x):
     return np.asarray(x, np.int32)
 
 
-def _is_paged(cache: Cache | None) -> bool:
-    return cache is not None and "block_tables" in cache
-
-
 def cache_capacity(cfg: ModelConfig, cache: Cache) -> int:
     """Tokens per sequence the cache can hold (MLA latent rows; KDA has no limit)."""
     if "mla" not in cfg.mixer_kinds:
         return cfg.max_seq_len
-    if _is_paged(cache):
+    if is_paged(cache):
         return cache["block_tables"].shape[1] * cache["mla"]["pages"].shape[1]
-    return cache["layers"][cfg.mixer_kinds.index("mla")]["latent"].shape[1]
+    return cache["layers"][cfg.mixer_kinds.index("mla")].latent.shape[1]
 
 
 # ---- forward ------------------------------------------------------------------------------------
 
 
+def forward_caches(
+    params,
+    tokens,
+    positions,
+    caches,
+    images,
+    *,
+    cfg,
+    expert_path,
+    kernels="auto",
+    logits_tail=None,
+    taps=(),
+    export_at=None,
+    valid_b=None,
+):
+    """The forward over typed caches (`kimik3.caches.LayerCaches`, `PagedPools`, or None):
+    (logits [B, T, V] fp32, the caches written, the exports) and, with taps (layers, static), a
+    fourth output: the residual stream after each of them [B, T, len(taps), D] (what an EAGLE-3
+    draft reads, `kimik3.eagle`).
+
+    export_at: int32 [E] token counts of this call after which every KDA layer exports its
+    entry; the exports are then per KDA layer, in layer order, a `kimik3.caches.KDAState`
+    (state [B, E, H, K, V], conv [B, E, W-1, 3, H*D]), else None.  valid_b: int32 [B], each
+    row's real tokens (the rest pad the call and change no cache; `KimiK3`)."""
+    module = KimiK3(cfg, expert_path, ops.resolve(kernels), taps=tuple(taps))
+    args = ({"params": params}, tokens, positions, caches, images, logits_tail, valid_b, export_at)
+    if taps:
+        (logits, caches, exports), state = module.apply(*args, mutable=["intermediates"])
+        return logits, caches, exports, stacked_taps(state, tuple(taps))
+    return module.apply(*args)
+
+
 def forward_apply(
     params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
 ):
-    """The forward over a cache (or none): (logits, the cache after) and, with taps (layers,
-    static), a third output: the residual stream after each of them [B, T, len(taps), D] (what
-    an EAGLE-3 draft reads, `kimik3.eagle`)."""
-    paged = _is_paged(cache)
+    """`forward_caches` over a cache dict (`init_cache`, `paged_view`) or None: (logits, the
+    cache dict after) and, with taps, a third output: the taps [B, T, len(taps), D].
+
+    A paged view's "export_at" and "valid" are the call's export_at and valid_b; the view it
+    returns is the one given with its pools written and its lengths advanced (by "valid", or
+    by T), and, where it had "export_at", the exports under "exports" (per KDA layer
+    {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]})."""
+    paged = is_paged(cache)
+    export_at = valid = None
     if cache is None:
         caches = None
     elif paged:
         # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
         # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
-        caches = PagedPools(
-            cache["kda"],
-            cache["mla"],
-            cache["slots"],
-            cache["block_tables"],
-            cache.get("export_at"),
-            cache.get("valid"),
-        )
+        caches = PagedPools(cache["kda"], cache["mla"], cache["slots"], cache["block_tables"])
+        export_at, valid = cache.get("export_at"), cache.get("valid")
     else:
         caches = LayerCaches(tuple(cache["layers"]))
-    module = KimiK3(cfg, expert_path, ops.resolve(kernels), taps=tuple(taps))
-    args = ({"params": params}, tokens, positions, caches, images, logits_tail, cache.get("valid") if paged else None)
-    if taps:
-        (logits, caches, exports), state = module.apply(*args, mutable=["intermediates"])
-        tapped = (stacked_taps(state, tuple(taps)),)
-    else:
-        (logits, caches, exports), tapped = module.apply(*args), ()
+    logits, caches, exports, *tapped = forward_caches(
+        params,
+        tokens,
+        positions,
+        caches,
+        images,
+        cfg=cfg,
+        expert_path=expert_path,
+        kernels=kernels,
+        logits_tail=logits_tail,
+        taps=taps,
+        export_at=export_at,
+        valid_b=valid,
+    )
+    tapped = tuple(tapped)
     if cache is None:
         return (logits, None) + tapped
     if paged:
         out = dict(
             cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda, mla=caches.mla
         )
-        if "export_at" in cache:  # per KDA layer: {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}
-            out["exports"] = exports
+        if "export_at" in cache:
+            out["exports"] = exports_as_dicts(exports)
         return (logits, out) + tapped
     return (logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}) + tapped
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from kimik3 import eagle, tokenizer
 from kimik3.config import ModelConfig
-from kimik3.caches import LayerCaches
-from kimik3.model import KimiK3, forward_taps_step, cast_params, init_cache, stacked_taps
+from kimik3.caches import KDAState, LayerCaches
+from kimik3.model import forward_caches, forward_taps_step, cast_params, init_cache
 
 MAX_DRAFT_TOKENS = 8
 
@@ -111,19 +111,25 @@ def _draft_slot(draft, embed_vd, feat_ld, toks_l, n, *, cfg):
 def _cached_pass(params, tokens_bt, cache, *, cfg, layers, per_token):
     """The target over tokens [B, T] continuing a contiguous cache (reference kernels): (logits
     [B, T, V], taps [B, T, len(layers), D], the cache after all T, and with per_token each KDA
-    layer's {"state": [B, T, ...], "conv": [B, T, ...]} after 1 .. T tokens, else None)."""
+    layer's `KDAState` (state [B, T, ...], conv [B, T, ...]) after 1 .. T tokens, else None)."""
     b, t = tokens_bt.shape
     positions = cache["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    at = jnp.arange(1, t + 1, dtype=jnp.int32)
-    layer_caches = tuple(
-        dict(c, export_at=at) if per_token and kind == "kda" else c for c, kind in zip(cache["layers"], cfg.mixer_kinds)
-    )
+    at = jnp.arange(1, t + 1, dtype=jnp.int32) if per_token else None
     # chunk 1: the chunked KDA form at one token a chunk is the recurrence, and exports every position
     run_cfg = dataclasses.replace(cfg, kda_chunk_size=1) if per_token else cfg
-    (logits, caches, exports), state = KimiK3(run_cfg, "grouped", "reference", taps=layers).apply(
-        {"params": params}, tokens_bt, positions, LayerCaches(layer_caches), mutable=["intermediates"]
+    logits, caches, exports, taps = forward_caches(
+        params,
+        tokens_bt,
+        positions,
+        LayerCaches(tuple(cache["layers"])),
+        None,
+        cfg=run_cfg,
+        expert_path="grouped",
+        kernels="reference",
+        taps=layers,
+        export_at=at,
     )
-    return logits, stacked_taps(state, layers), {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
+    return logits, taps, {"lengths": cache["lengths"] + t, "layers": caches.layers}, exports
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -137,7 +143,7 @@ def commit(cache_before, cache_after, exports, keep_b, *, cfg):
     for c, kind in zip(cache_after["layers"], cfg.mixer_kinds):
         if kind == "kda":
             e = next(per_kda_layer)
-            c = {"state": pick(e["state"]), "conv": pick(e["conv"]).astype(c["conv"].dtype)}
+            c = KDAState(pick(e.state), pick(e.conv).astype(c.conv.dtype))
         layers.append(c)
     return {"lengths": cache_before["lengths"] + keep_b, "layers": tuple(layers)}
 

@@ -51,7 +51,7 @@ def _body(params, x_btd, caches, lengths_b, *, cfg: ModelConfig, ep: int, dispat
                 ffn=lambda h: ffn(cfg, i, p, h, ep=ep, dispatch=dispatch, kernels=kernels),
                 **layers.block_norms(cfg, p),
             )
-        caches, _ = caches.put(cfg, i, None, c)
+        caches = caches.put(cfg, i, None, c)
     return lm_head(params, cfg, x_btd), caches
 
 

@@ -56,11 +56,12 @@ def mixer(cfg_local: ModelConfig, layer: int, p_layer, h_btd, positions_bt, cach
     """The token mixer (KDA or MLA) of `layer` on this rank's heads.
 
     h_btd [B, T, D] normed inputs (all tokens of the span); positions_bt [B, T];
-    cache: this rank's slice of the layer cache or None.  Returns the
-    partial output [B, T, D] (summed over this rank's heads only) and the new cache.
+    cache: this rank's slice of the layer's cache entry (`kimik3.caches`) or None.  Returns the
+    partial output [B, T, D] (summed over this rank's heads only) and the entry written.
     """
     if cfg_local.mixer_kind(layer) == "kda":
-        return KDA(cfg_local, kernels).apply({"params": p_layer["kda"]}, h_btd, cache)
+        y, entry, _ = KDA(cfg_local, kernels).apply({"params": p_layer["kda"]}, h_btd, cache)
+        return y, entry
     return MLA(cfg_local, kernels).apply({"params": p_layer["mla"]}, h_btd, positions_bt, cache)
 
 

@@ -8,14 +8,14 @@ The sharded classes take the contiguous per-request cache of
 
     view  = model.paged_view(pools, tables [B, P], slots [B], lengths [B])
     cache = contiguous_cache(cfg, view)       on the pools' device; init_cache layout:
-              MLA layer: {"latent": [B, P * page, R]}   each request's pages, in table order
-              KDA layer: {"state": f32 [B, H, K, V], "conv": [B, W-1, 3, H*D]}   its slot's rows
+              MLA layer: MLALatent(latent=[B, P * page, R])   each request's pages, in table order
+              KDA layer: KDAState(state=f32 [B, H, K, V], conv=[B, W-1, 3, H*D])   its slot's rows
               "lengths": int32 [B]
     cache = sharded.place_cache(cache)        onto the mesh (prefill: heads split, latent
                                               replicated; decode: requests split over dp)
     logits, cache = sharded.run(params, tokens [B, T], cache)
     delta = new_entries(cfg, cache, T)        on the mesh: per MLA layer the T new latent rows
-                                              [B, T, R]; per KDA layer the new state/conv rows
+                                              (MLALatent [B, T, R]); per KDA layer its KDAState
     pools = write_back(cfg, view, delta)      on the pools' device: latent rows into their pages
                                               at lengths + arange(T), KDA rows into their slots
 
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from kimik3 import model
-from kimik3.caches import kind_index
+from kimik3.caches import KDAState, MLALatent, kind_index
 from kimik3.config import ModelConfig
 
 # The MLA layer's own paged read / write (pallas_kernels.mla, re-exported where the layer uses them).
@@ -60,14 +60,16 @@ MODES = ("prefill",)  # decode over paged pools: sharding.decode.PagedDecode, on
 def contiguous_cache(view, *, cfg: ModelConfig):
     """A paged view (`model.paged_view`) -> the contiguous cache of its B rows (`init_cache` layout).
 
-    MLA latent [B, max_pages * page, R] (the rows of each row's pages, in block-table order),
-    KDA state / conv rows of each row's slot, lengths [B]."""
+    Per MLA layer an `MLALatent` [B, max_pages * page, R] (the rows of each row's pages, in
+    block-table order), per KDA layer a `KDAState` of each row's slot; lengths [B]."""
     tables, slots = view["block_tables"], view["slots"]
     num_slots, num_pages = model.pool_offsets(cfg, view)
+    pools, pages = view["kda"], view["mla"]["pages"]
+    kda = lambda rows: KDAState(pools["state"][rows], pools["conv"][rows])
     layers = tuple(
-        {k: v[slots + kind_index(cfg, i) * num_slots] for k, v in view["kda"].items()}
+        kda(slots + kind_index(cfg, i) * num_slots)
         if kind == "kda"
-        else {"latent": gather_pages(view["mla"]["pages"], tables + kind_index(cfg, i) * num_pages)}
+        else MLALatent(gather_pages(pages, tables + kind_index(cfg, i) * num_pages))
         for i, kind in enumerate(cfg.mixer_kinds)
     )
     return {"lengths": view["lengths"], "layers": layers}
@@ -76,31 +78,35 @@ def contiguous_cache(view, *, cfg: ModelConfig):
 @functools.partial(jax.jit, static_argnames=("cfg", "t"))
 def new_entries(cache, *, cfg: ModelConfig, t: int):
     """What a step of `t` tokens added to a contiguous cache (whose lengths already count them):
-    per MLA layer {"rows": [B, t, R]} (the latent rows at old lengths + arange(t)); per KDA layer
-    its whole state / conv rows (they are replaced, not appended)."""
+    per MLA layer an `MLALatent` of the t new rows [B, t, R] (the latent rows at old lengths +
+    arange(t)); per KDA layer its whole `KDAState` (replaced, not appended)."""
     start = cache["lengths"] - t
     take = jax.vmap(lambda lat, s: jax.lax.dynamic_slice_in_dim(lat, s, t, axis=0))
     return tuple(
-        dict(layer) if kind == "kda" else {"rows": take(layer["latent"], start)}
-        for kind, layer in zip(cfg.mixer_kinds, cache["layers"])
+        layer if isinstance(layer, KDAState) else MLALatent(take(layer.latent, start)) for layer in cache["layers"]
     )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def write_back(view, delta, *, cfg: ModelConfig):
-    """Write `new_entries` into the pools of a paged view: latent rows [B, t, R] into the pages at
-    positions lengths + arange(t) (through the block tables), KDA rows into their slots.
-    Returns the new pools (`kimik3.model.init_paged_cache`'s layout)."""
-    t = next((d["rows"].shape[1] for d in delta if "rows" in d), 0)
+    """Write `new_entries` into the pools of a paged view: latent rows (`MLALatent` [B, t, R]) into
+    the pages at positions lengths + arange(t) (through the block tables), KDA rows (`KDAState`)
+    into their slots.  Returns the new pools (`kimik3.model.init_paged_cache`'s layout)."""
+    t = next((d.latent.shape[1] for d in delta if isinstance(d, MLALatent)), 0)
     positions = view["lengths"][:, None] + jnp.arange(t, dtype=jnp.int32)[None]
     num_slots, num_pages = model.pool_offsets(cfg, view)
     kda, pages = dict(view["kda"]), view["mla"]["pages"]
-    for i, (kind, new) in enumerate(zip(cfg.mixer_kinds, delta)):
+    for i, new in enumerate(delta):
         k = kind_index(cfg, i)
-        if kind == "kda":
-            kda = {key: kda[key].at[view["slots"] + k * num_slots].set(new[key].astype(kda[key].dtype)) for key in kda}
-        else:
-            pages = write_latent(pages, new["rows"], view["block_tables"] + k * num_pages, positions)
+        match new:
+            case KDAState():
+                rows = view["slots"] + k * num_slots
+                kda = {
+                    "state": kda["state"].at[rows].set(new.state.astype(kda["state"].dtype)),
+                    "conv": kda["conv"].at[rows].set(new.conv.astype(kda["conv"].dtype)),
+                }
+            case MLALatent():
+                pages = write_latent(pages, new.latent, view["block_tables"] + k * num_pages, positions)
     return {"kda": kda, "mla": {"pages": pages}}
 
 

@@ -109,7 +109,7 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(mlp|shared)/w_out_fd$", ("mlp", "embed")),
 )
 
-# Cache leaves (kimik3.model.init_cache layout), by key.
+# Cache leaves (kimik3.model.init_cache layout), by key or entry field (`kimik3.caches`).
 CACHE_AXES = {
     "lengths": ("batch",),
     "state": ("batch", "heads", "head_dim", "head_dim"),
@@ -147,8 +147,8 @@ def cache_specs(cache, rules: Rules) -> Any:
     """Tree like a contiguous cache (`kimik3.model.init_cache`) of PartitionSpecs."""
 
     def spec(path, x):
-        key = path[-1].key
-        return rules.spec(CACHE_AXES[key])
+        last = path[-1]  # a dict key ("lengths") or a cache entry's field (`kimik3.caches.KDAState.state`)
+        return rules.spec(CACHE_AXES[last.name if isinstance(last, jax.tree_util.GetAttrKey) else last.key])
 
     return jax.tree_util.tree_map_with_path(spec, cache)
 

@@ -12,10 +12,9 @@ import numpy as np
 import flax.linen as nn
 
 from kimik3 import ops
+from kimik3.caches import KDASlots, KDAState
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import fan_in_init, gemm_form, l2_normalize, qparam, rms_norm, short_conv
-
-CACHE_KEYS = ("state", "conv")
 
 
 def kda_gate(f_bthk, a_log_h, dt_bias_hk, lower_bound: float | None):
@@ -37,37 +36,42 @@ def gate_lower_bound(cfg: ModelConfig) -> float | None:
     return cfg.kda_gate_lower_bound if cfg.kda_gate == "bounded" else None
 
 
-def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> dict:
-    """Recurrent state [B, H, K, V] fp32 and the q, k, v short convs' last inputs [B, W-1, 3, H*D]
-    (one array: one gather and one scatter per layer when a decode step reads it by slot)."""
+def init_kda_cache(cfg: ModelConfig, batch: int, dtype) -> KDAState:
+    """An empty `KDAState`: recurrent state [B, H, K, V] fp32 and the q, k, v short convs' last
+    inputs [B, W-1, 3, H*D] in `dtype`, all zeros."""
     h, d, w = cfg.kda_heads, cfg.kda_head_dim, cfg.kda_conv_size
-    return {"state": jnp.zeros((batch, h, d, d), jnp.float32), "conv": jnp.zeros((batch, w - 1, 3, h * d), dtype)}
+    return KDAState(jnp.zeros((batch, h, d, d), jnp.float32), jnp.zeros((batch, w - 1, 3, h * d), dtype))
 
 
 class KDA(nn.Module):
-    """x [B, T, D] (+ cache) -> y [B, T, D] (+ new cache).
+    """x [B, T, D], cache -> (y [B, T, D], the cache entry written, the exports or None).
 
-    A cache with "export_at" (int32 [E] token counts within this call, traced) also
-    returns, under "exports", the cache entries as they stood after each count
-    ({"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}): the states a prefix
-    cache snapshots at its block boundaries, from this one pass (entries that are not
-    multiples of the chunk size in 1..T give zeros).
+    The cache entry's type picks the path (`kimik3.caches`):
 
-    A cache with "slots" (int32 [B]) is a view of pools: its entries are [num_slots, ...] and
-    row b reads and writes slot slots[b]; the new cache then holds the updated pools.  One decode
-    token on the Pallas path (`kimik3.ops.kda_decode_fused`) runs everything after the input
-    projections in one kernel that updates both pools in place (`kimik3.ops.kda_decode`).
+    * None: a pass from the zero state; the entry written is the `KDAState` after it.
+    * `KDAState` (rows [B, ...]): the pass continues each row's state; the entry written is
+      a `KDAState`.
+    * `KDASlots` (pools [num_slots, ...] and slots int32 [B]): row b reads and writes slot
+      slots[b]; the entry written is a `KDASlots` over the updated pools.  One decode token on
+      the Pallas path (`kimik3.ops.kda_decode_fused`) runs everything after the input
+      projections in one kernel that updates both pools in place (`kimik3.ops.kda_decode`).
 
-    A cache with "valid" (int32 [B]) marks only the first valid[b] tokens of row b as real: the
-    rest pad a prefill chunk to its compiled length.  Pad tokens enter the recurrence with
-    q = k = v = 0, no decay and beta = 0 (what the chunked kernels pad with themselves), so the
-    state and every real token's output are those of the unpadded span."""
+    export_at (int32 [E] token counts within this call, traced): the exports are the entries as
+    they stood after each count, a `KDAState` with state [B, E, H, K, V] and conv
+    [B, E, W-1, 3, H*D]: the states a prefix cache snapshots at its block boundaries, from this
+    one pass (entries that are not multiples of the chunk size in 1..T, or past a row's valid
+    tokens, give zeros).  Without export_at the exports are None.
+
+    valid_b (int32 [B]) marks only the first valid_b[b] tokens of row b as real: the rest pad a
+    prefill chunk to its compiled length.  Pad tokens enter the recurrence with q = k = v = 0, no
+    decay and beta = 0 (what the chunked kernels pad with themselves), so the state and every
+    real token's output are those of the unpadded span."""
 
     cfg: ModelConfig
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, x_btd, cache=None):
+    def __call__(self, x_btd, cache: KDAState | KDASlots | None = None, *, export_at=None, valid_b=None):
         cfg = self.cfg
         d, h, k = cfg.d_model, cfg.kda_heads, cfg.kda_head_dim
         b, t, _ = x_btd.shape
@@ -96,14 +100,17 @@ class KDA(nn.Module):
         o_norm = self.param("o_norm_v", nn.initializers.ones, (k,))
         w_o = qparam(self, "w_o_hvd", fan_in_init(h * k), (h, k, d))
 
-        cache = cache or {}
-        new_cache = {}
-        export_at = cache.get("export_at")
-        slots = cache.get("slots")
-        valid = cache.get("valid")
-        real = None if valid is None else (jnp.arange(t)[None] < valid[:, None])[..., None, None]  # [B, T, 1, 1]
+        match cache:
+            case None:
+                state, conv_state, slots = None, None, None
+            case KDASlots():
+                state, conv_state, slots = cache.state, cache.conv, cache.slots
+            case KDAState():
+                state, conv_state, slots = cache.state, cache.conv, None
+            case _:
+                raise TypeError(f"a KDA layer's cache is a KDAState or KDASlots; got {type(cache).__name__}")
+        real = None if valid_b is None else (jnp.arange(t)[None] < valid_b[:, None])[..., None, None]  # [B, T, 1, 1]
         pad = (lambda x: x) if real is None else (lambda x: jnp.where(real, x, jnp.zeros((), x.dtype)))
-        exports = {}
 
         if fused:  # q, k, v come out of the one GEMM side by side: the convs' input as it is
             x_in = ops.linear(x_btd, w_in, kernels=self.kernels)
@@ -123,7 +130,6 @@ class KDA(nn.Module):
         else:
             f, x_gate = jnp.einsum("btr,rhk->bthk", xfa, w_fb), jnp.einsum("btr,rhv->bthv", xga, w_gb)
 
-        conv_state = cache.get("conv")
         if slots is not None and t == 1 and export_at is None and ops.kda_decode_fused(self.kernels):
             # a decode token: convs, gates, recurrence and gated norm in one kernel on both pools
             # (it reads q | k | v and beta from the projection's output as it is, f | x_gate whole)
@@ -137,9 +143,9 @@ class KDA(nn.Module):
                 x_in[:, 0],
                 fg[:, 0],
                 conv_state,
-                cache["state"],
+                state,
                 slots,
-                valid,
+                valid_b,
                 beta_col=beta_col,
                 w_conv=tuple(conv[n] for n in "qkv"),
                 a_log=a_log,
@@ -148,18 +154,17 @@ class KDA(nn.Module):
                 lower_bound=gate_lower_bound(cfg),
                 eps=cfg.kda_eps,
             )
-            return ops.linear_heads(o, w_o, kernels=self.kernels)[:, None], {"conv": conv_pool, "state": state_pool}
+            return ops.linear_heads(o, w_o, kernels=self.kernels)[:, None], KDASlots(state_pool, conv_pool, slots), None
 
         # The three short convs as one over [q | k | v] channels; their state rows [B, W-1, 3, H*D]
         # (or the pool [num_slots, ...] read and written by slot).
         w_conv = jnp.concatenate([conv[n] for n in "qkv"], axis=-1)
         rows = conv_state if conv_state is None or slots is None else conv_state[slots]
         rows = None if rows is None else rows.reshape(b, cfg.kda_conv_size - 1, 3 * h * k)
-        out = short_conv(x_qkv, w_conv, rows, export_at, valid)
+        out = short_conv(x_qkv, w_conv, rows, export_at, valid_b)
         new_rows = out[1].reshape(b, cfg.kda_conv_size - 1, 3, h * k)
-        new_cache["conv"] = new_rows if slots is None else conv_state.at[slots].set(new_rows.astype(conv_state.dtype))
-        if export_at is not None:
-            exports["conv"] = out[2].reshape(out[2].shape[:3] + (3, h * k))
+        new_conv = new_rows if slots is None else conv_state.at[slots].set(new_rows.astype(conv_state.dtype))
+        conv_exports = None if export_at is None else out[2].reshape(out[2].shape[:3] + (3, h * k))
         y = jax.nn.silu(out[0]).reshape(b, t, 3, h, k)
         q = pad(l2_normalize(y[:, :, 0]))
         kk = pad(l2_normalize(y[:, :, 1]))
@@ -174,22 +179,22 @@ class KDA(nn.Module):
             v,
             g,
             beta,
-            initial_state=cache.get("state"),
+            initial_state=state,
             chunk_size=cfg.kda_chunk_size,
             kernels=self.kernels,
             export_at=export_at,
             slots=slots,
             gate_bounded=cfg.kda_gate == "bounded",
         )
-        o, new_cache["state"] = out[:2]
+        o, new_state = out[:2]
+        new_cache = KDAState(new_state, new_conv) if slots is None else KDASlots(new_state, new_conv, slots)
+        exports = None
         if export_at is not None:
             named = ops.kda_export_mask(export_at, t, cfg.kda_chunk_size)[None]  # [1, E]
-            if valid is not None:  # a position among a row's pad tokens names no state either
-                named = named & (export_at[None] <= valid[:, None])
-            exports = dict(exports, state=out[2])
-            new_cache["exports"] = {
-                n: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0) for n, s in exports.items()
-            }
+            if valid_b is not None:  # a position among a row's pad tokens names no state either
+                named = named & (export_at[None] <= valid_b[:, None])
+            keep = lambda s: jnp.where(named.reshape(named.shape + (1,) * (s.ndim - 2)), s, 0)
+            exports = KDAState(keep(out[2]), keep(conv_exports))
         gate = jax.nn.sigmoid(x_gate.astype(jnp.float32))
         o = (rms_norm(o, o_norm, cfg.kda_eps).astype(jnp.float32) * gate).astype(x_btd.dtype)
-        return ops.linear_heads(o, w_o, kernels=self.kernels), new_cache
+        return ops.linear_heads(o, w_o, kernels=self.kernels), new_cache, exports

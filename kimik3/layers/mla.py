@@ -24,15 +24,16 @@ import numpy as np
 import flax.linen as nn
 
 from kimik3 import ops
+from kimik3.caches import MLALatent, MLAPages
 from kimik3.config import ModelConfig
 from kimik3.layers.primitives import fan_in_init, gemm_form, qparam, rms_norm
 from pallas_kernels.mla import gather_pages, write_latent
 from pallas_kernels.mla_forms import expand_heads, mla_absorbed, mla_naive  # noqa: F401 (the forms, re-exported)
 
 
-def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict:
-    """Latent cache [B, max_len, kv_lora + rope]."""
-    return {"latent": jnp.zeros((batch, max_len, cfg.mla_latent_dim), dtype)}
+def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MLALatent:
+    """An empty `MLALatent`: latent [B, max_len, kv_lora + rope] zeros in `dtype`."""
+    return MLALatent(jnp.zeros((batch, max_len, cfg.mla_latent_dim), dtype))
 
 
 def write_rows(cache_bsr, rows_btr, start_b):
@@ -88,12 +89,17 @@ def mla_output(w: dict, o_bthv, xg_bthv, dtype, kernels: str = "auto"):
 
 
 class MLA(nn.Module):
-    """x [B, T, D_in], positions [B, T] (+ cache) -> y [B, T, D] (+ new cache).
+    """x [B, T, D_in], positions [B, T], cache -> (y [B, T, D], the cache entry written).
 
-    With a contiguous cache ``{"latent": [B, S, D]}`` the new latents are
-    written at ``positions[:, 0]``; with a paged cache ``{"pages": [P, page, D],
-    "block_tables": [B, max_pages]}`` they are written into their pages (with "valid" int32
-    [B], only row b's first valid[b] latents: the rest pad a prefill chunk and are dropped).
+    The cache entry's type picks the path (`kimik3.caches`):
+
+    * None: attention over the span's own tokens; the entry written is None.
+    * `MLALatent` (latent [B, S, R]): the new latents are written at ``positions[:, 0]``
+      onwards; the entry written is the `MLALatent` after.
+    * `MLAPages` (pages [P, page, R], block_tables [B, max_pages]): the new latents are written
+      into their pages; with valid_b (int32 [B]) only row b's first valid_b[b] latents, the rest
+      pad a prefill chunk and are dropped.  The entry written is the `MLAPages` after.
+
     Attention reads the whole cache (causality masks unwritten rows).  Spans of
     at most `cfg.mla_absorb_max_tokens` tokens use the absorbed form.  D_in is the model width
     D, or 2D in an EAGLE-3 draft layer (`kimik3.eagle`); the output is always D wide.
@@ -103,7 +109,7 @@ class MLA(nn.Module):
     kernels: str = "auto"  # see kimik3.ops
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, cache=None):
+    def __call__(self, x_btd, positions_bt, cache: MLALatent | MLAPages | None = None, *, valid_b=None):
         cfg = self.cfg
         d, h, r = x_btd.shape[-1], cfg.mla_heads, cfg.kv_lora_rank
         p = lambda name, shape, fan_in: qparam(self, name, fan_in_init(fan_in), shape)
@@ -129,19 +135,20 @@ class MLA(nn.Module):
         q, latent_new, xg = mla_project(cfg, w, x_btd, self.kernels)
         t = x_btd.shape[1]
         paged = None
-        if cache is None:
-            latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
-        else:
-            if "pages" in cache:
-                pages = write_latent(
-                    cache["pages"], latent_new, cache["block_tables"], positions_bt, cache.get("valid")
-                )
-                new_cache = {"pages": pages, "block_tables": cache["block_tables"]}
-                paged = (pages, cache["block_tables"])
-                latent = gather_pages(pages, cache["block_tables"])
-            else:
-                latent = write_rows(cache["latent"], latent_new, positions_bt[:, 0])
-                new_cache = {"latent": latent}
+        match cache:
+            case None:
+                latent, k_pos, new_cache, absorbed = latent_new, positions_bt, None, False
+            case MLAPages():
+                pages = write_latent(cache.pages, latent_new, cache.block_tables, positions_bt, valid_b)
+                new_cache = MLAPages(pages, cache.block_tables)
+                paged = (pages, cache.block_tables)
+                latent = gather_pages(pages, cache.block_tables)
+            case MLALatent():
+                latent = write_rows(cache.latent, latent_new, positions_bt[:, 0])
+                new_cache = MLALatent(latent)
+            case _:
+                raise TypeError(f"an MLA layer's cache is an MLALatent or MLAPages; got {type(cache).__name__}")
+        if cache is not None:
             k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1])[None], latent.shape[:2])
             absorbed = t <= cfg.mla_absorb_max_tokens
         o = ops.mla_attention(

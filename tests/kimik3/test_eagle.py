@@ -125,10 +125,10 @@ def test_a_verify_pass_committed_to_its_first_tokens_is_the_cache_of_those_token
     for kind, g, w in zip(tiny_cfg.mixer_kinds, got["layers"], want["layers"]):
         if kind == "kda":
             for name in ("state", "conv"):
-                np.testing.assert_allclose(np.asarray(g[name]), np.asarray(w[name]), **tol)
+                np.testing.assert_allclose(np.asarray(getattr(g, name)), np.asarray(getattr(w, name)), **tol)
         else:
             np.testing.assert_allclose(
-                np.asarray(g["latent"][:, : 11 + keep]), np.asarray(w["latent"][:, : 11 + keep]), **tol
+                np.asarray(g.latent[:, : 11 + keep]), np.asarray(w.latent[:, : 11 + keep]), **tol
             )
     nxt = jnp.asarray([[7]], jnp.int32)
     # the logits sum those rows' differences through every layer: tests/kimik3/test_model.py's fp32

@@ -216,7 +216,7 @@ def test_kda_layer_is_convs_l2_norm_gate_delta_rule_and_gated_norm(gate):
     if gate == "softplus":  # softplus(f) with f ~ 0.5 and rate up to 16 decays fast: keep rates small
         w["a_log_h"] = np.log(np.array([0.3, 0.7]))
         params = dict(params, a_log_h=jnp.asarray(w["a_log_h"], jnp.float32))
-    got, _ = layer.apply({"params": params}, jnp.asarray(x))
+    got, _, _ = layer.apply({"params": params}, jnp.asarray(x))
     x64 = x.astype(np.float64)
     soft = gate == "softplus"
     want = np_kda_layer(w, x64, bound=-5.0, eps=0.2, softplus_gate=soft)

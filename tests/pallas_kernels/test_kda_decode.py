@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kimik3.caches import KDASlots
 from kimik3.layers.kda import KDA
 from pallas_kernels.kda_decode import kda_decode, kda_decode_ref
 
@@ -127,18 +128,19 @@ def test_layer_decode_fused_equals_the_unfused_path(rng, tiny_cfg, layout):
     params = jax.tree.map(lambda p: p + 0.1 * jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
     if layout == "serving":
         params = fuse_in_projections(params)
-    cache = {
-        "state": jnp.asarray(rng.standard_normal((n_slots, h, d, d)) * 0.3, jnp.float32),
-        "conv": jnp.asarray(rng.standard_normal((n_slots, w - 1, 3, h * d)), jnp.float32),
-        "slots": jnp.asarray([4, 1, 2], jnp.int32),
-        "valid": jnp.asarray([1, 1, 0], jnp.int32),
-    }
-    y_ref, new_ref = KDA(tiny_cfg, "reference").apply(params, x, cache)
-    y, new = KDA(tiny_cfg, "pallas").apply(params, x, cache)
+    cache = KDASlots(
+        jnp.asarray(rng.standard_normal((n_slots, h, d, d)) * 0.3, jnp.float32),
+        jnp.asarray(rng.standard_normal((n_slots, w - 1, 3, h * d)), jnp.float32),
+        jnp.asarray([4, 1, 2], jnp.int32),
+    )
+    valid = jnp.asarray([1, 1, 0], jnp.int32)
+    y_ref, new_ref, _ = KDA(tiny_cfg, "reference").apply(params, x, cache, valid_b=valid)
+    y, new, exports = KDA(tiny_cfg, "pallas").apply(params, x, cache, valid_b=valid)
     np.testing.assert_allclose(y, y_ref, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(new["state"], new_ref["state"], atol=2e-5, rtol=2e-5)
-    np.testing.assert_array_equal(new["conv"], new_ref["conv"])
-    assert set(new) == set(new_ref) == {"state", "conv"}
+    np.testing.assert_allclose(new.state, new_ref.state, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(new.conv, new_ref.conv)
+    assert isinstance(new, KDASlots) and isinstance(new_ref, KDASlots) and exports is None
+    np.testing.assert_array_equal(new.slots, cache.slots)
 
 
 def test_the_unbounded_softplus_gate_equals_its_reference_far_below_the_bounded_range(rng):

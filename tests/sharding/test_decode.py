@@ -57,11 +57,12 @@ def test_cache_lives_on_its_owner(pd_run, tiny_cfg):
     """Each rank holds only its requests' KV and KDA state, and they equal the model's."""
     dp = pd_run["dp"]
     for i, (g, w) in enumerate(zip(pd_run["cache"]["layers"], pd_run["ref_cache"]["layers"])):
-        for key in w:
-            shards = g[key].addressable_shards
+        assert type(g) is type(w), i
+        for key, want in vars(w).items():
+            shards = getattr(g, key).addressable_shards
             assert {s.data.shape[0] for s in shards} == {BATCH // dp}, (i, key)
             assert len({s.index for s in shards}) == dp, (i, key)  # no two ranks hold the same rows
-            np.testing.assert_allclose(np.asarray(g[key]), np.asarray(w[key]), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(np.asarray(getattr(g, key)), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_tokens_equal_the_oracle(pd_run, tiny_cfg, tiny_params, prompts):
