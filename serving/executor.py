@@ -33,31 +33,11 @@ from kimik3 import tokenizer
 from serving.model_runner import DecodeRows, decode_logprobs
 from serving.request import Request
 from serving.sampling import TokenLogprobs, choose_token, logprobs_of
-from serving.scheduler import PrefillChunk, StepPlan
+from serving.scheduler import PrefillChunk, StepOutput, StepPlan
 
 __all__ = ["StepExecutor", "StepOutput", "FAILED"]
 
 FAILED = object()  # what `StepExecutor.isolated` returns for work that failed its request
-
-
-@dataclasses.dataclass
-class StepOutput:
-    """What one executed plan produced, in the order it was produced.
-
-    tokens: (request, token, mixed, logprobs) per new token: mixed when its step also ran prefill
-    chunks (metrics split TPOT by it); logprobs a `TokenLogprobs` where the request asked for them.
-    handed_over: prefilled requests a prefill engine gave to its `on_prefilled` hook, to release.
-    failed: requests whose own work raised (already ended alone by the `fail` hook), with the error."""
-
-    tokens: list[tuple[Request, int, bool, TokenLogprobs | None]] = dataclasses.field(default_factory=list)
-    handed_over: list[Request] = dataclasses.field(default_factory=list)
-    failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
-
-    def extend(self, other: "StepOutput") -> "StepOutput":
-        self.tokens += other.tokens
-        self.handed_over += other.handed_over
-        self.failed += other.failed
-        return self
 
 
 @dataclasses.dataclass

@@ -114,6 +114,26 @@ class StepPlan:
         return not (self.prefill or self.admitted or self.preempted or self.failed)
 
 
+@dataclasses.dataclass
+class StepOutput:
+    """What one executed plan produced (`serving.executor.StepExecutor.execute`), in the order it was produced.
+
+    tokens: (request, token, mixed, logprobs) per new token: mixed when its step also ran prefill
+    chunks (metrics split TPOT by it); logprobs a `TokenLogprobs` where the request asked for them.
+    handed_over: prefilled requests a prefill engine gave to its `on_prefilled` hook, to release.
+    failed: requests whose own work raised (already ended alone by the `fail` hook), with the error."""
+
+    tokens: list[tuple[Request, int, bool, object]] = dataclasses.field(default_factory=list)
+    handed_over: list[Request] = dataclasses.field(default_factory=list)
+    failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
+
+    def extend(self, other: "StepOutput") -> "StepOutput":
+        self.tokens += other.tokens
+        self.handed_over += other.handed_over
+        self.failed += other.failed
+        return self
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     num_slots: int

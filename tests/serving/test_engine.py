@@ -791,3 +791,45 @@ def test_forged_store_pages_under_a_live_prompt_change_no_output(rng, tiny_cfg, 
     tier_b.close()
     assert r2.output == _oracle(tiny_params, tiny_cfg, turn2, 4)
     assert r2.cached_tokens_host == 0 and auth_failures > 0
+
+
+def test_every_step_is_one_plan_one_execution_and_one_update(rng, tiny_cfg, tiny_params):
+    """Each step asks the scheduler for a plan (a chained one in a decode-only phase, else a fresh
+    one after the in-flight tokens are applied), has the executor run it, and applies its output;
+    no token reaches a request outside `update_from_output`."""
+    eng = _engine(tiny_params, tiny_cfg)
+    calls, outside, updating = [], [], [False]
+    emit, update = eng.scheduler.emit, eng.scheduler.update_from_output
+
+    def watched_update(out):
+        calls.append("update")
+        updating[0] = True
+        try:
+            update(out)
+        finally:
+            updating[0] = False
+
+    def watched_emit(req, token, *a, **kw):
+        if not updating[0]:
+            outside.append(req.request_id)
+        emit(req, token, *a, **kw)
+
+    for obj, name in ((eng.scheduler, "chain_plan"), (eng.scheduler, "schedule"), (eng.executor, "execute")):
+        fn = getattr(obj, name)
+        setattr(obj, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    eng.scheduler.update_from_output, eng.scheduler.emit = watched_update, watched_emit
+    prompts = [rng.integers(0, 256, n).tolist() for n in (20, 45, 9)]
+    reqs = [eng.submit(p, n) for p, n in zip(prompts, (12, 5, 20))]
+    steps = 0
+    while eng.has_work():
+        eng.step()
+        steps += 1
+    eng.settle()
+    text = " ".join(calls)
+    assert calls.count("execute") == steps and not outside
+    # a step: chain_plan, then (when it declines) the in-flight tokens applied and a fresh plan
+    per_step = [s for s in text.split("chain_plan ") if s]
+    assert all(s.strip() in ("execute update", "update schedule execute update") for s in per_step[:-1])
+    assert text.count("chain_plan execute") > 5  # the decode-only phase chains
+    for req, p, n in zip(reqs, prompts, (12, 5, 20)):
+        assert req.output == _oracle(tiny_params, tiny_cfg, p, n)

@@ -4,6 +4,8 @@ prefill chunks under the budget with their KDA snapshot exports, preemption by o
 A test plays the engine: it executes nothing on a device, it only reports tokens back
 (`Scheduler.emit`) the way `Engine.step` does after running a plan."""
 
+import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from cache.host_tier import EmbeddedHostKVTier
 from cache.manager import ArrayBlockStore, CacheSpec, PagedKVManager
 from serving.request import Request
-from serving.scheduler import Scheduler, SchedulerConfig
+from serving.scheduler import Scheduler, SchedulerConfig, StepOutput
 
 PAGE = 16
 KDA_BLOCK = 4 * PAGE
@@ -323,3 +325,97 @@ def test_slots_must_split_evenly_over_the_ranks():
             ),
             mgrs,
         )
+
+
+def test_the_scheduler_and_its_records_import_without_jax():
+    code = (
+        "import sys, serving.scheduler, serving.request\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(__file__).resolve().parents[2])
+
+
+def _token_at(req, i: int) -> int:
+    """The token a request's model would give at output position i (a stand-in for logits)."""
+    return (sum(map(ord, req.request_id)) * 31 + i) % 200 + 1
+
+
+class FakeExecutor:
+    """`serving.executor.StepExecutor`'s contract without a device: a plan's KV is 'written' (pages
+    committed, snapshots published), a prompt's last chunk yields its first token, and a
+    decode-only plan's tokens stay 'on the device' until the next plan reads them (chained on
+    them, or settled first)."""
+
+    def __init__(self, s: Scheduler):
+        self.s, self._flight = s, None
+
+    @property
+    def in_flight(self):
+        return None if self._flight is None else [r for r, _ in self._flight]
+
+    def settle(self) -> StepOutput:
+        out, self._flight = StepOutput(tokens=[(r, t, False, None) for r, t in self._flight or ()]), None
+        return out
+
+    def execute(self, plan) -> StepOutput:
+        out = StepOutput()
+        if plan.chained:  # the in-flight step's token is not emitted yet: this one comes after it
+            previous, self._flight = self._flight, [(r, _token_at(r, len(r.output) + 1)) for r in plan.decode]
+            for r in plan.decode:
+                r.kv_len += 1
+            out.tokens += [(r, t, False, None) for r, t in previous]
+            return out
+        for a in plan.admitted:
+            a.restored(self.s.manager_of(a.request))
+        flight = [(r, _token_at(r, len(r.output))) for r in plan.decode]
+        for r in plan.decode:
+            r.kv_len += 1
+        for chunk in plan.prefill:
+            req, m = chunk.request, self.s.manager_of(chunk.request)
+            m.commit_pages(req.request_id, chunk.end)
+            for b in chunk.export:
+                m.commit_snapshot(req.request_id, b, np.full(8, b, np.float32))
+            if chunk.snapshot_at_end:
+                m.commit_snapshot(req.request_id, chunk.end, np.full(8, chunk.end, np.float32))
+            if chunk.last:
+                req.kv_len = chunk.end
+                out.tokens.append((req, _token_at(req, len(req.output)), True, None))
+        if plan.decode_only:
+            self._flight = flight
+        else:
+            out.tokens += [(r, t, bool(plan.prefill), None) for r, t in flight]
+        return out
+
+
+@pytest.mark.parametrize("num_pages", [64, 14])
+def test_plan_execute_update_serves_every_request_against_a_fake_executor(num_pages):
+    """The engine's loop (`Engine.step`) over a device-free executor: a chained plan while only
+    decode rows run, else the in-flight tokens applied and a fresh plan.  Every request gets its
+    tokens in order, chained steps happen, and every page, snapshot and slot comes back; with 14
+    pages requests are preempted and recomputed on the way."""
+    s = make(num_pages=num_pages)
+    ex = FakeExecutor(s)
+    reqs = [
+        request(f"r{i}", n, n_new)
+        for i, (n, n_new) in enumerate([(40, 30), (70, 12), (20, 25), (90, 8), (33, 40), (5, 3)])
+    ]
+    s.waiting.extend(reqs)
+    kinds = []
+    for _ in range(500):
+        if not (s.waiting or s.running):
+            break
+        plan = s.chain_plan(ex.in_flight)
+        if plan is None:
+            s.update_from_output(ex.settle())
+            plan = s.schedule()
+        s.update_from_output(ex.execute(plan))
+        kinds.append("chained" if plan.chained else "planned")
+    s.update_from_output(ex.settle())
+    assert not (s.waiting or s.running)
+    for r in reqs:
+        assert r.error is None and r.output == [_token_at(r, i) for i in range(r.max_new_tokens)], r.request_id
+    assert "chained" in kinds
+    assert (s.preemptions > 0) == (num_pages == 14)
+    assert s.manager.page_pool.num_free == num_pages - 1 and not s.manager.requests
+    assert sorted(s.free_slots) == list(range(4))
