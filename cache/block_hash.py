@@ -17,6 +17,8 @@ import hashlib
 import struct
 from typing import Sequence
 
+import numpy as np
+
 DIGEST_BYTES = 16
 _PERSON = b"kimik3-blk-v1"  # domain separation from any other BLAKE2b use
 
@@ -38,8 +40,6 @@ def image_content_hash(image) -> bytes:
     """One image's content hash, as every process computes it from the array the engine is given
     (the router from the uint8 pixels it sends, the worker's engine from what it receives): its
     dtype, shape and bytes, so uint8 and float copies of a picture never collide."""
-    import numpy as np
-
     a = np.ascontiguousarray(image)
     return hashlib.blake2b(
         a.dtype.str.encode() + repr(a.shape).encode() + a.tobytes(), digest_size=DIGEST_BYTES, person=b"kimik3-img-v1"

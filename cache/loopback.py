@@ -14,9 +14,12 @@ made in this process (a notebook, a test) keeps Mooncake's listeners.
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -43,8 +46,6 @@ def _trusted(path: str) -> bool:
 
 
 def _loads(path: str) -> bool:
-    import ctypes
-
     try:
         ctypes.CDLL(path)  # the right architecture and a well-formed library: ld.so would load it too
         return True
@@ -55,8 +56,6 @@ def _loads(path: str) -> bool:
 def shim_path() -> str:
     """The compiled shim (built on first use; a later source change, another machine type or
     another compiler builds a new one).  Raises LoopbackUnavailable naming the problem."""
-    import platform
-
     with open(_SOURCE, "rb") as f:
         source = f.read()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -124,8 +123,6 @@ def loopback_env(env: dict | None = None, allow_any_ports=()) -> dict:
 
 def main(argv=None) -> int:
     """`python -m cache.loopback [--allow-port N ...] -- CMD ...`: run CMD under the shim."""
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m cache.loopback", description=main.__doc__)
     ap.add_argument(
         "--allow-port",

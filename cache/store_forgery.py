@@ -72,7 +72,7 @@ def forge_entries(
         if master_http_url is None:
             raise ValueError("no keys given and no master_http_url to list them from")
         keys = list_store_keys(master_http_url)
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore  # optional: mooncake (the store extra)
 
     plain = MooncakeDistributedStore()
     if plain.setup("127.0.0.1", target.metadata_url, 0, 16 << 20, "tcp", "", target.master_addr) != 0:

@@ -1,6 +1,6 @@
 """The harnesses' commands: `kimik3 demo`, `coverage`, `media-bench` and `eagle-ab`, each one's flags
 (`add_*_arguments`) and its run (`run_*`), listed in `COMMANDS` for `serving.cli`.  Importing this
-module imports no JAX: each run imports its harness.
+module imports no JAX: a run imports the modules that use it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ import json
 import os
 import sys
 
+from tqdm import tqdm
+
+from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices
+from harness import coverage
+from kimik3 import config
 from serving.cli import SERVING_MANIFESTS
+from serving.workload import WorkloadSpec
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +42,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args) -> int:
-    from harness import demo
+    from harness import demo  # JAX: loads when the command runs (the module docstring)
 
     spec = demo.DemoSpec(
         config=args.config,
@@ -64,13 +70,6 @@ def add_coverage_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_coverage(args) -> int:
-    from tqdm import tqdm
-
-    from cache.mooncake_tier import MooncakeHostKVTier, MooncakeServices
-    from harness import coverage
-    from kimik3 import config
-    from serving.workload import WorkloadSpec
-
     cfg = config.get_config(args.config)
     workload = WorkloadSpec.scaled(
         args.scale, sessions=args.sessions, seed=args.seed, turns=(args.min_turns, args.max_turns)
@@ -126,7 +125,7 @@ def add_media_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_media_bench(args) -> int:
-    from harness import media_bench
+    from harness import media_bench  # JAX: loads when the command runs (the module docstring)
 
     spec = media_bench.MediaBenchSpec(
         config=args.config,
@@ -158,6 +157,7 @@ def add_eagle_ab_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_eagle_ab(args) -> int:
+    # JAX loads when the command runs (the module docstring)
     import jax.numpy as jnp
 
     from harness import eagle_ab

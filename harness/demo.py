@@ -35,6 +35,7 @@ import resource
 import time
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from harness import demo_store
@@ -207,8 +208,7 @@ def plot_latency(records: dict[str, list[metrics.RequestRecord]], path: str, tit
         from matplotlib.figure import Figure  # no pyplot: the caller's backend stays
     except ImportError:
         raise ImportError("matplotlib is not installed: `pip install 'kimik3[plot]'` (./run.sh installs it)") from None
-    import numpy as np
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter  # optional: matplotlib (the plot extra), as above
 
     fig = Figure(figsize=(10, 4))
     axes = fig.subplots(1, 2)

@@ -37,7 +37,7 @@ MODE = "pd-mooncake"
 def available() -> bool:
     """Mooncake's store client and its binaries are installed."""
     try:
-        import mooncake.store  # noqa: F401
+        import mooncake.store  # noqa: F401 (optional: the store extra; present or not is the answer)
 
         _binary("mooncake_master")
         _binary("mooncake_client")

@@ -30,6 +30,7 @@ import numpy as np
 
 from kimik3 import arithmetic, tokenizer
 from serving.bench_data import PACKAGED_MT_BENCH
+from serving.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ def turn2_tokens(turn1: list[int], answer: list[int], q2: str) -> list[int]:
 
 
 def _engine(params, cfg, draft, arm: str, ac: ABConfig):
-    from serving.engine import Engine
-
     # a group's conversations whole (turn 1's pages must outlive its answer until turn 2 hits them),
     # twice over: the free list is LRU, so the previous group's cached pages are what goes first
     pages = 2 * ac.num_slots * -(-min(cfg.max_seq_len, 4096) // ac.page_tokens) + 8
@@ -186,7 +185,7 @@ def paired_bootstrap(a: list[dict], b: list[dict], k: int, n: int, seed: int) ->
     one answer of two tokens or more); an interval is None also where some resample leaves it
     undefined, and where `n` is 0.  Under two questions every resample is the sample: the
     interval is the value."""
-    from scipy import stats
+    from scipy import stats  # scipy.stats (~1 s) loads where intervals are drawn
 
     point = {key: _diff(_metrics(a, k), _metrics(b, k), key) for key in DIFF_KEYS}
 

@@ -26,6 +26,7 @@ import time
 
 import jax
 import numpy as np
+from PIL import Image
 
 from cache.media import FetchPolicy, MediaFetcher
 from cache.media.l1 import EmbeddedFetchCache
@@ -55,8 +56,6 @@ class MediaBenchSpec:
 
 def _jpeg(rng, width: int, height: int) -> bytes:
     """A photo-like JPEG: smooth colour gradients plus noise (compresses as photos do)."""
-    from PIL import Image
-
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     c = rng.random((3, 3)) * 2 - 1
     img = np.stack([128 + 100 * np.sin(c[k, 0] * x / 40 + c[k, 1] * y / 55 + c[k, 2] * 3) for k in range(3)], -1)

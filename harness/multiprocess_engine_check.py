@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
 import numpy as np
 
 from sharding import multiprocess_check
@@ -41,10 +42,9 @@ def _prompt(kind: str, i: int, n: int) -> list[int]:
 
 
 def serve(args) -> dict:
-    """The engine's part, in a process that has joined its group (JAX and what uses it are
-    imported here, once the group has set the process's devices)."""
-    import jax
-
+    """The engine's part, in a process that has joined its group (what uses JAX is imported here,
+    once the group has set the process's devices)."""
+    # after the group is joined (the docstring)
     from cache.host_tier import EmbeddedHostKVTier
     from kimik3 import config, model
     from kimik3.generate import generate

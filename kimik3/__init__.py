@@ -15,6 +15,7 @@ The public surface, each name imported on first use (so ``import kimik3`` import
 from __future__ import annotations
 
 import importlib
+import os
 
 # name -> (module, attribute)
 _EXPORTS = {
@@ -34,13 +35,12 @@ __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 
 def _version() -> str:
-    from importlib import metadata
+    from importlib import metadata  # on first use: ~30 ms that every `import kimik3.<module>` would pay
 
     try:
         return metadata.version("kimik3")
     except metadata.PackageNotFoundError:
-        import os
-        import tomllib
+        import tomllib  # on first use, as metadata above
 
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
         try:

@@ -18,6 +18,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from kimik3 import hf
 from kimik3.config import ModelConfig
 from kimik3.model import cast_params
 
@@ -36,8 +37,6 @@ def save(path: str | os.PathLike, params, cfg: ModelConfig) -> None:
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
-    from kimik3 import hf
-
     if hf.is_hf_dir(os.fspath(path)):
         return hf.read_config(os.fspath(path))
     with open(os.path.join(os.fspath(path), "config.json")) as f:
@@ -50,8 +49,6 @@ def restore(path: str | os.PathLike, dtype=None):
     With `dtype`, floating params are restored as that dtype (those the model
     keeps fp32 stay fp32), the cast happening during the read.
     """
-    from kimik3 import hf
-
     path = os.path.abspath(os.fspath(path))
     if hf.is_hf_dir(path):
         return hf.load(path, dtype=dtype)

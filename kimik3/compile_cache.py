@@ -30,7 +30,7 @@ def enable(value: str | None = None) -> str | None:
     """Point JAX's persistent compilation cache at `cache_dir(value)` and export it to child
     processes.  Returns the directory, or None when off or when it cannot be created (then
     every program compiles as usual: a cache is an optimisation, never a requirement)."""
-    import jax
+    import jax  # on use: serving.cli imports this module, and --help stays JAX-free
 
     directory = cache_dir(value)
     os.environ[ENV] = directory or "off"

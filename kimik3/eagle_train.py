@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
 
 from kimik3 import corpus as corpora, eagle, model, ops
 from kimik3.config import ModelConfig
@@ -86,8 +88,6 @@ def fingerprint(params) -> str:
 
 
 def save_draft(path, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, target_params) -> None:
-    import orbax.checkpoint as ocp
-
     path = os.path.abspath(os.fspath(path))
     os.makedirs(path, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
@@ -105,8 +105,6 @@ def save_draft(path, draft, ecfg: eagle.EagleConfig, cfg: ModelConfig, target_pa
 
 def load_draft(path, cfg: ModelConfig, target_params):
     """(draft params, EagleConfig) from `path`; ValueError when it was trained for another target."""
-    import orbax.checkpoint as ocp
-
     path = os.path.abspath(os.fspath(path))
     meta_path = os.path.join(path, "eagle.json")
     if not os.path.isfile(meta_path):
@@ -256,8 +254,6 @@ def train_draft(
             for i in range(0, len(held_seqs), dc.batch)
         ]
         return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ("acc", "ce")}
-
-    from tqdm.auto import tqdm
 
     before = held_out(draft)
     it = iter(

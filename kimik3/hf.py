@@ -33,9 +33,12 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from kimik3.config import ModelConfig
 from kimik3.model import FP32_PARAM_PATTERN
+from kimik3.quant import formats
 
 log = logging.getLogger(__name__)
 
@@ -409,8 +412,6 @@ def _shards(directory: str) -> list[str]:
 
 
 def _open(path: str):
-    from safetensors import SafetensorError, safe_open
-
     try:
         return safe_open(path, framework="numpy")
     except (SafetensorError, OSError, ValueError) as e:
@@ -427,8 +428,6 @@ def _headers(directory: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
 
 def _tensors(directory: str) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) of every tensor, one at a time, shard by shard."""
-    from safetensors import SafetensorError
-
     for path in _shards(directory):
         with _open(path) as f:
             for name in f.keys():
@@ -534,8 +533,6 @@ def load(
 
     def put(path, x):
         if experts and path[-1] in EXPERT_LEAVES:
-            from kimik3.quant import formats
-
             value = formats.quantize(jax.device_put(np.asarray(x, np.float32), device), experts)
         else:
             value = jax.device_put(np.ascontiguousarray(x, _leaf_dtype(path, dtype)), device)
@@ -613,8 +610,6 @@ def save(
 ) -> None:
     """Write params (checkpoint layout) as a Hugging Face Kimi-Linear directory: config.json and
     safetensors shards of at most `max_shard_bytes` (an index when there are several)."""
-    from safetensors.numpy import save_file
-
     if names not in ("transformers", "hub"):
         raise ValueError(f"names must be 'transformers' or 'hub'; got {names!r}")
     os.makedirs(directory, exist_ok=True)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm.auto import tqdm
 
 from kimik3 import checkpoint, config as configs, corpus as corpora, model, sizing
 
@@ -416,8 +417,6 @@ def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.per
         loss = float(programs.evaluate(params, held))
         evals.append(dict(step=at, held_out_loss=loss, held_out_ppl=math.exp(loss)))
         log.info("step %d: held-out loss %.4f (perplexity %.2f per byte)", at, loss, math.exp(loss))
-
-    from tqdm.auto import tqdm
 
     # The clock is read once between phases: each phase's time is the difference (`lap`), and what
     # the limit reserves for the next step, evaluation and checkpoint is what the last one took.

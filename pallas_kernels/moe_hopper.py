@@ -43,7 +43,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_layout
 
@@ -146,8 +148,6 @@ def _kernel(
     (many groups) `ragged_work`'s [4, n] table of them: an item computes tile_m rows from its
     first and stores its own, [lo, hi) of them (all: the padded path's epilogue; fewer:
     row-exactly)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     dtype = x_gmem.dtype
     ragged = block_m is None
     halves = 1 if act is None else 2
@@ -337,8 +337,6 @@ def gmm_padded(
 
 
 def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     n_iters = n_out // (2 * t.tile_n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, t=t, block_m=block_m, n_out=n_out, act=act, m_iters=m_iters, n_iters=n_iters),
@@ -350,8 +348,6 @@ def _launch(work, x, w_gkn, *, t, block_m, n_out, act, m_iters, sms, interpret):
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
-
         with force_gpu_interpret_mode(InterpretGPUParams()):
             return kernel(work, x, w_gkn)
     return kernel(work, x, w_gkn)

@@ -39,8 +39,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import llvm
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import moe_layout, mxfp4
 
@@ -225,8 +230,6 @@ def _e2m1_lut(codes, permuted: bool = False):
     each loaded word's byte j is the A layout's register of column tile 4 x (the word's 32-wide
     tile) + j (`_e2m1_lut_permuted`).  GPU only (inline PTX); the interpreter takes the format's
     own decode (`_decode_tiles`)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     if permuted:
         return _e2m1_lut_permuted(codes)
 
@@ -235,11 +238,6 @@ def _e2m1_lut(codes, permuted: bool = False):
         return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def lut(_, arr):
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
-        from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
-
         i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         flat = list(np.ndenumerate(arr.registers))
@@ -266,18 +264,12 @@ def _e2m1_lut_permuted(codes):
     code crossing lanes.  The two layouts' register arrays differ only in their column axis
     (axis 1: 32-wide tiles against 8-wide), so the word at (a, c, ...) gives the A registers
     (a, 4c + j, ...), j its byte."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
         return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA),
     )
     def lut(_, arr):
-        import numpy as np
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
-        from jax.experimental.mosaic.gpu import fragmented_array as fa, utils
-
         i32 = ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         out = np.empty(fa.WGMMA_LAYOUT.registers_shape(tuple(arr.shape)), dtype=object)
@@ -328,8 +320,6 @@ def _load_codes(codes_ref, load4x: bool, permuted: bool = False):
     else loaded in the A layout directly (2 codes, 8 bits, a load).  permuted ("lut_perm"'s
     codes): the 32-bit loads and no shuffle (its decode puts each byte where the A layout wants
     it)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     if permuted:
         return plgpu.load(codes_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X)
     if not load4x:
@@ -358,8 +348,6 @@ def _mma_step(
     (`delay_release`), so this step's MMAs run on under the next step's decode.
     stage: None on the GPU (A from registers); under Mosaic GPU's interpreter, which reads A from
     shared memory only, a [rows, 32] shared buffer each decoded tile passes through."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     per = code_tile // MX_BLOCK
     codes = codes_smem if rows is None else codes_smem.at[rows]
     if decode_ in ("lut", "lut_perm") and stage is not None:  # the interpreter runs no PTX
@@ -405,8 +393,6 @@ def _kernel(
     """One program: a row tile of one group times block_n columns.  stage: `_mma_step`'s (the
     interpreter's staging buffer, a scratch ref), or None on the GPU.  overlap: `_mma_step`'s, the
     activations' buffers released a step late."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
     group = tile_group_gmem[mi]
 
@@ -477,8 +463,6 @@ def _kernel_ws(
     """`_kernel` warp-specialized: a producer warpgroup issues the TMA copies and two consumer
     warpgroups each take half of the program's 2 * block_n columns, so one decodes while the
     other's MMAs run (JAX's own Hopper mixed-type matmul is built so)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     mi, ni = lax.axis_index("m"), lax.axis_index("n")
     group = tile_group_gmem[mi]
 
@@ -574,8 +558,6 @@ def gmm_padded(
     into the A layout (`_load_codes`; not with "lut_perm", which reads them so without shuffles).  overlap: each step's MMAs left running under the next
     step's decode (`_mma_step`; steps >= 2; not with warp_specialized).  interpret: Mosaic GPU's
     interpreter (CPU), the decoded tiles staged through shared memory."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     rows, k = x_pad.shape
     g, n, _ = w.codes.shape
     check(w, k)

@@ -29,6 +29,8 @@ import os
 
 import numpy as np
 
+from serving.workload import WorkloadSpec, generate_sessions, interleave
+
 DATASETS = ("random", "multiturn", "mt-bench")
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -98,8 +100,6 @@ def multiturn_requests(
     """The workload's turns (`serving.workload.generate_sessions` of `WorkloadSpec.scaled(scale)`)
     in arrival order, at most `n` (None: all).  A session ends before its first turn whose prompt
     and output exceed `max_model_len` (the later turns only grow).  Token-id prompts: /v1/completions only."""
-    from serving.workload import WorkloadSpec, generate_sessions, interleave
-
     if endpoint != COMPLETIONS:
         raise ValueError(f"the multiturn dataset sends token-id prompts: use --endpoint {COMPLETIONS}")
     spec = WorkloadSpec.scaled(scale, sessions=sessions, turns=turns, seed=seed)

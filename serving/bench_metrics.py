@@ -103,7 +103,7 @@ def calculate_metrics(results: list[RequestResult], duration_s: float, percentil
 def read_step_counters(metrics_text: str) -> dict[str, dict[str, float]] | None:
     """{kind: {"steps", "host_s", "wait_s"}} of a Prometheus text, summed over workers; None when
     it holds none of `STEP_SERIES`."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # optional: the serve extra
 
     by_name = {v: k for k, v in STEP_SERIES.items()}
     out: dict[str, dict[str, float]] = {}

@@ -41,6 +41,7 @@ import httpx
 import numpy as np
 
 from serving import bench_data
+from serving import flags
 from serving.bench_metrics import RequestResult, calculate_metrics, format_report, read_step_counters, step_profile
 
 log = logging.getLogger(__name__)
@@ -271,8 +272,6 @@ async def benchmark(target: Target, samples: list[bench_data.SampleRequest], loa
 # ---- command line --------------------------------------------------------------------------------------
 def api_key(value: str | None) -> str | None:
     """`--api-key @FILE`'s key (`serving.flags.read_api_key`), else $KIMIK3_API_KEY, else $OPENAI_API_KEY."""
-    from serving import flags
-
     if value:
         return flags.read_api_key(value)
     return os.environ.get("KIMIK3_API_KEY") or os.environ.get("OPENAI_API_KEY") or None

@@ -32,7 +32,7 @@ def wait_healthy(
 ) -> None:
     """Poll `url`/health until it answers 200; RuntimeError if the process exits, time runs out
     or `stop` is set."""
-    import httpx
+    import httpx  # optional: httpx (the serve extra); launch imports this module without it
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -32,6 +32,7 @@ import threading
 import jax
 
 from serving.engine import Engine, Request
+from serving.metrics import RequestRecord
 
 
 class DisaggregatedServer:
@@ -144,8 +145,6 @@ class DisaggregatedServer:
     def records(self):
         """One metrics record per finished request: the prompt's cache hits and the first
         token from the prefill engine (which computed them), later tokens from the decode engine."""
-        from serving.metrics import RequestRecord
-
         out = []
         with self._engine_lock("decode"):
             decode_finished = list(self.decode.finished)

@@ -314,7 +314,7 @@ class Engine(Handoff):
         group calls it together); this engine's own without a group."""
         if not self.group:
             return self.has_work()
-        from sharding.distributed import agree_max
+        from sharding.distributed import agree_max  # loads only in a process group
 
         return bool(agree_max([int(self.has_work())])[0])
 

@@ -164,6 +164,7 @@ class EngineConfig:
             raise ValueError(f"kda_snapshots must be one of {SNAPSHOT_CHOICES}; got {self.kda_snapshots!r}")
         if self.prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1; got {self.prefill_batch}")
+        # JAX-side modules: importing engine_config (the flags, --help) imports no JAX
         from kimik3.speculative import MAX_DRAFT_TOKENS
         from serving.spec_decode import TAIL_MODES
 

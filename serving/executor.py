@@ -258,7 +258,7 @@ class StepExecutor:
         per_rank = [[r for r in reqs if r.rank == k] for k in range(len(eng.kvs))]
         n = max(map(len, per_rank))
         if eng.group:  # every rank of the group runs the fullest rank's rows
-            from sharding.distributed import agree_max
+            from sharding.distributed import agree_max  # loads only in a process group
 
             (n,) = agree_max([n])
         if n == 0:

@@ -108,7 +108,7 @@ class HeldKV:
 async def pull(client, source: str, handle: str, *, headers: dict, timeout_s: float, max_bytes: int) -> bytes:
     """The held handoff `handle` from the worker at `source` (an http(s) URL), through `client`
     (an httpx.AsyncClient).  HandoffError for anything but the bytes."""
-    import httpx
+    import httpx  # optional: httpx (the serve extra)
 
     if not source.startswith(("http://", "https://")) or not handle.replace("-", "").replace("_", "").isalnum():
         raise HandoffError(f"not a KV source: {source!r} / {handle!r}")

@@ -56,7 +56,9 @@ import tempfile
 import threading
 import time
 
+from cache.mooncake_tier import MooncakeServices
 from serving import flags
+from serving.cli import standalone_main
 
 # the flags and their checks (`serving.launch_flags`) and the children (`serving.child_process`) are
 # importable from here too
@@ -293,8 +295,6 @@ class Deployment:
         a = self.args
         self.check()
         if not a.no_store:
-            from cache.mooncake_tier import MooncakeServices
-
             self.services = MooncakeServices(
                 segment_bytes=a.store_mb << 20, log_dir=os.path.join(self.log_dir, "mooncake")
             )
@@ -303,7 +303,7 @@ class Deployment:
             log.info("mooncake store at %s", self.services.master_addr)
             self.progress(f"Mooncake store at {self.services.master_addr}")
         if a.redis:
-            from cache.media.redis_server import RedisServer
+            from cache.media.redis_server import RedisServer  # loads httpx (the serve extra): only --redis needs it
 
             self.redis = RedisServer(max_memory_mb=a.redis_mb, log_dir=os.path.join(self.log_dir, "redis")).start()
             log.info("L1 fetch cache (redis) at %s", self.redis.url)
@@ -468,7 +468,7 @@ class Deployment:
     def _restart_redis(self) -> bool:
         """Restart the exited Redis L1 on its port with its password (the router's URL stays
         valid; its L1 lookups are misses meanwhile).  Whether it is back."""
-        from cache.media.redis_server import RedisUnavailable
+        from cache.media.redis_server import RedisUnavailable  # as RedisServer above
 
         n = self.store_restarts.get("redis", 0)
         if n >= self.args.max_restarts:
@@ -556,8 +556,6 @@ def run(args, prog: str = "kimik3 launch") -> int:
 
 
 def main(argv=None) -> int:
-    from serving.cli import standalone_main
-
     return standalone_main("kimik3 launch", __doc__, add_arguments, run, argv)
 
 

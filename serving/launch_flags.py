@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from kimik3 import config
 from serving import flags
+from serving import router_auth
 from serving.cli import SERVING_MANIFESTS
 from serving.deployment_env import API_KEY_FILE_ENV
 
@@ -214,8 +216,6 @@ def check_api_keys(args) -> None:
         flags.read_api_key(args.api_key)
     path = args.api_key_file or os.environ.get(API_KEY_FILE_ENV)
     if path:
-        from serving import router_auth
-
         try:
             router_auth.load_key_file(path)
         except OSError as e:
@@ -231,12 +231,10 @@ def check_max_model_len(args) -> None:
     if n < 1:
         raise ValueError(f"--max-model-len must be >= 1; got {n}")
     if args.checkpoint:
-        from kimik3 import checkpoint
+        from kimik3 import checkpoint  # JAX and orbax: launch stays JAX-free until a checkpoint is read
 
         cfg = checkpoint.load_config(args.checkpoint)
     else:
-        from kimik3 import config
-
         cfg = config.get_config(args.config)
     if n > cfg.max_seq_len:
         raise ValueError(f"--max-model-len {n} is past {cfg.name}'s {cfg.max_seq_len} positions")
@@ -246,7 +244,7 @@ def check_model(args) -> None:
     """A Hugging Face directory is validated from its headers before any child starts: a missing
     shard, an unknown tensor, a wrong shape or a corrupt header is one line here, not a worker
     that dies after the router is up (`kimik3.hf.check`)."""
-    from kimik3 import hf
+    from kimik3 import hf  # JAX: launch stays JAX-free until a checkpoint is checked
 
     if args.checkpoint and hf.is_hf_dir(args.checkpoint):
         hf.check(args.checkpoint)

@@ -36,9 +36,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from kimik3 import config
+from kimik3.text import load_serving_tokenizer
 from serving.engine_config import EngineConfig
 from serving.sampling import SamplingParams as EngineSampling
 from serving.sampling import TokenLogprobs
+from serving.stop import StopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ ENGINE_OPTIONS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 
 def _invalid(err: Exception) -> ValueError:
     """A ValueError carrying what an `APIError` or a pydantic `ValidationError` says (the field it names)."""
+    # optional: pydantic (the serve extra), which SamplingParams needs only once made
     from pydantic import ValidationError
 
     from serving.openai_api import APIError, validation_error
@@ -98,6 +102,7 @@ class SamplingParams:
         """The router's validated request of `kind` ("chat" or "completion") for `body` (its
         "messages" or "prompt") with these parameters (`ChatCompletionRequest` or
         `CompletionRequest`, checked by `check_common`), or ValueError naming the field."""
+        # optional: pydantic (the serve extra), as in `_invalid`
         from pydantic import ValidationError
 
         from serving.openai_api import APIError, ChatCompletionRequest, CompletionRequest, check_common
@@ -170,8 +175,6 @@ class _Text:
     held back until settled, a stop token's own text left out."""
 
     def __init__(self, tok, stops: list[str], stop_ids: frozenset[int]):
-        from serving.stop import StopMatcher
-
         self.decoder = tok.detokenizer()
         self.matcher = StopMatcher(stops)
         self.stop_ids = stop_ids
@@ -254,7 +257,7 @@ class _Live:
 
 def _worker_defaults() -> argparse.Namespace:
     """`kimik3 worker`'s options as it starts without any (what `kimik3 launch` gives it on a CPU)."""
-    from serving import worker
+    from serving import worker  # the HTTP stack: loads where an LLM is built
 
     parser = argparse.ArgumentParser(add_help=False)
     worker.add_arguments(parser)
@@ -263,7 +266,7 @@ def _worker_defaults() -> argparse.Namespace:
 
 def _model_config(model: str):
     """(ModelConfig, checkpoint directory or None) of a preset name or a directory, read without its weights."""
-    from kimik3 import checkpoint, config
+    from kimik3 import checkpoint  # JAX and orbax: load with a model, not with kimik3.SamplingParams
 
     if os.path.isdir(model):
         return checkpoint.load_config(model), model
@@ -279,7 +282,7 @@ def _load_params(cfg, checkpoint_dir: str | None, seed: int, dtype: str | None, 
     """(params, cfg, dtype) as a worker loads them (`serving.worker.load_weights`): a checkpoint's
     weights (a quantized one as `manifest`) cast to `dtype` (default: as stored), or a preset's
     random weights from `seed` in `dtype` (default: the config's)."""
-    from serving import worker
+    from serving import worker  # the HTTP stack: loads where an LLM is built
 
     return worker.load_weights(cfg, checkpoint_dir, seed, dtype, manifest)
 
@@ -309,8 +312,8 @@ class LLM:
         warmup: bool = False,
         **engine_options,
     ):
+        # JAX, the engine and the HTTP stack load here, not with kimik3.SamplingParams
         from kimik3 import hf
-        from kimik3.text import load_serving_tokenizer
         from serving import worker
         from serving.engine import Engine
 
@@ -364,6 +367,7 @@ class LLM:
 
     # ---- requests as the router makes them -------------------------------------------------------------
     def _prepare(self, kind: str, item, sp: SamplingParams | None) -> _Prepared:
+        # optional: pydantic and the HTTP stack (the serve extra), loaded since the LLM was built
         from serving.openai_api import APIError, chat_prompt, completion_prompt, logprobs_count, resolve_max_tokens
         from serving.openai_api import sampling_options, stop_strings
         from serving.router import RouterConfig
@@ -414,7 +418,7 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm  # a widget in Jupyter
         else:  # no bar: tqdm.auto would only warn in a Jupyter without ipywidgets
-            from tqdm import tqdm
+            from tqdm import tqdm  # chosen per call, as above
 
         live: list[_Live] = []
         try:

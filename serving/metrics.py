@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -84,13 +86,13 @@ class CompileWatch:
             self.seconds += duration_s
 
     def __enter__(self) -> "CompileWatch":
-        import jax.monitoring
+        import jax.monitoring  # the worker's metrics read this module without JAX
 
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         return self
 
     def __exit__(self, *exc) -> None:
-        import jax.monitoring
+        import jax.monitoring  # the worker's metrics read this module without JAX
 
         jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
@@ -225,9 +227,6 @@ class IntervalStats:
     the thread that runs the engine, `line` by the one that logs: a lock keeps them apart."""
 
     def __init__(self, recent_requests: int = 1000, clock=None):
-        import threading
-        import time
-
         self.clock = clock or time.monotonic
         self._lock = threading.Lock()
         self._prompt = 0  # prompt tokens prefilled since the last line

@@ -1,6 +1,6 @@
 """The model's commands: `kimik3 generate`, `info`, `quantize`, `train`, `train-tokenizer` and
 `train-eagle`, each one's flags (`add_*_arguments`) and its run (`run_*`), listed in `COMMANDS` for
-`serving.cli`.  Importing this module imports no JAX: each run imports what it uses.
+`serving.cli`.  Importing this module imports no JAX: a run imports the modules that use it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ import os
 import time
 
 import numpy as np
+from tqdm import tqdm
 
+from kimik3 import config, corpus, quantization, tokenizer
+from kimik3.text import load_serving_tokenizer
+from kimik3.text.bpe import train_bpe
 from serving.cli import MANIFEST_NAMES, SERVING_MANIFESTS
 
 
@@ -67,12 +71,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args) -> int:
+    # JAX and the model load when a command runs (the module docstring)
     import jax
 
-    from kimik3 import config, model, tokenizer
+    from kimik3 import model
     from kimik3.generate import generate
     from kimik3 import quant_store as store
-    from kimik3.text import load_serving_tokenizer
 
     if args.manifest and not args.checkpoint:
         raise ValueError("--manifest names the quantized weights of a checkpoint: pass --checkpoint DIR")
@@ -147,7 +151,7 @@ def _parse_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def _generate_speculative(args, params, cfg, prompt, images) -> int:
-    from kimik3 import eagle_train, speculative, tokenizer
+    from kimik3 import eagle_train, speculative  # JAX: loads when the command runs
 
     if not args.checkpoint:
         raise ValueError("--draft-checkpoint needs the target it was trained for: pass --checkpoint")
@@ -200,10 +204,10 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_info(args) -> int:
-    from kimik3 import config, quantization, sizing
+    from kimik3 import sizing  # JAX: loads when the command runs
 
     if args.checkpoint:
-        from kimik3 import checkpoint
+        from kimik3 import checkpoint  # orbax: loads only where a checkpoint's config is read
 
         cfg = checkpoint.load_config(args.checkpoint)
     else:
@@ -234,9 +238,7 @@ def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_quantize(args) -> int:
-    from tqdm import tqdm
-
-    from kimik3 import quant_store as store
+    from kimik3 import quant_store as store  # JAX: loads when the command runs
 
     with tqdm(desc="quantize", unit="tensor") as bar:
 
@@ -296,7 +298,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args) -> int:
-    from kimik3 import train
+    from kimik3 import train  # JAX: loads when the command runs
 
     tc = train.TrainConfig(
         config=args.config,
@@ -340,9 +342,6 @@ def add_train_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_tokenizer(args) -> int:
-    from kimik3 import corpus
-    from kimik3.text.bpe import train_bpe
-
     source, files = corpus.find_sources(args.corpus)
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "tokenizer.json")
@@ -383,7 +382,7 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train_eagle(args) -> int:
-    from kimik3 import checkpoint, eagle, eagle_train
+    from kimik3 import checkpoint, eagle, eagle_train  # JAX: loads when the command runs
 
     params, cfg = checkpoint.restore(args.checkpoint)
     dc = eagle_train.DraftTrainConfig(

@@ -31,9 +31,12 @@ import random
 from typing import Annotated, Any, Literal, Union
 
 import numpy as np
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
+from cache.media import FetchError
 from kimik3 import tokenizer
+from kimik3.text import ByteTokenizer
 from serving.sampling import SAMPLING_BOUNDS
 from serving.stop import MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 
@@ -361,7 +364,6 @@ def decode_image(url: str, size: int, fetcher=None, tenant: str | None = None) -
             accepted = "base64 data: URLs" if fetcher is None else "base64 data: URLs or http(s) URLs"
             off = "; remote fetching is off on this server" if fetcher is None and scheme in ("http", "https") else ""
             raise APIError(400, f"image URLs must be {accepted}{off}", param="messages", code="unsupported_image_url")
-        from cache.media import FetchError
 
         try:
             raw = fetcher.get(url, tenant)
@@ -383,8 +385,6 @@ def decode_image(url: str, size: int, fetcher=None, tenant: str | None = None) -
 def decode_image_bytes(raw: bytes, size: int) -> np.ndarray:
     """Encoded image bytes -> RGB uint8 [size, size, 3]; the pixel count is checked from the
     header before anything is decoded; a broken image is a 400."""
-    from PIL import Image
-
     if len(raw) > MAX_IMAGE_BYTES:
         raise APIError(400, f"image larger than {MAX_IMAGE_BYTES >> 20} MiB", param="messages", code="invalid_image")
     try:
@@ -459,8 +459,6 @@ def chat_prompt(
 
 
 def _byte():
-    from kimik3.text import ByteTokenizer
-
     return ByteTokenizer()
 
 

@@ -123,7 +123,7 @@ def seed_words(seed: int) -> tuple[int, int]:
 def penalize(logits_bv, counts_bv, presence_b, frequency_b):
     """Logits f32 [B, V] with OpenAI's penalties: counts_bv int32 [B, V], each token's occurrences in
     the row's output so far; presence_b, frequency_b f32 [B]."""
-    import jax.numpy as jnp
+    import jax.numpy as jnp  # device side: the router and the scheduler import this module without JAX
 
     counts = counts_bv.astype(jnp.float32)
     return logits_bv - frequency_b[:, None] * counts - presence_b[:, None] * (counts > 0)
@@ -132,6 +132,7 @@ def penalize(logits_bv, counts_bv, presence_b, frequency_b):
 def token_logprobs(logits_bv, tokens_b):
     """The model's logprobs (`log_softmax` of the raw logits f32 [B, V]): (of tokens_b f32 [B],
     top ids int32 [B, MAX_LOGPROBS], their logprobs f32 [B, MAX_LOGPROBS], most probable first)."""
+    # device side, as in `penalize`
     import jax
     import jax.numpy as jnp
 
@@ -162,6 +163,7 @@ def sample_tokens(
     (<= 0: off) and min_p_b f32 [B] (0: off), or None: off for every row; counts_bv int32 [B, V]
     with presence_b / frequency_b f32 [B] (`penalize`), or None: no penalties.  greedy (static):
     every row is greedy, so the step is one argmax (no sort, no random bits)."""
+    # device side, as in `penalize`
     import jax
     import jax.numpy as jnp
 
@@ -206,14 +208,14 @@ def sample_tokens(
 
 @functools.cache
 def _sample_one():
-    import jax
+    import jax  # device side, as in `penalize`
 
     return jax.jit(sample_tokens, static_argnames=("greedy",))
 
 
 @functools.cache
 def _logprobs_one():
-    import jax
+    import jax  # device side, as in `penalize`
 
     return jax.jit(token_logprobs)
 

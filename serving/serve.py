@@ -28,7 +28,9 @@ import argparse
 import os
 import sys
 
+from kimik3 import config
 from serving import launch
+from serving.cli import standalone_main
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_model(args) -> None:
     """MODEL -> `args.checkpoint` (a directory) or `args.config` (a preset); ValueError otherwise."""
-    from kimik3 import config
-
     if os.path.isdir(args.model):
         args.checkpoint = args.model
     elif args.model in config.PRESETS:
@@ -60,8 +60,6 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    from serving.cli import standalone_main
-
     return standalone_main("kimik3 serve", __doc__, add_arguments, run, argv)
 
 

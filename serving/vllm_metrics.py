@@ -11,6 +11,10 @@ scrape target do not double count.  Units are vLLM's: seconds, and KV use as a f
 
 from __future__ import annotations
 
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
 # vLLM's histogram buckets (seconds)
 TTFT_BUCKETS = (
     0.001,
@@ -87,8 +91,6 @@ class VLLMMetrics:
     """The ``vllm:*`` series of one model on `registry`; every series carries model_name."""
 
     def __init__(self, registry, model_name: str):
-        from prometheus_client import Counter, Gauge, Histogram
-
         self.model_name = model_name
         m = ["model_name"]
         kw = dict(labelnames=m, registry=registry)
@@ -227,9 +229,6 @@ def federate(worker_texts: dict[str, str | None], label: str = "worker") -> tupl
     (`federated_name`), one family per name with every worker's samples, each sample labelled
     `label` = its worker's key; and which workers answered (a worker whose text is None or does
     not parse contributes nothing and is False)."""
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-
     families: dict[str, Metric] = {}
     answered = {}
     for worker, text in worker_texts.items():

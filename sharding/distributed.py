@@ -29,6 +29,10 @@ import dataclasses
 import logging
 import os
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 log = logging.getLogger(__name__)
 
 
@@ -61,8 +65,6 @@ def initialize(
     service's listening address (default: `group.coordinator`, so a loopback group stays on
     loopback).  heartbeat_timeout_s: a process silent this long counts as dead and the
     coordination service stops the others (JAX's default: 100 s)."""
-    import jax
-
     # An executable compiled inside a group must never be read back by a lone process (or by a
     # group of another size), whose runtime it does not match: the same HLO and options give the
     # same cache key, so a shared persistent cache would hand one to the other (a lone process
@@ -94,12 +96,8 @@ def initialize(
 def agree_max(values) -> list[int]:
     """Elementwise max of `values` (ints) over every process of the group: each passes its own,
     all call together (a collective); with one process, the values themselves."""
-    import jax
-    import numpy as np
-
     if jax.process_count() == 1:
         return [int(v) for v in values]
-    from jax.experimental import multihost_utils
 
     every = multihost_utils.process_allgather(np.asarray(values, np.int32))  # [processes, n]
     return [int(v) for v in np.asarray(every).reshape(jax.process_count(), -1).max(0)]
@@ -107,12 +105,8 @@ def agree_max(values) -> list[int]:
 
 def gather(x):
     """A global array (or a pytree of them) whole on this process, as numpy."""
-    from jax.experimental import multihost_utils
-
     return multihost_utils.process_allgather(x, tiled=True)
 
 
 def shutdown() -> None:
-    import jax
-
     jax.distributed.shutdown()

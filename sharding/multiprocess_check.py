@@ -22,20 +22,23 @@ import math
 import os
 import sys
 
+import jax
+import numpy as np
+
+from sharding import distributed
+
 BATCH, PROMPT, MAX_LEN, STEPS = 8, 8, 32, 3
 
 
 def run(args, then=None) -> dict:
     """Join the group, run the sharded steps and compare them (the result: this process's JSON).
     then(args) -> dict: more of the group's work before it is left, its keys added to the result.
-    JAX is imported only once the group is joined (its CPU device count is set there)."""
-    from sharding import distributed
-
+    The model and the steps are imported only once the group is joined (its CPU device count is
+    set there, before anything may touch a device)."""
     group = distributed.ProcessGroup(args.coordinator, args.num_processes, args.process_id, args.cpu_devices)
     distributed.initialize(group)
-    import jax
-    import numpy as np
 
+    # after the group is joined (the docstring)
     from kimik3 import config, model
     from kimik3.generate import generate
     from sharding.decode import ShardedDecode

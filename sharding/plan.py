@@ -37,6 +37,7 @@ import numpy as np
 
 from kimik3 import config as config_lib
 from kimik3 import quantization
+from kimik3 import sizing
 from kimik3.config import ModelConfig
 from kimik3.model import abstract_params
 from sharding.mesh import MeshShape, check_config, parse_spec
@@ -370,8 +371,6 @@ def decode_fit(
     """`DecodeFit` of `cfg` served unsharded with `manifest`'s weights (`sizing.weight_bytes`) in
     `memory_bytes` (e.g. `USABLE_BYTES[gpu]`, or a device's free bytes with weights=... already
     counted by the caller) at caches of `context` tokens."""
-    from kimik3 import sizing
-
     kv, state = cache_bytes_per_request(cfg, context, act_dtype)
     return DecodeFit(
         weights=sizing.weight_bytes(cfg, quantization.MANIFESTS[manifest]),
@@ -478,7 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Print the plan; ValueError (bad mesh or config) propagates to the CLI's error handler."""
     if args.checkpoint:  # a checkpoint's or a Hugging Face directory's own config
-        from kimik3 import checkpoint
+        from kimik3 import checkpoint  # orbax loads only where a checkpoint's config is read
 
         cfg = checkpoint.load_config(args.checkpoint)
     else:

@@ -8,6 +8,8 @@ import threading
 import time
 
 from cache.media.fetch import FetchError, FetchPolicy, check_url, fetch  # noqa: F401 (re-exported)
+from cache.media.l1 import EmbeddedFetchCache, RedisFetchCache
+from cache.media.l2 import PixelCache
 
 
 @dataclasses.dataclass
@@ -81,8 +83,6 @@ def build_fetcher(
     `l2_bytes` (0: none)."""
     if not enabled:
         return None
-    from cache.media.l1 import EmbeddedFetchCache, RedisFetchCache
-    from cache.media.l2 import PixelCache
 
     policy = FetchPolicy(
         allow_hosts=tuple(allow_hosts) if allow_hosts else None,

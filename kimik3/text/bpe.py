@@ -58,7 +58,7 @@ class BPETokenizer(BaseTokenizer):
         eos_token_id: int | None = None,
         token_names: dict[str, str] | None = None,
     ):
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer  # on use: kimik3.text imports light
 
         self.name = f"bpe:{path}"
         self._tok = HFTokenizer.from_file(path)
@@ -113,7 +113,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> BPETokeni
     """Train a byte-level BPE of `vocab_size` ids on `texts` and write it to `out_path`
     (``tokenizer.json``): ids 0..255 the bytes, then `kimik3.tokenizer`'s special tokens, then the
     merges in the order they were learnt."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers  # on use, as above
 
     n_fixed = byte_level.VOCAB_SIZE
     if vocab_size <= n_fixed:

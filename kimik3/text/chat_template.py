@@ -49,6 +49,7 @@ class ChatTemplateError(ValueError):
 
 @functools.cache
 def _environment():
+    # jinja2 (~0.1 s) loads where a template first renders: kimik3.text imports light
     import jinja2.ext
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment

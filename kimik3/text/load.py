@@ -9,7 +9,9 @@ import logging
 import os
 
 from kimik3.text.base import BaseTokenizer
+from kimik3.text.bpe import BPETokenizer
 from kimik3.text.byte import ByteTokenizer
+from kimik3.text.tiktoken_file import DEFAULT_PATTERN, TiktokenTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -179,10 +181,7 @@ def load_tokenizer(spec: str | None) -> BaseTokenizer:
         raise FileNotFoundError(f"{directory} holds no tokenizer.json, tiktoken.model or *.tiktoken")
     cfg = read_config(directory)
     if path.endswith(".json"):
-        from kimik3.text.bpe import BPETokenizer
-
         return BPETokenizer(path, added_tokens=cfg.added_tokens, **cfg.kwargs())
-    from kimik3.text.tiktoken_file import DEFAULT_PATTERN, TiktokenTokenizer
 
     special = added = None
     if cfg.added_tokens:  # an entry is special where it says so, or is a named token (transformers' rule)

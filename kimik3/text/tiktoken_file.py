@@ -52,7 +52,7 @@ class TiktokenTokenizer(BaseTokenizer):
         eos_token_id: int | None = None,
         token_names: dict[str, str] | None = None,
     ):
-        import tiktoken
+        import tiktoken  # on use: kimik3.text imports light
 
         ranks = read_ranks(path)
         first = max(ranks.values()) + 1

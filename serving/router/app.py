@@ -20,7 +20,10 @@ import uuid
 import httpx
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves handler annotations in module globals
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving import router_body
@@ -246,8 +249,6 @@ class RouterApp:
         """Open, as vLLM's: the router's series, and its workers' engine series (KV use, the
         prefix cache, preemptions, kimik3_worker_*) labelled worker=URL, scraped now
         (`scrape_workers`; a worker that does not answer is kimik3_router_worker_metrics_up 0)."""
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         r = self.router
         stats = r.media.stats() if r.media is not None else {}
         scraped = await r.scrape_workers()
@@ -301,8 +302,6 @@ class RouterApp:
         return JSONResponse(self.app.openapi())
 
     async def docs(self, request: Request):
-        from fastapi.openapi.docs import get_swagger_ui_html
-
         if (refused := self.access.operator_only(request)) is not None:
             return refused
         return get_swagger_ui_html(openapi_url="/openapi.json", title="kimik3 router")
@@ -313,7 +312,6 @@ class RouterApp:
         app = self.app
         if app.openapi_schema:
             return app.openapi_schema
-        from fastapi.openapi.utils import get_openapi
 
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {})

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import logging
 
+import uvicorn
+
+import serving.router
+from serving.cli import standalone_main
+from serving.router.config import add_arguments, config_from_args
+from serving.router.core import Router
+
 
 def run(args) -> int:
     """Serve a router built from the parsed flags `args` until it is stopped."""
-    import uvicorn
-
-    from serving.router.config import config_from_args
-    from serving.router.core import Router
-
     logging.getLogger("httpx").setLevel(logging.WARNING)
     router = Router(config_from_args(args))
     uvicorn.run(
@@ -22,8 +24,4 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    import serving.router
-    from serving.cli import standalone_main
-    from serving.router.config import add_arguments
-
     return standalone_main("kimik3 router", serving.router.__doc__, add_arguments, run, argv)

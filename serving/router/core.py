@@ -23,6 +23,7 @@ import time
 import httpx
 
 from cache.media import build_fetcher
+from kimik3 import config
 from kimik3.text import load_serving_tokenizer
 from serving import internal_auth, router_auth
 from serving.router import upstream
@@ -56,7 +57,7 @@ class Router:
         self.keys = router_auth.KeyRing.from_config(cfg.api_key, cfg.api_key_file)
         # a Hugging Face directory is served under its own name (vLLM's habit); a config or our
         # own checkpoint as kimik3-<config>
-        from kimik3 import hf
+        from kimik3 import hf  # JAX: loads when a Router is made, not with `import serving.router`
 
         hf_dir = bool(cfg.checkpoint) and hf.is_hf_dir(cfg.checkpoint)
         self.model_name = cfg.model_name or (self.model_cfg.name if hf_dir else f"kimik3-{self.model_cfg.name}")
@@ -315,9 +316,8 @@ def _model_config(cfg: RouterConfig):
     """The served model's config: the checkpoint's own (a trained or quantized checkpoint), else
     the named config."""
     if cfg.checkpoint:
-        from kimik3 import checkpoint
+        from kimik3 import checkpoint  # orbax: loads only where a checkpoint is served
 
         return checkpoint.load_config(cfg.checkpoint)
-    from kimik3 import config
 
     return config.get_config(cfg.config)

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from pydantic import ValidationError
+
 from serving import router_auth, router_body
 from serving.openai_api import (
     APIError,
@@ -120,8 +122,6 @@ class Intake:
     def validate(self, kind: str, raw):
         """The body's validated request (JSON, the request's model, checks that need no tokenizer,
         a prompt too long for the context whatever it tokenizes to), or APIError."""
-        from pydantic import ValidationError
-
         obj = router_body.loads(raw)
         if not isinstance(obj, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")

@@ -13,8 +13,10 @@ import asyncio
 import logging
 
 import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from serving.router.registry import Worker
+from serving.vllm_metrics import VLLMMetrics, WithWorkers, federate
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +29,6 @@ class RouterMetrics:
     request-level figures: queue, latencies, tokens, finish reasons."""
 
     def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        from serving.vllm_metrics import VLLMMetrics
-
         r = self.registry = CollectorRegistry()
         self.vllm = VLLMMetrics(r, model_name)
         self.requests = Counter(
@@ -120,10 +118,6 @@ class RouterMetrics:
     def exposition(self, scraped: dict[str, str | None], media_stats: dict, running: int, waiting: int) -> bytes:
         """The /metrics text: this router's series (the media fetcher's `media_stats`, admission's
         `running` and `waiting` set now) and the workers' `scraped` series, labelled worker=URL."""
-        from prometheus_client import generate_latest
-
-        from serving.vllm_metrics import WithWorkers, federate
-
         for stat, value in media_stats.items():
             self.media.labels(stat).set(value)
         self.vllm.load(running, waiting)

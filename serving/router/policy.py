@@ -19,6 +19,11 @@ import random
 
 import numpy as np
 
+from cache.block_hash import block_hashes, image_items
+from cache.guarded_tier import GuardedHostKVTier
+from cache.host_tier import make_key
+from cache.mooncake_tier import MooncakeHostKVTier
+from kimik3 import tokenizer
 from serving.router.registry import Worker, WorkerPools
 
 log = logging.getLogger(__name__)
@@ -29,16 +34,10 @@ class StoreProbe:
     (the router calls `has` on a thread); a dead store answers "not there" within 0.5 s."""
 
     def __init__(self, master: str, metadata: str):
-        from cache.mooncake_tier import MooncakeHostKVTier
-
-        from cache.guarded_tier import GuardedHostKVTier
-
         # a probe is a hint: a dead store answers "not there" at once, never stalls routing
         self.tier = GuardedHostKVTier(MooncakeHostKVTier(master, metadata, staging_bytes=1 << 20), timeout_s=0.5)
 
     def has(self, namespace: str, block_hash: bytes) -> bool:
-        from cache.host_tier import make_key
-
         return all(self.tier.exists([make_key(namespace, "mla", block_hash), make_key(namespace, "kda", block_hash)]))
 
     def close(self) -> None:
@@ -102,9 +101,6 @@ class PrefixAffinity:
         """The workers' block hashes of `prompt` for a tenant's `salt` with its images (as their
         caches key them: a block holding an image's placeholders carries the image's hash, so
         image prompts match the workers' blocks and prompts that differ only in an image do not)."""
-        from cache.block_hash import block_hashes, image_items
-        from kimik3 import tokenizer
-
         ns, page = self.pools.fact("namespace"), self.pools.fact("page_tokens")
         if not ns or not page:
             return []

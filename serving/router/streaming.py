@@ -16,6 +16,8 @@ import json
 import logging
 import time
 
+from fastapi.responses import JSONResponse
+
 from serving.openai_api import (
     APIError,
     chat_logprobs,
@@ -195,8 +197,6 @@ class RequestStream:
     async def collect(self, first):
         """The whole answer as OpenAI's JSON (a dict), or the JSONResponse of the error that ended
         it; closes the stream either way."""
-        from fastapi.responses import JSONResponse
-
         try:
             async for _ in self._events(first):
                 pass

@@ -21,6 +21,7 @@ import os
 from fastapi import FastAPI, Request  # at module level: FastAPI resolves handler annotations in module globals
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.middleware.base import BaseHTTPMiddleware
 
@@ -340,8 +341,6 @@ class WorkerApp:
         return self.loop.load()
 
     async def metrics(self):
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         loop = self.loop
         if loop.metrics is not None:
             loop.metrics.refresh(getattr(getattr(loop.engine.manager, "host", None), "stats", None), loop.compile_watch)

@@ -13,8 +13,14 @@ import dataclasses
 
 import numpy as np
 
+from cache.block_pool import NULL_BLOCK
+from cache.guarded_tier import GuardedHostKVTier
+from cache.mooncake_tier import MooncakeHostKVTier
+from kimik3 import config
+from kimik3.text import load_serving_tokenizer
 from serving import flags
-from serving.sampling import SamplingParams
+from serving.metrics import CompileWatch
+from serving.sampling import SamplingParams, choose_token, logprobs_of
 
 
 def default_cache_geometry(config_name: str) -> tuple[int, int]:
@@ -26,12 +32,13 @@ def load_weights(cfg, checkpoint_dir: str | None, seed: int, dtype: str | None, 
     """(params, cfg, dtype): a checkpoint's weights (a quantized one as `manifest`; its own config,
     not `cfg`) cast to `dtype` (default: as stored), or `cfg`'s random weights from `seed` in
     `dtype` (default: the config's).  What a worker serves and what `serving.llm.LLM` loads."""
+    # JAX and the model load on use (the module docstring)
     import jax
 
     from kimik3 import model
 
     if checkpoint_dir is not None:
-        from kimik3 import quant_store as store
+        from kimik3 import quant_store as store  # on use, as above
 
         params, cfg = store.load_params(checkpoint_dir, manifest)
         dtype = dtype or str(params["embed_vd"].dtype)
@@ -42,9 +49,7 @@ def load_weights(cfg, checkpoint_dir: str | None, seed: int, dtype: str | None, 
 
 def build_engine(args):
     """(engine, host tier or None, info dict) from parsed worker arguments."""
-    from kimik3 import config
-    from kimik3.text import load_serving_tokenizer
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig  # JAX: loads on use (the module docstring)
 
     checkpoint, manifest = getattr(args, "checkpoint", None), getattr(args, "manifest", None)
     if manifest and not checkpoint:
@@ -106,7 +111,7 @@ def _draft(args, cfg, params):
         raise ValueError("--speculative eagle3 needs the target the draft was trained for: --checkpoint DIR")
     if args.role != "both":  # the HTTP handoff carries no draft feature yet (in-process P/D: serving.disagg)
         raise ValueError("--speculative eagle3 workers serve colocated (--role both)")
-    from kimik3 import eagle_train
+    from kimik3 import eagle_train  # JAX: loads on use (the module docstring)
 
     draft = eagle_train.load_draft(args.draft_checkpoint, cfg, params)
     if args.eagle_no_drop and args.eagle_tail not in ("drop", "no_drop"):
@@ -120,7 +125,7 @@ def _weights_name(args, params) -> str:
     workers of other weights (or other projections of the same) never share KV."""
     if not getattr(args, "checkpoint", None):
         return f"seed{args.seed}"
-    from kimik3 import eagle_train
+    from kimik3 import eagle_train  # JAX: loads on use (the module docstring)
 
     weights = f"ckpt-{eagle_train.fingerprint(params)}"
     if getattr(args, "manifest", None):
@@ -133,9 +138,6 @@ def _host_tier(args):
     a dead store turns into misses, not stalled steps."""
     if not args.mooncake_master:
         return None
-    from cache.guarded_tier import GuardedHostKVTier
-    from cache.mooncake_tier import MooncakeHostKVTier
-
     return GuardedHostKVTier(
         MooncakeHostKVTier(args.mooncake_master, args.mooncake_metadata, staging_bytes=args.staging_mb << 20),
         timeout_s=args.store_timeout_s,
@@ -189,6 +191,7 @@ def pool_pages(args, cfg, params, page_tokens: int) -> int:
         raise ValueError("--num-pages and --gpu-memory-utilization both size the KV pool: pass one")
     if not 0.0 < util <= 1.0:
         raise ValueError(f"--gpu-memory-utilization must lie in (0, 1]; got {util}")
+    # JAX loads on use (the module docstring)
     import jax
 
     from serving import kv_pools
@@ -225,7 +228,7 @@ def meshes(args, cfg, devices=None):
     """The engine's mesh(es) from vLLM's flags: prefill over `--tensor-parallel-size` devices, decode
     over `--data-parallel-size`, the experts split over the same devices with
     `--enable-expert-parallel` (EP = TP for prefill, EP = DP for decode); None on one device."""
-    from sharding import mesh as mesh_lib
+    from sharding import mesh as mesh_lib  # JAX: loads on use (the module docstring)
 
     tp, dp = getattr(args, "tensor_parallel_size", 1), getattr(args, "data_parallel_size", 1)
     ep = getattr(args, "enable_expert_parallel", False)
@@ -234,7 +237,7 @@ def meshes(args, cfg, devices=None):
     if getattr(args, "coordinator", None):
         # A process group serves as one DP engine: its decode mesh spans every process's devices,
         # each process's ranks together (`Engine.group`).
-        import jax
+        import jax  # on use (the module docstring)
 
         if args.role == "prefill" or tp > 1:
             raise ValueError(
@@ -273,12 +276,10 @@ def warm_sampling_variants(engine) -> int:
     request holds); the engine must be idle.  A speculative engine takes no penalties or
     logprobs, and a decode mesh samples on the host: they build only the one-row programs; a
     prefill engine samples first tokens only.  Returns the XLA programs built."""
+    # JAX loads on use (the module docstring)
     import jax
 
-    from cache.block_pool import NULL_BLOCK
-    from serving.metrics import CompileWatch
     from serving.model_runner import DecodeRows
-    from serving.sampling import choose_token, logprobs_of
 
     runner = engine.runner
     with CompileWatch() as watch:

@@ -9,9 +9,15 @@ import os
 import threading
 import time
 
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+import serving.worker
+from serving.cli import standalone_main
+from serving.metrics import CompileWatch
 from serving.worker.app import create_app
 from serving.worker.build import build_engine, warm_sampling_variants
-from serving.worker.config import EXIT_ENGINE_FAULT
+from serving.worker.config import EXIT_ENGINE_FAULT, add_arguments
 from serving.worker.loop import EngineLoop
 from serving.worker.metrics import StatsLogger
 
@@ -21,11 +27,6 @@ log = logging.getLogger(__name__)
 def run(args) -> int:
     """Serve one engine built from the parsed flags `args` until the server stops; 0, or
     `EXIT_ENGINE_FAULT` after an engine fault.  A flag the engine cannot honour is a ValueError."""
-    import uvicorn
-    from prometheus_client import CollectorRegistry
-
-    from serving.metrics import CompileWatch
-
     _prepare_process(args)
     t0 = time.monotonic()
     _join_group(args)
@@ -67,7 +68,7 @@ def _prepare_process(args) -> None:
     """The persistent compilation cache of `--compile-cache`, and the flags checked before any
     weight is read."""
     if args.compile_cache:
-        import jax
+        import jax  # on use: importing the worker imports no JAX (serving.worker.build)
 
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -80,7 +81,7 @@ def _join_group(args) -> None:
     """Join the process group of `--coordinator` (JAX's multi-controller runtime) before any device
     is touched; without one, `--num-processes` / `--process-id` are an error."""
     if args.coordinator:
-        from sharding import distributed
+        from sharding import distributed  # sharding loads only in a process group
 
         if args.num_processes is None or args.process_id is None:
             raise ValueError("--coordinator needs --num-processes and --process-id")
@@ -107,8 +108,4 @@ def exit_after_fault(server, grace_s: float = 0.5, deadline_s: float = 30.0) -> 
 
 
 def main(argv=None) -> int:
-    import serving.worker
-    from serving.cli import standalone_main
-    from serving.worker.config import add_arguments
-
     return standalone_main("kimik3 worker", serving.worker.__doc__, add_arguments, run, argv)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 from fastapi.responses import JSONResponse, Response
 
 from serving import internal_auth, kv_handoff
@@ -36,8 +37,6 @@ class Handoff:
 
     def client(self):
         """The HTTP client a decode worker pulls handoffs with (one per app, made on first use)."""
-        import httpx
-
         if not self._clients:
             self._clients.append(httpx.AsyncClient(limits=httpx.Limits(max_connections=64)))
         return self._clients[0]
