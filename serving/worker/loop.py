@@ -102,7 +102,9 @@ class EngineLoop:
         self.stats = IntervalStats()  # the periodic stats line's figures (`StatsLogger`)
         self.compile_watch = None  # a `metrics.CompileWatch` started after warm-up (kimik3_worker_compiles)
         self._load = self._snapshot()
-        self.metrics = WorkerMetrics(registry, model_name) if registry is not None else None
+        self.metrics = (
+            WorkerMetrics(registry, model_name, profile=lambda: engine.profile) if registry is not None else None
+        )
         if engine.role == "prefill":  # a prefill engine stops after the first token; export on request
             engine.on_prefilled = self._on_prefilled
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from serving.metrics import RequestRecord
+from serving.vllm_metrics import VLLMMetrics
+
 STATS_LOGGER = "serving.stats"
 
 
@@ -14,12 +20,12 @@ class WorkerMetrics:
     in `registry`.  Fed by the engine thread (`observe` per finished request, `gauges` per step)
     and by /metrics as it is read (`refresh`)."""
 
-    def __init__(self, registry, model_name: str):
-        from prometheus_client import Counter, Gauge, Histogram
-
-        from serving.vllm_metrics import VLLMMetrics
-
+    def __init__(self, registry, model_name: str, profile=None):
+        """profile: callable -> the engine's `serving.metrics.StepProfile` (read at scrape time as
+        kimik3_worker_engine_step*_total{kind}), or None for no step series."""
         self.vllm = VLLMMetrics(registry, model_name)
+        if profile is not None:
+            registry.register(StepProfileCollector(profile))
         self.ttft = Histogram(
             "kimik3_worker_ttft_seconds",
             "arrival to first token",
@@ -53,8 +59,6 @@ class WorkerMetrics:
 
     def observe(self, req) -> None:
         """A finished request (the engine's `Request`): its latencies and token counts."""
-        from serving.metrics import RequestRecord
-
         rec = RequestRecord(req.arrival_s, req.token_times_s, len(req.prompt), 0, 0)
         self.vllm.prefix_cache(len(req.prompt), req.cached_tokens)  # engine-level only: the router counts requests
         if rec.ttft_s is not None:
@@ -81,6 +85,33 @@ class WorkerMetrics:
             self.store_auth_failures.set(store_stats.auth_failures)
         if compile_watch is not None:
             self.compiles.set(compile_watch.count)
+
+
+class StepProfileCollector:
+    """The engine's step profile (`serving.metrics.StepProfile`) as three counters by step kind,
+    read when /metrics is scraped: kimik3_worker_engine_steps_total, and the seconds of host work
+    and of waiting on the device, kimik3_worker_engine_step_{host,wait}_seconds_total (what
+    `kimik3 bench serve` reads between its start and end, `serving.bench_metrics.step_profile`)."""
+
+    def __init__(self, profile):
+        self.profile = profile
+
+    def collect(self):
+        prof = self.profile()
+        series = (
+            ("kimik3_worker_engine_steps", "engine steps taken, by kind", prof.steps),
+            ("kimik3_worker_engine_step_host_seconds", "host time of the engine's steps, by kind", prof.host_s),
+            (
+                "kimik3_worker_engine_step_wait_seconds",
+                "time the engine's steps waited on the device, by kind",
+                prof.wait_s,
+            ),
+        )
+        for name, doc, counts in series:
+            fam = CounterMetricFamily(name, doc, labels=["kind"])
+            for kind, value in list(counts.items()):  # a copy: the engine thread adds to it
+                fam.add_metric([kind], float(value))
+            yield fam
 
 
 class StatsLogger:

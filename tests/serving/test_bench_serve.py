@@ -218,7 +218,12 @@ def check_random_poisson_counts_add_up_and_arrivals_keep_the_schedule(deployment
         assert due - 1e-3 <= start <= due + 2.0
     for key_ in ("mean", "median", "std", "p90", "p99"):
         assert all(f"{key_}_{m}_ms" in r for m in ("ttft", "tpot", "itl", "e2el"))
-    assert r["median_ttft_ms"] <= r["median_e2el_ms"] and r["engine_step_profile"] is None
+    assert r["median_ttft_ms"] <= r["median_e2el_ms"]
+    # the worker's step counters, federated by the router: the steps the six requests took
+    profile = r["engine_step_profile"]
+    assert profile and {"prefill", "mixed"} & set(profile) and sum(v["steps"] for v in profile.values()) >= 8
+    assert all(v["host_ms"] > 0 and v["wait_ms"] >= 0 for v in profile.values())
+    assert "ms a step:" in text
 
 
 def check_multiturn_sends_each_sessions_turns_in_order_onto_its_cached_prefix(deployment, key, tmp):

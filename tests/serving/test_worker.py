@@ -1,6 +1,7 @@
 """The worker's HTTP API, in process (FastAPI TestClient) around a real engine on the tiny model."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -337,6 +338,34 @@ def test_the_served_model_name_labels_the_workers_metrics():
     loop = worker.EngineLoop(engine, registry=registry, model_name=args.served_model_name)
     with TestClient(worker.create_app(loop, info, registry=registry)) as c:
         assert 'vllm:num_requests_waiting{model_name="kimi"}' in c.get("/metrics").text
+
+
+def test_the_workers_metrics_carry_the_engines_step_profile_by_kind():
+    """What `kimik3 bench serve` reads: steps, host seconds and device-wait seconds per step kind,
+    equal to the engine's own profile after it served a request."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from serving import bench_metrics, worker
+
+    args = _worker_args("--num-pages", "16", "--no-warmup")
+    engine, _, info = worker.build_engine(args)
+    registry = CollectorRegistry()
+    loop = worker.EngineLoop(engine, registry=registry, model_name="m")
+    with TestClient(worker.create_app(loop, info, registry=registry)) as c:
+        assert bench_metrics.read_step_counters(c.get("/metrics").text) is None  # no step yet
+        with c.stream("POST", "/generate", json={"prompt": list(range(1, 30)), "max_tokens": 6}) as r:
+            assert r.status_code == 200 and len(list(r.iter_lines())) > 0
+        prof, deadline = engine.profile, time.monotonic() + 30
+        while True:  # the engine thread ends its last step after the stream's last line
+            counters = bench_metrics.read_step_counters(c.get("/metrics").text) or {}
+            if {k: v["steps"] for k, v in counters.items()} == dict(prof.steps):
+                break
+            assert time.monotonic() < deadline, (counters, prof.steps)
+            time.sleep(0.05)
+    assert "prefill" in counters and sum(v["steps"] for v in counters.values()) >= 2
+    for kind, v in counters.items():
+        assert v["host_s"] == pytest.approx(prof.host_s[kind]) and v["wait_s"] == pytest.approx(prof.wait_s[kind])
 
 
 def test_vllms_parallel_flags_become_the_engines_meshes():
