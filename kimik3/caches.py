@@ -97,14 +97,6 @@ def is_paged(cache) -> bool:
     return cache is not None and "block_tables" in cache
 
 
-def exports_as_dicts(exports) -> tuple | None:
-    """A pass's exports (per KDA layer a `KDAState` [B, E, ...]) as the dicts a paged view's
-    caller reads: per KDA layer {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}."""
-    if exports is None:
-        return None
-    return tuple({"state": e.state, "conv": e.conv} for e in exports)
-
-
 def kind_index(cfg: ModelConfig, layer: int) -> int:
     """Layer `layer`'s index among the layers of its mixer kind."""
     kind = cfg.mixer_kind(layer)

@@ -132,7 +132,7 @@ def draft_layer(
     feat_btd,
     emb_btd,
     positions_bt,
-    cache=None,
+    cache: MLALatent | MLAPages | None = None,
     *,
     kernels: str = "reference",
     valid_b=None,
@@ -140,26 +140,11 @@ def draft_layer(
     """Slots [B, T]: features (g or the draft's own hidden) [B, T, D] and the next tokens'
     embeddings [B, T, D] -> (hidden o [B, T, D], the MLA cache entry written, or None).
 
-    The cache is the MLA layer's entry (`kimik3.caches.MLALatent` or `MLAPages`; valid_b int32
-    [B]: each row's real slots, the rest pad the call and write no page: `kimik3.layers.mla.MLA`),
-    or the same as a dict, {"latent": [B, S, R]} or {"pages": [P, page, R], "block_tables":
-    [B, max_pages]} with an optional "valid" (valid_b); the entry written then comes back as a
-    dict of the entry's keys."""
-    as_dict = isinstance(cache, dict)
-    if as_dict:
-        cache, valid_b = _mla_entry(cache), cache.get("valid", valid_b)
+    The cache is the MLA layer's entry (`kimik3.caches.MLALatent` or `MLAPages`); valid_b int32
+    [B]: each row's real slots, the rest pad the call and write no page (`kimik3.layers.mla.MLA`)."""
     u = _layer_input(params, cfg, feat_btd, emb_btd)
     y, cache = MLA(cfg, kernels).apply({"params": params["mla"]}, u, positions_bt, cache, valid_b=valid_b)
-    if as_dict:
-        cache = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
     return _ffn(params, cfg, feat_btd + y), cache
-
-
-def _mla_entry(cache: dict) -> MLALatent | MLAPages:
-    """An MLA cache entry from its dict form (`draft_layer`)."""
-    if "pages" in cache:
-        return MLAPages(cache["pages"], cache["block_tables"])
-    return MLALatent(cache["latent"])
 
 
 def draft_logits(params: Params, cfg: ModelConfig, hidden_btd):

@@ -23,9 +23,9 @@ KDA layer k's slot s is row k * num_slots + s; MLA layer m's page p is m * num_p
 rows in place.  Both caches go through the same layers.
 
 `forward_caches` runs over the typed caches (`kimik3.caches.LayerCaches`, `PagedPools`) and takes
-what a call asks for (export_at, valid_b) as arguments; `forward_apply` is its form over the
-cache dicts above, where a paged view also carries the call's "export_at" and "valid" and the
-view it returns the exports.
+what a call asks for (export_at, valid_b) as arguments; its exports are a return value.
+`forward_paged` is its form over a paged view (the serving steps: `paged_step`), `forward_apply`
+over either cache dict above with every token real and nothing exported (`forward`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from kimik3.caches import (  # noqa: F401 (re-exported)
     MLALatent,
     MLAPages,
     PagedPools,
-    exports_as_dicts,
     is_paged,
     kind_index,
     pool_offsets,
@@ -316,21 +315,12 @@ def pool_layers(cfg: ModelConfig, pools: Cache) -> tuple:
     )
 
 
-def paged_view(pools: Cache, block_tables, slots, lengths, export_at=None, valid=None) -> Cache:
+def paged_view(pools: Cache, block_tables, slots, lengths) -> Cache:
     """A batch's view of the pools: block_tables int32 [B, max_pages], slots int32 [B]
-    (distinct KDA rows), lengths int32 [B] (tokens already cached).  export_at: int32 [E]
-    token counts of the coming call after which every KDA layer's cache entries are
-    returned too (`forward_apply`'s returned view then has "exports": per KDA layer
-    {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]}; see `kimik3.layers.kda.KDA`).
-    valid: int32 [B], the real tokens of each row of the coming call; the rest pad the call
-    to a compiled length and change nothing (the lengths advance by `valid`, the logits are
-    the last real token's; see `kimik3.layers.kda.KDA` and `kimik3.layers.mla.MLA`)."""
-    view = dict(pools_of(pools), block_tables=_int32(block_tables), slots=_int32(slots), lengths=_int32(lengths))
-    if export_at is not None:
-        view["export_at"] = _int32(export_at)
-    if valid is not None:
-        view["valid"] = _int32(valid)
-    return view
+    (distinct KDA rows), lengths int32 [B] (tokens already cached); the module comment's
+    layout.  A call's export positions and real tokens per row are `forward_paged`'s
+    arguments, its exports that function's return value."""
+    return dict(pools_of(pools), block_tables=_int32(block_tables), slots=_int32(slots), lengths=_int32(lengths))
 
 
 def _int32(x):
@@ -385,27 +375,40 @@ def forward_caches(
     return module.apply(*args)
 
 
-def forward_apply(
-    params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
+def forward_paged(
+    params,
+    tokens,
+    positions,
+    view,
+    images,
+    *,
+    cfg,
+    expert_path,
+    kernels="auto",
+    logits_tail=None,
+    taps=(),
+    export_at=None,
+    valid_b=None,
 ):
-    """`forward_caches` over a cache dict (`init_cache`, `paged_view`) or None: (logits, the
-    cache dict after) and, with taps, a third output: the taps [B, T, len(taps), D].
+    """`forward_caches` over a paged view (`paged_view`): tokens int32 [B, T] at positions
+    int32 [B, T], images as `KimiK3` takes them (or None) -> (logits fp32 [B, T, V] (the last
+    logits_tail positions' with logits_tail), the view after, the exports) and, with taps
+    (layers, static), a fourth output: the residual stream after each of them
+    [B, T, len(taps), D].
 
-    A paged view's "export_at" and "valid" are the call's export_at and valid_b; the view it
-    returns is the one given with its pools written and its lengths advanced (by "valid", or
-    by T), and, where it had "export_at", the exports under "exports" (per KDA layer
-    {"state": [B, E, H, K, V], "conv": [B, E, W-1, 3, H*D]})."""
-    paged = is_paged(cache)
-    export_at = valid = None
-    if cache is None:
-        caches = None
-    elif paged:
-        # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
-        # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
-        caches = PagedPools(cache["kda"], cache["mla"], cache["slots"], cache["block_tables"])
-        export_at, valid = cache.get("export_at"), cache.get("valid")
-    else:
-        caches = LayerCaches(tuple(cache["layers"]))
+    The view after is the one given with its pools written in place (every layer at its
+    offset: `kimik3.caches.PagedPools`) and its lengths advanced by valid_b, or by T.
+    export_at: int32 [E] token counts of this call after which every KDA layer exports its
+    entry; the exports are then per KDA layer, in layer order, a `kimik3.caches.KDAState`
+    (state f32 [B, E, H, K, V], conv [B, E, W-1, 3, H*D]), else None.  valid_b: int32 [B],
+    each row's real tokens; the rest pad the call to a compiled length and change nothing
+    (the logits with logits_tail=1 are the last real token's; see `kimik3.layers.kda.KDA` and
+    `kimik3.layers.mla.MLA`)."""
+    # Every layer reads and writes its rows of the pools in place by offset (`kimik3.caches`):
+    # KDA rows by slot inside the layer (in the decode kernel), MLA pages through the tables.
+    caches = PagedPools(view["kda"], view["mla"], view["slots"], view["block_tables"])
+    export_at = None if export_at is None else _int32(export_at)
+    valid_b = None if valid_b is None else _int32(valid_b)
     logits, caches, exports, *tapped = forward_caches(
         params,
         tokens,
@@ -418,27 +421,38 @@ def forward_apply(
         logits_tail=logits_tail,
         taps=taps,
         export_at=export_at,
-        valid_b=valid,
+        valid_b=valid_b,
     )
-    tapped = tuple(tapped)
+    advance = tokens.shape[1] if valid_b is None else valid_b
+    out = dict(view, lengths=view["lengths"] + advance, kda=caches.kda, mla=caches.mla)
+    return (logits, out, exports, *tapped)
+
+
+def forward_apply(
+    params, tokens, positions, cache, images, *, cfg, expert_path, kernels="auto", logits_tail=None, taps=()
+):
+    """`forward_caches` over a cache dict (`init_cache`, `paged_view`) or None, every token of
+    tokens [B, T] real and nothing exported: (logits [B, T, V] fp32, the cache dict after:
+    lengths advanced by T) and, with taps, a third output: the taps [B, T, len(taps), D].  A
+    call that pads rows or exports KDA states is `forward_paged`'s."""
+    static = dict(cfg=cfg, expert_path=expert_path, kernels=kernels, logits_tail=logits_tail, taps=taps)
+    if is_paged(cache):
+        logits, cache, _, *tapped = forward_paged(params, tokens, positions, cache, images, **static)
+        return (logits, cache, *tapped)
+    caches = None if cache is None else LayerCaches(tuple(cache["layers"]))
+    logits, caches, _, *tapped = forward_caches(params, tokens, positions, caches, images, **static)
     if cache is None:
-        return (logits, None) + tapped
-    if paged:
-        out = dict(
-            cache, lengths=cache["lengths"] + cache.get("valid", tokens.shape[1]), kda=caches.kda, mla=caches.mla
-        )
-        if "export_at" in cache:
-            out["exports"] = exports_as_dicts(exports)
-        return (logits, out) + tapped
-    return (logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}) + tapped
+        return (logits, None, *tapped)
+    return (logits, {"lengths": cache["lengths"] + tokens.shape[1], "layers": caches.layers}, *tapped)
 
 
 _STATIC = ("cfg", "expert_path", "kernels", "logits_tail", "taps")
 forward_step_jit = jax.jit(forward_apply, static_argnames=_STATIC)
+paged_step_jit = jax.jit(forward_paged, static_argnames=_STATIC)
 
 
 def step_compiler_options(environ=os.environ) -> dict:
-    """XLA options of the serving step (`forward_step`, the prefill chunks' program), each a 0 / 1
+    """XLA options of the serving step (`paged_step`, the prefill chunks' program), each a 0 / 1
     variable (default 1, XLA's own choice; the decode program keeps XLA's defaults: its TPOT is
     every token's):
 
@@ -462,11 +476,12 @@ def step_compiler_options(environ=os.environ) -> dict:
     return options
 
 
-# The serving step: the same program with the cache donated, so the pools (every MLA page and
-# KDA state row) are updated in place instead of copied each call.  The caller must drop its
-# references to the donated cache and keep the returned one.
-forward_step = jax.jit(
-    forward_apply, static_argnames=_STATIC, donate_argnames=("cache",), compiler_options=step_compiler_options() or None
+# The serving step: `forward_paged` with the view donated, so the pools (every MLA page and KDA
+# state row) are updated in place instead of copied each call; export_at and valid_b are its
+# arguments, the exports its third output.  The caller must drop its references to the donated
+# view and keep the returned one.
+paged_step = jax.jit(
+    forward_paged, static_argnames=_STATIC, donate_argnames=("view",), compiler_options=step_compiler_options() or None
 )
 
 

@@ -107,8 +107,14 @@ def _save_slot(snapshots, block, kda_pool, slot, *, n_kda):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _save_export(snapshots, block, exports, index):
-    """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed."""
-    return snapshots.at[block].set(_pack({k: jnp.stack([layer[k][0, index] for layer in exports]) for k in exports[0]}))
+    """snapshots[block] = the entries a prefill pass exported at its `index`-th position, packed
+    (exports: per KDA layer a `kimik3.caches.KDAState`, state [1, E, H, K, V] and conv
+    [1, E, W-1, 3, H*D]; row 0's)."""
+    rows = {
+        "state": jnp.stack([e.state[0, index] for e in exports]),
+        "conv": jnp.stack([e.conv[0, index] for e in exports]),
+    }
+    return snapshots.at[block].set(_pack(rows))
 
 
 _slot_rows = jax.jit(_slot_packed, static_argnames=("n_kda",))
@@ -319,7 +325,8 @@ class KVPools:
 
     def save_export(self, exports, index: int, snapshot_block: int) -> None:
         """Snapshot the KDA entries a prefill pass exported at its `index`-th export position
-        (`kimik3.model.paged_view`'s exports; packed as `packed_state` packs a state row)."""
+        (`kimik3.model.forward_paged`'s exports, per KDA layer a `kimik3.caches.KDAState`
+        [1, E, ...]; packed as `packed_state` packs a state row)."""
         self.snapshots.data = _save_export(
             self.snapshots.data, np.int32(snapshot_block), tuple(exports), np.int32(index)
         )

@@ -156,9 +156,8 @@ class DecodeRows:
 def _decode_body(
     params, pools, io, counts=None, *, cfg: ModelConfig, kernels: str, greedy: bool, logprobs: bool = False
 ):
-    # valid = active: an idle row of the bucket writes no state and is routed to no expert
-    view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"], valid=io["active"])
-    logits, view = model.forward_apply(
+    view = model.paged_view(pools, io["tables"], io["slots"], io["lengths"])
+    logits, view, _ = model.forward_paged(
         params,
         io["tokens"][:, None],
         io["lengths"][:, None],
@@ -168,6 +167,7 @@ def _decode_body(
         expert_path="grouped",
         kernels=kernels,
         logits_tail=1,
+        valid_b=io["active"],  # an idle row of the bucket writes no state and is routed to no expert
     )
     pen = {}
     if counts is not None:  # the input token is the row's latest output token: count it first
@@ -470,7 +470,7 @@ _greedy_last = jax.jit(lambda logits_btv: jnp.argmax(logits_btv[:, -1], axis=-1)
 class ModelRunner:
     """Every jitted program one engine runs, and the shapes it runs them at.
 
-    * prefill chunks: `kimik3.model.forward_step` (pools donated) padded to a few lengths
+    * prefill chunks: `kimik3.model.paged_step` (pools donated) padded to a few lengths
       (`prefill_buckets`), or the prefill mesh's sharded step (`sharding.paged.PagedStep`) at
       tp * 2^k, exact;
     * decode: `decode_program` on persistent buffers (`DecodeRunner`), or the decode mesh's
@@ -609,6 +609,14 @@ class ModelRunner:
             return None
         return list(offsets) + [-1] * (self.export_slots - len(offsets))
 
+    def chunk_args(self, chunk_tokens: int, rows: int, real: int, offsets=()) -> dict:
+        """The traced arguments beside the view of an unsharded prefill chunk's
+        `kimik3.model.paged_step` (warm-up compiles exactly these): export_at int32
+        [export_slots] (`export_at`) or None, and valid_b int32 [rows], `real` tokens in each of
+        the chunk's rows.  Host arrays: a jax array or a list would key another program."""
+        at = self.export_at(chunk_tokens, offsets)
+        return dict(export_at=None if at is None else np.asarray(at, np.int32), valid_b=np.full(rows, real, np.int32))
+
     def prefill_lengths(self) -> list[tuple[int, object]]:
         """Every prefill chunk length this engine compiles, with the step that runs it (None: the
         unsharded model, padded up to the length: `prefill_buckets`; a mesh: tp * 2^k, exact)."""
@@ -663,7 +671,7 @@ class ModelRunner:
         steps = [s for s in (self.prefill_step, self.decode_step) if s]
         return (
             model.forward_step_jit._cache_size()
-            + model.forward_step._cache_size()
+            + model.paged_step._cache_size()
             + sum(s.programs() for s in steps)
             + (helper_programs() if steps else 0)
             + self.decode.programs()
@@ -674,7 +682,8 @@ class ModelRunner:
         """Run [B, T] tokens on rows (tables [B, max_pages], slots [B], lengths [B]) over `kv`'s pools;
         returns the last token's logits [B, 1, V] on the device (not waited for: a caller reads
         only the logits it needs, so the host goes on while the device computes the others) and, for the unsharded model, the KDA
-        exports at `export_offsets` (token counts of this call; `kimik3.model.paged_view`) or None;
+        exports at `export_offsets` (token counts of this call: per KDA layer a
+        `kimik3.caches.KDAState` [B, E, ...], `kimik3.model.forward_paged`) or None;
         with `taps` (the unsharded model only) a third output, the residual stream after each of
         them [B, T_padded, len(taps), D] on the device.
         step: `prefill_step` or `decode_step` (a mesh, exact lengths), or None (the unsharded
@@ -689,18 +698,19 @@ class ModelRunner:
         b, n = tokens.shape
         bucket = self.prefill_bucket(n)  # padded: a few compiled lengths serve every chunk
         tokens = np.pad(np.asarray(tokens, np.int32), ((0, 0), (0, bucket - n)))
-        view = model.paged_view(
-            kv.pools, tables, slots, lengths, self.export_at(bucket, export_offsets or ()), valid=[n] * b
-        )
+        view = model.paged_view(kv.pools, tables, slots, lengths)
         positions = view["lengths"][:, None] + np.arange(bucket, dtype=np.int32)[None]  # host: no eager op
         # uncommitted inputs follow the pools to their device; the params are placed there once
         device = next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices()))
         params = self.params_on(device)
         if images is not None and params is not self.prefill_params:  # a DP rank's chunk: its ViT rows too
             images = jax.device_put(images, device)
-        logits, view, *tapped = model.forward_step(params, tokens, positions, view, images, **self.step_static())
+        chunk = self.chunk_args(bucket, b, n, export_offsets or ())
+        logits, view, exports, *tapped = model.paged_step(
+            params, tokens, positions, view, images, **chunk, **self.step_static()
+        )
         kv.pools = model.pools_of(view)
-        return (logits, view.get("exports"), *tapped)
+        return (logits, exports, *tapped)
 
     def decode_ranks(self, kvs, tokens, tables, slots, lengths, *, logits: bool = True):
         """One decode-mesh step over this process's ranks' pools (`kvs` in rank order; rows
@@ -757,11 +767,15 @@ class ModelRunner:
 
         def step_args(kv, shape):
             b, t = shape
-            view = model.paged_view(kv.pools, *rows(b), self.export_at(t), valid=[t] * b)
+            view = model.paged_view(kv.pools, *rows(b))
             # host arrays, as `forward` passes them (a jax array there would key another program)
             positions = np.tile(np.arange(t, dtype=np.int32)[None], (b, 1))
             params = self.params_on(next(iter(jax.tree_util.tree_leaves(kv.pools)[0].devices())))
             return params, np.zeros((b, t), np.int32), positions, view, None
+
+        def step_kwargs(shape):  # `forward`'s keyword arguments, the traced and the static ones
+            b, t = shape
+            return dict(self.chunk_args(t, b, t), **self.step_static())
 
         def decode_rows(b, sampling: bool = False):  # padding only: writes land in the scratch slot and the null page
             rows = DecodeRows.build(
@@ -781,10 +795,9 @@ class ModelRunner:
                     self.decode_ranks(kvs, np.zeros((b, 1), np.int32), *rows(b), logits=want)
         unsharded = sorted({(b, t) for b, t, step in shapes if step is None})
         decode = buckets if self.decode_step is None and not self.taps else []  # speculative rounds: their own
-        static = self.step_static()
         # the longest chunks first: their programs' compiles are the longest, so they start first
         lowerings = [
-            functools.partial(lambda one, s: model.forward_step.lower(*step_args(one, s), **static), one, s)
+            functools.partial(lambda one, s: model.paged_step.lower(*step_args(one, s), **step_kwargs(s)), one, s)
             for one in kvs
             for s in sorted(unsharded, key=lambda s: (-s[1], -s[0]))
         ]
@@ -805,10 +818,10 @@ class ModelRunner:
                 done.result()
         for one in kvs:
             for shape in unsharded:
-                logits, view, *_ = model.forward_step(*step_args(one, shape), **static)
+                logits, view, exports, *_ = model.paged_step(*step_args(one, shape), **step_kwargs(shape))
                 one.pools = model.pools_of(view)
-                if view.get("exports") is not None:  # and the snapshot of a chunk's export, into the
-                    one.save_export(view["exports"], 0, null_page)  # null block (never handed out)
+                if exports is not None:  # and the snapshot of a chunk's export, into the
+                    one.save_export(exports, 0, null_page)  # null block (never handed out)
                 jax.block_until_ready((logits, one.snapshots.data))
         for b in decode:
             for v in variants:

@@ -33,7 +33,7 @@ next round runs.  MLA rows past the new length are never read (each lies after e
 query and is overwritten by the next verify).  The verify pass's KDA is the recurrent kernel on
 the state pool by slot, exporting every token's state (`kimik3.ops.kda` at chunk size 1).
 
-Prefill chunks tap the target too (`kimik3.model.forward_step(..., taps=...)`): after each chunk
+Prefill chunks tap the target too (`kimik3.model.paged_step(..., taps=...)`): after each chunk
 the draft writes the rows of slots start - 1 .. end - 2 and keeps slot end - 1 pending
 (`prefill_draft`).  After a prefix hit of h tokens (`tail` rule, `TAIL_MODES`): "drop" (the
 manager's hit excludes the last matched page: its draft rows are recomputed with the target
@@ -60,6 +60,7 @@ import numpy as np
 
 from cache.block_pool import NoFreeBlocks
 from kimik3 import eagle, model
+from kimik3.caches import MLAPages
 from kimik3.config import ModelConfig
 from serving.model_runner import _overwrite, refresh_rows
 from serving.sampling import seed_words
@@ -102,9 +103,11 @@ def _draft_rows(
     """The draft layer over slots [B, T] on its paged rows (only each row's first valid_b slots
     are written).  With store_tail, the features of slots that end a page go to tail_g.
     Returns (hidden [B, T, D], dpools)."""
-    cache = {"pages": dpools["pages"], "block_tables": tables, "valid": valid_b}
-    hidden, cache = eagle.draft_layer(draft, cfg, feats_btd, embed_vd[tokens_bt], positions_bt, cache, kernels=kernels)
-    dpools = dict(dpools, pages=cache["pages"])
+    cache = MLAPages(dpools["pages"], tables)
+    hidden, cache = eagle.draft_layer(
+        draft, cfg, feats_btd, embed_vd[tokens_bt], positions_bt, cache, kernels=kernels, valid_b=valid_b
+    )
+    dpools = dict(dpools, pages=cache.pages)
     if store_tail:
         real = jnp.arange(positions_bt.shape[1])[None] < valid_b[:, None]
         ends = real & (positions_bt % page_tokens == page_tokens - 1)
@@ -257,18 +260,28 @@ def _draft_body(draft, embed, dpools, rows, *, cfg, kernels, k, page_tokens):
 
 def _verify_body(params, draft, pools, rows, drafts, *, cfg, kernels, taps, k):
     """The target over [t0, d_1 .. d_k] at L .. L + k in one pass (`_round_body`).  Returns (pools,
-    logits [B, k + 1, V], exports, g f32 [B, k + 1, D])."""
+    logits [B, k + 1, V], exports (per KDA layer a `kimik3.caches.KDAState`: state f32
+    [B, k + 1, H, K, V] and conv [B, k + 1, W-1, 3, H*D], the rows after each verified token),
+    g f32 [B, k + 1, D])."""
     lengths, active, slots = rows["lengths"], rows["active"], rows["slots"]
     tokens = jnp.concatenate([rows["t0"][:, None], drafts], axis=1)  # [B, k + 1] at L .. L + k
-    view = model.paged_view(
-        pools, rows["tables"], slots, lengths, export_at=jnp.arange(1, k + 2, dtype=jnp.int32), valid=active * (k + 1)
-    )
+    view = model.paged_view(pools, rows["tables"], slots, lengths)
     positions = lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None]
-    logits, view, vtaps = model.forward_apply(
-        params, tokens, positions, view, None, cfg=verify_config(cfg), expert_path="grouped", kernels=kernels, taps=taps
+    logits, view, exports, vtaps = model.forward_paged(
+        params,
+        tokens,
+        positions,
+        view,
+        None,
+        cfg=verify_config(cfg),
+        expert_path="grouped",
+        kernels=kernels,
+        taps=taps,
+        export_at=jnp.arange(1, k + 2, dtype=jnp.int32),
+        valid_b=active * (k + 1),
     )
     g = eagle.fuse(draft, vtaps).astype(jnp.float32)
-    return model.pools_of(view), logits, view["exports"], g
+    return model.pools_of(view), logits, exports, g
 
 
 def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, page_tokens):
@@ -279,8 +292,8 @@ def _round_body(params, draft, pools, dpools, rows, *, cfg, kernels, taps, k, pa
     "draft_tables": [B, max_pages], "slots": [B], "active": [B] 1 or 0 (padding rows: scratch
     slot, null pages), "temperature": f32 [B], "seed": uint32 [B, 2] (`serving.sampling.seed_words`)}.
     Returns (pools, dpools, logits f32 [B, k + 1, V], drafts int32 [B, k], draft_probs f32
-    [B, k, V], exports (per KDA layer {"state": [B, k + 1, ...], "conv": ...}), g f32 [B, k + 1, D]
-    the verified positions' fused features, keys)."""
+    [B, k, V], exports (per KDA layer a `KDAState` [B, k + 1, ...]: `_verify_body`), g f32
+    [B, k + 1, D] the verified positions' fused features, keys)."""
     dpools, drafts, qs, keys = _draft_body(
         draft, params["embed_vd"], dpools, rows, cfg=cfg, kernels=kernels, k=k, page_tokens=page_tokens
     )
@@ -363,15 +376,16 @@ def advance_rows(rows: dict, out: np.ndarray, k: int) -> dict:
 
 def _commit_body(pools, dpools, exports, g, slots, keep_b, *, cfg):
     """Each KDA layer's state and conv rows of `slots` [B] after their first keep_b [B] (1 .. k + 1)
-    verified tokens (`exports`, from `_round_body`), and g [B, k + 1, D] as the slots' pending
-    features.  Padding rows (keep 1, the scratch slot) write scratch only.  Returns (pools, dpools)."""
+    verified tokens (`exports`: per KDA layer a `kimik3.caches.KDAState` [B, k + 1, ...], from
+    `_round_body`), and g [B, k + 1, D] as the slots' pending features.  Padding rows (keep 1,
+    the scratch slot) write scratch only.  Returns (pools, dpools)."""
     num_slots = pools["kda"]["state"].shape[0] // len(exports)
     b = slots.shape[0]
     kda = dict(pools["kda"])
     for i, e in enumerate(exports):
         rows = slots + i * num_slots
-        for key in ("state", "conv"):
-            kept = e[key][jnp.arange(b), keep_b - 1]
+        for key, exported in (("state", e.state), ("conv", e.conv)):
+            kept = exported[jnp.arange(b), keep_b - 1]
             kda[key] = kda[key].at[rows].set(kept.astype(kda[key].dtype))
     return dict(pools, kda=kda), dict(dpools, pending=dpools["pending"].at[slots].set(g))
 

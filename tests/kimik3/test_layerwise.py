@@ -101,7 +101,7 @@ def test_auto_takes_it_where_it_can_and_pays(deep_cfg, deep_params, tiny_cfg, ti
 
 
 def test_pad_tokens_reach_no_expert(rng, deep_cfg, deep_params, monkeypatch):
-    """A block with `valid` in its cache routes its rows' pad tokens to expert id E (no expert
+    """A block given valid_b routes its rows' pad tokens to expert id E (no expert
     weights read; every expert path gives 0), as the mixer's padded write does; real tokens
     route as before."""
     seen = []
@@ -111,9 +111,9 @@ def test_pad_tokens_reach_no_expert(rng, deep_cfg, deep_params, monkeypatch):
     )
     pools = model.init_paged_cache(deep_cfg, num_pages=8, num_slots=3, page_tokens=16, dtype=jnp.float32)
     toks = _tokens(rng, 2, 8)
-    view = model.paged_view(pools, np.array([[1], [2]], np.int32), [0, 1], [0, 0], valid=[8, 5])
+    view = model.paged_view(pools, np.array([[1], [2]], np.int32), [0, 1], [0, 0])
     positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-    model.forward_apply(
+    model.forward_paged(
         deep_params,
         jnp.asarray(toks),
         jnp.asarray(positions),
@@ -122,6 +122,7 @@ def test_pad_tokens_reach_no_expert(rng, deep_cfg, deep_params, monkeypatch):
         cfg=deep_cfg,
         expert_path="grouped",
         kernels="reference",
+        valid_b=[8, 5],
     )
     e = deep_cfg.n_routed_experts
     moe_layers = sum(deep_cfg.ffn_kind(i) == "moe" for i in range(deep_cfg.n_layers))

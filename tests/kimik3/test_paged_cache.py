@@ -17,6 +17,24 @@ def _tokens(rng, n):
     return rng.integers(0, tokenizer.N_BYTES, size=(1, n)).astype(np.int32)
 
 
+def _exporting(params, cfg, toks, view, kernels, export_at, **kw):
+    """`model.paged_step_jit` over toks [B, T] at the view's next positions: (logits, view after,
+    exports per KDA layer)."""
+    positions = np.asarray(view["lengths"])[:, None] + np.arange(toks.shape[1], dtype=np.int32)[None]
+    return model.paged_step_jit(
+        params,
+        toks,
+        positions,
+        view,
+        None,
+        cfg=cfg,
+        expert_path="grouped",
+        kernels=kernels,
+        export_at=np.asarray(export_at, np.int32),
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_paged_pieces_equal_the_contiguous_cache(rng, tiny_cfg, tiny_params, kernels):
     toks = np.concatenate([_tokens(rng, 70), _tokens(rng, 70)])  # two sequences
@@ -71,36 +89,33 @@ def test_paged_capacity_is_checked(tiny_cfg, tiny_params):
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_one_pass_exports_every_kda_layer_as_a_replay_leaves_it(rng, tiny_cfg, tiny_params, kernels):
-    """`export_at` on a paged view: the pass returns, per KDA layer, the state and conv rows after
+    """`export_at` of a paged pass: the pass returns, per KDA layer, the state and conv rows after
     64 and 128 of its tokens, equal to the slot's entries after a pass over only that prefix
     (states a prefix cache snapshots, without the replay); an entry naming no chunk end is zero."""
     toks = _tokens(rng, 200)
     pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
     table, slot = [list(range(1, 14)) + [0] * 3], [1]
-    _, out = model.forward(
-        tiny_params,
-        tiny_cfg,
-        toks,
-        kernels=kernels,
-        cache=model.paged_view(pools, table, slot, [0], export_at=[64, 128, 100]),
+    _, _, exports = _exporting(
+        tiny_params, tiny_cfg, toks, model.paged_view(pools, table, slot, [0]), kernels, [64, 128, 100]
     )
     kda_layers = [i for i, kind in enumerate(tiny_cfg.mixer_kinds) if kind == "kda"]
-    assert len(out["exports"]) == len(kda_layers)
+    assert len(exports) == len(kda_layers)
+    assert all(isinstance(exported, model.KDAState) for exported in exports)
     for e, n in enumerate((64, 128)):
         _, replay = model.forward(
             tiny_params, tiny_cfg, toks[:, :n], kernels=kernels, cache=model.paged_view(pools, table, slot, [0])
         )
-        for exported, i in zip(out["exports"], kda_layers):
-            for key, rows in exported.items():
+        for exported, i in zip(exports, kda_layers):
+            for key, rows in (("state", exported.state), ("conv", exported.conv)):
                 np.testing.assert_allclose(
                     rows[0, e], model.pool_layers(tiny_cfg, replay)[i][key][1], atol=ATOL, rtol=ATOL
                 )
-    assert all(not np.asarray(rows[0, 2]).any() for exported in out["exports"] for rows in exported.values())
+    assert all(not np.asarray(rows[0, 2]).any() for exported in exports for rows in (exported.state, exported.conv))
 
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_params, kernels):
-    """`valid` on a paged view: rows of 70 and 55 real tokens padded with junk ids to one
+    """valid_b of a paged pass: rows of 70 and 55 real tokens padded with junk ids to one
     96-token call give each row's own unpadded pass: the last real token's logits, the KDA
     state and conv rows, the exports, the latent pages; pad latents land nowhere (pages
     outside the tables stay zero, even where pad positions run past a table)."""
@@ -113,28 +128,31 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
     pools = model.init_paged_cache(tiny_cfg, num_pages=16, num_slots=3, page_tokens=PAGE, dtype=jnp.float32)
     # the jitted core, as the engine calls it: a padded call may run past a row's table
     positions = np.broadcast_to(np.arange(96, dtype=np.int32), (2, 96))
-    got, out = model.forward_step_jit(
+    got, out, exports = model.paged_step_jit(
         tiny_params,
         toks,
         positions,
-        model.paged_view(pools, tables, slots, [0, 0], export_at=[64, -1], valid=valid),
+        model.paged_view(pools, tables, slots, [0, 0]),
         None,
         cfg=tiny_cfg,
         expert_path="grouped",
         kernels=kernels,
         logits_tail=1,
+        export_at=np.asarray([64, -1], np.int32),
+        valid_b=np.asarray(valid, np.int32),
     )
     assert np.asarray(out["lengths"]).tolist() == valid
     used = set()
     for b, n in enumerate(valid):
         pages = tables[b, : -(-n // PAGE)]
         used |= set(pages.tolist())
-        want, alone = model.forward(
+        want, alone, alone_exports = _exporting(
             tiny_params,
             tiny_cfg,
             toks[b : b + 1, :n],
-            kernels=kernels,
-            cache=model.paged_view(pools, tables[b : b + 1], slots[b : b + 1], [0], export_at=[64, -1]),
+            model.paged_view(pools, tables[b : b + 1], slots[b : b + 1], [0]),
+            kernels,
+            [64, -1],
         )
         np.testing.assert_allclose(got[b, -1], want[0, -1], atol=ATOL, rtol=0)
         out_layers, alone_layers = model.pool_layers(tiny_cfg, out), model.pool_layers(tiny_cfg, alone)
@@ -147,9 +165,9 @@ def test_a_padded_call_changes_nothing_but_its_real_tokens(rng, tiny_cfg, tiny_p
                     np.testing.assert_allclose(
                         rows, np.asarray(alone_layers[i][key][pages]).reshape(-1, pool.shape[-1])[:n], atol=ATOL, rtol=0
                     )
-        for padded, single in zip(out["exports"], alone["exports"]):
-            for key in padded:
-                np.testing.assert_allclose(padded[key][b], single[key][0], atol=ATOL, rtol=0)
+        for padded, single in zip(exports, alone_exports):
+            for got_rows, want_rows in ((padded.state, single.state), (padded.conv, single.conv)):
+                np.testing.assert_allclose(got_rows[b], want_rows[0], atol=ATOL, rtol=0)
     for i, kind in enumerate(tiny_cfg.mixer_kinds):
         if kind == "mla":
             pages_i = model.pool_layers(tiny_cfg, out)[i]["pages"]

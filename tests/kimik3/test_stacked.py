@@ -77,8 +77,8 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
     pools = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), pools)  # nonzero rows
     outs = []
     for p in (deep_params, s):
-        view = model.paged_view(pools, tables, slots, [0, 0], export_at=[32, -1], valid=valid)
-        logits, out = model.forward_step(
+        view = model.paged_view(pools, tables, slots, [0, 0])
+        logits, out, exports = model.paged_step(
             p,
             toks,
             positions,
@@ -88,9 +88,11 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
             expert_path="grouped",
             kernels=kernels,
             logits_tail=1,
+            export_at=np.asarray([32, -1], np.int32),
+            valid_b=np.asarray(valid, np.int32),
         )
         view = model.paged_view(model.pools_of(out), tables, slots, out["lengths"])
-        step, after = model.forward_step(
+        step, after, _ = model.paged_step(
             p,
             toks[:, -1:],
             np.asarray(out["lengths"])[:, None],
@@ -101,7 +103,7 @@ def test_paged_scanned_equals_unrolled_with_exports_and_padding(rng, deep_cfg, d
             kernels=kernels,
             logits_tail=1,
         )
-        outs.append((logits, out["exports"], step, model.pools_of(after)))
+        outs.append((logits, exports, step, model.pools_of(after)))
     (want_logits, want_exports, want_step, want_pools), *scanned = outs
     for logits, exports, step, got_pools in scanned:
         assert len(exports) == deep_cfg.mixer_kinds.count("kda")

@@ -63,10 +63,17 @@ def test_an_export_is_packed_as_the_slot_it_equals(rng, tiny_cfg, tiny_params):
     kv = _pools(tiny_cfg)
     toks = rng.integers(0, 256, (1, 128)).astype(np.int32)
     table, slot = [[1, 2, 3, 4, 5, 6, 7, 0]], [1]
-    _, out = model.forward(
-        tiny_params, tiny_cfg, toks, cache=model.paged_view(kv.pools, table, slot, [0], export_at=[64, -1])
+    _, _, exports = model.paged_step_jit(
+        tiny_params,
+        toks,
+        np.arange(128, dtype=np.int32)[None],
+        model.paged_view(kv.pools, table, slot, [0]),
+        None,
+        cfg=tiny_cfg,
+        expert_path="grouped",
+        export_at=np.asarray([64, -1], np.int32),
     )
-    kv.save_export(out["exports"], 0, 3)
+    kv.save_export(exports, 0, 3)
     _, alone = model.forward(tiny_params, tiny_cfg, toks[:, :64], cache=model.paged_view(kv.pools, table, slot, [0]))
     kv.pools = model.pools_of(alone)
     np.testing.assert_allclose(np.asarray(kv.snapshots.data[3]), np.asarray(kv.packed_state(1)), atol=2e-4, rtol=0)
