@@ -3,7 +3,7 @@ Kimi Linear report's speed figures (TPOT at long contexts, prefill, KV cache per
 of two architectures with random weights.
 
 * kl_decode: one decode step (TPOT) of the serving engine's decode program
-  (`serving.model_runner.decode_program`) for B requests of ctx cached tokens; the peer is the
+  (`serving.decode_runner.decode_program`) for B requests of ctx cached tokens; the peer is the
   same step of the all-MLA twin (`kimik3.config.all_mla`).
 * kl_prefill: one prompt of T tokens through the engine's chunked prefill program
   (`ModelRunner.forward`, chunk by chunk on paged pools); the peer is the twin's.
@@ -49,7 +49,8 @@ from benchmarks.serving_bench import margin_check, oracle, weights_read_bytes
 from kimik3 import config, model, ops, quantization, sizing, tokenizer
 from kimik3 import quant_store as store
 from serving import kv_pools
-from serving.model_runner import DecodeRows, ModelRunner, decode_program
+from serving.decode_runner import DecodeRows, decode_program
+from serving.model_runner import ModelRunner
 from serving.sampling import GREEDY
 from sharding import plan
 

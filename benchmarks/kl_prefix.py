@@ -34,7 +34,7 @@ from kimik3 import config
 from serving import metrics
 from serving.engine import Engine
 from serving.engine_config import EngineConfig
-from serving.model_runner import decode_program
+from serving.decode_runner import decode_program
 
 log = logging.getLogger("benchmarks.kl_prefix")
 

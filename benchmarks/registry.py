@@ -396,7 +396,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "serving",
         "serving_bench",
         "decode_step",
-        "The serving engine's decode program (`serving.model_runner.decode_program`) at the bucket of B "
+        "The serving engine's decode program (`serving.decode_runner.decode_program`) at the bucket of B "
         "requests with ctx cached tokens each, back to back on its persistent buffers, against the bytes a "
         "step must read (weights, KV, KDA states).",
         "config B ctx",
@@ -538,7 +538,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "kimi_linear",
         "kl_decode",
         "One decode step (TPOT) of Kimi-Linear against its all-MLA twin (`kimik3.config.all_mla`), both "
-        "through the serving engine's decode program (`serving.model_runner.decode_program`) for B requests "
+        "through the serving engine's decode program (`serving.decode_runner.decode_program`) for B requests "
         "of ctx cached tokens on synthetic paged pools (hash-filled pages and KDA states, shuffled tables); "
         "random weights drawn on the device in the served layout.  `extra`: speedup_vs_twin (twin / ours), "
         "cache bytes per token of context (KV + state over ctx) of both, tokens/s, the twin's fraction of "

@@ -22,7 +22,7 @@ from kimik3 import config, model, quantization, sizing, stacked
 from serving import metrics
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine, EngineConfig
-from serving.model_runner import DecodeRows, DecodeRunner, decode_program
+from serving.decode_runner import DecodeRows, DecodeRunner, decode_program
 from serving.sampling import GREEDY
 
 log = logging.getLogger("benchmarks.serving")

@@ -30,7 +30,7 @@ import numpy as np
 
 from cache.block_pool import NULL_BLOCK
 from kimik3 import tokenizer
-from serving.model_runner import DecodeRows, decode_logprobs
+from serving.decode_runner import DecodeRows, decode_logprobs
 from serving.request import Request
 from serving.sampling import TokenLogprobs, choose_token, logprobs_of
 from serving.scheduler import PrefillChunk, StepOutput, StepPlan

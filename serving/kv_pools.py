@@ -23,6 +23,7 @@ import numpy as np
 
 from kimik3 import model
 from kimik3.config import ModelConfig
+from serving import spec_programs
 
 
 # Bumped whenever a page's or a snapshot's byte layout changes (2: the KDA conv rows as one
@@ -139,7 +140,7 @@ def _write_pages(pages, index, data, *, n_mla):
 
 def bytes_per_page(cfg: ModelConfig, page_tokens: int, dtype, draft: bool = False) -> int:
     """One MLA page: page_tokens latent rows in every MLA layer (with an EAGLE-3 draft, in its
-    layer too, and the fp32 feature of the page's last slot: `serving.spec_decode.init_draft_pools`)."""
+    layer too, and the fp32 feature of the page's last slot: `serving.spec_programs.init_draft_pools`)."""
     layers = cfg.mixer_kinds.count("mla") + int(draft)
     return layers * page_tokens * cfg.mla_latent_dim * jnp.dtype(dtype).itemsize + (4 * cfg.d_model if draft else 0)
 
@@ -253,11 +254,9 @@ class KVPools:
         """commit: place the pools on the default device explicitly (sharded steps compile their
         gather / write-back programs per placement).  device: place them (and the snapshots) on
         this device instead: a DP rank's own (`sharding.rank_pools`).  draft_tokens: k > 0 adds
-        an EAGLE-3 draft's pools (`serving.spec_decode.init_draft_pools`) as `dpools`."""
-        from serving import spec_decode
-
+        an EAGLE-3 draft's pools (`serving.spec_programs.init_draft_pools`) as `dpools`."""
         self.dpools = (
-            spec_decode.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
+            spec_programs.init_draft_pools(cfg, num_pages, num_slots + 1, page_tokens, draft_tokens, dtype)
             if draft_tokens
             else None
         )

@@ -10,7 +10,7 @@ from cache.block_hash import image_items
 from kimik3 import model, tokenizer
 from kimik3.config import ModelConfig
 from serving.engine_config import check_cache_salt
-from serving.model_runner import DecodeRows
+from serving.decode_runner import DecodeRows
 from serving.sampling import SamplingParams
 
 __all__ = ["check_draft_feature", "check_images", "check_max_new_tokens", "check_prompt", "check_sampling"]

@@ -18,7 +18,7 @@ Gumbel-max over the kept tokens.
 OpenAI's presence and frequency penalties (vLLM's definition) come first, on the raw logits, for
 greedy rows too: ``logits - frequency_penalty * count - presence_penalty * (count > 0)``, where
 count is how often the token appears in the request's output so far (the prompt does not count).
-On the device the counts live per KDA slot (`serving.model_runner.DecodeRunner`), updated by each
+On the device the counts live per KDA slot (`serving.decode_runner.DecodeRunner`), updated by each
 step; the host's path (`choose_token`) counts the output it is given.
 
 Logprobs (`token_logprobs`) are the model's own distribution, ``log_softmax(logits)`` before

@@ -266,7 +266,7 @@ def meshes(args, cfg, devices=None):
 def warm_sampling_variants(engine) -> int:
     """Build, before the first request, every program a request's sampling options can need that
     `Engine.warmup(sampled=True)` leaves to first use: the decode program's variant for
-    presence / frequency penalties and logprobs (`serving.model_runner.decode_program_ext`) in
+    presence / frequency penalties and logprobs (`serving.decode_runner.decode_program_ext`) in
     every decode bucket, greedy and sampled, with the write of a slot's penalty counts; and the
     one-row programs that choose a prefilled request's first token (sampled, penalized, both)
     and its logprobs (`serving.sampling.choose_token`, `logprobs_of`).  Without it a client's
@@ -279,7 +279,7 @@ def warm_sampling_variants(engine) -> int:
     # JAX loads on use (the module docstring)
     import jax
 
-    from serving.model_runner import DecodeRows
+    from serving.decode_runner import DecodeRows
 
     runner = engine.runner
     with CompileWatch() as watch:

@@ -12,7 +12,7 @@ from kimik3.generate import generate
 from serving import kv_pools
 from serving.disagg import DisaggregatedServer
 from serving.engine import Engine
-from serving.model_runner import _overwrite
+from serving.decode_runner import _overwrite
 from tests.cache.corrupt import corrupt_entry
 
 PAGE = 16

@@ -352,7 +352,7 @@ def test_acceptance_on_the_device_is_the_reference_rule(rng):
     import jax
 
     from kimik3 import speculative
-    from serving.spec_decode import accept_on_device
+    from serving.spec_programs import accept_on_device
 
     k, v, n = 3, 6, 20000
     logits = rng.normal(size=(64, k + 1, v)).astype(np.float32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving.engine import Engine
-from serving.model_runner import DecodeRows, DecodeRunner
+from serving.decode_runner import DecodeRows, DecodeRunner
 from serving.sampling import GREEDY
 
 PAGE = 16
