@@ -195,24 +195,12 @@ def _features(target, seqs: np.ndarray, batch: int):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs)[:n], *parts)
 
 
-def train_draft(
-    target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eagle.EagleConfig | None = None, draft=None
-) -> tuple[dict, dict]:
-    """Train a draft for the frozen `target_params`.  Returns (the record written to
-    out/eagle_train.json: held-out per-step agreement before and after, losses; the draft)."""
-    ecfg = ecfg or eagle.default_config(cfg, ttt_steps=dc.ttt_steps)
-    ecfg.check(cfg)
-    text = corpora.load(dc.corpus, max_bytes=dc.max_corpus_bytes)
-    params32 = model.cast_params(target_params, jnp.float32)
-    t_data = time.perf_counter()
-    train_seqs = build_data(params32, cfg, text.train, dc, dc.pool, dc.seed)
-    held_seqs = build_data(params32, cfg, text.held_out, dc, dc.eval_batches * dc.batch, dc.seed + 1)
-    data_s = time.perf_counter() - t_data
-    if draft is None:
-        draft = eagle.init_draft(jax.random.PRNGKey(dc.seed), cfg, ecfg, target_params)
+def _draft_programs(params32, cfg: ModelConfig, ecfg: eagle.EagleConfig, dc: DraftTrainConfig, opt):
+    """The jitted (target, step, evaluate): target(seqs [batch, seq_len]) -> the frozen target's
+    (logits, taps) on the device's serving kernels; step(draft, opt_state, seqs, (logits, taps))
+    -> (draft, opt_state, loss, metrics), the draft and its optimizer state donated; and
+    evaluate(draft, seqs, (logits, taps)) -> the metrics of `eagle.ttt_loss`."""
     embed = params32["embed_vd"]
-    opt = optimizer(dc)
-    opt_state = opt.init(draft)
     positions = jnp.broadcast_to(jnp.arange(dc.seq_len)[None], (dc.batch, dc.seq_len))
     target = jax.jit(
         lambda seqs: model.forward_taps_step(
@@ -231,6 +219,58 @@ def train_draft(
 
     step = jax.jit(step, donate_argnums=(0, 1))
     evaluate = jax.jit(lambda d, s, f: loss(d, s, f)[1])
+    return target, step, evaluate
+
+
+def _held_out(evaluate, draft, held_seqs: np.ndarray, held_feats, batch: int) -> dict:
+    """The draft's held-out metrics, each draft position's "acc" (top-1 agreement with the target)
+    and "ce", averaged over the held-out batches."""
+    ms = [
+        evaluate(draft, jnp.asarray(held_seqs[i : i + batch]), jax.tree.map(lambda a: a[i : i + batch], held_feats))
+        for i in range(0, len(held_seqs), batch)
+    ]
+    return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ("acc", "ce")}
+
+
+def _train_steps(step, draft, opt_state, train_seqs: np.ndarray, feats_of, dc: DraftTrainConfig, cfg: ModelConfig):
+    """`dc.steps` steps on batches of `train_seqs` (shuffled every epoch), feats_of(indices) giving
+    their target features.  Returns (the draft, the loss and agreement of every 10th step and the
+    last, the loop's seconds)."""
+    it = iter(
+        grain.MapDataset.source(np.arange(len(train_seqs)))
+        .shuffle(seed=dc.seed)
+        .repeat(None)
+        .batch(dc.batch, drop_remainder=True)
+        .to_iter_dataset()
+    )
+    history = []
+    t0 = time.perf_counter()
+    for i in tqdm(range(1, dc.steps + 1), desc=f"train-eagle {cfg.name}", disable=not dc.progress, unit="step"):
+        idx = np.asarray(next(it))
+        draft, opt_state, value, metrics = step(draft, opt_state, jnp.asarray(train_seqs[idx]), feats_of(idx))
+        if i % 10 == 0 or i == dc.steps:
+            history.append(dict(step=i, loss=float(value), acc=np.asarray(metrics["acc"]).tolist()))
+    return draft, history, time.perf_counter() - t0
+
+
+def train_draft(
+    target_params, cfg: ModelConfig, dc: DraftTrainConfig, ecfg: eagle.EagleConfig | None = None, draft=None
+) -> tuple[dict, dict]:
+    """Train a draft for the frozen `target_params`.  Returns (the record written to
+    out/eagle_train.json: held-out per-step agreement before and after, losses; the draft)."""
+    ecfg = ecfg or eagle.default_config(cfg, ttt_steps=dc.ttt_steps)
+    ecfg.check(cfg)
+    text = corpora.load(dc.corpus, max_bytes=dc.max_corpus_bytes)
+    params32 = model.cast_params(target_params, jnp.float32)
+    t_data = time.perf_counter()
+    train_seqs = build_data(params32, cfg, text.train, dc, dc.pool, dc.seed)
+    held_seqs = build_data(params32, cfg, text.held_out, dc, dc.eval_batches * dc.batch, dc.seed + 1)
+    data_s = time.perf_counter() - t_data
+    if draft is None:
+        draft = eagle.init_draft(jax.random.PRNGKey(dc.seed), cfg, ecfg, target_params)
+    opt = optimizer(dc)
+    opt_state = opt.init(draft)
+    target, step, evaluate = _draft_programs(params32, cfg, ecfg, dc, opt)
     # The frozen target's logits and taps depend only on the sequence: with the pool fixed, they
     # are computed once per sequence (on the device) unless they would not fit in
     # FEATURE_CACHE_BYTES, in which case every step recomputes its batch's.
@@ -246,32 +286,9 @@ def train_draft(
             return target(jnp.asarray(train_seqs[idx]))
         return jax.tree.map(lambda a: a[jnp.asarray(idx)], pool_feats)
 
-    def held_out(d) -> dict:
-        ms = [
-            evaluate(
-                d, jnp.asarray(held_seqs[i : i + dc.batch]), jax.tree.map(lambda a: a[i : i + dc.batch], held_feats)
-            )
-            for i in range(0, len(held_seqs), dc.batch)
-        ]
-        return {k: np.mean([np.asarray(m[k]) for m in ms], axis=0).tolist() for k in ("acc", "ce")}
-
-    before = held_out(draft)
-    it = iter(
-        grain.MapDataset.source(np.arange(len(train_seqs)))
-        .shuffle(seed=dc.seed)
-        .repeat(None)
-        .batch(dc.batch, drop_remainder=True)
-        .to_iter_dataset()
-    )
-    history = []
-    t0 = time.perf_counter()
-    for i in tqdm(range(1, dc.steps + 1), desc=f"train-eagle {cfg.name}", disable=not dc.progress, unit="step"):
-        idx = np.asarray(next(it))
-        draft, opt_state, value, metrics = step(draft, opt_state, jnp.asarray(train_seqs[idx]), batch_feats(idx))
-        if i % 10 == 0 or i == dc.steps:
-            history.append(dict(step=i, loss=float(value), acc=np.asarray(metrics["acc"]).tolist()))
-    seconds = time.perf_counter() - t0
-    after = held_out(draft)
+    before = _held_out(evaluate, draft, held_seqs, held_feats, dc.batch)
+    draft, history, seconds = _train_steps(step, draft, opt_state, train_seqs, batch_feats, dc, cfg)
+    after = _held_out(evaluate, draft, held_seqs, held_feats, dc.batch)
     result = dict(
         target=cfg.name,
         eagle=dataclasses.asdict(ecfg),

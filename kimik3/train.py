@@ -364,30 +364,26 @@ def compile_programs(tc: TrainConfig, cfg, abstract_params, held_shape: tuple[in
     return Programs(step_c, eval_c, memory)
 
 
-def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.perf_counter) -> tuple[dict, dict]:
-    """Train `tc.config` (from `params`, else a fresh init with `tc.seed`); writes the checkpoint
-    (`out/checkpoint`), `out/train.json` and `out/loss.png`.  Returns (train.json's contents:
-    held-out loss and perplexity at each evaluation, the step losses, tokens and seconds; the
-    trained params).
-
-    Raises DoesNotFit before any step (and before writing anything) where the corpus or the
-    memory does not hold the run, and ValueError where `out` holds an earlier run's checkpoints.  clock: monotonic seconds; `max_seconds` and the reported
-    times read it (`time.perf_counter`; tests pass their own)."""
-    start = clock()
-    cfg = configs.get_config(tc.config)
+def _refuse_earlier_run(tc: TrainConfig) -> str:
+    """The path of the run's final checkpoint (`out/checkpoint`); ValueError where `out` already
+    holds it or an intermediate `out/step_*` one (an earlier run's)."""
     ckpt = os.path.join(tc.out, "checkpoint")
     earlier = [p for p in (ckpt, *glob.glob(os.path.join(tc.out, "step_*"))) if os.path.exists(p)]
     if earlier:  # orbax writes no checkpoint over another: refuse now, not after the last step
         raise ValueError(f"{earlier[0]} exists (an earlier run's): pass another --out or remove it")
-    text = corpora.load(tc.corpus, held_out_fraction=tc.held_out_fraction, max_bytes=tc.max_corpus_bytes)
-    check_train_windows(text.train, tc, text.name)
-    held = held_out_windows(text.held_out, tc, text.name)
+    return ckpt
+
+
+def _fitting_programs(tc: TrainConfig, cfg, params, held: np.ndarray) -> tuple[Programs, int | None]:
+    """Compile the step and the evaluation for `params` (None: `cfg`'s float32 init) and the
+    held-out windows `held`, checking the run fits the memory budget: its floor before compiling,
+    then XLA's figures (DoesNotFit otherwise).  Returns (the programs, the budget in bytes, None
+    where it is unknown)."""
     abstract = model.abstract_params(cfg, "float32") if params is None else params
     budget, source = memory_budget(tc)
-    opt = optimizer(tc)
     floor = TrainMemory(
         params=sizing.tree_bytes(abstract),
-        optimizer_state=sizing.tree_bytes(jax.eval_shape(opt.init, abstract)),
+        optimizer_state=sizing.tree_bytes(jax.eval_shape(optimizer(tc).init, abstract)),
         held_out=held.nbytes,
     )
     check_memory(floor, tc, budget, source, cfg.name)  # before compiling: a config far too large
@@ -404,83 +400,144 @@ def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.per
         mem.total / GiB,
         "none" if budget is None else f"{budget / GiB:.2f} GiB",
     )
+    return programs, budget
 
-    os.makedirs(tc.out, exist_ok=True)
-    if params is None:
-        params = model.init_params(cfg, jax.random.PRNGKey(tc.seed), "float32")
-    opt_state = opt.init(params)
-    held = jnp.asarray(held)
-    deadline = None if tc.max_seconds is None else start + tc.max_seconds
-    history, evals = [], []
 
-    def record_eval(at: int):
-        loss = float(programs.evaluate(params, held))
-        evals.append(dict(step=at, held_out_loss=loss, held_out_ppl=math.exp(loss)))
-        log.info("step %d: held-out loss %.4f (perplexity %.2f per byte)", at, loss, math.exp(loss))
+@dataclasses.dataclass(eq=False)
+class _Loop:
+    """The training loop's state: the params and optimizer state, the recorded step losses
+    (`history`) and evaluations (`evals`), the steps done, and the run's clock.
 
-    # The clock is read once between phases: each phase's time is the difference (`lap`), and what
-    # the limit reserves for the next step, evaluation and checkpoint is what the last one took.
-    now = start
+    The clock is read once between phases: each phase's time is the difference (`lap`), and what
+    the time limit reserves for the next step, evaluation and checkpoint is what the last one took."""
 
-    def lap() -> float:
-        nonlocal now
-        t = clock()
-        t, now = t - now, t
+    tc: TrainConfig
+    cfg: configs.ModelConfig
+    programs: Programs
+    params: dict
+    opt_state: optax.OptState
+    held: jax.Array
+    clock: Callable[[], float]
+    start: float
+    now: float = dataclasses.field(init=False)
+    history: list[dict] = dataclasses.field(default_factory=list)
+    evals: list[dict] = dataclasses.field(default_factory=list)
+    done: int = 0
+    loss: jax.Array | None = None
+    gnorm: jax.Array | None = None
+    step_s: float = 0.0
+    eval_s: float = 0.0
+    save_s: float = 0.0
+
+    def __post_init__(self):
+        self.now = self.start
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.tc.max_seconds is None else self.start + self.tc.max_seconds
+
+    def lap(self) -> float:
+        """Seconds since the previous read of the clock (the run's start for the first)."""
+        t = self.clock()
+        t, self.now = t - self.now, t
         return t
 
-    setup_s = lap()  # corpus, compiles, init
-    record_eval(0)
-    eval_s = lap()
-    # until timed: a save at ~100 MB/s, a step as a forward and a backward pass (~3 forwards) of each
-    # micro-batch, at the first evaluation's rate
-    save_s = 1.0 + mem.params / 1e8
-    rows, width = held.shape[:2]
-    step_s = 3 * tc.grad_accum * eval_s / rows * (tc.batch // tc.grad_accum) / width
-    it = iter(batches(text.train, tc.batch, tc.seq_len, seed=tc.seed).to_iter_dataset())
-    bar = tqdm(range(1, tc.steps + 1), desc=f"train {cfg.name}", disable=not tc.progress, unit="step")
-    done, loss, gnorm = 0, None, None
-    for i in bar:
-        eval_due = i % tc.eval_every == 0 or i == tc.steps
-        save_due = bool(tc.checkpoint_every) and i % tc.checkpoint_every == 0 and i != tc.steps
-        if deadline is not None:
-            # this step, what falls due after it, and the final evaluation and checkpoint
-            need = step_s + (eval_due and i != tc.steps) * eval_s + save_due * save_s + eval_s + save_s
-            if now + need > deadline:
-                log.warning(
-                    "train: stopping after step %d of %d: %.1f s more (the next step, then the final evaluation "
-                    "and checkpoint, timed by the last of each) would end past max_seconds %.0f",
-                    done,
-                    tc.steps,
-                    need,
-                    tc.max_seconds,
-                )
+    def record_eval(self, at: int) -> None:
+        loss = float(self.programs.evaluate(self.params, self.held))
+        self.evals.append(dict(step=at, held_out_loss=loss, held_out_ppl=math.exp(loss)))
+        log.info("step %d: held-out loss %.4f (perplexity %.2f per byte)", at, loss, math.exp(loss))
+
+    def _out_of_time(self, i: int, eval_due: bool, save_due: bool) -> bool:
+        """Whether step `i`, what falls due after it, and the final evaluation and checkpoint would
+        end past the deadline (logged as a warning where they would)."""
+        if self.deadline is None:
+            return False
+        need = (
+            self.step_s
+            + (eval_due and i != self.tc.steps) * self.eval_s
+            + save_due * self.save_s
+            + self.eval_s
+            + self.save_s
+        )
+        if self.now + need <= self.deadline:
+            return False
+        log.warning(
+            "train: stopping after step %d of %d: %.1f s more (the next step, then the final evaluation "
+            "and checkpoint, timed by the last of each) would end past max_seconds %.0f",
+            self.done,
+            self.tc.steps,
+            need,
+            self.tc.max_seconds,
+        )
+        return True
+
+    def _step(self, i: int, window: np.ndarray, bar) -> None:
+        """Run step `i` on `window`, recording its loss every 10th step and the last, and time it."""
+        self.params, self.opt_state, self.loss, self.gnorm = self.programs.step(
+            self.params, self.opt_state, jnp.asarray(window)
+        )
+        self.done = i
+        if self.deadline is not None:  # a dispatched step is not a finished one: wait for it, to time it
+            jax.block_until_ready(self.loss)
+        logged = i % 10 == 0 or i == self.tc.steps  # reading the loss waits for the step: not every step
+        if logged:
+            self.history.append(dict(step=i, loss=float(self.loss), grad_norm=float(self.gnorm)))
+        self.step_s = self.lap()
+        if logged:
+            self.history[-1]["elapsed_s"] = round(self.now - self.start, 3)
+            bar.set_postfix(loss=f"{self.history[-1]['loss']:.3f}")
+
+    def run(self, train_tokens: np.ndarray) -> None:
+        """The held-out loss at step 0, then the steps on batches of `train_tokens` with their
+        evaluations and intermediate checkpoints, until `tc.steps` or the deadline."""
+        tc = self.tc
+        self.record_eval(0)
+        self.eval_s = self.lap()
+        # until timed: a save at ~100 MB/s, a step as a forward and a backward pass (~3 forwards) of each
+        # micro-batch, at the first evaluation's rate
+        self.save_s = 1.0 + self.programs.memory.params / 1e8
+        rows, width = self.held.shape[:2]
+        self.step_s = 3 * tc.grad_accum * self.eval_s / rows * (tc.batch // tc.grad_accum) / width
+        it = iter(batches(train_tokens, tc.batch, tc.seq_len, seed=tc.seed).to_iter_dataset())
+        bar = tqdm(range(1, tc.steps + 1), desc=f"train {self.cfg.name}", disable=not tc.progress, unit="step")
+        for i in bar:
+            eval_due = i % tc.eval_every == 0 or i == tc.steps
+            save_due = bool(tc.checkpoint_every) and i % tc.checkpoint_every == 0 and i != tc.steps
+            if self._out_of_time(i, eval_due, save_due):
                 break
-        params, opt_state, loss, gnorm = programs.step(params, opt_state, jnp.asarray(next(it)))
-        done = i
-        if deadline is not None:  # a dispatched step is not a finished one: wait for it, to time it
-            jax.block_until_ready(loss)
-        logged = i % 10 == 0 or i == tc.steps  # reading the loss waits for the step: not every step
-        if logged:
-            history.append(dict(step=i, loss=float(loss), grad_norm=float(gnorm)))
-        step_s = lap()
-        if logged:
-            history[-1]["elapsed_s"] = round(now - start, 3)
-            bar.set_postfix(loss=f"{history[-1]['loss']:.3f}")
-        if eval_due:
-            record_eval(i)
-            eval_s = lap()
-        if save_due:
-            checkpoint.save(os.path.join(tc.out, f"step_{i}"), params, cfg)
-            save_s = lap()
-    bar.close()
-    if done and (not history or history[-1]["step"] != done):
-        history.append(dict(step=done, loss=float(loss), grad_norm=float(gnorm), elapsed_s=round(now - start, 3)))
-    if evals[-1]["step"] != done:
-        record_eval(done)
-        lap()
-    checkpoint.save(ckpt, params, cfg)
-    lap()
-    seconds = now - start
+            self._step(i, next(it), bar)
+            if eval_due:
+                self.record_eval(i)
+                self.eval_s = self.lap()
+            if save_due:
+                checkpoint.save(os.path.join(tc.out, f"step_{i}"), self.params, self.cfg)
+                self.save_s = self.lap()
+        bar.close()
+
+    def finish(self, ckpt: str) -> None:
+        """Record the last step's loss and held-out loss where not yet recorded, and save the
+        final checkpoint to `ckpt`."""
+        done = self.done
+        if done and (not self.history or self.history[-1]["step"] != done):
+            self.history.append(
+                dict(
+                    step=done,
+                    loss=float(self.loss),
+                    grad_norm=float(self.gnorm),
+                    elapsed_s=round(self.now - self.start, 3),
+                )
+            )
+        if self.evals[-1]["step"] != done:
+            self.record_eval(done)
+            self.lap()
+        checkpoint.save(ckpt, self.params, self.cfg)
+        self.lap()
+
+
+def _report(loop: _Loop, text, setup_s: float, budget: int | None, ckpt: str) -> dict:
+    """train.json's contents, written with loss.png under `out`, and the run's summary logged."""
+    tc, cfg, evals, history, done = loop.tc, loop.cfg, loop.evals, loop.history, loop.done
+    seconds = loop.now - loop.start
     result = dict(
         config=cfg.name,
         corpus=text.describe(),
@@ -490,7 +547,7 @@ def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.per
         tokens=done * tc.batch * tc.seq_len,
         seconds=seconds,
         setup_seconds=setup_s,
-        memory_estimate_bytes=mem.total,
+        memory_estimate_bytes=loop.programs.memory.total,
         memory_budget_bytes=budget,
         checkpoint=ckpt,
         held_out_loss=evals[-1]["held_out_loss"],
@@ -512,4 +569,32 @@ def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.per
         evals[0]["held_out_loss"],
         evals[-1]["held_out_loss"],
     )
-    return result, params
+    return result
+
+
+def train(tc: TrainConfig, params=None, *, clock: Callable[[], float] = time.perf_counter) -> tuple[dict, dict]:
+    """Train `tc.config` (from `params`, else a fresh init with `tc.seed`); writes the checkpoint
+    (`out/checkpoint`), `out/train.json` and `out/loss.png`.  Returns (train.json's contents:
+    held-out loss and perplexity at each evaluation, the step losses, tokens and seconds; the
+    trained params).
+
+    Raises DoesNotFit before any step (and before writing anything) where the corpus or the
+    memory does not hold the run, and ValueError where `out` holds an earlier run's checkpoints.  clock: monotonic seconds; `max_seconds` and the reported
+    times read it (`time.perf_counter`; tests pass their own)."""
+    start = clock()
+    cfg = configs.get_config(tc.config)
+    ckpt = _refuse_earlier_run(tc)
+    text = corpora.load(tc.corpus, held_out_fraction=tc.held_out_fraction, max_bytes=tc.max_corpus_bytes)
+    check_train_windows(text.train, tc, text.name)
+    held = held_out_windows(text.held_out, tc, text.name)
+    programs, budget = _fitting_programs(tc, cfg, params, held)
+
+    os.makedirs(tc.out, exist_ok=True)
+    if params is None:
+        params = model.init_params(cfg, jax.random.PRNGKey(tc.seed), "float32")
+    opt_state = optimizer(tc).init(params)
+    loop = _Loop(tc, cfg, programs, params, opt_state, jnp.asarray(held), clock, start)
+    setup_s = loop.lap()  # corpus, compiles, init
+    loop.run(text.train)
+    loop.finish(ckpt)
+    return _report(loop, text, setup_s, budget, ckpt), loop.params
