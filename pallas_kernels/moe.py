@@ -348,6 +348,86 @@ def grouped_matmul(lhs_mk, rhs_gkn, group_sizes_g, *, block_m=None, interpret=No
     )
 
 
+def _ffn_weight_kinds(impl: str, w_gateup_elf, w_out_efl) -> tuple[bool, bool]:
+    """(hopper, hopper_mx) for `grouped_ffn`: whether impl is "hopper", and whether both weights
+    are `moe_mxfp4_hopper.HopperMXFP4` (allowed only together and only on impl="hopper")."""
+    if impl not in ("triton", "hopper"):
+        raise ValueError(f"grouped_ffn: impl must be 'triton' or 'hopper'; got {impl!r}")
+    hopper = impl == "hopper"
+    mx_hopper = [isinstance(w, moe_mxfp4_hopper.HopperMXFP4) for w in (w_gateup_elf, w_out_efl)]
+    if any(mx_hopper) and not (all(mx_hopper) and hopper):
+        raise ValueError(
+            "grouped_ffn: Hopper-layout MXFP4 experts (`moe_mxfp4_hopper.HopperMXFP4`) run on "
+            "impl='hopper', gate/up and down both in that layout"
+        )
+    return hopper, all(mx_hopper)
+
+
+def _check_ffn_weights(x_nl, w_gateup_elf, w_out_efl, hopper: bool, hopper_mx: bool) -> None:
+    """`grouped_ffn`'s weight checks: w_gateup [E, L, 2F] and w_out [E, F, L] agree, and each
+    suits its kernel (the Triton GEMM's `_check_gmm`, or 16-bit weights at `moe_hopper.fits`
+    dims on Hopper; `moe_mxfp4_hopper.gmm_padded` checks its own weights)."""
+    e, l, f2 = w_gateup_elf.shape
+    if hopper and not hopper_mx:
+        if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
+            raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
+        if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
+            raise ValueError(
+                f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 (`moe_hopper.fits`)"
+            )
+    elif not hopper:
+        _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
+    if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
+        raise ValueError(
+            f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up {w_gateup_elf.shape}"
+        )
+    if not hopper:
+        _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
+
+
+def _ffn_layout(ids_nk, layout, n: int, k: int, e: int, block_m: int):
+    """(dest int32 [N * k], tile_group int32 [>= n_tiles], n_tiles): each assignment's row in the
+    group-aligned layout, built from ids_nk [N, k] (`assignment_layout`) or taken from a
+    precomputed `layout` (dest [N, k], tile_group), whose tile count is checked."""
+    if layout is None:
+        return assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
+    dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], layout_tiles(n * k, e, block_m)
+    if tile_group.shape[0] < n_tiles:
+        raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
+    return dest, tile_group, n_tiles
+
+
+def _triton_ffn(
+    x_nl, scattered, dest, tile_group, n_tiles, w_gateup_elf, w_out_efl, *, n, k, block_m, interpret, tiling, act
+):
+    """Both GEMMs of `grouped_ffn` on the Triton kernels: the layout's output rows [R, L].
+
+    scattered() gives x's rows [n_tiles * block_m, L] in the layout; for a decode step's few
+    assignments (`_gathers`) the gate/up kernel reads x_nl [N, L] where it lies instead.  Dense
+    weights without a given tiling get `few_rows_tiling` (MXFP4 weights pick `mx_tiling`)."""
+    l, f = w_gateup_elf.shape[1], w_gateup_elf.shape[2] // 2
+    dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
+    t_gu = tiling[0] or (few_rows_tiling(n * k, l, f, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
+    t_down = tiling[1] or (few_rows_tiling(n * k, f, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
+    if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
+        h = _gmm_padded(
+            tile_group,
+            x_nl,
+            w_gateup_elf,
+            block_m,
+            interpret,
+            t_gu,
+            act=act,
+            gather=(dest, k, n_tiles),
+            assignments=n * k,
+        )
+    else:
+        h = _gmm_padded(
+            tile_group, scattered(), w_gateup_elf, block_m, interpret, t_gu, act=act, assignments=n * k
+        )  # [.., F]
+    return _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
+
+
 @functools.partial(jax.jit, static_argnames=("act", "block_m", "interpret", "tiling", "gather", "impl"))
 def grouped_ffn(
     x_nl,
@@ -392,41 +472,14 @@ def grouped_ffn(
     kernel for each GEMM (`moe_mxfp4_hopper.gmm_padded`, its default tiling, at the Triton
     kernels' `layout_block_m` rows a tile), the activation between them as XLA ops on the gate /
     up outputs rounded to x's dtype (the Triton epilogue's numbers)."""
-    if impl not in ("triton", "hopper"):
-        raise ValueError(f"grouped_ffn: impl must be 'triton' or 'hopper'; got {impl!r}")
-    hopper = impl == "hopper"
-    mx_hopper = [isinstance(w, moe_mxfp4_hopper.HopperMXFP4) for w in (w_gateup_elf, w_out_efl)]
-    if any(mx_hopper) and not (all(mx_hopper) and hopper):
-        raise ValueError(
-            "grouped_ffn: Hopper-layout MXFP4 experts (`moe_mxfp4_hopper.HopperMXFP4`) run on "
-            "impl='hopper', gate/up and down both in that layout"
-        )
+    hopper, hopper_mx = _ffn_weight_kinds(impl, w_gateup_elf, w_out_efl)
     n, k = (ids_nk if layout is None else layout[0]).shape
     e, l, f2 = w_gateup_elf.shape
-    hopper_mx = all(mx_hopper)  # (then `moe_mxfp4_hopper.gmm_padded` checks the weights and the rows)
-    if hopper and not hopper_mx:
-        if isinstance(w_gateup_elf, mxfp4.PackedMXFP4) or isinstance(w_out_efl, mxfp4.PackedMXFP4):
-            raise ValueError("grouped_ffn (Hopper) takes 16-bit weights; MXFP4 experts run on impl='triton'")
-        if not (moe_hopper.fits(l, f2, act=True) and moe_hopper.fits(f2 // 2, l, act=False)):
-            raise ValueError(
-                f"grouped_ffn (Hopper): L={l} and F={f2 // 2} must be multiples of 128 (`moe_hopper.fits`)"
-            )
-    elif not hopper:
-        _check_gmm("grouped_ffn gate/up", x_nl.shape[1], x_nl.dtype, w_gateup_elf)
-    if w_out_efl.shape != (e, f2 // 2, l) or f2 % 2:
-        raise ValueError(
-            f"grouped_ffn: w_out {w_out_efl.shape} must be [E={e}, F={f2 // 2}, L={l}] for gate/up {w_gateup_elf.shape}"
-        )
-    if not hopper:
-        _check_gmm("grouped_ffn down", f2 // 2, x_nl.dtype, w_out_efl)
+    # (with hopper_mx, `moe_mxfp4_hopper.gmm_padded` checks the weights and the rows)
+    _check_ffn_weights(x_nl, w_gateup_elf, w_out_efl, hopper, hopper_mx)
     block_m = block_m or (128 if hopper and not hopper_mx else layout_block_m(n * k))
     interpret = _interpret(interpret)
-    if layout is None:
-        dest, tile_group, n_tiles = assignment_layout(ids_nk.reshape(-1).astype(jnp.int32), e, block_m)
-    else:
-        dest, tile_group, n_tiles = layout[0].reshape(-1), layout[1], layout_tiles(n * k, e, block_m)
-        if tile_group.shape[0] < n_tiles:
-            raise ValueError(f"grouped_ffn: layout's tile_group has {tile_group.shape[0]} tiles, the layout {n_tiles}")
+    dest, tile_group, n_tiles = _ffn_layout(ids_nk, layout, n, k, e, block_m)
 
     def scattered():  # x's rows in the layout: assignment a is row a // k
         return jnp.take(x_nl, layout_sources(dest, n_tiles * block_m) // k, axis=0, mode="fill", fill_value=0)
@@ -445,26 +498,21 @@ def grouped_ffn(
         )
         y = moe_hopper.gmm_padded(tile_group, h, w_out_efl, block_m, tiling=t_down, interpret=interpret)
     else:
-        dense = lambda w: not isinstance(w, mxfp4.PackedMXFP4)  # MXFP4 weights: `mx_tiling`
-        t_gu = tiling[0] or (few_rows_tiling(n * k, l, f2 // 2, x_nl.dtype, act=True) if dense(w_gateup_elf) else None)
-        t_down = tiling[1] or (few_rows_tiling(n * k, f2 // 2, l, x_nl.dtype, act=False) if dense(w_out_efl) else None)
-        if _gathers(n * k):  # a decode step's few assignments: the kernel reads x's rows where they are
-            h = _gmm_padded(
-                tile_group,
-                x_nl,
-                w_gateup_elf,
-                block_m,
-                interpret,
-                t_gu,
-                act=act,
-                gather=(dest, k, n_tiles),
-                assignments=n * k,
-            )
-        else:
-            h = _gmm_padded(
-                tile_group, scattered(), w_gateup_elf, block_m, interpret, t_gu, act=act, assignments=n * k
-            )  # [.., F]
-        y = _gmm_padded(tile_group, h, w_out_efl, block_m, interpret, t_down, assignments=n * k)
+        y = _triton_ffn(
+            x_nl,
+            scattered,
+            dest,
+            tile_group,
+            n_tiles,
+            w_gateup_elf,
+            w_out_efl,
+            n=n,
+            k=k,
+            block_m=block_m,
+            interpret=interpret,
+            tiling=tiling,
+            act=act,
+        )
     if not gather:
         return y, dest.reshape(n, k)
     return jnp.take(y, dest, axis=0, mode="fill", fill_value=0).reshape(n, k, l)

@@ -404,6 +404,80 @@ def _plan_layout(seq_lens, checkpoint_positions):
     return chunk_start, ckpt_slot, slot
 
 
+def _sequence_lists(t, b, cu_seqlens, checkpoint_positions):
+    """Each sequence's length and checkpoint positions: B rows of T tokens sharing one position
+    list without `cu_seqlens`; with it (B == 1, concrete int [N + 1] cumulative lengths) N packed
+    sequences, one list each.  Returns (seq_lens [N] ints, per-sequence position lists)."""
+    if cu_seqlens is None:
+        return [t] * b, [list(checkpoint_positions or [])] * b
+    if b != 1:
+        raise ValueError(f"with cu_seqlens the batch dim must be 1 (sequences packed in T); got B={b}")
+    cu = _np.asarray(cu_seqlens).astype(_np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or _np.any(_np.diff(cu) <= 0):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
+    seq_lens = _np.diff(cu).tolist()
+    if checkpoint_positions is None:
+        return seq_lens, [[] for _ in seq_lens]
+    per_seq_positions = [list(p) for p in checkpoint_positions]
+    if len(per_seq_positions) != len(seq_lens):
+        raise ValueError(
+            f"with cu_seqlens give one list of checkpoint positions per sequence "
+            f"({len(seq_lens)}); got {len(per_seq_positions)}"
+        )
+    return seq_lens, per_seq_positions
+
+
+def _checked_initial_state(initial_state, n_seq, h, dk, dv):
+    """initial_state float32 [N, H, K, V] as given (checked), or zeros of that shape for None."""
+    if initial_state is None:
+        return jnp.zeros((n_seq, h, dk, dv), jnp.float32)
+    if initial_state.shape != (n_seq, h, dk, dv) or initial_state.dtype != jnp.float32:
+        raise ValueError(
+            f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
+            f"got {initial_state.dtype} {tuple(initial_state.shape)}"
+        )
+    return initial_state
+
+
+def _traced_checkpoint_slots(export_at, t, b, chunk_start, ckpt_slot):
+    """The checkpoint plan for traced positions export_at int32 [E] (every row's, no packing):
+    returns (export_valid bool [E], ckpt_slot int32 [n_chunks] with row r's e-th export at slot
+    r * E + e, and -1 elsewhere, n_ckpt = B * E).  Invalid positions (`export_mask`) name no
+    chunk, so their slots stay unwritten and the caller zeros them."""
+    e = export_at.shape[0]
+    export_valid = export_mask(export_at, t, CHUNK)
+    chunk_of = jnp.asarray(chunk_start[:-1])[:, None] + export_at[None, :] // CHUNK - 1  # [B, E]
+    chunk_of = jnp.where(export_valid[None, :], chunk_of, ckpt_slot.shape[0])  # invalid: dropped
+    ckpt_slot = jnp.asarray(ckpt_slot).at[chunk_of].set(jnp.arange(b * e, dtype=jnp.int32).reshape(b, e), mode="drop")
+    return export_valid, ckpt_slot, b * e
+
+
+def _chunk_layout_maps(b, t, h, dv, seq_lens, chunk_start, packed):
+    """(flat, unflat): flat maps a [B, T, ...] input to [1, padded_len, ...] with every sequence
+    starting on a chunk boundary and zeros in its tail (zero k/v/g/beta leave the state
+    unchanged); unflat maps the kernel's [1, padded_len, H, V] output back to [B, T, H, V].
+    Unpacked rows already whole chunks long need only a reshape."""
+    if not packed and t % CHUNK == 0:
+        flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
+        unflat = lambda o: o.reshape(b, t, h, dv)
+        return flat, unflat
+    padded_len = int(chunk_start[-1]) * CHUNK
+    starts = _np.concatenate([[0], _np.cumsum(seq_lens)])
+    src = _np.full(padded_len, -1, _np.int64)
+    for i, n in enumerate(seq_lens):
+        src[chunk_start[i] * CHUNK : chunk_start[i] * CHUNK + n] = starts[i] + _np.arange(n)
+    valid = jnp.asarray(src >= 0)
+    gather_idx = jnp.asarray(_np.maximum(src, 0))
+    dst = jnp.asarray(_np.flatnonzero(src >= 0))
+
+    def flat(x):
+        x = x.reshape((b * t,) + x.shape[2:])[gather_idx]
+        return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)[None]
+
+    unflat = lambda o: o[0][dst].reshape(b, t, h, dv)
+    return flat, unflat
+
+
 def chunk_kda(
     q,
     k,
@@ -456,68 +530,18 @@ def chunk_kda(
     dv = v.shape[-1]
     if not (_is_pow2(dk) and _is_pow2(dv) and dk >= 16 and dv >= 16):
         raise ValueError(f"head dims must be powers of two >= 16; got K={dk}, V={dv}")
-    if cu_seqlens is None:
-        seq_lens = [t] * b
-        per_seq_positions = [list(checkpoint_positions or [])] * b
-    else:
-        if b != 1:
-            raise ValueError(f"with cu_seqlens the batch dim must be 1 (sequences packed in T); got B={b}")
-        cu = _np.asarray(cu_seqlens).astype(_np.int64)
-        if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or cu[-1] != t or _np.any(_np.diff(cu) <= 0):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t}; got {cu.tolist()}")
-        seq_lens = _np.diff(cu).tolist()
-        if checkpoint_positions is None:
-            per_seq_positions = [[] for _ in seq_lens]
-        else:
-            per_seq_positions = [list(p) for p in checkpoint_positions]
-            if len(per_seq_positions) != len(seq_lens):
-                raise ValueError(
-                    f"with cu_seqlens give one list of checkpoint positions per sequence "
-                    f"({len(seq_lens)}); got {len(per_seq_positions)}"
-                )
+    seq_lens, per_seq_positions = _sequence_lists(t, b, cu_seqlens, checkpoint_positions)
     n_seq = len(seq_lens)
-    if initial_state is None:
-        initial_state = jnp.zeros((n_seq, h, dk, dv), jnp.float32)
-    elif initial_state.shape != (n_seq, h, dk, dv) or initial_state.dtype != jnp.float32:
-        raise ValueError(
-            f"initial_state must be float32 [{n_seq}, {h}, {dk}, {dv}]; "
-            f"got {initial_state.dtype} {tuple(initial_state.shape)}"
-        )
+    initial_state = _checked_initial_state(initial_state, n_seq, h, dk, dv)
     chunk_start, ckpt_slot, n_ckpt = _plan_layout(seq_lens, per_seq_positions)
     if export_at is not None:
         if cu_seqlens is not None or checkpoint_positions is not None:
             raise ValueError("export_at takes neither cu_seqlens nor checkpoint_positions")
-        e = export_at.shape[0]
-        export_valid = export_mask(export_at, t, CHUNK)
-        chunk_of = jnp.asarray(chunk_start[:-1])[:, None] + export_at[None, :] // CHUNK - 1  # [B, E]
-        chunk_of = jnp.where(export_valid[None, :], chunk_of, ckpt_slot.shape[0])  # invalid: dropped
-        ckpt_slot = (
-            jnp.asarray(ckpt_slot).at[chunk_of].set(jnp.arange(b * e, dtype=jnp.int32).reshape(b, e), mode="drop")
-        )
-        n_ckpt = b * e
+        export_valid, ckpt_slot, n_ckpt = _traced_checkpoint_slots(export_at, t, b, chunk_start, ckpt_slot)
     interpret = _default_interpret() if interpret is None else interpret
     block_v = block_v or _state_block_v(n_seq, h, dv, tuning)
     scale = float(dk**-0.5 if scale is None else scale)
-
-    # Pad every sequence to whole chunks (zero k/v/g/beta leave the state unchanged).
-    padded_len = int(chunk_start[-1]) * CHUNK
-    if cu_seqlens is None and t % CHUNK == 0:
-        flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
-        unflat = lambda o: o.reshape(b, t, h, dv)
-    else:
-        starts = _np.concatenate([[0], _np.cumsum(seq_lens)])
-        src = _np.full(padded_len, -1, _np.int64)
-        for i, n in enumerate(seq_lens):
-            src[chunk_start[i] * CHUNK : chunk_start[i] * CHUNK + n] = starts[i] + _np.arange(n)
-        valid = jnp.asarray(src >= 0)
-        gather_idx = jnp.asarray(_np.maximum(src, 0))
-        dst = jnp.asarray(_np.flatnonzero(src >= 0))
-
-        def flat(x):
-            x = x.reshape((b * t,) + x.shape[2:])[gather_idx]
-            return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)[None]
-
-        unflat = lambda o: o[0][dst].reshape(b, t, h, dv)
+    flat, unflat = _chunk_layout_maps(b, t, h, dv, seq_lens, chunk_start, packed=cu_seqlens is not None)
 
     o, ht, ckpt = _chunk_kda_core(
         flat(q),
