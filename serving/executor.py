@@ -4,9 +4,9 @@
 preempted requests' KV offloaded while their freed pages still hold it, the admitted requests'
 slots restored (or their offloaded KV installed), the decode rows dispatched, the prefill chunks
 run (their snapshots exported and published, a finished prompt's first token chosen).  What it
-produced comes back as a `StepOutput` (tokens per request, requests handed over, requests that
-failed alone), which `Scheduler.update_from_output` applies; the executor itself never emits a
-token nor finishes a request.
+produced comes back as a `StepOutput` (tokens per request, requests handed over), which
+`Scheduler.update_from_output` applies; the executor itself never emits a token nor finishes a
+request.
 
 A decode step's tokens are read (its one wait on the device) as late as possible: a decode-only
 plan leaves them in flight (`in_flight`), and the next plan either builds on them on the device
@@ -70,14 +70,13 @@ class StepExecutor:
         """The requests of the decode step dispatched and not read yet (None: none is)."""
         return None if self._inflight is None else self._inflight.reqs
 
-    def isolated(self, req: Request, out: StepOutput, fn, *args, **kw):
+    def isolated(self, req: Request, fn, *args, **kw):
         """fn(*args, **kw), a piece of `req`'s own host-side work: its result, or `FAILED` when it
-        raised (then `req` has ended alone and `out.failed` names it)."""
+        raised (then `req` has ended alone through the `fail` hook)."""
         try:
             return fn(*args, **kw)
         except Exception as err:  # noqa: BLE001 - the request's failure is the request's
             self.fail(req, err)
-            out.failed.append((req, err))
             return FAILED
 
     def wait_for(self, arrays) -> None:
@@ -110,7 +109,7 @@ class StepExecutor:
                 eng.kv_of(a.request).restore_state(a.request.slot, a.blocks.snapshot_block)
             a.restored(eng.manager_of(a.request))
             if eng.spec is not None:
-                self.isolated(a.request, out, eng.spec.on_admit, eng, a.request, a.blocks)
+                self.isolated(a.request, eng.spec.on_admit, eng, a.request, a.blocks)
         decode = [r for r in plan.decode if not r.done]  # less any that failed alone above
         if decode or eng.group:  # a group's engines decode together, with padding rows if idle
             self._decode(decode, bool(plan.prefill), out)
@@ -138,7 +137,7 @@ class StepExecutor:
         images = None
         if req.images is not None and start < len(req.prompt) and tokenizer.IMAGE_ID in ctx[start:end]:
             if req.image_rows is None:  # the ViT runs once per request, at its first image chunk
-                rows = self.isolated(req, out, eng.image_rows, req)
+                rows = self.isolated(req, eng.image_rows, req)
                 if rows is FAILED:
                     return
                 req.image_rows = rows
@@ -155,10 +154,7 @@ class StepExecutor:
             images=images,
             export_offsets=[b - start for b in chunk.export],
         )
-        if (
-            eng.spec is not None
-            and self.isolated(req, out, eng.spec.after_chunk, eng, req, start, end, tapped[0]) is FAILED
-        ):
+        if eng.spec is not None and self.isolated(req, eng.spec.after_chunk, eng, req, start, end, tapped[0]) is FAILED:
             return
         self._chunk_done(chunk, self._last_logits(chunk.last, logits)[0], exports, out)
 
@@ -204,7 +200,7 @@ class StepExecutor:
             manager.commit_snapshot(req.request_id, end)
         if chunk.last:
             req.kv_len = end
-            self.isolated(req, out, self._first_token, req, logits_v, out)
+            self.isolated(req, self._first_token, req, logits_v, out)
 
     def _first_token(self, req: Request, logits_v, out: StepOutput) -> None:
         """Choose a prefilled request's first token from its last position's logits (f32 [V]): an
@@ -239,7 +235,7 @@ class StepExecutor:
         try:
             rows = self.decode_rows(reqs, [r.output[-1] for r in reqs])
         except Exception:  # noqa: BLE001 - a row that cannot be built fails its request alone
-            reqs = [r for r in reqs if self.isolated(r, out, self.decode_rows, [r], [r.output[-1]]) is not FAILED]
+            reqs = [r for r in reqs if self.isolated(r, self.decode_rows, [r], [r.output[-1]]) is not FAILED]
             if not reqs:
                 return
             rows = self.decode_rows(reqs, [r.output[-1] for r in reqs])
@@ -287,7 +283,7 @@ class StepExecutor:
             if plain(r):
                 out.tokens.append((r, int(greedy[row]), mixed, None))
             else:
-                self.isolated(r, out, self._chosen, r, logits[row], mixed, out)
+                self.isolated(r, self._chosen, r, logits[row], mixed, out)
 
     def _chosen(self, req: Request, logits_v, mixed: bool, out: StepOutput) -> None:
         token, lp = self.choose(req, logits_v)

@@ -121,16 +121,14 @@ class StepOutput:
     tokens: (request, token, mixed, logprobs) per new token: mixed when its step also ran prefill
     chunks (metrics split TPOT by it); logprobs a `TokenLogprobs` where the request asked for them.
     handed_over: prefilled requests a prefill engine gave to its `on_prefilled` hook, to release.
-    failed: requests whose own work raised (already ended alone by the `fail` hook), with the error."""
+    (A request whose own work raised has already ended alone through the executor's `fail` hook.)"""
 
     tokens: list[tuple[Request, int, bool, object]] = dataclasses.field(default_factory=list)
     handed_over: list[Request] = dataclasses.field(default_factory=list)
-    failed: list[tuple[Request, BaseException]] = dataclasses.field(default_factory=list)
 
     def extend(self, other: "StepOutput") -> "StepOutput":
         self.tokens += other.tokens
         self.handed_over += other.handed_over
-        self.failed += other.failed
         return self
 
 
